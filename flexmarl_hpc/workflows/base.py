@@ -1,0 +1,103 @@
+"""The workflow interface: what a user implements to train agents on their own task.
+
+A workflow is a fixed sequence of turns (declared in YAML under `workflow.turns`); at each
+turn one agent answers every path of the previous turn `samples` times, so one root input
+grows a tree. The task class supplies the pieces that depend on the problem:
+
+    class MyTask(Task):
+        vocab = Vocab(["yes", "no", ...])            # or a tokenizer-backed Vocab
+        def sample_inputs(self, rng, n): ...          # n root inputs (JSON-able values)
+        def prompt(self, turn, path): ...             # token ids the agent of `turn` sees
+        def reward(self, path): ...                   # {agent: reward} at a finished leaf
+        def allowed_tokens(self, turn): ...           # optional action mask (None: all)
+
+and is referenced from YAML as `workflow.task: my_pkg.my_module:MyTask`; it is built as
+`MyTask(turns=[agent of each turn], **workflow.task_args)`. `path` is a `Path`: the root input plus the responses
+(token id lists) of the turns so far. A turn's sample is rewarded with the mean reward of
+the leaves below it, and its advantage is normalised among its siblings (the GRPO group).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+
+class Vocab:
+    """Token strings <-> ids; ids 0, 1, 2 are <pad>, <bos>, <eos>."""
+
+    def __init__(self, tokens: Sequence[str]):
+        self.tokens = [PAD, BOS, EOS] + [t for t in tokens if t not in (PAD, BOS, EOS)]
+        self.index = {t: i for i, t in enumerate(self.tokens)}
+        if len(self.index) != len(self.tokens):
+            raise ValueError("vocab has duplicate tokens")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    pad_id, bos_id, eos_id = 0, 1, 2
+
+    def encode(self, toks: Sequence[str]) -> list[int]:
+        return [self.index[t] for t in toks]
+
+    def decode(self, ids: Sequence[int]) -> list[str]:
+        return [self.tokens[i] for i in ids]
+
+    def mask(self, toks: Sequence[str]) -> torch.Tensor:
+        m = torch.zeros(len(self), dtype=torch.bool)
+        m[self.encode(toks)] = True
+        return m
+
+
+@dataclass(frozen=True)
+class Path:
+    """One path from a root input down the workflow tree."""
+    input: Any
+    """The root input, as sample_inputs returned it."""
+    responses: tuple[tuple[int, ...], ...] = ()
+    """Token ids of each turn's response so far."""
+
+
+class Task:
+    """Base class of workflow tasks (see the module docstring)."""
+
+    vocab: Vocab
+    stop_tokens: frozenset[int] = frozenset({Vocab.eos_id})
+
+    def sample_inputs(self, rng: np.random.Generator, n: int) -> list[Any]:
+        raise NotImplementedError
+
+    def prompt(self, turn: int, path: Path) -> list[int]:
+        raise NotImplementedError
+
+    def reward(self, path: Path) -> dict[str, float]:
+        raise NotImplementedError
+
+    def allowed_tokens(self, turn: int) -> torch.Tensor | None:
+        return None
+
+    def render(self, path: Path) -> str:
+        """Human-readable episode (logs, analysis)."""
+        parts = [str(path.input)] + [" ".join(self.vocab.decode(r)) for r in path.responses]
+        return " | ".join(parts)
+
+
+def load_task(spec: str, args: dict, turns: Sequence[str]) -> Task:
+    """Import `module:Class` and build it as `Class(turns=[agent of each turn], **args)`."""
+    from ..config import ConfigError
+    mod_name, _, cls_name = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"workflow.task: cannot import {spec!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"workflow.task: {spec!r} is not a flexmarl_hpc Task subclass")
+    try:
+        return cls(turns=list(turns), **args)
+    except TypeError as e:
+        raise ConfigError(f"workflow.task_args: {spec} rejected them: {e}") from None
