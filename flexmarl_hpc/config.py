@@ -122,7 +122,11 @@ class TrainerConfig:
     groups: int = 0
     """Trainer groups (0: one per agent). Fewer than agents needs pipeline.swap_states."""
     ranks_per_group: int = 1
-    """Ranks per trainer group (data parallel; gradients are all-reduced)."""
+    """Ranks per trainer group = tensor_parallel x pipeline_parallel x data parallel."""
+    tensor_parallel: int = 1
+    """Tensor-parallel degree inside a group (megatron backend only)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel degree inside a group (megatron backend only)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -370,6 +374,12 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "expected 0 < top_p <= 1")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "expected > 0")
     need(cfg.trainer.ranks_per_group >= 1, "trainer.ranks_per_group", "expected >= 1")
+    mp = cfg.trainer.tensor_parallel * cfg.trainer.pipeline_parallel
+    need(mp >= 1 and cfg.trainer.ranks_per_group % mp == 0, "trainer.ranks_per_group",
+         f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, "
+         f"got {cfg.trainer.ranks_per_group}")
+    need(cfg.trainer.backend == "megatron" or mp == 1, "trainer.tensor_parallel",
+         "tensor/pipeline parallelism needs trainer.backend=megatron")
     need(cfg.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "expected >= 1")
     need(cfg.trainer.groups >= 0, "trainer.groups", "expected >= 0 (0: one per agent)")
     n_agents = len(cfg.agent_names)

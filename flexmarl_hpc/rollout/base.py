@@ -1,0 +1,35 @@
+"""The rollout backend interface: what an inference engine implements to be a replica.
+
+A replica rank owns one engine. The engine keeps the weights of the agents it serves
+(`load_weights` replaces an agent's weights atomically and records the version) and
+samples batches of requests with per-sample seeds. `torch` (rollout/torch_engine.py) is
+built in; `vllm` (rollout/vllm_engine.py) drives a vLLM `LLM`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..sampling import Generation, SamplingParams
+
+
+@dataclass
+class GenRequest:
+    sample_id: str
+    prompt: list[int]
+    seed: int
+    max_new_tokens: int
+    turn: int
+
+
+class RolloutEngine(Protocol):
+    def load_weights(self, agent: str, version: int, named: dict[str, torch.Tensor]) -> None:
+        """Replace `agent`'s weights (HF names) with `named` and mark them as `version`."""
+
+    def version(self, agent: str) -> int | None:
+        """Version of `agent` held, or None."""
+
+    def generate(self, agent: str, requests: list[GenRequest], params: SamplingParams) -> list[Generation]:
+        """Sample every request with `agent`'s current weights; results in request order."""

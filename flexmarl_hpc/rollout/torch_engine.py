@@ -1,0 +1,41 @@
+"""Built-in rollout engine: our decoder with a KV cache, batched, CPU or GPU."""
+from __future__ import annotations
+
+import torch
+
+from ..model import CausalLM, ModelArgs
+from ..sampling import Generation, SamplingParams, generate
+from ..workflows.base import Task
+from .base import GenRequest
+
+
+class TorchEngine:
+    def __init__(self, args_of: dict[str, ModelArgs], task: Task, max_batch: int):
+        self.args_of = args_of
+        self.task = task
+        self.max_batch = max_batch
+        self.models: dict[str, CausalLM] = {}
+        self.versions: dict[str, int] = {}
+
+    def load_weights(self, agent: str, version: int, named: dict[str, torch.Tensor]) -> None:
+        model = self.models.get(agent)
+        if model is None:
+            model = self.models[agent] = CausalLM(self.args_of[agent]).eval()
+        missing, unexpected = model.load_state_dict(named, strict=False)
+        missing = [m for m in missing if not (model.args.tie_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights for {agent}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        self.versions[agent] = version
+
+    def version(self, agent: str) -> int | None:
+        return self.versions.get(agent)
+
+    def generate(self, agent: str, requests: list[GenRequest], params: SamplingParams) -> list[Generation]:
+        model = self.models[agent]
+        out: list[Generation] = []
+        for i in range(0, len(requests), self.max_batch):
+            chunk = requests[i:i + self.max_batch]
+            out += generate(model, [r.prompt for r in chunk], [r.seed for r in chunk],
+                            [r.max_new_tokens for r in chunk], params, self.task.vocab.pad_id,
+                            self.task.stop_tokens, [self.task.allowed_tokens(r.turn) for r in chunk])
+        return out
