@@ -44,6 +44,14 @@ def recv(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
     return comm.recv(source=st.Get_source(), tag=st.Get_tag(), status=st)
 
 
+def recv_from(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
+              timeout: float | None = None) -> tuple[Any, int]:
+    """Like `recv`, also returning the sender's rank."""
+    st = MPI.Status()
+    obj = recv(comm, source, tag, st, timeout)
+    return obj, st.Get_source()
+
+
 def poll(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> tuple[Any, int] | None:
     """A pending message (obj, source) or None, without waiting."""
     st = MPI.Status()

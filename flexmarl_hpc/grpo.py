@@ -68,7 +68,10 @@ def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float):
     p = logp_all.exp()
     ent = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
     pad = torch.zeros(logp.shape[0], 1)
-    return torch.cat([pad, logp], 1), torch.cat([pad, ent], 1)
+    logp, ent = torch.cat([pad, logp], 1), torch.cat([pad, ent], 1)
+    # masked-out targets off the response are -inf: zero them before any arithmetic (NaN grads)
+    resp = mb.response_mask()
+    return torch.where(resp, logp, 0.0), torch.where(resp, ent, 0.0)
 
 
 def grpo_loss(logp: torch.Tensor, ent: torch.Tensor, mb: MicroBatch, *, clip_eps: float,
@@ -91,9 +94,9 @@ def grpo_loss(logp: torch.Tensor, ent: torch.Tensor, mb: MicroBatch, *, clip_eps
         tok = tok + kl_coef * kl
     per_sample = (tok * mask).sum(1) / ntok
     stats = {
-        "loss": float(per_sample.sum()),
-        "entropy": float(((ent * mask).sum(1) / ntok).sum()),
-        "kl": float(((kl * mask).sum(1) / ntok).sum()),
+        "loss": float(per_sample.detach().sum()),
+        "entropy": float(((ent.detach() * mask).sum(1) / ntok).sum()),
+        "kl": float(((kl.detach() * mask).sum(1) / ntok).sum()),
         "tis_weight": float(((w * mask).sum(1) / ntok).sum()),
         "samples": float(len(mb)),
         "tokens": float(mask.sum()),

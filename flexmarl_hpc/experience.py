@@ -1,0 +1,242 @@
+"""The experience store: workflow trees, rewards, advantages, statuses, write-through.
+
+Lives on the orchestrator. Each root input of step s grows a tree: turn t's agent answers
+every path of turn t-1 `samples[t]` times. A node is one sample with
+sample_id = {input_id}_{turn}_{trajectory_id}. Its life:
+
+    pending  -> (dispatched to a replica) -> GENERATED  (row appended to HDF5)
+             -> READY     once its reward (mean of the leaves below it) and those of its
+                          siblings are known, so the group advantage can be computed
+             -> CONSUMED  when handed to its agent's trainer (recorded and flushed before
+                          the micro-batch is sent)
+
+Every change is written through (`StoreFile`) before it is acted on. On resume, rows of
+uncommitted steps are reloaded instead of regenerated, and consumed-but-uncommitted rows
+go back to READY, so no sample is lost or trained twice.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import Config
+from .grpo import group_advantages
+from .sampling import sample_seed
+from .store import CONSUMED, GENERATED, READY, StoreFile
+from .workflows.base import Path, Task
+
+
+@dataclass(eq=False)
+class Node:
+    agent: str
+    turn: int
+    step: int
+    input_id: int
+    traj: int
+    parent: "Node | None"
+    group: "list[Node]"               # siblings incl. self (same parent, same prompt)
+    root_input: object
+    children: list = field(default_factory=list)
+    prompt: list[int] | None = None
+    response: list[int] | None = None
+    logprobs: list[float] | None = None
+    version: int = -1
+    replica: int = -1
+    status: int = -1                   # -1 pending, then GENERATED / READY / CONSUMED
+    reward: float | None = None
+    advantage: float = 0.0
+    leaf_sum: float = 0.0
+    leaf_n: int = 0
+    row: int = -1
+    trainer_step: int = -1
+
+    @property
+    def sample_id(self) -> str:
+        return f"{self.input_id}_{self.turn}_{self.traj}"
+
+    def path(self) -> Path:
+        resp, n = [], self.parent
+        while n is not None:
+            resp.append(tuple(n.response))
+            n = n.parent
+        return Path(self.root_input, tuple(reversed(resp)))
+
+
+class Experience:
+    """Trees of all live steps, per-agent queues, and the HDF5 write-through."""
+
+    def __init__(self, cfg: Config, task: Task, store: StoreFile):
+        self.cfg, self.task, self.store = cfg, task, store
+        self.turns = cfg.workflow.turns
+        self.agents = cfg.agent_names
+        self.nodes: dict[tuple[str, str], Node] = {}       # (agent, sample_id) -> node
+        self.pending: dict[str, deque[Node]] = {a: deque() for a in self.agents}
+        self.ready: dict[str, dict[int, list[Node]]] = {a: defaultdict(list) for a in self.agents}
+        self.turn_left: dict[tuple[int, int], int] = {}    # (step, turn) -> not yet generated
+        self.steps_admitted: set[int] = set()
+        self.batch_size = {a: global_batch(cfg, a) for a in self.agents}
+        # leaves below one node of each turn
+        self.leaves_below = [math.prod(t.samples for t in self.turns[i + 1:]) for i in range(len(self.turns))]
+        self.resp_len_mean = {a: float(np.mean([t.max_new_tokens for t in self.turns if t.agent == a]))
+                              for a in self.agents}
+
+    # -- creating work -------------------------------------------------------------------
+    def admit_step(self, step: int) -> None:
+        """Create the roots of `step` (inputs drawn from (seed, step)) as pending turn-0 nodes."""
+        if step in self.steps_admitted:
+            return
+        self.steps_admitted.add(step)
+        n_in = self.cfg.workflow.inputs_per_step
+        inputs = self.task.sample_inputs(np.random.default_rng([self.cfg.run.seed, step]), n_in)
+        for t, turn in enumerate(self.turns):
+            self.turn_left[(step, t)] = n_in * math.prod(x.samples for x in self.turns[:t + 1])
+        for i, x in enumerate(inputs):
+            self._spawn(None, step, step * n_in + i, x)
+
+    def _spawn(self, parent: Node | None, step: int, input_id: int, root_input) -> None:
+        t = 0 if parent is None else parent.turn + 1
+        turn = self.turns[t]
+        group: list[Node] = []
+        for b in range(turn.samples):
+            traj = b if parent is None else parent.traj * turn.samples + b
+            node = Node(turn.agent, t, step, input_id, traj, parent, group, root_input)
+            group.append(node)
+            key = (node.agent, node.sample_id)
+            existing = self.nodes.get(key)
+            if existing is not None:          # reloaded on resume: keep it, re-link
+                existing.parent, existing.group, existing.root_input = parent, group, root_input
+                group[-1] = existing
+                continue
+            self.nodes[key] = node
+            node.prompt = self.task.prompt(t, node.path())
+            self.pending[node.agent].append(node)
+        if parent is not None:
+            parent.children = group
+
+    def request_seed(self, node: Node, version: int) -> int:
+        return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)
+
+    def est_tokens(self, node: Node) -> float:
+        """Backlog estimate of one request: prompt + mean response length so far."""
+        return len(node.prompt) + self.resp_len_mean[node.agent]
+
+    # -- results -------------------------------------------------------------------------
+    def record_generation(self, batch: list[tuple[Node, list[int], list[float]]], version: int,
+                          replica: int) -> None:
+        """Append generated samples (one HDF5 write per column), then advance their trees."""
+        now = self.store.now()
+        by_agent: dict[str, list] = defaultdict(list)
+        for node, toks, lps in batch:
+            node.response, node.logprobs = list(toks), list(lps)
+            node.version, node.replica, node.status = version, replica, GENERATED
+            by_agent[node.agent].append(node)
+            self.turn_left[(node.step, node.turn)] -= 1
+            a = self.resp_len_mean[node.agent]
+            self.resp_len_mean[node.agent] = 0.95 * a + 0.05 * len(toks)
+        for agent, nodes in by_agent.items():
+            self._append_rows(agent, nodes, now)
+        for node, _, _ in batch:
+            if node.turn == len(self.turns) - 1:
+                self._leaf_done(node)
+            else:
+                self._spawn(node, node.step, node.input_id, node.root_input)
+
+    def _append_rows(self, agent: str, nodes: list[Node], now: float) -> None:
+        tab = self.store.samples[agent]
+        flat_tok = np.concatenate([np.asarray(n.prompt + n.response, np.int32) for n in nodes])
+        flat_lp = np.concatenate([np.concatenate([np.full(len(n.prompt), np.nan, np.float32),
+                                                  np.asarray(n.logprobs, np.float32)]) for n in nodes])
+        off = tab.extend_pool("tokens", flat_tok)
+        tab.extend_pool("logprobs", flat_lp)
+        lens = np.array([len(n.prompt) + len(n.response) for n in nodes])
+        offsets = off + np.concatenate([[0], np.cumsum(lens)[:-1]])
+        k = len(nodes)
+        first = tab.append({
+            "sample_id": [n.sample_id.encode() for n in nodes],
+            "parent_id": [(n.parent.sample_id if n.parent else "").encode() for n in nodes],
+            "input_id": [n.input_id for n in nodes], "turn": [n.turn for n in nodes],
+            "traj": [n.traj for n in nodes], "step": [n.step for n in nodes],
+            "policy_version": [n.version for n in nodes], "replica": [n.replica for n in nodes],
+            "status": [GENERATED] * k, "reward": [np.nan] * k, "advantage": [np.nan] * k,
+            "trainer_step": [-1] * k, "t_generated": [now] * k, "t_ready": [np.nan] * k,
+            "t_consumed": [np.nan] * k, "token_offset": offsets,
+            "prompt_len": [len(n.prompt) for n in nodes],
+            "response_len": [len(n.response) for n in nodes],
+        })
+        for i, n in enumerate(nodes):
+            n.row = first + i
+        self._events(agent, [n.row for n in nodes], GENERATED, now, -1)
+
+    def _leaf_done(self, leaf: Node) -> None:
+        path = leaf.path()
+        rewards = self.task.reward(Path(path.input, path.responses + (tuple(leaf.response),)))
+        node = leaf
+        while node is not None:
+            node.leaf_sum += rewards[node.agent]
+            node.leaf_n += 1
+            if node.leaf_n == self.leaves_below[node.turn]:
+                node.reward = node.leaf_sum / node.leaf_n
+                self._maybe_group_ready(node.group)
+            node = node.parent
+
+    def _maybe_group_ready(self, group: list[Node]) -> None:
+        if any(n.reward is None for n in group) or group[0].status == READY:
+            return
+        adv = group_advantages(np.array([n.reward for n in group]))
+        for n, a in zip(group, adv):
+            n.advantage, n.status = float(a), READY
+        agent = group[0].agent
+        tab, now = self.store.samples[agent], self.store.now()
+        rows = [n.row for n in group]
+        tab.update("reward", rows, [n.reward for n in group])
+        tab.update("advantage", rows, adv)
+        tab.update("status", rows, READY)
+        tab.update("t_ready", rows, now)
+        self._events(agent, rows, READY, now, -1)
+        self.ready[agent][group[0].step].extend(group)
+
+    # -- training ------------------------------------------------------------------------
+    def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
+        """Mark up to k READY samples of (agent, step) CONSUMED (durably) and return them."""
+        q = self.ready[agent][step]
+        take, self.ready[agent][step] = q[:k], q[k:]
+        if not take:
+            return take
+        tab, now = self.store.samples[agent], self.store.now()
+        rows = [n.row for n in take]
+        for n in take:
+            n.status, n.trainer_step = CONSUMED, step
+        tab.update("status", rows, CONSUMED)
+        tab.update("trainer_step", rows, step)
+        tab.update("t_consumed", rows, now)
+        self._events(agent, rows, CONSUMED, now, step)
+        self.store.flush()                       # durable before the trainer sees them
+        return take
+
+    def ready_count(self, agent: str, step: int) -> int:
+        return len(self.ready[agent].get(step, ()))
+
+    def _events(self, agent: str, rows: list[int], status: int, now: float, tstep: int) -> None:
+        k = len(rows)
+        self.store.events.append({"agent": [self.agents.index(agent)] * k, "row": rows,
+                                  "status": [status] * k, "t": [now] * k, "trainer_step": [tstep] * k})
+
+    def forget_step(self, step: int) -> None:
+        """Drop finished trees of a fully trained step from memory (the file keeps them)."""
+        for key in [k for k, n in self.nodes.items() if n.step == step]:
+            del self.nodes[key]
+        for a in self.agents:
+            self.ready[a].pop(step, None)
+
+
+def global_batch(cfg: Config, agent: str) -> int:
+    """Samples of `agent` per step: inputs x branching down to each of its turns."""
+    total, width = 0, cfg.workflow.inputs_per_step
+    for t in cfg.workflow.turns:
+        width *= t.samples
+        if t.agent == agent:
+            total += width
+    return total

@@ -1,0 +1,342 @@
+"""The joint orchestrator (world rank 0): owns the workflow, the experience store, policy
+versions and the scheduler, and drives replicas and trainer groups with messages.
+
+One event loop serves both modes; the scheduler's gating decides whether it behaves as
+the `sync` barrier baseline or as the `flex` micro-batch pipeline:
+
+    while work remains:
+        schedule()   admit steps, re-bind replicas (level 1), push weights, route requests
+                     (level 2), hand out micro-batches
+        handle()     record generations / train steps / syncs as they come back
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from . import comm as C
+from .checkpoint import latest_version
+from .config import Config
+from .experience import Experience, Node
+from .layout import RankLayout
+from .scheduler import Scheduler, route
+from .store import StoreFile
+from .workflows.base import Task
+
+EXIT_PREEMPTED = 75
+
+
+@dataclass
+class ReplicaState:
+    rank: int
+    busy: str | None = None           # None, "gen" or "sync"
+    outstanding: float = 0.0          # estimated tokens of the batch in flight
+    held: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class AgentState:
+    version: int
+    group: int
+    leader: int
+    consumed: int = 0                 # samples of step `version` handed to the trainer
+    micro: int = 0
+    inflight: int = 0                 # train messages not yet answered
+    syncing: bool = False
+    step_nodes: list = field(default_factory=list)
+
+
+class Orchestrator:
+    def __init__(self, cfg: Config, task: Task, world: MPI.Comm, layout: RankLayout,
+                 store: StoreFile, preempted=lambda: False, log=print):
+        self.cfg, self.task, self.world, self.layout = cfg, task, world, layout
+        self.store, self.preempted, self.log = store, preempted, log
+        self.exp = Experience(cfg, task, store)
+        self.agents = cfg.agent_names
+        ckpt = cfg.output_dir / "checkpoints"
+        resume = cfg.run.resume
+        self.state = {a: AgentState(version=(latest_version(ckpt / a) or 0) if resume else 0,
+                                    group=i, leader=layout.group_leader(i))
+                      for i, a in enumerate(self.agents)}
+        self.replicas = [ReplicaState(r) for r in layout.replica_ranks]
+        p = cfg.pipeline
+        self.sched = Scheduler(self.agents, layout.replicas, cfg.run.mode, p.max_staleness,
+                               p.load_balance, p.rebalance_threshold, p.rebalance_cooldown)
+        self.binding = self.sched.initial_binding()
+        self.batches: dict[int, tuple[int, str, int, list[Node]]] = {}
+        self.next_batch = 0
+        self.next_step = min(s.version for s in self.state.values())
+        self.ckpt_pending = 0
+        self.logged_step = self.next_step
+        self.window = defaultdict(float)    # busy seconds by activity since the last log line
+        self.t_last = time.time()
+        self.samples_since = 0
+        self.tokens_since = 0
+
+    # -- main loop -----------------------------------------------------------------------
+    def run(self) -> int:
+        if self.next_step > 0:
+            self.exp.reload(self.next_step, {a: s.version for a, s in self.state.items()})
+        while not self.finished():
+            if self.preempted():
+                return self.stop_preempted()
+            self.schedule()
+            self.handle(*C.recv_from(self.world, tag=C.TAG_REPLY))
+            while (m := C.poll(self.world, tag=C.TAG_REPLY)) is not None:
+                self.handle(*m)
+        self.checkpoint(self.agents)
+        self.stop_workers(0)
+        return 0
+
+    def finished(self) -> bool:
+        steps = self.cfg.run.steps
+        return all(s.version >= steps and s.inflight == 0 for s in self.state.values())
+
+    # -- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> None:
+        versions = {a: s.version for a, s in self.state.items()}
+        while self.next_step < self.cfg.run.steps and self.sched.may_admit(
+                self.next_step, versions, self.all_synced()):
+            self.exp.admit_step(self.next_step)
+            self.next_step += 1
+        backlog = {a: sum(self.exp.est_tokens(n) for n in self.exp.pending[a]) for a in self.agents}
+        new = self.sched.rebind(backlog, self.binding)
+        if new is not None:
+            self.binding = new
+        self.push_weights()
+        for a in self.agents:
+            self.dispatch_generation(a)
+            self.dispatch_training(a)
+
+    def all_synced(self) -> bool:
+        return all(r.busy is None and r.held.get(a) == self.state[a].version
+                   for r, a in zip(self.replicas, self.binding))
+
+    def push_weights(self) -> None:
+        """Send each agent's current version to its idle bound replicas that lack it."""
+        if self.cfg.run.mode == "sync" and len({s.version for s in self.state.values()}) > 1:
+            return                               # baseline: every agent trains, then all sync
+        for a, st in self.state.items():
+            if st.syncing or st.inflight or st.consumed:
+                continue
+            targets = [r for r, b in zip(self.replicas, self.binding)
+                       if b == a and r.busy is None and r.held.get(a) != st.version]
+            if not targets:
+                continue
+            members = (st.leader,) + tuple(sorted(r.rank for r in targets))
+            self.world.send(("sync", a, st.version, members), dest=st.leader, tag=C.TAG_CMD)
+            for r in targets:
+                self.world.send(("sync", a, st.version, members), dest=r.rank, tag=C.TAG_CMD)
+                r.busy = "sync"
+            st.syncing = True
+
+    def dispatch_generation(self, agent: str) -> None:
+        st = self.state[agent]
+        mine = [r for r, b in zip(self.replicas, self.binding)
+                if b == agent and r.held.get(agent) == st.version and r.busy != "sync"]
+        if not mine or not any(r.busy is None for r in mine):
+            return
+        eligible = [n for n in self.exp.pending[agent] if self.sched.may_generate(
+            n.step, st.version, self.exp.turn_left.get((n.step, n.turn - 1), 0))]
+        if not eligible:
+            return
+        plan = route([self.exp.est_tokens(n) for n in eligible],
+                     {r.rank: r.outstanding for r in mine})
+        sent = set()
+        for r in mine:
+            if r.busy is not None or not plan[r.rank]:
+                continue
+            nodes = [eligible[i] for i in plan[r.rank]][: self.cfg.rollout.max_batch]
+            reqs = [(n.sample_id, n.prompt, self.exp.request_seed(n, st.version),
+                     self.cfg.workflow.turns[n.turn].max_new_tokens, n.turn) for n in nodes]
+            bid = self.next_batch = self.next_batch + 1
+            self.batches[bid] = (r.rank, agent, st.version, nodes)
+            self.world.send(("generate", bid, agent, st.version, reqs), dest=r.rank, tag=C.TAG_CMD)
+            r.busy, r.outstanding = "gen", sum(self.exp.est_tokens(n) for n in nodes)
+            sent.update(id(n) for n in nodes)
+        if sent:
+            q = self.exp.pending[agent]
+            keep = [n for n in q if id(n) not in sent]
+            q.clear()
+            q.extend(keep)
+
+    def dispatch_training(self, agent: str) -> None:
+        st = self.state[agent]
+        if st.syncing or st.inflight >= 2 or st.version >= self.cfg.run.steps:
+            return
+        step, batch = st.version, self.exp.batch_size[agent]
+        complete = all(self.exp.ready_count(b, step) + self.state[b].consumed
+                       == self.exp.batch_size[b] for b in self.agents if self.state[b].version == step)
+        while st.inflight < 2:
+            remaining = batch - st.consumed
+            k = self.sched.micro_batch(self.exp.ready_count(agent, step), remaining,
+                                       self.cfg.trainer.micro_batch_size, complete)
+            if k == 0:
+                return
+            nodes = self.exp.take_ready(agent, step, k)
+            st.consumed += len(nodes)
+            st.micro += 1
+            st.step_nodes.extend(nodes)
+            last = st.consumed == batch
+            self.world.send(("train", agent, step, self.micro_arrays(nodes), 1.0 / batch, last),
+                            dest=st.leader, tag=C.TAG_CMD)
+            st.inflight += 1
+
+    def micro_arrays(self, nodes: list[Node]) -> dict:
+        B = len(nodes)
+        T = max(len(n.prompt) + len(n.response) for n in nodes)
+        ids = np.full((B, T), self.task.vocab.pad_id, dtype=np.int64)
+        behav = np.zeros((B, T), dtype=np.float32)
+        for i, n in enumerate(nodes):
+            seq = n.prompt + n.response
+            ids[i, :len(seq)] = seq
+            behav[i, len(n.prompt):len(seq)] = n.logprobs
+        masks = [self.task.allowed_tokens(n.turn) for n in nodes]
+        allowed = None
+        if any(m is not None for m in masks):
+            V = len(self.task.vocab)
+            allowed = np.stack([np.ones(V, bool) if m is None else m.numpy() for m in masks])
+        return {"input_ids": ids, "behav_logprobs": behav, "allowed": allowed,
+                "prompt_lens": np.array([len(n.prompt) for n in nodes]),
+                "response_lens": np.array([len(n.response) for n in nodes]),
+                "advantages": np.array([n.advantage for n in nodes], dtype=np.float32),
+                "stale": np.array([n.version < n.step for n in nodes])}
+
+    # -- results -------------------------------------------------------------------------
+    def handle(self, msg: tuple, src: int) -> None:
+        kind, intervals = msg[0], msg[-1]
+        if kind == "generated":
+            rank, agent, version, nodes = self.batches.pop(msg[1])
+            r = self.replicas[rank - 1]
+            r.busy, r.outstanding = None, 0.0
+            self.exp.record_generation([(n, t, lp) for n, (t, lp) in zip(nodes, msg[2])],
+                                       version, rank - 1)
+            self.tokens_since += sum(len(t) for t, _ in msg[2])
+            self.store.flush()
+        elif kind == "synced":
+            _, index, agent, version, _ = msg
+            r = self.replicas[index]
+            r.busy, r.held[agent] = None, version
+        elif kind == "tsynced":
+            self.state[msg[1]].syncing = False
+        elif kind == "trained":
+            self.state[msg[1]].inflight -= 1
+        elif kind == "stepped":
+            self.on_stepped(msg[1], msg[2], msg[3])
+        elif kind == "checkpointed":
+            self.ckpt_pending -= 1
+        elif kind == "stopped":
+            pass
+        else:
+            raise RuntimeError(f"orchestrator: unknown reply {kind!r}")
+        self.record_intervals(src, intervals)
+
+    def record_intervals(self, src: int, intervals: list) -> None:
+        if not intervals:
+            return
+        role, _ = self.layout.role_of(src)
+        t0 = self.store.t0
+        for act, _, a, b in intervals:
+            if act != "wait":
+                self.window[act] += b - a
+        self.store.intervals.append({
+            "rank": [src] * len(intervals), "role": [role.encode()] * len(intervals),
+            "activity": [i[0].encode() for i in intervals], "agent": [i[1].encode() for i in intervals],
+            "t0": [i[2] - t0 for i in intervals], "t1": [i[3] - t0 for i in intervals]})
+
+    def on_stepped(self, agent: str, version: int, stats: dict) -> None:
+        st = self.state[agent]
+        st.inflight -= 1
+        nodes, st.step_nodes = st.step_nodes, []
+        step = version - 1
+        n = max(len(nodes), 1)
+        stale = np.array([step - nd.version for nd in nodes])
+        tab = self.store.steps[agent]
+        off = tab.extend_pool("rows", np.array([nd.row for nd in nodes], dtype=np.int64))
+        tab.append({"step": [step], "version": [version], "t_end": [self.store.now()],
+                    "n_samples": [len(nodes)], "n_micro": [st.micro],
+                    "loss": [stats.get("loss", 0) / n], "reward_mean": [np.mean([nd.reward for nd in nodes])],
+                    "entropy": [stats.get("entropy", 0) / n], "kl": [stats.get("kl", 0) / n],
+                    "grad_norm": [stats.get("grad_norm", 0)], "staleness_max": [stale.max(initial=0)],
+                    "staleness_mean": [stale.mean() if stale.size else 0.0],
+                    "rows_offset": [off], "rows_len": [len(nodes)]})
+        st.version, st.consumed, st.micro = version, 0, 0
+        self.samples_since += len(nodes)
+        every = self.cfg.run.checkpoint_every
+        if every and version % every == 0 and version < self.cfg.run.steps:
+            self.checkpoint([agent], wait=False)
+        self.maybe_log()
+
+    def maybe_log(self) -> None:
+        done = min(s.version for s in self.state.values())
+        while self.logged_step < done:
+            step = self.logged_step
+            self.logged_step += 1
+            now = time.time()
+            wall = max(now - self.t_last, 1e-9)
+            rew = {a: float(self.store.steps[a].ds["reward_mean"][step - self._step_base(a)])
+                   for a in self.agents}
+            stale = max(int(self.store.steps[a].ds["staleness_max"][step - self._step_base(a)])
+                        for a in self.agents)
+            workers = self.layout.world_size - 1
+            busy = sum(v for k, v in self.window.items())
+            util = busy / (workers * wall)
+            self.store.metrics.append({
+                "step": [step], "t": [self.store.now()], "wall": [wall], "samples": [self.samples_since],
+                "tokens": [self.tokens_since], "samples_per_s": [self.samples_since / wall],
+                "rollout_s": [self.window["generate"]], "train_s": [self.window["train"]],
+                "sync_s": [self.window["sync"]], "swap_s": [self.window["swap"]],
+                "utilization": [util], "staleness_max": [stale]})
+            if step % self.cfg.run.log_every == 0 or step == self.cfg.run.steps - 1:
+                rs = " ".join(f"{a} {r:.3f}" for a, r in rew.items())
+                self.log(f"step {step + 1:4d}/{self.cfg.run.steps} | reward {rs} | "
+                         f"{self.samples_since / wall:7.1f} samples/s | stale {stale} | "
+                         f"rollout {self.window['generate']:.2f}s train {self.window['train']:.2f}s "
+                         f"sync {self.window['sync']:.2f}s | util {100 * util:3.0f}%")
+            self.window.clear()
+            self.t_last, self.samples_since, self.tokens_since = now, 0, 0
+            self.exp.forget_step(step)
+            self.store.flush()
+
+    def _step_base(self, agent: str) -> int:
+        """Step number of row 0 of /steps/<agent> (rows are appended in step order)."""
+        ds = self.store.steps[agent].ds["step"]
+        return int(ds[0]) if len(ds) else 0
+
+    # -- checkpoints and shutdown ----------------------------------------------------------
+    def checkpoint(self, agents: list[str], wait: bool = True) -> None:
+        by_group = defaultdict(list)
+        for a in agents:
+            by_group[self.state[a].leader].append(a)
+        for leader, names in by_group.items():
+            self.world.send(("checkpoint", names), dest=leader, tag=C.TAG_CMD)
+            self.ckpt_pending += 1
+        while wait and self.ckpt_pending > 0:
+            self.handle(*C.recv_from(self.world, tag=C.TAG_REPLY))
+        self.store.flush()
+
+    def drain(self) -> None:
+        """Wait until no generation, training or sync is in flight."""
+        while (self.batches or any(r.busy for r in self.replicas)
+               or any(s.inflight or s.syncing for s in self.state.values()) or self.ckpt_pending):
+            self.handle(*C.recv_from(self.world, tag=C.TAG_REPLY))
+
+    def stop_preempted(self) -> int:
+        self.log("preemption signal: draining, checkpointing every agent, flushing the store")
+        self.drain()
+        self.checkpoint(self.agents)
+        self.stop_workers(EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+
+    def stop_workers(self, code: int) -> None:
+        self.drain()
+        targets = [r.rank for r in self.replicas] + [s.leader for s in self.state.values()]
+        for rank in targets:
+            self.world.send(("stop", code), dest=rank, tag=C.TAG_CMD)
+        for _ in targets:
+            self.handle(*C.recv_from(self.world, tag=C.TAG_REPLY))
+        self.store.flush()

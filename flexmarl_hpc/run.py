@@ -1,0 +1,155 @@
+"""Run a multi-agent RL job: one MPI world, split by role.
+
+    python -m flexmarl_hpc.run configs/local.yaml                  # re-launches under mpiexec
+    python -m flexmarl_hpc.run configs/local.yaml run.mode=flex trainer.lr=3e-4
+    mpiexec -n 4 python -m flexmarl_hpc.run configs/local.yaml     # explicit launch
+    srun --mpi=pmi2 --het-group=0-2 python -m flexmarl_hpc.run ... # inside a Slurm job
+    python -m flexmarl_hpc.run --help-config                       # every field, with help
+
+Started outside MPI it checks the config, then re-executes itself under the venv's
+`mpiexec` with the number of ranks the layout needs. Exit codes: 0 done, 2 bad config,
+75 preempted after a clean checkpoint (the Slurm script requeues on it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from .config import Config, ConfigError, help_text, load_config, save_config, to_dict
+from .layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
+
+MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m flexmarl_hpc.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", nargs="?", help="YAML config file")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-4")
+    ap.add_argument("--help-config", action="store_true", help="list every config field")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return ap.parse_args(argv)
+
+
+def under_mpi() -> bool:
+    return any(k in os.environ for k in MPI_ENV)
+
+
+def mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if not found:
+        raise SystemExit("mpiexec not found: install the mpich wheel (pip install mpich) or load an MPI module")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.help_config:
+        print(help_text())
+        return 0
+    if not args.config:
+        print("usage: python -m flexmarl_hpc.run CONFIG [key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return 0
+    layout = layout_from_config(cfg)
+    if not under_mpi():
+        cmd = [mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "flexmarl_hpc.run",
+               args.config, *args.overrides]
+        print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", flush=True)
+        os.execv(cmd[0], cmd)
+    return run_rank(cfg, layout)
+
+
+def run_rank(cfg: Config, layout: RankLayout) -> int:
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    try:
+        check_world(layout, world.Get_size())
+        return _run_rank(cfg, layout, world)
+    except BaseException:
+        sys.stderr.write(f"[rank {world.Get_rank()}] fatal error:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        world.Abort(1)
+        return 1
+
+
+_PREEMPTED = False
+
+
+def _on_signal(signum, frame) -> None:
+    global _PREEMPTED
+    _PREEMPTED = True
+
+
+def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
+    import torch
+    from .build import build_engine, build_task, build_trainers
+    torch.set_num_threads(cfg.run.threads_per_rank)
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, _on_signal)          # every rank: the orchestrator decides what to do
+    rank = world.Get_rank()
+    role, index = layout.role_of(rank)
+    role_comm = world.Split(layout.split_color(rank), rank)
+    task = build_task(cfg)
+    out = cfg.output_dir
+    bucket = int(cfg.weight_sync.bucket_mb * 2**20)
+    if role == ORCHESTRATOR:
+        return _orchestrate(cfg, layout, world, task)
+    if role == ROLLOUT:
+        from .sampling import SamplingParams
+        from .workers import replica_loop
+        engine = build_engine(cfg, task)
+        params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
+        return replica_loop(world, 0, index, engine, params, bucket)
+    from .workers import restore_trainers, trainer_loop
+    trainers = build_trainers(cfg, task, index, role_comm)
+    if cfg.run.resume:
+        restore_trainers(role_comm, trainers, out / "checkpoints")
+    return trainer_loop(world, role_comm, 0, trainers, out / "checkpoints", bucket)
+
+
+def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
+    import yaml
+    from .orchestrator import Orchestrator
+    from .store import StoreFile
+    out = cfg.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    log_file = open(out / "train.log", "a")
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    store = StoreFile(out / f"{cfg.run.name}.h5", cfg.agent_names,
+                      {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False),
+                       "mode": cfg.run.mode, "world_size": layout.world_size},
+                      chunk=cfg.store.chunk_rows)
+    log(f"{cfg.run.name}: mode {cfg.run.mode}, agents {cfg.agent_names}, {layout.world_size} ranks "
+        f"({layout.replicas} replicas, {layout.groups} trainer groups x {layout.ranks_per_group}); "
+        f"store {store.path}")
+    try:
+        code = Orchestrator(cfg, task, world, layout, store, lambda: _PREEMPTED, log).run()
+    finally:
+        store.close()
+        log_file.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The scheduler: pure policy, no MPI, no clock. The orchestrator and the simulator both
+ask it the same questions with plain data and act on its answers.
+
+Level 1 (inter-agent): how many replicas each agent gets, from its backlog of estimated
+tokens; re-bind only when the backlog share and the replica share of some agent differ
+by more than `rebalance_threshold` and `rebalance_cooldown` rounds have passed since the
+last re-binding (hysteresis), or when an agent with work has no replica at all.
+Level 2 (intra-agent): each request goes to the replica of its agent with the least
+outstanding work, so the samples of one prompt may be spread over several replicas.
+Gating: when may a step start, when may a request be generated at a version, when does
+a trainer get a micro-batch; `sync` mode adds the barriers of the baseline.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+
+def allocate(backlog: dict[str, float], n: int) -> dict[str, int]:
+    """Replicas per agent, proportional to backlog (largest remainder).
+
+    Every agent with work gets at least one replica while replicas last (most backlog
+    first); agents without work get none unless there is no work at all (even split).
+    """
+    agents = list(backlog)
+    active = sorted((a for a in agents if backlog[a] > 0), key=lambda a: -backlog[a])
+    if not active:
+        return {a: n // len(agents) + (i < n % len(agents)) for i, a in enumerate(agents)}
+    counts = {a: 0 for a in agents}
+    if n <= len(active):
+        for a in active[:n]:
+            counts[a] = 1
+        return counts
+    for a in active:
+        counts[a] = 1
+    spare = n - len(active)
+    total = sum(backlog[a] for a in active)
+    quota = {a: spare * backlog[a] / total for a in active}
+    for a in active:
+        counts[a] += int(quota[a])
+    left = n - sum(counts.values())
+    for a in sorted(active, key=lambda a: -(quota[a] - int(quota[a])))[:left]:
+        counts[a] += 1
+    return counts
+
+
+def assign(counts: dict[str, int], current: list[str | None]) -> list[str]:
+    """Replica -> agent with the given counts, moving as few replicas as possible."""
+    n = len(current)
+    out: list[str | None] = [None] * n
+    need = dict(counts)
+    for r, a in enumerate(current):
+        if a is not None and need.get(a, 0) > 0:
+            out[r] = a
+            need[a] -= 1
+    todo = [a for a, k in need.items() for _ in range(k)]
+    for r in range(n):
+        if out[r] is None:
+            out[r] = todo.pop(0)
+    return out
+
+
+def disparity(backlog: dict[str, float], binding: list[str]) -> float:
+    """max over agents of |backlog share - replica share|."""
+    total = sum(backlog.values())
+    if total <= 0:
+        return 0.0
+    n = len(binding)
+    return max(abs(backlog[a] / total - binding.count(a) / n) for a in backlog)
+
+
+def route(requests: list[float], outstanding: dict[int, float]) -> dict[int, list[int]]:
+    """Level 2: assign each request (estimated tokens, in order) to the replica with the
+    least outstanding work, counting what was assigned before it. Returns replica -> request
+    indices."""
+    heap = [(w, r) for r, w in outstanding.items()]
+    heapq.heapify(heap)
+    out: dict[int, list[int]] = {r: [] for r in outstanding}
+    for i, est in enumerate(requests):
+        w, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (w + est, r))
+    return out
+
+
+@dataclass
+class Scheduler:
+    agents: list[str]
+    num_replicas: int
+    mode: str                       # "sync" | "flex"
+    max_staleness: int = 0
+    load_balance: bool = True
+    threshold: float = 0.5
+    cooldown: int = 4
+    rounds_since_rebind: int = 1 << 30
+
+    def initial_binding(self) -> list[str]:
+        return assign(allocate({a: 0.0 for a in self.agents}, self.num_replicas),
+                      [None] * self.num_replicas)
+
+    def rebind(self, backlog: dict[str, float], binding: list[str]) -> list[str] | None:
+        """A new replica -> agent binding, or None to keep the current one. Call once a round."""
+        self.rounds_since_rebind += 1
+        starving = any(backlog[a] > 0 and a not in binding for a in self.agents)
+        if self.mode == "sync" or not self.load_balance:
+            if not starving:
+                return None
+            static = self.initial_binding()
+            if not any(backlog[a] > 0 and a not in static for a in self.agents):
+                new = static
+            else:                          # fewer replicas than agents: serve who has work
+                new = assign(allocate(backlog, self.num_replicas), binding)
+        else:
+            if not starving and (self.rounds_since_rebind < self.cooldown
+                                 or disparity(backlog, binding) <= self.threshold):
+                return None
+            new = assign(allocate(backlog, self.num_replicas), binding)
+        if new == binding:
+            return None
+        self.rounds_since_rebind = 0
+        return new
+
+    # -- gating ------------------------------------------------------------------------
+    def may_admit(self, step: int, versions: dict[str, int], synced: bool) -> bool:
+        """May the roots of `step` be created? sync: only once every agent is at `step`
+        and the replicas hold it. flex: once the first agent is within max_staleness."""
+        if self.mode == "sync":
+            return all(v == step for v in versions.values()) and synced
+        return step <= min(versions.values()) + self.max_staleness
+
+    def may_generate(self, step: int, version: int, prev_turn_left: int) -> bool:
+        """May a request of `step` be sampled with weights of `version`? (sync also waits for
+        the previous turn of the step to finish: the per-turn barrier of the baseline)."""
+        if not step - self.max_staleness <= version <= step:
+            return False
+        return self.mode != "sync" or prev_turn_left == 0
+
+    def micro_batch(self, ready: int, remaining: int, micro: int, step_complete_everywhere: bool) -> int:
+        """How many ready samples to hand the trainer now (0: wait).
+
+        flex: a full micro-batch as soon as there is one, or the last partial one of the
+        global batch. sync: nothing until every agent's whole step is ready."""
+        if remaining <= 0 or ready <= 0:
+            return 0
+        if self.mode == "sync" and not step_complete_everywhere:
+            return 0
+        take = min(micro, remaining)
+        return take if ready >= take else 0

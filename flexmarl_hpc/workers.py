@@ -1,0 +1,148 @@
+"""Worker rank loops: a rollout replica, and a trainer group (leader + members).
+
+Workers are passive: they execute the orchestrator's commands in arrival order and
+report back, with the busy intervals they spent (activity, agent, t0, t1) so the store
+can account for every rank's time. Waiting is never a spin (see comm.py).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import comm as C
+from .checkpoint import load_latest, save_checkpoint
+from .grpo import MicroBatch
+from .rollout.base import GenRequest
+from .sampling import SamplingParams
+from .weight_sync import SyncChannels, broadcast_weights
+
+
+class Clock:
+    """Collects (activity, agent, t0, t1) intervals; gaps of waiting are recorded as 'wait'."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, float, float]] = []
+        self.last = time.time()
+
+    def mark(self, activity: str, agent: str, t0: float) -> None:
+        t1 = time.time()
+        if t0 - self.last > 1e-3:
+            self.items.append(("wait", "", self.last, t0))
+        self.items.append((activity, agent, t0, t1))
+        self.last = t1
+
+    def drain(self) -> list[tuple[str, str, float, float]]:
+        out, self.items = self.items, []
+        return out
+
+
+def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
+                 bucket_bytes: int) -> int:
+    channels = SyncChannels(world)
+    clock = Clock()
+    while True:
+        cmd = C.recv(world, source=orch, tag=C.TAG_CMD)
+        kind = cmd[0]
+        t0 = time.time()
+        if kind == "generate":
+            _, batch_id, agent, version, reqs = cmd
+            if engine.version(agent) != version:
+                raise RuntimeError(f"replica {index}: asked for {agent} v{version}, holds "
+                                   f"v{engine.version(agent)}")
+            gens = engine.generate(agent, [GenRequest(*r) for r in reqs], params)
+            clock.mark("generate", agent, t0)
+            world.send(("generated", batch_id, [(g.tokens, g.logprobs) for g in gens],
+                        clock.drain()), dest=orch, tag=C.TAG_REPLY)
+        elif kind == "sync":
+            _, agent, version, members = cmd
+            v, named = broadcast_weights(channels.get(members), None, version, bucket_bytes)
+            engine.load_weights(agent, v, named)
+            clock.mark("sync", agent, t0)
+            world.send(("synced", index, agent, v, clock.drain()), dest=orch, tag=C.TAG_REPLY)
+        elif kind == "stop":
+            world.send(("stopped", index, clock.drain()), dest=orch, tag=C.TAG_REPLY)
+            return cmd[1]
+        else:
+            raise ValueError(f"replica {index}: unknown command {kind!r}")
+
+
+def microbatch_from_arrays(d: dict) -> MicroBatch:
+    t = lambda k, dt=None: None if d.get(k) is None else torch.as_tensor(d[k], dtype=dt)
+    return MicroBatch(t("input_ids", torch.long), t("prompt_lens", torch.long),
+                      t("response_lens", torch.long), t("behav_logprobs", torch.float32),
+                      t("advantages", torch.float32), t("stale", torch.bool), t("allowed", torch.bool))
+
+
+def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, trainers: dict, ckpt_dir: Path,
+                 bucket_bytes: int) -> int:
+    """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
+    and forwards each command to the members (a non-spinning broadcast)."""
+    leader = group.Get_rank() == 0
+    channels = SyncChannels(world)
+    clock = Clock()
+    step_stats: dict[str, dict[str, float]] = {}
+    while True:
+        cmd = C.recv(world, source=orch, tag=C.TAG_CMD) if leader else None
+        cmd = C.bcast_obj(group, cmd, 0)
+        kind, agent = cmd[0], (cmd[1] if len(cmd) > 1 else "")
+        t0 = time.time()
+        reply = None
+        if kind == "train":
+            _, agent, step, arrays, scale, last = cmd
+            tr = trainers[agent]
+            mb = microbatch_from_arrays(arrays).shard(group.Get_rank(), group.Get_size())
+            stats = tr.forward_backward(mb, scale)
+            acc = step_stats.setdefault(agent, {})
+            for k, v in stats.items():
+                acc[k] = acc.get(k, 0.0) + v
+            reply = ("trained", agent, step)
+            if last:
+                summed = _group_sum(group, acc)
+                summed.update(tr.optimizer_step())
+                step_stats.pop(agent)
+                reply = ("stepped", agent, tr.version, summed)
+            clock.mark("train", agent, t0)
+        elif kind == "sync":
+            _, agent, version, members = cmd
+            if leader:
+                tr = trainers[agent]
+                if tr.version != version:
+                    raise RuntimeError(f"sync of {agent} v{version} but trainer is at v{tr.version}")
+                broadcast_weights(channels.get(members), tr.named_weights(), version, bucket_bytes)
+            clock.mark("sync", agent, t0)
+            reply = ("tsynced", agent, version)
+        elif kind == "checkpoint":
+            for name in cmd[1]:
+                tr = trainers[name]
+                if leader:
+                    save_checkpoint(ckpt_dir / name, tr.version, tr.state())
+            clock.mark("checkpoint", ",".join(cmd[1]), t0)
+            reply = ("checkpointed", cmd[1])
+        elif kind == "stop":
+            if leader:
+                world.send(("stopped", -1, clock.drain()), dest=orch, tag=C.TAG_REPLY)
+            return cmd[1]
+        else:
+            raise ValueError(f"trainer: unknown command {kind!r}")
+        if leader and reply is not None:
+            world.send(reply + (clock.drain(),), dest=orch, tag=C.TAG_REPLY)
+
+
+def _group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:
+    keys = sorted(stats)
+    buf = np.array([stats[k] for k in keys], dtype=np.float64)
+    C.allreduce_sum(group, buf)
+    return dict(zip(keys, buf.tolist()))
+
+
+def restore_trainers(group: MPI.Comm, trainers: dict, ckpt_dir: Path) -> None:
+    """Load each agent's latest checkpoint on the leader and hand it to every member."""
+    for name, tr in trainers.items():
+        state = load_latest(ckpt_dir / name) if group.Get_rank() == 0 else None
+        state = C.bcast_obj(group, state, 0)
+        if state is not None:
+            tr.load_state(state)
