@@ -297,6 +297,11 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        try:                       # YAML 1.1 reads `1e-4` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")

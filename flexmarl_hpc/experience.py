@@ -138,11 +138,13 @@ class Experience:
             self.resp_len_mean[node.agent] = 0.95 * a + 0.05 * len(toks)
         for agent, nodes in by_agent.items():
             self._append_rows(agent, nodes, now)
+        newly_ready: list[Node] = []
         for node, _, _ in batch:
             if node.turn == len(self.turns) - 1:
-                self._leaf_done(node)
+                newly_ready += self._leaf_done(node)
             else:
                 self._spawn(node, node.step, node.input_id, node.root_input)
+        self._write_ready(newly_ready)
 
     def _append_rows(self, agent: str, nodes: list[Node], now: float) -> None:
         tab = self.store.samples[agent]
@@ -170,33 +172,44 @@ class Experience:
             n.row = first + i
         self._events(agent, [n.row for n in nodes], GENERATED, now, -1)
 
-    def _leaf_done(self, leaf: Node) -> None:
+    def _leaf_done(self, leaf: Node) -> list[Node]:
+        """Propagate a finished leaf's rewards up its path; returns nodes whose group became ready."""
         path = leaf.path()
         rewards = self.task.reward(Path(path.input, path.responses + (tuple(leaf.response),)))
+        ready: list[Node] = []
         node = leaf
         while node is not None:
             node.leaf_sum += rewards[node.agent]
             node.leaf_n += 1
             if node.leaf_n == self.leaves_below[node.turn]:
                 node.reward = node.leaf_sum / node.leaf_n
-                self._maybe_group_ready(node.group)
+                ready += self._group_ready(node.group)
             node = node.parent
+        return ready
 
-    def _maybe_group_ready(self, group: list[Node]) -> None:
-        if any(n.reward is None for n in group) or group[0].status == READY:
-            return
+    def _group_ready(self, group: list[Node]) -> list[Node]:
+        if any(n.reward is None for n in group) or group[0].status != GENERATED:
+            return []
         adv = group_advantages(np.array([n.reward for n in group]))
         for n, a in zip(group, adv):
             n.advantage, n.status = float(a), READY
-        agent = group[0].agent
-        tab, now = self.store.samples[agent], self.store.now()
-        rows = [n.row for n in group]
-        tab.update("reward", rows, [n.reward for n in group])
-        tab.update("advantage", rows, adv)
-        tab.update("status", rows, READY)
-        tab.update("t_ready", rows, now)
-        self._events(agent, rows, READY, now, -1)
-        self.ready[agent][group[0].step].extend(group)
+        self.ready[group[0].agent][group[0].step].extend(group)
+        return group
+
+    def _write_ready(self, nodes: list[Node]) -> None:
+        """One HDF5 write per column and agent for all samples that just became ready."""
+        now = self.store.now()
+        by_agent: dict[str, list[Node]] = defaultdict(list)
+        for n in nodes:
+            by_agent[n.agent].append(n)
+        for agent, ns in by_agent.items():
+            tab = self.store.samples[agent]
+            rows = [n.row for n in ns]
+            tab.update("reward", rows, [n.reward for n in ns])
+            tab.update("advantage", rows, [n.advantage for n in ns])
+            tab.update("status", rows, READY)
+            tab.update("t_ready", rows, now)
+            self._events(agent, rows, READY, now, -1)
 
     # -- training ------------------------------------------------------------------------
     def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
@@ -223,6 +236,60 @@ class Experience:
         k = len(rows)
         self.store.events.append({"agent": [self.agents.index(agent)] * k, "row": rows,
                                   "status": [status] * k, "t": [now] * k, "trainer_step": [tstep] * k})
+
+    # -- resume -------------------------------------------------------------------------
+    def reload(self, first_step: int, versions: dict[str, int]) -> int:
+        """Bring back every row of steps >= first_step from the file and rebuild the trees.
+
+        Rows consumed by an optimizer step that was not checkpointed (trainer_step >= the
+        agent's restored version) go back to READY (recorded in /events); generated rows
+        are reused as they are, so nothing is sampled or trained twice. Returns the last
+        step found (first_step - 1 if none)."""
+        last = first_step - 1
+        requeue: dict[str, list[int]] = defaultdict(list)
+        for agent in self.agents:
+            tab = self.store.samples[agent]
+            if tab.n == 0:
+                continue
+            col = {k: tab.ds[k][:] for k in ("step", "turn", "input_id", "traj", "policy_version",
+                                             "replica", "status", "trainer_step", "token_offset",
+                                             "prompt_len", "response_len")}
+            rows = np.nonzero(col["step"] >= first_step)[0]
+            for r in rows:
+                off, pl, rl = (int(col[k][r]) for k in ("token_offset", "prompt_len", "response_len"))
+                toks = tab.ds["tokens"][off:off + pl + rl].tolist()
+                lps = tab.ds["logprobs"][off + pl:off + pl + rl].tolist()
+                node = Node(agent, int(col["turn"][r]), int(col["step"][r]), int(col["input_id"][r]),
+                            int(col["traj"][r]), None, [], None, prompt=toks[:pl], response=toks[pl:],
+                            logprobs=lps, version=int(col["policy_version"][r]),
+                            replica=int(col["replica"][r]), status=GENERATED, row=int(r))
+                committed = col["status"][r] == CONSUMED and col["trainer_step"][r] < versions[agent]
+                if committed:
+                    node.status, node.trainer_step = CONSUMED, int(col["trainer_step"][r])
+                elif col["status"][r] == CONSUMED:
+                    requeue[agent].append(int(r))
+                self.nodes[(agent, node.sample_id)] = node
+                last = max(last, node.step)
+        for agent, rows in requeue.items():     # undo consumption the checkpoint does not contain
+            tab = self.store.samples[agent]
+            tab.update("status", rows, GENERATED)
+            tab.update("trainer_step", rows, -1)
+            self._events(agent, rows, GENERATED, self.store.now(), -1)
+        for step in range(first_step, last + 1):
+            self.admit_step(step)
+        ready: list[Node] = []
+        for t in range(len(self.turns)):        # replay the trees turn by turn
+            for node in [n for n in self.nodes.values() if n.turn == t and n.step >= first_step]:
+                if node.response is None:
+                    continue
+                self.turn_left[(node.step, t)] -= 1
+                if t == len(self.turns) - 1:
+                    ready += self._leaf_done(node)
+                else:
+                    self._spawn(node, node.step, node.input_id, node.root_input)
+        self._write_ready([n for n in ready if n.status == READY])
+        self.store.flush()
+        return last
 
     def forget_step(self, step: int) -> None:
         """Drop finished trees of a fully trained step from memory (the file keeps them)."""

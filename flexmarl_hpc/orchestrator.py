@@ -76,11 +76,15 @@ class Orchestrator:
         self.t_last = time.time()
         self.samples_since = 0
         self.tokens_since = 0
+        self.step_summary: dict[tuple, object] = {}     # per (agent, step): reward, staleness
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> int:
         if self.next_step > 0:
-            self.exp.reload(self.next_step, {a: s.version for a, s in self.state.items()})
+            last = self.exp.reload(self.next_step, {a: s.version for a, s in self.state.items()})
+            self.next_step = max(self.next_step, last + 1)
+            self.log(f"resumed at versions {({a: s.version for a, s in self.state.items()})}, "
+                     f"steps {self.logged_step}..{last} reloaded from the store")
         while not self.finished():
             if self.preempted():
                 return self.stop_preempted()
@@ -255,11 +259,14 @@ class Orchestrator:
         step = version - 1
         n = max(len(nodes), 1)
         stale = np.array([step - nd.version for nd in nodes])
+        reward = float(np.mean([nd.reward for nd in nodes]))
+        self.step_summary[(agent, step)] = (reward,)
+        self.step_summary[(agent, step, "stale")] = int(stale.max(initial=0))
         tab = self.store.steps[agent]
         off = tab.extend_pool("rows", np.array([nd.row for nd in nodes], dtype=np.int64))
         tab.append({"step": [step], "version": [version], "t_end": [self.store.now()],
                     "n_samples": [len(nodes)], "n_micro": [st.micro],
-                    "loss": [stats.get("loss", 0) / n], "reward_mean": [np.mean([nd.reward for nd in nodes])],
+                    "loss": [stats.get("loss", 0) / n], "reward_mean": [reward],
                     "entropy": [stats.get("entropy", 0) / n], "kl": [stats.get("kl", 0) / n],
                     "grad_norm": [stats.get("grad_norm", 0)], "staleness_max": [stale.max(initial=0)],
                     "staleness_mean": [stale.mean() if stale.size else 0.0],
@@ -278,10 +285,8 @@ class Orchestrator:
             self.logged_step += 1
             now = time.time()
             wall = max(now - self.t_last, 1e-9)
-            rew = {a: float(self.store.steps[a].ds["reward_mean"][step - self._step_base(a)])
-                   for a in self.agents}
-            stale = max(int(self.store.steps[a].ds["staleness_max"][step - self._step_base(a)])
-                        for a in self.agents)
+            rew = {a: self.step_summary.pop((a, step))[0] for a in self.agents}
+            stale = max(self.step_summary.pop((a, step, "stale")) for a in self.agents)
             workers = self.layout.world_size - 1
             busy = sum(v for k, v in self.window.items())
             util = busy / (workers * wall)
@@ -301,11 +306,6 @@ class Orchestrator:
             self.t_last, self.samples_since, self.tokens_since = now, 0, 0
             self.exp.forget_step(step)
             self.store.flush()
-
-    def _step_base(self, agent: str) -> int:
-        """Step number of row 0 of /steps/<agent> (rows are appended in step order)."""
-        ds = self.store.steps[agent].ds["step"]
-        return int(ds[0]) if len(ds) else 0
 
     # -- checkpoints and shutdown ----------------------------------------------------------
     def checkpoint(self, agents: list[str], wait: bool = True) -> None:
