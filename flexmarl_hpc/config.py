@@ -163,7 +163,7 @@ class PipelineConfig:
 
 @dataclass
 class WeightSyncConfig:
-    bucket_mb: float = 32.0
+    bucket_mb: float = 4.0
     """Bucket size of the trainer -> replica weight broadcast, in MiB."""
 
 

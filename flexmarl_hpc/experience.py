@@ -247,6 +247,7 @@ class Experience:
         step found (first_step - 1 if none)."""
         last = first_step - 1
         requeue: dict[str, list[int]] = defaultdict(list)
+        was_ready: set[tuple[str, int]] = set()          # READY in the file already: no new event
         for agent in self.agents:
             tab = self.store.samples[agent]
             if tab.n == 0:
@@ -268,6 +269,8 @@ class Experience:
                     node.status, node.trainer_step = CONSUMED, int(col["trainer_step"][r])
                 elif col["status"][r] == CONSUMED:
                     requeue[agent].append(int(r))
+                elif col["status"][r] == READY:
+                    was_ready.add((agent, int(r)))
                 self.nodes[(agent, node.sample_id)] = node
                 last = max(last, node.step)
         for agent, rows in requeue.items():     # undo consumption the checkpoint does not contain
@@ -287,7 +290,7 @@ class Experience:
                     ready += self._leaf_done(node)
                 else:
                     self._spawn(node, node.step, node.input_id, node.root_input)
-        self._write_ready([n for n in ready if n.status == READY])
+        self._write_ready([n for n in ready if (n.agent, n.row) not in was_ready])
         self.store.flush()
         return last
 

@@ -25,6 +25,14 @@ class SyncChannels:
     def __init__(self, world: MPI.Comm):
         self.world = world
         self.cache: dict[tuple[int, ...], MPI.Comm] = {}
+        self.buffers: dict[tuple[int, ...], np.ndarray] = {}
+
+    def buffer(self, members: tuple[int, ...], nbytes: int) -> np.ndarray:
+        """A staging buffer reused across syncs of one channel (no allocation, no page faults)."""
+        buf = self.buffers.get(members)
+        if buf is None or buf.size < nbytes:
+            buf = self.buffers[members] = np.empty(nbytes, dtype=np.uint8)
+        return buf[:nbytes]
 
     def get(self, members: tuple[int, ...]) -> MPI.Comm:
         comm = self.cache.get(members)
@@ -47,38 +55,51 @@ class Header:
     nbytes: tuple[int, ...]
 
 
-def _pack(named: dict[str, torch.Tensor]) -> tuple[Header, np.ndarray]:
-    names = tuple(named)
-    ts = [named[n].detach().contiguous().cpu() for n in names]
-    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in ts]) if ts else torch.empty(0, dtype=torch.uint8)
-    header = Header(-1, names, tuple(str(t.dtype).removeprefix("torch.") for t in ts),
-                    tuple(tuple(t.shape) for t in ts), tuple(t.numel() * t.element_size() for t in ts))
-    return header, flat.numpy()
+def _header(named: dict[str, torch.Tensor], version: int) -> Header:
+    ts = list(named.values())
+    return Header(version, tuple(named), tuple(str(t.dtype).removeprefix("torch.") for t in ts),
+                  tuple(tuple(t.shape) for t in ts), tuple(t.numel() * t.element_size() for t in ts))
+
+
+def _pack(named: dict[str, torch.Tensor], header: Header, out: np.ndarray) -> None:
+    flat, off = torch.from_numpy(out), 0
+    for t, nb in zip(named.values(), header.nbytes):
+        flat[off:off + nb].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+        off += nb
 
 
 def _unpack(header: Header, buf: np.ndarray) -> dict[str, torch.Tensor]:
     out, off = {}, 0
     raw = torch.from_numpy(buf)
     for name, dt, shape, nb in zip(header.names, header.dtypes, header.shapes, header.nbytes):
-        out[name] = raw[off:off + nb].view(getattr(torch, dt)).reshape(shape).clone()
+        # views into the freshly received buffer: no copy (the buffer belongs to this sync)
+        out[name] = raw[off:off + nb].view(getattr(torch, dt)).reshape(shape)
         off += nb
     return out
 
 
 def broadcast_weights(comm: MPI.Comm, named: dict[str, torch.Tensor] | None, version: int,
-                      bucket_bytes: int, root: int = 0) -> tuple[int, dict[str, torch.Tensor]]:
-    """Collective over `comm`: root passes its tensors, the others receive. Returns (version, tensors)."""
-    if comm.Get_rank() == root:
-        header, flat = _pack(named)
-        header = Header(version, header.names, header.dtypes, header.shapes, header.nbytes)
-    else:
-        header, flat = None, None
+                      bucket_bytes: int, root: int = 0,
+                      staging=lambda nbytes: np.empty(nbytes, dtype=np.uint8),
+                      ) -> tuple[int, dict[str, torch.Tensor]]:
+    """Collective over `comm`: root passes its tensors, the others receive. Returns (version, tensors).
+
+    `staging(nbytes)` gives the byte buffer to pack into / receive into (SyncChannels.buffer
+    reuses one per channel); received tensors are views into it, valid until the next sync
+    on the same buffer: load them into the model before that (engines copy on load).
+    """
+    is_root = comm.Get_rank() == root
+    header = _header(named, version) if is_root else None
+    # The header is the rendezvous: members arrive at different times, so it is waited for
+    # without spinning. Once it is through, every member is here and the buckets stream with
+    # blocking Bcast: MPICH only progresses a non-blocking collective inside Test/Wait, so
+    # a sleeping poll would stall the pipeline of a large broadcast.
     header = C.bcast_obj(comm, header, root)
-    total = sum(header.nbytes)
-    if comm.Get_rank() != root:
-        flat = np.empty(total, dtype=np.uint8)
-    for start in range(0, total, bucket_bytes):
-        C.bcast_buffer(comm, flat[start:start + bucket_bytes], root)
-    if comm.Get_rank() == root:
+    flat = staging(sum(header.nbytes))
+    if is_root:
+        _pack(named, header, flat)
+    for start in range(0, flat.size, bucket_bytes):
+        comm.Bcast(flat[start:start + bucket_bytes], root)
+    if is_root:
         return header.version, named
     return header.version, _unpack(header, flat)

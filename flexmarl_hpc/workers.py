@@ -59,7 +59,8 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
                         clock.drain()), dest=orch, tag=C.TAG_REPLY)
         elif kind == "sync":
             _, agent, version, members = cmd
-            v, named = broadcast_weights(channels.get(members), None, version, bucket_bytes)
+            v, named = broadcast_weights(channels.get(members), None, version, bucket_bytes,
+                                         staging=lambda n: channels.buffer(members, n))
             engine.load_weights(agent, v, named)
             clock.mark("sync", agent, t0)
             world.send(("synced", index, agent, v, clock.drain()), dest=orch, tag=C.TAG_REPLY)
@@ -112,7 +113,8 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, trainers: dict, ck
                 tr = trainers[agent]
                 if tr.version != version:
                     raise RuntimeError(f"sync of {agent} v{version} but trainer is at v{tr.version}")
-                broadcast_weights(channels.get(members), tr.named_weights(), version, bucket_bytes)
+                broadcast_weights(channels.get(members), tr.named_weights(), version, bucket_bytes,
+                                  staging=lambda n: channels.buffer(members, n))
             clock.mark("sync", agent, t0)
             reply = ("tsynced", agent, version)
         elif kind == "checkpoint":
