@@ -260,8 +260,7 @@ class Orchestrator:
         n = max(len(nodes), 1)
         stale = np.array([step - nd.version for nd in nodes])
         reward = float(np.mean([nd.reward for nd in nodes]))
-        self.step_summary[(agent, step)] = (reward,)
-        self.step_summary[(agent, step, "stale")] = int(stale.max(initial=0))
+        self.step_summary[(agent, step)] = (reward, int(stale.max(initial=0)))
         tab = self.store.steps[agent]
         off = tab.extend_pool("rows", np.array([nd.row for nd in nodes], dtype=np.int64))
         tab.append({"step": [step], "version": [version], "t_end": [self.store.now()],
@@ -285,8 +284,9 @@ class Orchestrator:
             self.logged_step += 1
             now = time.time()
             wall = max(now - self.t_last, 1e-9)
-            rew = {a: self.step_summary.pop((a, step))[0] for a in self.agents}
-            stale = max(self.step_summary.pop((a, step, "stale")) for a in self.agents)
+            info = {a: self.step_info(a, step) for a in self.agents}
+            rew = {a: r for a, (r, _) in info.items()}
+            stale = max(s for _, s in info.values())
             workers = self.layout.world_size - 1
             busy = sum(v for k, v in self.window.items())
             util = busy / (workers * wall)
@@ -306,6 +306,15 @@ class Orchestrator:
             self.t_last, self.samples_since, self.tokens_since = now, 0, 0
             self.exp.forget_step(step)
             self.store.flush()
+
+    def step_info(self, agent: str, step: int) -> tuple[float, int]:
+        """(reward_mean, staleness_max) of an agent's step: from memory, or from the store for
+        a step an earlier (preempted) process of this run committed."""
+        if (agent, step) in self.step_summary:
+            return self.step_summary.pop((agent, step))
+        ds = self.store.steps[agent].ds
+        row = int(np.nonzero(ds["step"][:] == step)[0][-1])
+        return float(ds["reward_mean"][row]), int(ds["staleness_max"][row])
 
     # -- checkpoints and shutdown ----------------------------------------------------------
     def checkpoint(self, agents: list[str], wait: bool = True) -> None:
