@@ -1,0 +1,83 @@
+"""Pure scheduler policy on skewed request patterns (no MPI, no clock)."""
+from flexmarl_hpc.scheduler import Scheduler, allocate, assign, disparity, route
+
+
+def test_allocate_is_proportional_and_keeps_every_busy_agent_served():
+    assert allocate({"a": 900.0, "b": 100.0}, 10) == {"a": 8, "b": 2}
+    assert allocate({"a": 1000.0, "b": 1.0, "c": 0.0}, 4) == {"a": 3, "b": 1, "c": 0}
+    # fewer replicas than busy agents: the biggest backlogs first
+    assert allocate({"a": 5.0, "b": 50.0, "c": 20.0}, 2) == {"a": 0, "b": 1, "c": 1}
+    # no work anywhere: even split
+    assert allocate({"a": 0.0, "b": 0.0}, 3) == {"a": 2, "b": 1}
+    for n in range(1, 9):
+        assert sum(allocate({"a": 7.0, "b": 3.0, "c": 1.0}, n).values()) == n
+
+
+def test_assign_moves_as_few_replicas_as_possible():
+    cur = ["a", "a", "b", "b"]
+    assert assign({"a": 3, "b": 1}, cur) == ["a", "a", "b", "a"]
+    assert assign({"a": 2, "b": 2}, cur) == cur
+
+
+def test_route_sends_each_request_to_least_outstanding_replica():
+    # replica 1 is already loaded; a skewed stream of one long and many short requests
+    plan = route([100, 10, 10, 10, 10, 10], {1: 50.0, 2: 0.0, 3: 0.0})
+    assert plan[2] == [0]                         # the long one to an empty replica
+    assert plan[3] == [1, 2, 3, 4, 5]             # short ones fill the other empty replica...
+    plan = route([10] * 9, {1: 0.0, 2: 0.0, 3: 0.0})
+    assert sorted(len(v) for v in plan.values()) == [3, 3, 3]     # one prompt's samples spread out
+    loads = {r: sum([100, 10, 10, 10, 10, 10][i] for i in ix) for r, ix in
+             route([100, 10, 10, 10, 10, 10], {1: 0.0, 2: 0.0}).items()}
+    assert abs(loads[1] - loads[2]) <= 100
+
+
+def test_rebind_follows_backlog_with_hysteresis():
+    s = Scheduler(["a", "b"], 4, "flex", threshold=0.3, cooldown=3)
+    b = s.initial_binding()
+    assert sorted(b) == ["a", "a", "b", "b"]
+    assert s.rebind({"a": 10.0, "b": 10.0}, b) is None            # balanced: keep
+    new = s.rebind({"a": 1000.0, "b": 10.0}, b)                    # skewed: move replicas to a
+    assert new is not None and new.count("a") == 3 and new.count("b") == 1
+    # cooldown: an opposite skew right after is not acted on...
+    assert s.rebind({"a": 10.0, "b": 1000.0}, new) is None
+    assert s.rebind({"a": 10.0, "b": 1000.0}, new) is None
+    # ...until the cooldown has passed
+    later = s.rebind({"a": 10.0, "b": 1000.0}, new)
+    assert later is not None and later.count("b") == 3
+    # small disparities never cause churn
+    assert disparity({"a": 55.0, "b": 45.0}, ["a", "b"]) < 0.3
+    assert s.rebind({"a": 55.0, "b": 45.0}, ["a", "b", "a", "b"]) is None
+
+
+def test_starving_agent_is_rebound_even_in_cooldown_and_with_one_replica():
+    s = Scheduler(["a", "b"], 1, "flex", threshold=0.9, cooldown=100)
+    b = s.initial_binding()
+    assert b == ["a"]
+    assert s.rebind({"a": 0.0, "b": 5.0}, b) == ["b"]
+    assert s.rebind({"a": 5.0, "b": 0.0}, ["b"]) == ["a"]
+
+
+def test_sync_mode_keeps_the_static_split():
+    s = Scheduler(["a", "b"], 4, "sync")
+    b = s.initial_binding()
+    assert s.rebind({"a": 1000.0, "b": 1.0}, b) is None
+
+
+def test_gating_rules():
+    flex0 = Scheduler(["a", "b"], 2, "flex", max_staleness=0)
+    assert flex0.may_admit(3, {"a": 3, "b": 3}, synced=False)
+    assert not flex0.may_admit(4, {"a": 3, "b": 4}, synced=True)
+    assert flex0.may_generate(3, 3, prev_turn_left=7)               # no per-turn barrier in flex
+    assert not flex0.may_generate(4, 3, 0)
+    flex1 = Scheduler(["a", "b"], 2, "flex", max_staleness=1)
+    assert flex1.may_admit(4, {"a": 3, "b": 3}, synced=False)
+    assert flex1.may_generate(4, 3, 0) and not flex1.may_generate(5, 3, 0)
+    sync = Scheduler(["a", "b"], 2, "sync")
+    assert not sync.may_admit(3, {"a": 3, "b": 3}, synced=False)
+    assert not sync.may_generate(3, 3, prev_turn_left=1)            # the per-turn barrier
+    # micro-batches: flex hands out full ones at once and the tail at the end of the batch
+    assert flex0.micro_batch(ready=20, remaining=32, micro=16, step_complete_everywhere=False) == 16
+    assert flex0.micro_batch(ready=5, remaining=32, micro=16, step_complete_everywhere=False) == 0
+    assert flex0.micro_batch(ready=5, remaining=5, micro=16, step_complete_everywhere=False) == 5
+    assert sync.micro_batch(ready=20, remaining=32, micro=16, step_complete_everywhere=False) == 0
+    assert sync.micro_batch(ready=32, remaining=32, micro=16, step_complete_everywhere=True) == 16
