@@ -40,19 +40,36 @@ def build_engine(cfg: Config, task: Task):
     return TorchEngine(args_of, task, cfg.rollout.max_batch)
 
 
-def build_trainers(cfg: Config, task: Task, group_index: int, group_comm) -> dict:
-    """The trainer(s) of one group: the agent(s) bound to it, keyed by agent name."""
-    agents = [a for i, a in enumerate(cfg.agent_names) if i % cfg.num_trainer_groups == group_index]
-    out = {}
-    for agent in agents:
-        model = initial_model(cfg, task, agent)
-        if cfg.trainer.backend == "megatron":
-            from .trainer.megatron_trainer import MegatronTrainer
-            out[agent] = MegatronTrainer(model.args, cfg.trainer, group_comm, cfg.rollout.temperature,
-                                         init={k: v.clone() for k, v in model.state_dict().items()})
+def build_trainer(cfg: Config, task: Task, agent: str, group_comm):
+    """One agent's trainer backend on this rank's group, at version 0."""
+    model = initial_model(cfg, task, agent)
+    if cfg.trainer.backend == "megatron":
+        from .trainer.megatron_trainer import MegatronTrainer
+        return MegatronTrainer(model.args, cfg.trainer, group_comm, cfg.rollout.temperature,
+                               init={k: v.clone() for k, v in model.state_dict().items()})
+    from .trainer.torch_trainer import TorchTrainer
+    return TorchTrainer(model, cfg.trainer, group_comm, cfg.rollout.temperature)
+
+
+def initial_placement(cfg: Config):
+    """Agent i's state starts on group i % G: resident for the first agent of a group,
+    parked in that group's host memory for the others (agent-centric allocation)."""
+    from .state_swap import Location
+    G = cfg.num_trainer_groups
+    return {a: Location(i % G, resident=i < G) for i, a in enumerate(cfg.agent_names)}
+
+
+def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout):
+    """This rank's StateMover holding the group's initial agents (see initial_placement)."""
+    from .state_swap import StateMover, to_host
+    mover = StateMover(world, group_comm, group_index, layout.group_ranks, {},
+                       lambda agent: build_trainer(cfg, task, agent, group_comm))
+    for agent, loc in initial_placement(cfg).items():
+        if loc.group != group_index:
+            continue
+        tr = build_trainer(cfg, task, agent, group_comm)
+        if loc.resident:
+            mover.trainers[agent] = tr
         else:
-            from .trainer.torch_trainer import TorchTrainer
-            out[agent] = TorchTrainer(model, cfg.trainer, group_comm, cfg.rollout.temperature)
-    return out
-
-
+            mover.parked[agent] = to_host(tr.state())
+    return mover

@@ -20,10 +20,12 @@ from mpi4py import MPI
 
 from . import comm as C
 from .checkpoint import latest_version
+from .build import initial_placement
 from .config import Config
 from .experience import Experience, Node
 from .layout import RankLayout
 from .scheduler import Scheduler, route
+from .state_swap import Location
 from .store import StoreFile
 from .workflows.base import Task
 
@@ -41,8 +43,8 @@ class ReplicaState:
 @dataclass
 class AgentState:
     version: int
-    group: int
-    leader: int
+    location: Location                # where its training state is (state_swap.Location)
+    leader: int                       # world rank of the leader of that group
     consumed: int = 0                 # samples of step `version` handed to the trainer
     micro: int = 0
     inflight: int = 0                 # train messages not yet answered
@@ -60,8 +62,9 @@ class Orchestrator:
         ckpt = cfg.output_dir / "checkpoints"
         resume = cfg.run.resume
         self.state = {a: AgentState(version=(latest_version(ckpt / a) or 0) if resume else 0,
-                                    group=i, leader=layout.group_leader(i))
-                      for i, a in enumerate(self.agents)}
+                                    location=loc, leader=layout.group_leader(loc.group))
+                      for a, loc in initial_placement(cfg).items()}
+        self.moving: dict[int, int] = defaultdict(int)      # group -> state moves in flight
         self.replicas = [ReplicaState(r) for r in layout.replica_ranks]
         p = cfg.pipeline
         self.sched = Scheduler(self.agents, layout.replicas, cfg.run.mode, p.max_staleness,
@@ -125,7 +128,7 @@ class Orchestrator:
         if self.cfg.run.mode == "sync" and len({s.version for s in self.state.values()}) > 1:
             return                               # baseline: every agent trains, then all sync
         for a, st in self.state.items():
-            if st.syncing or st.inflight or st.consumed:
+            if st.syncing or st.inflight or st.consumed or self.group_busy(st.location.group):
                 continue
             targets = [r for r, b in zip(self.replicas, self.binding)
                        if b == a and r.busy is None and r.held.get(a) != st.version]
@@ -168,17 +171,58 @@ class Orchestrator:
             q.clear()
             q.extend(keep)
 
-    def dispatch_training(self, agent: str) -> None:
+    def next_micro(self, agent: str) -> int:
+        """Size of the micro-batch the scheduler would hand `agent`'s trainer now (0: none)."""
         st = self.state[agent]
-        if st.syncing or st.inflight >= 2 or st.version >= self.cfg.run.steps:
-            return
-        step, batch = st.version, self.exp.batch_size[agent]
+        step = st.version
+        if step >= self.cfg.run.steps:
+            return 0
         complete = all(self.exp.ready_count(b, step) + self.state[b].consumed
                        == self.exp.batch_size[b] for b in self.agents if self.state[b].version == step)
+        return self.sched.micro_batch(self.exp.ready_count(agent, step),
+                                      self.exp.batch_size[agent] - st.consumed,
+                                      self.cfg.trainer.micro_batch_size, complete)
+
+    def group_busy(self, g: int) -> bool:
+        return self.moving[g] > 0 or any(
+            s.location.group == g and (s.inflight or s.syncing) for s in self.state.values())
+
+    def acquire_group(self, agent: str) -> None:
+        """Agent-centric allocation: bind a parked agent with work to a trainer group, parking
+        that group's resident agent if it sits at a step boundary with nothing to train."""
+        st = self.state[agent]
+        src = st.location
+        order = sorted(range(self.layout.groups), key=lambda g: g != src.group)
+        for g in order:
+            if self.group_busy(g) or (src.group != g and self.group_busy(src.group)):
+                continue
+            resident = [a for a, s in self.state.items() if s.location == Location(g, True)]
+            if resident:
+                r = self.state[resident[0]]
+                if r.consumed or r.inflight or r.syncing or self.next_micro(resident[0]):
+                    continue
+                self.send_move(resident[0], Location(g, True), Location(g, False))
+            self.send_move(agent, src, Location(g, True))
+            return
+
+    def send_move(self, agent: str, src: Location, dst: Location) -> None:
+        for g in sorted({src.group, dst.group}):
+            self.world.send(("move", agent, src, dst), dest=self.layout.group_leader(g), tag=C.TAG_CMD)
+            self.moving[g] += 1
+        st = self.state[agent]
+        st.location, st.leader = dst, self.layout.group_leader(dst.group)
+
+    def dispatch_training(self, agent: str) -> None:
+        st = self.state[agent]
+        if st.syncing or st.inflight >= 2 or self.moving[st.location.group]:
+            return
+        if not st.location.resident:
+            if self.next_micro(agent):
+                self.acquire_group(agent)
+            return
+        step, batch = st.version, self.exp.batch_size[agent]
         while st.inflight < 2:
-            remaining = batch - st.consumed
-            k = self.sched.micro_batch(self.exp.ready_count(agent, step), remaining,
-                                       self.cfg.trainer.micro_batch_size, complete)
+            k = self.next_micro(agent)
             if k == 0:
                 return
             nodes = self.exp.take_ready(agent, step, k)
@@ -233,6 +277,8 @@ class Orchestrator:
             self.on_stepped(msg[1], msg[2], msg[3])
         elif kind == "checkpointed":
             self.ckpt_pending -= 1
+        elif kind == "moved":
+            self.moving[self.layout.role_of(src)[1]] -= 1
         elif kind == "stopped":
             pass
         else:
@@ -331,7 +377,8 @@ class Orchestrator:
     def drain(self) -> None:
         """Wait until no generation, training or sync is in flight."""
         while (self.batches or any(r.busy for r in self.replicas)
-               or any(s.inflight or s.syncing for s in self.state.values()) or self.ckpt_pending):
+               or any(s.inflight or s.syncing for s in self.state.values()) or self.ckpt_pending
+               or any(self.moving.values())):
             self.handle(*C.recv_from(self.world, tag=C.TAG_REPLY))
 
     def stop_preempted(self) -> int:
@@ -343,7 +390,8 @@ class Orchestrator:
 
     def stop_workers(self, code: int) -> None:
         self.drain()
-        targets = [r.rank for r in self.replicas] + [s.leader for s in self.state.values()]
+        targets = [r.rank for r in self.replicas] + [self.layout.group_leader(g)
+                                                     for g in range(self.layout.groups)]
         for rank in targets:
             self.world.send(("stop", code), dest=rank, tag=C.TAG_CMD)
         for _ in targets:

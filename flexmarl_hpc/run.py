@@ -97,7 +97,7 @@ def _on_signal(signum, frame) -> None:
 
 def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     import torch
-    from .build import build_engine, build_task, build_trainers
+    from .build import build_engine, build_mover, build_task
     torch.set_num_threads(cfg.run.threads_per_rank)
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, _on_signal)          # every rank: the orchestrator decides what to do
@@ -116,10 +116,10 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
         return replica_loop(world, 0, index, engine, params, bucket)
     from .workers import restore_trainers, trainer_loop
-    trainers = build_trainers(cfg, task, index, role_comm)
+    mover = build_mover(cfg, task, world, index, role_comm, layout)
     if cfg.run.resume:
-        restore_trainers(role_comm, trainers, out / "checkpoints")
-    return trainer_loop(world, role_comm, 0, trainers, out / "checkpoints", bucket)
+        restore_trainers(role_comm, mover, out / "checkpoints")
+    return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket)
 
 
 def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:

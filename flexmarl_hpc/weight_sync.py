@@ -53,29 +53,33 @@ class Header:
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     nbytes: tuple[int, ...]
+    offsets: tuple[int, ...]           # 16-byte aligned, so every dtype can be viewed in place
+    total: int
 
 
 def _header(named: dict[str, torch.Tensor], version: int) -> Header:
     ts = list(named.values())
+    nbytes = tuple(t.numel() * t.element_size() for t in ts)
+    offsets, off = [], 0
+    for nb in nbytes:
+        offsets.append(off)
+        off += -(-nb // 16) * 16
     return Header(version, tuple(named), tuple(str(t.dtype).removeprefix("torch.") for t in ts),
-                  tuple(tuple(t.shape) for t in ts), tuple(t.numel() * t.element_size() for t in ts))
+                  tuple(tuple(t.shape) for t in ts), nbytes, tuple(offsets), off)
 
 
 def _pack(named: dict[str, torch.Tensor], header: Header, out: np.ndarray) -> None:
-    flat, off = torch.from_numpy(out), 0
-    for t, nb in zip(named.values(), header.nbytes):
+    flat = torch.from_numpy(out)
+    for t, nb, off in zip(named.values(), header.nbytes, header.offsets):
         flat[off:off + nb].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
-        off += nb
 
 
 def _unpack(header: Header, buf: np.ndarray) -> dict[str, torch.Tensor]:
-    out, off = {}, 0
     raw = torch.from_numpy(buf)
-    for name, dt, shape, nb in zip(header.names, header.dtypes, header.shapes, header.nbytes):
-        # views into the freshly received buffer: no copy (the buffer belongs to this sync)
-        out[name] = raw[off:off + nb].view(getattr(torch, dt)).reshape(shape)
-        off += nb
-    return out
+    # views into the freshly received buffer: no copy (the buffer belongs to this transfer)
+    return {name: raw[off:off + nb].view(getattr(torch, dt)).reshape(shape)
+            for name, dt, shape, nb, off in zip(header.names, header.dtypes, header.shapes,
+                                                header.nbytes, header.offsets)}
 
 
 def broadcast_weights(comm: MPI.Comm, named: dict[str, torch.Tensor] | None, version: int,
@@ -95,7 +99,7 @@ def broadcast_weights(comm: MPI.Comm, named: dict[str, torch.Tensor] | None, ver
     # blocking Bcast: MPICH only progresses a non-blocking collective inside Test/Wait, so
     # a sleeping poll would stall the pipeline of a large broadcast.
     header = C.bcast_obj(comm, header, root)
-    flat = staging(sum(header.nbytes))
+    flat = staging(header.total)
     if is_root:
         _pack(named, header, flat)
     for start in range(0, flat.size, bucket_bytes):

@@ -18,6 +18,7 @@ from .checkpoint import load_latest, save_checkpoint
 from .grpo import MicroBatch
 from .rollout.base import GenRequest
 from .sampling import SamplingParams
+from .state_swap import StateMover
 from .weight_sync import SyncChannels, broadcast_weights
 
 
@@ -78,10 +79,12 @@ def microbatch_from_arrays(d: dict) -> MicroBatch:
                       t("advantages", torch.float32), t("stale", torch.bool), t("allowed", torch.bool))
 
 
-def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, trainers: dict, ckpt_dir: Path,
+def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
                  bucket_bytes: int) -> int:
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
-    and forwards each command to the members (a non-spinning broadcast)."""
+    and forwards each command to the members (a non-spinning broadcast). `mover` holds the
+    agents whose state is on this group, live (`mover.trainers`) or parked in host memory."""
+    trainers = mover.trainers
     leader = group.Get_rank() == 0
     channels = SyncChannels(world)
     clock = Clock()
@@ -110,20 +113,25 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, trainers: dict, ck
         elif kind == "sync":
             _, agent, version, members = cmd
             if leader:
-                tr = trainers[agent]
-                if tr.version != version:
-                    raise RuntimeError(f"sync of {agent} v{version} but trainer is at v{tr.version}")
-                broadcast_weights(channels.get(members), tr.named_weights(), version, bucket_bytes,
+                held = weights_and_version(mover, agent)
+                if held[1] != version:
+                    raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held[1]}")
+                broadcast_weights(channels.get(members), held[0], version, bucket_bytes,
                                   staging=lambda n: channels.buffer(members, n))
             clock.mark("sync", agent, t0)
             reply = ("tsynced", agent, version)
         elif kind == "checkpoint":
             for name in cmd[1]:
-                tr = trainers[name]
                 if leader:
-                    save_checkpoint(ckpt_dir / name, tr.version, tr.state())
+                    state = mover.state_of(name)
+                    save_checkpoint(ckpt_dir / name, int(state["version"]), state)
             clock.mark("checkpoint", ",".join(cmd[1]), t0)
             reply = ("checkpointed", cmd[1])
+        elif kind == "move":
+            _, agent, src, dst = cmd
+            mover.move(agent, src, dst)
+            clock.mark("swap", agent, t0)
+            reply = ("moved", agent)
         elif kind == "stop":
             if leader:
                 world.send(("stopped", -1, clock.drain()), dest=orch, tag=C.TAG_REPLY)
@@ -141,10 +149,24 @@ def _group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, buf.tolist()))
 
 
-def restore_trainers(group: MPI.Comm, trainers: dict, ckpt_dir: Path) -> None:
-    """Load each agent's latest checkpoint on the leader and hand it to every member."""
-    for name, tr in trainers.items():
+def weights_and_version(mover: StateMover, agent: str) -> tuple[dict[str, torch.Tensor], int]:
+    """HF-named weights of an agent, live or parked (a parked state's `model.*` tensors)."""
+    if agent in mover.trainers:
+        tr = mover.trainers[agent]
+        return tr.named_weights(), tr.version
+    state = mover.parked[agent]
+    return {k[6:]: v for k, v in state.items() if k.startswith("model.")}, int(state["version"])
+
+
+def restore_trainers(group: MPI.Comm, mover: StateMover, ckpt_dir: Path) -> None:
+    """Load the latest checkpoint of each agent this group holds on the leader and hand it to
+    every member (live trainers load it, parked states are replaced by it)."""
+    for name in sorted(set(mover.trainers) | set(mover.parked)):
         state = load_latest(ckpt_dir / name) if group.Get_rank() == 0 else None
         state = C.bcast_obj(group, state, 0)
-        if state is not None:
-            tr.load_state(state)
+        if state is None:
+            continue
+        if name in mover.trainers:
+            mover.trainers[name].load_state(state)
+        else:
+            mover.parked[name] = state

@@ -44,8 +44,9 @@ def mpiexec() -> str:
 
 def run_mpi(mpiexec: str, n: int, args: list[str], timeout: float = 300, env: dict | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
-    """Run `python ARGS` on n real MPI ranks from the repo root."""
-    cmd = [mpiexec, "-n", str(n), sys.executable, *args]
+    """Run `python -m mpi4py ARGS` on n real MPI ranks from the repo root (an uncaught
+    exception on any rank aborts the whole job instead of hanging it)."""
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", *args]
     e = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:

@@ -156,3 +156,19 @@ def test_flex_equals_sync_with_zero_staleness(sync_run, tmp_path):
             if k.startswith("model."):
                 rel = (a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)
                 assert rel < 1e-5, (agent, k, float(rel))
+
+
+def test_fewer_trainer_groups_than_agents_swaps_states_losslessly(sync_run, tmp_path):
+    """One trainer group for two agents: states are parked and swapped in on demand; the
+    result is the same run as with one group per agent."""
+    ref, _ = sync_run
+    run_training(tmp_path, *SMALL, "run.mode=sync", "trainer.groups=1", "pipeline.swap_states=true")
+    check_exactly_once(tmp_path / "local.h5", 6)
+    with h5py.File(tmp_path / "local.h5") as f:
+        acts = f["intervals/activity"][:].tolist()
+        assert acts.count(b"swap") >= 10                   # every step parks one agent, loads the other
+    for agent in ("speaker", "listener"):
+        a, b = final_weights(ref, agent), final_weights(tmp_path, agent)
+        for k in a:
+            if k.startswith("model.") or k.startswith("optim."):
+                assert torch.equal(a[k], b[k]), (agent, k)
