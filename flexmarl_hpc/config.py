@@ -157,6 +157,8 @@ class PipelineConfig:
     """Re-bind replicas when the backlog share and replica share of an agent differ by more."""
     rebalance_cooldown: int = 4
     """Scheduling rounds to wait between two re-bindings (hysteresis)."""
+    micro_batch_overlap: bool = True
+    """flex: train micro-batches as they fill (off: wait for the agent's whole batch; ablation)."""
     swap_states: bool = False
     """Allow fewer trainer groups than agents: states are swapped in and out on demand."""
 

@@ -68,7 +68,8 @@ class Orchestrator:
         self.replicas = [ReplicaState(r) for r in layout.replica_ranks]
         p = cfg.pipeline
         self.sched = Scheduler(self.agents, layout.replicas, cfg.run.mode, p.max_staleness,
-                               p.load_balance, p.rebalance_threshold, p.rebalance_cooldown)
+                               p.load_balance, p.rebalance_threshold, p.rebalance_cooldown,
+                               p.micro_batch_overlap)
         self.binding = self.sched.initial_binding()
         self.batches: dict[int, tuple[int, str, int, list[Node]]] = {}
         self.next_batch = 0
@@ -159,7 +160,9 @@ class Orchestrator:
                 continue
             nodes = [eligible[i] for i in plan[r.rank]][: self.cfg.rollout.max_batch]
             reqs = [(n.sample_id, n.prompt, self.exp.request_seed(n, st.version),
-                     self.cfg.workflow.turns[n.turn].max_new_tokens, n.turn) for n in nodes]
+                     self.task.response_budget(n.turn, n.sample_id,
+                                               self.cfg.workflow.turns[n.turn].max_new_tokens),
+                     n.turn) for n in nodes]
             bid = self.next_batch = self.next_batch + 1
             self.batches[bid] = (r.rank, agent, st.version, nodes)
             self.world.send(("generate", bid, agent, st.version, reqs), dest=r.rank, tag=C.TAG_CMD)

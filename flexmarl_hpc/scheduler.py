@@ -92,6 +92,7 @@ class Scheduler:
     load_balance: bool = True
     threshold: float = 0.5
     cooldown: int = 4
+    overlap: bool = True
     rounds_since_rebind: int = 1 << 30
 
     def initial_binding(self) -> list[str]:
@@ -143,6 +144,8 @@ class Scheduler:
         if remaining <= 0 or ready <= 0:
             return 0
         if self.mode == "sync" and not step_complete_everywhere:
+            return 0
+        if not self.overlap and ready < remaining:      # ablation: whole batch first
             return 0
         take = min(micro, remaining)
         return take if ready >= take else 0

@@ -81,6 +81,10 @@ class Task:
     def allowed_tokens(self, turn: int) -> torch.Tensor | None:
         return None
 
+    def response_budget(self, turn: int, sample_id: str, default: int) -> int:
+        """Most new tokens for this sample (default: the turn's max_new_tokens)."""
+        return default
+
     def render(self, path: Path) -> str:
         """Human-readable episode (logs, analysis)."""
         parts = [str(path.input)] + [" ".join(self.vocab.decode(r)) for r in path.responses]
