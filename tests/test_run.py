@@ -172,3 +172,19 @@ def test_fewer_trainer_groups_than_agents_swaps_states_losslessly(sync_run, tmp_
         for k in a:
             if k.startswith("model.") or k.startswith("optim."):
                 assert torch.equal(a[k], b[k]), (agent, k)
+
+
+def test_data_parallel_trainer_groups_match_single_rank(sync_run, tmp_path):
+    """Two ranks per trainer group (6 ranks): each trains half of every micro-batch and the
+    gradients are all-reduced, so the weights match the one-rank groups."""
+    ref, _ = sync_run
+    p = run_training(tmp_path, *SMALL, "run.mode=sync", "trainer.ranks_per_group=2")
+    assert "6 ranks" in p.stdout
+    check_exactly_once(tmp_path / "local.h5", 6)
+    for agent in ("speaker", "listener"):
+        assert samples_by_id(ref / "local.h5", agent) == samples_by_id(tmp_path / "local.h5", agent)
+        a, b = final_weights(ref, agent), final_weights(tmp_path, agent)
+        for k in a:
+            if k.startswith("model."):
+                rel = (a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)
+                assert rel < 1e-5, (agent, k, float(rel))
