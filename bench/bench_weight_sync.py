@@ -34,6 +34,7 @@ def main() -> None:
     import torch
     from mpi4py import MPI
     from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict
+    from flexmarl_hpc.trainer.torch_trainer import flatten_parameters
     from flexmarl_hpc.weight_sync import SyncChannels, broadcast_weights
 
     world = MPI.COMM_WORLD
@@ -42,7 +43,11 @@ def main() -> None:
     layers = max(1, int(a.mb * 2**20 / per_layer))
     args = ModelArgs(vocab_size=1000, hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=8,
                      intermediate_size=4 * hidden, max_seq_len=64)
-    named = hf_state_dict(build_model(args, seed=0)) if world.rank == 0 else None
+    named, packed = None, None
+    if world.rank == 0:                       # a trainer's parameters live in sync layout
+        model = build_model(args, seed=0)
+        packed = flatten_parameters(model)
+        named = hf_state_dict(model)
     members = tuple(range(world.size))
     channels = SyncChannels(world)
     comm = channels.get(members)
@@ -54,7 +59,8 @@ def main() -> None:
     for _ in range(a.reps):
         world.Barrier()
         t = time.perf_counter()
-        broadcast_weights(comm, named, 1, bucket, staging=lambda n: channels.buffer(members, n))
+        broadcast_weights(comm, named, 1, bucket, staging=lambda n: channels.buffer(members, n),
+                          packed=packed)
         world.Barrier()
         ours.append(time.perf_counter() - t)
         world.Barrier()

@@ -117,7 +117,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
                 if held[1] != version:
                     raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held[1]}")
                 broadcast_weights(channels.get(members), held[0], version, bucket_bytes,
-                                  staging=lambda n: channels.buffer(members, n))
+                                  staging=lambda n: channels.buffer(members, n), packed=held[2])
             clock.mark("sync", agent, t0)
             reply = ("tsynced", agent, version)
         elif kind == "checkpoint":
@@ -149,13 +149,14 @@ def _group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, buf.tolist()))
 
 
-def weights_and_version(mover: StateMover, agent: str) -> tuple[dict[str, torch.Tensor], int]:
-    """HF-named weights of an agent, live or parked (a parked state's `model.*` tensors)."""
+def weights_and_version(mover: StateMover, agent: str):
+    """(HF-named weights, version, packed bytes or None) of an agent, live or parked (a parked
+    state's `model.*` tensors)."""
     if agent in mover.trainers:
         tr = mover.trainers[agent]
-        return tr.named_weights(), tr.version
+        return tr.named_weights(), tr.version, getattr(tr, "packed_weights", lambda: None)()
     state = mover.parked[agent]
-    return {k[6:]: v for k, v in state.items() if k.startswith("model.")}, int(state["version"])
+    return {k[6:]: v for k, v in state.items() if k.startswith("model.")}, int(state["version"]), None
 
 
 def restore_trainers(group: MPI.Comm, mover: StateMover, ckpt_dir: Path) -> None:

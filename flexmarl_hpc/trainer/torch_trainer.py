@@ -9,11 +9,13 @@ from .. import comm as C
 from ..config import TrainerConfig
 from ..grpo import MicroBatch, grpo_loss, token_logprobs
 from ..model import CausalLM, hf_state_dict
+from ..weight_sync import _header
 
 
 class TorchTrainer:
     def __init__(self, model: CausalLM, cfg: TrainerConfig, group: MPI.Comm, temperature: float):
         self.model = model.train()
+        self.packed = flatten_parameters(model)
         self.cfg = cfg
         self.group = group
         self.temperature = temperature
@@ -62,6 +64,11 @@ class TorchTrainer:
     def named_weights(self) -> dict[str, torch.Tensor]:
         return hf_state_dict(self.model)
 
+    def packed_weights(self) -> np.ndarray:
+        """The bytes of `named_weights()` in weight-sync layout: the parameters live there,
+        so a sync broadcasts them without a packing copy."""
+        return self.packed
+
     def state(self) -> dict[str, torch.Tensor]:
         out = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         osd = self.opt.state_dict()
@@ -83,3 +90,19 @@ class TorchTrainer:
         self.opt.load_state_dict(osd)
         self.version = int(state["version"])
         torch.set_rng_state(state["rng"])
+
+
+def flatten_parameters(model: CausalLM) -> np.ndarray:
+    """Re-home every parameter into one buffer laid out as the weight-sync header of
+    `hf_state_dict(model)` (same order, 16-byte aligned), like megatron's contiguous
+    parameter buffers. Returns the buffer as bytes. Call before building the optimizer."""
+    named = hf_state_dict(model)
+    header = _header(named, 0)
+    flat = torch.zeros(header.total, dtype=torch.uint8)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, off, nb in zip(header.names, header.offsets, header.nbytes):
+        p = params[name]
+        view = flat[off:off + nb].view(p.dtype).view_as(p)
+        view.copy_(p.data)
+        p.data = view                # tied parameters share the object, so both follow
+    return flat.numpy()
