@@ -139,6 +139,17 @@ def samples_by_id(path, agent):
                 zip(g["sample_id"][:], off, pl, rl, ver)}
 
 
+def assert_same_run(ref, out, rel_tol=1e-5):
+    """Same trajectories (tokens and versions per sample_id) and final weights within rel_tol."""
+    for agent in ("speaker", "listener"):
+        assert samples_by_id(ref / "local.h5", agent) == samples_by_id(out / "local.h5", agent)
+        a, b = final_weights(ref, agent), final_weights(out, agent)
+        for k in a:
+            if k.startswith("model."):
+                rel = (a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)
+                assert rel < rel_tol, (agent, k, float(rel))
+
+
 def test_flex_equals_sync_with_zero_staleness(sync_run, tmp_path):
     """Same seed and config: flex (2 replicas, small batches, micro-batch pipeline) gives the
     same trajectories and the same final weights as the sync barrier baseline (1 replica)."""
@@ -149,13 +160,7 @@ def test_flex_equals_sync_with_zero_staleness(sync_run, tmp_path):
         used = set(f["samples/listener/replica"][:].tolist()) | set(f["samples/speaker/replica"][:].tolist())
         assert used == {0, 1}                  # replica 1 did work that replica 0 did in sync
         assert f["steps/listener/n_micro"][0] > 1                          # really micro-batched
-    for agent in ("speaker", "listener"):
-        assert samples_by_id(ref / "local.h5", agent) == samples_by_id(tmp_path / "local.h5", agent)
-        a, b = final_weights(ref, agent), final_weights(tmp_path, agent)
-        for k in a:
-            if k.startswith("model."):
-                rel = (a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)
-                assert rel < 1e-5, (agent, k, float(rel))
+    assert_same_run(ref, tmp_path)
 
 
 def test_fewer_trainer_groups_than_agents_swaps_states_losslessly(sync_run, tmp_path):
@@ -181,10 +186,4 @@ def test_data_parallel_trainer_groups_match_single_rank(sync_run, tmp_path):
     p = run_training(tmp_path, *SMALL, "run.mode=sync", "trainer.ranks_per_group=2")
     assert "6 ranks" in p.stdout
     check_exactly_once(tmp_path / "local.h5", 6)
-    for agent in ("speaker", "listener"):
-        assert samples_by_id(ref / "local.h5", agent) == samples_by_id(tmp_path / "local.h5", agent)
-        a, b = final_weights(ref, agent), final_weights(tmp_path, agent)
-        for k in a:
-            if k.startswith("model."):
-                rel = (a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)
-                assert rel < 1e-5, (agent, k, float(rel))
+    assert_same_run(ref, tmp_path)
