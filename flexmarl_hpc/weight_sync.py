@@ -85,13 +85,15 @@ def _unpack(header: Header, buf: np.ndarray) -> dict[str, torch.Tensor]:
 def broadcast_weights(comm: MPI.Comm, named: dict[str, torch.Tensor] | None, version: int,
                       bucket_bytes: int, root: int = 0,
                       staging=lambda nbytes: np.empty(nbytes, dtype=np.uint8),
-                      packed: np.ndarray | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+                      packed: np.ndarray | None = None,
+                      on_rendezvous=lambda: None) -> tuple[int, dict[str, torch.Tensor]]:
     """Collective over `comm`: root passes its tensors, the others receive. Returns (version, tensors).
 
     `staging(nbytes)` gives the byte buffer to pack into / receive into (SyncChannels.buffer
     reuses one per channel); received tensors are views into it, valid until the next sync
     on the same buffer: load them into the model before that (engines copy on load).
     `packed` (root only): `named` already laid out in header order, broadcast as is.
+    `on_rendezvous()` runs once every member is there (accounting: waiting vs transferring).
     """
     is_root = comm.Get_rank() == root
     header = _header(named, version) if is_root else None
@@ -100,6 +102,7 @@ def broadcast_weights(comm: MPI.Comm, named: dict[str, torch.Tensor] | None, ver
     # blocking Bcast: MPICH only progresses a non-blocking collective inside Test/Wait, so
     # a sleeping poll would stall the pipeline of a large broadcast.
     header = C.bcast_obj(comm, header, root)
+    on_rendezvous()
     if is_root and packed is not None and packed.size == header.total:
         flat = packed
     else:

@@ -36,6 +36,13 @@ class Clock:
         self.items.append((activity, agent, t0, t1))
         self.last = t1
 
+    def waited(self, t0: float) -> float:
+        """Book [t0, now] as waiting (e.g. for the other members of a collective); returns now."""
+        now = time.time()
+        self.items.append(("wait", "", t0, now))
+        self.last = now
+        return now
+
     def drain(self) -> list[tuple[str, str, float, float]]:
         out, self.items = self.items, []
         return out
@@ -60,10 +67,12 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
                         clock.drain()), dest=orch, tag=C.TAG_REPLY)
         elif kind == "sync":
             _, agent, version, members = cmd
+            t = [t0]
             v, named = broadcast_weights(channels.get(members), None, version, bucket_bytes,
-                                         staging=lambda n: channels.buffer(members, n))
+                                         staging=lambda n: channels.buffer(members, n),
+                                         on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
             engine.load_weights(agent, v, named)
-            clock.mark("sync", agent, t0)
+            clock.mark("sync", agent, t[0])
             world.send(("synced", index, agent, v, clock.drain()), dest=orch, tag=C.TAG_REPLY)
         elif kind == "stop":
             world.send(("stopped", index, clock.drain()), dest=orch, tag=C.TAG_REPLY)
@@ -112,13 +121,15 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             clock.mark("train", agent, t0)
         elif kind == "sync":
             _, agent, version, members = cmd
+            t = [t0]
             if leader:
                 held = weights_and_version(mover, agent)
                 if held[1] != version:
                     raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held[1]}")
                 broadcast_weights(channels.get(members), held[0], version, bucket_bytes,
-                                  staging=lambda n: channels.buffer(members, n), packed=held[2])
-            clock.mark("sync", agent, t0)
+                                  staging=lambda n: channels.buffer(members, n), packed=held[2],
+                                  on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
+            clock.mark("sync", agent, t[0])
             reply = ("tsynced", agent, version)
         elif kind == "checkpoint":
             for name in cmd[1]:

@@ -1,0 +1,202 @@
+"""Load a run's HDF5 file into pandas DataFrames, for notebooks and `flexmarl_hpc.analyze`.
+
+    from flexmarl_hpc.analysis import load_run, summary
+    run = load_run("runs/local/local.h5")      # works while the job is still writing (SWMR)
+    run.samples.groupby("agent").reward.mean()
+    summary(run)["utilization"]
+
+DataFrames: `samples` (one row per sample, all agents, column `agent`; `staleness` =
+trainer_step - policy_version for consumed samples), `steps` (one row per optimizer step
+and agent), `intervals` (per-rank busy/wait intervals), `metrics` (one row per global step),
+`events` (every status change). Bad input raises `AnalysisError` naming the file and what
+is wrong; files of another schema version say which version this code reads.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from .store import (EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS, SCHEMA_VERSION,
+                    STATUS_NAMES, STEP_COLUMNS)
+
+BUSY = ("generate", "train", "sync", "swap", "checkpoint")
+
+
+class AnalysisError(Exception):
+    """A run file cannot be analysed; the message names the file and the problem."""
+
+
+@dataclass
+class Run:
+    path: Path
+    attrs: dict
+    config: dict
+    samples: pd.DataFrame
+    steps: pd.DataFrame
+    intervals: pd.DataFrame
+    metrics: pd.DataFrame
+    events: pd.DataFrame
+    agents: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.stem} ({self.attrs.get('mode', '?')})"
+
+
+def _table(f, group: str, columns: dict, path: Path) -> pd.DataFrame:
+    if group not in f:
+        raise AnalysisError(f"{path}: missing dataset group /{group} (truncated or foreign file?)")
+    g = f[group]
+    data = {}
+    n = None
+    for name in columns:
+        if name not in g:
+            raise AnalysisError(f"{path}: missing dataset /{group}/{name}")
+        ds = g[name]
+        ds.refresh() if hasattr(ds, "refresh") else None
+        arr = ds[:]
+        if arr.dtype.kind == "S":
+            arr = np.char.decode(arr, "utf-8")
+        n = len(arr) if n is None else min(n, len(arr))   # a live writer may be mid-append
+        data[name] = arr
+    return pd.DataFrame({k: v[:n] for k, v in data.items()})
+
+
+def check_not_truncated(path: Path) -> None:
+    """Compare the file's size with the end-of-file address in its HDF5 superblock (v2/v3,
+    what our writer makes). A truncated file would otherwise make SWMR readers retry
+    metadata reads for a long time instead of failing."""
+    with open(path, "rb") as fh:
+        head = fh.read(48)
+    if head[:8] != b"\x89HDF\r\n\x1a\n" or head[8] not in (2, 3):
+        return                          # not HDF5, or an old superblock: h5py will say
+    size_of_offsets = head[9]
+    eof = int.from_bytes(head[12 + 2 * size_of_offsets:12 + 3 * size_of_offsets], "little")
+    actual = path.stat().st_size
+    if actual < eof:
+        raise AnalysisError(f"{path}: truncated HDF5 file ({actual} bytes, the file says {eof})")
+
+
+def load_run(path: str | Path) -> Run:
+    """Read one run file (a finished run or one still being written)."""
+    import h5py
+    path = Path(path)
+    if not path.is_file():
+        raise AnalysisError(f"{path}: no such file")
+    check_not_truncated(path)
+    try:
+        f = h5py.File(path, "r", swmr=True)
+    except OSError:
+        try:
+            f = h5py.File(path, "r")
+        except OSError as e:
+            raise AnalysisError(f"{path}: not a readable HDF5 file ({e})") from None
+    with f:
+        if f.attrs.get("program") != "flexmarl_hpc":
+            raise AnalysisError(f"{path}: not a flexmarl_hpc run file (no program=flexmarl_hpc attribute)")
+        version = int(f.attrs.get("schema_version", -1))
+        if version != SCHEMA_VERSION:
+            raise AnalysisError(f"{path}: schema version {version}; this flexmarl_hpc reads schema "
+                                f"version {SCHEMA_VERSION} (use the flexmarl_hpc release that wrote it)")
+        attrs = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in f.attrs.items()}
+        agents = [str(a) for a in attrs.get("agents", [])]
+        try:
+            samples = [_samples(f, a, path) for a in agents]
+            steps = [_table(f, f"steps/{a}", STEP_COLUMNS, path).assign(agent=a) for a in agents]
+            intervals = _table(f, "intervals", INTERVAL_COLUMNS, path)
+            metrics = _table(f, "metrics", METRIC_COLUMNS, path)
+            events = _table(f, "events", EVENT_COLUMNS, path)
+        except (KeyError, OSError, ValueError, RuntimeError) as e:
+            raise AnalysisError(f"{path}: damaged file ({e})") from None
+    try:
+        config = yaml.safe_load(attrs.get("config_yaml", "")) or {}
+    except yaml.YAMLError:
+        config = {}
+    events["agent"] = [agents[i] if 0 <= i < len(agents) else "?" for i in events["agent"]]
+    return Run(path, attrs, config, pd.concat(samples, ignore_index=True) if samples else pd.DataFrame(),
+               pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(), intervals, metrics,
+               events, agents)
+
+
+def _samples(f, agent: str, path: Path) -> pd.DataFrame:
+    df = _table(f, f"samples/{agent}", SAMPLE_COLUMNS, path)
+    df.insert(0, "agent", agent)
+    df.insert(1, "row", np.arange(len(df)))
+    df["status_name"] = df["status"].map(STATUS_NAMES)
+    df["staleness"] = np.where(df["trainer_step"] >= 0, df["trainer_step"] - df["policy_version"], -1)
+    return df
+
+
+# ---------------------------------------------------------------------------------------
+# Derived numbers (pure functions of a Run)
+# ---------------------------------------------------------------------------------------
+def wall_time(run: Run) -> float:
+    if run.intervals.empty:
+        return float(run.metrics["t"].max()) if not run.metrics.empty else 0.0
+    return float(run.intervals["t1"].max() - run.intervals["t0"].min())
+
+
+def utilization(run: Run, by: str = "role", bins: int | None = None) -> pd.DataFrame | dict:
+    """Busy fraction: sum of busy time / (ranks x wall time), per role (or per rank).
+
+    With `bins`, a DataFrame of the busy fraction per time bin (rows) and group (columns)."""
+    iv = run.intervals
+    if iv.empty:
+        return {} if bins is None else pd.DataFrame()
+    busy = iv[iv["activity"].isin(BUSY)]
+    lo, hi = float(iv["t0"].min()), float(iv["t1"].max())
+    ranks = iv.groupby(by)["rank"].nunique()
+    if bins is None:
+        secs = (busy["t1"] - busy["t0"]).groupby(busy[by]).sum()
+        return {k: float(secs.get(k, 0.0) / (ranks[k] * (hi - lo))) for k in ranks.index}
+    edges = np.linspace(lo, hi, bins + 1)
+    out = {}
+    for key, g in busy.groupby(by):
+        t0, t1 = g["t0"].to_numpy(), g["t1"].to_numpy()
+        cover = np.clip(np.minimum(t1[:, None], edges[1:]) - np.maximum(t0[:, None], edges[:-1]), 0, None)
+        out[key] = cover.sum(0) / (ranks[key] * np.diff(edges))
+    return pd.DataFrame(out, index=(edges[:-1] + edges[1:]) / 2)
+
+
+def staleness(run: Run) -> pd.Series:
+    """Count of consumed samples per staleness (versions between generation and training)."""
+    s = run.samples
+    return s.loc[s["staleness"] >= 0, "staleness"].value_counts().sort_index()
+
+
+def config_digest(run: Run) -> str:
+    return hashlib.sha256(str(run.attrs.get("config_yaml", "")).encode()).hexdigest()[:10]
+
+
+def summary(run: Run) -> dict:
+    """The numbers `analyze` prints, machine-readable."""
+    wall = wall_time(run)
+    steps = run.steps
+    per_agent = {}
+    for a in run.agents:
+        r = steps.loc[steps["agent"] == a].sort_values("step")["reward_mean"]
+        per_agent[a] = {"steps": int(len(r)),
+                        "reward_first": float(r.iloc[0]) if len(r) else None,
+                        "reward_last": float(r.iloc[-1]) if len(r) else None,
+                        "reward_best": float(r.max()) if len(r) else None}
+    consumed = run.samples[run.samples["status"] == 2] if not run.samples.empty else run.samples
+    tokens = int((consumed["prompt_len"] + consumed["response_len"]).sum()) if len(consumed) else 0
+    iv = run.intervals
+    secs = (iv["t1"] - iv["t0"]).groupby(iv["activity"]).sum() if not iv.empty else pd.Series(dtype=float)
+    cfg_run = run.config.get("run", {})
+    return {
+        "file": str(run.path), "config_digest": config_digest(run), "mode": run.attrs.get("mode"),
+        "agents": run.agents, "steps_configured": cfg_run.get("steps"),
+        "steps_done": int(steps.groupby("agent").size().min()) if not steps.empty else 0,
+        "wall_s": wall, "samples": int(len(consumed)),
+        "samples_per_s": len(consumed) / wall if wall > 0 else 0.0,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "per_agent": per_agent, "utilization": utilization(run),
+        "staleness": {int(k): int(v) for k, v in staleness(run).items()},
+        "sync_s": float(secs.get("sync", 0.0)), "swap_s": float(secs.get("swap", 0.0)),
+    }

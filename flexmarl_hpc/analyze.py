@@ -1,0 +1,200 @@
+"""Summarise and plot one or several runs from their HDF5 files.
+
+    python -m flexmarl_hpc.analyze runs/local/local.h5                     # summary + figures
+    python -m flexmarl_hpc.analyze runs/sync/local.h5 runs/flex/local.h5 --out figs/
+    python -m flexmarl_hpc.analyze runs/local/local.h5 --json              # machine-readable
+
+Figures (PNG, into --out, default `<first run's folder>/figures`): rewards.png,
+entropy_kl.png, timeline.png (per-rank Gantt), utilization.png, staleness.png,
+response_lengths.png, replica_load.png. Several runs are drawn side by side. A file that
+is missing, truncated, of another program or of another schema version gives a one-line
+message and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .analysis import AnalysisError, Run, load_run, summary, utilization
+
+ACTIVITY_COLORS = {"generate": "tab:blue", "train": "tab:orange", "sync": "tab:green",
+                   "swap": "tab:purple", "checkpoint": "tab:brown", "wait": "0.85"}
+MAX_BARS_PER_RANK = 4000          # Gantt: merge bars beyond this (keeps 1e6-sample files fast)
+
+
+def print_summary(runs: list[Run], sums: list[dict]) -> None:
+    for run, s in zip(runs, sums):
+        print(f"== {run.path}  [{s['mode']}, config {s['config_digest']}, agents {', '.join(s['agents'])}]")
+        print(f"   steps {s['steps_done']}/{s['steps_configured']}, wall {s['wall_s']:.1f} s, "
+              f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} tokens/s")
+        for a, r in s["per_agent"].items():
+            if r["steps"]:
+                print(f"   {a:12s} reward first {r['reward_first']:.3f}  last {r['reward_last']:.3f}  "
+                      f"best {r['reward_best']:.3f}")
+        util = ", ".join(f"{k} {v:.0%}" for k, v in s["utilization"].items())
+        print(f"   utilization: {util}")
+        total = sum(s["staleness"].values()) or 1
+        stale = ", ".join(f"{k}: {v / total:.0%}" for k, v in s["staleness"].items())
+        print(f"   staleness (versions): {stale}")
+        print(f"   weight sync {s['sync_s']:.2f} s, state swap {s['swap_s']:.2f} s (summed over ranks)")
+    if len(runs) > 1:
+        base = sums[0]
+        print("\n   comparison vs " + runs[0].label)
+        print(f"   {'run':32s} {'samples/s':>10s} {'x':>6s} {'wall s':>8s} {'util(all)':>9s}")
+        for run, s in zip(runs, sums):
+            u = np.mean(list(s["utilization"].values())) if s["utilization"] else 0.0
+            x = s["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] else float("nan")
+            print(f"   {run.label:32s} {s['samples_per_s']:10.1f} {x:6.2f} {s['wall_s']:8.1f} {u:9.0%}")
+
+
+def plot_all(runs: list[Run], out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    styles = ["-", "--", ":", "-."]
+
+    def save(fig, name):
+        fig.tight_layout()
+        p = out / name
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        files.append(p)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, run in enumerate(runs):
+        for a in run.agents:
+            st = run.steps[run.steps["agent"] == a].sort_values("step")
+            ax.plot(st["step"], st["reward_mean"], styles[i % 4], label=f"{a} - {run.label}")
+    ax.set(xlabel="optimizer step", ylabel="mean reward of the step's samples", title="Reward per agent")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save(fig, "rewards.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, run in enumerate(runs):
+        for a in run.agents:
+            st = run.steps[run.steps["agent"] == a].sort_values("step")
+            axes[0].plot(st["step"], st["entropy"], styles[i % 4], label=f"{a} - {run.label}")
+            axes[1].plot(st["step"], st["kl"], styles[i % 4], label=f"{a} - {run.label}")
+    axes[0].set(xlabel="optimizer step", ylabel="mean token entropy (nats)", title="Policy entropy")
+    axes[1].set(xlabel="optimizer step", ylabel="KL to initial policy (nats, k3)", title="KL")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    save(fig, "entropy_kl.png")
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.2 + 0.45 * max(r.attrs.get("world_size", 4) for r in runs) * len(runs)),
+                             squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        iv = run.intervals
+        for rank, g in iv.groupby("rank"):
+            # waits first, so busy bars are drawn on top of them
+            for act, ga in sorted(g.groupby("activity"), key=lambda kv: kv[0] != "wait"):
+                bars = _merge(ga["t0"].to_numpy(), ga["t1"].to_numpy())
+                ax.broken_barh(bars, (rank - 0.4, 0.8), color=ACTIVITY_COLORS.get(act, "k"), lw=0)
+        ranks = sorted(iv["rank"].unique())
+        roles = iv.groupby("rank")["role"].first()
+        ax.set_yticks(ranks, [f"{r} {roles[r]}" for r in ranks], fontsize=7)
+        ax.set(xlabel="time since start (s)", title=f"Per-rank timeline - {run.label}")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ACTIVITY_COLORS.values()]
+    axes[0, 0].legend(handles, ACTIVITY_COLORS.keys(), ncol=6, fontsize=7, loc="lower right",
+                      bbox_to_anchor=(1.0, 1.08))
+    save(fig, "timeline.png")
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        u = utilization(run, by="role", bins=60)
+        for col in u.columns:
+            ax.plot(u.index, 100 * u[col], label=col)
+        ax.set(xlabel="time since start (s)", ylabel="busy (% of the role's ranks)", ylim=(0, 105),
+               title=f"Utilization by role - {run.label}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    save(fig, "utilization.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / len(runs)
+    for i, run in enumerate(runs):
+        s = run.samples[run.samples["staleness"] >= 0]["staleness"].value_counts().sort_index()
+        ax.bar(s.index + i * width, s.values, width=width, label=run.label)
+    ax.set(xlabel="staleness (policy versions behind the trainer)", ylabel="consumed samples",
+           title="Staleness of trained samples")
+    ax.legend(fontsize=8)
+    save(fig, "staleness.png")
+
+    agents = sorted({a for r in runs for a in r.agents})
+    fig, axes = plt.subplots(1, len(agents), figsize=(4.5 * len(agents), 3.8), squeeze=False)
+    for ax, a in zip(axes[0], agents):
+        for i, run in enumerate(runs):
+            L = run.samples.loc[run.samples["agent"] == a, "response_len"].to_numpy()
+            if len(L):
+                ax.hist(L, bins=np.arange(0, L.max() + 2) - 0.5 if L.max() < 60 else 40,
+                        histtype="step", lw=1.5, label=run.label)
+        ax.set(xlabel="response length (tokens)", ylabel="samples", title=f"Response lengths - {a}")
+        ax.legend(fontsize=7)
+    save(fig, "response_lengths.png")
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.5 + 0.6 * max(
+        r.attrs.get("world_size", 4) for r in runs) * len(runs)), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for ax, run in zip(axes[:, 0], runs):
+        gen = run.intervals[(run.intervals["role"] == "rollout") & (run.intervals["activity"] == "generate")]
+        colors = {a: cmap(i % 10) for i, a in enumerate(run.agents)}
+        reps = sorted(gen["rank"].unique())
+        for rank, g in gen.groupby("rank"):
+            for a, ga in g.groupby("agent"):
+                ax.broken_barh(_merge(ga["t0"].to_numpy(), ga["t1"].to_numpy()), (rank - 0.4, 0.8),
+                               color=colors.get(a, "k"), lw=0)
+        ax.set_yticks(reps, [f"replica rank {r}" for r in reps], fontsize=7)
+        ax.set(xlabel="time since start (s)", title=f"Rollout replica load (agent served) - {run.label}")
+        ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], colors.keys(),
+                  fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(colors))
+    save(fig, "replica_load.png")
+    return files
+
+
+def _merge(t0: np.ndarray, t1: np.ndarray) -> list[tuple[float, float]]:
+    """(start, width) bars; beyond MAX_BARS_PER_RANK neighbours closer than a pixel merge."""
+    order = np.argsort(t0)
+    t0, t1 = t0[order], t1[order]
+    if len(t0) > MAX_BARS_PER_RANK:
+        gap = (t1.max() - t0.min()) / MAX_BARS_PER_RANK
+        starts = np.r_[True, t0[1:] - t1[:-1] > gap]
+        idx = np.flatnonzero(starts)
+        ends = np.maximum.reduceat(t1, idx)
+        t0, t1 = t0[idx], ends
+    return list(zip(t0.tolist(), (t1 - t0).tolist()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flexmarl_hpc.analyze", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", type=Path, help="run HDF5 files")
+    ap.add_argument("--out", type=Path, help="figure folder (default: <first file's folder>/figures)")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON, no figures")
+    ap.add_argument("--no-plots", action="store_true", help="summary only")
+    a = ap.parse_args(argv)
+    try:
+        runs = [load_run(p) for p in a.files]
+        sums = [summary(r) for r in runs]
+    except AnalysisError as e:
+        print(f"analyze: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(sums if len(sums) > 1 else sums[0], indent=2))
+        return 0
+    print_summary(runs, sums)
+    if not a.no_plots:
+        files = plot_all(runs, a.out or a.files[0].parent / "figures")
+        print(f"\nfigures: {', '.join(str(f) for f in files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
