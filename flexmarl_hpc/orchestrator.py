@@ -87,8 +87,9 @@ class Orchestrator:
         if self.next_step > 0:
             last = self.exp.reload(self.next_step, {a: s.version for a, s in self.state.items()})
             self.next_step = max(self.next_step, last + 1)
-            self.log(f"resumed at versions {({a: s.version for a, s in self.state.items()})}, "
-                     f"steps {self.logged_step}..{last} reloaded from the store")
+            reloaded = f"steps {self.logged_step}..{last} reloaded from the store" \
+                if last >= self.logged_step else "nothing uncommitted in the store"
+            self.log(f"resumed at versions {({a: s.version for a, s in self.state.items()})}, {reloaded}")
         while not self.finished():
             if self.preempted():
                 return self.stop_preempted()
