@@ -35,7 +35,7 @@ class RunConfig:
     """Run name: used for the output folder, the HDF5 file and the Slurm job name."""
     output_dir: str = "runs/{name}"
     """Folder for the resolved config, the HDF5 store, checkpoints and logs ({name} expands)."""
-    mode: Literal["sync", "flex"] = "sync"
+    mode: Literal["sync", "flex"] = "flex"
     """`sync`: barrier baseline (roll out all, train all, sync all). `flex`: micro-batch pipeline."""
     steps: int = 100
     """Optimizer steps per agent."""
