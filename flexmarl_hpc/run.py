@@ -66,12 +66,48 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
     layout = layout_from_config(cfg)
+    try:
+        check_resumable(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     if not under_mpi():
         cmd = [mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "flexmarl_hpc.run",
                args.config, *args.overrides]
         print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
     return run_rank(cfg, layout)
+
+
+# what a resumed run must share with the run that wrote the store and the checkpoints
+RESUME_KEYS = ("workflow", "model", "agents", "run.seed", "rollout.temperature")
+
+
+def check_resumable(cfg: Config) -> None:
+    """Refuse to resume into an output_dir written by a run with another workflow, model or
+    seed (the store and checkpoints would silently mix), naming the fields that differ."""
+    import h5py
+    import yaml
+    path = cfg.output_dir / f"{cfg.run.name}.h5"
+    if not (cfg.run.resume and path.exists()):
+        return
+    try:
+        with h5py.File(path, "r", swmr=True) as f:
+            old = yaml.safe_load(f.attrs.get("config_yaml", "")) or {}
+    except OSError as e:
+        raise ConfigError(f"run.output_dir: {path} exists but cannot be read ({e}); "
+                          "move it away or set run.resume=false and another run.output_dir") from None
+    new = to_dict(cfg)
+    changed = [k for k in RESUME_KEYS if _get(old, k) != _get(new, k)]
+    if changed:
+        raise ConfigError(f"run.output_dir: {cfg.output_dir} holds a run with different {', '.join(changed)}; "
+                          "resuming would mix two runs. Use another run.output_dir (or the old config)")
+
+
+def _get(d: dict, dotted: str):
+    for k in dotted.split("."):
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
 
 
 def run_rank(cfg: Config, layout: RankLayout) -> int:

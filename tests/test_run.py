@@ -187,3 +187,12 @@ def test_data_parallel_trainer_groups_match_single_rank(sync_run, tmp_path):
     assert "6 ranks" in p.stdout
     check_exactly_once(tmp_path / "local.h5", 6)
     assert_same_run(ref, tmp_path)
+
+
+def test_resume_into_a_different_run_is_refused(sync_run):
+    out, _ = sync_run
+    before = (out / "local.h5").stat().st_size
+    p = run_training(out, *SMALL, "run.mode=sync", "workflow.inputs_per_step=8", check=False)
+    assert p.returncode == 2
+    assert "holds a run with different workflow" in p.stderr and "launching" not in p.stdout
+    assert (out / "local.h5").stat().st_size == before          # nothing written was touched
