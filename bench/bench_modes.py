@@ -87,6 +87,9 @@ def main() -> None:
                 bound = cores / max(ref["busy_cores"], 1e-9)
                 print(f"ideal speedup bound on {cores} cores: {bound:.2f} "
                       f"(sync keeps {ref['busy_cores']:.2f} cores busy)")
+                if "flex" in res:
+                    got = ref["step_s"] / res["flex"]["step_s"]
+                    print(f"flex reaches {got:.2f}x of that {bound:.2f}x bound ({got / bound:.0%})")
 
 
 if __name__ == "__main__":
