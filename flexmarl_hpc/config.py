@@ -304,6 +304,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             return float(value)
         except ValueError:
             pass
+    if tp is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)          # YAML reads `time: 90` or `name: 42` as a number
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")

@@ -115,7 +115,12 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
     world = MPI.COMM_WORLD
     try:
         check_world(layout, world.Get_size())
-        return _run_rank(cfg, layout, world)
+        code = _run_rank(cfg, layout, world)
+        # the run is over (checkpointed, store closed): a late SIGTERM/SIGUSR1 from Slurm must
+        # not turn a clean exit into 143 while the interpreter shuts down
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        return code
     except BaseException:
         sys.stderr.write(f"[rank {world.Get_rank()}] fatal error:\n{traceback.format_exc()}")
         sys.stderr.flush()

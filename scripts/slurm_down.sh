@@ -1,8 +1,25 @@
 #!/usr/bin/env bash
-# Stop the Slurm daemons scripts/slurm_up.sh started (by PID file); leaves munge/mariadb.
+# Stop the local Slurm cluster of scripts/slurm_up.sh, by PID file (never by name).
+#   bash scripts/slurm_down.sh          # slurmd x N, slurmctld, slurmdbd
+#   bash scripts/slurm_down.sh --all    # also its MariaDB, and munged if slurm_up.sh started it
+# State (.slurm-local/: spool, logs, job records, database) stays: slurm_up.sh brings the
+# queue back as it was.
 cd "$(dirname "$0")/.."
 P=${SLURM_PREFIX:-$PWD/.slurm-local}
-for f in "$P"/slurmd-n*.pid "$P"/slurmctld.pid "$P"/slurmdbd.pid; do
-  [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null
+files=("$P"/slurmd-n*.pid "$P/slurmctld.pid" "$P/slurmdbd.pid")
+if [ "${1:-}" = "--all" ]; then
+  files+=("$P/mariadb.pid")
+  [ -f "$P/munge.started" ] && files+=(/run/munge/munged.pid) && rm -f "$P/munge.started"
+fi
+pids=()
+for f in "${files[@]}"; do
+  [ -f "$f" ] && pid=$(cat "$f") && kill -0 "$pid" 2>/dev/null && kill "$pid" && pids+=("$pid")
 done
+# SIGTERM, 10 s grace, then SIGKILL: a slurmd still retrying a lost controller ignores TERM
+for _ in $(seq 1 100); do
+  left=(); for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && left+=("$pid"); done
+  [ ${#left[@]} = 0 ] && break; sleep 0.1
+done
+for pid in "${left[@]}"; do echo "[slurm_down] $pid ignored SIGTERM for 10 s: SIGKILL" >&2; kill -9 "$pid"; done
+echo "[slurm_down] stopped ${#pids[@]} daemons"
 exit 0
