@@ -270,30 +270,6 @@ def submit_from_test(tmp_path: Path, steps: int) -> SlurmRun:
     return submit(CONFIG, [*SMALL, f"run.steps={steps}", f"run.output_dir={tmp_path}"])
 
 
-@pytest.mark.slurm
-def test_sweep_is_a_submitit_job_array_and_its_tasks_requeue(slurm, tmp_path):
-    """--sweep: one submitit array task per value, each one allocation of all ranks. Task 0
-    gets submitit's preemption signal (USR2) mid-run: it checkpoints, requeues itself and
-    finishes exactly once."""
-    steps = 30
-    tasks = submit_sweep(CONFIG, [*SMALL, f"run.steps={steps}", f"run.output_dir={tmp_path}"],
-                         "trainer.lr=1e-3,3e-4")
-    jobs = [t.job for t in tasks]
-    assert len(jobs) == 2 and len({j.job_id.split("_")[0] for j in jobs}) == 1
-    assert [t.output_dir for t in tasks] == [tmp_path / "trainer.lr=1e-3", tmp_path / "trainer.lr=3e-4"]
-    first = jobs[0]
-    log = Path(first.paths.stdout)                    # task 0 (rank 0) of array task 0
-    _wait_for(lambda: log.exists() and len(re.findall(r"step\s+\d+/", log.read_text())) >= 3, 120, "3 steps")
-    subprocess.run(["scancel", "--signal=USR2", first.job_id], check=True, timeout=30)
-    for job, lr in zip(jobs, ("1e-3", "3e-4")):
-        out = tmp_path / f"trainer.lr={lr}"
-        assert SlurmRun(out, job.job_id).wait(timeout=150) == "COMPLETED"   # releases the requeue hold
-        h5 = Path(job.results()[0])
-        assert h5 == out / "local.h5"
-        assert_store_complete(h5, steps)
-        assert load_config(out / "config.yaml").trainer.lr == float(lr)
-    assert "resumed at versions" in log.read_text()
-
 
 @pytest.mark.slurm
 def test_sbatch_templates_run_as_written(slurm, tmp_path):
