@@ -34,6 +34,7 @@ Contract (same as TorchTrainer; tests/test_megatron.py checks it against TorchTr
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
@@ -160,12 +161,29 @@ def init_group_distributed(group: MPI.Comm, tp: int, pp: int, relayout: bool = F
         store = torch.distributed.TCPStore(addr, port, size, is_master=False, timeout=timeout)
     torch.distributed.init_process_group("nccl" if _CUDA else "gloo", store=store, rank=rank,
                                          world_size=size, timeout=timeout)
+    atexit.register(_shutdown_distributed, group)
     with _scope():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  pipeline_model_parallel_size=pp)
         with torch.random.fork_rng(devices=[]):      # keep the caller's CPU RNG stream
             model_parallel_cuda_manual_seed(1234)
     _LAYOUT = key
+
+
+def _shutdown_distributed(group: MPI.Comm) -> None:
+    """Tear torch.distributed down before the interpreter does: left to static destructors,
+    the TCPStore server thread of the group leader (or gloo's) can still be joinable when
+    the process exits, and C++ calls std::terminate (seen as a rank aborting with signal 6
+    after all its work was done). Runs from atexit, before mpi4py finalizes MPI, so the
+    group can still agree that every rank is past its last collective."""
+    global _LAYOUT
+    if not torch.distributed.is_initialized():
+        return
+    from megatron.core import parallel_state
+    C.barrier(group)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    _LAYOUT = None
 
 
 def transformer_config(args: ModelArgs, cfg: TrainerConfig):
