@@ -14,7 +14,8 @@ HF (Llama/Qwen2 names, as flexmarl_hpc.model)      megatron-core (local layer sp
   lm_head.weight (untied) [V, H]                     output_layer.weight [Vp/tp, H] (last PP stage)
 
 Layer i lives on PP stage i // (L / pp) as local layer j = i % (L / pp). The vocabulary
-is padded to a multiple of lcm(128, TP) (`padded_vocab`); padding rows are zero and are cut
+is padded to Vp rows (`padded_vocab`), a function of the model alone, never of TP, so a
+dist_checkpointing checkpoint reshards to any other TP; padding rows are zero and are cut
 off on the way back. Any tensor in a parameter's layout converts the same way (Adam
 moments). Pure tensor code: both directions are tested to round-trip bit for bit
 (tests/test_convert.py).
@@ -28,12 +29,23 @@ import torch
 from .model import ModelArgs
 
 
-def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
-    """Rows of megatron's embedding/output layer: a multiple of lcm(128, tp). For power-of-two
-    TP up to 128 that is TP-independent, which dist_checkpointing needs to reshard a
-    checkpoint to another TP size (the global shape must not change)."""
-    step = math.lcm(multiple, tp)
-    return -(-vocab // step) * step
+def max_tensor_parallel(args: ModelArgs) -> int:
+    """Every TP size this model splits over divides this: megatron shards whole query groups
+    (and heads, and FFN rows) over TP ranks."""
+    return math.gcd(args.num_heads, args.num_kv_heads, args.intermediate_size)
+
+
+def padded_vocab(args: ModelArgs) -> int:
+    """Rows of megatron's embedding / output layer: vocab_size rounded up to a multiple of
+    lcm(128, max_tensor_parallel(args)). It does not depend on the TP size in use (megatron's
+    own 128 x TP rule does), so the global shape that dist_checkpointing stores is the same at
+    every TP and a checkpoint saved at one TP loads at another, for any vocab size; and every
+    legal TP divides it, as VocabParallelEmbedding needs. 128 is megatron's default
+    make_vocab_size_divisible_by (GEMM-friendly shards); the lcm only grows it for
+    non-power-of-two TP (e.g. 3 KV heads, SmolLM2-135M: TP3 is legal, lcm = 384), at a cost
+    of under lcm rows."""
+    step = math.lcm(128, max_tensor_parallel(args))
+    return -(-args.vocab_size // step) * step
 
 
 def _layers_of(args: ModelArgs, pp_rank: int, pp_size: int) -> range:
@@ -44,7 +56,7 @@ def _layers_of(args: ModelArgs, pp_rank: int, pp_size: int) -> range:
 
 
 def _vocab_shard(w: torch.Tensor, args: ModelArgs, tp_rank: int, tp_size: int) -> torch.Tensor:
-    vp = padded_vocab(args.vocab_size, tp_size)
+    vp = padded_vocab(args)
     full = torch.zeros(vp, w.shape[1], dtype=w.dtype)
     full[:w.shape[0]] = w
     return full.chunk(tp_size, 0)[tp_rank].clone()
@@ -54,7 +66,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs, tp_rank: int = 
                    pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
     """The megatron state dict of one (TP rank, PP stage) shard."""
     nh, ng, hd, H = args.num_heads, args.num_kv_heads, args.head_dim, args.hidden_size
-    if ng % tp_size or nh % tp_size or args.intermediate_size % tp_size:
+    if max_tensor_parallel(args) % tp_size:
         raise ValueError(f"heads {nh}/{ng} and ffn {args.intermediate_size} must divide by tp={tp_size}")
     out: dict[str, torch.Tensor] = {}
     first, last = pp_rank == 0, pp_rank == pp_size - 1
@@ -95,7 +107,13 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], args: ModelArgs)
     pp_size, tp_size = len(shards), len(shards[0])
     nh, ng, hd, H, V = args.num_heads, args.num_kv_heads, args.head_dim, args.hidden_size, args.vocab_size
     out: dict[str, torch.Tensor] = {}
-    cat_vocab = lambda key, pp: torch.cat([s[key] for s in shards[pp]], 0)[:V].clone()
+    vp = padded_vocab(args)
+
+    def cat_vocab(key: str, pp: int) -> torch.Tensor:
+        full = torch.cat([s[key] for s in shards[pp]], 0)
+        if full.shape[0] != vp:
+            raise ValueError(f"{key}: {full.shape[0]} rows over TP{tp_size}, expected the padded vocab {vp}")
+        return full[:V].clone()
     out["model.embed_tokens.weight"] = cat_vocab("embedding.word_embeddings.weight", 0)
     for pp in range(pp_size):
         tps = shards[pp]

@@ -1,11 +1,14 @@
 """mpiexec -n N python -m mpi4py tests/mpi_megatron.py LAYOUT... [ckpt DIR]
 
 One megatron trainer group of all N ranks per LAYOUT (dp: TP1 PP1, tp: TP2, pp: PP2,
-tppp: TP2 x PP2; the rest of the ranks is data parallel), each checked
+tppp: TP2 x PP2; the rest of the ranks is data parallel; dp and tp are Qwen2-style with
+random QKV biases, pp and tppp Llama-style with tied embeddings), each checked
 against the torch reference (TorchTrainer on COMM_SELF, whole batch, same init weights):
 logits, GRPO losses over 2 steps of 2 accumulated micro-batches, weights after the steps,
 and the training state (format and Adam moments). `ckpt DIR`: TP2 saves a dist checkpoint,
-TP1 x DP2 loads it (resharding) and must hold the same weights and moments. Prints one
+TP1 x DP2 and PP2 load it (resharding) and must hold the same weights and moments; the
+vocabulary (23) is a multiple of neither 8 nor TP, so this also checks the TP-independent
+vocab padding. Prints one
 `ok ...` line per check on rank 0; any failure aborts the job.
 """
 import os
@@ -21,6 +24,7 @@ import logging  # noqa: E402
 logging.disable(logging.WARNING)
 
 from flexmarl_hpc.config import TrainerConfig  # noqa: E402
+from flexmarl_hpc.convert import padded_vocab  # noqa: E402
 from flexmarl_hpc.grpo import MicroBatch  # noqa: E402
 from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict  # noqa: E402
 from flexmarl_hpc.trainer.torch_trainer import TorchTrainer  # noqa: E402
@@ -30,11 +34,12 @@ world = MPI.COMM_WORLD
 rank = world.Get_rank()
 torch.set_num_threads(1)
 LAYOUTS = {"dp": (1, 1), "tp": (2, 1), "pp": (1, 2), "tppp": (2, 2)}
-V = 23
+V = 23                                   # odd: the padded vocab (128) must not depend on TP
 ARGS = {
-    # untied with GQA for DP/TP; tied for PP (the last stage keeps a synced copy of the embedding)
-    "dp": ModelArgs(V, 32, 2, 4, 2, 64, 16, rope_theta=5e4, tie_embeddings=False),
-    "tp": ModelArgs(V, 32, 2, 4, 2, 64, 16, rope_theta=5e4, tie_embeddings=False),
+    # untied with GQA and QKV biases (Qwen2) for DP/TP; tied for PP (the last stage keeps a
+    # synced copy of the embedding)
+    "dp": ModelArgs(V, 32, 2, 4, 2, 64, 16, rope_theta=5e4, tie_embeddings=False, qkv_bias=True),
+    "tp": ModelArgs(V, 32, 2, 4, 2, 64, 16, rope_theta=5e4, tie_embeddings=False, qkv_bias=True),
     "pp": ModelArgs(V, 32, 2, 4, 2, 64, 16, rope_theta=5e4, tie_embeddings=True),
     "tppp": ModelArgs(V, 32, 2, 4, 2, 64, 16, rope_theta=5e4, tie_embeddings=True),
 }
@@ -44,6 +49,17 @@ TOL = 2e-5
 def log(msg):
     if rank == 0:
         print(msg, flush=True)
+
+
+def init_model(args: ModelArgs, seed: int, std: float = 0.02):
+    """build_model, with random QKV biases (it zeroes them) so that their layout matters."""
+    model = build_model(args, seed=seed, std=std)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.5, generator=g)
+    return model
 
 
 def batch(seed: int, B: int = 6, T: int = 9) -> MicroBatch:
@@ -72,10 +88,10 @@ def check_layout(name):
     tp, pp = LAYOUTS[name]
     args = ARGS[name]
     init_group_distributed(world, tp, pp, relayout=True)
-    init = hf_state_dict(build_model(args, seed=5, std=0.1))
+    init = hf_state_dict(init_model(args, seed=5, std=0.1))
     t0 = time.time()
     meg = MegatronTrainer(args, cfg_for(tp, pp), world, 0.9, {k: v.clone() for k, v in init.items()})
-    ref = TorchTrainer(build_model(args, seed=5, std=0.1), cfg_for(1, 1), MPI.COMM_SELF, 0.9)
+    ref = TorchTrainer(init_model(args, seed=5, std=0.1), cfg_for(1, 1), MPI.COMM_SELF, 0.9)
     # logits of megatron's GPTModel == our decoder's on the same weights
     ids = batch(0).input_ids
     got = meg.forward_logits(ids)
@@ -84,7 +100,8 @@ def check_layout(name):
             want = ref.model(ids)
         d = float((got - want).abs().max())
         assert d < TOL, f"{name}: logits differ by {d}"
-        print(f"ok {name} (rank {rank}): megatron logits == torch logits, max |diff| {d:.1e} "
+        print(f"ok {name} (rank {rank}): megatron logits == torch logits"
+              f"{' (QKV biases)' if args.qkv_bias else ''}, max |diff| {d:.1e} "
               f"(built in {time.time() - t0:.1f} s)", flush=True)
     losses = []
     for step in range(2):
@@ -135,7 +152,7 @@ def check_reshard(folder):
     # TP2 trains a step and saves; TP1 x DP2 loads (resharding) and holds the same state
     args = ARGS["tp"]
     init_group_distributed(world, 2, 1, relayout=True)
-    init = hf_state_dict(build_model(args, seed=7, std=0.1))
+    init = hf_state_dict(init_model(args, seed=7, std=0.1))
     a = MegatronTrainer(args, cfg_for(2, 1), world, 1.0, init)
     mb = batch(3)
     a.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
@@ -146,7 +163,7 @@ def check_reshard(folder):
     want = a.state()
     for tp, pp in ((1, 1), (1, 2)):
         init_group_distributed(world, tp, pp, relayout=True)
-        b = MegatronTrainer(args, cfg_for(tp, pp), world, 1.0, hf_state_dict(build_model(args, seed=8)))
+        b = MegatronTrainer(args, cfg_for(tp, pp), world, 1.0, hf_state_dict(init_model(args, seed=8)))
         t0 = time.time()
         b.load_checkpoint(folder)
         t_load = time.time() - t0
@@ -155,7 +172,7 @@ def check_reshard(folder):
         assert d < 1e-7, f"resharded checkpoint differs by {d}"
         assert b.version == 1
         log(f"ok checkpoint: TP2 save ({t_save:.1f} s) -> TP{tp}xPP{pp}xDP{world.Get_size() // (tp * pp)} load ({t_load:.1f} s): "
-            f"weights and Adam moments identical (max |diff| {d:.1e}), version {b.version}")
+            f"vocab {V} padded to {padded_vocab(args)} at every TP, weights and Adam moments identical (max |diff| {d:.1e}), version {b.version}")
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -2,28 +2,79 @@
 import pytest
 import torch
 
-from flexmarl_hpc.convert import hf_to_megatron, megatron_to_hf, padded_vocab
+from flexmarl_hpc.convert import hf_to_megatron, max_tensor_parallel, megatron_to_hf, padded_vocab
 from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict
 
 
-@pytest.mark.parametrize("tie,bias", [(False, False), (True, False), (True, True)])
+def _hf(args: ModelArgs, seed: int = 3) -> dict[str, torch.Tensor]:
+    hf = hf_state_dict(build_model(args, seed=seed))
+    g = torch.Generator().manual_seed(seed)
+    for k in hf:                       # build_model zeroes biases: make them visible
+        if k.endswith("bias"):
+            hf[k] = torch.randn(hf[k].shape, generator=g)
+    return hf
+
+
+def _shards(hf, args, tp, pp):
+    return [[hf_to_megatron(hf, args, t, tp, p, pp) for t in range(tp)] for p in range(pp)]
+
+
+@pytest.mark.parametrize("tie,bias", [(False, False), (True, False), (True, True), (False, True)])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_round_trip_is_bit_identical(tp, pp, tie, bias):
+    # vocab 37: not a multiple of 8 (nor of TP); qkv_bias: Qwen2's q/k/v biases
     args = ModelArgs(vocab_size=37, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
                      intermediate_size=48, max_seq_len=16, tie_embeddings=tie, qkv_bias=bias)
-    hf = hf_state_dict(build_model(args, seed=3))
-    shards = [[hf_to_megatron(hf, args, t, tp, p, pp) for t in range(tp)] for p in range(pp)]
-    assert shards[0][0]["embedding.word_embeddings.weight"].shape[0] == padded_vocab(37, tp) // tp
-    assert padded_vocab(37, tp) == 128          # TP-independent: checkpoints reshard
-    if bias:                           # build_model zeroes biases: make them visible
-        for k in hf:
-            if k.endswith("bias"):
-                hf[k] = torch.randn(hf[k].shape)
-        shards = [[hf_to_megatron(hf, args, t, tp, p, pp) for t in range(tp)] for p in range(pp)]
+    hf = _hf(args)
+    shards = _shards(hf, args, tp, pp)
+    assert shards[0][0]["embedding.word_embeddings.weight"].shape[0] == padded_vocab(args) // tp
+    assert padded_vocab(args) == 128
+    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in shards[0][0]) == bias
     back = megatron_to_hf(shards, args)
     assert back.keys() == hf.keys()
     for k in hf:
         assert torch.equal(back[k], hf[k]), k
+
+
+@pytest.mark.parametrize("vocab", [23, 49153])
+def test_padded_vocab_does_not_depend_on_tp(vocab):
+    """3 KV heads (SmolLM2-135M has them): TP1 and TP3 are legal, so Vp is a multiple of
+    lcm(128, 3), the same at both; the TP3 vocab shards stacked are the TP1 tensor (what
+    dist_checkpointing reshards), and TP3 round-trips bit for bit."""
+    args = ModelArgs(vocab_size=vocab, hidden_size=24, num_layers=2, num_heads=6, num_kv_heads=3,
+                     intermediate_size=36, max_seq_len=16, tie_embeddings=False, qkv_bias=True)
+    assert max_tensor_parallel(args) == 3
+    vp = padded_vocab(args)
+    assert vp % 384 == 0 and vocab <= vp < vocab + 384
+    hf = _hf(args)
+    one = hf_to_megatron(hf, args)
+    three = [hf_to_megatron(hf, args, t, 3) for t in range(3)]
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert one[key].shape[0] == vp
+        assert torch.equal(torch.cat([s[key] for s in three]), one[key])
+        assert not one[key][vocab:].any()             # padding rows are zero
+    back = megatron_to_hf([three], args)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+    with pytest.raises(ValueError, match="tp=2"):
+        hf_to_megatron(hf, args, 0, 2)
+    # shards of another padding (one row short here) are refused, not silently cut
+    bad = {**three[0], "output_layer.weight": three[0]["output_layer.weight"][:-1]}
+    with pytest.raises(ValueError, match="padded vocab"):
+        megatron_to_hf([[bad, three[1], three[2]]], args)
+
+
+def test_qkv_bias_layout_groups_like_the_weight():
+    args = ModelArgs(vocab_size=8, hidden_size=8, num_layers=1, num_heads=4, num_kv_heads=2,
+                     intermediate_size=8, max_seq_len=4, qkv_bias=True)
+    hf = hf_state_dict(build_model(args, seed=0))
+    hf["model.layers.0.self_attn.q_proj.bias"] = torch.arange(8.)
+    hf["model.layers.0.self_attn.k_proj.bias"] = 100 + torch.arange(4.)
+    hf["model.layers.0.self_attn.v_proj.bias"] = 200 + torch.arange(4.)
+    key = "decoder.layers.0.self_attention.linear_qkv.bias"
+    group0 = [0, 1, 2, 3, 100, 101, 200, 201]
+    group1 = [4, 5, 6, 7, 102, 103, 202, 203]
+    assert hf_to_megatron(hf, args)[key].tolist() == group0 + group1
+    assert [hf_to_megatron(hf, args, t, 2)[key].tolist() for t in (0, 1)] == [group0, group1]
 
 
 def test_qkv_layout_groups_queries_with_their_kv_head():

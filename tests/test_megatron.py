@@ -3,8 +3,9 @@
 Each case runs tests/mpi_megatron.py, which checks a megatron trainer group against the torch
 reference trainer on the same init weights and batches: logits, GRPO losses and grad norms
 over 2 steps of 2 accumulated micro-batches, weights after the steps, the training state
-(TorchTrainer's format, Adam moments included) and loading a TorchTrainer state; and, for
-checkpoints, a TP2 dist_checkpointing save loaded into TP1xDP2 and PP2 (resharding).
+(TorchTrainer's format, Adam moments included) and loading a TorchTrainer state (the DP/TP
+model has Qwen2's QKV biases, random, the PP ones tied embeddings); and, for checkpoints, a
+TP2 dist_checkpointing save loaded into TP1xDP2 and PP2 (resharding, odd vocab size 23).
 Needs megatron-core (requirements-megatron.txt): under CI=true a missing megatron fails,
 elsewhere the tests skip with that reason.
 
@@ -45,7 +46,7 @@ def test_data_parallel_group_matches_torch_trainer(megatron):
 def test_tensor_parallel_matches_torch_and_tp1_loss(megatron):
     out = _run(megatron, 2, "dp", "tp")
     assert "ok tp: losses" in out and "ok TP2 loss == TP1 (DP2) loss" in out
-    assert "megatron logits == torch logits" in out
+    assert "megatron logits == torch logits (QKV biases)" in out
 
 
 def test_pipeline_parallel_with_tied_embeddings_matches_torch(megatron):
@@ -56,6 +57,7 @@ def test_pipeline_parallel_with_tied_embeddings_matches_torch(megatron):
 def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
     out = _run(megatron, 2, "ckpt", str(tmp_path / "ckpt"))
     assert "-> TP1xPP1xDP2 load" in out and "-> TP1xPP2xDP1 load" in out
+    assert "vocab 23 padded to 128 at every TP" in out
 
 
 def test_four_ranks_tp2_dp2_and_tp2_pp2(megatron):

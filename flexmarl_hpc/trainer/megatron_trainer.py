@@ -243,7 +243,7 @@ class MegatronTrainer:
         with _scope(), torch.random.fork_rng(devices=[]):
             self.tconfig = transformer_config(args, cfg)
             model = GPTModel(config=self.tconfig, transformer_layer_spec=_layer_spec(),
-                             vocab_size=padded_vocab(args.vocab_size, self.tp),
+                             vocab_size=padded_vocab(args),
                              max_sequence_length=args.max_seq_len,
                              pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                              share_embeddings_and_output_weights=args.tie_embeddings,
