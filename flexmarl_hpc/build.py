@@ -6,7 +6,8 @@ lazily so a torch-only job never imports megatron or vllm.
 from __future__ import annotations
 
 from .config import Config
-from .model import CausalLM, ModelArgs, build_model, load_hf_checkpoint
+from .config import ConfigError
+from .model import CausalLM, ModelArgs, build_model, load_hf_args, load_hf_checkpoint
 from .sampling import sample_seed
 from .workflows.base import Task, load_task
 
@@ -18,8 +19,24 @@ def build_task(cfg: Config) -> Task:
 def model_args(cfg: Config, task: Task, agent: str) -> ModelArgs:
     m = cfg.model_for(agent)
     if m.checkpoint:
-        return load_hf_checkpoint(m.checkpoint).args
+        return load_hf_args(m.checkpoint)
     return ModelArgs.from_config(m, len(task.vocab))
+
+
+def check_models(cfg: Config, task: Task) -> None:
+    """Before any rank starts: every agent's model can read and write the task's tokens."""
+    for agent in cfg.agent_names:
+        if not cfg.model_for(agent).checkpoint:
+            continue
+        where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
+        try:
+            args = model_args(cfg, task, agent)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if args.vocab_size < len(task.vocab):
+            raise ConfigError(f"{where}: the model's vocabulary ({args.vocab_size}) is smaller than the "
+                              f"task's ({len(task.vocab)} tokens); use the model's own tokenizer in "
+                              "workflow.task_args")
 
 
 def initial_model(cfg: Config, task: Task, agent: str) -> CausalLM:

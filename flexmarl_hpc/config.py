@@ -73,6 +73,8 @@ class ModelConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool = True
     """Share the input embedding and the LM head."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2 style; Llama has none)."""
     init_std: float = 0.02
     """Std of the random init (ignored when `checkpoint` is set)."""
     checkpoint: str = ""
@@ -338,7 +340,8 @@ def apply_override(data: dict, override: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+    # `key=` means the empty string (e.g. `model.checkpoint=` for random init), not YAML's null
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:

@@ -41,7 +41,7 @@ class ModelArgs:
     def from_config(cls, cfg: ModelConfig, vocab_size: int) -> "ModelArgs":
         return cls(vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
                    cfg.intermediate_size, cfg.max_seq_len, cfg.rope_theta, cfg.rms_eps,
-                   cfg.tie_embeddings)
+                   cfg.tie_embeddings, qkv_bias=cfg.qkv_bias)
 
     def to_hf_config(self) -> dict:
         return {
@@ -245,14 +245,19 @@ def save_hf_checkpoint(model: CausalLM, folder: str | Path) -> None:
     (folder / "config.json").write_text(json.dumps(model.args.to_hf_config(), indent=2))
 
 
+def load_hf_args(folder: str | Path) -> ModelArgs:
+    """The architecture of a local HF checkpoint, from its config.json alone (no weights read)."""
+    cfg_path = Path(folder) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: expected an HF config.json in the checkpoint folder")
+    return ModelArgs.from_hf_config(json.loads(cfg_path.read_text()))
+
+
 def load_hf_checkpoint(folder: str | Path) -> CausalLM:
     """Load a local HF Llama/Qwen2 checkpoint (config.json + *.safetensors)."""
     from safetensors.torch import load_file
     folder = Path(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: expected an HF config.json in the checkpoint folder")
-    args = ModelArgs.from_hf_config(json.loads(cfg_path.read_text()))
+    args = load_hf_args(folder)
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")

@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = layout_from_config(cfg)
     try:
         check_resumable(cfg)
+        from .build import build_task, check_models
+        check_models(cfg, build_task(cfg))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -196,3 +196,14 @@ def test_resume_into_a_different_run_is_refused(sync_run):
     assert p.returncode == 2
     assert "holds a run with different workflow" in p.stderr and "launching" not in p.stdout
     assert (out / "local.h5").stat().st_size == before          # nothing written was touched
+
+
+@pytest.mark.megatron
+def test_megatron_trainer_backend_gives_the_same_run(sync_run, tmp_path):
+    """The whole job with megatron-core trainer groups (GPTModel, DDP, DistributedOptimizer
+    over gloo) instead of the torch trainer: same trajectories, same final weights (in the
+    portable checkpoint format), every sample trained exactly once."""
+    ref, _ = sync_run
+    run_training(tmp_path, *SMALL, "run.mode=sync", "trainer.backend=megatron")
+    check_exactly_once(tmp_path / "local.h5", 6)
+    assert_same_run(ref, tmp_path, rel_tol=1e-4)

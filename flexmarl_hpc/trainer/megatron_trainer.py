@@ -41,6 +41,7 @@ import json
 import os
 import pickle
 import socket
+import warnings
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -57,6 +58,12 @@ from ..grpo import MicroBatch, grpo_loss, token_logprobs
 from ..model import ModelArgs, build_model, hf_state_dict
 
 _LAYOUT: tuple[int, int, int] | None = None      # (group size, tp, pp) this process runs
+# megatron warns on every rank, at import and at each build, that Apex / Transformer Engine
+# are absent and that it falls back to torch (expected on CPU), and torch.distributed calls
+# it makes are deprecated; a 4-rank job printed 30 such lines before its first step
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger",
+                        message=r".*is deprecated")
 _CUDA = torch.cuda.is_available()
 # megatron's TE spec fuses the pre-attention / pre-MLP norms into the next linear
 _TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",

@@ -5,7 +5,7 @@ turn one agent answers every path of the previous turn `samples` times, so one r
 grows a tree. The task class supplies the pieces that depend on the problem:
 
     class MyTask(Task):
-        vocab = Vocab(["yes", "no", ...])            # or a tokenizer-backed Vocab
+        vocab = Vocab(["yes", "no", ...])            # or TokenizerVocab("tokenizer.json")
         def sample_inputs(self, rng, n): ...          # n root inputs (JSON-able values)
         def prompt(self, turn, path): ...             # token ids the agent of `turn` sees
         def reward(self, path): ...                   # {agent: reward} at a finished leaf
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path as FsPath
 from typing import Any, Sequence
 
 import numpy as np
@@ -54,6 +56,55 @@ class Vocab:
         return m
 
 
+class TokenizerVocab:
+    """A pretrained model's tokenizer (a HF `tokenizer.json`, read by the `tokenizers`
+    library) as the task vocabulary, for tasks on real text. `pad`, `bos` and `eos` name
+    its special tokens (defaults: SmolLM2's chat tokens)."""
+
+    def __init__(self, path: str | PathLike, pad: str = "<|endoftext|>", bos: str = "<|im_start|>",
+                 eos: str = "<|im_end|>"):
+        from tokenizers import Tokenizer
+        file = FsPath(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: no tokenizer.json (expected a HF tokenizer file or a "
+                                    "checkpoint folder holding one)")
+        self.path = str(file)
+        self.tokenizer = Tokenizer.from_file(self.path)
+        ids = {name: self.tokenizer.token_to_id(tok) for name, tok in
+               (("pad", pad), ("bos", bos), ("eos", eos))}
+        missing = [f"{name} token {tok!r}" for (name, i), tok in zip(ids.items(), (pad, bos, eos)) if i is None]
+        if missing:
+            raise ValueError(f"{file}: tokenizer has no {', '.join(missing)}")
+        self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
+
+    def __len__(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, toks: Sequence[str]) -> list[int]:
+        out = [self.tokenizer.token_to_id(t) for t in toks]
+        if None in out:
+            raise KeyError(f"not in {self.path}: {[t for t, i in zip(toks, out) if i is None]}")
+        return out
+
+    def decode(self, ids: Sequence[int]) -> list[str]:
+        return [self.tokenizer.id_to_token(int(i)) for i in ids]
+
+    def text_ids(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in it (e.g. `<|im_start|>`) map to their ids."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def text(self, ids: Sequence[int]) -> str:
+        """`ids` as text, special tokens dropped."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def mask(self, toks: Sequence[str]) -> torch.Tensor:
+        m = torch.zeros(len(self), dtype=torch.bool)
+        m[self.encode(toks)] = True
+        return m
+
+
 @dataclass(frozen=True)
 class Path:
     """One path from a root input down the workflow tree."""
@@ -66,7 +117,7 @@ class Path:
 class Task:
     """Base class of workflow tasks (see the module docstring)."""
 
-    vocab: Vocab
+    vocab: Vocab | TokenizerVocab
     stop_tokens: frozenset[int] = frozenset({Vocab.eos_id})
 
     def sample_inputs(self, rng: np.random.Generator, n: int) -> list[Any]:
@@ -105,3 +156,5 @@ def load_task(spec: str, args: dict, turns: Sequence[str]) -> Task:
         return cls(turns=list(turns), **args)
     except TypeError as e:
         raise ConfigError(f"workflow.task_args: {spec} rejected them: {e}") from None
+    except (OSError, ValueError, KeyError) as e:       # e.g. a tokenizer file that is not there
+        raise ConfigError(f"workflow.task_args: {spec} could not be built from them: {e}") from None

@@ -1,0 +1,91 @@
+"""Export a trained agent of a run as a HF checkpoint folder: config.json, model.safetensors
+and, for tasks on a pretrained tokenizer, its tokenizer files. transformers, vLLM and our own
+`model.checkpoint` load the folder.
+
+    python -m flexmarl_hpc.export runs/smollm2_arith solver exported/solver
+    python -m flexmarl_hpc.export runs/local speaker out/speaker --version 500
+
+The weights come from the run's checkpoint (the latest, or `--version`), whichever trainer
+backend wrote it: checkpoints hold the portable HF-named state (megatron shards are
+gathered and converted before saving).
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .build import build_task, model_args
+from .config import ConfigError, load_config
+from .model import CausalLM, save_hf_checkpoint
+from .workflows.base import TokenizerVocab
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def checkpoint_file(run_dir: Path, agent: str, version: int | None) -> Path:
+    folder = run_dir / "checkpoints" / agent
+    if version is None:
+        latest = folder / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(f"{latest}: no checkpoint of agent {agent!r} in this run")
+        return folder / latest.read_text().strip()
+    path = folder / f"v{version:06d}.pt"
+    if not path.is_file():
+        have = sorted(p.stem for p in folder.glob("v*.pt"))
+        raise FileNotFoundError(f"{path}: no checkpoint of version {version} (kept: {have or 'none'})")
+    return path
+
+
+def export(run_dir: str | Path, agent: str, out: str | Path, version: int | None = None) -> Path:
+    """Write agent's weights (checkpoint `version`, default the latest) to `out`; returns the
+    checkpoint file used."""
+    run_dir, out = Path(run_dir), Path(out)
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file}: not a run directory (no resolved config.yaml)")
+    cfg = load_config(cfg_file)
+    if agent not in cfg.agent_names:
+        raise ConfigError(f"agent {agent!r} is not in this run (agents: {cfg.agent_names})")
+    task = build_task(cfg)
+    path = checkpoint_file(run_dir, agent, version)
+    state = torch.load(path, weights_only=True)
+    weights = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    model = CausalLM(model_args(cfg, task, agent))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [m for m in missing if not (model.args.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the run's model: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    save_hf_checkpoint(model, out)
+    if isinstance(task.vocab, TokenizerVocab):
+        src = Path(task.vocab.path).parent
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, out / name)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flexmarl_hpc.export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", help="the run's output_dir (holds config.yaml and checkpoints/)")
+    ap.add_argument("agent", help="which agent to export")
+    ap.add_argument("out", help="folder to write the HF checkpoint into")
+    ap.add_argument("--version", type=int, default=None, help="policy version (default: latest)")
+    a = ap.parse_args(argv)
+    try:
+        path = export(a.run_dir, a.agent, a.out, a.version)
+    except (OSError, ValueError) as e:
+        print(f"export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {a.agent} from {path} to {a.out}: "
+          f"{', '.join(sorted(p.name for p in Path(a.out).iterdir()))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

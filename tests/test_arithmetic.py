@@ -1,0 +1,102 @@
+"""The solver/verifier arithmetic workflow on a real `tokenizers` tokenizer (a small word-level
+one built here, so no model is needed), its error messages, and a real run of it."""
+import numpy as np
+import pytest
+import torch
+
+from flexmarl_hpc.config import ConfigError
+from flexmarl_hpc.run import main as run_main
+from flexmarl_hpc.workflows.arithmetic import SolverVerifier
+from flexmarl_hpc.workflows.base import Path, TokenizerVocab, load_task
+from tests.conftest import run_training
+from tests.test_run import check_exactly_once
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ("<unk> 0 1 2 3 4 5 6 7 8 9 - + * = ? . : , You are a careful assistant Answer briefly What is "
+         "Question Proposed answer Is the proposed correct yes or no Yes No system user").split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A word-level tokenizer.json with SmolLM2's special tokens at ids 0-2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def task(tokenizer, **kw):
+    return SolverVerifier(["solver", "verifier"], str(tokenizer), **kw)
+
+
+def ids(t, text):
+    return tuple(t.vocab.text_ids(text))
+
+
+def test_prompts_masks_and_rewards(tokenizer):
+    t = task(tokenizer)
+    v = t.vocab
+    assert (len(v), v.pad_id, v.bos_id, v.eos_id) == (len(SPECIALS + WORDS), 0, 1, 2)
+    assert t.stop_tokens == frozenset({2})
+    p0 = t.prompt(0, Path([3, "+", 4]))
+    assert p0[0] == v.bos_id and v.decode(p0[-4:]) == ["3", "+", "4", "="]
+    assert "Whatis3+4?" in v.text(p0)              # word-level pieces, fused by the decoder
+    # solver: digits, '-' and end of turn; verifier: yes/no words only
+    solver_ok = {v.tokenizer.token_to_id(c) for c in "0123456789-"} | {v.eos_id}
+    assert set(torch.nonzero(t.allowed_tokens(0)).flatten().tolist()) == solver_ok
+    assert set(v.decode(torch.nonzero(t.allowed_tokens(1)).flatten().tolist())) == {"yes", "no", "Yes", "No"}
+    yes, no, Yes = (v.tokenizer.token_to_id(w) for w in ("yes", "no", "Yes"))
+    right, wrong = ids(t, "7") + (v.eos_id,), ids(t, "12")
+    assert t.reward(Path([3, "+", 4], (right, (yes,)))) == {"solver": 1.0, "verifier": 1.0}
+    assert t.reward(Path([3, "+", 4], (right, (no,)))) == {"solver": 1.0, "verifier": 0.0}
+    assert t.reward(Path([3, "+", 4], (wrong, (Yes,)))) == {"solver": 0.0, "verifier": 0.0}
+    assert t.reward(Path([3, "+", 4], (wrong, (no,)))) == {"solver": 0.0, "verifier": 1.0}
+    assert t.reward(Path([2, "-", 9], (ids(t, "-7"), (yes,)))) == {"solver": 1.0, "verifier": 1.0}
+    assert t.reward(Path([2, "-", 9], (ids(t, "7-"), (no,)))) == {"solver": 0.0, "verifier": 1.0}
+    # the verifier is shown the solver's answer
+    p1 = t.prompt(1, Path([3, "+", 4], (wrong,)))
+    assert "ProposedAnswer".lower() in v.text(p1).lower() and "12" in v.text(p1)
+    # inputs: seeded, in range, every op used
+    xs = t.sample_inputs(np.random.default_rng(0), 200)
+    assert xs == t.sample_inputs(np.random.default_rng(0), 200)
+    assert {op for _, op, _ in xs} == {"+", "-"} and all(0 <= a <= 10 and 0 <= b <= 10 for a, op, b in xs)
+
+
+def test_bad_task_args_name_the_field(tokenizer, tmp_path):
+    with pytest.raises(ConfigError, match=r"workflow.task_args.*nowhere: no tokenizer.json"):
+        load_task("flexmarl_hpc.workflows.arithmetic:SolverVerifier", {"tokenizer": str(tmp_path / "nowhere")},
+                  ["solver", "verifier"])
+    with pytest.raises(ConfigError, match=r"workflow.task_args.*ops"):
+        load_task("flexmarl_hpc.workflows.arithmetic:SolverVerifier", {"tokenizer": str(tokenizer), "ops": "/"},
+                  ["solver", "verifier"])
+    with pytest.raises(ConfigError, match=r"workflow.task_args.*exactly 2 turns"):
+        load_task("flexmarl_hpc.workflows.arithmetic:SolverVerifier", {"tokenizer": str(tokenizer)}, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="no eos token"):
+        TokenizerVocab(tokenizer, eos="<|not_there|>")
+
+
+def test_checkpoint_with_a_smaller_vocabulary_is_refused_before_launch(tokenizer, tmp_path, capsys):
+    from flexmarl_hpc.model import ModelArgs, build_model, save_hf_checkpoint
+    save_hf_checkpoint(build_model(ModelArgs(10, 16, 1, 2, 2, 32, 64), seed=0), tmp_path / "tiny")
+    code = run_main(["configs/smollm2_arith.yaml", f"workflow.task_args.tokenizer={tokenizer}",
+                     f"model.checkpoint={tmp_path / 'tiny'}", f"run.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.checkpoint" in err and "vocabulary (10)" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.realrun
+def test_text_workflow_trains_end_to_end(tokenizer, tmp_path, mpiexec):
+    """The tokenizer-backed workflow through the whole job (random-init model, torch backends)."""
+    p = run_training(tmp_path, "run.steps=3", f"workflow.task_args.tokenizer={tokenizer}", "model.checkpoint=",
+                     "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
+                     "model.intermediate_size=64", "model.max_seq_len=96", "trainer.backend=torch",
+                     "trainer.lr=1e-3", config="configs/smollm2_arith.yaml")
+    assert "step    3/3" in p.stdout
+    check_exactly_once(tmp_path / "smollm2_arith.h5", 3)

