@@ -7,8 +7,11 @@ the tensor-parallel RNG tracker saves and restores CUDA generator states, some t
 created with `device="cuda"` or moved with `.cuda()`, and the optimizers accept a parameter
 only when `param.type()` says `torch.cuda.FloatTensor`. This module maps each of those to the
 CPU and changes nothing else, so the model, the schedules, DDP, the DistributedOptimizer and
-dist_checkpointing run their real code paths on CPU ranks over gloo. Measured with
-megatron-core 0.16.1 (python 3.11) and 0.19.2.
+dist_checkpointing run their real code paths on CPU ranks over gloo. Checked with
+megatron-core 0.16.1 (python 3.11, .venv) and 0.17.1, 0.18.2, 0.19.2 (python 3.12, torch
+2.13.0): the same patches serve all four, none is version-gated. 0.19 adds two log notices
+per trainer build (GPTModel deprecated in favour of HybridModel; DDP auto-computes the
+DistributedOptimizer's param layout), which are left visible.
 
 Two parts:
   * `apply()`: process-wide patches of `torch.cuda` functions (idempotent). Asserts that
@@ -23,7 +26,8 @@ Two parts:
     with megatron_compat.cpu_mode():
         ...  # build / run megatron-core
 
-Check: `.venv/bin/python -m pytest tests/test_megatron.py`.
+Check: `.venv/bin/python -m pytest tests/test_megatron.py`; other megatron-core releases in a
+side venv: `bash scripts/check_megatron_versions.sh 0.19.2 0.18.2 0.17.1`.
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ def apply() -> list[str]:
     # buffers, grad buffers and scratch memory are allocated on current_device()
     cuda.current_device = lambda: _CPU
     cuda.synchronize = lambda *a, **k: None
+    # >= 0.17: the grad buffer's sync waits on torch.cuda.current_stream() (0.16.1 never asks)
     cuda.current_stream = lambda *a, **k: _NullStream()
     cuda.default_stream = lambda *a, **k: _NullStream()
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
