@@ -115,6 +115,10 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    max_model_len: int = 0
+    """Longest prompt + response a replica serves (0: the model's max_seq_len). Bounds vLLM's
+    KV cache: a pretrained model's context (8192 for SmolLM2) sized for max_batch sequences
+    would not fit in host memory."""
 
 
 @dataclass
@@ -385,6 +389,7 @@ def validate(cfg: Config) -> None:
     need(cfg.rollout.replicas >= 1, "rollout.replicas", "expected >= 1 replica")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "expected 0 < top_p <= 1")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "expected > 0")
+    need(cfg.rollout.max_model_len >= 0, "rollout.max_model_len", "expected >= 0 (0: the model's max_seq_len)")
     need(cfg.trainer.ranks_per_group >= 1, "trainer.ranks_per_group", "expected >= 1")
     mp = cfg.trainer.tensor_parallel * cfg.trainer.pipeline_parallel
     need(mp >= 1 and cfg.trainer.ranks_per_group % mp == 0, "trainer.ranks_per_group",

@@ -147,13 +147,14 @@ class VLLMEngine:
                                  f"or a wider model")
         folder = self.root / agent
         write_checkpoint(folder, args, named)
+        max_len = min(self.cfg.max_model_len or args.max_seq_len, args.max_seq_len)
         if not cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             # vLLM's CPU default is 4 GiB per engine; size it for max_batch full-length sequences
-            kv = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4 * args.max_seq_len * self.cfg.max_batch
+            kv = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4 * max_len * self.cfg.max_batch
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(2 * kv / 2**30)))
         extra = {} if not cuda else {"gpu_memory_utilization": 0.85 / max(1, len(self.args_of))}
         return LLM(model=str(folder), skip_tokenizer_init=True, dtype=self.dtype,
-                   max_model_len=args.max_seq_len, max_num_seqs=self.cfg.max_batch,
+                   max_model_len=max_len, max_num_seqs=self.cfg.max_batch,
                    enforce_eager=not cuda, enable_prefix_caching=True,
                    logprobs_mode="processed_logprobs", seed=0, **extra)
 
