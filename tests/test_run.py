@@ -163,6 +163,29 @@ def test_flex_equals_sync_with_zero_staleness(sync_run, tmp_path):
     assert_same_run(ref, tmp_path)
 
 
+def test_staleness_one_trains_samples_at_most_one_version_old(tmp_path, mpiexec):
+    """max_staleness=1: some samples are one version old, none older; a GRPO group is never
+    split over versions; each step's record matches its samples; still exactly once."""
+    run_training(tmp_path, *SMALL, "pipeline.max_staleness=1")
+    check_exactly_once(tmp_path / "local.h5", 6)
+    with h5py.File(tmp_path / "local.h5", "r") as f:
+        for agent in f.attrs["agents"]:
+            g = f[f"samples/{agent}"]
+            step, ver = g["step"][:], g["policy_version"][:]
+            assert set((step - ver).tolist()) <= {0, 1}
+            groups: dict = {}
+            for key in zip(step.tolist(), g["input_id"][:].tolist(), g["parent_id"][:].tolist(), ver.tolist()):
+                groups.setdefault(key[:3], set()).add(key[3])
+            assert all(len(v) == 1 for v in groups.values()), "a GRPO group mixes policy versions"
+            st = f[f"steps/{agent}"]
+            rows = st["rows"][:]
+            for s, off, n, smax in zip(st["step"][:], st["rows_offset"][:], st["rows_len"][:],
+                                       st["staleness_max"][:]):
+                assert smax == (s - ver[rows[off:off + n]]).max()
+        stale = f["samples/speaker/step"][:] - f["samples/speaker/policy_version"][:]
+        assert stale.max() == 1                  # the pipeline really overlapped steps
+
+
 def test_fewer_trainer_groups_than_agents_swaps_states_losslessly(sync_run, tmp_path):
     """One trainer group for two agents: states are parked and swapped in on demand; the
     result is the same run as with one group per agent."""
