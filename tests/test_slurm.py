@@ -265,6 +265,22 @@ def test_interrupted_job_is_requeued_and_finishes_exactly_once(slurm, how, tmp_p
     assert_store_complete(h5, steps)
 
 
+@pytest.mark.slurm
+def test_sweep_runs_one_array_task_per_value(slurm, tmp_path):
+    """--sweep trainer.lr=1e-3,3e-4: one submitit job array, each task one allocation
+    running its own value into BASE/key=value to a complete store."""
+    tasks = submit_sweep(CONFIG, [*SMALL, "run.steps=2", f"run.output_dir={tmp_path}"], "trainer.lr=1e-3,3e-4")
+    assert [t.output_dir for t in tasks] == [tmp_path / "trainer.lr=1e-3", tmp_path / "trainer.lr=3e-4"]
+    assert len({t.job.job_id.split("_")[0] for t in tasks}) == 1       # one array
+    for task, lr in zip(tasks, (1e-3, 3e-4)):
+        state = SlurmRun(task.output_dir, task.job.job_id).wait(timeout=180)
+        assert state == "COMPLETED", task.job.paths.stderr.read_text()[-3000:]
+        h5 = task.output_dir / "local.h5"
+        assert Path(task.job.results()[0]) == h5
+        assert_store_complete(h5, 2)
+        assert load_config(str(task.output_dir / "config.yaml")).trainer.lr == lr
+
+
 def submit_from_test(tmp_path: Path, steps: int) -> SlurmRun:
     from flexmarl_hpc.submit import submit
     return submit(CONFIG, [*SMALL, f"run.steps={steps}", f"run.output_dir={tmp_path}"])
