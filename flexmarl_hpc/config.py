@@ -193,6 +193,9 @@ class SlurmComponent:
     """Memory per node (`--mem`), e.g. 64G; empty: site default."""
     partition: str = ""
     """Partition of this component; empty: slurm.partition."""
+    sbatch_options: list[str] = field(default_factory=list)
+    """Extra `#SBATCH` options of this component, e.g. ['--constraint=a100', '--exclusive'];
+    `--single` and sweeps take the trainer's."""
 
 
 @dataclass
@@ -213,6 +216,8 @@ class SlurmConfig:
     """Requeue on preemption/time limit and resume."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run before srun (module loads, venv activation, NCCL/UCX env)."""
+    sbatch_options: list[str] = field(default_factory=list)
+    """Extra job-wide `#SBATCH` options, e.g. ['--mail-type=END', '--reservation=res1']."""
     orchestrator: SlurmComponent = field(default_factory=SlurmComponent)
     """Het component 0: the orchestrator rank."""
     rollout: SlurmComponent = field(default_factory=SlurmComponent)

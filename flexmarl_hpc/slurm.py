@@ -42,6 +42,15 @@ SIGNAL_MAX_S = 65535                       # sbatch --signal=SIG@N: N is at most
 MEM_RE = re.compile(r"^[1-9]\d*[KMGT]?$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 SLURM_NAME_RE = re.compile(r"^[A-Za-z0-9_.,+@:-]*$")   # partition lists, accounts, QOS names
+OPTION_RE = re.compile(r"^--([a-z][a-z0-9-]*)(?:=(\S+))?$")
+OWNED_OPTIONS = {                         # sbatch options the config sets itself -> the field
+    "job-name": "run.name", "output": "run.output_dir", "error": "run.output_dir",
+    "time": "slurm.time", "account": "slurm.account", "qos": "slurm.qos",
+    "signal": "slurm.signal_seconds", "requeue": "slurm.requeue", "no-requeue": "slurm.requeue",
+    "open-mode": "nothing (append is what resume needs)", "partition": "{where}.partition",
+    "nodes": "{where}.nodes", "ntasks": "the layout (rollout.replicas, trainer.*)",
+    "cpus-per-task": "{where}.cpus_per_task", "gpus-per-node": "{where}.gpus_per_node",
+    "mem": "{where}.mem", "het-group": "nothing (submit writes the het job)"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,6 +128,25 @@ def validate_slurm(cfg: Config) -> None:
             raise ConfigError(f"{where}.mem: expected a size per node like 64G or 4000M, got {comp.mem!r}")
         if not SLURM_NAME_RE.match(comp.partition):
             raise ConfigError(f"{where}.partition: {comp.partition!r} is not a Slurm name")
+        check_sbatch_options(comp.sbatch_options, f"{where}.sbatch_options", where)
+    check_sbatch_options(s.sbatch_options, "slurm.sbatch_options", "slurm.<component>")
+
+
+def check_sbatch_options(options: list[str], field: str, where: str) -> None:
+    """Each extra option is one long sbatch option without blanks, not one the config owns."""
+    for opt in options:
+        m = OPTION_RE.match(opt) if isinstance(opt, str) else None
+        if not m:
+            raise ConfigError(f"{field}: expected long sbatch options like '--constraint=a100' or "
+                              f"'--exclusive' (no blanks), got {opt!r}")
+        if m.group(1) in OWNED_OPTIONS:
+            raise ConfigError(f"{field}: {opt!r} is set by " + OWNED_OPTIONS[m.group(1)].format(where=where))
+
+
+def sbatch_option_items(options: list[str]) -> dict[str, object]:
+    """['--constraint=a100', '--exclusive'] -> {'constraint': 'a100', 'exclusive': True}
+    (submitit's additional_parameters; it writes True as a bare flag)."""
+    return {m.group(1): m.group(2) or True for m in map(OPTION_RE.match, options)}
 
 
 @dataclass(frozen=True)
@@ -194,7 +222,7 @@ def _job_wide(cfg: Config) -> list[str]:
     if s.signal_seconds:
         lines.append(f"#SBATCH --signal=USR1@{s.signal_seconds}")
     lines.append("#SBATCH --requeue" if s.requeue else "#SBATCH --no-requeue")
-    return lines
+    return lines + [f"#SBATCH {opt}" for opt in s.sbatch_options]
 
 
 def _component(comp: SlurmComponent, ntasks: int, default_partition: str, label: str) -> list[str]:
@@ -206,7 +234,7 @@ def _component(comp: SlurmComponent, ntasks: int, default_partition: str, label:
         lines.append(f"#SBATCH --mem={comp.mem}")
     if comp.partition or default_partition:
         lines.append(f"#SBATCH --partition={comp.partition or default_partition}")
-    return lines
+    return lines + [f"#SBATCH {opt}" for opt in comp.sbatch_options]
 
 
 def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list[str]) -> list[str]:
@@ -262,7 +290,7 @@ def hetjob_script(cfg: Config, config_path: str, overrides: list[str] = (), pyth
 def single_component(cfg: Config) -> SlurmComponent:
     """All ranks in one allocation: the nodes of the rollout and trainer components (the
     orchestrator is one CPU rank that fits beside them), the largest per-task CPUs,
-    per-node GPUs and memory of the three, the trainer's partition."""
+    per-node GPUs and memory of the three, the trainer's partition and sbatch_options."""
     comps = [getattr(cfg.slurm, n) for n in COMPONENTS]
     mems = [c.mem for c in comps if c.mem]
     return SlurmComponent(
@@ -270,7 +298,8 @@ def single_component(cfg: Config) -> SlurmComponent:
         gpus_per_node=max(c.gpus_per_node for c in comps),
         cpus_per_task=max(c.cpus_per_task for c in comps),
         mem=max(mems, key=mem_mb) if mems else "",
-        partition=cfg.slurm.trainer.partition)
+        partition=cfg.slurm.trainer.partition,
+        sbatch_options=list(cfg.slurm.trainer.sbatch_options))
 
 
 def single_script(cfg: Config, config_path: str, overrides: list[str] = (), python: str = "python") -> str:

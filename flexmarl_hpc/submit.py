@@ -49,7 +49,7 @@ from submitit.slurm.slurm import SlurmInfoWatcher
 from .config import Config, ConfigError, load_config, save_config
 from .layout import layout_from_config
 from .slurm import (EXIT_REQUEUE, Partition, check_capacity, hetjob_script, parse_time,
-                    single_component, single_script, validate_slurm)
+                    sbatch_option_items, single_component, single_script, validate_slurm)
 
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                       "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
@@ -374,7 +374,8 @@ def sweep_parameters(cfg: Config) -> dict[str, object]:
     """
     s, comp = cfg.slurm, single_component(cfg)
     secs = parse_time(s.time)
-    extra: dict[str, object] = {"ntasks": layout_from_config(cfg).world_size, "requeue": True}
+    extra: dict[str, object] = {**sbatch_option_items([*s.sbatch_options, *comp.sbatch_options]),
+                                "ntasks": layout_from_config(cfg).world_size, "requeue": True}
     params: dict[str, object] = dict(
         job_name=f"{cfg.run.name}-sweep", nodes=comp.nodes, cpus_per_task=comp.cpus_per_task,
         signal_delay_s=s.signal_seconds or 60, srun_args=[f"--mpi={s.mpi}"], setup=list(s.setup))

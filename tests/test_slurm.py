@@ -22,7 +22,7 @@ import pytest
 from flexmarl_hpc.config import ConfigError, load_config
 from flexmarl_hpc.slurm import Partition, check_capacity, hetjob_script, parse_time, single_script
 from flexmarl_hpc.submit import (HetInfoWatcher, SlurmRun, main as submit_main, parse_sinfo, prepare,
-                                 submit_sweep, sweep_overrides)
+                                 submit_sweep, sweep_overrides, sweep_parameters)
 from tests.conftest import ROOT, need
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -78,6 +78,20 @@ def test_dry_run_prints_the_script_with_absolute_paths(tmp_path, capsys):
     assert not (tmp_path / "job.sbatch").exists(), "a dry run writes nothing"
 
 
+def test_sbatch_options_go_to_their_component():
+    cfg = load_config(CONFIG, [*SITE, "slurm.sbatch_options=['--mail-type=END']",
+                               "slurm.trainer.sbatch_options=['--constraint=a100', '--exclusive']"])
+    comps = hetjob_script(cfg, "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
+    assert "#SBATCH --mail-type=END\n" in comps[0] and "--mail-type" not in comps[1] + comps[2]
+    assert comps[2].endswith("#SBATCH --constraint=a100\n#SBATCH --exclusive")
+    assert "--constraint" not in comps[0] + comps[1]
+    single = single_script(cfg, "c.yaml")
+    assert all(f"#SBATCH {o}\n" in single for o in ("--mail-type=END", "--constraint=a100", "--exclusive"))
+    extra = sweep_parameters(cfg)["additional_parameters"]
+    assert {k: extra[k] for k in ("mail-type", "constraint", "exclusive")} == {
+        "mail-type": "END", "constraint": "a100", "exclusive": True}
+
+
 # ---------------------------------------------------------------------------------------
 # (b) a bad slurm: section is refused before submission
 # ---------------------------------------------------------------------------------------
@@ -96,6 +110,10 @@ def test_dry_run_prints_the_script_with_absolute_paths(tmp_path, capsys):
     ("slurm.trainer={mem: lots}", "slurm.trainer.mem"),
     ("slurm.trainer={gpus: 4}", "slurm.trainer.gpus"),
     ("run.name=my run", "run.name"),
+    ("slurm.trainer.sbatch_options=['-C a100']", "slurm.trainer.sbatch_options"),
+    ("slurm.rollout.sbatch_options=['--nodes=2']", "slurm.rollout.sbatch_options"),
+    ("slurm.sbatch_options=['--time=5']", "slurm.sbatch_options"),
+    ("slurm.sbatch_options=['--comment=a b']", "slurm.sbatch_options"),
 ])
 def test_bad_slurm_section_is_refused_before_submission(override, field, tmp_path, capsys):
     args = [override, "slurm.time=00:05:00", f"run.output_dir={tmp_path}"] if override.startswith(
@@ -222,7 +240,8 @@ def assert_store_complete(h5: Path, steps: int) -> None:
 @pytest.mark.slurm
 def test_submit_runs_a_het_job_to_completion(slurm, tmp_path, capsys):
     """(c) submit -> one het job of 3 components -> a complete store."""
-    assert submit_main([CONFIG, *SMALL, "run.steps=4", f"run.output_dir={tmp_path}"]) == 0
+    assert submit_main([CONFIG, *SMALL, "run.steps=4", f"run.output_dir={tmp_path}",
+                        "slurm.sbatch_options=['--comment=flexmarl-test']"]) == 0
     out = capsys.readouterr().out
     job_id = re.search(r"submitted job (\d+)", out).group(1)
     for path in (f"{tmp_path}/logs/{job_id}.out", f"{tmp_path}/logs/{job_id}.err", f"{tmp_path}/local.h5"):
@@ -237,6 +256,8 @@ def test_submit_runs_a_het_job_to_completion(slurm, tmp_path, capsys):
                        capture_output=True, text=True, timeout=30)
     comps = {line.split("|")[0]: line.split("|")[1] for line in p.stdout.split()}
     assert comps == {f"{job_id}+{i}": "COMPLETED" for i in range(3)}, p.stdout
+    p = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    assert "Comment=flexmarl-test" in p.stdout, p.stdout        # slurm.sbatch_options reached sbatch
 
 
 @pytest.mark.slurm
