@@ -283,7 +283,7 @@ class Orchestrator:
             self.ckpt_pending -= 1
         elif kind == "moved":
             self.moving[self.layout.role_of(src)[1]] -= 1
-        elif kind == "stopped":
+        elif kind in ("stopped", "intervals"):
             pass
         else:
             raise RuntimeError(f"orchestrator: unknown reply {kind!r}")
@@ -398,6 +398,11 @@ class Orchestrator:
                                                      for g in range(self.layout.groups)]
         for rank in targets:
             self.world.send(("stop", code), dest=rank, tag=C.TAG_CMD)
-        for _ in targets:
-            self.handle(*C.recv_from(self.world, tag=C.TAG_REPLY))
+        # every worker rank answers "stopped" last (group members too: the leader forwards
+        # the stop), so once all have, no interval message is left in flight
+        pending = self.layout.world_size - 1
+        while pending:
+            msg, src = C.recv_from(self.world, tag=C.TAG_REPLY)
+            self.handle(msg, src)
+            pending -= msg[0] == "stopped"
         self.store.flush()

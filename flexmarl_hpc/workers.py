@@ -37,9 +37,10 @@ class Clock:
         self.last = t1
 
     def waited(self, t0: float) -> float:
-        """Book [t0, now] as waiting (e.g. for the other members of a collective); returns now."""
+        """Book everything since the last activity as waiting (for the command that arrived at
+        t0, then for the other members of a collective); returns now."""
         now = time.time()
-        self.items.append(("wait", "", t0, now))
+        self.items.append(("wait", "", min(self.last, t0), now))
         self.last = now
         return now
 
@@ -75,6 +76,7 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
             clock.mark("sync", agent, t[0])
             world.send(("synced", index, agent, v, clock.drain()), dest=orch, tag=C.TAG_REPLY)
         elif kind == "stop":
+            clock.waited(t0)
             world.send(("stopped", index, clock.drain()), dest=orch, tag=C.TAG_REPLY)
             return cmd[1]
         else:
@@ -129,7 +131,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
                 broadcast_weights(channels.get(members), held[0], version, bucket_bytes,
                                   staging=lambda n: channels.buffer(members, n), packed=held[2],
                                   on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
-            clock.mark("sync", agent, t[0])
+                clock.mark("sync", agent, t[0])        # the other members take no part in it
             reply = ("tsynced", agent, version)
         elif kind == "checkpoint":
             for name in cmd[1]:
@@ -144,13 +146,17 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             clock.mark("swap", agent, t0)
             reply = ("moved", agent)
         elif kind == "stop":
-            if leader:
-                world.send(("stopped", -1, clock.drain()), dest=orch, tag=C.TAG_REPLY)
+            clock.waited(t0)
+            world.send(("stopped", -1, clock.drain()), dest=orch, tag=C.TAG_REPLY)   # every rank
             return cmd[1]
         else:
             raise ValueError(f"trainer: unknown command {kind!r}")
         if leader and reply is not None:
             world.send(reply + (clock.drain(),), dest=orch, tag=C.TAG_REPLY)
+        elif not leader:
+            # the other members' intervals go straight to the store too (one small message
+            # per command), so utilization counts every rank of a data-parallel group
+            world.send(("intervals", clock.drain()), dest=orch, tag=C.TAG_REPLY)
 
 
 def _group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:

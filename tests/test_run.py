@@ -210,6 +210,25 @@ def test_data_parallel_trainer_groups_match_single_rank(sync_run, tmp_path):
     assert "6 ranks" in p.stdout
     check_exactly_once(tmp_path / "local.h5", 6)
     assert_same_run(ref, tmp_path)
+    check_intervals_cover_every_rank(tmp_path / "local.h5", world=6, trainer_ranks=range(2, 6))
+
+
+def check_intervals_cover_every_rank(path, world, trainer_ranks):
+    """Every worker rank (data-parallel members too) records its time: intervals that do not
+    overlap and leave under 5% of the rank's span unaccounted for (not busy, not wait)."""
+    with h5py.File(path, "r") as f:
+        iv = f["intervals"]
+        rank, act, t0, t1 = iv["rank"][:], iv["activity"][:], iv["t0"][:], iv["t1"][:]
+    assert set(rank.tolist()) == set(range(1, world))
+    for r in range(1, world):
+        m = rank == r
+        order = np.argsort(t0[m])
+        a, b = t0[m][order], t1[m][order]
+        assert (a[1:] >= b[:-1] - 1e-6).all(), f"rank {r}: overlapping intervals"
+        unaccounted = (b.max() - a.min()) - (b - a).sum()
+        assert unaccounted < 0.05 * (b.max() - a.min()), f"rank {r}: {unaccounted:.3f} s unaccounted"
+        if r in trainer_ranks:                              # leaders and members alike
+            assert b"train" in set(act[m].tolist()), f"rank {r} records no training"
 
 
 def test_resume_into_a_different_run_is_refused(sync_run):
