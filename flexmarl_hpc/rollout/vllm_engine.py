@@ -44,6 +44,9 @@ from .base import GenRequest
 # unbound (several ranks share the node's cores; the runtime sets threads per rank)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# vLLM logs two INFO lines per in-place weight update (several per step): keep the run's own
+# one line per step readable; VLLM_LOGGING_LEVEL=INFO brings them back
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def _reload(worker, weights: list[tuple[str, torch.Tensor]], tied: bool) -> None:
