@@ -21,8 +21,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from .store import (EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS, SCHEMA_VERSION,
-                    STATUS_NAMES, STEP_COLUMNS)
+from .store import (CONSUMED, DROPPED, EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS,
+                    SCHEMA_VERSION, STATUS_NAMES, STEP_COLUMNS)
 
 BUSY = ("generate", "train", "sync", "swap", "checkpoint")
 
@@ -184,7 +184,7 @@ def summary(run: Run) -> dict:
                         "reward_first": float(r.iloc[0]) if len(r) else None,
                         "reward_last": float(r.iloc[-1]) if len(r) else None,
                         "reward_best": float(r.max()) if len(r) else None}
-    consumed = run.samples[run.samples["status"] == 2] if not run.samples.empty else run.samples
+    consumed = run.samples[run.samples["status"] == CONSUMED] if not run.samples.empty else run.samples
     tokens = int((consumed["prompt_len"] + consumed["response_len"]).sum()) if len(consumed) else 0
     iv = run.intervals
     secs = (iv["t1"] - iv["t0"]).groupby(iv["activity"]).sum() if not iv.empty else pd.Series(dtype=float)
@@ -194,6 +194,7 @@ def summary(run: Run) -> dict:
         "agents": run.agents, "steps_configured": cfg_run.get("steps"),
         "steps_done": int(steps.groupby("agent").size().min()) if not steps.empty else 0,
         "wall_s": wall, "samples": int(len(consumed)),
+        "samples_dropped": int((run.samples["status"] == DROPPED).sum()) if not run.samples.empty else 0,
         "samples_per_s": len(consumed) / wall if wall > 0 else 0.0,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "per_agent": per_agent, "utilization": utilization(run),

@@ -31,6 +31,9 @@ def print_summary(runs: list[Run], sums: list[dict]) -> None:
         print(f"== {run.path}  [{s['mode']}, config {s['config_digest']}, agents {', '.join(s['agents'])}]")
         print(f"   steps {s['steps_done']}/{s['steps_configured']}, wall {s['wall_s']:.1f} s, "
               f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} tokens/s")
+        if s["samples_dropped"]:
+            print(f"   dropped by over-provisioning: {s['samples_dropped']} samples "
+                  f"(trained {s['samples']})")
         for a, r in s["per_agent"].items():
             if r["steps"]:
                 print(f"   {a:12s} reward first {r['reward_first']:.3f}  last {r['reward_last']:.3f}  "

@@ -167,6 +167,11 @@ class PipelineConfig:
     """flex: train micro-batches as they fill (off: wait for the agent's whole batch; ablation)."""
     swap_states: bool = False
     """Allow fewer trainer groups than agents: states are swapped in and out on demand."""
+    overprovision: int = 0
+    """flex: extra inputs admitted per step beyond workflow.inputs_per_step. The first
+    inputs_per_step inputs whose whole workflow tree finishes form the step's batch; the
+    others are dropped (status `dropped` in the store, never trained), so a long-tailed
+    input does not hold the step. 0: every input is trained, as in sync."""
 
 
 @dataclass
@@ -350,7 +355,11 @@ def apply_override(data: dict, override: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {p} is not a section")
     # `key=` means the empty string (e.g. `model.checkpoint=` for random init), not YAML's null
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key.strip()}: the value {raw!r} is not valid YAML "
+                          f"({getattr(e, 'problem', None) or e}); quote it in the shell") from None
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -413,6 +422,9 @@ def validate(cfg: Config) -> None:
     need(cfg.num_trainer_groups <= n_agents, "trainer.groups",
          f"expected at most {n_agents} (one per agent), got {cfg.num_trainer_groups}")
     need(cfg.pipeline.max_staleness >= 0, "pipeline.max_staleness", "expected >= 0")
+    need(cfg.pipeline.overprovision >= 0, "pipeline.overprovision", "expected >= 0 extra inputs per step")
+    need(cfg.pipeline.overprovision == 0 or cfg.run.mode == "flex", "pipeline.overprovision",
+         "needs run.mode=flex (sync, the baseline, trains every input it admits)")
     need(cfg.weight_sync.bucket_mb > 0, "weight_sync.bucket_mb", "expected > 0")
     for agent in cfg.agent_names:
         m = cfg.model_for(agent)

@@ -9,6 +9,14 @@ sample_id = {input_id}_{turn}_{trajectory_id}. Its life:
                           siblings are known, so the group advantage can be computed
              -> CONSUMED  when handed to its agent's trainer (recorded and flushed before
                           the micro-batch is sent)
+             -> DROPPED   (pipeline.overprovision only) its input was not among the first
+                          inputs_per_step of its step to finish; never trained
+
+Over-provisioning: a step admits inputs_per_step + overprovision inputs; an input joins the
+step's batch when its whole tree is generated (its READY samples wait until then), and once
+inputs_per_step have joined, the step's other inputs are dropped, whatever state they are
+in (pending, on a replica, generated). Which inputs win depends on timing, so such a run is
+not reproducible sample for sample; every generated sample is still trained once or dropped.
 
 Every change is written through (`StoreFile`) before it is acted on. On resume, rows of
 uncommitted steps are reloaded instead of regenerated, and consumed-but-uncommitted rows
@@ -25,7 +33,7 @@ import numpy as np
 from .config import Config
 from .grpo import group_advantages
 from .sampling import sample_seed
-from .store import CONSUMED, GENERATED, READY, StoreFile
+from .store import CONSUMED, DROPPED, GENERATED, READY, StoreFile
 from .workflows.base import Path, Task
 
 
@@ -45,7 +53,7 @@ class Node:
     logprobs: list[float] | None = None
     version: int = -1
     replica: int = -1
-    status: int = -1                   # -1 pending, then GENERATED / READY / CONSUMED
+    status: int = -1                   # -1 pending, then GENERATED / READY / CONSUMED / DROPPED
     reward: float | None = None
     advantage: float = 0.0
     leaf_sum: float = 0.0
@@ -82,6 +90,15 @@ class Experience:
         self.leaves_below = [math.prod(t.samples for t in self.turns[i + 1:]) for i in range(len(self.turns))]
         self.resp_len_mean = {a: float(np.mean([t.max_new_tokens for t in self.turns if t.agent == a]))
                               for a in self.agents}
+        # over-provisioning (see the module docstring)
+        self.n_in, self.extra = cfg.workflow.inputs_per_step, cfg.pipeline.overprovision
+        self.leaves_per_input = math.prod(t.samples for t in self.turns)
+        self.inputs_of: dict[int, list[int]] = {}             # step -> its input ids
+        self.leaves_left: dict[int, int] = {}                  # input -> leaves not generated
+        self.held: dict[int, list[Node]] = defaultdict(list)   # input -> READY, not in a batch
+        self.joined: dict[int, list[int]] = defaultdict(list)  # step -> inputs in its batch
+        self.dropped: set[int] = set()                         # inputs left out
+        self.dropping: list[Node] = []                         # to write as DROPPED
 
     # -- creating work -------------------------------------------------------------------
     def admit_step(self, step: int) -> None:
@@ -89,11 +106,13 @@ class Experience:
         if step in self.steps_admitted:
             return
         self.steps_admitted.add(step)
-        n_in = self.cfg.workflow.inputs_per_step
+        n_in = self.n_in + self.extra
         inputs = self.task.sample_inputs(np.random.default_rng([self.cfg.run.seed, step]), n_in)
         for t, turn in enumerate(self.turns):
             self.turn_left[(step, t)] = n_in * math.prod(x.samples for x in self.turns[:t + 1])
+        self.inputs_of[step] = [step * n_in + i for i in range(n_in)]
         for i, x in enumerate(inputs):
+            self.leaves_left.setdefault(step * n_in + i, self.leaves_per_input)
             self._spawn(None, step, step * n_in + i, x)
 
     def _spawn(self, parent: Node | None, step: int, input_id: int, root_input) -> None:
@@ -129,6 +148,7 @@ class Experience:
         """Append generated samples (one HDF5 write per column), then advance their trees."""
         now = self.store.now()
         by_agent: dict[str, list] = defaultdict(list)
+        late = [node for node, _, _ in batch if node.status == DROPPED]   # dropped on the replica
         for node, toks, lps in batch:
             node.response, node.logprobs = list(toks), list(lps)
             node.version, node.replica, node.status = version, replica, GENERATED
@@ -138,13 +158,17 @@ class Experience:
             self.resp_len_mean[node.agent] = 0.95 * a + 0.05 * len(toks)
         for agent, nodes in by_agent.items():
             self._append_rows(agent, nodes, now)
+        self._mark_dropped(late)
         newly_ready: list[Node] = []
         for node, _, _ in batch:
+            if node.status == DROPPED:
+                continue
             if node.turn == len(self.turns) - 1:
                 newly_ready += self._leaf_done(node)
             else:
                 self._spawn(node, node.step, node.input_id, node.root_input)
         self._write_ready(newly_ready)
+        self._write_dropped()
 
     def _append_rows(self, agent: str, nodes: list[Node], now: float) -> None:
         tab = self.store.samples[agent]
@@ -185,7 +209,50 @@ class Experience:
                 node.reward = node.leaf_sum / node.leaf_n
                 ready += self._group_ready(node.group)
             node = node.parent
+        if self.extra:
+            self.leaves_left[leaf.input_id] -= 1
+            if self.leaves_left[leaf.input_id] == 0:
+                self._input_done(leaf.step, leaf.input_id)
         return ready
+
+    def _input_done(self, step: int, input_id: int) -> None:
+        """Over-provisioning: a whole tree is generated. It joins the step's batch; with the
+        batch full, the step's other inputs are dropped."""
+        batch = self.joined[step]
+        batch.append(input_id)
+        for n in self.held.pop(input_id, []):
+            self.ready[n.agent][n.step].append(n)
+        if len(batch) < self.n_in:
+            return
+        losers = set(self.inputs_of[step]) - set(batch) - self.dropped
+        self.dropped |= losers
+        for key in [k for k, n in self.nodes.items() if n.input_id in losers]:
+            self._mark_dropped([self.nodes[key]])
+        for agent, q in self.pending.items():
+            keep = [n for n in q if n.input_id not in losers]
+            q.clear()
+            q.extend(keep)
+        for i in losers:
+            self.held.pop(i, None)
+
+    def _mark_dropped(self, nodes: list[Node]) -> None:
+        """Pending nodes and nodes on a replica have no row yet: a replica's answer for one
+        is written as generated, then dropped (record_generation)."""
+        for n in nodes:
+            if n.status != DROPPED:
+                n.status = DROPPED
+                if n.row >= 0:
+                    self.dropping.append(n)
+
+    def _write_dropped(self) -> None:
+        nodes, self.dropping = self.dropping, []
+        by_agent: dict[str, list[int]] = defaultdict(list)
+        for n in nodes:
+            by_agent[n.agent].append(n.row)
+        now = self.store.now()
+        for agent, rows in by_agent.items():
+            self.store.samples[agent].update("status", rows, DROPPED)
+            self._events(agent, rows, DROPPED, now, -1)
 
     def _group_ready(self, group: list[Node]) -> list[Node]:
         if any(n.reward is None for n in group) or group[0].status != GENERATED:
@@ -193,7 +260,10 @@ class Experience:
         adv = group_advantages(np.array([n.reward for n in group]))
         for n, a in zip(group, adv):
             n.advantage, n.status = float(a), READY
-        self.ready[group[0].agent][group[0].step].extend(group)
+        if self.extra and group[0].input_id not in self.joined[group[0].step]:
+            self.held[group[0].input_id].extend(group)     # trainable once its input joins
+        else:
+            self.ready[group[0].agent][group[0].step].extend(group)
         return group
 
     def _write_ready(self, nodes: list[Node]) -> None:
@@ -271,6 +341,9 @@ class Experience:
                     requeue[agent].append(int(r))
                 elif col["status"][r] == READY:
                     was_ready.add((agent, int(r)))
+                elif col["status"][r] == DROPPED:
+                    node.status = DROPPED
+                    self.dropped.add(node.input_id)
                 self.nodes[(agent, node.sample_id)] = node
                 last = max(last, node.step)
         for agent, rows in requeue.items():     # undo consumption the checkpoint does not contain
@@ -285,12 +358,20 @@ class Experience:
             for node in [n for n in self.nodes.values() if n.turn == t and n.step >= first_step]:
                 if node.response is None:
                     continue
+                if node.input_id in self.dropped:
+                    self._mark_dropped([node])
+                    continue
                 self.turn_left[(node.step, t)] -= 1
                 if t == len(self.turns) - 1:
                     ready += self._leaf_done(node)
                 else:
                     self._spawn(node, node.step, node.input_id, node.root_input)
+        for q in self.pending.values():         # roots of dropped inputs, spawned again above
+            keep = [n for n in q if n.input_id not in self.dropped]
+            q.clear()
+            q.extend(keep)
         self._write_ready([n for n in ready if (n.agent, n.row) not in was_ready])
+        self._write_dropped()
         self.store.flush()
         return last
 
@@ -300,6 +381,11 @@ class Experience:
             del self.nodes[key]
         for a in self.agents:
             self.ready[a].pop(step, None)
+        for i in self.inputs_of.pop(step, []):
+            self.leaves_left.pop(i, None)
+            self.held.pop(i, None)
+            self.dropped.discard(i)
+        self.joined.pop(step, None)
 
 
 def global_batch(cfg: Config, agent: str) -> int:

@@ -6,7 +6,8 @@ to SWMR mode: `h5py.File(path, "r", swmr=True)` reads it while the run writes, a
 `flush()` runs after every micro-batch. Variable-length data (tokens, log-probs, the sample
 rows of a step) live in flat pools addressed by (offset, length) columns: no pickles, no
 vlen types. Rows are only ever appended; a sample's status columns are updated in place
-as it advances (generated -> ready -> consumed), and every change is also appended to
+as it advances (generated -> ready -> consumed, or -> dropped when
+pipeline.overprovision leaves its input out of the step), and every change is also appended to
 /events so the history is never overwritten.
 
 Schema version 1:
@@ -15,7 +16,7 @@ Schema version 1:
                                   world_size, t0 (epoch seconds; all times are relative to it)
     /samples/<agent>/      sample_id S64 ({input_id}_{turn}_{trajectory_id}), parent_id S64,
                            input_id i8, turn i4, traj i8, step i8, policy_version i8,
-                           replica i4, status i1 (0 generated, 1 ready, 2 consumed),
+                           replica i4, status i1 (0 generated, 1 ready, 2 consumed, 3 dropped),
                            reward f4, advantage f4, trainer_step i8 (-1 until consumed),
                            t_generated f8, t_ready f8, t_consumed f8,
                            token_offset i8, prompt_len i4, response_len i4
@@ -41,8 +42,8 @@ import h5py
 import numpy as np
 
 SCHEMA_VERSION = 1
-GENERATED, READY, CONSUMED = 0, 1, 2
-STATUS_NAMES = {GENERATED: "generated", READY: "ready", CONSUMED: "consumed"}
+GENERATED, READY, CONSUMED, DROPPED = 0, 1, 2, 3
+STATUS_NAMES = {GENERATED: "generated", READY: "ready", CONSUMED: "consumed", DROPPED: "dropped"}
 
 SAMPLE_COLUMNS = {
     "sample_id": "S64", "parent_id": "S64", "input_id": "i8", "turn": "i4", "traj": "i8",

@@ -26,10 +26,13 @@ def test_local_config_loads_and_overrides_apply():
     ("agents.critic={hidden_size: 8}", "agents.critic", "no such agent"),
     ("workflow.turns=[]", "workflow.turns", "at least one turn"),
     ("model.checkpoint=/nonexistent", "model.checkpoint", "does not exist"),
+    ("pipeline.overprovision=-1", "pipeline.overprovision", "expected >= 0"),
+    ("agents.critic={hidden_size:", "agents.critic", "not valid YAML"),
+    (("pipeline.overprovision=2", "run.mode=sync"), "pipeline.overprovision", "needs run.mode=flex"),
 ])
 def test_bad_fields_are_named(override, field, expected):
     with pytest.raises(ConfigError) as e:
-        load_config(LOCAL, [override])
+        load_config(LOCAL, list(override) if isinstance(override, tuple) else [override])
     assert str(e.value).startswith(field), str(e.value)
     assert expected in str(e.value)
 

@@ -10,38 +10,42 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl_hpc.store import CONSUMED, GENERATED, READY
+from flexmarl_hpc.store import CONSUMED, DROPPED, GENERATED, READY
 from tests.conftest import ROOT, run_training
 
 SMALL = ["run.steps=6", "run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
          "model.hidden_size=32", "model.intermediate_size=64"]
 
 
-def check_exactly_once(path, steps):
-    """Every generated sample trained exactly once, by the step it belongs to; statuses and
-    the event log agree; each step's row list is exactly that step's samples."""
+def check_exactly_once(path, steps, dropped_ok=False):
+    """Every generated sample trained exactly once, by the step it belongs to (or, with
+    `dropped_ok`, dropped by over-provisioning and never trained); statuses and the event
+    log agree; each step's row list is exactly that step's trained samples."""
     with h5py.File(path, "r") as f:
         for agent in f.attrs["agents"]:
             g = f[f"samples/{agent}"]
             ids = g["sample_id"][:]
             assert len(ids) == len(set(ids)), "a sample was generated twice"
-            assert (g["status"][:] == CONSUMED).all()
-            assert (g["trainer_step"][:] == g["step"][:]).all()
+            status = g["status"][:]
+            trained = status == CONSUMED
+            assert (trained | (dropped_ok & (status == DROPPED))).all()
+            assert (g["trainer_step"][:][trained] == g["step"][:][trained]).all()
+            assert (g["trainer_step"][:][~trained] == -1).all()
             st = f[f"steps/{agent}"]
             assert st["step"][:].tolist() == list(range(steps))
             rows = st["rows"][:]
-            assert sorted(rows.tolist()) == list(range(len(ids))), "a sample was dropped or trained twice"
+            assert sorted(rows.tolist()) == np.nonzero(trained)[0].tolist(), "a sample was lost or trained twice"
             for s, off, n in zip(st["step"][:], st["rows_offset"][:], st["rows_len"][:]):
                 assert (g["step"][:][rows[off:off + n]] == s).all()
             ev = f["events"]
             mine = ev["agent"][:] == list(f.attrs["agents"]).index(agent)
             last = {}
-            for row, status in zip(ev["row"][:][mine], ev["status"][:][mine]):
+            for row, s in zip(ev["row"][:][mine], ev["status"][:][mine]):
                 prev = last.get(row, -1)
-                assert status == prev + 1 or (status == GENERATED and prev in (CONSUMED, READY)), \
-                    f"row {row}: {prev} -> {status}"
-                last[row] = status
-            assert all(v == CONSUMED for v in last.values()) and len(last) == len(ids)
+                assert s == prev + 1 and s != DROPPED or (s == GENERATED and prev in (CONSUMED, READY)) \
+                    or (dropped_ok and s == DROPPED and prev in (GENERATED, READY)), f"row {row}: {prev} -> {s}"
+                last[row] = s
+            assert len(last) == len(ids) and [last[r] for r in range(len(ids))] == status.tolist()
 
 
 def final_weights(out, agent):
@@ -82,9 +86,10 @@ def test_resume_continues_the_same_run(sync_run, tmp_path):
         assert np.array_equal(f["samples/listener/tokens"][:], g["samples/listener/tokens"][:])
 
 
-def test_preempted_run_resumes_with_nothing_lost(tmp_path, mpiexec):
+@pytest.mark.parametrize("extra", [[], ["pipeline.overprovision=2"]], ids=["plain", "overprovision"])
+def test_preempted_run_resumes_with_nothing_lost(tmp_path, mpiexec, extra):
     args = [sys.executable, "-m", "flexmarl_hpc.run", "configs/local.yaml", f"run.output_dir={tmp_path}",
-            *SMALL, "run.steps=60"]
+            *SMALL, *extra, "run.steps=60"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
@@ -99,9 +104,36 @@ def test_preempted_run_resumes_with_nothing_lost(tmp_path, mpiexec):
     with h5py.File(tmp_path / "local.h5", "r") as f:
         done = len(f["steps/speaker/step"])
     assert done < 60
-    q = run_training(tmp_path, *SMALL, "run.steps=60")
+    q = run_training(tmp_path, *SMALL, *extra, "run.steps=60")
     assert "resumed at versions" in q.stdout
-    check_exactly_once(tmp_path / "local.h5", 60)
+    check_exactly_once(tmp_path / "local.h5", 60, dropped_ok=bool(extra))
+    if extra:
+        check_batches_of_whole_inputs(tmp_path / "local.h5", inputs=4, extra=2)
+
+
+def check_batches_of_whole_inputs(path, inputs, extra):
+    """Over-provisioning: each step trains the samples of exactly `inputs` inputs, all of
+    them; the step's other inputs (at most `extra`) are dropped whole."""
+    with h5py.File(path, "r") as f:
+        for agent in f.attrs["agents"]:
+            g = f[f"samples/{agent}"]
+            step, inp, status = g["step"][:], g["input_id"][:], g["status"][:]
+            for s in np.unique(step):
+                m = step == s
+                trained, dropped = set(inp[m & (status == CONSUMED)]), set(inp[m & (status == DROPPED)])
+                assert len(trained) == inputs and not trained & dropped, (agent, s, trained, dropped)
+                assert len(dropped) <= extra
+
+
+def test_overprovisioned_steps_train_whole_inputs_once(tmp_path, mpiexec):
+    """pipeline.overprovision=2: 6 inputs per step, the first 4 to finish are trained, the
+    other 2 dropped whole (status dropped, never trained); the drops really happen."""
+    run_training(tmp_path, *SMALL, "pipeline.overprovision=2")
+    check_exactly_once(tmp_path / "local.h5", 6, dropped_ok=True)
+    check_batches_of_whole_inputs(tmp_path / "local.h5", inputs=4, extra=2)
+    with h5py.File(tmp_path / "local.h5", "r") as f:
+        assert (f["samples/speaker/status"][:] == DROPPED).any()
+        assert f["steps/speaker/n_samples"][:].tolist() == [4 * 4] * 6     # inputs x samples
 
 
 def test_store_is_readable_while_the_run_writes(tmp_path, mpiexec):
