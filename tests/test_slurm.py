@@ -302,6 +302,22 @@ def test_sweep_runs_one_array_task_per_value(slurm, tmp_path):
         assert load_config(str(task.output_dir / "config.yaml")).trainer.lr == lr
 
 
+@pytest.mark.slurm
+def test_signalled_sweep_task_requeues_and_resumes(slurm, tmp_path):
+    """A sweep task signalled mid-run (USR2, submitit's preemption signal) checkpoints,
+    requeues itself and resumes from its output_dir to a complete store."""
+    steps = 30
+    (task,) = submit_sweep(CONFIG, [*SMALL, f"run.steps={steps}", f"run.output_dir={tmp_path}"], "trainer.lr=1e-3")
+    log = task.job.paths.stdout
+    _wait_for(lambda: log.exists() and re.search(r"step\s+3/", log.read_text()), 120, "3 steps")
+    p = subprocess.run(["scancel", "--signal=USR2", task.job.job_id], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert SlurmRun(task.output_dir, task.job.job_id).wait(timeout=240) == "COMPLETED"
+    text = log.read_text()
+    assert "preemption signal" in text and "resumed at versions" in text, text[-3000:]
+    assert_store_complete(task.output_dir / "local.h5", steps)
+
+
 def submit_from_test(tmp_path: Path, steps: int) -> SlurmRun:
     from flexmarl_hpc.submit import submit
     return submit(CONFIG, [*SMALL, f"run.steps={steps}", f"run.output_dir={tmp_path}"])
