@@ -93,7 +93,6 @@ class Experience:
         # over-provisioning (see the module docstring)
         self.n_in, self.extra = cfg.workflow.inputs_per_step, cfg.pipeline.overprovision
         self.leaves_per_input = math.prod(t.samples for t in self.turns)
-        self.inputs_of: dict[int, list[int]] = {}             # step -> its input ids
         self.leaves_left: dict[int, int] = {}                  # input -> leaves not generated
         self.held: dict[int, list[Node]] = defaultdict(list)   # input -> READY, not in a batch
         self.joined: dict[int, list[int]] = defaultdict(list)  # step -> inputs in its batch
@@ -110,10 +109,14 @@ class Experience:
         inputs = self.task.sample_inputs(np.random.default_rng([self.cfg.run.seed, step]), n_in)
         for t, turn in enumerate(self.turns):
             self.turn_left[(step, t)] = n_in * math.prod(x.samples for x in self.turns[:t + 1])
-        self.inputs_of[step] = [step * n_in + i for i in range(n_in)]
-        for i, x in enumerate(inputs):
-            self.leaves_left.setdefault(step * n_in + i, self.leaves_per_input)
-            self._spawn(None, step, step * n_in + i, x)
+        for input_id, x in zip(self.input_ids(step), inputs):
+            self.leaves_left[input_id] = self.leaves_per_input
+            self._spawn(None, step, input_id, x)
+
+    def input_ids(self, step: int) -> range:
+        """The ids of a step's inputs (over-provisioned ones included)."""
+        n = self.n_in + self.extra
+        return range(step * n, (step + 1) * n)
 
     def _spawn(self, parent: Node | None, step: int, input_id: int, root_input) -> None:
         t = 0 if parent is None else parent.turn + 1
@@ -224,16 +227,19 @@ class Experience:
             self.ready[n.agent][n.step].append(n)
         if len(batch) < self.n_in:
             return
-        losers = set(self.inputs_of[step]) - set(batch) - self.dropped
+        losers = set(self.input_ids(step)) - set(batch) - self.dropped
         self.dropped |= losers
-        for key in [k for k, n in self.nodes.items() if n.input_id in losers]:
-            self._mark_dropped([self.nodes[key]])
-        for agent, q in self.pending.items():
-            keep = [n for n in q if n.input_id not in losers]
-            q.clear()
-            q.extend(keep)
+        self._mark_dropped([n for n in self.nodes.values() if n.input_id in losers])
+        self._unqueue(losers)
         for i in losers:
             self.held.pop(i, None)
+
+    def _unqueue(self, inputs: set[int]) -> None:
+        """Take the pending nodes of these inputs out of the queues (never dispatched)."""
+        for q in self.pending.values():
+            keep = [n for n in q if n.input_id not in inputs]
+            q.clear()
+            q.extend(keep)
 
     def _mark_dropped(self, nodes: list[Node]) -> None:
         """Pending nodes and nodes on a replica have no row yet: a replica's answer for one
@@ -366,10 +372,7 @@ class Experience:
                     ready += self._leaf_done(node)
                 else:
                     self._spawn(node, node.step, node.input_id, node.root_input)
-        for q in self.pending.values():         # roots of dropped inputs, spawned again above
-            keep = [n for n in q if n.input_id not in self.dropped]
-            q.clear()
-            q.extend(keep)
+        self._unqueue(self.dropped)             # roots of dropped inputs, spawned again above
         self._write_ready([n for n in ready if (n.agent, n.row) not in was_ready])
         self._write_dropped()
         self.store.flush()
@@ -381,7 +384,7 @@ class Experience:
             del self.nodes[key]
         for a in self.agents:
             self.ready[a].pop(step, None)
-        for i in self.inputs_of.pop(step, []):
+        for i in self.input_ids(step):
             self.leaves_left.pop(i, None)
             self.held.pop(i, None)
             self.dropped.discard(i)
