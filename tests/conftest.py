@@ -56,9 +56,9 @@ def run_mpi(mpiexec: str, n: int, args: list[str], timeout: float = 300, env: di
 
 
 def run_training(tmp: Path, *overrides: str, config: str = "configs/local.yaml", timeout: float = 300,
-                 check: bool = True) -> subprocess.CompletedProcess:
+                 check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:
     """`python -m flexmarl_hpc.run` (it launches its own mpiexec) into tmp."""
-    cmd = [sys.executable, "-m", "flexmarl_hpc.run", config, f"run.output_dir={tmp}", *overrides]
+    cmd = [python, "-m", "flexmarl_hpc.run", config, f"run.output_dir={tmp}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, mpiexec_path
+from tests.conftest import ROOT, mpiexec_path, run_training
 
 VLLM_PY = Path(os.environ.get("FLEXMARL_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 DEMANDED = os.environ.get("FLEXMARL_VLLM", "") == "1"
@@ -56,12 +56,8 @@ def test_whole_job_with_vllm_replicas(tmp_path):
     from tests.test_run import check_exactly_once
     py = _vllm_python()
     steps = 6
-    p = subprocess.run([py, "-m", "flexmarl_hpc.run", "configs/local.yaml", "rollout.backend=vllm",
-                        "rollout.replicas=2", f"run.steps={steps}", "run.log_every=1", "model.num_heads=2",
-                        "model.num_kv_heads=2", f"run.output_dir={tmp_path}"],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
+    p = run_training(tmp_path, "rollout.backend=vllm", "rollout.replicas=2", f"run.steps={steps}",
+                     "run.log_every=1", "model.num_heads=2", "model.num_kv_heads=2", python=py, timeout=600)
     assert "5 ranks (2 replicas" in p.stdout
     check_exactly_once(tmp_path / "local.h5", steps)
     import h5py
