@@ -1,11 +1,16 @@
-"""Weight sync vs a raw MPI.Bcast of the same bytes, in one run.
+"""Weight sync vs a raw broadcast of the same bytes on the same backend, in one run.
 
-    .venv/bin/python bench/bench_weight_sync.py [--mb 64] [--ranks 3] [--bucket-mb 4] [--reps 10]
+    .venv/bin/python bench/bench_weight_sync.py [--sizes 82,smollm2] [--replicas 1,2]
+                                                [--backends mpi,gloo] [--reps 5] [--bucket-mb 4]
 
-Rank 0 plays a trainer leader holding HF-named float32 tensors (a Llama-shaped model of
-about --mb MiB); the other ranks play replicas. Prints the median time of our bucketed
-`broadcast_weights` (header + buckets + unpack into tensors) and of one blocking
-`MPI.Bcast` of the same number of bytes, and their ratio.
+For each replica count one MPI job (1 + replicas ranks) is started; rank 0 plays a trainer
+leader whose parameters live in sync layout (as the torch trainer's do), the others play
+replicas. Per size (`82`: an 82 MiB Llama-shaped model; `smollm2`: the SmolLM2-135M shape,
+~513 MiB fp32) and backend, "ours" is the whole `broadcast_weights` (header rendezvous,
+buckets, unpack into tensors) and "raw" one broadcast of the same bytes (the root sends the
+real parameter bytes, not an untouched buffer whose zero pages would sit in cache) on the
+same backend (`MPI.Bcast`, or the gloo group's `broadcast`). Repetitions alternate the order
+(ours/raw, raw/ours, ...) so drift hits both sides; prints median [min, max] of ours/raw.
 """
 from __future__ import annotations
 
@@ -19,62 +24,89 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=float, default=64)
-    ap.add_argument("--ranks", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=4)
-    ap.add_argument("--reps", type=int, default=10)
-    a = ap.parse_args()
-    if "PMI_RANK" not in os.environ:
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        sys.exit(subprocess.call([str(mpiexec), "-n", str(a.ranks), sys.executable, *sys.argv]))
+def model_args(size: str):
+    from flexmarl_hpc.model import ModelArgs
+    if size == "smollm2":       # SmolLM2-135M: 576 hidden, 30 layers, 9/3 heads, tied 49152 vocab
+        return ModelArgs(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                         intermediate_size=1536, max_seq_len=64, tie_embeddings=True)
+    hidden = 512
+    layers = max(1, int(float(size) * 2**20 / (12 * hidden * hidden * 4)))
+    return ModelArgs(vocab_size=1000, hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=8,
+                     intermediate_size=4 * hidden, max_seq_len=64)
 
+
+def timed(world, fn) -> float:
+    world.Barrier()
+    t = time.perf_counter()
+    fn()
+    world.Barrier()
+    return time.perf_counter() - t
+
+
+def run_case(world, size: str, backend: str, reps: int, bucket: int) -> None:
     import numpy as np
     import torch
-    from mpi4py import MPI
-    from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict
+    from flexmarl_hpc.model import build_model, hf_state_dict
     from flexmarl_hpc.trainer.torch_trainer import flatten_parameters
     from flexmarl_hpc.weight_sync import SyncChannels, broadcast_weights
 
-    world = MPI.COMM_WORLD
-    hidden = 512
-    per_layer = 12 * hidden * hidden * 4
-    layers = max(1, int(a.mb * 2**20 / per_layer))
-    args = ModelArgs(vocab_size=1000, hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=8,
-                     intermediate_size=4 * hidden, max_seq_len=64)
-    named, packed = None, None
-    if world.rank == 0:                       # a trainer's parameters live in sync layout
-        model = build_model(args, seed=0)
+    named = packed = None
+    if world.rank == 0:
+        model = build_model(model_args(size), seed=0)
         packed = flatten_parameters(model)
         named = hf_state_dict(model)
     members = tuple(range(world.size))
-    channels = SyncChannels(world)
+    channels = SyncChannels(world, backend)
+    nbytes = world.bcast(packed.nbytes if world.rank == 0 else 0, root=0)
+    raw_buf = torch.from_numpy(packed.copy() if world.rank == 0 else np.ones(nbytes, dtype=np.uint8))
     comm = channels.get(members)
-    bucket = int(a.bucket_mb * 2**20)
-    nbytes = sum(t.numel() * 4 for t in named.values()) if world.rank == 0 else 0
-    nbytes = world.bcast(nbytes, root=0)
-    ours, raw = [], []
-    buf = np.zeros(nbytes, dtype=np.uint8)          # allocated and touched once, like our staging
-    for _ in range(a.reps):
-        world.Barrier()
-        t = time.perf_counter()
-        broadcast_weights(comm, named, 1, bucket, staging=lambda n: channels.buffer(members, n),
-                          packed=packed)
-        world.Barrier()
-        ours.append(time.perf_counter() - t)
-        world.Barrier()
-        t = time.perf_counter()
-        comm.Bcast(buf, root=0)
-        world.Barrier()
-        raw.append(time.perf_counter() - t)
+
+    def ours():
+        broadcast_weights(channels, members, named, 1, bucket, packed=packed)
+
+    if backend == "mpi":
+        def raw():
+            comm.Bcast(raw_buf.numpy(), root=0)
+    else:
+        pg = channels.group(members)
+
+        def raw():
+            opts = torch.distributed.BroadcastOptions()
+            opts.rootRank = 0
+            pg.broadcast([raw_buf], opts).wait()
+    ours(), raw()                                  # groups, staging, first touch: once per run
+    t_ours, t_raw = [], []
+    for i in range(reps):
+        for f in ((ours, raw) if i % 2 == 0 else (raw, ours)):
+            (t_ours if f is ours else t_raw).append(timed(world, f))
     if world.rank == 0:
-        o, r = float(np.median(ours)), float(np.median(raw))
-        print(f"weight sync {nbytes / 2**20:.1f} MiB to {world.size - 1} replicas, bucket {a.bucket_mb} MiB, "
-              f"{a.reps} reps (median)")
-        print(f"  broadcast_weights : {o * 1e3:8.1f} ms  ({nbytes / 2**30 / o:.2f} GiB/s)")
-        print(f"  raw MPI.Bcast     : {r * 1e3:8.1f} ms  ({nbytes / 2**30 / r:.2f} GiB/s)")
-        print(f"  ratio ours/raw    : {o / r:.2f}")
+        r = np.array(t_ours) / np.array(t_raw)
+        print(f"{size:>8} MiB={nbytes / 2**20:6.1f} replicas={world.size - 1} {backend:4}: "
+              f"ours {np.median(t_ours) * 1e3:7.1f} ms  raw {np.median(t_raw) * 1e3:7.1f} ms  "
+              f"ours/raw {np.median(r):.2f} [{r.min():.2f}, {r.max():.2f}]  ({reps} reps)", flush=True)
+    channels.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="82,smollm2", help="comma list: MiB of a Llama-shaped model, or smollm2")
+    ap.add_argument("--replicas", default="1,2")
+    ap.add_argument("--backends", default="mpi,gloo")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=float, default=4)
+    a = ap.parse_args()
+    if "PMI_RANK" not in os.environ:
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        rc = 0
+        for n in a.replicas.split(","):
+            rc |= subprocess.call([str(mpiexec), "-n", str(int(n) + 1), sys.executable, *sys.argv])
+        sys.exit(rc)
+    import torch
+    from mpi4py import MPI
+    torch.set_num_threads(1)
+    for size in a.sizes.split(","):
+        for backend in a.backends.split(","):
+            run_case(MPI.COMM_WORLD, size, backend, a.reps, int(a.bucket_mb * 2**20))
 
 
 if __name__ == "__main__":

@@ -119,6 +119,10 @@ class RolloutConfig:
     """Longest prompt + response a replica serves (0: the model's max_seq_len). Bounds vLLM's
     KV cache: a pretrained model's context (8192 for SmolLM2) sized for max_batch sequences
     would not fit in host memory."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Weights/activations dtype of the vLLM engines. auto: bf16 on GPU, fp32 on CPU."""
+    tensor_parallel: int = 1
+    """GPUs one vLLM engine spans (vLLM tensor_parallel_size)."""
 
 
 @dataclass
@@ -177,7 +181,12 @@ class PipelineConfig:
 @dataclass
 class WeightSyncConfig:
     bucket_mb: float = 4.0
-    """Bucket size of the trainer -> replica weight broadcast, in MiB."""
+    """Bucket size of the trainer -> replica weight broadcast over a torch.distributed group
+    (gloo/nccl: every bucket in flight at once), in MiB. The mpi backend sends one Bcast."""
+    backend: Literal["auto", "mpi", "gloo", "nccl"] = "auto"
+    """Transport of the weight broadcast: nccl (GPU to GPU, bf16-ready), gloo or mpi on CPU
+    (the same code, weight_sync.py). auto: nccl where CUDA is available, else the CPU
+    backend measured faster here (bench/bench_weight_sync.py)."""
 
 
 @dataclass
@@ -438,6 +447,12 @@ def validate(cfg: Config) -> None:
         if m.checkpoint:
             need(Path(m.checkpoint).is_dir(), f"{where}.checkpoint",
                  f"expected a local HF checkpoint folder, {m.checkpoint!r} does not exist")
+    # rollout engine dtype/TP and the weight-sync transport
+    need(cfg.rollout.tensor_parallel >= 1, "rollout.tensor_parallel", "expected >= 1")
+    need(cfg.rollout.tensor_parallel == 1 or cfg.rollout.backend == "vllm", "rollout.tensor_parallel",
+         "tensor-parallel replicas need rollout.backend=vllm")
+    need(cfg.rollout.dtype in ("auto", "fp32") or cfg.rollout.backend == "vllm", "rollout.dtype",
+         "the torch engine runs fp32; bf16/fp16 need rollout.backend=vllm")
 
 
 def save_config(cfg: Config, path: Path) -> None:
