@@ -27,20 +27,28 @@ bucket, backend = int(sys.argv[1]), sys.argv[2]
 channels = SyncChannels(world, backend)
 task = ReferentialGame(["speaker", "listener"])
 # (agent, member set, version): the big agent to both replicas, then the small one and the big
-# one again to {0,2}: rank 2 serves two member sets and two models out of one staging buffer
-plan = [("listener", (0, 1, 2), 1), ("speaker", (0, 2), 1), ("listener", (0, 2), 2)]
+# one again to {0,2}: rank 2 serves two member sets and two models out of one staging buffer;
+# the last sync carries the layout {0,2} already saw, with new weights (the header cache path)
+plan = [("listener", (0, 1, 2), 1), ("speaker", (0, 2), 1), ("listener", (0, 2), 2),
+        ("listener", (0, 2), 3)]
 if rank == 0:
     models = {"speaker": build_model(small, seed=7), "listener": build_model(big, seed=8)}
     packed = {"listener": flatten_parameters(models["listener"])}    # sent in place
-    for m in models.values():
+
+    def step(m):                                        # weights "after a step"
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         m(torch.randint(0, 19, (2, 5))).sum().backward()
-        opt.step()                                      # "after a step"
+        opt.step()
+
+    expect = {1: {}, 2: {}}
     for agent, members, version in plan:
+        step(models[agent])
         broadcast_weights(channels, members, hf_state_dict(models[agent]), version, bucket,
                           packed=packed.get(agent))
+        for r in members[1:]:
+            expect[r][agent] = {k: v.clone() for k, v in models[agent].state_dict().items()}
     for dest in (1, 2):
-        world.send({a: m.state_dict() for a, m in models.items()}, dest=dest)
+        world.send(expect[dest], dest=dest)
     assert channels.staging_allocations == 1, channels.staging_allocations   # packs the speaker only
 else:
     engine = TorchEngine({"speaker": small, "listener": big}, task, max_batch=8)
@@ -55,7 +63,7 @@ else:
         assert set(got) == set(ref[agent])
         for k in ref[agent]:
             assert got[k].dtype == ref[agent][k].dtype and torch.equal(got[k], ref[agent][k]), (agent, k)
-    assert engine.version("listener") == (1 if rank == 1 else 2)
+    assert engine.version("listener") == (1 if rank == 1 else 3)
     assert channels.staging_allocations == 1, channels.staging_allocations
     print(f"rank {rank} bit-identical v{engine.version('listener')} staging "
           f"{channels.staging_allocations}", flush=True)

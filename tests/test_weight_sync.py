@@ -8,4 +8,4 @@ from tests.conftest import run_mpi
 def test_replicas_get_trainer_weights_bit_for_bit(mpiexec, bucket, backend):
     p = run_mpi(mpiexec, 3, ["tests/mpi_weight_sync.py", str(bucket), backend], timeout=120)
     assert "rank 1 bit-identical v1 staging 1" in p.stdout
-    assert "rank 2 bit-identical v2 staging 1" in p.stdout
+    assert "rank 2 bit-identical v3 staging 1" in p.stdout
