@@ -1,7 +1,7 @@
 """Weight sync vs a raw broadcast of the same bytes on the same backend, in one run.
 
     .venv/bin/python bench/bench_weight_sync.py [--sizes 82,smollm2] [--replicas 1,2]
-                                                [--backends mpi,gloo] [--reps 5] [--bucket-mb 4]
+                                                [--backends mpi,gloo] [--reps 5] [--bucket-mb 1024]
 
 For each replica count one MPI job (1 + replicas ranks) is started; rank 0 plays a trainer
 leader whose parameters live in sync layout (as the torch trainer's do), the others play
@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--replicas", default="1,2")
     ap.add_argument("--backends", default="mpi,gloo")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--bucket-mb", type=float, default=4)
+    from flexmarl_hpc.config import WeightSyncConfig
+    ap.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb)
     a = ap.parse_args()
     if "PMI_RANK" not in os.environ:
         mpiexec = Path(sys.executable).parent / "mpiexec"

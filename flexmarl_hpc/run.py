@@ -162,8 +162,10 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     mover = build_mover(cfg, task, world, index, role_comm, layout)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
+    from .weight_sync import wire_dtype
+    wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket,
-                        cfg.weight_sync.backend)
+                        cfg.weight_sync.backend, wire)
 
 
 def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:

@@ -109,6 +109,15 @@ def resolve_backend(name: str) -> Backend:
     return name  # type: ignore[return-value]
 
 
+def wire_dtype(rollout_dtype: str, rollout_backend: str, sync_backend: str) -> torch.dtype | None:
+    """The dtype floating weights travel in: the engines' (`rollout.dtype`; auto is bf16 for
+    vLLM engines fed over NCCL, as they run bf16 on GPUs), None for as-trained (fp32)."""
+    if rollout_dtype == "auto":
+        use_bf16 = rollout_backend == "vllm" and resolve_backend(sync_backend) == "nccl"
+        return torch.bfloat16 if use_bf16 else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[rollout_dtype]
+
+
 class SyncChannels:
     """One rank's side of the weight broadcast: cached MPI communicators and torch groups per
     member set (world ranks, root first), the rank's store, and its one staging buffer."""

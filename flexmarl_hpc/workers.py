@@ -91,7 +91,7 @@ def microbatch_from_arrays(d: dict) -> MicroBatch:
 
 
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
-                 bucket_bytes: int, sync_backend: str = "auto") -> int:
+                 bucket_bytes: int, sync_backend: str = "auto", sync_wire: torch.dtype | None = None) -> int:
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
     and forwards each command to the members (a non-spinning broadcast). `mover` holds the
     agents whose state is on this group, live (`mover.trainers`) or parked in host memory."""
@@ -129,6 +129,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
                 if held[1] != version:
                     raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held[1]}")
                 broadcast_weights(channels, tuple(members), held[0], version, bucket_bytes, packed=held[2],
+                                  wire=sync_wire,
                                   on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
                 clock.mark("sync", agent, t[0])        # the other members take no part in it
             reply = ("tsynced", agent, version)

@@ -29,8 +29,9 @@ task = ReferentialGame(["speaker", "listener"])
 # (agent, member set, version): the big agent to both replicas, then the small one and the big
 # one again to {0,2}: rank 2 serves two member sets and two models out of one staging buffer;
 # the last sync carries the layout {0,2} already saw, with new weights (the header cache path)
-plan = [("listener", (0, 1, 2), 1), ("speaker", (0, 2), 1), ("listener", (0, 2), 2),
-        ("listener", (0, 2), 3)]
+# then the small one to both in bfloat16 (the GPU wire dtype): a new layout on {0,1,2}
+plan = [("listener", (0, 1, 2), 1, None), ("speaker", (0, 2), 1, None), ("listener", (0, 2), 2, None),
+        ("listener", (0, 2), 3, None), ("speaker", (0, 1, 2), 2, torch.bfloat16)]
 if rank == 0:
     models = {"speaker": build_model(small, seed=7), "listener": build_model(big, seed=8)}
     packed = {"listener": flatten_parameters(models["listener"])}    # sent in place
@@ -41,29 +42,30 @@ if rank == 0:
         opt.step()
 
     expect = {1: {}, 2: {}}
-    for agent, members, version in plan:
+    for agent, members, version, wire in plan:
         step(models[agent])
         broadcast_weights(channels, members, hf_state_dict(models[agent]), version, bucket,
-                          packed=packed.get(agent))
+                          packed=packed.get(agent), wire=wire)
         for r in members[1:]:
-            expect[r][agent] = {k: v.clone() for k, v in models[agent].state_dict().items()}
+            expect[r][agent] = {k: v.to(wire or v.dtype).float().clone()
+                               for k, v in models[agent].state_dict().items()}
     for dest in (1, 2):
         world.send(expect[dest], dest=dest)
     assert channels.staging_allocations == 1, channels.staging_allocations   # packs the speaker only
 else:
     engine = TorchEngine({"speaker": small, "listener": big}, task, max_batch=8)
-    for agent, members, _ in plan:
+    for agent, members, _, _ in plan:
         if rank in members:
             v, named = broadcast_weights(channels, members, None, -1, bucket)
             engine.load_weights(agent, v, named)
     ref = world.recv(source=0)
-    assert set(engine.models) == ({"listener"} if rank == 1 else {"speaker", "listener"})
+    assert set(engine.models) == {"speaker", "listener"}
     for agent in engine.models:
         got = engine.models[agent].state_dict()
         assert set(got) == set(ref[agent])
         for k in ref[agent]:
             assert got[k].dtype == ref[agent][k].dtype and torch.equal(got[k], ref[agent][k]), (agent, k)
-    assert engine.version("listener") == (1 if rank == 1 else 3)
+    assert engine.version("listener") == (1 if rank == 1 else 3) and engine.version("speaker") == 2
     assert channels.staging_allocations == 1, channels.staging_allocations
     print(f"rank {rank} bit-identical v{engine.version('listener')} staging "
           f"{channels.staging_allocations}", flush=True)
