@@ -9,8 +9,9 @@ replicas. Per size (`82`: an 82 MiB Llama-shaped model; `smollm2`: the SmolLM2-1
 ~513 MiB fp32) and backend, "ours" is the whole `broadcast_weights` (header rendezvous,
 buckets, unpack into tensors) and "raw" one broadcast of the same bytes (the root sends the
 real parameter bytes, not an untouched buffer whose zero pages would sit in cache) on the
-same backend (`MPI.Bcast`, or the gloo group's `broadcast`). Repetitions alternate the order
-(ours/raw, raw/ours, ...) so drift hits both sides; prints median [min, max] of ours/raw.
+same backend (`MPI.Bcast`, or the gloo group's `broadcast`). Each repetition runs every
+(backend, ours/raw) pair, in an order rotated and reversed from rep to rep so drift hits all;
+prints median [min, max] of ours/raw per backend, and of gloo/mpi (ours) to pick the default.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def model_args(size: str):
         return ModelArgs(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                          intermediate_size=1536, max_seq_len=64, tie_embeddings=True)
     hidden = 512
-    layers = max(1, int(float(size) * 2**20 / (12 * hidden * hidden * 4)))
+    layers = max(1, round(float(size) * 2**20 / (16 * hidden * hidden * 4)))   # 16 h^2 fp32 per layer
     return ModelArgs(vocab_size=1000, hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=8,
                      intermediate_size=4 * hidden, max_seq_len=64)
 
@@ -43,7 +44,8 @@ def timed(world, fn) -> float:
     return time.perf_counter() - t
 
 
-def run_case(world, size: str, backend: str, reps: int, bucket: int) -> None:
+def run_size(world, size: str, backends: list[str], reps: int, bucket: int) -> None:
+    """Every backend's ours and raw, interleaved in each repetition (order rotated per rep)."""
     import numpy as np
     import torch
     from flexmarl_hpc.model import build_model, hf_state_dict
@@ -56,35 +58,42 @@ def run_case(world, size: str, backend: str, reps: int, bucket: int) -> None:
         packed = flatten_parameters(model)
         named = hf_state_dict(model)
     members = tuple(range(world.size))
-    channels = SyncChannels(world, backend)
     nbytes = world.bcast(packed.nbytes if world.rank == 0 else 0, root=0)
     raw_buf = torch.from_numpy(packed.copy() if world.rank == 0 else np.ones(nbytes, dtype=np.uint8))
-    comm = channels.get(members)
-
-    def ours():
-        broadcast_weights(channels, members, named, 1, bucket, packed=packed)
-
-    if backend == "mpi":
-        def raw():
-            comm.Bcast(raw_buf.numpy(), root=0)
-    else:
-        pg = channels.group(members)
-
-        def raw():
-            opts = torch.distributed.BroadcastOptions()
-            opts.rootRank = 0
-            pg.broadcast([raw_buf], opts).wait()
-    ours(), raw()                                  # groups, staging, first touch: once per run
-    t_ours, t_raw = [], []
+    fns, chans = {}, []
+    for backend in backends:
+        ch = SyncChannels(world, backend)
+        chans.append(ch)
+        fns[backend, "ours"] = lambda ch=ch: broadcast_weights(ch, members, named, 1, bucket, packed=packed)
+        if backend == "mpi":
+            fns[backend, "raw"] = lambda comm=ch.get(members): comm.Bcast(raw_buf.numpy(), root=0)
+        else:
+            def raw(pg=ch.group(members)):
+                opts = torch.distributed.BroadcastOptions()
+                opts.rootRank = 0
+                pg.broadcast([raw_buf], opts).wait()
+            fns[backend, "raw"] = raw
+    for f in fns.values():                        # groups, staging, first touch: once per run
+        f()
+    times = {k: [] for k in fns}
+    keys = list(fns)
     for i in range(reps):
-        for f in ((ours, raw) if i % 2 == 0 else (raw, ours)):
-            (t_ours if f is ours else t_raw).append(timed(world, f))
+        order = keys[i % len(keys):] + keys[:i % len(keys)]
+        for k in (order if i % 2 == 0 else order[::-1]):
+            times[k].append(timed(world, fns[k]))
     if world.rank == 0:
-        r = np.array(t_ours) / np.array(t_raw)
-        print(f"{size:>8} MiB={nbytes / 2**20:6.1f} replicas={world.size - 1} {backend:4}: "
-              f"ours {np.median(t_ours) * 1e3:7.1f} ms  raw {np.median(t_raw) * 1e3:7.1f} ms  "
-              f"ours/raw {np.median(r):.2f} [{r.min():.2f}, {r.max():.2f}]  ({reps} reps)", flush=True)
-    channels.close()
+        t = {k: np.array(v) for k, v in times.items()}
+        head = f"{size:>8} ({nbytes / 2**20:5.1f} MiB) x {world.size - 1} replica(s)"
+        for b in backends:
+            r = t[b, "ours"] / t[b, "raw"]
+            print(f"{head} {b:4}: ours {np.median(t[b, 'ours']) * 1e3:7.1f} ms  raw "
+                  f"{np.median(t[b, 'raw']) * 1e3:7.1f} ms  ours/raw {np.median(r):.2f} "
+                  f"[{r.min():.2f}, {r.max():.2f}]  ({reps} reps)", flush=True)
+        if "mpi" in backends and "gloo" in backends:
+            r = t["gloo", "ours"] / t["mpi", "ours"]
+            print(f"{head}     : ours gloo/mpi {np.median(r):.2f} [{r.min():.2f}, {r.max():.2f}]", flush=True)
+    for ch in chans:
+        ch.close()
 
 
 def main() -> None:
@@ -106,8 +115,7 @@ def main() -> None:
     from mpi4py import MPI
     torch.set_num_threads(1)
     for size in a.sizes.split(","):
-        for backend in a.backends.split(","):
-            run_case(MPI.COMM_WORLD, size, backend, a.reps, int(a.bucket_mb * 2**20))
+        run_size(MPI.COMM_WORLD, size, a.backends.split(","), a.reps, int(a.bucket_mb * 2**20))
 
 
 if __name__ == "__main__":
