@@ -5,6 +5,8 @@ lazily so a torch-only job never imports megatron or vllm.
 """
 from __future__ import annotations
 
+import sys
+
 from .config import Config
 from .config import ConfigError
 from .model import CausalLM, ModelArgs, build_model, load_hf_args, load_hf_checkpoint
@@ -48,23 +50,40 @@ def initial_model(cfg: Config, task: Task, agent: str) -> CausalLM:
     return build_model(ModelArgs.from_config(m, len(task.vocab)), seed, m.init_std)
 
 
-def build_engine(cfg: Config, task: Task):
+def _cpu_only(what: str, device: str) -> None:
+    """The built-in torch engine and trainer run on the CPU (their tensors and reductions go
+    through numpy/MPI): say so once instead of idling a bound GPU silently."""
+    if device != "cpu" and what not in _WARNED:
+        _WARNED.add(what)
+        print(f"flexmarl_hpc: {what} is CPU-only; this rank's {device} stays idle "
+              "(use the vllm / megatron backend on GPUs)", file=sys.stderr, flush=True)
+
+
+_WARNED: set[str] = set()
+
+
+def build_engine(cfg: Config, task: Task, device: str = "cpu"):
+    """This replica's engine. `device` is the rank's binding (flexmarl_hpc.devices), already
+    applied: vLLM sees only the replica's GPU block as cuda:0.. through CUDA_VISIBLE_DEVICES."""
     args_of = {a: model_args(cfg, task, a) for a in cfg.agent_names}
     if cfg.rollout.backend == "vllm":
         from .rollout.vllm_engine import VLLMEngine
         return VLLMEngine(args_of, task, cfg.rollout)
     from .rollout.torch_engine import TorchEngine
+    _cpu_only("rollout.backend=torch", device)
     return TorchEngine(args_of, task, cfg.rollout.max_batch)
 
 
-def build_trainer(cfg: Config, task: Task, agent: str, group_comm):
-    """One agent's trainer backend on this rank's group, at version 0."""
+def build_trainer(cfg: Config, task: Task, agent: str, group_comm, device: str = "cpu"):
+    """One agent's trainer backend on this rank's group, at version 0. `device`: the rank's
+    binding, already the current CUDA device (megatron allocates on current_device())."""
     model = initial_model(cfg, task, agent)
     if cfg.trainer.backend == "megatron":
         from .trainer.megatron_trainer import MegatronTrainer
         return MegatronTrainer(model.args, cfg.trainer, group_comm, cfg.rollout.temperature,
                                init={k: v.clone() for k, v in model.state_dict().items()})
     from .trainer.torch_trainer import TorchTrainer
+    _cpu_only("trainer.backend=torch", device)
     return TorchTrainer(model, cfg.trainer, group_comm, cfg.rollout.temperature)
 
 

@@ -119,6 +119,9 @@ class RolloutConfig:
     """Longest prompt + response a replica serves (0: the model's max_seq_len). Bounds vLLM's
     KV cache: a pretrained model's context (8192 for SmolLM2) sized for max_batch sequences
     would not fit in host memory."""
+    gpus_per_replica: int = 1
+    """GPUs of one replica on GPU nodes (a contiguous block of its node's GPUs; vLLM's tensor
+    parallelism stays inside it). Ignored on CPU nodes."""
 
 
 @dataclass
@@ -438,6 +441,9 @@ def validate(cfg: Config) -> None:
         if m.checkpoint:
             need(Path(m.checkpoint).is_dir(), f"{where}.checkpoint",
                  f"expected a local HF checkpoint folder, {m.checkpoint!r} does not exist")
+
+    # --- device binding (flexmarl_hpc.devices) ---
+    need(cfg.rollout.gpus_per_replica >= 1, "rollout.gpus_per_replica", "expected >= 1")
 
 
 def save_config(cfg: Config, path: Path) -> None:
