@@ -95,17 +95,19 @@ def initial_placement(cfg: Config):
     return {a: Location(i % G, resident=i < G) for i, a in enumerate(cfg.agent_names)}
 
 
-def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout):
-    """This rank's StateMover holding the group's initial agents (see initial_placement)."""
-    from .state_swap import StateMover, to_host
+def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout, device: str = "cpu"):
+    """This rank's StateMover holding the group's initial agents (see initial_placement):
+    the first resident, the others built once and swapped out at once into host buffers
+    that later swaps reuse."""
+    from .state_swap import StateMover
     mover = StateMover(world, group_comm, group_index, layout.group_ranks, {},
-                       lambda agent: build_trainer(cfg, task, agent, group_comm))
+                       lambda agent: build_trainer(cfg, task, agent, group_comm, device))
     for agent, loc in initial_placement(cfg).items():
         if loc.group != group_index:
             continue
-        tr = build_trainer(cfg, task, agent, group_comm)
+        tr = build_trainer(cfg, task, agent, group_comm, device)
         if loc.resident:
             mover.trainers[agent] = tr
         else:
-            mover.parked[agent] = to_host(tr.state())
+            mover.park(agent, tr)
     return mover
