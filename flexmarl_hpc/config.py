@@ -194,7 +194,8 @@ class SlurmComponent:
     nodes: int = 1
     """Nodes of this het component."""
     gpus_per_node: int = 0
-    """GPUs per node (`--gpus-per-node`)."""
+    """GPUs per node. Het rollout/trainer components: the job asks `--gpus-per-task` (one block
+    per rank) and a node's tasks x GPUs must fit here; `--single`: `--gpus-per-node`."""
     cpus_per_task: int = 1
     """CPUs per rank."""
     mem: str = ""

@@ -3,7 +3,7 @@
     python -m flexmarl_hpc.run configs/local.yaml                  # re-launches under mpiexec
     python -m flexmarl_hpc.run configs/local.yaml run.mode=flex trainer.lr=3e-4
     mpiexec -n 4 python -m flexmarl_hpc.run configs/local.yaml     # explicit launch
-    srun --mpi=pmi2 --het-group=0-2 python -m flexmarl_hpc.run ... # inside a Slurm job
+    srun --mpi=pmi2 --het-group=0 CMD : --het-group=1 CMD : ...  # inside a Slurm job
     python -m flexmarl_hpc.run --help-config                       # every field, with help
 
 Started outside MPI it checks the config, then re-executes itself under the venv's

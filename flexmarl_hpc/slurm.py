@@ -5,9 +5,11 @@
 
 A run is one heterogeneous job: component 0 the orchestrator (1 task), component 1 the
 rollout pool (rollout.replicas tasks), component 2 the trainer groups (groups x
-ranks_per_group tasks). One `srun --het-group=0-2` starts every rank in one
+ranks_per_group tasks). One het step (`srun --het-group=0 ... : --het-group=1 ... :
+--het-group=2 ...`, each component with its own --cpus-per-task) starts every rank in one
 MPI_COMM_WORLD; SLURM_PROCID counts across components in that order, which is the rank
-order of flexmarl_hpc.layout. submitit cannot write het jobs (its issue 1741), so the text
+order of flexmarl_hpc.layout. GPU components bind one block of GPUs per task
+(--gpus-per-task); `single_script` leaves that to flexmarl_hpc.devices (roles share nodes). submitit cannot write het jobs (its issue 1741), so the text
 is ours; `single_script` is the one-allocation variant for sites without het jobs.
 
 Preemption and resume. `--signal=USR1@N` makes Slurm send SIGUSR1 to every task of every
@@ -50,7 +52,9 @@ OWNED_OPTIONS = {                         # sbatch options the config sets itsel
     "open-mode": "nothing (append is what resume needs)", "partition": "{where}.partition",
     "nodes": "{where}.nodes", "ntasks": "the layout (rollout.replicas, trainer.*)",
     "cpus-per-task": "{where}.cpus_per_task", "gpus-per-node": "{where}.gpus_per_node",
-    "mem": "{where}.mem", "het-group": "nothing (submit writes the het job)"}
+    "mem": "{where}.mem", "het-group": "nothing (submit writes the het job)",
+    "ntasks-per-node": "the layout and {where}.nodes", "gpus-per-task": "rollout.gpus_per_replica "
+    "(trainer ranks: 1)", "gpu-bind": "nothing (flexmarl_hpc.devices binds by role)"}
 
 
 # ---------------------------------------------------------------------------------------
