@@ -215,6 +215,7 @@ class StateMover:
                 return
             if src.resident:
                 state = to_host(self.trainers.pop(agent).state())   # frees the device copy
+                self.parked.hosts.pop(agent, None)      # its host buffers are not needed here
             else:
                 state = self.parked.pop(agent)          # drops the shelf and its host memory
             send_state(self.world, state, self.group_ranks(dst.group)[me])
