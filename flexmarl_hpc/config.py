@@ -119,6 +119,9 @@ class RolloutConfig:
     """Longest prompt + response a replica serves (0: the model's max_seq_len). Bounds vLLM's
     KV cache: a pretrained model's context (8192 for SmolLM2) sized for max_batch sequences
     would not fit in host memory."""
+    gpus_per_replica: int = 1
+    """GPUs of one replica on GPU nodes (a contiguous block of its node's GPUs; vLLM's tensor
+    parallelism stays inside it). Ignored on CPU nodes."""
 
 
 @dataclass
@@ -191,7 +194,8 @@ class SlurmComponent:
     nodes: int = 1
     """Nodes of this het component."""
     gpus_per_node: int = 0
-    """GPUs per node (`--gpus-per-node`)."""
+    """GPUs per node. Het rollout/trainer components: the job asks `--gpus-per-task` (one block
+    per rank) and a node's tasks x GPUs must fit here; `--single`: `--gpus-per-node`."""
     cpus_per_task: int = 1
     """CPUs per rank."""
     mem: str = ""
@@ -438,6 +442,9 @@ def validate(cfg: Config) -> None:
         if m.checkpoint:
             need(Path(m.checkpoint).is_dir(), f"{where}.checkpoint",
                  f"expected a local HF checkpoint folder, {m.checkpoint!r} does not exist")
+
+    # --- device binding (flexmarl_hpc.devices) ---
+    need(cfg.rollout.gpus_per_replica >= 1, "rollout.gpus_per_replica", "expected >= 1")
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -3,7 +3,7 @@
     python -m flexmarl_hpc.run configs/local.yaml                  # re-launches under mpiexec
     python -m flexmarl_hpc.run configs/local.yaml run.mode=flex trainer.lr=3e-4
     mpiexec -n 4 python -m flexmarl_hpc.run configs/local.yaml     # explicit launch
-    srun --mpi=pmi2 --het-group=0-2 python -m flexmarl_hpc.run ... # inside a Slurm job
+    srun --mpi=pmi2 --het-group=0 CMD : --het-group=1 CMD : ...  # inside a Slurm job
     python -m flexmarl_hpc.run --help-config                       # every field, with help
 
 Started outside MPI it checks the config, then re-executes itself under the venv's
@@ -147,6 +147,10 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     rank = world.Get_rank()
     role, index = layout.role_of(rank)
     role_comm = world.Split(layout.split_color(rank), rank)
+    # every rank (collective): each replica and trainer rank gets GPUs of its own, before
+    # any engine or trainer touches CUDA; 'cpu' on nodes without GPUs
+    from .devices import bind_rank
+    device = bind_rank(world, layout, cfg.rollout.gpus_per_replica).device
     task = build_task(cfg)
     out = cfg.output_dir
     bucket = int(cfg.weight_sync.bucket_mb * 2**20)
@@ -155,11 +159,11 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     if role == ROLLOUT:
         from .sampling import SamplingParams
         from .workers import replica_loop
-        engine = build_engine(cfg, task)
+        engine = build_engine(cfg, task, device)
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
         return replica_loop(world, 0, index, engine, params, bucket)
     from .workers import restore_trainers, trainer_loop
-    mover = build_mover(cfg, task, world, index, role_comm, layout)
+    mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket)
