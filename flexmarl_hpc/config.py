@@ -43,8 +43,15 @@ class RunConfig:
     """Master seed: inputs, model init and per-sample sampling seeds derive from it."""
     threads_per_rank: int = 1
     """torch intra-op threads per MPI rank (ranks usually outnumber cores)."""
-    checkpoint_every: int = 0
-    """Checkpoint every N steps (0: only at the end and on preemption)."""
+    checkpoint_every: int = 10
+    """Checkpoint every N steps (0: by minutes only; the end of the run and a preemption
+    signal always checkpoint)."""
+    checkpoint_minutes: float = 10.0
+    """Also checkpoint an agent when this many minutes passed since its last checkpoint
+    (0: by steps only). With both 0 a crash restarts from step 0."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept per agent (older ones are deleted once a newer one is verified on disk);
+    a corrupted newest checkpoint falls back to the one before."""
     resume: bool = True
     """Resume from the latest checkpoint and the store in output_dir when one exists."""
     log_every: int = 1

@@ -20,6 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from .checkpoint import CheckpointError
 from .config import Config, ConfigError, help_text, load_config, save_config, to_dict
 from .layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
 
@@ -123,6 +124,11 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         return code
+    except CheckpointError as e:            # a full disk: one line naming the path, not a traceback
+        sys.stderr.write(f"[rank {world.Get_rank()}] checkpoint error: {e}\n")
+        sys.stderr.flush()
+        world.Abort(1)
+        return 1
     except BaseException:
         sys.stderr.write(f"[rank {world.Get_rank()}] fatal error:\n{traceback.format_exc()}")
         sys.stderr.flush()
@@ -162,7 +168,7 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     mover = build_mover(cfg, task, world, index, role_comm, layout)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
-    return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket)
+    return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints)
 
 
 def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
