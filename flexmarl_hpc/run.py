@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         task = build_task(cfg)
         check_models(cfg, task)
         check_lengths(cfg, task)
+        check_backend_math(cfg, task)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -138,6 +139,22 @@ def check_lengths(cfg: Config, task) -> None:
                                   f"{turn.agent!r}), got {cfg.rollout.max_model_len}")
             filler = tuple(task.prompt(t, path)[-1:] or [0]) * turn.max_new_tokens
             path = TaskPath(path.input, path.responses + (filler,))
+
+
+def check_backend_math(cfg: Config, task) -> None:
+    """The megatron trainer builds its GPTModel with rotary_base only: a checkpoint with
+    Llama-3 RoPE scaling would train with other math than the replicas sample with.
+    (megatron-core's GPTModel has rope_scaling/rope_scaling_factor with low/high frequency
+    factors 1/4 and original context 8192 fixed; once the trainer passes them, only other
+    values need refusing.)"""
+    if cfg.trainer.backend != "megatron":
+        return
+    from .build import model_args
+    for agent in cfg.agent_names:
+        if model_args(cfg, task, agent).rope_llama3 is not None:
+            where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
+            raise ConfigError(f"{where}: Llama-3 RoPE scaling (rope_type llama3) is not supported by "
+                              "trainer.backend=megatron yet; use trainer.backend=torch")
 
 
 # what a resumed run must share with the run that wrote the store and the checkpoints
