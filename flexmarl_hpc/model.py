@@ -60,8 +60,8 @@ class ModelArgs:
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads, "intermediate_size": self.intermediate_size,
             "max_position_embeddings": self.max_seq_len, "rope_theta": self.rope_theta,
-            # transformers 4.x reads rope_scaling, 5.x rope_parameters (vLLM either)
-            "rope_scaling": None if self.rope_llama3 is None else rope, "rope_parameters": rope,
+            # transformers 5.x reads rope_parameters, 4.x rope_theta and rope_scaling
+            "rope_parameters": rope, **({"rope_scaling": rope} if self.rope_llama3 else {}),
             "rms_norm_eps": self.rms_eps, "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu", "torch_dtype": "float32",
         }
