@@ -277,6 +277,8 @@ class _enospc_names:
             e = e.__cause__ or e.__context__
         for err in (errno.ENOSPC, errno.EDQUOT):
             if err in errs:
-                raise CheckpointError(f"{self.path}: cannot write checkpoint: no space left on device "
-                                      f"({os.strerror(err)}; the previous checkpoint is kept)", err) from None
+                target = self.path.with_name(self.path.name.removesuffix(".tmp"))
+                raise CheckpointError(f"{target}: cannot write checkpoint: no space left on device "
+                                      f"(errno {err}; nothing half-written is left, the previous "
+                                      "checkpoint is kept)", err) from None
         return False

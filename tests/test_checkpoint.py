@@ -2,6 +2,7 @@
 and a full disk fails in one line with nothing half-written left behind."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from flexmarl_hpc import checkpoint as ck
-from tests.conftest import IN_CI
+from tests.conftest import IN_CI, run_training
 
 
 def state(v: int, n: int = 1000) -> dict[str, torch.Tensor]:
@@ -123,20 +124,26 @@ def test_resaving_a_version_replaces_it(tmp_path):
     assert torch.equal(ck.load_latest(folder)["model.w"], state(7)["model.w"])
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 2 MiB tmpfs: needs root (mount); CI runs the tests as root."""
+@contextlib.contextmanager
+def tmpfs(tmp_path: Path, size: str):
+    """A small tmpfs: needs root (mount); CI runs the tests as root."""
     if os.geteuid() != 0:
         if IN_CI:
             pytest.fail("the disk-full test needs root (mount -t tmpfs) and CI runs as root")
         pytest.skip("the disk-full test needs root to mount a small tmpfs")
     mnt = tmp_path / f"full-{uuid.uuid4().hex[:6]}"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True)
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    with tmpfs(tmp_path, "2m") as mnt:
+        yield mnt
 
 
 def test_disk_full_is_one_line_and_keeps_the_previous(small_tmpfs):
@@ -149,3 +156,24 @@ def test_disk_full_is_one_line_and_keeps_the_previous(small_tmpfs):
     assert e.value.errno == 28
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "v000001.manifest.json", "v000001.pt"]
     assert torch.equal(ck.load_latest(folder)["model.w"], state(1)["model.w"])
+
+
+@pytest.mark.realrun
+def test_disk_full_during_a_run_checkpoint(tmp_path, mpiexec):
+    """A real run whose output_dir (a 3 MiB tmpfs) fills up at the step-10 checkpoints
+    (~1 MB per agent): the trainer reports one line naming the checkpoint and "no space
+    left", the job stops, no .tmp is left and every checkpoint on disk still verifies."""
+    with tmpfs(tmp_path, "3m") as mnt:
+        out = mnt / "run"
+        p = run_training(out, "run.steps=30", "run.checkpoint_every=10", "run.checkpoint_minutes=0",
+                         check=False, timeout=300)
+        text = p.stdout + p.stderr
+        assert p.returncode != 0, text
+        line = next(l for l in text.splitlines() if "checkpoint error:" in l)
+        assert "no space left" in line and str(out / "checkpoints") in line, line
+        assert "unexpected pos" not in text and "checkpoint.py" not in text, text
+        ckpts = out / "checkpoints"
+        assert not list(ckpts.rglob("*.tmp"))
+        for agent in ckpts.iterdir():
+            for v in ck.committed_versions(agent):
+                assert ck.verify(agent, v)[0] is not None
