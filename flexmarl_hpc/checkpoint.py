@@ -123,6 +123,11 @@ def prune(folder: Path, keep: int) -> None:
             _remove(p)
     for tmp in folder.glob("v*.tmp"):
         _remove(tmp)
+    kept = versions[:max(keep, 1)]
+    for p in folder.glob("v*"):           # entries without a manifest older than all kept ones
+        m = _ENTRY.match(p.name)
+        if m and kept and int(m.group(1)) < kept[-1] and not manifest_path(folder, int(m.group(1))).exists():
+            _remove(p)
 
 
 # ---------------------------------------------------------------------------------------
@@ -168,13 +173,21 @@ def newest_valid(folder: Path, report: Callable[[str], None] = print) -> tuple[i
     is reported in one line. None if there is none."""
     if not folder.is_dir():
         return None
-    _check_latest(folder, report)
+    legacy = _check_latest(folder, report)
+    found = None
     for v in sorted(committed_versions(folder), reverse=True):
         entry, problem = verify(folder, v)
         if entry is not None:
-            return v, entry
+            found = v, entry
+            break
         report(f"bad checkpoint, skipped: {problem}")
-    return None
+    if legacy is not None and (found is None or legacy[0] > found[0]):
+        # written before manifests existed: `latest` was renamed into place after the file,
+        # so the file it names is complete, but nothing can verify its bytes
+        report(f"checkpoint without a manifest (written by an older flexmarl_hpc), loaded "
+               f"unverified: {legacy[1]}")
+        return legacy
+    return found
 
 
 def latest_version(folder: Path, report: Callable[[str], None] = print) -> int | None:
@@ -199,18 +212,25 @@ def load_latest(folder: Path, report: Callable[[str], None] = print) -> dict[str
 # ---------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------
-def _check_latest(folder: Path, report) -> None:
+def _check_latest(folder: Path, report) -> tuple[int, Path] | None:
+    """Report a garbled `latest`; return the entry it names if that has no manifest (legacy)."""
     latest = folder / "latest"
     if not latest.exists():
-        return
+        return None
     try:
         name = latest.read_bytes().decode("ascii").strip()
-        ok = _ENTRY.match(name) is not None
+        m = _ENTRY.match(name)
     except (OSError, UnicodeDecodeError):
-        ok, name = False, "?"
-    if not ok:
+        m = None
+    if m is None:
         report(f"bad checkpoint pointer, ignored: {latest}: expected an entry name like v000012.pt, "
                f"got {latest.read_bytes()[:40]!r}; using the newest valid checkpoint")
+        return None
+    version = int(m.group(1))
+    entry = folder / name
+    if entry.is_file() and not manifest_path(folder, version).exists():
+        return version, entry
+    return None
 
 
 def _files(entry: Path) -> list[tuple[str, Path]]:

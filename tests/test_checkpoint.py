@@ -177,3 +177,17 @@ def test_disk_full_during_a_run_checkpoint(tmp_path, mpiexec):
         for agent in ckpts.iterdir():
             for v in ck.committed_versions(agent):
                 assert ck.verify(agent, v)[0] is not None
+
+
+def test_a_pre_manifest_checkpoint_still_resumes(tmp_path):
+    """Run folders written before manifests: the file `latest` names is loaded, with one line."""
+    folder = tmp_path / "agent"
+    folder.mkdir()
+    torch.save(state(5), folder / "v000005.pt")
+    (folder / "latest").write_text("v000005.pt")
+    report: list[str] = []
+    assert torch.equal(ck.load_latest(folder, report.append)["model.w"], state(5)["model.w"])
+    assert len(lines(report)) == 1 and "without a manifest" in report[0]
+    ck.save_checkpoint(folder, 6, state(6))          # the next save is verified as usual
+    assert ck.latest_version(folder, report.append) == 6 and len(report) == 1
+    assert not (folder / "v000005.pt").exists()         # pruned like any older checkpoint
