@@ -15,7 +15,9 @@ last `keep` valid checkpoints stay on disk.
 
 Two calls serve any backend (megatron writes a folder with its own writer):
 
-    tmp = staging_path(folder, version, is_dir=True)    # write the entry here
+    tmp = staging_path(folder, version, is_dir=True)    # write the entry here (mkdir it)
+    with writing(tmp):                                  # a full disk -> one CheckpointError line
+        ...                                             # e.g. dist_checkpointing.save(.., tmp)
     publish(folder, version, tmp, keep)                 # fsync, rename, manifest, prune
     found = newest_valid(folder, report)                # (version, entry path) or None
 """
@@ -68,7 +70,7 @@ def save_checkpoint(folder: Path, version: int, state: dict[str, torch.Tensor], 
     """Write a flat dict of tensors as the checkpoint `version` of `folder`; returns its path."""
     import torch
     tmp = staging_path(folder, version)
-    with _enospc_names(tmp):
+    with writing(tmp):
         with open(tmp, "wb") as f:
             torch.save(state, f)
     return publish(folder, version, tmp, keep)
@@ -81,7 +83,7 @@ def publish(folder: Path, version: int, tmp: Path, keep: int = 3) -> Path:
     path = folder / entry_name(version, tmp.is_dir())
     manifest = manifest_path(folder, version)
     try:
-        with _enospc_names(tmp):
+        with writing(tmp):
             files = _describe(tmp)                   # fsyncs every file while hashing it
         # a re-save of the same version (a resumed run checkpoints again) replaces it whole
         manifest.unlink(missing_ok=True)
@@ -102,7 +104,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     """tmp -> fsync -> rename -> fsync(dir); on failure no `.tmp` is left and `path` is as before."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with _enospc_names(path):
+        with writing(path):
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -274,8 +276,8 @@ def _remove(p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-class _enospc_names:
-    """Turn a full disk (or quota) while writing `path` into one CheckpointError line naming it;
+class writing:
+    """Context manager: turn a full disk (or quota) while writing `path` into one CheckpointError line naming it;
     remove the partial `path` (a staging entry) on any error."""
 
     def __init__(self, path: Path):
