@@ -277,8 +277,8 @@ def _remove(p: Path) -> None:
 
 
 class writing:
-    """Context manager: turn a full disk (or quota) while writing `path` into one CheckpointError line naming it;
-    remove the partial `path` (a staging entry) on any error."""
+    """Context manager: a full disk (or quota) while writing `path` becomes one CheckpointError
+    line naming it; on any error a partial staging entry (`*.tmp`) is removed."""
 
     def __init__(self, path: Path):
         self.path = path
