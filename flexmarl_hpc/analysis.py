@@ -73,10 +73,17 @@ def check_not_truncated(path: Path) -> None:
     metadata reads for a long time instead of failing."""
     with open(path, "rb") as fh:
         head = fh.read(48)
-    if head[:8] != b"\x89HDF\r\n\x1a\n" or head[8] not in (2, 3):
-        return                          # not HDF5, or an old superblock: h5py will say
+    if head[:8] != b"\x89HDF\r\n\x1a\n":
+        return                          # not HDF5: h5py will say
+    if len(head) < 10:
+        raise AnalysisError(f"{path}: truncated HDF5 file ({len(head)} bytes, cut inside the superblock)")
+    if head[8] not in (2, 3):
+        return                          # an old superblock: h5py will say
     size_of_offsets = head[9]
-    eof = int.from_bytes(head[12 + 2 * size_of_offsets:12 + 3 * size_of_offsets], "little")
+    end = 12 + 3 * size_of_offsets
+    if size_of_offsets not in (2, 4, 8) or len(head) < end:
+        raise AnalysisError(f"{path}: truncated or damaged HDF5 superblock ({len(head)} bytes read)")
+    eof = int.from_bytes(head[12 + 2 * size_of_offsets:end], "little")
     actual = path.stat().st_size
     if actual < eof:
         raise AnalysisError(f"{path}: truncated HDF5 file ({actual} bytes, the file says {eof})")

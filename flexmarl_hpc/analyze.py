@@ -183,12 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the summary as JSON, no figures")
     ap.add_argument("--no-plots", action="store_true", help="summary only")
     a = ap.parse_args(argv)
-    try:
-        runs = [load_run(p) for p in a.files]
-        sums = [summary(r) for r in runs]
-    except AnalysisError as e:
-        print(f"analyze: {e}", file=sys.stderr)
-        return 2
+    runs, sums = [], []
+    for p in a.files:
+        try:
+            runs.append(load_run(p))
+            sums.append(summary(runs[-1]))
+        except AnalysisError as e:
+            print(f"analyze: {e}", file=sys.stderr)
+            return 2
+        except (OSError, KeyError, ValueError, IndexError, RuntimeError) as e:
+            # h5py/pandas on a damaged file: still one line naming it, never a traceback
+            print(f"analyze: {p}: damaged or unreadable run file ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
+            return 2
     if a.json:
         print(json.dumps(sums if len(sums) > 1 else sums[0], indent=2))
         return 0

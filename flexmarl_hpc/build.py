@@ -5,6 +5,8 @@ lazily so a torch-only job never imports megatron or vllm.
 """
 from __future__ import annotations
 
+import sys
+
 from .config import Config
 from .config import ConfigError
 from .model import CausalLM, ModelArgs, build_model, load_hf_args, load_hf_checkpoint
@@ -48,23 +50,40 @@ def initial_model(cfg: Config, task: Task, agent: str) -> CausalLM:
     return build_model(ModelArgs.from_config(m, len(task.vocab)), seed, m.init_std)
 
 
-def build_engine(cfg: Config, task: Task):
+def _cpu_only(what: str, device: str) -> None:
+    """The built-in torch engine and trainer run on the CPU (their tensors and reductions go
+    through numpy/MPI): say so once instead of idling a bound GPU silently."""
+    if device != "cpu" and what not in _WARNED:
+        _WARNED.add(what)
+        print(f"flexmarl_hpc: {what} is CPU-only; this rank's {device} stays idle "
+              "(use the vllm / megatron backend on GPUs)", file=sys.stderr, flush=True)
+
+
+_WARNED: set[str] = set()
+
+
+def build_engine(cfg: Config, task: Task, device: str = "cpu"):
+    """This replica's engine. `device` is the rank's binding (flexmarl_hpc.devices), already
+    applied: vLLM sees only the replica's GPU block as cuda:0.. through CUDA_VISIBLE_DEVICES."""
     args_of = {a: model_args(cfg, task, a) for a in cfg.agent_names}
     if cfg.rollout.backend == "vllm":
         from .rollout.vllm_engine import VLLMEngine
         return VLLMEngine(args_of, task, cfg.rollout)
     from .rollout.torch_engine import TorchEngine
+    _cpu_only("rollout.backend=torch", device)
     return TorchEngine(args_of, task, cfg.rollout.max_batch)
 
 
-def build_trainer(cfg: Config, task: Task, agent: str, group_comm):
-    """One agent's trainer backend on this rank's group, at version 0."""
+def build_trainer(cfg: Config, task: Task, agent: str, group_comm, device: str = "cpu"):
+    """One agent's trainer backend on this rank's group, at version 0. `device`: the rank's
+    binding, already the current CUDA device (megatron allocates on current_device())."""
     model = initial_model(cfg, task, agent)
     if cfg.trainer.backend == "megatron":
         from .trainer.megatron_trainer import MegatronTrainer
         return MegatronTrainer(model.args, cfg.trainer, group_comm, cfg.rollout.temperature,
                                init={k: v.clone() for k, v in model.state_dict().items()})
     from .trainer.torch_trainer import TorchTrainer
+    _cpu_only("trainer.backend=torch", device)
     return TorchTrainer(model, cfg.trainer, group_comm, cfg.rollout.temperature)
 
 
@@ -76,17 +95,19 @@ def initial_placement(cfg: Config):
     return {a: Location(i % G, resident=i < G) for i, a in enumerate(cfg.agent_names)}
 
 
-def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout):
-    """This rank's StateMover holding the group's initial agents (see initial_placement)."""
-    from .state_swap import StateMover, to_host
+def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout, device: str = "cpu"):
+    """This rank's StateMover holding the group's initial agents (see initial_placement):
+    the first resident, the others built once and swapped out at once into host buffers
+    that later swaps reuse."""
+    from .state_swap import StateMover
     mover = StateMover(world, group_comm, group_index, layout.group_ranks, {},
-                       lambda agent: build_trainer(cfg, task, agent, group_comm))
+                       lambda agent: build_trainer(cfg, task, agent, group_comm, device))
     for agent, loc in initial_placement(cfg).items():
         if loc.group != group_index:
             continue
-        tr = build_trainer(cfg, task, agent, group_comm)
+        tr = build_trainer(cfg, task, agent, group_comm, device)
         if loc.resident:
             mover.trainers[agent] = tr
         else:
-            mover.parked[agent] = to_host(tr.state())
+            mover.park(agent, tr)
     return mover

@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import os
+import re
 import textwrap
 import types
 import typing
@@ -43,8 +45,15 @@ class RunConfig:
     """Master seed: inputs, model init and per-sample sampling seeds derive from it."""
     threads_per_rank: int = 1
     """torch intra-op threads per MPI rank (ranks usually outnumber cores)."""
-    checkpoint_every: int = 0
-    """Checkpoint every N steps (0: only at the end and on preemption)."""
+    checkpoint_every: int = 10
+    """Checkpoint every N steps (0: by minutes only; the end of the run and a preemption
+    signal always checkpoint)."""
+    checkpoint_minutes: float = 10.0
+    """Also checkpoint an agent when this many minutes passed since its last checkpoint
+    (0: by steps only). With both 0 a crash restarts from step 0."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept per agent (older ones are deleted once a newer one is verified on disk);
+    a corrupted newest checkpoint falls back to the one before."""
     resume: bool = True
     """Resume from the latest checkpoint and the store in output_dir when one exists."""
     log_every: int = 1
@@ -119,10 +128,11 @@ class RolloutConfig:
     """Longest prompt + response a replica serves (0: the model's max_seq_len). Bounds vLLM's
     KV cache: a pretrained model's context (8192 for SmolLM2) sized for max_batch sequences
     would not fit in host memory."""
+    gpus_per_replica: int = 1
+    """GPUs of one replica on GPU nodes (a contiguous block of its node's GPUs; vLLM's tensor
+    parallelism stays inside it). Ignored on CPU nodes."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Weights/activations dtype of the vLLM engines. auto: bf16 on GPU, fp32 on CPU."""
-    tensor_parallel: int = 1
-    """GPUs one vLLM engine spans (vLLM tensor_parallel_size)."""
 
 
 @dataclass
@@ -202,7 +212,8 @@ class SlurmComponent:
     nodes: int = 1
     """Nodes of this het component."""
     gpus_per_node: int = 0
-    """GPUs per node (`--gpus-per-node`)."""
+    """GPUs per node. Het rollout/trainer components: the job asks `--gpus-per-task` (one block
+    per rank) and a node's tasks x GPUs must fit here; `--single`: `--gpus-per-node`."""
     cpus_per_task: int = 1
     """CPUs per rank."""
     mem: str = ""
@@ -370,7 +381,14 @@ def apply_override(data: dict, override: str) -> None:
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"{key.strip()}: the value {raw!r} is not valid YAML "
-                          f"({getattr(e, 'problem', None) or e}); quote it in the shell") from None
+                          f"({_one_line(e)}); quote it in the shell") from None
+
+
+def _one_line(e: Exception) -> str:
+    """A YAML error's problem and position on one line (its str() spans several)."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -381,9 +399,14 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if not p.is_file():
             raise ConfigError(f"{p}: config file not found")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: expected UTF-8 text, byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start} is not ({e.reason})") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read the config file ({e.strerror})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+            raise ConfigError(f"{p}: not valid YAML: {_one_line(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: expected a mapping at the top level")
     for o in overrides:
@@ -393,37 +416,155 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """Checks that need more than one field. Raises ConfigError naming the field."""
-    def need(cond: bool, where: str, msg: str) -> None:
-        if not cond:
-            raise ConfigError(f"{where}: {msg}")
+# Field ranges (run.py adds the checks that need the task or the machine: sequence lengths,
+# the number of ranks a local run may start)
+MAX_STEPS = 10**9
+"""run.steps above this cannot be meant (and step numbers must fit the store's int64)."""
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+"""Agent names become HDF5 group and checkpoint folder names."""
 
-    turns = cfg.workflow.turns
-    need(len(turns) > 0, "workflow.turns", "expected at least one turn")
-    for i, t in enumerate(turns):
-        need(bool(t.agent), f"workflow.turns[{i}].agent", "expected an agent name")
-        need(t.samples >= 1, f"workflow.turns[{i}].samples", f"expected >= 1, got {t.samples}")
-        need(t.max_new_tokens >= 1, f"workflow.turns[{i}].max_new_tokens", "expected >= 1")
-    need(":" in cfg.workflow.task, "workflow.task", f"expected 'module:Class', got {cfg.workflow.task!r}")
-    need(cfg.workflow.inputs_per_step >= 1, "workflow.inputs_per_step", "expected >= 1")
+
+def _need(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{where}: {msg}")
+
+
+def _int_in(value: int, where: str, lo: int, hi: int | None = None, note: str = "") -> None:
+    ok = value >= lo and (hi is None or value <= hi)
+    rng = f">= {lo}" if hi is None else f"{lo}..{hi}"
+    _need(ok, where, f"expected {rng}{note}, got {value}")
+
+
+def _float_in(value: float, where: str, lo: float, hi: float | None = None, lo_open: bool = False,
+              hi_open: bool = False) -> None:
+    ok = (value > lo if lo_open else value >= lo) and (
+        hi is None or (value < hi if hi_open else value <= hi))
+    rng = f"{'>' if lo_open else '>='} {lo:g}" if hi is None else \
+        f"{lo:g} {'<' if lo_open else '<='} x {'<' if hi_open else '<='} {hi:g}"
+    _need(ok, where, f"expected {rng}, got {value!r}")
+
+
+def check_leaves(obj: Any, where: str = "") -> None:
+    """Every float is finite and no string (nor mapping key) holds a control character: strings
+    reach file names, HDF5 attributes and the sbatch script, where a newline splits a line."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            check_leaves(getattr(obj, f.name), _join(where, f.name))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_leaves(v, f"{where}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            check_leaves(k, where)
+            check_leaves(v, f"{where}.{k}")
+    elif isinstance(obj, float):
+        _need(math.isfinite(obj), where, f"expected a finite number, got {obj!r}")
+    elif isinstance(obj, str):
+        bad = next((c for c in obj if ord(c) < 32 or ord(c) == 127), None)
+        _need(bad is None, where, f"control character {bad!r} in {obj!r}; expected printable text "
+                                  "(it would reach file names and the sbatch script)")
+
+
+def _validate_run(r: RunConfig) -> None:
+    _need(bool(r.name) and "/" not in r.name and r.name not in (".", ".."), "run.name",
+          f"expected a non-empty name without '/', got {r.name!r}")
+    _need(bool(r.output_dir), "run.output_dir", "expected a folder")
+    try:
+        r.output_dir.format(name=r.name)
+    except (KeyError, IndexError, ValueError, AttributeError) as e:
+        raise ConfigError(f"run.output_dir: only {{name}} may appear in braces (double them for a "
+                          f"literal brace), got {r.output_dir!r} ({type(e).__name__}: {e})") from None
+    _int_in(r.steps, "run.steps", 1, MAX_STEPS)
+    _int_in(r.seed, "run.seed", 0, 2**63 - 1)
+    _int_in(r.threads_per_rank, "run.threads_per_rank", 1, 1024)
+    _int_in(r.checkpoint_every, "run.checkpoint_every", 0, note=" (0: by minutes only)")
+    _float_in(r.checkpoint_minutes, "run.checkpoint_minutes", 0)
+    _int_in(r.keep_checkpoints, "run.keep_checkpoints", 1)
+    _int_in(r.log_every, "run.log_every", 1)
+
+
+def _validate_model(m: ModelConfig, where: str) -> None:
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+        _int_in(getattr(m, key), f"{where}.{key}", 1)
+    _int_in(m.max_seq_len, f"{where}.max_seq_len", 2)
+    _float_in(m.rope_theta, f"{where}.rope_theta", 1, lo_open=True)
+    _float_in(m.rms_eps, f"{where}.rms_eps", 0, 1, lo_open=True)
+    _float_in(m.init_std, f"{where}.init_std", 0, lo_open=True)
+    _need(m.hidden_size % m.num_heads == 0, f"{where}.num_heads",
+          f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}")
+    _need(m.num_heads % m.num_kv_heads == 0, f"{where}.num_kv_heads",
+          f"num_heads {m.num_heads} is not divisible by num_kv_heads {m.num_kv_heads}")
+    _need((m.hidden_size // m.num_heads) % 2 == 0, f"{where}.hidden_size",
+          "head dim (hidden_size / num_heads) must be even for RoPE")
+    if m.checkpoint:
+        _need(Path(m.checkpoint).is_dir(), f"{where}.checkpoint",
+              f"expected a local HF checkpoint folder, {m.checkpoint!r} does not exist")
+
+
+def _validate_workflow(w: WorkflowConfig) -> None:
+    _need(len(w.turns) > 0, "workflow.turns", "expected at least one turn")
+    for i, t in enumerate(w.turns):
+        _need(bool(NAME_RE.match(t.agent)), f"workflow.turns[{i}].agent",
+              f"expected an agent name of letters, digits, _ . + - (it names HDF5 groups and "
+              f"checkpoint folders), got {t.agent!r}")
+        _int_in(t.samples, f"workflow.turns[{i}].samples", 1)
+        _int_in(t.max_new_tokens, f"workflow.turns[{i}].max_new_tokens", 1)
+    _need(":" in w.task, "workflow.task", f"expected 'module:Class', got {w.task!r}")
+    _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
+
+
+def _validate_engines(cfg: Config) -> None:
+    ro, tr, p = cfg.rollout, cfg.trainer, cfg.pipeline
+    _int_in(ro.replicas, "rollout.replicas", 1, note=" replica")
+    _int_in(ro.max_batch, "rollout.max_batch", 1)
+    _float_in(ro.temperature, "rollout.temperature", 0, lo_open=True)
+    _float_in(ro.top_p, "rollout.top_p", 0, 1, lo_open=True)
+    _int_in(ro.max_model_len, "rollout.max_model_len", 0, note=" (0: the model's max_seq_len)")
+    _int_in(tr.groups, "trainer.groups", 0, note=" (0: one per agent)")
+    for key in ("ranks_per_group", "tensor_parallel", "pipeline_parallel", "micro_batch_size"):
+        _int_in(getattr(tr, key), f"trainer.{key}", 1)
+    _float_in(tr.lr, "trainer.lr", 0, lo_open=True)
+    for i, b in enumerate(tr.betas):
+        _float_in(b, f"trainer.betas[{i}]", 0, 1, hi_open=True)
+    for key in ("weight_decay", "grad_clip", "entropy_coef", "kl_coef"):
+        _float_in(getattr(tr, key), f"trainer.{key}", 0)
+    _float_in(tr.clip_eps, "trainer.clip_eps", 0, lo_open=True)
+    _float_in(tr.tis_cap, "trainer.tis_cap", 0, lo_open=True)
+    _int_in(p.max_staleness, "pipeline.max_staleness", 0)
+    _float_in(p.rebalance_threshold, "pipeline.rebalance_threshold", 0, 1)
+    _int_in(p.rebalance_cooldown, "pipeline.rebalance_cooldown", 0)
+    _int_in(p.overprovision, "pipeline.overprovision", 0, note=" extra inputs per step")
+    _float_in(cfg.weight_sync.bucket_mb, "weight_sync.bucket_mb", 0, 16384, lo_open=True)
+    _int_in(cfg.store.chunk_rows, "store.chunk_rows", 1, 1 << 20)
+    s = cfg.slurm
+    _int_in(s.signal_seconds, "slurm.signal_seconds", 0)
+    for name in ("orchestrator", "rollout", "trainer"):
+        comp = getattr(s, name)
+        _int_in(comp.nodes, f"slurm.{name}.nodes", 1)
+        _int_in(comp.gpus_per_node, f"slurm.{name}.gpus_per_node", 0)
+        _int_in(comp.cpus_per_task, f"slurm.{name}.cpus_per_task", 1)
+
+
+def validate(cfg: Config) -> None:
+    """Every field's range, then checks that need more than one field. Raises ConfigError
+    naming the field and what was expected; runs before any rank starts."""
+    need = _need
+    check_leaves(cfg)
+    _validate_run(cfg.run)
+    _validate_workflow(cfg.workflow)
+    _validate_engines(cfg)
     for name in cfg.agents:
         need(name in cfg.agent_names, f"agents.{name}",
              f"no such agent in workflow.turns (agents are {cfg.agent_names})")
-    need(cfg.run.steps >= 1, "run.steps", "expected >= 1")
-    need(cfg.rollout.replicas >= 1, "rollout.replicas", "expected >= 1 replica")
-    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "expected 0 < top_p <= 1")
-    need(cfg.rollout.temperature > 0, "rollout.temperature", "expected > 0")
-    need(cfg.rollout.max_model_len >= 0, "rollout.max_model_len", "expected >= 0 (0: the model's max_seq_len)")
-    need(cfg.trainer.ranks_per_group >= 1, "trainer.ranks_per_group", "expected >= 1")
+    for agent in cfg.agent_names:
+        where = f"agents.{agent}" if agent in cfg.agents else "model"
+        _validate_model(cfg.model_for(agent), where)
     mp = cfg.trainer.tensor_parallel * cfg.trainer.pipeline_parallel
-    need(mp >= 1 and cfg.trainer.ranks_per_group % mp == 0, "trainer.ranks_per_group",
+    need(cfg.trainer.ranks_per_group % mp == 0, "trainer.ranks_per_group",
          f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, "
          f"got {cfg.trainer.ranks_per_group}")
     need(cfg.trainer.backend == "megatron" or mp == 1, "trainer.tensor_parallel",
          "tensor/pipeline parallelism needs trainer.backend=megatron")
-    need(cfg.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "expected >= 1")
-    need(cfg.trainer.groups >= 0, "trainer.groups", "expected >= 0 (0: one per agent)")
     n_agents = len(cfg.agent_names)
     if cfg.num_trainer_groups < n_agents and not cfg.pipeline.swap_states:
         orphan = cfg.agent_names[cfg.num_trainer_groups]
@@ -432,27 +573,13 @@ def validate(cfg: Config) -> None:
             f"{orphan!r} with no trainer; set trainer.groups=0 or pipeline.swap_states=true")
     need(cfg.num_trainer_groups <= n_agents, "trainer.groups",
          f"expected at most {n_agents} (one per agent), got {cfg.num_trainer_groups}")
-    need(cfg.pipeline.max_staleness >= 0, "pipeline.max_staleness", "expected >= 0")
-    need(cfg.pipeline.overprovision >= 0, "pipeline.overprovision", "expected >= 0 extra inputs per step")
     need(cfg.pipeline.overprovision == 0 or cfg.run.mode == "flex", "pipeline.overprovision",
          "needs run.mode=flex (sync, the baseline, trains every input it admits)")
-    need(cfg.weight_sync.bucket_mb > 0, "weight_sync.bucket_mb", "expected > 0")
-    for agent in cfg.agent_names:
-        m = cfg.model_for(agent)
-        where = f"agents.{agent}" if agent in cfg.agents else "model"
-        need(m.hidden_size % m.num_heads == 0, f"{where}.num_heads",
-             f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}")
-        need(m.num_heads % m.num_kv_heads == 0, f"{where}.num_kv_heads",
-             f"num_heads {m.num_heads} is not divisible by num_kv_heads {m.num_kv_heads}")
-        need((m.hidden_size // m.num_heads) % 2 == 0, f"{where}.hidden_size",
-             "head dim (hidden_size / num_heads) must be even for RoPE")
-        if m.checkpoint:
-            need(Path(m.checkpoint).is_dir(), f"{where}.checkpoint",
-                 f"expected a local HF checkpoint folder, {m.checkpoint!r} does not exist")
-    # rollout engine dtype/TP and the weight-sync transport
-    need(cfg.rollout.tensor_parallel >= 1, "rollout.tensor_parallel", "expected >= 1")
-    need(cfg.rollout.tensor_parallel == 1 or cfg.rollout.backend == "vllm", "rollout.tensor_parallel",
-         "tensor-parallel replicas need rollout.backend=vllm")
+
+    # --- device binding (flexmarl_hpc.devices) ---
+    need(cfg.rollout.gpus_per_replica >= 1, "rollout.gpus_per_replica", "expected >= 1")
+
+    # --- rollout engine dtype (rollout/vllm_engine.py) ---
     need(cfg.rollout.dtype in ("auto", "fp32") or cfg.rollout.backend == "vllm", "rollout.dtype",
          "the torch engine runs fp32; bf16/fp16 need rollout.backend=vllm")
 

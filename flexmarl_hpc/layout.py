@@ -1,7 +1,8 @@
 """Rank layout: which MPI rank plays which role. Pure arithmetic, unit-tested.
 
 World ranks are laid out in het-job component order, so the same numbering holds under
-`mpiexec` and under `srun --het-group=0-2` (where SLURM_PROCID counts across components):
+`mpiexec` and under one het step over components 0-2 (where SLURM_PROCID counts across
+components):
 
     rank 0                      orchestrator
     ranks 1 .. R                rollout replicas

@@ -32,6 +32,9 @@ class ModelArgs:
     rms_eps: float = 1e-6
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    rope_llama3: tuple[float, float, float, int] | None = None
+    """Llama-3 RoPE scaling (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings); None: plain RoPE."""
 
     @property
     def head_dim(self) -> int:
@@ -44,6 +47,12 @@ class ModelArgs:
                    cfg.tie_embeddings, qkv_bias=cfg.qkv_bias)
 
     def to_hf_config(self) -> dict:
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_llama3 is not None:
+            f, lo, hi, orig = self.rope_llama3
+            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, "factor": f,
+                    "low_freq_factor": lo, "high_freq_factor": hi,
+                    "original_max_position_embeddings": orig}
         return {
             "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
             "model_type": "qwen2" if self.qkv_bias else "llama",
@@ -51,17 +60,77 @@ class ModelArgs:
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads, "intermediate_size": self.intermediate_size,
             "max_position_embeddings": self.max_seq_len, "rope_theta": self.rope_theta,
+            # transformers 5.x reads rope_parameters, 4.x rope_theta and rope_scaling
+            "rope_parameters": rope, **({"rope_scaling": rope} if self.rope_llama3 else {}),
             "rms_norm_eps": self.rms_eps, "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu", "torch_dtype": "float32",
         }
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "ModelArgs":
-        return cls(hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"],
-                   hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                   hf["intermediate_size"], hf.get("max_position_embeddings", 2048),
-                   hf.get("rope_theta", 10000.0), hf.get("rms_norm_eps", 1e-6),
-                   hf.get("tie_word_embeddings", False), hf.get("model_type") == "qwen2")
+        """Llama / Qwen2 config.json (transformers 4.x or 5.x). Every field that changes the
+        math is either honoured or refused by name (ValueError), never ignored."""
+        return _from_hf(cls, hf)
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def _from_hf(cls, hf: dict) -> ModelArgs:
+    def refuse(key: str, why: str):
+        raise ValueError(f"config.json: {key} = {hf.get(key)!r}: {why}")
+
+    mt = hf.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        refuse("model_type", f"expected one of {list(SUPPORTED_MODEL_TYPES)} (a Llama/Qwen2 decoder)")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "only silu (SwiGLU) is implemented")
+    for key in ("attention_bias", "mlp_bias"):          # Llama variants with extra biases
+        if hf.get(key):
+            refuse(key, "biases on these projections are not implemented")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+        refuse("use_sliding_window" if hf.get("use_sliding_window") else "layer_types",
+               "sliding-window attention is not implemented (full attention only)")
+    for key in ("attention_dropout", "hidden_dropout"):
+        if float(hf.get(key) or 0) != 0:
+            refuse(key, "dropout is not implemented; expected 0")
+    if int(hf.get("pretraining_tp") or 1) != 1:
+        refuse("pretraining_tp", "expected 1")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        refuse("head_dim", f"expected hidden_size / num_attention_heads = {hf['hidden_size'] // heads}")
+    theta, llama3 = _hf_rope(hf)
+    return cls(hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"], heads,
+               hf.get("num_key_value_heads") or heads, hf["intermediate_size"],
+               hf.get("max_position_embeddings", 2048), theta, hf.get("rms_norm_eps", 1e-6),
+               hf.get("tie_word_embeddings", False), mt == "qwen2", llama3)
+
+
+def _hf_rope(hf: dict) -> tuple[float, tuple | None]:
+    """(rope_theta, llama3 scaling or None) from transformers 5.x `rope_parameters` or 4.x
+    top-level `rope_theta` + `rope_scaling`."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rp = dict(hf.get(key) or {})
+    theta = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    partial = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor = {partial}: only full rotary embeddings "
+                         "are implemented")
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"config.json: {key}.rope_type = {kind!r}: not implemented (expected default "
+                         "or llama3)")
+    try:
+        llama3 = (float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"]),
+                  int(rp["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ValueError(f"config.json: {key}: llama3 scaling without {e.args[0]}") from None
+    if not (llama3[0] >= 1 and 0 < llama3[1] < llama3[2] and llama3[3] > 0):
+        raise ValueError(f"config.json: {key}: expected factor >= 1, 0 < low_freq_factor < "
+                         f"high_freq_factor, original_max_position_embeddings > 0; got {rp}")
+    return theta, llama3
 
 
 class RMSNorm(nn.Module):
@@ -75,9 +144,24 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(var + self.eps)).type_as(x) * self.weight
 
 
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Per-pair rotation frequencies; with Llama-3 scaling, long wavelengths are slowed down by
+    `factor`, short ones kept, and the band between interpolated (as HF and megatron-core do)."""
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim))
+    if args.rope_llama3 is None:
+        return inv
+    factor, lo, hi, orig = args.rope_llama3
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > orig / lo, inv / factor, inv)
+    smooth = (orig / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= orig / hi) & (wavelen <= orig / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_tables(args: ModelArgs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [B, T, head_dim] for integer positions [B, T] (HF rotate-half layout)."""
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+    inv = rope_inv_freq(args)
     ang = positions.float()[..., None] * inv
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos(), ang.sin()

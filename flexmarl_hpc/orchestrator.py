@@ -61,9 +61,10 @@ class Orchestrator:
         self.agents = cfg.agent_names
         ckpt = cfg.output_dir / "checkpoints"
         resume = cfg.run.resume
-        self.state = {a: AgentState(version=(latest_version(ckpt / a) or 0) if resume else 0,
+        self.state = {a: AgentState(version=(latest_version(ckpt / a, log) or 0) if resume else 0,
                                     location=loc, leader=layout.group_leader(loc.group))
                       for a, loc in initial_placement(cfg).items()}
+        self.ckpt_time = {a: time.time() for a in self.agents}   # last checkpoint (run.checkpoint_minutes)
         self.moving: dict[int, int] = defaultdict(int)      # group -> state moves in flight
         self.replicas = [ReplicaState(r) for r in layout.replica_ranks]
         p = cfg.pipeline
@@ -322,10 +323,20 @@ class Orchestrator:
                     "rows_offset": [off], "rows_len": [len(nodes)]})
         st.version, st.consumed, st.micro = version, 0, 0
         self.samples_since += len(nodes)
-        every = self.cfg.run.checkpoint_every
-        if every and version % every == 0 and version < self.cfg.run.steps:
+        if self.checkpoint_due(agent, version):
+            self.ckpt_time[agent] = time.time()
             self.checkpoint([agent], wait=False)
         self.maybe_log()
+
+    def checkpoint_due(self, agent: str, version: int) -> bool:
+        """run.checkpoint_every steps or run.checkpoint_minutes since this agent's last one
+        (the last step is checkpointed at the end of run() anyway)."""
+        run = self.cfg.run
+        if version >= run.steps:
+            return False
+        by_steps = run.checkpoint_every > 0 and version % run.checkpoint_every == 0
+        by_time = 0 < run.checkpoint_minutes * 60 <= time.time() - self.ckpt_time[agent]
+        return by_steps or by_time
 
     def maybe_log(self) -> None:
         done = min(s.version for s in self.state.values())

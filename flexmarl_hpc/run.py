@@ -3,7 +3,7 @@
     python -m flexmarl_hpc.run configs/local.yaml                  # re-launches under mpiexec
     python -m flexmarl_hpc.run configs/local.yaml run.mode=flex trainer.lr=3e-4
     mpiexec -n 4 python -m flexmarl_hpc.run configs/local.yaml     # explicit launch
-    srun --mpi=pmi2 --het-group=0-2 python -m flexmarl_hpc.run ... # inside a Slurm job
+    srun --mpi=pmi2 --het-group=0 CMD : --het-group=1 CMD : ...  # inside a Slurm job
     python -m flexmarl_hpc.run --help-config                       # every field, with help
 
 Started outside MPI it checks the config, then re-executes itself under the venv's
@@ -20,6 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from .checkpoint import CheckpointError
 from .config import Config, ConfigError, help_text, load_config, save_config, to_dict
 from .layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
 
@@ -67,9 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     layout = layout_from_config(cfg)
     try:
+        if not under_mpi():
+            check_local_ranks(cfg, layout)
         check_resumable(cfg)
         from .build import build_task, check_models
-        check_models(cfg, build_task(cfg))
+        task = build_task(cfg)
+        check_models(cfg, task)
+        check_lengths(cfg, task)
+        check_backend_math(cfg, task)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -79,6 +85,76 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
     return run_rank(cfg, layout)
+
+
+# A local run starts every rank as a Python process with torch on this machine. Ranks mostly
+# wait (no busy polling), so several share a core, but each needs ~RANK_MEMORY of memory and
+# beyond LOCAL_RANKS_PER_CPU per core the job spends its time switching; a bigger layout is
+# for Slurm (srun starts the ranks there and this check does not apply).
+LOCAL_RANKS_PER_CPU = 16
+RANK_MEMORY = 256 * 2**20
+
+
+def local_rank_limit() -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(4, min(LOCAL_RANKS_PER_CPU * cpus, mem // RANK_MEMORY))
+
+
+def check_local_ranks(cfg: Config, layout: RankLayout) -> None:
+    limit = local_rank_limit()
+    if layout.world_size <= limit:
+        return
+    trainer_ranks = layout.groups * layout.ranks_per_group
+    field = "rollout.replicas" if layout.replicas >= trainer_ranks else "trainer.ranks_per_group"
+    raise ConfigError(f"{field}: the layout needs {layout.world_size} ranks (1 + {layout.replicas} replicas "
+                      f"+ {trainer_ranks} trainer ranks); a local run starts at most {limit} on this "
+                      f"machine ({LOCAL_RANKS_PER_CPU} per CPU core, {RANK_MEMORY >> 20} MiB each); "
+                      "submit it to Slurm (python -m flexmarl_hpc.submit)")
+
+
+def check_lengths(cfg: Config, task) -> None:
+    """Each turn's prompt plus its max_new_tokens fits the acting agent's max_seq_len (and
+    rollout.max_model_len): walk a few inputs down one branch, with full-length responses."""
+    import numpy as np
+    from .build import model_args
+    from .workflows.base import Path as TaskPath
+    turns = cfg.workflow.turns
+    for inp in task.sample_inputs(np.random.default_rng(cfg.run.seed), 4):
+        path = TaskPath(inp)
+        for t, turn in enumerate(turns):
+            try:
+                lp = len(task.prompt(t, path))
+            except Exception:           # a task may reject the filler responses: check what we can
+                break
+            need = lp + turn.max_new_tokens
+            where = f"agents.{turn.agent}" if turn.agent in cfg.agents else "model"
+            limit = model_args(cfg, task, turn.agent).max_seq_len
+            if need > limit:
+                raise ConfigError(f"{where}.max_seq_len: expected >= {need} (turn {t} of agent "
+                                  f"{turn.agent!r}: a prompt of {lp} tokens + max_new_tokens "
+                                  f"{turn.max_new_tokens}), got {limit}")
+            if cfg.rollout.max_model_len and need > cfg.rollout.max_model_len:
+                raise ConfigError(f"rollout.max_model_len: expected >= {need} (turn {t} of agent "
+                                  f"{turn.agent!r}), got {cfg.rollout.max_model_len}")
+            filler = tuple(task.prompt(t, path)[-1:] or [0]) * turn.max_new_tokens
+            path = TaskPath(path.input, path.responses + (filler,))
+
+
+def check_backend_math(cfg: Config, task) -> None:
+    """The megatron trainer builds its GPTModel with rotary_base only: a checkpoint with
+    Llama-3 RoPE scaling would train with other math than the replicas sample with.
+    (megatron-core's GPTModel has rope_scaling/rope_scaling_factor with low/high frequency
+    factors 1/4 and original context 8192 fixed; once the trainer passes them, only other
+    values need refusing.)"""
+    if cfg.trainer.backend != "megatron":
+        return
+    from .build import model_args
+    for agent in cfg.agent_names:
+        if model_args(cfg, task, agent).rope_llama3 is not None:
+            where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
+            raise ConfigError(f"{where}: Llama-3 RoPE scaling (rope_type llama3) is not supported by "
+                              "trainer.backend=megatron yet; use trainer.backend=torch")
 
 
 # what a resumed run must share with the run that wrote the store and the checkpoints
@@ -123,6 +199,11 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         return code
+    except CheckpointError as e:            # a full disk: one line naming the path, not a traceback
+        sys.stderr.write(f"[rank {world.Get_rank()}] checkpoint error: {e}\n")
+        sys.stderr.flush()
+        world.Abort(1)
+        return 1
     except BaseException:
         sys.stderr.write(f"[rank {world.Get_rank()}] fatal error:\n{traceback.format_exc()}")
         sys.stderr.flush()
@@ -147,6 +228,10 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     rank = world.Get_rank()
     role, index = layout.role_of(rank)
     role_comm = world.Split(layout.split_color(rank), rank)
+    # every rank (collective): each replica and trainer rank gets GPUs of its own, before
+    # any engine or trainer touches CUDA; 'cpu' on nodes without GPUs
+    from .devices import bind_rank
+    device = bind_rank(world, layout, cfg.rollout.gpus_per_replica).device
     task = build_task(cfg)
     out = cfg.output_dir
     bucket = int(cfg.weight_sync.bucket_mb * 2**20)
@@ -155,16 +240,16 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     if role == ROLLOUT:
         from .sampling import SamplingParams
         from .workers import replica_loop
-        engine = build_engine(cfg, task)
+        engine = build_engine(cfg, task, device)
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
         return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend)
     from .workers import restore_trainers, trainer_loop
-    mover = build_mover(cfg, task, world, index, role_comm, layout)
+    mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
     from .weight_sync import wire_dtype
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
-    return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket,
+    return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
                         cfg.weight_sync.backend, wire)
 
 

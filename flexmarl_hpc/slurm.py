@@ -5,9 +5,11 @@
 
 A run is one heterogeneous job: component 0 the orchestrator (1 task), component 1 the
 rollout pool (rollout.replicas tasks), component 2 the trainer groups (groups x
-ranks_per_group tasks). One `srun --het-group=0-2` starts every rank in one
+ranks_per_group tasks). One het step (`srun --het-group=0 ... : --het-group=1 ... :
+--het-group=2 ...`, each component with its own --cpus-per-task) starts every rank in one
 MPI_COMM_WORLD; SLURM_PROCID counts across components in that order, which is the rank
-order of flexmarl_hpc.layout. submitit cannot write het jobs (its issue 1741), so the text
+order of flexmarl_hpc.layout. GPU components bind one block of GPUs per task
+(--gpus-per-task); `single_script` leaves that to flexmarl_hpc.devices (roles share nodes). submitit cannot write het jobs (its issue 1741), so the text
 is ours; `single_script` is the one-allocation variant for sites without het jobs.
 
 Preemption and resume. `--signal=USR1@N` makes Slurm send SIGUSR1 to every task of every
@@ -50,7 +52,9 @@ OWNED_OPTIONS = {                         # sbatch options the config sets itsel
     "open-mode": "nothing (append is what resume needs)", "partition": "{where}.partition",
     "nodes": "{where}.nodes", "ntasks": "the layout (rollout.replicas, trainer.*)",
     "cpus-per-task": "{where}.cpus_per_task", "gpus-per-node": "{where}.gpus_per_node",
-    "mem": "{where}.mem", "het-group": "nothing (submit writes the het job)"}
+    "mem": "{where}.mem", "het-group": "nothing (submit writes the het job)",
+    "ntasks-per-node": "the layout and {where}.nodes", "gpus-per-task": "rollout.gpus_per_replica "
+    "(trainer ranks: 1)", "gpu-bind": "nothing (flexmarl_hpc.devices binds by role)"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,10 +229,17 @@ def _job_wide(cfg: Config) -> list[str]:
     return lines + [f"#SBATCH {opt}" for opt in s.sbatch_options]
 
 
-def _component(comp: SlurmComponent, ntasks: int, default_partition: str, label: str) -> list[str]:
+def _component(comp: SlurmComponent, ntasks: int, default_partition: str, label: str,
+               gpus_per_task: int = 0) -> list[str]:
+    """One component's options. `gpus_per_task` > 0 (a het component of GPU ranks): Slurm
+    gives each task its own GPUs (--gpus-per-task binds them to the task); 0: the node's
+    GPUs (--gpus-per-node) are shared out by flexmarl_hpc.devices by role."""
     lines = [f"#SBATCH --nodes={comp.nodes}".ljust(36) + f"# {label}",
-             f"#SBATCH --ntasks={ntasks}", f"#SBATCH --cpus-per-task={comp.cpus_per_task}"]
-    if comp.gpus_per_node:
+             f"#SBATCH --ntasks={ntasks}", f"#SBATCH --ntasks-per-node={math.ceil(ntasks / comp.nodes)}",
+             f"#SBATCH --cpus-per-task={comp.cpus_per_task}"]
+    if comp.gpus_per_node and gpus_per_task:
+        lines.append(f"#SBATCH --gpus-per-task={gpus_per_task}")
+    elif comp.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={comp.gpus_per_node}")
     if comp.mem:
         lines.append(f"#SBATCH --mem={comp.mem}")
@@ -238,7 +249,8 @@ def _component(comp: SlurmComponent, ntasks: int, default_partition: str, label:
 
 
 def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list[str]) -> list[str]:
-    args = " ".join(shlex.quote(a) for a in [config_path, *overrides])
+    """`srun` contains {cmd} where the rank command goes ("${CMD[@]}")."""
+    cmd = " ".join(shlex.quote(a) for a in [python, "-m", "flexmarl_hpc.run", config_path, *overrides])
     lines = ["", "# site set-up (slurm.setup)", *(cfg.slurm.setup or [":"]), "",
              "export PYTHONUNBUFFERED=1",
              "# SIGUSR1 (--signal, or `scancel --signal=USR1 --full`) and SIGTERM (preemption) are",
@@ -250,7 +262,8 @@ def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list
              # no --kill-on-bad-exit: after a preemption signal the orchestrator exits 75 a moment
              # before the workers and srun would turn that into 143; a failing rank calls
              # MPI_Abort, which ends the whole step anyway
-             f"{srun} {shlex.quote(python)} -m flexmarl_hpc.run {args}",
+             f"CMD=({cmd})",
+             srun.format(cmd='"${CMD[@]}"'),
              "rc=$?",
              'echo "flexmarl_hpc: ranks exited $rc at $(date -Is)"',
              f"if [ $rc -eq {EXIT_REQUEUE} ]; then"]
@@ -274,17 +287,65 @@ def hetjob_script(cfg: Config, config_path: str, overrides: list[str] = (), pyth
     (submit makes them absolute); `python` is the interpreter on the compute nodes.
     """
     validate_slurm(cfg)
+    check_gpus(cfg)
     sizes = layout_from_config(cfg).component_sizes
     lines = ["#!/bin/bash",
              f"# flexmarl_hpc run {cfg.run.name}: one heterogeneous job, rank order = component order",
              "#   tasks: " + ", ".join(f"{i} {n} {k}" for i, (n, k) in enumerate(zip(COMPONENTS, sizes))),
              *_job_wide(cfg)]
+    widths = gpu_widths(cfg)
     for i, (name, n) in enumerate(zip(COMPONENTS, sizes)):
         if i:
             lines.append("#SBATCH hetjob")
-        lines += _component(getattr(cfg.slurm, name), n, cfg.slurm.partition, f"component {i}: {name}")
-    srun = f"srun --mpi={cfg.slurm.mpi} --het-group=0-{len(sizes) - 1}"
+        lines += _component(getattr(cfg.slurm, name), n, cfg.slurm.partition, f"component {i}: {name}",
+                            widths[name])
+    # one step over every component (one MPI_COMM_WORLD, ranks in component order), each with
+    # its own --cpus-per-task: since Slurm 22.05 srun does not take it from the allocation
+    srun = f"srun --mpi={cfg.slurm.mpi} " + " : ".join(
+        f"--het-group={i} --cpus-per-task={getattr(cfg.slurm, name).cpus_per_task} {{cmd}}"
+        for i, name in enumerate(COMPONENTS))
     return "\n".join(lines + _body(cfg, srun, python, config_path, list(overrides)))
+
+
+def gpu_widths(cfg: Config) -> dict[str, int]:
+    """GPUs per task of each het component (flexmarl_hpc.devices.role_widths)."""
+    return {"orchestrator": 0, "rollout": cfg.rollout.gpus_per_replica, "trainer": 1}
+
+
+def check_gpus(cfg: Config, single: bool = False) -> None:
+    """Refuse a job whose GPU ranks would share GPUs, naming the field: a node's tasks
+    (ceil(tasks / nodes), placed in blocks of consecutive ranks) x their GPUs each must fit
+    its gpus_per_node. `single`: every role on the same nodes (rank order of the layout).
+    flexmarl_hpc.devices checks the same again on each node at start."""
+    layout = layout_from_config(cfg)
+    widths = gpu_widths(cfg)
+    if single:
+        comp = single_component(cfg)
+        if not comp.gpus_per_node:
+            return
+        per_node = math.ceil(layout.world_size / comp.nodes)
+        role_width = {"orchestrator": 0, "rollout": widths["rollout"], "trainer": 1}
+        # any run of per_node consecutive ranks may share a node (Slurm's block distribution
+        # may put fewer on some nodes), so every window must fit
+        w = [role_width[layout.role_of(r)[0]] for r in range(layout.world_size)]
+        need = [sum(w[j:j + per_node]) for j in range(max(1, layout.world_size - per_node + 1))]
+        if max(need) > comp.gpus_per_node:
+            raise ConfigError(
+                f"slurm.trainer.gpus_per_node: --single puts {per_node} ranks on a node (rank order: "
+                f"orchestrator, replicas x {widths['rollout']} GPU, trainer ranks x 1 GPU), one node needs "
+                f"{max(need)} GPUs but the allocation has {comp.gpus_per_node} per node (the largest "
+                "gpus_per_node of the components); add nodes or GPUs, or use the het job")
+        return
+    for name, n in zip(COMPONENTS, layout.component_sizes):
+        comp: SlurmComponent = getattr(cfg.slurm, name)
+        if not (comp.gpus_per_node and widths[name]):
+            continue
+        per_node = math.ceil(n / comp.nodes)
+        if per_node * widths[name] > comp.gpus_per_node:
+            raise ConfigError(
+                f"slurm.{name}.gpus_per_node: {n} tasks on {comp.nodes} node(s) put {per_node} on a node, "
+                f"x {widths[name]} GPU(s) each = {per_node * widths[name]} GPUs, but a node has "
+                f"{comp.gpus_per_node}; raise slurm.{name}.nodes or gpus_per_node (GPUs are not shared)")
 
 
 def single_component(cfg: Config) -> SlurmComponent:
@@ -305,11 +366,16 @@ def single_component(cfg: Config) -> SlurmComponent:
 def single_script(cfg: Config, config_path: str, overrides: list[str] = (), python: str = "python") -> str:
     """One allocation of all ranks (sites without het jobs); rank order is the layout's."""
     validate_slurm(cfg)
+    check_gpus(cfg, single=True)
     world = layout_from_config(cfg).world_size
     lines = ["#!/bin/bash",
              f"# flexmarl_hpc run {cfg.run.name}: one allocation of {world} tasks "
              "(rank 0 orchestrator, then rollout replicas, then trainer ranks)",
              *_job_wide(cfg),
              *_component(single_component(cfg), world, cfg.slurm.partition, "all ranks")]
-    srun = f"srun --mpi={cfg.slurm.mpi} --ntasks={world}"
+    comp = single_component(cfg)
+    # every role shares the nodes: Slurm cannot tell a replica from the orchestrator, so the
+    # tasks see their node's GPUs and flexmarl_hpc.devices gives each GPU rank its own
+    bind = " --gpu-bind=none" if comp.gpus_per_node else ""
+    srun = f"srun --mpi={cfg.slurm.mpi} --ntasks={world} --cpus-per-task={comp.cpus_per_task}{bind} {{cmd}}"
     return "\n".join(lines + _body(cfg, srun, python, config_path, list(overrides)))

@@ -370,7 +370,7 @@ def sweep_parameters(cfg: Config) -> dict[str, object]:
 
     The array it writes is roughly: #SBATCH --array=0-K --ntasks=WORLD --nodes=N
     --cpus-per-task=C --signal=USR2@S --requeue --open-mode=append, then
-    srun --mpi=pmi2 python -u -m submitit.core._submit FOLDER
+    srun --mpi=pmi2 --cpus-per-task=C python -u -m submitit.core._submit FOLDER
     """
     s, comp = cfg.slurm, single_component(cfg)
     secs = parse_time(s.time)
@@ -378,7 +378,11 @@ def sweep_parameters(cfg: Config) -> dict[str, object]:
                                 "ntasks": layout_from_config(cfg).world_size, "requeue": True}
     params: dict[str, object] = dict(
         job_name=f"{cfg.run.name}-sweep", nodes=comp.nodes, cpus_per_task=comp.cpus_per_task,
-        signal_delay_s=s.signal_seconds or 60, srun_args=[f"--mpi={s.mpi}"], setup=list(s.setup))
+        signal_delay_s=s.signal_seconds or 60, setup=list(s.setup),
+        # srun takes no --cpus-per-task from the allocation since Slurm 22.05; the GPUs of a
+        # node are shared out by role (flexmarl_hpc.devices), as in single_script
+        srun_args=[f"--mpi={s.mpi}", f"--cpus-per-task={comp.cpus_per_task}",
+                   *(["--gpu-bind=none"] if comp.gpus_per_node else [])])
     if secs is None:
         extra["time"] = s.time
     else:

@@ -91,7 +91,8 @@ def microbatch_from_arrays(d: dict) -> MicroBatch:
 
 
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
-                 bucket_bytes: int, sync_backend: str = "auto", sync_wire: torch.dtype | None = None) -> int:
+                 bucket_bytes: int, keep_checkpoints: int = 3, sync_backend: str = "auto",
+                 sync_wire: torch.dtype | None = None) -> int:
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
     and forwards each command to the members (a non-spinning broadcast). `mover` holds the
     agents whose state is on this group, live (`mover.trainers`) or parked in host memory."""
@@ -137,7 +138,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             for name in cmd[1]:
                 if leader:
                     state = mover.state_of(name)
-                    save_checkpoint(ckpt_dir / name, int(state["version"]), state)
+                    save_checkpoint(ckpt_dir / name, int(state["version"]), state, keep_checkpoints)
             clock.mark("checkpoint", ",".join(cmd[1]), t0)
             reply = ("checkpointed", cmd[1])
         elif kind == "move":
@@ -178,10 +179,11 @@ def weights_and_version(mover: StateMover, agent: str):
 
 
 def restore_trainers(group: MPI.Comm, mover: StateMover, ckpt_dir: Path) -> None:
-    """Load the latest checkpoint of each agent this group holds on the leader and hand it to
-    every member (live trainers load it, parked states are replaced by it)."""
+    """Load the newest valid checkpoint of each agent this group holds on the leader and hand
+    it to every member (live trainers load it, parked states are replaced by it). The
+    orchestrator picks the same version (checkpoint.newest_valid), and reports bad ones."""
     for name in sorted(set(mover.trainers) | set(mover.parked)):
-        state = load_latest(ckpt_dir / name) if group.Get_rank() == 0 else None
+        state = load_latest(ckpt_dir / name, report=lambda line: None) if group.Get_rank() == 0 else None
         state = C.bcast_obj(group, state, 0)
         if state is None:
             continue

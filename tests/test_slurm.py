@@ -57,8 +57,15 @@ def test_hetjob_script_matches_golden():
     comps = header.split("#SBATCH hetjob")
     assert len(comps) == 3
     assert [re.search(r"--ntasks=(\d+)", c).group(1) for c in comps] == ["1", "3", "4"]
-    assert "--partition=gpu-large" in comps[2] and "--gpus-per-node=1" in comps[1]
-    assert "srun --mpi=pmix --het-group=0-2 python -m flexmarl_hpc.run configs/local.yaml" in body
+    assert "--partition=gpu-large" in comps[2]
+    # per-task GPU binding: each replica and trainer task gets its own GPU from Slurm
+    assert [re.findall(r"--(?:gpus-per-task|gpus-per-node)=\d+", c) for c in comps] == [
+        [], ["--gpus-per-task=1"], ["--gpus-per-task=1"]]
+    assert [re.search(r"--ntasks-per-node=(\d+)", c).group(1) for c in comps] == ["1", "1", "2"]
+    # one step over the 3 components, each with its --cpus-per-task (srun does not inherit it)
+    assert "CMD=(python -m flexmarl_hpc.run configs/local.yaml " in body
+    assert ('srun --mpi=pmix --het-group=0 --cpus-per-task=1 "${CMD[@]}" : --het-group=1 --cpus-per-task=8 '
+            '"${CMD[@]}" : --het-group=2 --cpus-per-task=8 "${CMD[@]}"\n') in body
     assert "--signal=USR1@120" in comps[0] and "--open-mode=append" in comps[0]
 
 
@@ -67,13 +74,32 @@ def test_single_allocation_script_matches_golden():
     text = single_script(cfg, "configs/local.yaml", SITE, python="python")
     golden("single_local.sbatch", text)
     assert "hetjob" not in text and "--ntasks=8" in text and "--nodes=5" in text
-    assert "srun --mpi=pmix --ntasks=8 python" in text
+    assert "#SBATCH --ntasks-per-node=2\n" in text and "#SBATCH --gpus-per-node=2\n" in text
+    # roles share the nodes: the tasks see the node's GPUs, flexmarl_hpc.devices splits them
+    assert 'srun --mpi=pmix --ntasks=8 --cpus-per-task=8 --gpu-bind=none "${CMD[@]}"\n' in text
+
+
+def test_gpu_ranks_that_would_share_gpus_are_refused():
+    # 3 replicas x 2 GPUs on 3 nodes of 1 GPU; 4 trainer ranks on 1 node of 2 GPUs
+    with pytest.raises(ConfigError, match=r"^slurm.rollout.gpus_per_node: .* = 2 GPUs, but a node has 1"):
+        hetjob_script(load_config(CONFIG, [*SITE, "rollout.gpus_per_replica=2"]), "c.yaml")
+    with pytest.raises(ConfigError, match=r"^slurm.trainer.gpus_per_node: 4 tasks on 1 node"):
+        hetjob_script(load_config(CONFIG, [*SITE, "slurm.trainer={nodes: 1, gpus_per_node: 2}"]), "c.yaml")
+    # --single on 2 nodes of 4 GPUs: 4 ranks per node, replicas of 4 GPUs cannot fit
+    single = [*SITE, "slurm.rollout={nodes: 1, gpus_per_node: 4}", "slurm.trainer={nodes: 1, gpus_per_node: 4}"]
+    assert "--gpus-per-node=4" in single_script(load_config(CONFIG, single), "c.yaml")
+    with pytest.raises(ConfigError, match=r"^slurm.trainer.gpus_per_node: --single puts 4 ranks"):
+        single_script(load_config(CONFIG, [*single, "rollout.gpus_per_replica=4"]), "c.yaml")
+    text = hetjob_script(load_config(CONFIG, [*single, "rollout.gpus_per_replica=4", "slurm.rollout={nodes: 3, gpus_per_node: 4}"]), "c.yaml")
+    assert "#SBATCH --gpus-per-task=4\n" in text                  # a replica's contiguous block
+    with pytest.raises(ConfigError, match=r"^rollout.gpus_per_replica"):
+        load_config(CONFIG, ["rollout.gpus_per_replica=0"])
 
 
 def test_dry_run_prints_the_script_with_absolute_paths(tmp_path, capsys):
     assert submit_main([CONFIG, "--dry-run", f"run.output_dir={tmp_path}", "--no-partition-check"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("#!/bin/bash") and "srun --mpi=pmi2 --het-group=0-2" in out
+    assert out.startswith("#!/bin/bash") and "srun --mpi=pmi2 --het-group=0 --cpus-per-task=1 " in out
     assert f"#SBATCH --output={tmp_path}/logs/%j.out" in out and f"run.output_dir={tmp_path}" in out
     assert not (tmp_path / "job.sbatch").exists(), "a dry run writes nothing"
 

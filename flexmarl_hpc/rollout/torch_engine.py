@@ -1,4 +1,5 @@
-"""Built-in rollout engine: our decoder with a KV cache, batched, CPU or GPU."""
+"""Built-in rollout engine: our decoder with a KV cache, batched. CPU-only (its weights come
+and go as host tensors; build.py warns on a GPU rank): GPU runs use rollout.backend=vllm."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,10 @@
-"""Built-in trainer backend: plain torch, data parallel over the group communicator."""
+"""Built-in trainer backend: plain torch, data parallel over the group communicator.
+
+CPU-only: gradients are reduced through numpy buffers over MPI and the parameters live in
+one host byte buffer that the weight sync broadcasts as is. GPU runs use trainer.backend
+=megatron. Its swap interface (`offload`/`onload`, flexmarl_hpc.state_swap.Swappable) is
+written for any device: every tensor of the state goes through `_rehome`.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +15,7 @@ from .. import comm as C
 from ..config import TrainerConfig
 from ..grpo import MicroBatch, grpo_loss, token_logprobs
 from ..model import CausalLM, hf_state_dict
+from ..state_swap import HostBuffers, finish_copies, release, to_device
 from ..weight_sync import _header, host_bytes
 
 
@@ -16,6 +23,9 @@ class TorchTrainer:
     def __init__(self, model: CausalLM, cfg: TrainerConfig, group: MPI.Comm, temperature: float):
         self.model = model.train()
         self.packed = flatten_parameters(model)
+        self.flat = torch.from_numpy(self.packed)        # owns every parameter's storage
+        self.home: torch.device | None = None            # set while offloaded: where to come back
+        self.parked_rng: torch.Tensor | None = None
         self.cfg = cfg
         self.group = group
         self.temperature = temperature
@@ -69,6 +79,47 @@ class TorchTrainer:
         so a sync broadcasts them without a packing copy."""
         return self.packed
 
+    # -- state swap (flexmarl_hpc.state_swap.Swappable) ------------------------------------
+    def offload(self, host: HostBuffers) -> None:
+        """Parameters, grads, optimizer moments and the reference model into `host`'s
+        reused buffers; the module and optimizer now point there and the device copies go."""
+        if self.home is not None:
+            return
+        dev = self.flat.device
+        self._rehome(host.copy_in)
+        finish_copies(dev)
+        self.home, self.parked_rng = dev, torch.get_rng_state()
+        release(dev)
+
+    def onload(self) -> None:
+        """Back onto the device it came from: copies only, the same module and optimizer."""
+        if self.home is None:
+            return
+        dev, self.home = self.home, None
+        self._rehome(lambda name, t: to_device(t, dev))
+        torch.set_rng_state(self.parked_rng)
+        self.parked_rng = None
+
+    def _rehome(self, move) -> None:
+        """Point every tensor of the training state at `move(name, tensor)`: the flat
+        parameter buffer (parameters are views of it), grads, optimizer state, reference."""
+        flat = move("params", self.flat)
+        for p in self.model.parameters():               # unique: a tied weight is one view
+            off = p.storage_offset() * p.element_size()
+            p.data = flat[off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+        self.flat = flat
+        self.packed = flat.numpy() if flat.device.type == "cpu" else None
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                p.grad = move(f"grad.{i}", p.grad)
+            st = self.opt.state.get(p, {})
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    st[k] = move(f"optim.{i}.{k}", v)
+        if self.ref is not None:
+            for name, p in self.ref.named_parameters():
+                p.data = move(f"ref.{name}", p.data)
+
     def state(self) -> dict[str, torch.Tensor]:
         out = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         osd = self.opt.state_dict()
@@ -76,7 +127,7 @@ class TorchTrainer:
             for k, v in st.items():
                 out[f"optim.{i}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
         out["version"] = torch.tensor(self.version)
-        out["rng"] = torch.get_rng_state()
+        out["rng"] = torch.get_rng_state() if self.home is None else self.parked_rng
         return out
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -89,7 +140,10 @@ class TorchTrainer:
                 osd["state"].setdefault(int(i), {})[name] = v
         self.opt.load_state_dict(osd)
         self.version = int(state["version"])
-        torch.set_rng_state(state["rng"])
+        if self.home is None:
+            torch.set_rng_state(state["rng"])
+        else:                                   # parked: the RNG comes back with onload
+            self.parked_rng = state["rng"].clone()
 
 
 def flatten_parameters(model: CausalLM) -> np.ndarray:

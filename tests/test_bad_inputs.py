@@ -1,0 +1,216 @@
+"""Every malformed input is refused before launch: `config error: <field>: <expected>` on one
+line, exit code 2, no traceback, no rank started (mpiexec is never exec'd) and nothing in
+run.output_dir created or overwritten. The first 42 rows are issue 12's list (the ones that
+crashed or were accepted, then the ones that already gave a clean error); the rest are ours.
+
+`python -m pytest tests/test_bad_inputs.py -q -rA` prints the table (input -> message)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+LOCAL = str(ROOT / "configs" / "local.yaml")
+NON_UTF8 = b"run:\n  name: caf\xe9\n"
+
+# (case id, overrides or a config file's bytes, field the message must start with)
+CASES = [
+    # -- issue 12: crashed with a traceback (most after every rank had launched)
+    ("non-utf8-file", NON_UTF8, "{file}"),
+    ("num_heads=0", ["model.num_heads=0"], "model.num_heads"),
+    ("num_kv_heads=0", ["model.num_kv_heads=0"], "model.num_kv_heads"),
+    ("output_dir-{foo}", ["run.output_dir={tmp}/{foo}"], "run.output_dir"),
+    ("log_every=0", ["run.log_every=0"], "run.log_every"),
+    ("threads_per_rank=0", ["run.threads_per_rank=0"], "run.threads_per_rank"),
+    ("chunk_rows=0", ["store.chunk_rows=0"], "store.chunk_rows"),
+    ("max_batch=0", ["rollout.max_batch=0"], "rollout.max_batch"),
+    ("hidden_size=0", ["model.hidden_size=0"], "model.hidden_size"),
+    ("max_seq_len=2", ["model.max_seq_len=2"], "model.max_seq_len"),
+    ("seed=-1", ["run.seed=-1"], "run.seed"),
+    ("lr=nan", ["trainer.lr=.nan"], "trainer.lr"),
+    # -- issue 12: nonsense that was accepted
+    ("num_layers=-1", ["model.num_layers=-1"], "model.num_layers"),
+    ("temperature=inf", ["rollout.temperature=.inf"], "rollout.temperature"),
+    ("checkpoint_every=-3", ["run.checkpoint_every=-3"], "run.checkpoint_every"),
+    ("steps=10**30", [f"run.steps={10**30}"], "run.steps"),
+    ("replicas=100000-local", ["rollout.replicas=100000"], "rollout.replicas"),
+    # -- issue 12: already clean (kept so they stay clean)
+    ("unknown-key", ["trainer.lrr=1"], "trainer.lrr"),
+    ("lr=abc", ["trainer.lr=abc"], "trainer.lr"),
+    ("mode=fast", ["run.mode=fast"], "run.mode"),
+    ("steps=0", ["run.steps=0"], "run.steps"),
+    ("replicas=0", ["rollout.replicas=0"], "rollout.replicas"),
+    ("groups=1-orphan", ["trainer.groups=1"], "trainer.groups"),
+    ("groups=3", ["trainer.groups=3"], "trainer.groups"),
+    ("num_heads=5", ["model.num_heads=5"], "model.num_heads"),
+    ("tp=2-torch", ["trainer.tensor_parallel=2"], "trainer.ranks_per_group"),
+    ("agents-unknown", ["agents.critic={hidden_size: 8}"], "agents.critic"),
+    ("turns=[]", ["workflow.turns=[]"], "workflow.turns"),
+    ("checkpoint-missing", ["model.checkpoint=/nonexistent"], "model.checkpoint"),
+    ("overprovision=-1", ["pipeline.overprovision=-1"], "pipeline.overprovision"),
+    ("override-bad-yaml", ["agents.critic={hidden_size:"], "agents.critic"),
+    ("overprovision-sync", ["pipeline.overprovision=2", "run.mode=sync"], "pipeline.overprovision"),
+    ("file-bad-yaml", b"run: [unclosed", "{file}"),
+    ("file-top-list", b"- a list", "{file}"),
+    ("task-no-colon", ["workflow.task=nope"], "workflow.task"),
+    ("task-missing", ["workflow.task=flexmarl_hpc.nope:Missing"], "workflow.task"),
+    ("task_args-bogus", ["workflow.task_args={bogus: 1}"], "workflow.task_args"),
+    ("top_p=0", ["rollout.top_p=0"], "rollout.top_p"),
+    ("backend=tpu", ["rollout.backend=tpu"], "rollout.backend"),
+    ("bucket_mb=0", ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb"),
+    ("micro_batch_size=0", ["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
+    ("max_staleness=-1", ["pipeline.max_staleness=-1"], "pipeline.max_staleness"),
+    # -- ours: control characters in any string (they reach file names and the sbatch script)
+    ("name-newline", ['run.name="x\\n"'], "run.name"),
+    ("name-tab", ['run.name="a\\tb"'], "run.name"),
+    ("name-CR", ['run.name="x\\r"'], "run.name"),
+    ("account-NUL", ['slurm.account="a\\0"'], "slurm.account"),
+    ("setup-newline", ['slurm.setup=["module load x\\nrm -rf /"]'], "slurm.setup[0]"),
+    ("sbatch_options-newline", ['slurm.trainer.sbatch_options=["--exclusive\\n"]'],
+     "slurm.trainer.sbatch_options[0]"),
+    ("task_args-newline", ['workflow.task_args={num_objects: 8, note: "a\\nb"}'], "workflow.task_args.note"),
+    ("output_dir-newline", ['run.output_dir="/tmp/a\\nb"'], "run.output_dir"),
+    # -- ours: ranges of the other fields
+    ("name-empty", ["run.name="], "run.name"),
+    ("name-slash", ["run.name=a/b"], "run.name"),
+    ("output_dir-empty", ["run.output_dir="], "run.output_dir"),
+    ("steps-bool", ["run.steps=true"], "run.steps"),
+    ("seed=2**64", [f"run.seed={2**64}"], "run.seed"),
+    ("keep_checkpoints=0", ["run.keep_checkpoints=0"], "run.keep_checkpoints"),
+    ("checkpoint_minutes=-1", ["run.checkpoint_minutes=-1"], "run.checkpoint_minutes"),
+    ("checkpoint_minutes=nan", ["run.checkpoint_minutes=.nan"], "run.checkpoint_minutes"),
+    ("inputs_per_step=0", ["workflow.inputs_per_step=0"], "workflow.inputs_per_step"),
+    ("agent-name-slash", ["workflow.turns=[{agent: a/b}]"], "workflow.turns[0].agent"),
+    ("intermediate_size=0", ["model.intermediate_size=0"], "model.intermediate_size"),
+    ("rope_theta=0", ["model.rope_theta=0"], "model.rope_theta"),
+    ("rms_eps=0", ["model.rms_eps=0"], "model.rms_eps"),
+    ("init_std=-1", ["model.init_std=-1"], "model.init_std"),
+    ("agent-num_kv_heads=0", ["agents.listener={num_kv_heads: 0}"], "agents.listener.num_kv_heads"),
+    ("max_model_len=3", ["rollout.max_model_len=3"], "rollout.max_model_len"),
+    ("top_p=1.5", ["rollout.top_p=1.5"], "rollout.top_p"),
+    ("temperature=0", ["rollout.temperature=0"], "rollout.temperature"),
+    ("lr=-1", ["trainer.lr=-1"], "trainer.lr"),
+    ("lr=inf", ["trainer.lr=.inf"], "trainer.lr"),
+    ("betas-1", ["trainer.betas=[0.9, 1.0]"], "trainer.betas[1]"),
+    ("betas-short", ["trainer.betas=[0.9]"], "trainer.betas"),
+    ("grad_clip=-1", ["trainer.grad_clip=-1"], "trainer.grad_clip"),
+    ("clip_eps=0", ["trainer.clip_eps=0"], "trainer.clip_eps"),
+    ("kl_coef=nan", ["trainer.kl_coef=.nan"], "trainer.kl_coef"),
+    ("tis_cap=0", ["trainer.tis_cap=0"], "trainer.tis_cap"),
+    ("pp=-1", ["trainer.pipeline_parallel=-1"], "trainer.pipeline_parallel"),
+    ("groups=-1", ["trainer.groups=-1"], "trainer.groups"),
+    ("ranks_per_group=0", ["trainer.ranks_per_group=0"], "trainer.ranks_per_group"),
+    ("ranks_per_group=100000", ["trainer.ranks_per_group=100000"], "trainer.ranks_per_group"),
+    ("rebalance_threshold=2", ["pipeline.rebalance_threshold=2"], "pipeline.rebalance_threshold"),
+    ("rebalance_cooldown=-1", ["pipeline.rebalance_cooldown=-1"], "pipeline.rebalance_cooldown"),
+    ("bucket_mb=1e9", ["weight_sync.bucket_mb=1e9"], "weight_sync.bucket_mb"),
+    ("chunk_rows=1e9", [f"store.chunk_rows={10**9}"], "store.chunk_rows"),
+    ("slurm-nodes=0", ["slurm.rollout.nodes=0"], "slurm.rollout.nodes"),
+    ("signal_seconds=-1", ["slurm.signal_seconds=-1"], "slurm.signal_seconds"),
+    ("override-no-equals", ["run.steps"], "override 'run.steps'"),
+]
+
+
+def _args(case, tmp: Path) -> tuple[list[str], str]:
+    """(argv, field prefix) of a case; output_dir is tmp/out unless the case sets it."""
+    _, spec, field = case
+    config = LOCAL
+    overrides = [f"run.output_dir={tmp / 'out'}"]
+    if isinstance(spec, bytes):
+        config = str(tmp / "bad.yaml")
+        Path(config).write_bytes(spec)
+    else:
+        overrides += [s.replace("{tmp}", str(tmp)) for s in spec]
+    return [config, *overrides], field.replace("{file}", config)
+
+
+def _nothing_launched_or_written(tmp: Path, before: set[Path]) -> None:
+    after = set(tmp.rglob("*"))
+    assert after == before, f"the refused run wrote {sorted(map(str, after - before))}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_refused_before_launch(case, tmp_path, capsys, monkeypatch):
+    from flexmarl_hpc import run
+    argv, field = _args(case, tmp_path)
+
+    def launched(*a, **k):
+        raise AssertionError(f"ranks were launched: {a}")
+
+    monkeypatch.setattr(os, "execv", launched)
+    monkeypatch.setattr(run, "run_rank", launched)
+    before = set(tmp_path.rglob("*"))
+    rc = run.main(argv)
+    out, err = capsys.readouterr()
+    print(f"{case[0]:26s} -> {err.strip()}")
+    assert rc == 2, (rc, out, err)
+    assert err.startswith(f"config error: {field}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "launching" not in out
+    _nothing_launched_or_written(tmp_path, before)
+
+
+def test_existing_run_is_not_touched(tmp_path, capsys):
+    """A refused command pointed at a finished run's folder leaves every byte as it was."""
+    from flexmarl_hpc.run import main
+    out = tmp_path / "out"
+    (out / "checkpoints" / "speaker").mkdir(parents=True)
+    files = {out / "config.yaml": b"old config\n", out / "train.log": b"old log\n",
+             out / "checkpoints" / "speaker" / "latest": b"v000003.pt"}
+    for p, data in files.items():
+        p.write_bytes(data)
+    for bad in (["rollout.max_batch=0"], ["trainer.lr=.nan"], ["run.resume=false", "model.num_heads=0"]):
+        assert main([LOCAL, f"run.output_dir={out}", *bad]) == 2
+    capsys.readouterr()
+    assert {p: p.read_bytes() for p in files} == files
+    assert sorted(out.rglob("*")) == sorted({*files, out / "checkpoints", out / "checkpoints" / "speaker"})
+
+
+SUBPROCESS_CASES = ["non-utf8-file", "num_heads=0", "lr=nan", "replicas=100000-local", "name-newline"]
+
+
+@pytest.mark.parametrize("name", SUBPROCESS_CASES)
+def test_refused_from_the_command_line(name, tmp_path):
+    """The real entry point: rc 2, one stderr line, no traceback, no mpiexec."""
+    argv, field = _args(next(c for c in CASES if c[0] == name), tmp_path)
+    before = set(tmp_path.rglob("*"))
+    p = subprocess.run([sys.executable, "-m", "flexmarl_hpc.run", *argv], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stderr.startswith(f"config error: {field}") and p.stderr.count("\n") == 1, p.stderr
+    assert "launching" not in p.stdout and "Traceback" not in p.stderr
+    _nothing_launched_or_written(tmp_path, before)
+
+
+@pytest.fixture(scope="module")
+def store_file(tmp_path_factory):
+    """A small real run file (StoreFile, the writer of runs) with a few rows."""
+    pytest.importorskip("h5py")
+    from flexmarl_hpc.store import METRIC_COLUMNS, StoreFile
+    path = tmp_path_factory.mktemp("store") / "r.h5"
+    s = StoreFile(path, ["a"], {"config_yaml": "{}", "mode": "flex", "world_size": 3}, chunk=16)
+    s.metrics.append({k: [0, 1] for k in METRIC_COLUMNS})
+    s.flush()
+    s.close()
+    return path
+
+
+@pytest.mark.parametrize("keep", [8, 9, 12, 20, 47, 0.5, -100])
+def test_truncated_hdf5_to_analyze(store_file, tmp_path, keep):
+    """Cut anywhere (inside the superblock too, where the reader used to hang or raise
+    IndexError): one line naming the file, rc 2."""
+    data = store_file.read_bytes()
+    n = int(len(data) * keep) if isinstance(keep, float) else (keep if keep > 0 else len(data) + keep)
+    cut = tmp_path / "cut.h5"
+    cut.write_bytes(data[:n])
+    p = subprocess.run([sys.executable, "-m", "flexmarl_hpc.analyze", str(cut), "--no-plots"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    print(f"truncated to {n} bytes -> {p.stderr.strip()}")
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stderr.startswith(f"analyze: {cut}:") and p.stderr.count("\n") == 1, p.stderr
+    assert "Traceback" not in p.stderr
