@@ -149,7 +149,8 @@ def test_cpu_keeps_architectures_resident_without_sleep(fake_vllm, tmp_path):
 
 
 def test_dtype_and_tensor_parallel_reach_the_engine(fake_vllm, tmp_path):
-    e = make({"a": SMALL}, tmp_path, cuda=True, dtype="fp16", tensor_parallel=2)
+    """The replica's GPU block (rollout.gpus_per_replica) is the engine's TP size."""
+    e = make({"a": SMALL}, tmp_path, cuda=True, dtype="fp16", gpus_per_replica=2)
     e.load_weights("a", 1, weights(SMALL, 1))
     assert fake_vllm.built[0].kwargs["dtype"] == "float16"
     assert fake_vllm.built[0].kwargs["tensor_parallel_size"] == 2
@@ -158,7 +159,5 @@ def test_dtype_and_tensor_parallel_reach_the_engine(fake_vllm, tmp_path):
 def test_rollout_dtype_needs_vllm():
     with pytest.raises(ConfigError, match="rollout.dtype"):
         load_config("configs/local.yaml", ["rollout.dtype=bf16"])
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel"):
-        load_config("configs/local.yaml", ["rollout.tensor_parallel=2"])
     cfg = load_config("configs/local.yaml", ["rollout.dtype=bf16", "rollout.backend=vllm"])
     assert cfg.rollout.dtype == "bf16"

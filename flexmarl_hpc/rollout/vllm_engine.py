@@ -112,7 +112,8 @@ class VLLMEngine:
 
     def __init__(self, args_of: dict[str, ModelArgs], task, cfg, dtype: str | None = None,
                  workdir: str | None = None, cuda: bool | None = None):
-        """`cfg` is the RolloutConfig (max_batch, temperature, top_p, dtype, tensor_parallel);
+        """`cfg` is the RolloutConfig (max_batch, temperature, top_p, dtype, gpus_per_replica:
+        the engine's tensor-parallel size on GPUs, 1 on CPU);
         `dtype` (a vLLM dtype name) overrides cfg.dtype; `cuda`: whether the engines run on a
         GPU (None: torch.cuda.is_available())."""
         self.args_of = args_of
@@ -121,6 +122,7 @@ class VLLMEngine:
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self.dtype = dtype or engine_dtype(getattr(cfg, "dtype", "auto"), self.cuda)
         self.sleep_mode = self.cuda                    # vLLM: CUDA/ROCm only
+        self.tp = getattr(cfg, "gpus_per_replica", 1) if self.cuda else 1
         self.root = Path(tempfile.mkdtemp(prefix="flexmarl-vllm-", dir=workdir))
         self.engines: dict[str, _Engine] = {}          # arch_key -> engine
         self.versions: dict[str, int] = {}
@@ -247,7 +249,7 @@ class VLLMEngine:
         # one engine awake at a time (sleep mode), so each may use the whole budget
         extra = {} if not self.cuda else {"gpu_memory_utilization": 0.85, "enable_sleep_mode": True}
         return LLM(model=str(folder), skip_tokenizer_init=True, dtype=self.dtype,
-                   tensor_parallel_size=getattr(self.cfg, "tensor_parallel", 1),
+                   tensor_parallel_size=self.tp,
                    max_model_len=max_len, max_num_seqs=self.cfg.max_batch,
                    enforce_eager=not self.cuda, enable_prefix_caching=True,
                    logprobs_mode="processed_logprobs", seed=0, **extra)
