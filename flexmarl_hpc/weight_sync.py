@@ -1,16 +1,17 @@
-"""Bucketed weight broadcast from a trainer group's leader to the replicas serving an agent.
+"""Weight broadcast from a trainer group's leader to the replicas serving an agent.
 
 The leader's HF-named tensors travel as one byte stream laid out by a `Header` (names,
-dtypes, shapes, 16-byte aligned offsets), broadcast in buckets to {leader} + {target
-replicas}. The header goes first over an MPI communicator of the member set: it is the
-rendezvous (members arrive at different times, and it is waited for without spinning,
-comm.py). The bytes then go over the member set's data group:
+dtypes, shapes, 16-byte aligned offsets), broadcast to {leader} + {target replicas}. The
+header goes first over an MPI communicator of the member set: it is the rendezvous (members
+arrive at different times, and it is waited for without spinning, comm.py); a layout the
+member set already carried is not sent again (24 bytes per sync). The bytes then go over
+the member set's data group (`weight_sync.backend`, see bench/bench_weight_sync.py):
 
-- `mpi`: the same MPI communicator, blocking `Bcast` per bucket (MPICH progresses a
-  non-blocking collective only inside Test/Wait, so a sleeping poll would stall it; once the
-  header is through every member is here, so the blocking call waits for nobody).
+- `mpi`: the same MPI communicator, one blocking `Bcast` (MPICH progresses a non-blocking
+  collective only inside Test/Wait, so a sleeping poll would stall it; once the header is
+  through every member is here, so the blocking call waits for nobody).
 - `gloo` / `nccl`: a torch.distributed backend group (`ProcessGroupGloo` / `ProcessGroupNCCL`)
-  over the same members, every bucket issued at once (several in flight) and waited for.
+  over the same members, in collectives of at most `bucket_bytes`, all issued at once.
   On GPUs this is the production path: staging lives on the device, NCCL moves it GPU to
   GPU (GPUDirect RDMA where the fabric has it) and the engine loads device tensors. On CPU
   the same code runs over gloo, whose waits block in the kernel instead of spinning.
