@@ -1,11 +1,17 @@
-"""Weight sync vs a raw MPI.Bcast of the same bytes, in one run.
+"""Weight sync vs a raw broadcast of the same bytes on the same backend, in one run.
 
-    .venv/bin/python bench/bench_weight_sync.py [--mb 64] [--ranks 3] [--bucket-mb 4] [--reps 10]
+    .venv/bin/python bench/bench_weight_sync.py [--sizes 82,smollm2] [--replicas 1,2]
+                                                [--backends mpi,gloo] [--reps 5] [--bucket-mb 1024]
 
-Rank 0 plays a trainer leader holding HF-named float32 tensors (a Llama-shaped model of
-about --mb MiB); the other ranks play replicas. Prints the median time of our bucketed
-`broadcast_weights` (header + buckets + unpack into tensors) and of one blocking
-`MPI.Bcast` of the same number of bytes, and their ratio.
+For each replica count one MPI job (1 + replicas ranks) is started; rank 0 plays a trainer
+leader whose parameters live in sync layout (as the torch trainer's do), the others play
+replicas. Per size (`82`: an 82 MiB Llama-shaped model; `smollm2`: the SmolLM2-135M shape,
+~513 MiB fp32) and backend, "ours" is the whole `broadcast_weights` (header rendezvous,
+buckets, unpack into tensors) and "raw" one broadcast of the same bytes (the root sends the
+real parameter bytes, not an untouched buffer whose zero pages would sit in cache) on the
+same backend (`MPI.Bcast`, or the gloo group's `broadcast`). Each repetition runs every
+(backend, ours/raw) pair, in an order rotated and reversed from rep to rep so drift hits all;
+prints median [min, max] of ours/raw per backend, and of gloo/mpi (ours) to pick the default.
 """
 from __future__ import annotations
 
@@ -19,62 +25,97 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=float, default=64)
-    ap.add_argument("--ranks", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=4)
-    ap.add_argument("--reps", type=int, default=10)
-    a = ap.parse_args()
-    if "PMI_RANK" not in os.environ:
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        sys.exit(subprocess.call([str(mpiexec), "-n", str(a.ranks), sys.executable, *sys.argv]))
+def model_args(size: str):
+    from flexmarl_hpc.model import ModelArgs
+    if size == "smollm2":       # SmolLM2-135M: 576 hidden, 30 layers, 9/3 heads, tied 49152 vocab
+        return ModelArgs(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                         intermediate_size=1536, max_seq_len=64, tie_embeddings=True)
+    hidden = 512
+    layers = max(1, round(float(size) * 2**20 / (16 * hidden * hidden * 4)))   # 16 h^2 fp32 per layer
+    return ModelArgs(vocab_size=1000, hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=8,
+                     intermediate_size=4 * hidden, max_seq_len=64)
 
+
+def timed(world, fn) -> float:
+    world.Barrier()
+    t = time.perf_counter()
+    fn()
+    world.Barrier()
+    return time.perf_counter() - t
+
+
+def run_size(world, size: str, backends: list[str], reps: int, bucket: int) -> None:
+    """Every backend's ours and raw, interleaved in each repetition (order rotated per rep)."""
     import numpy as np
     import torch
-    from mpi4py import MPI
-    from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict
+    from flexmarl_hpc.model import build_model, hf_state_dict
     from flexmarl_hpc.trainer.torch_trainer import flatten_parameters
     from flexmarl_hpc.weight_sync import SyncChannels, broadcast_weights
 
-    world = MPI.COMM_WORLD
-    hidden = 512
-    per_layer = 12 * hidden * hidden * 4
-    layers = max(1, int(a.mb * 2**20 / per_layer))
-    args = ModelArgs(vocab_size=1000, hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=8,
-                     intermediate_size=4 * hidden, max_seq_len=64)
-    named, packed = None, None
-    if world.rank == 0:                       # a trainer's parameters live in sync layout
-        model = build_model(args, seed=0)
+    named = packed = None
+    if world.rank == 0:
+        model = build_model(model_args(size), seed=0)
         packed = flatten_parameters(model)
         named = hf_state_dict(model)
     members = tuple(range(world.size))
-    channels = SyncChannels(world)
-    comm = channels.get(members)
-    bucket = int(a.bucket_mb * 2**20)
-    nbytes = sum(t.numel() * 4 for t in named.values()) if world.rank == 0 else 0
-    nbytes = world.bcast(nbytes, root=0)
-    ours, raw = [], []
-    buf = np.zeros(nbytes, dtype=np.uint8)          # allocated and touched once, like our staging
-    for _ in range(a.reps):
-        world.Barrier()
-        t = time.perf_counter()
-        broadcast_weights(comm, named, 1, bucket, staging=lambda n: channels.buffer(members, n),
-                          packed=packed)
-        world.Barrier()
-        ours.append(time.perf_counter() - t)
-        world.Barrier()
-        t = time.perf_counter()
-        comm.Bcast(buf, root=0)
-        world.Barrier()
-        raw.append(time.perf_counter() - t)
+    nbytes = world.bcast(packed.nbytes if world.rank == 0 else 0, root=0)
+    raw_buf = torch.from_numpy(packed.copy() if world.rank == 0 else np.ones(nbytes, dtype=np.uint8))
+    fns, chans = {}, []
+    for backend in backends:
+        ch = SyncChannels(world, backend)
+        chans.append(ch)
+        fns[backend, "ours"] = lambda ch=ch: broadcast_weights(ch, members, named, 1, bucket, packed=packed)
+        if backend == "mpi":
+            fns[backend, "raw"] = lambda comm=ch.get(members): comm.Bcast(raw_buf.numpy(), root=0)
+        else:
+            def raw(pg=ch.group(members)):
+                opts = torch.distributed.BroadcastOptions()
+                opts.rootRank = 0
+                pg.broadcast([raw_buf], opts).wait()
+            fns[backend, "raw"] = raw
+    for f in fns.values():                        # groups, staging, first touch: once per run
+        f()
+    times = {k: [] for k in fns}
+    keys = list(fns)
+    for i in range(reps):
+        order = keys[i % len(keys):] + keys[:i % len(keys)]
+        for k in (order if i % 2 == 0 else order[::-1]):
+            times[k].append(timed(world, fns[k]))
     if world.rank == 0:
-        o, r = float(np.median(ours)), float(np.median(raw))
-        print(f"weight sync {nbytes / 2**20:.1f} MiB to {world.size - 1} replicas, bucket {a.bucket_mb} MiB, "
-              f"{a.reps} reps (median)")
-        print(f"  broadcast_weights : {o * 1e3:8.1f} ms  ({nbytes / 2**30 / o:.2f} GiB/s)")
-        print(f"  raw MPI.Bcast     : {r * 1e3:8.1f} ms  ({nbytes / 2**30 / r:.2f} GiB/s)")
-        print(f"  ratio ours/raw    : {o / r:.2f}")
+        t = {k: np.array(v) for k, v in times.items()}
+        head = f"{size:>8} ({nbytes / 2**20:5.1f} MiB) x {world.size - 1} replica(s)"
+        for b in backends:
+            r = t[b, "ours"] / t[b, "raw"]
+            print(f"{head} {b:4}: ours {np.median(t[b, 'ours']) * 1e3:7.1f} ms  raw "
+                  f"{np.median(t[b, 'raw']) * 1e3:7.1f} ms  ours/raw {np.median(r):.2f} "
+                  f"[{r.min():.2f}, {r.max():.2f}]  ({reps} reps)", flush=True)
+        if "mpi" in backends and "gloo" in backends:
+            r = t["gloo", "ours"] / t["mpi", "ours"]
+            print(f"{head}     : ours gloo/mpi {np.median(r):.2f} [{r.min():.2f}, {r.max():.2f}]", flush=True)
+    for ch in chans:
+        ch.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="82,smollm2", help="comma list: MiB of a Llama-shaped model, or smollm2")
+    ap.add_argument("--replicas", default="1,2")
+    ap.add_argument("--backends", default="mpi,gloo")
+    ap.add_argument("--reps", type=int, default=5)
+    from flexmarl_hpc.config import WeightSyncConfig
+    ap.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb)
+    a = ap.parse_args()
+    if "PMI_RANK" not in os.environ:
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        rc = 0
+        for n in a.replicas.split(","):
+            rc |= subprocess.call([str(mpiexec), "-n", str(int(n) + 1), sys.executable, *sys.argv])
+        sys.exit(rc)
+    import torch
+    from mpi4py import MPI
+    torch.set_num_threads(1)
+    for size in a.sizes.split(","):
+        run_size(MPI.COMM_WORLD, size, a.backends.split(","), a.reps, int(a.bucket_mb * 2**20))
 
 
 if __name__ == "__main__":

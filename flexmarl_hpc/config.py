@@ -131,6 +131,8 @@ class RolloutConfig:
     gpus_per_replica: int = 1
     """GPUs of one replica on GPU nodes (a contiguous block of its node's GPUs; vLLM's tensor
     parallelism stays inside it). Ignored on CPU nodes."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Weights/activations dtype of the vLLM engines. auto: bf16 on GPU, fp32 on CPU."""
 
 
 @dataclass
@@ -188,8 +190,15 @@ class PipelineConfig:
 
 @dataclass
 class WeightSyncConfig:
-    bucket_mb: float = 4.0
-    """Bucket size of the trainer -> replica weight broadcast, in MiB."""
+    bucket_mb: float = 1024.0
+    """Largest single collective of the trainer -> replica weight broadcast over a
+    torch.distributed group (gloo/nccl; several in flight at once), in MiB. The whole model
+    sits in one staging buffer anyway, and one large broadcast measured faster than 4 MiB
+    buckets (gloo pipelines inside it, as NCCL does). The mpi backend sends one Bcast."""
+    backend: Literal["auto", "mpi", "gloo", "nccl"] = "auto"
+    """Transport of the weight broadcast: nccl (GPU to GPU, bf16-ready), gloo or mpi on CPU
+    (the same code, weight_sync.py). auto: nccl where CUDA is available, else the CPU
+    backend measured faster here (bench/bench_weight_sync.py)."""
 
 
 @dataclass
@@ -569,6 +578,10 @@ def validate(cfg: Config) -> None:
 
     # --- device binding (flexmarl_hpc.devices) ---
     need(cfg.rollout.gpus_per_replica >= 1, "rollout.gpus_per_replica", "expected >= 1")
+
+    # --- rollout engine dtype (rollout/vllm_engine.py) ---
+    need(cfg.rollout.dtype in ("auto", "fp32") or cfg.rollout.backend == "vllm", "rollout.dtype",
+         "the torch engine runs fp32; bf16/fp16 need rollout.backend=vllm")
 
 
 def save_config(cfg: Config, path: Path) -> None:

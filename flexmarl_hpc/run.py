@@ -242,12 +242,15 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
         from .workers import replica_loop
         engine = build_engine(cfg, task, device)
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
-        return replica_loop(world, 0, index, engine, params, bucket)
+        return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend)
     from .workers import restore_trainers, trainer_loop
     mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
-    return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints)
+    from .weight_sync import wire_dtype
+    wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
+    return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
+                        cfg.weight_sync.backend, wire)
 
 
 def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:

@@ -50,8 +50,8 @@ class Clock:
 
 
 def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
-                 bucket_bytes: int) -> int:
-    channels = SyncChannels(world)
+                 bucket_bytes: int, sync_backend: str = "auto") -> int:
+    channels = SyncChannels(world, sync_backend)
     clock = Clock()
     while True:
         cmd = C.recv(world, source=orch, tag=C.TAG_CMD)
@@ -69,13 +69,13 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
         elif kind == "sync":
             _, agent, version, members = cmd
             t = [t0]
-            v, named = broadcast_weights(channels.get(members), None, version, bucket_bytes,
-                                         staging=lambda n: channels.buffer(members, n),
+            v, named = broadcast_weights(channels, tuple(members), None, version, bucket_bytes,
                                          on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
             engine.load_weights(agent, v, named)
             clock.mark("sync", agent, t[0])
             world.send(("synced", index, agent, v, clock.drain()), dest=orch, tag=C.TAG_REPLY)
         elif kind == "stop":
+            channels.close()
             clock.waited(t0)
             world.send(("stopped", index, clock.drain()), dest=orch, tag=C.TAG_REPLY)
             return cmd[1]
@@ -91,13 +91,14 @@ def microbatch_from_arrays(d: dict) -> MicroBatch:
 
 
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
-                 bucket_bytes: int, keep_checkpoints: int = 3) -> int:
+                 bucket_bytes: int, keep_checkpoints: int = 3, sync_backend: str = "auto",
+                 sync_wire: torch.dtype | None = None) -> int:
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
     and forwards each command to the members (a non-spinning broadcast). `mover` holds the
     agents whose state is on this group, live (`mover.trainers`) or parked in host memory."""
     trainers = mover.trainers
     leader = group.Get_rank() == 0
-    channels = SyncChannels(world)
+    channels = SyncChannels(world, sync_backend)
     clock = Clock()
     step_stats: dict[str, dict[str, float]] = {}
     while True:
@@ -128,8 +129,8 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
                 held = weights_and_version(mover, agent)
                 if held[1] != version:
                     raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held[1]}")
-                broadcast_weights(channels.get(members), held[0], version, bucket_bytes,
-                                  staging=lambda n: channels.buffer(members, n), packed=held[2],
+                broadcast_weights(channels, tuple(members), held[0], version, bucket_bytes, packed=held[2],
+                                  wire=sync_wire,
                                   on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
                 clock.mark("sync", agent, t[0])        # the other members take no part in it
             reply = ("tsynced", agent, version)
@@ -146,6 +147,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             clock.mark("swap", agent, t0)
             reply = ("moved", agent)
         elif kind == "stop":
+            channels.close()
             clock.waited(t0)
             world.send(("stopped", -1, clock.drain()), dest=orch, tag=C.TAG_REPLY)   # every rank
             return cmd[1]

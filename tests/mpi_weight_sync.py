@@ -1,4 +1,10 @@
-"""Run under mpiexec -n 3 by test_weight_sync.py: rank 0 plays a trainer leader, ranks 1-2 replicas."""
+"""Run under mpiexec -n 3 by test_weight_sync.py: rank 0 plays a trainer leader, ranks 1-2 replicas.
+
+    mpi_weight_sync.py BUCKET_BYTES BACKEND      (BACKEND: mpi or gloo)
+
+Two agents of different sizes go through member sets {0,1,2} and {0,2}; every rank must end
+with bit-equal weights and exactly one staging buffer however many member sets it served.
+"""
 import sys
 
 import torch
@@ -6,36 +12,61 @@ from mpi4py import MPI
 
 from flexmarl_hpc.model import ModelArgs, build_model
 from flexmarl_hpc.rollout.torch_engine import TorchEngine
+from flexmarl_hpc.trainer.torch_trainer import flatten_parameters
+from flexmarl_hpc.model import hf_state_dict
 from flexmarl_hpc.weight_sync import SyncChannels, broadcast_weights
 from flexmarl_hpc.workflows.referential import ReferentialGame
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
-args = ModelArgs(vocab_size=19, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                 intermediate_size=48, max_seq_len=16, tie_embeddings=False)
-bucket = int(sys.argv[1])
-channels = SyncChannels(world)
+small = ModelArgs(vocab_size=19, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=48, max_seq_len=16, tie_embeddings=False)
+big = ModelArgs(vocab_size=19, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                intermediate_size=96, max_seq_len=16, tie_embeddings=True)
+bucket, backend = int(sys.argv[1]), sys.argv[2]
+channels = SyncChannels(world, backend)
 task = ReferentialGame(["speaker", "listener"])
+# (agent, member set, version): the big agent to both replicas, then the small one and the big
+# one again to {0,2}: rank 2 serves two member sets and two models out of one staging buffer;
+# the last sync carries the layout {0,2} already saw, with new weights (the header cache path)
+# then the small one to both in bfloat16 (the GPU wire dtype): a new layout on {0,1,2}
+plan = [("listener", (0, 1, 2), 1, None), ("speaker", (0, 2), 1, None), ("listener", (0, 2), 2, None),
+        ("listener", (0, 2), 3, None), ("speaker", (0, 1, 2), 2, torch.bfloat16)]
 if rank == 0:
-    model = build_model(args, seed=7)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randint(0, 19, (2, 5))).sum().backward()
-    opt.step()                                      # "after a step"
-    for members, version in (((0, 1, 2), 1), ((0, 2), 2)):
-        broadcast_weights(channels.get(members), model.state_dict(), version, bucket)
-    world.send(model.state_dict(), dest=1)
-    world.send(model.state_dict(), dest=2)
+    models = {"speaker": build_model(small, seed=7), "listener": build_model(big, seed=8)}
+    packed = {"listener": flatten_parameters(models["listener"])}    # sent in place
+
+    def step(m):                                        # weights "after a step"
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(torch.randint(0, 19, (2, 5))).sum().backward()
+        opt.step()
+
+    expect = {1: {}, 2: {}}
+    for agent, members, version, wire in plan:
+        step(models[agent])
+        broadcast_weights(channels, members, hf_state_dict(models[agent]), version, bucket,
+                          packed=packed.get(agent), wire=wire)
+        for r in members[1:]:
+            expect[r][agent] = {k: v.to(wire or v.dtype).float().clone()
+                               for k, v in models[agent].state_dict().items()}
+    for dest in (1, 2):
+        world.send(expect[dest], dest=dest)
+    assert channels.staging_allocations == 1, channels.staging_allocations   # packs the speaker only
 else:
-    engine = TorchEngine({"speaker": args}, task, max_batch=8)
-    v, named = broadcast_weights(channels.get((0, 1, 2)), None, -1, bucket)
-    engine.load_weights("speaker", v, named)
-    if rank == 2:
-        v, named = broadcast_weights(channels.get((0, 2)), None, -1, bucket)
-        engine.load_weights("speaker", v, named)
+    engine = TorchEngine({"speaker": small, "listener": big}, task, max_batch=8)
+    for agent, members, _, _ in plan:
+        if rank in members:
+            v, named = broadcast_weights(channels, members, None, -1, bucket)
+            engine.load_weights(agent, v, named)
     ref = world.recv(source=0)
-    got = engine.models["speaker"].state_dict()
-    assert set(got) == set(ref)
-    for k in ref:
-        assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
-    assert engine.version("speaker") == (1 if rank == 1 else 2)
-    print(f"rank {rank} bit-identical v{engine.version('speaker')}", flush=True)
+    assert set(engine.models) == {"speaker", "listener"}
+    for agent in engine.models:
+        got = engine.models[agent].state_dict()
+        assert set(got) == set(ref[agent])
+        for k in ref[agent]:
+            assert got[k].dtype == ref[agent][k].dtype and torch.equal(got[k], ref[agent][k]), (agent, k)
+    assert engine.version("listener") == (1 if rank == 1 else 3) and engine.version("speaker") == 2
+    assert channels.staging_allocations == 1, channels.staging_allocations
+    print(f"rank {rank} bit-identical v{engine.version('listener')} staging "
+          f"{channels.staging_allocations}", flush=True)
+channels.close()

@@ -16,7 +16,7 @@ from ..config import TrainerConfig
 from ..grpo import MicroBatch, grpo_loss, token_logprobs
 from ..model import CausalLM, hf_state_dict
 from ..state_swap import HostBuffers, finish_copies, release, to_device
-from ..weight_sync import _header
+from ..weight_sync import _header, host_bytes
 
 
 class TorchTrainer:
@@ -152,7 +152,7 @@ def flatten_parameters(model: CausalLM) -> np.ndarray:
     parameter buffers. Returns the buffer as bytes. Call before building the optimizer."""
     named = hf_state_dict(model)
     header = _header(named, 0)
-    flat = torch.zeros(header.total, dtype=torch.uint8)
+    flat = host_bytes(header.total).zero_()      # on huge pages: the weight broadcast reads it whole
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, off, nb in zip(header.names, header.offsets, header.nbytes):
         p = params[name]
