@@ -86,8 +86,10 @@ class Table:
     """One compound-dtype dataset: buffered appends and in-place patches, written by
     `write()` (StoreFile.flush). `n` counts rows appended so far, written or not."""
 
-    def __init__(self, ds: h5py.Dataset, columns: dict[str, str] | None, mirror: bool = False):
+    def __init__(self, ds: h5py.Dataset, columns: dict[str, str] | None, mirror: bool = False,
+                 dirty: set | None = None):
         self.ds = ds
+        self.dirty = set() if dirty is None else dirty      # the file's tables with work queued
         self.columns = columns
         self.dtype = ds.dtype
         # the file's own type as the memory type: HDF5 then copies records as they are
@@ -108,6 +110,7 @@ class Table:
         first = self.n
         self.buf.append(arr)
         self.n += len(arr)
+        self.dirty.add(self)
         return first
 
     def _records(self, cols: dict) -> np.ndarray:
@@ -126,6 +129,7 @@ class Table:
     def patch(self, rows, fields: dict) -> None:
         """Queue an in-place update of some fields of existing rows (any order)."""
         self.patches.append((np.asarray(rows, np.int64), fields))
+        self.dirty.add(self)
 
     def write(self) -> None:
         """New rows: one resize + one write. Patches of rows already on disk: one read and
@@ -205,7 +209,7 @@ class StoreFile:
         fresh = not self.path.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.repaired: list[str] = []          # what re-opening fixed, for the log
-        self._committed: np.ndarray | None = None
+        self.dirty: set[Table] = set()
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
         self.f = h5py.File(self.path, "a", libver="latest")
@@ -239,7 +243,7 @@ class StoreFile:
         if name not in self.f:
             self.f.create_dataset(name, shape=(0,), maxshape=(None,), chunks=(chunk,),
                                   dtype=np.dtype(dt) if dt else dtype_of(columns))
-        return Table(self.f[name], columns, mirror)
+        return Table(self.f[name], columns, mirror, self.dirty)
 
     def _all(self) -> list[Table]:
         return [*self.samples.values(), *self.tokens.values(), *self.steps.values(),
@@ -272,14 +276,15 @@ class StoreFile:
     def flush(self) -> None:
         """Write every buffered row and patch, then commit: data first, then /commit, each
         made visible by an HDF5 flush, so a commit never names rows not yet written."""
-        for t in self._all():
+        if not self.dirty:
+            return
+        for t in self.dirty:
             t.write()
+        self.dirty.clear()
         self.f.flush()
         counts = np.array([t.disk for t in self.tables.values()], np.int64)
-        if self._committed is None or not np.array_equal(counts, self._committed):
-            self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts)
-            self._committed = counts
-            self.f.flush()
+        self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts)
+        self.f.flush()
 
     def samples_written(self) -> bool:
         """Whether an earlier process of this run left any sample rows."""
