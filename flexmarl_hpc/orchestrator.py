@@ -327,6 +327,7 @@ class Orchestrator:
                     "grad_norm": [stats.get("grad_norm", 0)], "staleness_max": [stale.max(initial=0)],
                     "staleness_mean": [stale.mean() if stale.size else 0.0],
                     "rows_offset": [off], "rows_len": [len(nodes)]})
+        self.store.flush()              # committed before a checkpoint can hold this version
         st.version, st.consumed, st.micro = version, 0, 0
         self.samples_since += len(nodes)
         every = self.cfg.run.checkpoint_every

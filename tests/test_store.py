@@ -158,3 +158,34 @@ def test_schema_1_files_are_still_read(tmp_path):
     assert run.steps.step.tolist() == [0, 1] and run.steps.reward_mean.tolist() == pytest.approx([0.5, 0.9])
     assert run.metrics.step.tolist() == [0, 1] and len(run.samples) == 2
     assert "superseded" not in run.steps and "reward" not in run.events
+
+
+def test_journal_rows_tokens_and_status_changes_read_back_as_the_readme_says(tmp_path):
+    from flexmarl_hpc.experience import Journal
+    from flexmarl_hpc.tree import Node
+    s = StoreFile(tmp_path / "s.h5", AGENTS, {})
+    j = Journal(s)
+    nodes = [Node("b", 1, 0, 7, t, None, [], None, prompt=[1, 2, 3], response=[4 + t] * (t + 1),
+                  logprobs=[-0.5 - t] * (t + 1), version=0, replica=1) for t in range(3)]
+    j.generated(nodes, now=1.0)
+    s.flush()
+    for n, r in zip(nodes, (0.0, 1.0, 0.5)):
+        n.reward, n.advantage = r, r - 0.5
+    j.status(nodes, READY, now=2.0)
+    j.status(nodes[:2], CONSUMED, now=3.0, trainer_step=0)
+    s.close()
+    with h5py.File(tmp_path / "s.h5", "r", swmr=True) as f:
+        for i, n in enumerate(nodes):                       # the README's recipe
+            r = f["samples/b"][i]
+            seq = f["tokens/b"][r["token_offset"]:r["token_offset"] + r["prompt_len"] + r["response_len"]]
+            assert seq["token"][:r["prompt_len"]].tolist() == n.prompt
+            assert seq["token"][r["prompt_len"]:].tolist() == n.response
+            assert seq["logprob"][r["prompt_len"]:].tolist() == n.logprobs
+            assert np.isnan(seq["logprob"][:r["prompt_len"]]).all()
+            assert r["sample_id"].decode() == f"7_1_{i}" and r["reward"] == n.reward
+        rows = f["samples/b"][:]
+        assert rows["status"].tolist() == [CONSUMED, CONSUMED, READY]
+        assert rows["trainer_step"].tolist() == [0, 0, -1] and rows["t_consumed"][0] == 3.0
+        ev = f["events"][:]
+        assert ev["status"].tolist() == [GENERATED] * 3 + [READY] * 3 + [CONSUMED] * 2
+        assert ev["advantage"][3:6].tolist() == [-0.5, 0.5, 0.0] and (ev["agent"] == 1).all()
