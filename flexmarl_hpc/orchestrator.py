@@ -95,6 +95,8 @@ class Orchestrator:
                 if last >= self.logged_step else "nothing uncommitted in the store"
             self.log(f"resumed at versions {versions}, {reloaded}, {superseded} step/metric rows "
                      f"superseded" + "".join(f"; store: {r}" for r in self.store.repaired))
+        elif self.store.repaired:
+            self.log("store: " + "; ".join(self.store.repaired))
         while not self.finished():
             if self.preempted():
                 return self.stop_preempted()
