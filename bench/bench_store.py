@@ -1,16 +1,27 @@
 """Experience-store write-through vs a raw h5py append of the same data, in one run.
 
-    .venv/bin/python bench/bench_store.py [--steps 40]
+    .venv/bin/python bench/bench_store.py [--steps 40] [--reps 5]
 
-"store": the orchestrator's real path for the referential game: admit a step, record every
-turn's generations (rows + token pools + events), propagate rewards, write READY, take
-micro-batches (CONSUMED, flushed per micro-batch). "raw": the same columns appended with
-plain h5py (`resize` + slice write per column, same batch sizes, no status updates).
-Prints samples/s for both and the ratio.
+The workflow tree of the referential game is driven once (untimed) through `--steps`
+steps exactly as the orchestrator drives it: admit a step, record each turn's generations
+(rewards propagate, groups turn READY), take micro-batches (CONSUMED). That yields a trace
+of what the store must record. Then, interleaved A/B/A/B `--reps` times:
+
+  store : the real write-through (`Journal` + `StoreFile`) replays the trace: sample rows,
+          token pools, events, in-place status patches, and the commit protocol (two HDF5
+          flushes per store flush), flushed after every generation batch and before every
+          micro-batch, as in a run;
+  raw   : plain h5py appends the same sample rows and tokens (`resize` + slice write),
+          flushed once per generation batch, no status changes, no events, no commit:
+          raw-col  one dataset per column (the v1 layout),
+          raw-rec  one compound dataset per table (the v2 layout, h5py's high-level API).
+
+Prints samples/s of each and the ratios store/raw as median [min, max] over the reps.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -21,86 +32,134 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import h5py
 import numpy as np
 
-from flexmarl_hpc.config import load_config
-from flexmarl_hpc.experience import Experience
-from flexmarl_hpc.store import SAMPLE_COLUMNS, StoreFile
 from flexmarl_hpc.build import build_task
+from flexmarl_hpc.config import load_config
+from flexmarl_hpc.experience import Journal
+from flexmarl_hpc.store import CONSUMED, READY, DROPPED, StoreFile, TOKEN_COLUMNS, dtype_of
+from flexmarl_hpc.tree import Tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_store(cfg, task, path: Path, steps: int) -> int:
-    store = StoreFile(path, cfg.agent_names, {}, chunk=cfg.store.chunk_rows)
-    exp = Experience(cfg, task, store)
+def trace(cfg, task, steps: int) -> list[tuple]:
+    """Run the real tree; return the ops the store sees: ("gen", Changes) and ("take", step, nodes)."""
+    tree = Tree(cfg, task)
     rng = np.random.default_rng(0)
-    n = 0
+    ops: list[tuple] = []
     for step in range(steps):
-        exp.admit_step(step)
+        tree.admit_step(step)
         for agent in cfg.agent_names:                      # turn order == agent order here
-            nodes = list(exp.pending[agent])
-            exp.pending[agent].clear()
+            nodes = list(tree.pending[agent])
+            tree.pending[agent].clear()
             turn = cfg.workflow.turns[nodes[0].turn]
             batch = [(nd, rng.integers(3, len(task.vocab), turn.max_new_tokens).tolist(),
                       [-1.0] * turn.max_new_tokens) for nd in nodes]
-            exp.record_generation(batch, step, 0)
-            store.flush()
-            n += len(nodes)
+            ops.append(("gen", tree.record_generation(batch, step, 0)))
         for agent in cfg.agent_names:
-            while exp.take_ready(agent, step, cfg.trainer.micro_batch_size):
-                pass
-        exp.forget_step(step)
+            while take := tree.take_ready(agent, step, cfg.trainer.micro_batch_size):
+                ops.append(("take", step, take))
+        tree.forget_step(step)
+    return ops
+
+
+def run_store(cfg, ops, path: Path) -> int:
+    store = StoreFile(path, cfg.agent_names, {}, chunk=cfg.store.chunk_rows)
+    j = Journal(store)
+    n = 0
+    for op in ops:
+        now = store.now()
+        if op[0] == "gen":
+            ch = op[1]
+            j.generated(ch.generated, now)
+            j.status(ch.ready, READY, now)
+            j.status(ch.dropped, DROPPED, now)
+            n += len(ch.generated)
+        else:
+            j.status(op[2], CONSUMED, now, op[1])
+        store.flush()
     store.close()
     return n
 
 
-def run_raw(cfg, path: Path, steps: int) -> int:
+def raw_batches(cfg, ops, path: Path) -> list[dict]:
+    """The sample records and token records of each generation batch, per agent (built
+    with the store's own code once, untimed: the raw side only appends them)."""
+    store = StoreFile(path, cfg.agent_names, {}, chunk=cfg.store.chunk_rows)
+    j = Journal(store)
+    out = []
+    for op in ops:
+        if op[0] == "gen":
+            j.generated(op[1].generated, 0.0)
+            out.append({a: (np.concatenate(store.samples[a].buf), np.concatenate(store.tokens[a].buf))
+                        for a in cfg.agent_names if store.samples[a].buf})
+            for t in (*store.samples.values(), *store.tokens.values()):
+                t.buf = []
+    store.f.close()
+    return out
+
+
+def run_raw(cfg, batches, path: Path, per_column: bool) -> int:
     f = h5py.File(path, "w", libver="latest")
-    cols = {}
-    for agent in cfg.agent_names:
-        g = f.create_group(agent)
-        for name, dt in {**SAMPLE_COLUMNS, "tokens": "i4", "logprobs": "f4"}.items():
-            cols[agent, name] = g.create_dataset(name, (0,), maxshape=(None,), dtype=dt,
-                                                 chunks=(cfg.store.chunk_rows,))
+    chunk = cfg.store.chunk_rows
+    ds = {}
+    for a in cfg.agent_names:
+        rec, tok = batches[0][cfg.agent_names[0]]
+        for table, dt, ch in (("samples", rec.dtype, chunk), ("tokens", tok.dtype, 8 * chunk)):
+            names = dt.names if per_column else (None,)
+            for name in names:
+                sub = dt[name] if name else dt
+                ds[a, table, name] = f.create_dataset(f"{table}/{a}/{name}" if name else f"{table}/{a}",
+                                                      (0,), maxshape=(None,), dtype=sub, chunks=(ch,))
     f.swmr_mode = True
     n = 0
-    width = cfg.workflow.inputs_per_step
-    for _ in range(steps):
-        w = width
-        for turn in cfg.workflow.turns:
-            w *= turn.samples
-            k, ntok = w, w * (2 + turn.max_new_tokens)
-            for name, dt in SAMPLE_COLUMNS.items():
-                d = cols[turn.agent, name]
-                d.resize((len(d) + k,))
-                d[-k:] = np.zeros(k, dtype=dt)
-            for name in ("tokens", "logprobs"):
-                d = cols[turn.agent, name]
-                d.resize((len(d) + ntok,))
-                d[-ntok:] = 0
-            f.flush()
-            n += k
+    for b in batches:
+        for a, (rec, tok) in b.items():
+            for table, arr in (("samples", rec), ("tokens", tok)):
+                for name in (arr.dtype.names if per_column else (None,)):
+                    d = ds[a, table, name]
+                    k = len(arr)
+                    d.resize((len(d) + k,))
+                    d[-k:] = arr[name] if name else arr
+            n += len(rec)
+        f.flush()
     f.close()
     return n
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     cfg = load_config(ROOT / "configs" / "local.yaml")
     task = build_task(cfg)
+    t = time.perf_counter()
+    ops = trace(cfg, task, a.steps)
+    t_tree = time.perf_counter() - t
+    rate = {"store": [], "raw-col": [], "raw-rec": []}
     with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
-        n_store = run_store(cfg, task, Path(tmp) / "store.h5", a.steps)
-        t_store = time.perf_counter() - t
-        t = time.perf_counter()
-        n_raw = run_raw(cfg, Path(tmp) / "raw.h5", a.steps)
-        t_raw = time.perf_counter() - t
-    s, r = n_store / t_store, n_raw / t_raw
-    print(f"experience store, referential game, {a.steps} steps ({n_store} samples)")
-    print(f"  store write-through : {s:10.0f} samples/s")
-    print(f"  raw h5py append     : {r:10.0f} samples/s")
-    print(f"  ratio store/raw     : {s / r:.2f}")
+        batches = raw_batches(cfg, ops, Path(tmp) / "prep.h5")
+        sides = {"store": lambda p: run_store(cfg, ops, p),
+                 "raw-col": lambda p: run_raw(cfg, batches, p, True),
+                 "raw-rec": lambda p: run_raw(cfg, batches, p, False)}
+        for rep in range(a.reps):
+            for name, fn in sides.items():                # interleaved: drift hits every side
+                p = Path(tmp) / f"{name}{rep}.h5"
+                t = time.perf_counter()
+                n = fn(p)
+                rate[name].append(n / (time.perf_counter() - t))
+                p.unlink()
+    print(f"experience store, referential game, {a.steps} steps ({n} samples), {a.reps} interleaved reps")
+    print(f"  (the workflow tree itself, untimed below: {n / t_tree:.0f} samples/s)")
+    for name, xs in rate.items():
+        print(f"  {name:8s}: {statistics.median(xs):9.0f} samples/s  [{min(xs):.0f}, {max(xs):.0f}]")
+    for raw in ("raw-col", "raw-rec"):
+        ratios = [s / r for s, r in zip(rate["store"], rate[raw])]
+        print(f"  ratio store/{raw}: {spread(ratios)}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@
 DataFrames: `samples` (one row per sample, all agents, column `agent`; `staleness` =
 trainer_step - policy_version for consumed samples), `steps` (one row per optimizer step
 and agent), `intervals` (per-rank busy/wait intervals), `metrics` (one row per global step),
-`events` (every status change). Bad input raises `AnalysisError` naming the file and what
-is wrong; files of another schema version say which version this code reads.
+`events` (every status change). `steps` and `metrics` hold only current rows: rows a
+resume rolled back (schema 2: `superseded`=1; schema 1: all but the last row of a step)
+are left out. Reads schema versions 1 and 2 (columns schema 1 lacks are absent). Bad input
+raises `AnalysisError` naming the file and what is wrong; files of another schema version
+say which versions this code reads.
 """
 from __future__ import annotations
 
@@ -21,8 +24,13 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from .store import (CONSUMED, DROPPED, EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS,
-                    SCHEMA_VERSION, STATUS_NAMES, STEP_COLUMNS)
+from .store import (CONSUMED, DROPPED, EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, READS,
+                    SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS)
+
+# the columns schema 1 had, where schema 2 added some
+V1_ONLY = {"steps": [c for c in STEP_COLUMNS if c not in ("logp_mismatch", "tis_mean", "superseded")],
+           "metrics": [c for c in METRIC_COLUMNS if c != "superseded"],
+           "events": [c for c in EVENT_COLUMNS if c not in ("reward", "advantage")]}
 
 BUSY = ("generate", "train", "sync", "swap", "checkpoint")
 
@@ -48,23 +56,46 @@ class Run:
         return f"{self.path.stem} ({self.attrs.get('mode', '?')})"
 
 
-def _table(f, group: str, columns: dict, path: Path) -> pd.DataFrame:
+def _columns_v1(f, group: str, columns: dict, path: Path) -> dict:
+    """Schema 1: a group of equal-length 1-D datasets, one per column."""
     if group not in f:
         raise AnalysisError(f"{path}: missing dataset group /{group} (truncated or foreign file?)")
     g = f[group]
     data = {}
-    n = None
     for name in columns:
         if name not in g:
             raise AnalysisError(f"{path}: missing dataset /{group}/{name}")
         ds = g[name]
         ds.refresh() if hasattr(ds, "refresh") else None
-        arr = ds[:]
-        if arr.dtype.kind == "S":
-            arr = np.char.decode(arr, "utf-8")
-        n = len(arr) if n is None else min(n, len(arr))   # a live writer may be mid-append
-        data[name] = arr
-    return pd.DataFrame({k: v[:n] for k, v in data.items()})
+        data[name] = ds[:]
+    n = min(len(v) for v in data.values())         # a live writer may be mid-append
+    return {k: v[:n] for k, v in data.items()}
+
+
+def _columns_v2(f, name: str, columns: dict, path: Path, committed: dict) -> dict:
+    """Schema 2: one compound dataset; only its committed rows (see /commit)."""
+    if name not in f:
+        raise AnalysisError(f"{path}: missing dataset /{name} (truncated or foreign file?)")
+    ds = f[name]
+    ds.refresh() if hasattr(ds, "refresh") else None
+    missing = [c for c in columns if c not in (ds.dtype.names or ())]
+    if missing:
+        raise AnalysisError(f"{path}: /{name} has no column {missing[0]}")
+    rows = ds[:min(len(ds), committed.get("/" + name, len(ds)))]
+    return {c: rows[c] for c in columns}
+
+
+def _frame(data: dict) -> pd.DataFrame:
+    return pd.DataFrame({k: np.char.decode(v, "utf-8") if v.dtype.kind == "S" else v
+                         for k, v in data.items()})
+
+
+def _current(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Rows a resume did not roll back: schema 2 marks the others superseded; schema 1 did
+    not mark them, and the current row of a step is the last one written."""
+    if "superseded" in df:
+        return df[df["superseded"] == 0].reset_index(drop=True)
+    return df.drop_duplicates(keys, keep="last").reset_index(drop=True)
 
 
 def check_not_truncated(path: Path) -> None:
@@ -107,17 +138,28 @@ def load_run(path: str | Path) -> Run:
         if f.attrs.get("program") != "flexmarl_hpc":
             raise AnalysisError(f"{path}: not a flexmarl_hpc run file (no program=flexmarl_hpc attribute)")
         version = int(f.attrs.get("schema_version", -1))
-        if version != SCHEMA_VERSION:
+        if version not in READS:
             raise AnalysisError(f"{path}: schema version {version}; this flexmarl_hpc reads schema "
-                                f"version {SCHEMA_VERSION} (use the flexmarl_hpc release that wrote it)")
+                                f"versions {', '.join(map(str, READS))} (use the flexmarl_hpc release that wrote it)")
         attrs = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in f.attrs.items()}
         agents = [str(a) for a in attrs.get("agents", [])]
         try:
-            samples = [_samples(f, a, path) for a in agents]
-            steps = [_table(f, f"steps/{a}", STEP_COLUMNS, path).assign(agent=a) for a in agents]
-            intervals = _table(f, "intervals", INTERVAL_COLUMNS, path)
-            metrics = _table(f, "metrics", METRIC_COLUMNS, path)
-            events = _table(f, "events", EVENT_COLUMNS, path)
+            if version == 1:
+                def table(name, columns):
+                    return _frame(_columns_v1(f, name, {c: t for c, t in columns.items()
+                                                        if c in V1_ONLY.get(name.split("/")[0], columns)}, path))
+            else:
+                c = f["commit"]
+                c.refresh() if hasattr(c, "refresh") else None
+                committed = dict(zip((str(x) for x in c.attrs["tables"]), c[:].tolist()))
+
+                def table(name, columns):
+                    return _frame(_columns_v2(f, name, columns, path, committed))
+            samples = [_samples(table(f"samples/{a}", SAMPLE_COLUMNS), a) for a in agents]
+            steps = [_current(table(f"steps/{a}", STEP_COLUMNS), ["step"]).assign(agent=a) for a in agents]
+            intervals = table("intervals", INTERVAL_COLUMNS)
+            metrics = _current(table("metrics", METRIC_COLUMNS), ["step"])
+            events = table("events", EVENT_COLUMNS)
         except (KeyError, OSError, ValueError, RuntimeError) as e:
             raise AnalysisError(f"{path}: damaged file ({e})") from None
     try:
@@ -130,8 +172,7 @@ def load_run(path: str | Path) -> Run:
                events, agents)
 
 
-def _samples(f, agent: str, path: Path) -> pd.DataFrame:
-    df = _table(f, f"samples/{agent}", SAMPLE_COLUMNS, path)
+def _samples(df: pd.DataFrame, agent: str) -> pd.DataFrame:
     df.insert(0, "agent", agent)
     df.insert(1, "row", np.arange(len(df)))
     df["status_name"] = df["status"].map(STATUS_NAMES)

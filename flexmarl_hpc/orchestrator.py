@@ -85,12 +85,19 @@ class Orchestrator:
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> int:
-        if self.next_step > 0:
-            last = self.exp.reload(self.next_step, {a: s.version for a, s in self.state.items()})
+        if self.next_step > 0 or self.store.samples_written():
+            # whatever the trainers restored (version 0 too: no checkpoint), the store is
+            # reconciled with it: later steps' rows are reused, their consumption undone
+            versions = {a: s.version for a, s in self.state.items()}
+            last = self.exp.reload(self.next_step, versions)
+            superseded = self.store.supersede(versions, self.logged_step)
             self.next_step = max(self.next_step, last + 1)
             reloaded = f"steps {self.logged_step}..{last} reloaded from the store" \
                 if last >= self.logged_step else "nothing uncommitted in the store"
-            self.log(f"resumed at versions {({a: s.version for a, s in self.state.items()})}, {reloaded}")
+            self.log(f"resumed at versions {versions}, {reloaded}, {superseded} step/metric rows "
+                     f"superseded" + "".join(f"; store: {r}" for r in self.store.repaired))
+        elif self.store.repaired:
+            self.log("store: " + "; ".join(self.store.repaired))
         while not self.finished():
             if self.preempted():
                 return self.stop_preempted()
@@ -312,15 +319,18 @@ class Orchestrator:
         stale = np.array([step - nd.version for nd in nodes])
         reward = float(np.mean([nd.reward for nd in nodes]))
         self.step_summary[(agent, step)] = (reward, int(stale.max(initial=0)))
-        tab = self.store.steps[agent]
-        off = tab.extend_pool("rows", np.array([nd.row for nd in nodes], dtype=np.int64))
-        tab.append({"step": [step], "version": [version], "t_end": [self.store.now()],
+        off = self.store.step_rows[agent].append(np.array([nd.row for nd in nodes], dtype=np.int64))
+        self.store.steps[agent].append({
+                    "step": [step], "version": [version], "t_end": [self.store.now()],
                     "n_samples": [len(nodes)], "n_micro": [st.micro],
                     "loss": [stats.get("loss", 0) / n], "reward_mean": [reward],
                     "entropy": [stats.get("entropy", 0) / n], "kl": [stats.get("kl", 0) / n],
+                    "logp_mismatch": [stats.get("logp_mismatch", np.nan) / n],
+                    "tis_mean": [stats.get("tis_mean", np.nan) / n],
                     "grad_norm": [stats.get("grad_norm", 0)], "staleness_max": [stale.max(initial=0)],
                     "staleness_mean": [stale.mean() if stale.size else 0.0],
                     "rows_offset": [off], "rows_len": [len(nodes)]})
+        self.store.flush()              # committed before a checkpoint can hold this version
         st.version, st.consumed, st.micro = version, 0, 0
         self.samples_since += len(nodes)
         if self.checkpoint_due(agent, version):
@@ -373,9 +383,9 @@ class Orchestrator:
         a step an earlier (preempted) process of this run committed."""
         if (agent, step) in self.step_summary:
             return self.step_summary.pop((agent, step))
-        ds = self.store.steps[agent].ds
-        row = int(np.nonzero(ds["step"][:] == step)[0][-1])
-        return float(ds["reward_mean"][row]), int(ds["staleness_max"][row])
+        rows = self.store.steps[agent].read()
+        row = rows[(rows["step"] == step) & (rows["superseded"] == 0)][-1]
+        return float(row["reward_mean"]), int(row["staleness_max"])
 
     # -- checkpoints and shutdown ----------------------------------------------------------
     def checkpoint(self, agents: list[str], wait: bool = True) -> None:

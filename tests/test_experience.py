@@ -69,3 +69,74 @@ def test_first_inputs_to_finish_form_the_batch_and_a_late_answer_is_dropped(exp)
                 if a == 0 and r in rows0]
         assert sorted(s for _, s in mine) == [GENERATED] * 4 + [DROPPED] * 4   # written, then dropped
         assert READY not in {s for _, s in mine}
+
+
+# -- resume: Experience.reload on a real HDF5 file, driven by hand -------------------------
+def run_step(exp, step, consume=None):
+    """Generate every turn of `step` (speaker answers, then listener), then consume up to
+    `consume` samples of each agent (None: all of them)."""
+    exp.admit_step(step)
+    for agent in ("speaker", "listener"):
+        nodes = [n for n in exp.pending[agent] if n.step == step]
+        exp.pending[agent].clear()
+        tok = [3, 4] if agent == "speaker" else [5]
+        exp.record_generation([(n, tok, [-1.0] * len(tok)) for n in nodes], step, 0)
+        exp.store.flush()
+    for agent in ("speaker", "listener"):
+        exp.take_ready(agent, step, exp.batch_size[agent] if consume is None else consume)
+
+
+def file_state(path, agent):
+    with h5py.File(path, "r", swmr=True) as f:
+        g = f[f"samples/{agent}"][:]
+        ev = f["events"][:]
+    return g, ev[ev["agent"] == ["speaker", "listener"].index(agent)]
+
+
+@pytest.fixture
+def plain(tmp_path):
+    cfg = load_config(str(ROOT / "configs/local.yaml"), ["workflow.inputs_per_step=2"])
+    return cfg, build_task(cfg), tmp_path / "r.h5"
+
+
+@pytest.mark.parametrize("restored", [1, 0], ids=["checkpoint-at-1", "no-checkpoint"])
+def test_reload_requeues_what_the_trainers_lost_and_regenerates_nothing(plain, restored):
+    cfg, task, path = plain
+    store = StoreFile(path, cfg.agent_names, {})
+    exp = Experience(cfg, task, store)
+    run_step(exp, 0)                              # step 0 fully trained
+    run_step(exp, 1, consume=4)                   # step 1: 4 of each agent consumed, then a crash
+    before = {a: file_state(path, a)[0] for a in cfg.agent_names}
+    store.f.close()                               # "crash": nothing after the last flush survives
+
+    store = StoreFile(path, cfg.agent_names, {})
+    exp = Experience(cfg, task, store)
+    versions = {a: restored for a in cfg.agent_names}
+    assert exp.reload(restored, versions) == 1
+    for a in cfg.agent_names:                     # nothing to generate again, all of it trainable
+        assert not exp.pending[a]
+        for s in range(restored, 2):
+            assert exp.ready_count(a, s) == exp.batch_size[a]
+    store.flush()
+    for a in cfg.agent_names:
+        rows, ev = file_state(path, a)
+        assert len(rows) == len(before[a]) == 2 * exp.batch_size[a]             # no new rows
+        assert (rows["sample_id"] == before[a]["sample_id"]).all()
+        kept = rows["step"] < restored
+        assert (rows["status"][kept] == CONSUMED).all() and (rows["trainer_step"][kept] == 0).all()
+        assert (rows["status"][~kept] == READY).all() and (rows["trainer_step"][~kept] == -1).all()
+        requeued = np.nonzero((before[a]["status"] == CONSUMED) & ~kept)[0]
+        assert len(requeued) == (4 if restored else 4 + exp.batch_size[a])
+        for r in requeued:                        # consumed -> generated -> ready, in the journal
+            assert ev["status"][ev["row"] == r].tolist()[-3:] == [CONSUMED, GENERATED, READY]
+        for r in np.nonzero(before[a]["status"] == READY)[0]:   # already ready: no new event
+            assert ev["status"][ev["row"] == r].tolist()[-1] == READY
+            assert (ev["row"] == r).sum() == 2
+    # the trainer takes the requeued samples again, exactly once
+    for a in cfg.agent_names:
+        for s in range(restored, 2):
+            assert len(exp.take_ready(a, s, 999)) == exp.batch_size[a]
+    store.close()
+    for a in cfg.agent_names:
+        rows, _ = file_state(path, a)
+        assert (rows["status"] == CONSUMED).all() and (rows["trainer_step"] == rows["step"]).all()

@@ -31,12 +31,14 @@ def check_exactly_once(path, steps, dropped_ok=False):
             assert (trained | (dropped_ok & (status == DROPPED))).all()
             assert (g["trainer_step"][:][trained] == g["step"][:][trained]).all()
             assert (g["trainer_step"][:][~trained] == -1).all()
-            st = f[f"steps/{agent}"]
-            assert st["step"][:].tolist() == list(range(steps))
-            rows = st["rows"][:]
+            st = f[f"steps/{agent}"][:]
+            st = st[st["superseded"] == 0]                     # rows a resume rolled back
+            assert st["step"].tolist() == list(range(steps))
+            pool = f[f"step_rows/{agent}"][:]
+            rows = np.concatenate([pool[o:o + n] for o, n in zip(st["rows_offset"], st["rows_len"])])
             assert sorted(rows.tolist()) == np.nonzero(trained)[0].tolist(), "a sample was lost or trained twice"
-            for s, off, n in zip(st["step"][:], st["rows_offset"][:], st["rows_len"][:]):
-                assert (g["step"][:][rows[off:off + n]] == s).all()
+            for s, off, n in zip(st["step"], st["rows_offset"], st["rows_len"]):
+                assert (g["step"][:][pool[off:off + n]] == s).all()
             ev = f["events"]
             mine = ev["agent"][:] == list(f.attrs["agents"]).index(agent)
             last = {}
@@ -66,9 +68,9 @@ def test_sync_run_trains_every_sample_exactly_once(sync_run):
     check_exactly_once(out / "local.h5", 6)
     assert (out / "config.yaml").is_file() and (out / "train.log").is_file()
     with h5py.File(out / "local.h5", "r") as f:
-        roles = set(f["intervals/role"][:].tolist())
+        roles = set(f["intervals"]["role"].tolist())
         assert {b"rollout", b"trainer"} <= roles
-        assert len(f["metrics/step"]) == 6
+        assert len(f["metrics"]) == 6
 
 
 def test_resume_continues_the_same_run(sync_run, tmp_path):
@@ -83,7 +85,7 @@ def test_resume_continues_the_same_run(sync_run, tmp_path):
             if k.startswith("model.") or k.startswith("optim."):
                 assert torch.equal(a[k], b[k]), k
     with h5py.File(ref / "local.h5") as f, h5py.File(tmp_path / "local.h5") as g:
-        assert np.array_equal(f["samples/listener/tokens"][:], g["samples/listener/tokens"][:])
+        assert np.array_equal(f["tokens/listener"]["token"], g["tokens/listener"]["token"])
 
 
 @pytest.mark.parametrize("extra", [[], ["pipeline.overprovision=2"]], ids=["plain", "overprovision"])
@@ -102,7 +104,7 @@ def test_preempted_run_resumes_with_nothing_lost(tmp_path, mpiexec, extra):
     assert p.returncode == 75, out
     assert "preemption signal" in out
     with h5py.File(tmp_path / "local.h5", "r") as f:
-        done = len(f["steps/speaker/step"])
+        done = len(f["steps/speaker"])
     assert done < 60
     q = run_training(tmp_path, *SMALL, *extra, "run.steps=60")
     assert "resumed at versions" in q.stdout
@@ -132,8 +134,8 @@ def test_overprovisioned_steps_train_whole_inputs_once(tmp_path, mpiexec):
     check_exactly_once(tmp_path / "local.h5", 6, dropped_ok=True)
     check_batches_of_whole_inputs(tmp_path / "local.h5", inputs=4, extra=2)
     with h5py.File(tmp_path / "local.h5", "r") as f:
-        assert (f["samples/speaker/status"][:] == DROPPED).any()
-        assert f["steps/speaker/n_samples"][:].tolist() == [4 * 4] * 6     # inputs x samples
+        assert (f["samples/speaker"]["status"] == DROPPED).any()
+        assert f["steps/speaker"]["n_samples"].tolist() == [4 * 4] * 6     # inputs x samples
 
 
 def test_store_is_readable_while_the_run_writes(tmp_path, mpiexec):
@@ -149,7 +151,7 @@ def test_store_is_readable_while_the_run_writes(tmp_path, mpiexec):
             if path.exists():
                 try:
                     with h5py.File(path, "r", swmr=True) as f:   # h5py alone, no flexmarl code
-                        ds = f["samples/listener/status"]
+                        ds = f["samples/listener"]
                         ds.refresh()
                         seen.append(len(ds))
                 except OSError:
@@ -166,7 +168,7 @@ def samples_by_id(path, agent):
     with h5py.File(path, "r") as f:
         g = f[f"samples/{agent}"]
         off, pl, rl = g["token_offset"][:], g["prompt_len"][:], g["response_len"][:]
-        tok, ver = g["tokens"][:], g["policy_version"][:]
+        tok, ver = f[f"tokens/{agent}"]["token"], g["policy_version"][:]
         return {sid: (tuple(tok[o:o + p + r]), v) for sid, o, p, r, v in
                 zip(g["sample_id"][:], off, pl, rl, ver)}
 
@@ -189,9 +191,9 @@ def test_flex_equals_sync_with_zero_staleness(sync_run, tmp_path):
     run_training(tmp_path, *SMALL, "run.mode=flex", "rollout.replicas=2", "rollout.max_batch=8")
     check_exactly_once(tmp_path / "local.h5", 6)
     with h5py.File(tmp_path / "local.h5") as f:
-        used = set(f["samples/listener/replica"][:].tolist()) | set(f["samples/speaker/replica"][:].tolist())
+        used = set(f["samples/listener"]["replica"].tolist()) | set(f["samples/speaker"]["replica"].tolist())
         assert used == {0, 1}                  # replica 1 did work that replica 0 did in sync
-        assert f["steps/listener/n_micro"][0] > 1                          # really micro-batched
+        assert f["steps/listener"]["n_micro"][0] > 1                          # really micro-batched
     assert_same_run(ref, tmp_path)
 
 
@@ -210,11 +212,11 @@ def test_staleness_one_trains_samples_at_most_one_version_old(tmp_path, mpiexec)
                 groups.setdefault(key[:3], set()).add(key[3])
             assert all(len(v) == 1 for v in groups.values()), "a GRPO group mixes policy versions"
             st = f[f"steps/{agent}"]
-            rows = st["rows"][:]
+            rows = f[f"step_rows/{agent}"][:]
             for s, off, n, smax in zip(st["step"][:], st["rows_offset"][:], st["rows_len"][:],
                                        st["staleness_max"][:]):
                 assert smax == (s - ver[rows[off:off + n]]).max()
-        stale = f["samples/speaker/step"][:] - f["samples/speaker/policy_version"][:]
+        stale = f["samples/speaker"]["step"] - f["samples/speaker"]["policy_version"]
         assert stale.max() == 1                  # the pipeline really overlapped steps
 
 
@@ -225,7 +227,7 @@ def test_fewer_trainer_groups_than_agents_swaps_states_losslessly(sync_run, tmp_
     run_training(tmp_path, *SMALL, "run.mode=sync", "trainer.groups=1", "pipeline.swap_states=true")
     check_exactly_once(tmp_path / "local.h5", 6)
     with h5py.File(tmp_path / "local.h5") as f:
-        acts = f["intervals/activity"][:].tolist()
+        acts = f["intervals"]["activity"].tolist()
         assert acts.count(b"swap") >= 10                   # every step parks one agent, loads the other
     for agent in ("speaker", "listener"):
         a, b = final_weights(ref, agent), final_weights(tmp_path, agent)

@@ -1,0 +1,191 @@
+"""The HDF5 journal on its own (real HDF5 files, real SIGKILLs): re-opening after an unclean
+exit, torn appends, superseded rows, and readers of schema versions 1 and 2."""
+import os
+import signal
+
+import h5py
+import numpy as np
+import pytest
+
+from flexmarl_hpc.analysis import load_run
+from flexmarl_hpc.h5repair import clear_open_flags, lookup3
+from flexmarl_hpc.store import CONSUMED, GENERATED, READY, StoreFile
+
+AGENTS = ["a", "b"]
+
+
+def sample_rows(store, agent, k, step=0):
+    rows = np.zeros(k, store.samples[agent].dtype)
+    rows["sample_id"] = [f"{step}_{i}".encode() for i in range(k)]
+    rows["step"], rows["trainer_step"], rows["status"] = step, -1, GENERATED
+    rows["reward"] = rows["advantage"] = rows["t_ready"] = rows["t_consumed"] = np.nan
+    return rows
+
+
+def event_rows(store, agent, rows, status, tstep=-1, reward=np.nan):
+    ev = np.zeros(len(rows), store.events.dtype)
+    ev["agent"], ev["row"], ev["status"], ev["trainer_step"] = AGENTS.index(agent), rows, status, tstep
+    ev["reward"] = ev["advantage"] = reward
+    return ev
+
+
+def in_child_then_kill(fn):
+    """Run fn() in a forked child that then SIGKILLs itself (no close, no atexit); fn
+    returns its StoreFile, held until the kill (dropping it would close the file)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            keep = fn()  # noqa: F841
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_lookup3_matches_known_vectors():
+    # Bob Jenkins' published hashlittle values
+    assert lookup3(b"", 0) == 0xDEADBEEF
+    assert lookup3(b"Four score and seven years ago", 0) == 0x17770551
+    assert lookup3(b"Four score and seven years ago", 1) == 0xCD628161
+
+
+def test_a_killed_writer_leaves_a_file_that_reopens(tmp_path):
+    path = tmp_path / "s.h5"
+
+    def write():
+        s = StoreFile(path, AGENTS, {})
+        first = s.samples["a"].append(sample_rows(s, "a", 5))
+        s.events.append(event_rows(s, "a", np.arange(first, first + 5), GENERATED))
+        s.flush()
+        return s
+
+    in_child_then_kill(write)
+    with pytest.raises(OSError, match="already open for write"):
+        h5py.File(path, "a")                                   # what a plain re-open meets
+    s = StoreFile(path, AGENTS, {})                            # ours clears the flags
+    assert any("open-for-write flags" in r for r in s.repaired)
+    assert len(s.samples["a"].read()) == 5
+    s.close()
+    assert not clear_open_flags(path)                          # a clean close leaves none
+
+
+def test_a_torn_append_is_discarded_and_statuses_follow_the_events(tmp_path):
+    path = tmp_path / "s.h5"
+
+    def write():
+        s = StoreFile(path, AGENTS, {})
+        s.samples["a"].append(sample_rows(s, "a", 4))
+        s.events.append(event_rows(s, "a", np.arange(4), GENERATED))
+        s.samples["a"].patch([0, 1], {"status": READY, "reward": 1.0})
+        s.events.append(event_rows(s, "a", [0, 1], READY, reward=1.0))
+        s.flush()                                              # committed: 4 rows, 6 events
+        # killed mid-append: rows and a status change reach the file, the commit does not
+        s.samples["a"].append(sample_rows(s, "a", 3, step=1))
+        s.samples["a"].patch([0, 1], {"status": CONSUMED, "trainer_step": 0})
+        s.events.append(np.zeros(5, s.events.dtype))           # zero-filled, as after ENOSPC
+        for t in s._all():
+            t.write()
+        s.f.flush()
+        return s
+
+    in_child_then_kill(write)
+    with h5py.File(path, "r", swmr=True) as f:                 # the torn rows are in the file
+        assert len(f["samples/a"]) == 7 and len(f["events"]) == 11
+        assert f["samples/a"]["status"][:2].tolist() == [CONSUMED] * 2
+    s = StoreFile(path, AGENTS, {})
+    rows, ev = s.samples["a"].read(), s.events.read()
+    assert len(rows) == 4 and len(ev) == 6                     # back to the commit
+    assert rows["status"].tolist() == [READY, READY, GENERATED, GENERATED]
+    assert rows["trainer_step"].tolist() == [-1] * 4 and rows["reward"][:2].tolist() == [1.0, 1.0]
+    assert (ev["t"] >= 0).all() and not (ev == np.zeros(1, ev.dtype)).any()
+    assert len(s.repaired) >= 2
+    s.close()
+    with h5py.File(path, "r", swmr=True) as f:                 # a plain SWMR reader agrees
+        assert f["samples/a"]["status"].tolist() == [READY, READY, GENERATED, GENERATED]
+
+
+def test_superseded_rows_are_marked_and_readers_count_current_ones(tmp_path):
+    path = tmp_path / "s.h5"
+    s = StoreFile(path, AGENTS, {})
+    for a in AGENTS:
+        for step in range(3):
+            s.steps[a].append({"step": [step], "version": [step + 1], "t_end": [0.0], "n_samples": [1],
+                               "n_micro": [1], "loss": [0], "reward_mean": [step], "entropy": [0],
+                               "kl": [0], "grad_norm": [0], "staleness_max": [0], "staleness_mean": [0],
+                               "rows_offset": [0], "rows_len": [0]})
+    for step in range(3):
+        s.metrics.append({c: [step] for c in ("step", "t", "wall", "samples", "tokens", "samples_per_s",
+                                                "rollout_s", "train_s", "sync_s", "swap_s", "utilization",
+                                                "staleness_max")})
+    s.flush()
+    # the trainers came back at version 1 (a) and 2 (b): global step 1 onwards is redone
+    assert s.supersede({"a": 1, "b": 2}, first_logged=1) == 2 + 1 + 2
+    s.steps["a"].append({"step": [1], "version": [2], "t_end": [0.0], "n_samples": [1], "n_micro": [1],
+                         "loss": [0], "reward_mean": [10], "entropy": [0], "kl": [0], "grad_norm": [0],
+                         "staleness_max": [0], "staleness_mean": [0], "rows_offset": [0], "rows_len": [0]})
+    s.close()
+    with h5py.File(path, "r") as f:
+        assert f["steps/a"]["superseded"].tolist() == [0, 1, 1, 0]
+        assert f["steps/b"]["superseded"].tolist() == [0, 0, 1]
+        assert f["metrics"]["superseded"].tolist() == [0, 1, 1]
+    run = load_run(path)
+    a = run.steps[run.steps.agent == "a"]
+    assert a.step.tolist() == [0, 1] and a.reward_mean.tolist() == [0, 10]
+    assert run.metrics.step.tolist() == [0]
+
+
+def test_schema_1_files_are_still_read(tmp_path):
+    """A version-1 file (one dataset per column, duplicate step rows after a resume): the
+    reader gets the same frames, keeping the last row of a step."""
+    from flexmarl_hpc.analysis import V1_ONLY
+    from flexmarl_hpc.store import (EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS,
+                                    STEP_COLUMNS)
+    path = tmp_path / "v1.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs.update(schema_version=1, program="flexmarl_hpc", agents=["a"], t0=0.0, config_yaml="")
+        tables = {"samples/a": (SAMPLE_COLUMNS, 2), "steps/a": (STEP_COLUMNS, 3),
+                  "intervals": (INTERVAL_COLUMNS, 1), "events": (EVENT_COLUMNS, 2),
+                  "metrics": (METRIC_COLUMNS, 3)}
+        for name, (cols, n) in tables.items():
+            for c, dt in cols.items():
+                if c in V1_ONLY.get(name.split("/")[0], cols):
+                    f[f"{name}/{c}"] = np.zeros(n, dt)
+        f["steps/a/step"][:] = [0, 1, 1]
+        f["steps/a/reward_mean"][:] = [0.5, 0.1, 0.9]
+        f["metrics/step"][:] = [0, 1, 1]
+        f["samples/a/status"][:] = CONSUMED
+    run = load_run(path)
+    assert run.steps.step.tolist() == [0, 1] and run.steps.reward_mean.tolist() == pytest.approx([0.5, 0.9])
+    assert run.metrics.step.tolist() == [0, 1] and len(run.samples) == 2
+    assert "superseded" not in run.steps and "reward" not in run.events
+
+
+def test_journal_rows_tokens_and_status_changes_read_back_as_the_readme_says(tmp_path):
+    from flexmarl_hpc.experience import Journal
+    from flexmarl_hpc.tree import Node
+    s = StoreFile(tmp_path / "s.h5", AGENTS, {})
+    j = Journal(s)
+    nodes = [Node("b", 1, 0, 7, t, None, [], None, prompt=[1, 2, 3], response=[4 + t] * (t + 1),
+                  logprobs=[-0.5 - t] * (t + 1), version=0, replica=1) for t in range(3)]
+    j.generated(nodes, now=1.0)
+    s.flush()
+    for n, r in zip(nodes, (0.0, 1.0, 0.5)):
+        n.reward, n.advantage = r, r - 0.5
+    j.status(nodes, READY, now=2.0)
+    j.status(nodes[:2], CONSUMED, now=3.0, trainer_step=0)
+    s.close()
+    with h5py.File(tmp_path / "s.h5", "r", swmr=True) as f:
+        for i, n in enumerate(nodes):                       # the README's recipe
+            r = f["samples/b"][i]
+            seq = f["tokens/b"][r["token_offset"]:r["token_offset"] + r["prompt_len"] + r["response_len"]]
+            assert seq["token"][:r["prompt_len"]].tolist() == n.prompt
+            assert seq["token"][r["prompt_len"]:].tolist() == n.response
+            assert seq["logprob"][r["prompt_len"]:].tolist() == n.logprobs
+            assert np.isnan(seq["logprob"][:r["prompt_len"]]).all()
+            assert r["sample_id"].decode() == f"7_1_{i}" and r["reward"] == n.reward
+        rows = f["samples/b"][:]
+        assert rows["status"].tolist() == [CONSUMED, CONSUMED, READY]
+        assert rows["trainer_step"].tolist() == [0, 0, -1] and rows["t_consumed"][0] == 3.0
+        ev = f["events"][:]
+        assert ev["status"].tolist() == [GENERATED] * 3 + [READY] * 3 + [CONSUMED] * 2
+        assert ev["advantage"][3:6].tolist() == [-0.5, 0.5, 0.0] and (ev["agent"] == 1).all()
