@@ -169,10 +169,18 @@ def check_resumable(cfg: Config) -> None:
     path = cfg.output_dir / f"{cfg.run.name}.h5"
     if not (cfg.run.resume and path.exists()):
         return
+    from .h5repair import clear_open_flags
     try:
-        with h5py.File(path, "r", swmr=True) as f:
+        try:
+            f = h5py.File(path, "r", swmr=True)
+        except OSError:
+            # a writer killed before it switched to SWMR leaves write-only "open" flags that
+            # even an SWMR reader refuses; the store clears them on reopen anyway
+            clear_open_flags(path)
+            f = h5py.File(path, "r", swmr=True)
+        with f:
             old = yaml.safe_load(f.attrs.get("config_yaml", "")) or {}
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise ConfigError(f"run.output_dir: {path} exists but cannot be read ({e}); "
                           "move it away or set run.resume=false and another run.output_dir") from None
     new = to_dict(cfg)
