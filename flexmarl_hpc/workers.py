@@ -135,8 +135,10 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             reply = ("tsynced", agent, version)
         elif kind == "checkpoint":
             for name in cmd[1]:
+                # every rank gathers: a sharded trainer's state() is collective over the
+                # group (a leader gathering alone waits forever for the members)
+                state = mover.state_of(name)
                 if leader:
-                    state = mover.state_of(name)
                     save_checkpoint(ckpt_dir / name, int(state["version"]), state)
             clock.mark("checkpoint", ",".join(cmd[1]), t0)
             reply = ("checkpointed", cmd[1])
