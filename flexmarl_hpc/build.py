@@ -61,7 +61,7 @@ def build_trainer(cfg: Config, task: Task, agent: str, group_comm):
     """One agent's trainer backend on this rank's group, at version 0."""
     model = initial_model(cfg, task, agent)
     if cfg.trainer.backend == "megatron":
-        from .trainer.megatron_trainer import MegatronTrainer
+        from .trainer.megatron import MegatronTrainer
         return MegatronTrainer(model.args, cfg.trainer, group_comm, cfg.rollout.temperature,
                                init={k: v.clone() for k, v in model.state_dict().items()})
     from .trainer.torch_trainer import TorchTrainer

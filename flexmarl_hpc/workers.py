@@ -110,7 +110,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             _, agent, step, arrays, scale, last = cmd
             tr = trainers[agent]
             mb = microbatch_from_arrays(arrays).shard(group.Get_rank(), group.Get_size())
-            stats = tr.forward_backward(mb, scale)
+            stats = tr.forward_backward(mb, scale, last=last)
             acc = step_stats.setdefault(agent, {})
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + v
