@@ -5,7 +5,9 @@ tppp: TP2 x PP2; the rest of the ranks is data parallel; dp and tp are Qwen2-sty
 random QKV biases, pp and tppp Llama-style with tied embeddings), each checked
 against the torch reference (TorchTrainer on COMM_SELF, whole batch, same init weights):
 logits, GRPO losses over 2 steps of 2 accumulated micro-batches, weights after the steps,
-and the training state (format and Adam moments). `ckpt DIR`: TP2 saves a dist checkpoint,
+and the training state (format and Adam moments); every layout also checks the vocab-parallel
+log-probs against gathered logits, PP layouts the 1F1B overlap. `bf16`: load_state into a bf16
+DP2 trainer reloads the fp32 main params. `ckpt DIR`: TP2 saves a dist checkpoint,
 TP1 x DP2 and PP2 load it (resharding) and must hold the same weights and moments; the
 vocabulary (23) is a multiple of neither 8 nor TP, so this also checks the TP-independent
 vocab padding. Prints one
@@ -201,6 +203,45 @@ def check_pipelined(name, meg):
         f"per stage, stages busy together for {overlap * 1e3:.1f} ms")
 
 
+def check_bf16():
+    """bf16 (Float16Module, DistributedOptimizer with fp32 main params) on DP2: after
+    load_state, the optimizer's fp32 main params are the loaded weights exactly (not the bf16
+    model copy, not the old weights), and the next step starts from them."""
+    args = ARGS["dp"]
+    init_group_distributed(world, 1, 1, relayout=True)
+    cfg = TrainerConfig(backend="megatron", ranks_per_group=world.Get_size(), precision="bf16", lr=1e-2)
+    meg = MegatronTrainer(args, cfg, world, 1.0, hf_state_dict(init_model(args, seed=3, std=0.1)))
+    assert meg.bf16 and next(meg.gpt.parameters()).dtype == torch.bfloat16
+    mb = batch(4)
+    meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
+    meg.optimizer_step()
+    ref = TorchTrainer(init_model(args, seed=9, std=0.1), cfg_for(1, 1), MPI.COMM_SELF, 1.0)
+    ref.forward_backward(mb, 1.0 / len(mb))
+    ref.optimizer_step()
+    want = ref.state()
+    meg.load_state(want)
+    hf = {k[6:]: v for k, v in want.items() if k.startswith("model.")}
+    shard, n = meg._shard_of(hf), 0
+    for name, p in meg._local_params().items():
+        slot = meg._opt_slot(p)
+        if slot is None:
+            continue
+        main, _, rng = slot
+        assert main.dtype == torch.float32
+        assert torch.equal(main.view(-1), shard[name].reshape(-1)[rng.start:rng.end]), name
+        n += main.numel()
+    got = meg.state()
+    d = max(float((got[k] - want[k]).abs().max()) for k in want if k.startswith("model."))
+    assert d == 0, f"bf16 state() after load_state differs from the loaded state by {d}"
+    meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
+    meg.optimizer_step()
+    after = meg.state()
+    moved = max(float((after[k] - want[k]).abs().max()) for k in want if k.startswith("model."))
+    assert moved <= 2.5 * cfg.lr, f"the step after the load moved a weight by {moved}: not from the loaded state"
+    log(f"ok bf16: after load_state the fp32 main params equal the loaded weights ({world.allreduce(n)} "
+        f"elements over DP{meg.dp}), state() == loaded exactly, next step moves them by <= {moved:.1e}")
+
+
 def check_reshard(folder):
     # TP2 trains a step and saves; TP1 x DP2 loads (resharding) and holds the same state
     args = ARGS["tp"]
@@ -233,6 +274,8 @@ if __name__ == "__main__":
     if "ckpt" in argv:
         ckpt = argv[argv.index("ckpt") + 1]
         argv = argv[:argv.index("ckpt")]
+    bf16 = "bf16" in argv
+    argv = [a for a in argv if a != "bf16"]
     results = {}
     for name in argv:
         t0 = time.time()
@@ -242,6 +285,8 @@ if __name__ == "__main__":
         d = max(abs(a - b) for a, b in zip(results["dp"], results["tp"]))
         assert d < 1e-5, (results["dp"], results["tp"])
         log(f"ok TP2 loss == TP1 (DP2) loss, max |diff| {d:.1e}")
+    if bf16:
+        check_bf16()
     if ckpt:
         check_reshard(ckpt)
     log("all megatron checks passed")

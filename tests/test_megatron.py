@@ -95,3 +95,10 @@ def test_bf16_config_builds_bf16_megatron_and_optimizer_configs(megatron):
     assert configs.optimizer_config(cpu, cuda=False).params_dtype == torch.float32
     forced = TrainerConfig(backend="megatron", precision="fp32")
     assert not configs.transformer_config(args, forced, cuda=True).bf16
+
+
+def test_bf16_load_state_reloads_the_fp32_main_params(megatron):
+    # bf16 on CPU (gloo), DP2: after load_state the DistributedOptimizer's fp32 main params
+    # equal the loaded weights, so the next step starts from them (not from the old weights)
+    out = _run(megatron, 2, "bf16")
+    assert "ok bf16: after load_state the fp32 main params equal the loaded weights" in out

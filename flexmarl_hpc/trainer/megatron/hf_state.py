@@ -101,7 +101,7 @@ class HFState:
         where they are separate (bf16), assembled over the DP ranks holding a range each."""
         if not self.bf16:
             return {k: p.detach() for k, p in self._local_params().items()}
-        return self._assemble(lambda main, st: main.detach())[0]
+        return self._assemble(lambda main, st: main.detach())[0][0]
 
     # -- optimizer state -----------------------------------------------------------------
     def _dist_optimizers(self):
