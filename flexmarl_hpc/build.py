@@ -79,7 +79,7 @@ def build_trainer(cfg: Config, task: Task, agent: str, group_comm, device: str =
     binding, already the current CUDA device (megatron allocates on current_device())."""
     model = initial_model(cfg, task, agent)
     if cfg.trainer.backend == "megatron":
-        from .trainer.megatron_trainer import MegatronTrainer
+        from .trainer.megatron import MegatronTrainer
         return MegatronTrainer(model.args, cfg.trainer, group_comm, cfg.rollout.temperature,
                                init={k: v.clone() for k, v in model.state_dict().items()})
     from .trainer.torch_trainer import TorchTrainer

@@ -164,7 +164,24 @@ class TrainerConfig:
     kl_coef: float = 0.0
     """KL penalty to the frozen initial policy (k3 estimator; 0: no reference model)."""
     tis_cap: float = 2.0
-    """Truncation of the importance weight for stale samples (max_staleness > 0)."""
+    """Truncation of the per-token importance weight exp(logp_trainer - logp_rollout) that
+    every sample gets (rollout correction: engine mismatch, and staleness when
+    max_staleness > 0)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Training precision of the megatron backend: bf16 weights/activations (Float16Module)
+    with fp32 main params and gradient reduction in the DistributedOptimizer, or fp32
+    throughout. auto: bf16 on GPU, fp32 on CPU. The torch backend trains fp32."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """megatron activation recompute: selective (attention core) or full (every layer)."""
+    overlap_grad_reduce: bool = False
+    """megatron: overlap the data-parallel gradient reduce-scatter with the last micro-batch's
+    backward (GPU)."""
+    overlap_param_gather: bool = False
+    """megatron: all-gather updated params asynchronously after the optimizer step (GPU); the
+    group still completes the gather before it reads the weights for a sync."""
+    pipeline_microbatches: int = 0
+    """megatron: micro-batches the trainer's share of each runtime micro-batch is cut into
+    for the 1F1B pipeline schedule (0: 2 x pipeline_parallel when PP > 1, else 1)."""
 
 
 @dataclass
@@ -582,6 +599,21 @@ def validate(cfg: Config) -> None:
     # --- rollout engine dtype (rollout/vllm_engine.py) ---
     need(cfg.rollout.dtype in ("auto", "fp32") or cfg.rollout.backend == "vllm", "rollout.dtype",
          "the torch engine runs fp32; bf16/fp16 need rollout.backend=vllm")
+
+    _validate_trainer_engine(cfg.trainer, need)
+
+
+# -- trainer engine fields (megatron precision, overlap, pipeline schedule) ------------------
+def _validate_trainer_engine(t: "TrainerConfig", need) -> None:
+    need(t.tis_cap > 0, "trainer.tis_cap", f"expected > 0, got {t.tis_cap}")
+    need(t.pipeline_microbatches >= 0, "trainer.pipeline_microbatches",
+         f"expected >= 0 (0: 2 x pipeline_parallel), got {t.pipeline_microbatches}")
+    megatron_only = {"precision": t.precision in ("auto", "fp32"), "recompute": t.recompute == "none",
+                     "overlap_grad_reduce": not t.overlap_grad_reduce,
+                     "overlap_param_gather": not t.overlap_param_gather,
+                     "pipeline_microbatches": t.pipeline_microbatches == 0}
+    for name, default in megatron_only.items():
+        need(t.backend == "megatron" or default, f"trainer.{name}", "needs trainer.backend=megatron")
 
 
 def save_config(cfg: Config, path: Path) -> None:

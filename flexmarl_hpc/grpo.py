@@ -1,4 +1,5 @@
-"""GRPO: group-relative advantages and the clipped policy loss. Pure tensor functions.
+"""GRPO: group-relative advantages and the clipped policy loss. Pure tensor functions,
+device-agnostic: every tensor is made on the device of the inputs (CPU, CUDA or "meta").
 
 Loss of one response of T tokens (per-token terms averaged over its tokens; a global batch
 of N samples sums the per-sample losses and divides by N, so any micro-batch split of
@@ -6,14 +7,20 @@ the batch accumulates to the same gradient):
 
     prox_t = log pi_theta_k(y_t)         (detached: the weights at the start of this step)
     r_t    = exp(log pi_theta(y_t) - prox_t)
-    w_t    = 1                                      if the sample is of the current version
-           = min(exp(prox_t - behav_t), tis_cap)    if it is stale (truncated importance weight)
+    w_t    = min(exp(prox_t - behav_t), tis_cap)    (truncated importance weight, detached)
     l_t    = -w_t * min(r_t A, clip(r_t, 1-eps, 1+eps) A) - c_ent H_t + c_kl KL3_t
 
 One optimizer step per global batch means r_t = 1 in value (the clip would only bite
-with several passes over a batch); stale samples (pipeline.max_staleness > 0) are
-corrected by w_t, the decoupled-PPO form, so a stale sample's gradient is that of the
-current policy re-weighted, never older than max_staleness versions.
+with several passes over a batch). w_t corrects EVERY sample for the gap between the
+policy that generated it (behav_t: the rollout engine's log-prob, another kernel, maybe
+bf16) and the trainer's policy: the decoupled-PPO / rollout-correction form of verl and
+slime. Per token, not per sequence: a sequence weight is a product of T token ratios whose
+variance grows with T, and truncating it throws away whole responses; per-token TIS keeps
+the variance bounded by tis_cap at a small bias (verl's token-level `rollout_is` default,
+slime's TIS). A fresh sample has w_t ~= 1 (equal up to the two engines' rounding); a stale
+one (pipeline.max_staleness > 0) is re-weighted towards the current policy.
+Stats report `logp_mismatch` (per-sample mean |prox_t - behav_t|) and `tis_mean` (per-sample
+mean w_t), both summed over samples like every other stat.
 """
 from __future__ import annotations
 
@@ -52,9 +59,14 @@ class MicroBatch:
         pick = lambda t: None if t is None else t[rank::size]
         return MicroBatch(*(pick(getattr(self, f)) for f in self.__dataclass_fields__))
 
+    def to(self, device) -> "MicroBatch":
+        """The same batch on `device` (non-blocking where the source is pinned)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return MicroBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+
     def response_mask(self) -> torch.Tensor:
         """[B, T] True where token t is a response token."""
-        pos = torch.arange(self.input_ids.shape[1])[None]
+        pos = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)[None]
         start = self.prompt_lens[:, None]
         return (pos >= start) & (pos < start + self.response_lens[:, None])
 
@@ -67,7 +79,44 @@ def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float):
     logp = logp_all.gather(-1, tgt[..., None]).squeeze(-1)
     p = logp_all.exp()
     ent = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
-    pad = torch.zeros(logp.shape[0], 1)
+    return on_tokens(logp, ent, mb)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float, *,
+                            vocab_start: int, vocab_size: int,
+                            reduce_sum=lambda t: t, reduce_max=lambda t: t):
+    """`token_logprobs` from this rank's vocabulary shard [B, T, V/tp] (columns vocab_start..
+    of the padded vocabulary; those >= vocab_size are padding) without gathering the full
+    vocabulary: three [B, T] reductions over the shards instead of a [B, T, V] gather.
+    `reduce_sum` must be differentiable (forward all-reduce, backward identity: megatron's
+    reduce_from_tensor_model_parallel_region); `reduce_max` works in place, no gradient.
+    The defaults are the one-shard case."""
+    z = logits[:, :-1].float() / temperature
+    cols = vocab_start + torch.arange(z.shape[-1], device=z.device)
+    keep = (cols < vocab_size)[None, None]
+    if mb.allowed is not None:
+        cols_c = cols.clamp(max=mb.allowed.shape[1] - 1)
+        keep = keep & mb.allowed[:, None, :].index_select(-1, cols_c)
+    z = z.masked_fill(~keep, float("-inf"))
+    with torch.no_grad():
+        m = reduce_max(z.amax(-1).clamp(min=torch.finfo(z.dtype).min))   # all -inf on a shard is fine
+    e = torch.exp(z - m[..., None])
+    s = reduce_sum(e.sum(-1))
+    lse = m + torch.log(s)
+    tgt = mb.input_ids[:, 1:] - vocab_start
+    mine = (tgt >= 0) & (tgt < z.shape[-1])
+    zt = z.gather(-1, tgt.clamp(0, z.shape[-1] - 1)[..., None]).squeeze(-1)
+    zt = reduce_sum(torch.where(mine, zt, 0.0))
+    logp = zt - lse
+    ez = reduce_sum((e * torch.where(keep, z, 0.0)).sum(-1))     # sum_v exp(z_v - m) z_v
+    ent = lse - ez / s                                          # H = lse - E_p[z]
+    return on_tokens(logp, ent, mb)
+
+
+def on_tokens(logp: torch.Tensor, ent: torch.Tensor, mb: MicroBatch):
+    """Per-position scores of the next token ([B, T-1], from logits[:, :-1]) -> [B, T] aligned
+    with the tokens (position 0 is 0), zero off the response."""
+    pad = logp.new_zeros(logp.shape[0], 1)
     logp, ent = torch.cat([pad, logp], 1), torch.cat([pad, ent], 1)
     # masked-out targets off the response are -inf: zero them before any arithmetic (NaN grads)
     resp = mb.response_mask()
@@ -76,15 +125,20 @@ def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float):
 
 def grpo_loss(logp: torch.Tensor, ent: torch.Tensor, mb: MicroBatch, *, clip_eps: float,
               entropy_coef: float, tis_cap: float, kl_coef: float = 0.0,
-              ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sum over samples of the per-sample mean token loss (divide by N outside), and stats sums."""
-    mask = mb.response_mask().float()
+              ref_logp: torch.Tensor | None = None,
+              old_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum over samples of the per-sample mean token loss (divide by N outside), and stats
+    sums as 0-d tensors on the loss's device (`stat_values` brings them to host at once).
+    `old_logp`: the proximal log-probs when they come from an earlier pass over the batch
+    (several PPO epochs); default the detached current ones (one pass, ratio 1)."""
+    mask = mb.response_mask().to(logp.dtype)
     ntok = mask.sum(1).clamp(min=1)
-    prox = logp.detach()
+    per_sample_mean = lambda t: ((t.detach() * mask).sum(1) / ntok).sum()
+    prox = logp.detach() if old_logp is None else old_logp.detach()
     ratio = torch.exp(logp - prox)
-    w = torch.where(mb.stale[:, None], torch.exp(prox - mb.behav_logprobs).clamp(max=tis_cap),
-                    torch.ones_like(prox))
-    A = mb.advantages[:, None]
+    behav = mb.behav_logprobs.to(prox.dtype)
+    w = torch.exp(prox - behav).clamp(max=tis_cap)
+    A = mb.advantages[:, None].to(logp.dtype)
     pg = -w * torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
     tok = pg - entropy_coef * ent
     kl = torch.zeros_like(logp)
@@ -94,11 +148,21 @@ def grpo_loss(logp: torch.Tensor, ent: torch.Tensor, mb: MicroBatch, *, clip_eps
         tok = tok + kl_coef * kl
     per_sample = (tok * mask).sum(1) / ntok
     stats = {
-        "loss": float(per_sample.detach().sum()),
-        "entropy": float(((ent.detach() * mask).sum(1) / ntok).sum()),
-        "kl": float(((kl.detach() * mask).sum(1) / ntok).sum()),
-        "tis_weight": float(((w * mask).sum(1) / ntok).sum()),
-        "samples": float(len(mb)),
-        "tokens": float(mask.sum()),
+        "loss": per_sample.detach().sum(),
+        "entropy": per_sample_mean(ent),
+        "kl": per_sample_mean(kl),
+        "tis_mean": per_sample_mean(w),
+        "logp_mismatch": per_sample_mean((prox - behav).abs()),
+        "samples": mask.new_tensor(float(len(mb))),
+        "tokens": mask.sum(),
     }
     return per_sample.sum(), stats
+
+
+def stat_values(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Stats to host floats in one transfer (one device sync, not one per stat)."""
+    keys = list(stats)
+    if not keys:
+        return {}
+    vals = torch.stack([stats[k].detach().float().reshape(()) for k in keys]).cpu().tolist()
+    return dict(zip(keys, vals))

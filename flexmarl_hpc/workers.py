@@ -111,7 +111,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             _, agent, step, arrays, scale, last = cmd
             tr = trainers[agent]
             mb = microbatch_from_arrays(arrays).shard(group.Get_rank(), group.Get_size())
-            stats = tr.forward_backward(mb, scale)
+            stats = tr.forward_backward(mb, scale, last=last)
             acc = step_stats.setdefault(agent, {})
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + v
@@ -136,8 +136,10 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             reply = ("tsynced", agent, version)
         elif kind == "checkpoint":
             for name in cmd[1]:
+                # every rank gathers: a sharded trainer's state() is collective over the
+                # group (a leader gathering alone waits forever for the members)
+                state = mover.state_of(name)
                 if leader:
-                    state = mover.state_of(name)
                     save_checkpoint(ckpt_dir / name, int(state["version"]), state, keep_checkpoints)
             clock.mark("checkpoint", ",".join(cmd[1]), t0)
             reply = ("checkpointed", cmd[1])

@@ -52,7 +52,7 @@ pg = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=2)
 nccl = PyNcclCommunicator(pg, device=torch.device("cuda", torch.cuda.current_device()))
 
 if rank == 0:
-    from flexmarl_hpc.trainer.megatron_trainer import MegatronTrainer
+    from flexmarl_hpc.trainer.megatron import MegatronTrainer
     cfg = TrainerConfig(backend="megatron", lr=1e-2, entropy_coef=0.01)
     tr = MegatronTrainer(args, cfg, MPI.COMM_SELF, 1.0, {k: v.clone() for k, v in init.items()})
     g = torch.Generator().manual_seed(0)

@@ -5,7 +5,9 @@ tppp: TP2 x PP2; the rest of the ranks is data parallel; dp and tp are Qwen2-sty
 random QKV biases, pp and tppp Llama-style with tied embeddings), each checked
 against the torch reference (TorchTrainer on COMM_SELF, whole batch, same init weights):
 logits, GRPO losses over 2 steps of 2 accumulated micro-batches, weights after the steps,
-and the training state (format and Adam moments). `ckpt DIR`: TP2 saves a dist checkpoint,
+and the training state (format and Adam moments); every layout also checks the vocab-parallel
+log-probs against gathered logits, PP layouts the 1F1B overlap. `bf16`: load_state into a bf16
+DP2 trainer reloads the fp32 main params. `ckpt DIR`: TP2 saves a dist checkpoint,
 TP1 x DP2 and PP2 load it (resharding) and must hold the same weights and moments; the
 vocabulary (23) is a multiple of neither 8 nor TP, so this also checks the TP-independent
 vocab padding. Prints one
@@ -25,10 +27,10 @@ logging.disable(logging.WARNING)
 
 from flexmarl_hpc.config import TrainerConfig  # noqa: E402
 from flexmarl_hpc.convert import padded_vocab  # noqa: E402
-from flexmarl_hpc.grpo import MicroBatch  # noqa: E402
+from flexmarl_hpc.grpo import MicroBatch, token_logprobs  # noqa: E402
 from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict  # noqa: E402
 from flexmarl_hpc.trainer.torch_trainer import TorchTrainer  # noqa: E402
-from flexmarl_hpc.trainer.megatron_trainer import MegatronTrainer, init_group_distributed  # noqa: E402
+from flexmarl_hpc.trainer.megatron import MegatronTrainer, init_group_distributed  # noqa: E402
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
@@ -64,14 +66,17 @@ def init_model(args: ModelArgs, seed: int, std: float = 0.02):
 
 def batch(seed: int, B: int = 6, T: int = 9) -> MicroBatch:
     g = torch.Generator().manual_seed(seed)
+    # rollout log-probs near the trainer's (p ~ 1/V at init) with a mismatch: every sample
+    # gets a truncated importance weight in [~0.7, ~1.4]
+    behav = -torch.log(torch.tensor(float(V))) + 0.15 * torch.randn(B, T, generator=g)
     return MicroBatch(torch.randint(3, V, (B, T), generator=g), torch.full((B,), 3),
-                      torch.randint(1, T - 3, (B,), generator=g), torch.zeros(B, T), torch.randn(B, generator=g),
+                      torch.randint(1, T - 3, (B,), generator=g), behav, torch.randn(B, generator=g),
                       torch.zeros(B, dtype=torch.bool), None)
 
 
 def cfg_for(tp, pp):
     return TrainerConfig(backend="megatron", ranks_per_group=world.Get_size(), tensor_parallel=tp,
-                         pipeline_parallel=pp,
+                         pipeline_parallel=pp, pipeline_microbatches=6 if pp > 1 else 0,   # 1 row each
                          lr=1e-2, entropy_coef=0.01, grad_clip=0.5)
 
 
@@ -103,6 +108,8 @@ def check_layout(name):
         print(f"ok {name} (rank {rank}): megatron logits == torch logits"
               f"{' (QKV biases)' if args.qkv_bias else ''}, max |diff| {d:.1e} "
               f"(built in {time.time() - t0:.1f} s)", flush=True)
+    check_vocab_parallel(name, meg, ref)
+    meg.timeline = []                               # per-micro-batch forward intervals
     losses = []
     for step in range(2):
         m_stats, r_stats = {}, {}
@@ -115,10 +122,18 @@ def check_layout(name):
             r_stats = {k: r_stats.get(k, 0) + v for k, v in s.items()}
         gm, gr = meg.optimizer_step()["grad_norm"], ref.optimizer_step()["grad_norm"]
         assert m_stats.keys() == r_stats.keys()
+        # step 0 pins the maths at 1e-4. Adam's first update is ~lr * sign(g) per coordinate,
+        # so coordinates whose gradient is ~0 move differently under another reduction order
+        # (TP shards, vocab-parallel sums) and step 1 agrees less tightly (seen: 1.1e-4 on a
+        # loss of 0.28 that is a sum of +-0.5 terms; gathered logits gave 6.8e-5)
+        slack = 1.0 if step == 0 else 3.0
         for k in r_stats:
-            assert abs(m_stats[k] - r_stats[k]) < 1e-4 * max(1.0, abs(r_stats[k])), (name, k, m_stats[k], r_stats[k])
+            assert abs(m_stats[k] - r_stats[k]) < slack * 1e-4 * max(1.0, abs(r_stats[k])), \
+                (name, step, k, m_stats[k], r_stats[k])
         assert abs(gm - gr) < 1e-4 * max(1.0, gr), (name, gm, gr)
         losses.append(m_stats["loss"])
+    if pp > 1:
+        check_pipelined(name, meg)
     w = meg.named_weights()
     if rank == 0:
         d = maxdiff(w, hf_state_dict(ref.model))
@@ -146,6 +161,85 @@ def check_layout(name):
         assert d < 1e-4, d
         log(f"ok {name}: load_state(TorchTrainer state) + 1 step == torch, max |diff| {d:.1e}")
     return losses, meg
+
+
+def check_vocab_parallel(name, meg, ref):
+    """The loss's log-probs and entropies, computed vocab-parallel on the TP ranks, equal
+    token_logprobs on the gathered full-vocabulary logits (with and without an action mask
+    that cuts across the TP shards of the padded vocabulary)."""
+    mb = batch(5)
+    g = torch.Generator().manual_seed(1)
+    allowed = torch.rand(len(mb), V, generator=g) < 0.6
+    allowed.scatter_(1, mb.input_ids, True)                # every token of the batch is allowed
+    for mask in (None, allowed):
+        mb.allowed = mask
+        got = meg.forward_logprobs(mb)
+        full = meg.forward_logits(mb.input_ids)
+        if got is None:
+            assert full is None
+            continue
+        want = token_logprobs(full, mb, meg.temperature)
+        d = max(float((a - b).abs().max()) for a, b in zip(got, want))
+        assert d < 1e-5, f"{name}: vocab-parallel log-probs/entropy differ by {d}"
+        if rank == 0 or meg.pp_rank == meg.pp - 1 and meg.tp_rank == 0 and meg.dp_rank == 0:
+            print(f"ok {name} (rank {rank}, tp {meg.tp_rank}/{meg.tp}): vocab-parallel log-probs and entropy "
+                  f"== gathered logits' ({'action mask' if mask is not None else 'no mask'}), "
+                  f"max |diff| {d:.1e}", flush=True)
+
+
+def check_pipelined(name, meg):
+    """1F1B over several micro-batches: each stage ran >= 4 forwards per call, and the two
+    stages computed at overlapping times (a stage-0 forward during a stage-1 forward)."""
+    from megatron.core import parallel_state as ps
+    spans = world.allgather((ps.get_pipeline_model_parallel_rank(), meg.timeline))
+    per_stage = {}
+    for stage, tl in spans:
+        per_stage.setdefault(stage, []).extend((t0, t1) for _, _, t0, t1 in tl)
+    calls = 4                                        # 2 steps x 2 micro-batches
+    assert all(len(v) >= 4 * calls for v in per_stage.values()), {k: len(v) for k, v in per_stage.items()}
+    overlap = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in per_stage[0] for b0, b1 in per_stage[1])
+    assert overlap > 0, f"{name}: the pipeline stages never computed at the same time"
+    log(f"ok {name}: 1F1B with {meg.microbatches} micro-batches per call, {len(per_stage[0])} forwards "
+        f"per stage, stages busy together for {overlap * 1e3:.1f} ms")
+
+
+def check_bf16():
+    """bf16 (Float16Module, DistributedOptimizer with fp32 main params) on DP2: after
+    load_state, the optimizer's fp32 main params are the loaded weights exactly (not the bf16
+    model copy, not the old weights), and the next step starts from them."""
+    args = ARGS["dp"]
+    init_group_distributed(world, 1, 1, relayout=True)
+    cfg = TrainerConfig(backend="megatron", ranks_per_group=world.Get_size(), precision="bf16", lr=1e-2)
+    meg = MegatronTrainer(args, cfg, world, 1.0, hf_state_dict(init_model(args, seed=3, std=0.1)))
+    assert meg.bf16 and next(meg.gpt.parameters()).dtype == torch.bfloat16
+    mb = batch(4)
+    meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
+    meg.optimizer_step()
+    ref = TorchTrainer(init_model(args, seed=9, std=0.1), cfg_for(1, 1), MPI.COMM_SELF, 1.0)
+    ref.forward_backward(mb, 1.0 / len(mb))
+    ref.optimizer_step()
+    want = ref.state()
+    meg.load_state(want)
+    hf = {k[6:]: v for k, v in want.items() if k.startswith("model.")}
+    shard, n = meg._shard_of(hf), 0
+    for name, p in meg._local_params().items():
+        slot = meg._opt_slot(p)
+        if slot is None:
+            continue
+        main, _, rng = slot
+        assert main.dtype == torch.float32
+        assert torch.equal(main.view(-1), shard[name].reshape(-1)[rng.start:rng.end]), name
+        n += main.numel()
+    got = meg.state()
+    d = max(float((got[k] - want[k]).abs().max()) for k in want if k.startswith("model."))
+    assert d == 0, f"bf16 state() after load_state differs from the loaded state by {d}"
+    meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
+    meg.optimizer_step()
+    after = meg.state()
+    moved = max(float((after[k] - want[k]).abs().max()) for k in want if k.startswith("model."))
+    assert moved <= 2.5 * cfg.lr, f"the step after the load moved a weight by {moved}: not from the loaded state"
+    log(f"ok bf16: after load_state the fp32 main params equal the loaded weights ({world.allreduce(n)} "
+        f"elements over DP{meg.dp}), state() == loaded exactly, next step moves them by <= {moved:.1e}")
 
 
 def check_reshard(folder):
@@ -180,6 +274,8 @@ if __name__ == "__main__":
     if "ckpt" in argv:
         ckpt = argv[argv.index("ckpt") + 1]
         argv = argv[:argv.index("ckpt")]
+    bf16 = "bf16" in argv
+    argv = [a for a in argv if a != "bf16"]
     results = {}
     for name in argv:
         t0 = time.time()
@@ -189,6 +285,8 @@ if __name__ == "__main__":
         d = max(abs(a - b) for a, b in zip(results["dp"], results["tp"]))
         assert d < 1e-5, (results["dp"], results["tp"])
         log(f"ok TP2 loss == TP1 (DP2) loss, max |diff| {d:.1e}")
+    if bf16:
+        check_bf16()
     if ckpt:
         check_reshard(ckpt)
     log("all megatron checks passed")

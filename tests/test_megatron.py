@@ -47,11 +47,16 @@ def test_tensor_parallel_matches_torch_and_tp1_loss(megatron):
     out = _run(megatron, 2, "dp", "tp")
     assert "ok tp: losses" in out and "ok TP2 loss == TP1 (DP2) loss" in out
     assert "megatron logits == torch logits (QKV biases)" in out
+    # the loss's log-probs/entropy come from the vocab shards, equal to the gathered logits'
+    assert "ok tp (rank 0, tp 0/2): vocab-parallel log-probs and entropy == gathered logits' (action mask)" in out
 
 
 def test_pipeline_parallel_with_tied_embeddings_matches_torch(megatron):
     out = _run(megatron, 2, "pp")
     assert "ok pp: losses" in out and "ok pp: load_state(TorchTrainer state)" in out
+    # PP2 runs 1F1B over 6 micro-batches per call (same losses as the PP1 torch reference
+    # above) and its two stages compute at overlapping times
+    assert "ok pp: 1F1B with 6 micro-batches per call" in out
 
 
 def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
@@ -64,3 +69,36 @@ def test_four_ranks_tp2_dp2_and_tp2_pp2(megatron):
     # "tp" on 4 ranks is TP2 x DP2, "tppp" is TP2 x PP2
     out = _run(megatron, 4, "tp", "tppp")
     assert "ok tp: losses" in out and "ok tppp: losses" in out
+
+
+def test_bf16_config_builds_bf16_megatron_and_optimizer_configs(megatron):
+    """trainer.precision (auto = bf16 on GPU) -> TransformerConfig bf16 with bf16 params and
+    pipeline dtype, OptimizerConfig bf16 with fp32 main params / moments / grads; recompute
+    and overlap flags reach megatron. Structural: no GPU needed."""
+    import torch
+
+    from flexmarl_hpc.config import TrainerConfig
+    from flexmarl_hpc.model import ModelArgs
+    from flexmarl_hpc.trainer.megatron import configs
+    args = ModelArgs(23, 32, 2, 4, 2, 64, 16)
+    gpu = TrainerConfig(backend="megatron", recompute="full", overlap_grad_reduce=True,
+                        overlap_param_gather=True)
+    t, o, d = (configs.transformer_config(args, gpu, cuda=True), configs.optimizer_config(gpu, cuda=True),
+               configs.ddp_config(gpu))
+    assert t.bf16 and t.params_dtype == torch.bfloat16 and t.pipeline_dtype == torch.bfloat16
+    assert t.recompute_granularity == "full" and t.recompute_method == "uniform"
+    assert o.bf16 and o.params_dtype == torch.bfloat16 and o.main_params_dtype == torch.float32
+    assert o.exp_avg_dtype == torch.float32 and o.use_distributed_optimizer
+    assert d.overlap_grad_reduce and d.overlap_param_gather and d.grad_reduce_in_fp32
+    cpu = TrainerConfig(backend="megatron")                 # auto on CPU: fp32
+    assert not configs.transformer_config(args, cpu, cuda=False).bf16
+    assert configs.optimizer_config(cpu, cuda=False).params_dtype == torch.float32
+    forced = TrainerConfig(backend="megatron", precision="fp32")
+    assert not configs.transformer_config(args, forced, cuda=True).bf16
+
+
+def test_bf16_load_state_reloads_the_fp32_main_params(megatron):
+    # bf16 on CPU (gloo), DP2: after load_state the DistributedOptimizer's fp32 main params
+    # equal the loaded weights, so the next step starts from them (not from the old weights)
+    out = _run(megatron, 2, "bf16")
+    assert "ok bf16: after load_state the fp32 main params equal the loaded weights" in out

@@ -6,7 +6,7 @@ Every rank of a trainer group holds one backend per agent it trains. The group c
 reduced across the group inside). `named_weights` gives HF-named full tensors on the
 group leader for the weight sync; `state`/`load_state` carry model + optimizer + RNG as a
 flat dict of tensors (checkpoints and state swapping use it; no pickled objects).
-`torch` (trainer/torch_trainer.py) is built in; `megatron` (trainer/megatron_trainer.py).
+`torch` (trainer/torch_trainer.py) is built in; `megatron` (the trainer/megatron/ package).
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from ..grpo import MicroBatch
 class TrainerBackend(Protocol):
     version: int
 
-    def forward_backward(self, mb: MicroBatch, scale: float) -> dict[str, float]:
-        """Accumulate gradients of scale * loss(mb); returns summed stats (loss, entropy, ...)."""
+    def forward_backward(self, mb: MicroBatch, scale: float, last: bool = True) -> dict[str, float]:
+        """Accumulate gradients of scale * loss(mb); returns summed stats (loss, entropy, ...).
+        `last`: the step's last micro-batch (a backend may start its gradient reduce in it)."""
 
     def optimizer_step(self) -> dict[str, float]:
         """Reduce gradients over the group, clip, step, zero; bumps `version`; returns grad_norm."""

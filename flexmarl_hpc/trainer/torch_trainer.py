@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from .. import comm as C
 from ..config import TrainerConfig
-from ..grpo import MicroBatch, grpo_loss, token_logprobs
+from ..grpo import MicroBatch, grpo_loss, stat_values, token_logprobs
 from ..model import CausalLM, hf_state_dict
 from ..state_swap import HostBuffers, finish_copies, release, to_device
 from ..weight_sync import _header, host_bytes
@@ -39,7 +39,7 @@ class TorchTrainer:
             self.ref.load_state_dict(model.state_dict())
             self.ref.requires_grad_(False).eval()
 
-    def forward_backward(self, mb: MicroBatch, scale: float) -> dict[str, float]:
+    def forward_backward(self, mb: MicroBatch, scale: float, last: bool = True) -> dict[str, float]:
         if len(mb) == 0:
             return {}
         mask = torch.ones_like(mb.input_ids, dtype=torch.bool)
@@ -53,7 +53,7 @@ class TorchTrainer:
                                 entropy_coef=self.cfg.entropy_coef, tis_cap=self.cfg.tis_cap,
                                 kl_coef=self.cfg.kl_coef, ref_logp=ref_logp)
         (loss * scale).backward()
-        return stats
+        return stat_values(stats)
 
     def optimizer_step(self) -> dict[str, float]:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]

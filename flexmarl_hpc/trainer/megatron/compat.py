@@ -18,10 +18,10 @@ Two parts:
     CUDA is absent: on a GPU nothing here may run.
   * `cpu_mode()`: a context manager with a TorchFunctionMode that rewrites `device="cuda"`
     to CPU, makes `Tensor.cuda()` a no-op and makes `Tensor.type()` report `torch.cuda.*`.
-    It is scoped (every megatron call of flexmarl_hpc.trainer.megatron_trainer runs inside
+    It is scoped (every megatron call of flexmarl_hpc.trainer.megatron runs inside
     it) because a function mode sees every torch call of the process.
 
-    from flexmarl_hpc import megatron_compat
+    from flexmarl_hpc.trainer.megatron import compat as megatron_compat
     megatron_compat.apply()
     with megatron_compat.cpu_mode():
         ...  # build / run megatron-core
@@ -59,7 +59,7 @@ class _NullStream:
 
 def apply() -> list[str]:
     """Patch `torch.cuda` for megatron-core on CPU; returns what was patched. Idempotent."""
-    assert not torch.cuda.is_available(), "megatron_compat is for CUDA-less hosts only"
+    assert not torch.cuda.is_available(), "megatron compat is for CUDA-less hosts only"
     if _APPLIED:
         return list(_APPLIED)
     cuda = torch.cuda

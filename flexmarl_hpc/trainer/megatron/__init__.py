@@ -1,0 +1,41 @@
+"""megatron-core trainer backend: GPTModel with TP/PP/DP inside one trainer group.
+
+The only package that imports megatron. Each trainer group is its own torch.distributed
+world over exactly its ranks (dist.py), so several agents' groups coexist in one MPI job:
+TP x PP x DP = trainer.ranks_per_group. The model is Llama/Qwen2-style (RMSNorm, SwiGLU,
+RoPE with base rope_theta, GQA, tied or untied embeddings, biases only on QKV when
+qkv_bias): megatron's local layer spec on CPU (through compat.py), the Transformer Engine
+spec where TE is installed on a GPU; bf16 (Float16Module, fp32 main params) or fp32 per
+trainer.precision (configs.py). It is wrapped in megatron's DDP with the DistributedOptimizer
+(Adam; torch's AdamW on CPU). The loss is flexmarl_hpc.grpo's, computed vocab-parallel on
+the TP ranks, so both backends optimise the same function.
+
+    dist.py       torch.distributed + parallel_state over one group; MPI byte helpers
+    configs.py    TransformerConfig / DDP / optimizer configs (precision, recompute, overlap)
+    hf_state.py   HF-named weights and Adam state <-> this rank's shards (state/load_state)
+    dist_ckpt.py  dist_checkpointing save/load (reshardable)
+    trainer.py    MegatronTrainer: the schedule, the vocab-parallel loss, the optimizer step
+    compat.py     megatron-core on a CUDA-less torch (CPU, gloo)
+
+Contract (same as TorchTrainer; tests/test_megatron.py checks it against TorchTrainer):
+- `forward_backward(mb, scale, last)`: `mb` is this rank's share as the runtime cuts it
+  (rows rank::size of the micro-batch). With TP or PP the group re-forms the micro-batch
+  (a small allgather of token ids) and each data-parallel replica takes its rows, cut into
+  trainer.pipeline_microbatches for the 1F1B schedule. Gradients of scale *
+  sum-of-sample-losses accumulate. The returned stats have the same keys on every rank and
+  sum over the group to the micro-batch totals.
+- `optimizer_step()`: DP reduce-scatter + TP/PP reductions, clip, Adam step, param
+  all-gather; then the HF weights are gathered to the group leader, so `named_weights()`
+  is local (the runtime calls it on the leader only).
+- `state()` / `load_state()`: HF-named full tensors in TorchTrainer's format, independent
+  of TP/PP/DP. Both collective (every group rank calls them; `state()` gives each the full
+  state). Meant for small models: at scale use `save_checkpoint`/`load_checkpoint`.
+- `save_checkpoint(dir)` / `load_checkpoint(dir)`: megatron dist_checkpointing of model and
+  optimizer (fully reshardable format). Collective.
+
+    trainer: {backend: megatron, ranks_per_group: 4, tensor_parallel: 2, pipeline_parallel: 1}
+"""
+from .dist import init_group_distributed
+from .trainer import MegatronTrainer
+
+__all__ = ["MegatronTrainer", "init_group_distributed"]

@@ -1,0 +1,243 @@
+"""MegatronTrainer: GPTModel (+ Float16Module for bf16) in megatron's DDP with the
+DistributedOptimizer, trained by megatron's forward-backward schedule (1F1B over several
+micro-batches when PP > 1), with the GRPO loss computed vocab-parallel on the TP ranks."""
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from functools import partial
+
+import torch
+from mpi4py import MPI
+
+from ...config import TrainerConfig
+from ...convert import padded_vocab
+from ...grpo import MicroBatch, grpo_loss, stat_values, vocab_parallel_logprobs
+from ...model import ModelArgs, build_model, hf_state_dict
+from . import configs
+from .dist import allgather_bytes, device, init_group_distributed, scope
+from .dist_ckpt import DistCheckpoint
+from .hf_state import HFState
+
+
+class MegatronTrainer(HFState, DistCheckpoint):
+    def __init__(self, args: ModelArgs, cfg: TrainerConfig, group: MPI.Comm, temperature: float,
+                 init: dict[str, torch.Tensor] | None = None):
+        if cfg.kl_coef > 0:
+            raise NotImplementedError("trainer.kl_coef > 0 (a frozen reference model) is not "
+                                      "implemented for the megatron backend; use trainer.backend=torch")
+        init_group_distributed(group, cfg.tensor_parallel, cfg.pipeline_parallel)
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+        self.args, self.cfg, self.group, self.temperature = args, cfg, group, temperature
+        self.tp, self.pp = cfg.tensor_parallel, cfg.pipeline_parallel
+        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.te, self.bf16 = configs.use_te(), configs.resolve_precision(cfg) == "bf16"
+        self.microbatches = configs.pipeline_microbatches(cfg)
+        self.version, self.opt = 0, None
+        self.timeline: list[tuple[str, int, float, float]] | None = None   # set to a list to record
+        if init is None:
+            init = hf_state_dict(build_model(args, seed=0))
+        with scope(), torch.random.fork_rng(devices=[]):
+            self.tconfig = configs.transformer_config(args, cfg)
+            self.gpt = GPTModel(config=self.tconfig, transformer_layer_spec=configs.layer_spec(),
+                                vocab_size=padded_vocab(args), max_sequence_length=args.max_seq_len,
+                                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                                share_embeddings_and_output_weights=args.tie_embeddings,
+                                position_embedding_type="rope", rotary_base=args.rope_theta)
+            if torch.cuda.is_available():
+                self.gpt.cuda(torch.cuda.current_device())
+            module = Float16Module(self.tconfig, self.gpt) if self.bf16 else self.gpt
+            self._load_weights(init)
+            self.model = DistributedDataParallel(config=self.tconfig, module=module,
+                                                 ddp_config=configs.ddp_config(cfg))
+            self.opt = get_megatron_optimizer(configs.optimizer_config(cfg), [self.model])
+            self._load_weights(init)                   # fp32 main params exactly from `init`
+        self._stat_keys = tuple(_zero_stats())
+        self._named: dict[str, torch.Tensor] = {}
+        self._refresh_named()
+
+    @property
+    def leader(self) -> bool:
+        return self.group.Get_rank() == 0
+
+    def _refresh_named(self) -> None:
+        self._named = self._gather_hf({k: p.detach() for k, p in self._local_params().items()}, to_all=False)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights (on the group leader; gathered after every step, so this
+        call is local)."""
+        return self._named
+
+    # -- training ------------------------------------------------------------------------
+    def _dp_share(self, mb: MicroBatch) -> MicroBatch:
+        size = self.group.Get_size()
+        if self.tp * self.pp == 1:
+            return mb                                 # pure DP: the runtime's rows are ours
+        shares = [pickle.loads(b) for b in allgather_bytes(self.group, pickle.dumps(mb))]
+        n = sum(len(s) for s in shares)
+        full = {}
+        for f in MicroBatch.__dataclass_fields__:
+            parts = [getattr(s, f) for s in shares]
+            if parts[0] is None:
+                full[f] = None
+                continue
+            t = parts[0].new_empty((n, *parts[0].shape[1:]))
+            for r, p in enumerate(parts):
+                t[r::size] = p
+            full[f] = t
+        return MicroBatch(**full).shard(self.dp_rank, self.dp)
+
+    def _chunks(self, mb: MicroBatch) -> tuple[list[MicroBatch], int]:
+        """The share cut into k equal micro-batches for the pipeline schedule (every stage
+        sends the same activation shape); the last one padded with empty responses, which
+        add nothing to the loss. Returns (chunks, padding rows)."""
+        k = max(1, min(self.microbatches, len(mb)))
+        c = -(-len(mb) // k)
+        k = -(-len(mb) // c)
+        pad = c * k - len(mb)
+        if pad:
+            tail = mb.shard(0, len(mb))               # one row, as a template
+            filler = MicroBatch(*(None if t is None else t.expand(pad, *t.shape[1:]).clone()
+                                  for t in (getattr(tail, f) for f in MicroBatch.__dataclass_fields__)))
+            filler.response_lens.zero_()
+            mb = MicroBatch(*(None if a is None else torch.cat([a, b]) for a, b in
+                              ((getattr(mb, f), getattr(filler, f)) for f in MicroBatch.__dataclass_fields__)))
+        return [MicroBatch(*(None if t is None else t[i * c:(i + 1) * c]
+                             for t in (getattr(mb, f) for f in MicroBatch.__dataclass_fields__)))
+                for i in range(k)], pad
+
+    def forward_backward(self, mb: MicroBatch, scale: float, last: bool = True) -> dict[str, float]:
+        """`last`: no further micro-batch of this step follows (with overlap_grad_reduce the
+        gradient reduce starts during this call's backward; earlier calls accumulate)."""
+        mb = self._dp_share(mb)
+        stats = dict.fromkeys(self._stat_keys, 0.0)
+        if len(mb) == 0:
+            return stats
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        chunks, pad = self._chunks(mb)
+        out: dict[str, float] = {}
+        B, T = chunks[0].input_ids.shape
+        # overlap_grad_reduce: the schedule keeps all but its last micro-batch out of the
+        # reduce, and the last runtime micro-batch of the step is the one that launches it
+        overlap = self.cfg.overlap_grad_reduce
+        self.tconfig.no_sync_func = self.model.no_sync if overlap and last else None
+        self.tconfig.grad_sync_func = self.model.start_grad_sync if overlap and last else None
+        sync = self.model.no_sync() if overlap and not last else contextlib.nullcontext()
+        with scope(), sync:
+            get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, scale=scale, out=out, k=len(chunks)),
+                data_iterator=iter(enumerate(chunks)), model=[self.model], num_microbatches=len(chunks),
+                seq_length=T, micro_batch_size=B, forward_only=False)
+        if self.tp_rank == 0 and self.pp_rank == self.pp - 1:
+            stats.update(out)                          # one report per data-parallel replica
+            stats["samples"] -= pad
+        return stats
+
+    def _logits(self, model, mb: MicroBatch):
+        B, T = mb.input_ids.shape
+        dev = device()
+        ids = mb.input_ids.to(dev)
+        pos = torch.arange(T, device=dev).expand(B, T)
+        causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=dev), 1)[None, None]
+        return model(ids, pos, causal.expand(B, 1, T, T))
+
+    def _token_logprobs(self, logits: torch.Tensor, mb: MicroBatch):
+        """Token log-probs and entropy from this TP rank's vocabulary shard, on the device:
+        three [B, T] all-reduces over the TP group, never the [B, T, V] logits."""
+        import megatron.core.parallel_state as ps
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+        def reduce_max(t):
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                         group=ps.get_tensor_model_parallel_group())
+            return t
+        return vocab_parallel_logprobs(
+            logits, mb.to(logits.device), self.temperature, vocab_start=self.tp_rank * logits.shape[-1],
+            vocab_size=self.args.vocab_size, reduce_sum=reduce_from_tensor_model_parallel_region,
+            reduce_max=reduce_max)
+
+    def _forward_step(self, data_iterator, model, scale: float, out: dict, k: int):
+        i, mb = next(data_iterator)
+        t0 = time.time()
+        output = self._logits(model, mb)
+        self._mark("forward", i, t0)
+
+        def loss_func(logits):
+            mbd = mb.to(logits.device)
+            logp, ent = self._token_logprobs(logits, mbd)
+            loss, stats = grpo_loss(logp, ent, mbd, clip_eps=self.cfg.clip_eps,
+                                    entropy_coef=self.cfg.entropy_coef, tis_cap=self.cfg.tis_cap)
+            for key, v in stat_values(stats).items():
+                out[key] = out.get(key, 0.0) + v
+            # megatron's DDP averages gradients over data-parallel ranks and the schedule
+            # divides by the k micro-batches; our 1/N scale (N = global batch) wants sums
+            return loss * (scale * self.dp * k), {}
+        return output, loss_func
+
+    def _mark(self, what: str, i: int, t0: float) -> None:
+        if self.timeline is not None:
+            self.timeline.append((what, i, t0, time.time()))
+
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits [B, T, V] on the host (collective; the same ids on every
+        rank; for tests and debugging: training never gathers the vocabulary). Returned on
+        the last pipeline stage, None elsewhere."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        B, T = input_ids.shape
+        mb = MicroBatch(input_ids, torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long),
+                        torch.zeros(B, T), torch.zeros(B), torch.zeros(B, dtype=torch.bool), None)
+        return self._forward_only(mb, lambda logits: gather_from_tensor_model_parallel_region(
+            logits)[..., :self.args.vocab_size].float().cpu())
+
+    def forward_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token log-probs, entropy) [B, T] of `mb` as training computes them (vocab-parallel),
+        on the host, on the last pipeline stage (None elsewhere). Collective."""
+        return self._forward_only(mb, lambda logits: tuple(
+            t.float().cpu() for t in self._token_logprobs(logits, mb)))
+
+    def _forward_only(self, mb: MicroBatch, keep):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        B, T = mb.input_ids.shape
+        got: list = []
+
+        def step(data_iterator, model):
+            next(data_iterator)
+
+            def loss(logits):
+                got.append(keep(logits.detach()))
+                return logits.sum() * 0, {}
+            return self._logits(model, mb), loss
+        with scope(), torch.no_grad():
+            get_forward_backward_func()(forward_step_func=step, data_iterator=iter([mb]), model=[self.model],
+                                        num_microbatches=1, seq_length=T, micro_batch_size=B, forward_only=True)
+        return got[0] if got else None
+
+    def optimizer_step(self) -> dict[str, float]:
+        from megatron.core.distributed import finalize_model_grads
+        with scope():
+            finalize_model_grads([self.model])
+            ok, grad_norm, _ = self.opt.step()
+            self.model.zero_grad_buffer()
+            self.opt.zero_grad()
+            if self.cfg.overlap_param_gather:       # the weights are read right away for the sync
+                self.model.start_param_sync(force_sync=True)
+        if not ok:
+            raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
+        self.version += 1
+        self._refresh_named()
+        return {"grad_norm": float(grad_norm or 0.0)}
+
+
+def _zero_stats() -> dict[str, float]:
+    """grpo_loss's stat keys (computed, so they follow grpo.py), all zero."""
+    z = torch.zeros(1, 2)
+    mb = MicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                    torch.ones(1, dtype=torch.long), z, torch.zeros(1), torch.zeros(1, dtype=torch.bool), None)
+    _, stats = grpo_loss(z, z, mb, clip_eps=0.2, entropy_coef=0.0, tis_cap=1.0)
+    return dict.fromkeys(stats, 0.0)
