@@ -77,13 +77,6 @@ def tensors_from_bytes(b: bytes) -> dict[str, torch.Tensor]:
 
 
 # -- process-wide set-up ----------------------------------------------------------------------
-def _local_rank(group: MPI.Comm) -> int:
-    for var in ("SLURM_LOCALID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return group.Get_rank()
-
-
 def _parallel_state(tp: int, pp: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -116,9 +109,7 @@ def init_group_distributed(group: MPI.Comm, tp: int, pp: int, relayout: bool = F
     if group.Get_size() % (tp * pp):
         raise ValueError(f"trainer.ranks_per_group={group.Get_size()} is not a multiple of "
                          f"tensor_parallel x pipeline_parallel = {tp * pp}")
-    if CUDA:
-        torch.cuda.set_device(_local_rank(group) % torch.cuda.device_count())
-    else:
+    if not CUDA:       # on GPU, devices.bind_rank already chose this rank's device (by role)
         from . import compat
         compat.apply()
     rank, size = group.Get_rank(), group.Get_size()
