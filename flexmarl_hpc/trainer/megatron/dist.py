@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import socket
 import warnings
 from datetime import timedelta
