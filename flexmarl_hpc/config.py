@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import os
 import textwrap
@@ -49,6 +50,9 @@ class RunConfig:
     """Resume from the latest checkpoint and the store in output_dir when one exists."""
     log_every: int = 1
     """Print one log line every N steps."""
+    loggers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
+    """Metric sinks besides the HDF5 store (optional extras, requirements-loggers.txt):
+    `tensorboard` writes <output_dir>/tensorboard, `wandb` an offline run in <output_dir>/wandb."""
 
 
 @dataclass
@@ -438,6 +442,13 @@ def validate(cfg: Config) -> None:
         if m.checkpoint:
             need(Path(m.checkpoint).is_dir(), f"{where}.checkpoint",
                  f"expected a local HF checkpoint folder, {m.checkpoint!r} does not exist")
+
+    # -- run.loggers (metric sinks, flexmarl_hpc/sinks.py) ---------------------------------
+    loggers = cfg.run.loggers
+    need(len(set(loggers)) == len(loggers), "run.loggers", f"a logger is listed twice: {loggers}")
+    for name in loggers:
+        need(importlib.util.find_spec(name) is not None, "run.loggers",
+             f"{name!r} needs the {name} package: pip install -r requirements-loggers.txt")
 
 
 def save_config(cfg: Config, path: Path) -> None:
