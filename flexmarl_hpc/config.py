@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import math
 import os
@@ -58,6 +59,9 @@ class RunConfig:
     """Resume from the latest checkpoint and the store in output_dir when one exists."""
     log_every: int = 1
     """Print one log line every N steps."""
+    loggers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
+    """Metric sinks besides the HDF5 store (optional extras, requirements-loggers.txt):
+    `tensorboard` writes <output_dir>/tensorboard, `wandb` an offline run in <output_dir>/wandb."""
 
 
 @dataclass
@@ -614,6 +618,13 @@ def _validate_trainer_engine(t: "TrainerConfig", need) -> None:
                      "pipeline_microbatches": t.pipeline_microbatches == 0}
     for name, default in megatron_only.items():
         need(t.backend == "megatron" or default, f"trainer.{name}", "needs trainer.backend=megatron")
+
+    # -- run.loggers (metric sinks, flexmarl_hpc/sinks.py) ---------------------------------
+    loggers = cfg.run.loggers
+    need(len(set(loggers)) == len(loggers), "run.loggers", f"a logger is listed twice: {loggers}")
+    for name in loggers:
+        need(importlib.util.find_spec(name) is not None, "run.loggers",
+             f"{name!r} needs the {name} package: pip install -r requirements-loggers.txt")
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -25,6 +25,7 @@ from .config import Config
 from .experience import Experience, Node
 from .layout import RankLayout
 from .scheduler import Scheduler, route
+from .sinks import open_sinks, step_scalars
 from .state_swap import Location
 from .store import StoreFile
 from .workflows.base import Task
@@ -77,6 +78,7 @@ class Orchestrator:
         self.next_step = min(s.version for s in self.state.values())
         self.ckpt_pending = 0
         self.logged_step = self.next_step
+        self.sinks = open_sinks(cfg, store, self.logged_step)     # run.loggers; HDF5 stays the source
         self.window = defaultdict(float)    # busy seconds by activity since the last log line
         self.t_last = time.time()
         self.samples_since = 0
@@ -361,12 +363,13 @@ class Orchestrator:
             workers = self.layout.world_size - 1
             busy = sum(v for k, v in self.window.items())
             util = busy / (workers * wall)
-            self.store.metrics.append({
+            self.store.metrics.append(row := {
                 "step": [step], "t": [self.store.now()], "wall": [wall], "samples": [self.samples_since],
                 "tokens": [self.tokens_since], "samples_per_s": [self.samples_since / wall],
                 "rollout_s": [self.window["generate"]], "train_s": [self.window["train"]],
                 "sync_s": [self.window["sync"]], "swap_s": [self.window["swap"]],
                 "utilization": [util], "staleness_max": [stale]})
+            self.sinks.write(step, step_scalars(self.store, step, row))
             if step % self.cfg.run.log_every == 0 or step == self.cfg.run.steps - 1:
                 rs = " ".join(f"{a} {r:.3f}" for a, r in rew.items())
                 self.log(f"step {step + 1:4d}/{self.cfg.run.steps} | reward {rs} | "
@@ -427,3 +430,4 @@ class Orchestrator:
             self.handle(msg, src)
             pending -= msg[0] == "stopped"
         self.store.flush()
+        self.sinks.close()

@@ -1,0 +1,291 @@
+"""How is my run doing: one screen from the run folder, its HDF5 store and Slurm.
+
+    python -m flexmarl_hpc.status runs/local              # a run folder (live or finished)
+    python -m flexmarl_hpc.status 4242                    # a Slurm job id (squeue/scontrol/sacct)
+    python -m flexmarl_hpc.status 4242 --follow           # refresh every 5 s until the job ends
+
+Shows the Slurm state of the job and of each het component (PENDING with its reason,
+RUNNING, requeued with the restart count, COMPLETED, FAILED with the log tail), a progress
+bar of steps with ETA, per-agent reward (and eval, when the store has /eval), samples/s,
+utilization, the last checkpoint of each agent and the last warning/error lines of the log.
+
+The store is read with plain h5py in SWMR mode (`h5py.File(p, "r", swmr=True)`), so this
+works while the run writes, and only reads /metrics and /steps/<agent>, not the samples.
+A job id leads to its run folder through `scontrol` (StdOut=<run_dir>/logs/<id>.out) while
+Slurm remembers the job, then through sacct's SubmitLine (`sbatch ... <run_dir>/job.sbatch`);
+a run folder leads to its newest job through the `logs/<id>.sbatch` that submit records.
+Exit code: 0 shown (with --follow: the run ended well), 1 the job or run failed, 2 not found.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+import yaml
+
+FAILED = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
+                    "DEADLINE", "REVOKED"})
+"""Slurm states in which the run did not finish: the log tail is shown."""
+ENDED = FAILED | {"COMPLETED"}
+WARN = re.compile(r"warn|error|traceback|exception|killed|abort|preemption signal|requeue", re.I)
+
+
+class StatusError(Exception):
+    """The target is neither a run folder nor a job Slurm or the run folders know."""
+
+
+# ---------------------------------------------------------------------------------------
+# Slurm (thin shell: each command bounded; parsers are pure)
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    job_id: str
+    state: str = "UNKNOWN"
+    components: list[tuple[str, str]] = field(default_factory=list)   # (id, state) per het component
+    restarts: int = 0
+    reason: str = ""
+    stdout: str = ""
+
+
+def _cmd(args: list[str]) -> str:
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return p.stdout if p.returncode == 0 else ""
+
+
+def parse_scontrol(text: str, job_id: str) -> Job | None:
+    """`scontrol show job -o J`: one line per het component (HetJobOffset=k)."""
+    recs = [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in text.splitlines()]
+    recs = [r for r in recs if r.get("JobId")]
+    if not recs:
+        return None
+    recs.sort(key=lambda r: int(r.get("HetJobOffset", 0)))
+    first = recs[0]
+    comps = [(f"{job_id}+{r['HetJobOffset']}", r.get("JobState", "?")) for r in recs if "HetJobOffset" in r]
+    return Job(job_id, first.get("JobState", "UNKNOWN"), comps, int(first.get("Restarts", 0)),
+               first.get("Reason", "None"), first.get("StdOut", ""))
+
+
+def parse_sacct(text: str, job_id: str) -> Job | None:
+    """`sacct -X -n -P -D -o JobID,State,SubmitLine -j J`: a het job is J+0, J+1, ...
+    (component 0 is the job's state); -D keeps the records of earlier (requeued) starts."""
+    rows = [line.split("|", 2) for line in text.splitlines() if line.count("|") >= 2]
+    if not rows:
+        return None
+    comps: dict[str, str] = {}
+    starts = 0
+    submit = ""
+    for jid, state, line in rows:
+        comps[jid] = state.split()[0]                   # "CANCELLED by 0" -> CANCELLED; last wins
+        starts += jid in (job_id, f"{job_id}+0")
+        submit = submit or line
+    main = comps.get(f"{job_id}+0", comps.get(job_id, "UNKNOWN"))
+    het = sorted((k, v) for k, v in comps.items() if "+" in k)
+    m = re.search(r"(\S+)/job\.sbatch", submit)
+    return Job(job_id, main, het, max(starts - 1, 0), "", f"{m.group(1)}/logs/{job_id}.out" if m else "")
+
+
+def slurm_job(job_id: str) -> Job | None:
+    """The job as slurmctld knows it, else as accounting remembers it; None if neither."""
+    live = parse_scontrol(_cmd(["scontrol", "show", "job", "-o", job_id]), job_id)
+    acct = parse_sacct(_cmd(["sacct", "-X", "-n", "-P", "-D", "-j", job_id,
+                             "-o", "JobID,State,SubmitLine"]), job_id)
+    if live is None:
+        return acct
+    if acct is not None and not live.stdout:
+        live.stdout = acct.stdout
+    return live
+
+
+def find_run(target: str) -> tuple[Path, str | None]:
+    """(run folder, newest job id or None) of a run folder or a job id."""
+    p = Path(target)
+    if p.is_dir():
+        ids = [f.stem for f in (p / "logs").glob("*.sbatch") if f.stem.isdigit()]
+        return p.resolve(), max(ids, key=int) if ids else None
+    if not re.fullmatch(r"\d+", target):
+        raise StatusError(f"{target}: no such run folder, and not a Slurm job id")
+    job = slurm_job(target)
+    if job is None or not job.stdout:
+        raise StatusError(f"job {target}: neither scontrol nor sacct knows it (or where it writes); "
+                          f"pass its run folder instead")
+    return Path(job.stdout).parent.parent, target
+
+
+# ---------------------------------------------------------------------------------------
+# the run folder and its store
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Progress:
+    total: int
+    done: int = 0
+    t_run: float = 0.0                   # seconds from the store's t0 to the last step
+    s_per_step: float = 0.0
+    samples_per_s: float = 0.0
+    utilization: float = 0.0
+    reward: dict[str, float] = field(default_factory=dict)
+    eval: dict[str, dict[str, float]] = field(default_factory=dict)
+    error: str = ""
+
+
+def read_store(path: Path, total: int) -> Progress:
+    """Progress from /metrics and /steps/<agent> (and /eval when present), SWMR-safe."""
+    pr = Progress(total)
+    if not path.exists():
+        pr.error = f"store  {path.name} not created yet"
+        return pr
+    try:
+        with h5py.File(path, "r", swmr=True) as f:
+            m = f["metrics"]
+            step, t = m["step"][:], m["t"][:]
+            if len(step):
+                last = slice(-min(len(step), 10), None)        # recent rate: the last 10 steps
+                pr.done, pr.t_run = int(step.max()) + 1, float(t[-1])
+                pr.samples_per_s = float(np.mean(m["samples_per_s"][last]))
+                pr.utilization = float(np.mean(m["utilization"][last]))
+                pr.s_per_step = float(np.mean(m["wall"][last]))
+            for agent in f.attrs["agents"]:        # at the last global step: agents run apart
+                s = f[f"steps/{agent}"]
+                rows = np.nonzero(s["step"][:] == pr.done - 1)[0]
+                if len(rows):
+                    pr.reward[agent] = float(s["reward_mean"][rows[-1]])
+            pr.eval = read_eval(f)
+    except (OSError, KeyError) as e:                   # not created / not in SWMR mode yet
+        pr.error = f"store  {path.name} not readable yet ({e.__class__.__name__}: {e})"
+    return pr
+
+
+def read_eval(f: h5py.File) -> dict[str, dict[str, float]]:
+    """The last row of each /eval/<agent> table: its float columns (step included)."""
+    out = {}
+    for agent, g in (f["eval"].items() if "eval" in f else []):
+        if isinstance(g, h5py.Group) and "step" in g and len(g["step"]):
+            out[agent] = {k: float(d[-1]) for k, d in g.items()
+                          if isinstance(d, h5py.Dataset) and d.dtype.kind in "fiu" and d.ndim == 1
+                          and len(d) == len(g["step"])}
+    return out
+
+
+def checkpoints(run_dir: Path) -> dict[str, tuple[str, float]]:
+    """{agent: (latest checkpoint file, age in seconds)} from checkpoints/<agent>/latest."""
+    out = {}
+    for latest in sorted((run_dir / "checkpoints").glob("*/latest")):
+        name = latest.read_text().strip()
+        f = latest.parent / name
+        out[latest.parent.name] = (name, time.time() - (f if f.exists() else latest).stat().st_mtime)
+    return out
+
+
+def log_files(run_dir: Path, job_id: str | None) -> list[Path]:
+    files = [run_dir / "logs" / f"{job_id}.{e}" for e in ("out", "err")] if job_id else []
+    return [f for f in files + [run_dir / "train.log"] if f.exists()]
+
+
+def tail(path: Path, n: int, keep=lambda line: True) -> list[str]:
+    with open(path, "rb") as fh:
+        fh.seek(max(0, fh.seek(0, 2) - 256 * 1024))   # a log can be large: its end is enough
+        lines = fh.read().decode(errors="replace").splitlines()
+    return [ln for ln in lines if keep(ln)][-n:]
+
+
+# ---------------------------------------------------------------------------------------
+# one screen
+# ---------------------------------------------------------------------------------------
+def bar(done: int, total: int, width: int = 30) -> str:
+    k = int(width * done / total) if total else 0
+    return "[" + "#" * k + "-" * (width - k) + "]"
+
+
+def hms(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def idle_for(run_dir: Path) -> float:
+    """Seconds since anything in the run folder's store or logs was written."""
+    files = [*run_dir.glob("*.h5"), *run_dir.glob("*.log"), *run_dir.glob("logs/*")]
+    return time.time() - max((f.stat().st_mtime for f in files), default=0.0)
+
+
+def render(run_dir: Path, job: Job | None, job_id: str | None, stale: float = 300.0) -> tuple[str, bool, bool]:
+    """(the screen, the run has ended, it ended badly). Without a Slurm job, a run has ended
+    when all its steps are in the store or nothing was written for `stale` seconds."""
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    run = cfg.get("run", {})
+    name, total = run.get("name", run_dir.name), int(run.get("steps", 0))
+    store = run_dir / f"{name}.h5"
+    pr = read_store(store, total)
+    out = [f"run {name}: {run_dir}  (store {store.name}, mode {run.get('mode', '?')})"]
+    ended, failed = (pr.total > 0 and pr.done >= pr.total) or idle_for(run_dir) > stale, False
+    if job_id:
+        if job is None:
+            out.append(f"slurm  job {job_id}: unknown to squeue/scontrol/sacct (purged?)")
+        else:
+            st = job.state + (f" ({job.reason})" if job.state == "PENDING" and job.reason not in ("", "None") else "")
+            rq = f", requeued: restart {job.restarts}" if job.restarts else ""
+            out.append(f"slurm  job {job_id}: {st}{rq}")
+            if job.components:
+                out.append("       het components: " + ", ".join(f"{c} {s}" for c, s in job.components))
+            ended, failed = job.state in ENDED, job.state in FAILED or any(s in FAILED for _, s in job.components)
+    if pr.error:
+        out.append(pr.error)
+    else:
+        eta = (pr.total - pr.done) * pr.s_per_step if pr.done else float("nan")
+        out.append(f"steps  {bar(pr.done, pr.total)} {pr.done}/{pr.total} "
+                   f"({100 * pr.done / max(pr.total, 1):.0f}%)  elapsed {hms(pr.t_run)}  "
+                   + ("done" if pr.done >= pr.total else "ETA after the first step" if not pr.done
+                      else f"ETA {hms(eta)} ({pr.s_per_step:.2f} s/step)"))
+        out.append("reward " + "  ".join(f"{a} {r:.3f}" for a, r in pr.reward.items())
+                   + (f"  (step {pr.done})" if pr.reward else ""))
+        for agent, ev in pr.eval.items():
+            out.append(f"eval   {agent} " + "  ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+        out.append(f"speed  {pr.samples_per_s:.1f} samples/s  utilization {100 * pr.utilization:.0f}% "
+                   f"(mean of the last 10 steps)")
+    ck = checkpoints(run_dir)
+    out.append("ckpt   " + ("  ".join(f"{a} {n} ({hms(age)} ago)" for a, (n, age) in ck.items()) or "none yet"))
+    logs = log_files(run_dir, job_id)
+    warn = [f"{f.name}: {ln}" for f in logs for ln in tail(f, 3, WARN.search)]
+    if warn:
+        out += ["last warnings/errors:", *(f"  {w}" for w in warn[-5:])]
+    if failed:
+        for f in logs[:2]:
+            out += [f"--- tail of {f}", *(f"  {ln}" for ln in tail(f, 15))]
+    return "\n".join(out), ended, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flexmarl_hpc.status", description=__doc__.split("\n")[0])
+    ap.add_argument("target", help="a run folder (run.output_dir) or a Slurm job id")
+    ap.add_argument("--follow", action="store_true", help="refresh until the job (or run) ends")
+    ap.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (--follow)")
+    ap.add_argument("--stale", type=float, default=300.0,
+                    help="a run without a Slurm job has ended when nothing was written for this long")
+    args = ap.parse_args(argv)
+    try:
+        run_dir, job_id = find_run(args.target)
+    except StatusError as e:
+        print(f"status: {e}", file=sys.stderr)
+        return 2
+    tty = sys.stdout.isatty()
+    while True:
+        job = slurm_job(job_id) if job_id else None
+        screen, ended, failed = render(run_dir, job, job_id, args.stale)
+        if args.follow and tty:
+            print("\x1b[H\x1b[2J", end="")          # redraw in place on a terminal
+        print(screen + ("" if tty or not args.follow else "\n"), flush=True)
+        if not args.follow or ended:
+            return 1 if failed else 0
+        time.sleep(args.interval)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
