@@ -24,7 +24,8 @@ import yaml
 from .store import (CONSUMED, DROPPED, EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS,
                     SCHEMA_VERSION, STATUS_NAMES, STEP_COLUMNS)
 
-BUSY = ("generate", "train", "sync", "swap", "checkpoint")
+BUSY = ("generate", "train", "sync", "swap", "checkpoint",
+        "schedule", "handle", "store", "log")          # the last four: the orchestrator (rank 0)
 
 
 class AnalysisError(Exception):

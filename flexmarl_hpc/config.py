@@ -49,6 +49,10 @@ class RunConfig:
     """Resume from the latest checkpoint and the store in output_dir when one exists."""
     log_every: int = 1
     """Print one log line every N steps."""
+    worker_timeout: float = 1800.0
+    """Seconds a replica, trainer group or reward function may take to answer one command
+    before it counts as hung: the job then reports it, checkpoints what still answers and
+    exits 75 (requeue) instead of sitting until the wall-clock limit."""
 
 
 @dataclass
@@ -402,6 +406,7 @@ def validate(cfg: Config) -> None:
     need(cfg.run.steps >= 1, "run.steps", "expected >= 1")
     need(cfg.rollout.replicas >= 1, "rollout.replicas", "expected >= 1 replica")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "expected 0 < top_p <= 1")
+    need(cfg.run.worker_timeout > 0, "run.worker_timeout", "expected seconds > 0")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "expected > 0")
     need(cfg.rollout.max_model_len >= 0, "rollout.max_model_len", "expected >= 0 (0: the model's max_seq_len)")
     need(cfg.trainer.ranks_per_group >= 1, "trainer.ranks_per_group", "expected >= 1")

@@ -246,13 +246,14 @@ def test_data_parallel_trainer_groups_match_single_rank(sync_run, tmp_path):
 
 
 def check_intervals_cover_every_rank(path, world, trainer_ranks):
-    """Every worker rank (data-parallel members too) records its time: intervals that do not
-    overlap and leave under 5% of the rank's span unaccounted for (not busy, not wait)."""
+    """Every rank (the orchestrator and data-parallel members too) records its time: intervals
+    that do not overlap and leave under 5% of the rank's span unaccounted for (not busy, not wait)."""
     with h5py.File(path, "r") as f:
         iv = f["intervals"]
         rank, act, t0, t1 = iv["rank"][:], iv["activity"][:], iv["t0"][:], iv["t1"][:]
-    assert set(rank.tolist()) == set(range(1, world))
-    for r in range(1, world):
+    assert set(rank.tolist()) == set(range(world))              # the orchestrator is rank 0
+    assert {b"schedule", b"handle", b"store"} <= set(act[rank == 0].tolist())
+    for r in range(world):
         m = rank == r
         order = np.argsort(t0[m])
         a, b = t0[m][order], t1[m][order]
