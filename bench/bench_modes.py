@@ -39,8 +39,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
-    "referential": ("configs/local.yaml", ["run.steps=120", "rollout.replicas=2", "rollout.max_batch=32"]),
-    "skewed": ("configs/skewed.yaml", ["run.steps=12"]),
+    "referential": ("configs/local.yaml", ["run.steps=80", "rollout.replicas=2", "rollout.max_batch=32"]),
+    "skewed": ("configs/skewed.yaml", ["run.steps=8"]),
 }
 VARIANTS = {
     "sync": ["run.mode=sync"],

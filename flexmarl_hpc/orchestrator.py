@@ -87,6 +87,7 @@ class Orchestrator:
         self.samples_since = 0
         self.tokens_since = 0
         self.step_summary: dict[tuple, object] = {}     # per (agent, step): reward, staleness
+        self.tis: dict[tuple, float] = {}               # per (agent, step): mean importance weight
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> int:
@@ -366,6 +367,9 @@ class Orchestrator:
         stale = np.array([step - nd.version for nd in nodes])
         reward = float(np.mean([nd.reward for nd in nodes]))
         self.step_summary[(agent, step)] = (reward, int(stale.max(initial=0)))
+        # mean truncated importance weight of the step's samples: exactly 1 unless stale
+        # samples were re-weighted (the log shows it when pipeline.max_staleness > 0)
+        self.tis[(agent, step)] = stats.get("tis_weight", np.nan) / max(stats.get("samples", 0), 1)
         with self.clock("store"):
             self._append_step(agent, version, stats, nodes, reward, stale)
         st.version, st.consumed, st.micro = version, 0, 0
@@ -400,6 +404,7 @@ class Orchestrator:
             now = time.time()
             wall = max(now - self.t_last, 1e-9)
             info = {a: self.step_info(a, step) for a in self.agents}
+            tis = self.tis_text(step)
             rew = {a: r for a, (r, _) in info.items()}
             stale = max(s for _, s in info.values())
             workers = self.layout.world_size - 1
@@ -417,12 +422,19 @@ class Orchestrator:
                 self.log(f"step {step + 1:4d}/{self.cfg.run.steps} | reward {rs} | "
                          f"{self.samples_since / wall:7.1f} samples/s | stale {stale} | "
                          f"rollout {self.window['generate']:.2f}s train {self.window['train']:.2f}s "
-                         f"sync {self.window['sync']:.2f}s | util {100 * util:3.0f}% orch {100 * orch:3.0f}%")
+                         f"sync {self.window['sync']:.2f}s | util {100 * util:3.0f}% orch {100 * orch:3.0f}%"
+                         + tis)
             self.window.clear()
             self.t_last, self.samples_since, self.tokens_since = now, 0, 0
             self.exp.forget_step(step)
             self.write_intervals()
             self.store.flush()
+
+    def tis_text(self, step: int) -> str:
+        w = {a: self.tis.pop((a, step), np.nan) for a in self.agents}
+        if not self.cfg.pipeline.max_staleness:
+            return ""
+        return " | tis w " + " ".join(f"{a} {v:.6f}" for a, v in w.items())
 
     def step_info(self, agent: str, step: int) -> tuple[float, int]:
         """(reward_mean, staleness_max) of an agent's step: from memory, or from the store for
