@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_modes.py                       # both workloads, all variants, 3 reps
     .venv/bin/python bench/bench_modes.py --workloads skewed --reps 5
+    .venv/bin/python bench/bench_modes.py --workloads skewed --variants sync flex --steps 5   # a loaded machine
 
 For each workload it runs `python -m flexmarl_hpc.run` once per variant and repetition, in
 the order A B C .. A B C .. (so drift of a shared machine hits every variant alike), with the
@@ -126,11 +127,14 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each variant (>= 3 for a spread)")
+    ap.add_argument("--steps", type=int, help="override run.steps of every workload (>= 4: 2 are start-up)")
     a = ap.parse_args()
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         for wl in a.workloads:
             config, base = WORKLOADS[wl]
+            if a.steps:
+                base = [o for o in base if not o.startswith("run.steps=")] + [f"run.steps={a.steps}"]
             res: dict[str, list[dict]] = {v: [] for v in a.variants}
             for rep in range(a.reps):                    # A B C .. A B C ..: drift hits all alike
                 for v in a.variants:
