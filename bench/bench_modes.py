@@ -1,27 +1,38 @@
-"""sync vs flex (and ablations) on the same workloads, in one invocation.
+"""sync vs flex (and ablations) on the same workloads, repeated and interleaved.
 
-    .venv/bin/python bench/bench_modes.py                       # both workloads, all variants
-    .venv/bin/python bench/bench_modes.py --workloads skewed --steps-scale 2
+    .venv/bin/python bench/bench_modes.py                       # both workloads, all variants, 3 reps
+    .venv/bin/python bench/bench_modes.py --workloads skewed --reps 5
+    .venv/bin/python bench/bench_modes.py --workloads skewed --variants sync flex --steps 5   # a loaded machine
 
-For each workload it runs `python -m flexmarl_hpc.run` once per variant (same seed and
-config otherwise) and reads the run's HDF5 file:
-  step time      median of the gaps between consecutive global steps (/metrics t)
-  samples/s      samples trained per second over the same window
-  utilization    busy time of the worker ranks / (worker ranks x window), from /intervals
-                 (busy = generate, train, sync, swap; the orchestrator is not a worker)
-Variants: sync (barrier baseline), flex, flex without level-1 load balancing, flex
-without micro-batch overlap, flex with 2 over-provisioned inputs per step (samples/s
-counts trained samples: dropped generations are overhead). Ratios are against sync. On a
-machine with C cores the ideal speedup is bounded by C / (sync's busy cores): that bound
-is printed too.
+For each workload it runs `python -m flexmarl_hpc.run` once per variant and repetition, in
+the order A B C .. A B C .. (so drift of a shared machine hits every variant alike), with the
+same seed and config otherwise, and reads each run's HDF5 file:
+  step s       median gap between consecutive global steps (/metrics t), start-up skipped
+  samples/s    samples trained per second over the same window
+  util         busy time of the worker ranks / (worker ranks x window), from /intervals
+  orch         busy fraction of the orchestrator (rank 0) over the window
+  crit s       per step, the busy time of the busiest rank (orchestrator included): a rank's
+               intervals never overlap, so no schedule of the same work can make a step
+               shorter than that, whatever the core count
+  cpu          CPU seconds of all ranks (getrusage of the children) / the run's wall time:
+               the cores the run kept busy on average, start-up included
+Each figure is printed as median [min, max] over the repetitions, and so is each ratio to sync
+(ratios pair the runs of one repetition). `bound` = sync step time / the variant's crit s is an
+upper bound on the speedup the variant's measured work allows; it holds by construction and
+tells how far the run is from its busiest rank (a run far below it waits on latency, not work).
+Variants: sync (barrier baseline), flex, flex without level-1 load balancing, flex without
+micro-batch overlap, flex with 2 over-provisioned inputs per step (samples/s counts trained
+samples: dropped generations are overhead).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import h5py
@@ -29,8 +40,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
-    "referential": ("configs/local.yaml", ["run.steps=150", "rollout.replicas=2", "rollout.max_batch=32"]),
-    "skewed": ("configs/skewed.yaml", ["run.steps=12"]),
+    "referential": ("configs/local.yaml", ["run.steps=80", "rollout.replicas=2", "rollout.max_batch=32"]),
+    "skewed": ("configs/skewed.yaml", ["run.steps=8"]),
 }
 VARIANTS = {
     "sync": ["run.mode=sync"],
@@ -39,60 +50,98 @@ VARIANTS = {
     "flex-nooverlap": ["run.mode=flex", "pipeline.micro_batch_overlap=false"],
     "flex-overprov": ["run.mode=flex", "pipeline.overprovision=2"],
 }
+FIGURES = ("step_s", "samples_per_s", "util", "orch", "crit_s", "cpu")
 
 
 def measure(h5: Path, skip: int = 2) -> dict:
     with h5py.File(h5, "r") as f:
         t = f["metrics/t"][:]
         samples = f["metrics/samples"][:]
-        ranks, roles = f["intervals/rank"][:], f["intervals/role"][:]
+        rank, role = f["intervals/rank"][:], f["intervals/role"][:]
         act, t0, t1 = f["intervals/activity"][:], f["intervals/t0"][:], f["intervals/t1"][:]
         workers = int(f.attrs["world_size"]) - 1
     lo, hi = t[skip - 1], t[-1]                  # skip start-up (first syncs, imports)
-    busy = (act != b"wait") & (roles != b"orchestrator")
-    overlap = np.clip(np.minimum(t1, hi) - np.maximum(t0, lo), 0, None)
-    util = overlap[busy].sum() / (workers * (hi - lo))
+    busy = act != b"wait"
+    inside = np.clip(np.minimum(t1, hi) - np.maximum(t0, lo), 0, None) * busy
+    orch = role == b"orchestrator"
+    per_rank = np.bincount(rank, weights=inside)
+    steps = len(t) - skip
     return {"step_s": float(np.median(np.diff(t[skip - 1:]))),
             "samples_per_s": float(samples[skip:].sum() / (hi - lo)),
-            "util": float(util), "busy_cores": float(util * workers)}
+            "util": float(inside[~orch].sum() / (workers * (hi - lo))),
+            "orch": float(inside[orch].sum() / (hi - lo)),
+            "crit_s": float(per_rank.max() / steps)}
 
 
 def run(config: str, overrides: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "flexmarl_hpc.run", config, f"run.output_dir={out}",
            "run.log_every=1000", *overrides]
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-    return measure(next(out.glob("*.h5")))
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {**measure(next(out.glob("*.h5"))), "cpu": cpu / wall}
+
+
+def spread(xs) -> str:
+    xs = np.asarray(xs, dtype=float)
+    return f"{np.median(xs):.2f} [{xs.min():.2f}, {xs.max():.2f}]"
+
+
+def report(wl: str, config: str, base: list[str], res: dict[str, list[dict]], cores: int) -> None:
+    reps = len(next(iter(res.values())))
+    print(f"\n== {wl} ({config} {' '.join(base)}), {cores} cores, {reps} interleaved repetitions")
+    print("   median [min, max]")
+    print(f"{'variant':15s} " + " ".join(f"{k:>19s}" for k in FIGURES))
+    for v, rs in res.items():
+        print(f"{v:15s} " + " ".join(f"{spread([r[k] for r in rs]):>19s}" for k in FIGURES))
+    ref = res.get("sync")
+    if not ref:
+        return
+    print(f"\nvs sync (paired by repetition) {'speedup':>19s} {'x samples/s':>19s} {'x util':>19s} {'bound':>19s}")
+    speed = {}
+    for v, rs in res.items():
+        if v == "sync":
+            continue
+        speed[v] = [s["step_s"] / r["step_s"] for s, r in zip(ref, rs)]
+        xs = [r["samples_per_s"] / s["samples_per_s"] for s, r in zip(ref, rs)]
+        xu = [r["util"] / s["util"] for s, r in zip(ref, rs)]
+        bound = [s["step_s"] / r["crit_s"] for s, r in zip(ref, rs)]
+        over = sum(a > b for a, b in zip(speed[v], bound))
+        print(f"{v:30s} {spread(speed[v]):>19s} {spread(xs):>19s} {spread(xu):>19s} {spread(bound):>19s}"
+              + (f"  (above its bound in {over} reps: the bound is broken)" if over else ""))
+    order = sorted(speed, key=lambda v: -np.median(speed[v]))
+    print("ablation ordering (speedup vs sync): " + " > ".join(f"{v} {spread(speed[v])}" for v in order))
+    if "flex" in speed:
+        for v in order:
+            if v != "flex":
+                below = sum(a < b for a, b in zip(speed[v], speed["flex"]))
+                print(f"  {v} below full flex in {below}/{reps} repetitions")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each variant (>= 3 for a spread)")
+    ap.add_argument("--steps", type=int, help="override run.steps of every workload (>= 4: 2 are start-up)")
     a = ap.parse_args()
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         for wl in a.workloads:
             config, base = WORKLOADS[wl]
-            res = {v: run(config, base + VARIANTS[v], Path(tmp) / f"{wl}-{v}") for v in a.variants}
-            print(f"\n== {wl} ({config} {' '.join(base)}), {cores} cores")
-            print(f"{'variant':16s} {'step s':>8s} {'samples/s':>10s} {'util':>6s} {'speedup':>8s} {'x samples/s':>12s} {'x util':>7s}")
-            ref = res.get("sync")
-            for v, r in res.items():
-                sp = ref["step_s"] / r["step_s"] if ref else float("nan")
-                xs = r["samples_per_s"] / ref["samples_per_s"] if ref else float("nan")
-                xu = r["util"] / ref["util"] if ref else float("nan")
-                print(f"{v:16s} {r['step_s']:8.3f} {r['samples_per_s']:10.1f} {r['util']:6.1%} "
-                      f"{sp:8.2f} {xs:12.2f} {xu:7.2f}")
-            if ref:
-                bound = cores / max(ref["busy_cores"], 1e-9)
-                print(f"ideal speedup bound on {cores} cores: {bound:.2f} "
-                      f"(sync keeps {ref['busy_cores']:.2f} cores busy)")
-                if "flex" in res:
-                    got = ref["step_s"] / res["flex"]["step_s"]
-                    print(f"flex reaches {got:.2f}x of that {bound:.2f}x bound ({got / bound:.0%})")
+            if a.steps:
+                base = [o for o in base if not o.startswith("run.steps=")] + [f"run.steps={a.steps}"]
+            res: dict[str, list[dict]] = {v: [] for v in a.variants}
+            for rep in range(a.reps):                    # A B C .. A B C ..: drift hits all alike
+                for v in a.variants:
+                    res[v].append(run(config, base + VARIANTS[v], Path(tmp) / f"{wl}-{v}-{rep}"))
+                    print(f"  {wl} rep {rep + 1}/{a.reps} {v}: step {res[v][-1]['step_s']:.3f} s",
+                          file=sys.stderr, flush=True)
+            report(wl, config, base, res, cores)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ V1_ONLY = {"steps": [c for c in STEP_COLUMNS if c not in ("logp_mismatch", "tis_
            "metrics": [c for c in METRIC_COLUMNS if c != "superseded"],
            "events": [c for c in EVENT_COLUMNS if c not in ("reward", "advantage")]}
 
-BUSY = ("generate", "train", "sync", "swap", "checkpoint")
+BUSY = ("generate", "train", "sync", "swap", "checkpoint",
+        "schedule", "handle", "store", "log")          # the last four: the orchestrator (rank 0)
 
 
 class AnalysisError(Exception):

@@ -22,7 +22,10 @@ import numpy as np
 from .analysis import AnalysisError, Run, load_run, summary, utilization
 
 ACTIVITY_COLORS = {"generate": "tab:blue", "train": "tab:orange", "sync": "tab:green",
-                   "swap": "tab:purple", "checkpoint": "tab:brown", "wait": "0.85"}
+                   "swap": "tab:purple", "checkpoint": "tab:brown", "wait": "0.85",
+                   # the orchestrator's own row (rank 0)
+                   "schedule": "tab:red", "handle": "tab:olive", "store": "tab:cyan", "log": "tab:pink"}
+ZOOM_STEPS = 3                    # timeline: the right panel shows this many mid-run steps
 MAX_BARS_PER_RANK = 4000          # Gantt: merge bars beyond this (keeps 1e6-sample files fast)
 
 
@@ -92,22 +95,21 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     save(fig, "entropy_kl.png")
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.2 + 0.45 * max(r.attrs.get("world_size", 4) for r in runs) * len(runs)),
-                             squeeze=False)
-    for ax, run in zip(axes[:, 0], runs):
-        iv = run.intervals
-        for rank, g in iv.groupby("rank"):
-            # waits first, so busy bars are drawn on top of them
-            for act, ga in sorted(g.groupby("activity"), key=lambda kv: kv[0] != "wait"):
-                bars = _merge(ga["t0"].to_numpy(), ga["t1"].to_numpy())
-                ax.broken_barh(bars, (rank - 0.4, 0.8), color=ACTIVITY_COLORS.get(act, "k"), lw=0)
-        ranks = sorted(iv["rank"].unique())
-        roles = iv.groupby("rank")["role"].first()
-        ax.set_yticks(ranks, [f"{r} {roles[r]}" for r in ranks], fontsize=7)
-        ax.set(xlabel="time since start (s)", title=f"Per-rank timeline - {run.label}")
+    fig, axes = plt.subplots(len(runs), 2, figsize=(14, 1.4 + 0.5 * max(r.attrs.get("world_size", 4) for r in runs) * len(runs)),
+                             squeeze=False, gridspec_kw={"width_ratios": [3, 2]})
+    for (ax, zoom), run in zip(axes, runs):
+        _gantt(ax, run.intervals, None)
+        ax.set_title(f"Per-rank timeline - {run.label}", fontsize=9)
+        window = _mid_steps(run, ZOOM_STEPS)
+        if window is not None:
+            _gantt(zoom, run.intervals, window)
+            zoom.set_title(f"steps {window[2]}-{window[2] + ZOOM_STEPS - 1}, zoomed", fontsize=9)
+            ax.axvspan(window[0], window[1], color="k", alpha=0.15, lw=0)
+        else:
+            zoom.set_axis_off()
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ACTIVITY_COLORS.values()]
-    axes[0, 0].legend(handles, ACTIVITY_COLORS.keys(), ncol=6, fontsize=7, loc="lower right",
-                      bbox_to_anchor=(1.0, 1.08))
+    axes[0, 0].legend(handles, ACTIVITY_COLORS.keys(), ncol=10, fontsize=7, loc="lower left",
+                      bbox_to_anchor=(0.0, 1.12))
     save(fig, "timeline.png")
 
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
@@ -160,6 +162,32 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
                   fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(colors))
     save(fig, "replica_load.png")
     return files
+
+
+def _gantt(ax, iv, window: tuple | None) -> None:
+    """One row per rank (the orchestrator, rank 0, included), waits under busy bars."""
+    if window is not None:
+        iv = iv[(iv["t1"] > window[0]) & (iv["t0"] < window[1])]
+    for rank, g in iv.groupby("rank"):
+        for act, ga in sorted(g.groupby("activity"), key=lambda kv: kv[0] != "wait"):
+            bars = _merge(ga["t0"].to_numpy(), ga["t1"].to_numpy())
+            ax.broken_barh(bars, (rank - 0.4, 0.8), color=ACTIVITY_COLORS.get(act, "k"), lw=0)
+    ranks = sorted(iv["rank"].unique())
+    roles = iv.groupby("rank")["role"].first()
+    ax.set_yticks(ranks, [f"{r} {roles[r]}" for r in ranks], fontsize=7)
+    ax.set_xlabel("time since start (s)")
+    if window is not None:
+        ax.set_xlim(window[0], window[1])
+
+
+def _mid_steps(run: Run, k: int) -> tuple[float, float, int] | None:
+    """(t0, t1, first step) of k consecutive global steps in the middle of the run."""
+    m = run.metrics
+    if m.empty or len(m) < k + 2:
+        return None
+    t = m.sort_values("step")["t"].to_numpy()
+    i = len(t) // 2
+    return float(t[i - 1]), float(t[i - 1 + k]), i + 1
 
 
 def _merge(t0: np.ndarray, t1: np.ndarray) -> list[tuple[float, float]]:

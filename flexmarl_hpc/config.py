@@ -62,6 +62,10 @@ class RunConfig:
     loggers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
     """Metric sinks besides the HDF5 store (optional extras, requirements-loggers.txt):
     `tensorboard` writes <output_dir>/tensorboard, `wandb` an offline run in <output_dir>/wandb."""
+    worker_timeout: float = 1800.0
+    """Seconds a replica, trainer group or reward function may take to answer one command
+    before it counts as hung: the job then reports it, checkpoints what still answers and
+    exits 75 (requeue) instead of sitting until the wall-clock limit."""
 
 
 @dataclass
@@ -580,6 +584,7 @@ def validate(cfg: Config) -> None:
     for agent in cfg.agent_names:
         where = f"agents.{agent}" if agent in cfg.agents else "model"
         _validate_model(cfg.model_for(agent), where)
+    need(cfg.run.worker_timeout > 0, "run.worker_timeout", "expected seconds > 0")
     mp = cfg.trainer.tensor_parallel * cfg.trainer.pipeline_parallel
     need(cfg.trainer.ranks_per_group % mp == 0, "trainer.ranks_per_group",
          f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, "

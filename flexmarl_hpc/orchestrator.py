@@ -23,11 +23,12 @@ from .checkpoint import latest_version
 from .build import initial_placement
 from .config import Config
 from .experience import Experience, Node
-from .layout import RankLayout
+from .layout import ROLLOUT, RankLayout
 from .scheduler import Scheduler, route
 from .sinks import open_sinks, step_scalars
 from .state_swap import Location
 from .store import StoreFile
+from .timing import BusyClock, Deadlines, Watchdog, WatchedTask
 from .workflows.base import Task
 
 EXIT_PREEMPTED = 75
@@ -58,7 +59,12 @@ class Orchestrator:
                  store: StoreFile, preempted=lambda: False, log=print):
         self.cfg, self.task, self.world, self.layout = cfg, task, world, layout
         self.store, self.preempted, self.log = store, preempted, log
-        self.exp = Experience(cfg, task, store)
+        self.clock = BusyClock()                 # rank 0's own time, a row of the timeline
+        self.deadlines = Deadlines(cfg.run.worker_timeout)
+        self.watchdog = Watchdog(cfg.run.worker_timeout, self.reward_hung)
+        self.exp = Experience(cfg, WatchedTask(task, self.watchdog), store)
+        self.iv_rows: dict[str, list] = defaultdict(list)   # intervals not yet in the store
+        self.aborting = False
         self.agents = cfg.agent_names
         ckpt = cfg.output_dir / "checkpoints"
         resume = cfg.run.resume
@@ -84,9 +90,16 @@ class Orchestrator:
         self.samples_since = 0
         self.tokens_since = 0
         self.step_summary: dict[tuple, object] = {}     # per (agent, step): reward, staleness
+        self.tis: dict[tuple, float] = {}               # per (agent, step): mean importance weight
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self.watchdog.close()
+
+    def _run(self) -> int:
         if self.next_step > 0 or self.store.samples_written():
             # whatever the trainers restored (version 0 too: no checkpoint), the store is
             # reconciled with it: later steps' rows are reused, their consumption undone
@@ -103,8 +116,9 @@ class Orchestrator:
         while not self.finished():
             if self.preempted():
                 return self.stop_preempted()
-            self.schedule()
-            self.handle(*C.recv_from(self.world, tag=C.TAG_REPLY))
+            with self.clock("schedule"):
+                self.schedule()
+            self.handle(*self.receive())
             while (m := C.poll(self.world, tag=C.TAG_REPLY)) is not None:
                 self.handle(*m)
         self.checkpoint(self.agents)
@@ -147,9 +161,10 @@ class Orchestrator:
             if not targets:
                 continue
             members = (st.leader,) + tuple(sorted(r.rank for r in targets))
-            self.world.send(("sync", a, st.version, members), dest=st.leader, tag=C.TAG_CMD)
+            what = f"weight sync of agent {a} v{st.version}"
+            self.cmd(st.leader, ("sync", a, st.version, members), what)
             for r in targets:
-                self.world.send(("sync", a, st.version, members), dest=r.rank, tag=C.TAG_CMD)
+                self.cmd(r.rank, ("sync", a, st.version, members), what)
                 r.busy = "sync"
             st.syncing = True
 
@@ -176,7 +191,8 @@ class Orchestrator:
                      n.turn) for n in nodes]
             bid = self.next_batch = self.next_batch + 1
             self.batches[bid] = (r.rank, agent, st.version, nodes)
-            self.world.send(("generate", bid, agent, st.version, reqs), dest=r.rank, tag=C.TAG_CMD)
+            self.cmd(r.rank, ("generate", bid, agent, st.version, reqs),
+                     f"generate batch {bid} of agent {agent} ({len(reqs)} requests)")
             r.busy, r.outstanding = "gen", sum(self.exp.est_tokens(n) for n in nodes)
             sent.update(id(n) for n in nodes)
         if sent:
@@ -221,7 +237,7 @@ class Orchestrator:
 
     def send_move(self, agent: str, src: Location, dst: Location) -> None:
         for g in sorted({src.group, dst.group}):
-            self.world.send(("move", agent, src, dst), dest=self.layout.group_leader(g), tag=C.TAG_CMD)
+            self.cmd(self.layout.group_leader(g), ("move", agent, src, dst), f"state move of agent {agent}")
             self.moving[g] += 1
         st = self.state[agent]
         st.location, st.leader = dst, self.layout.group_leader(dst.group)
@@ -239,46 +255,75 @@ class Orchestrator:
             k = self.next_micro(agent)
             if k == 0:
                 return
-            nodes = self.exp.take_ready(agent, step, k)
+            with self.clock("store"):            # CONSUMED flushed before the trainer sees them
+                nodes = self.exp.take_ready(agent, step, k)
             st.consumed += len(nodes)
             st.micro += 1
             st.step_nodes.extend(nodes)
             last = st.consumed == batch
-            self.world.send(("train", agent, step, self.micro_arrays(nodes), 1.0 / batch, last),
-                            dest=st.leader, tag=C.TAG_CMD)
+            self.cmd(st.leader, ("train", agent, step, self.micro_arrays(nodes), 1.0 / batch, last),
+                     f"train micro-batch {st.micro} of agent {agent} step {step}")
             st.inflight += 1
 
     def micro_arrays(self, nodes: list[Node]) -> dict:
-        B = len(nodes)
-        T = max(len(n.prompt) + len(n.response) for n in nodes)
+        """The padded arrays of a micro-batch, filled by one scatter per array (not per sample)."""
+        P = np.array([len(n.prompt) for n in nodes])
+        R = np.array([len(n.response) for n in nodes])
+        L = P + R
+        B, T = len(nodes), int(L.max())
+        col = np.arange(T)
         ids = np.full((B, T), self.task.vocab.pad_id, dtype=np.int64)
+        ids[col < L[:, None]] = np.fromiter(
+            (t for n in nodes for part in (n.prompt, n.response) for t in part), np.int64, int(L.sum()))
         behav = np.zeros((B, T), dtype=np.float32)
-        for i, n in enumerate(nodes):
-            seq = n.prompt + n.response
-            ids[i, :len(seq)] = seq
-            behav[i, len(n.prompt):len(seq)] = n.logprobs
-        masks = [self.task.allowed_tokens(n.turn) for n in nodes]
+        behav[(col >= P[:, None]) & (col < L[:, None])] = np.fromiter(
+            (x for n in nodes for x in n.logprobs), np.float32, int(R.sum()))
+        turns = {n.turn for n in nodes}
+        masks = {t: self.task.allowed_tokens(t) for t in turns}
         allowed = None
-        if any(m is not None for m in masks):
+        if any(m is not None for m in masks.values()):
             V = len(self.task.vocab)
-            allowed = np.stack([np.ones(V, bool) if m is None else m.numpy() for m in masks])
+            rows = {t: np.ones(V, bool) if m is None else m.numpy() for t, m in masks.items()}
+            allowed = np.stack([rows[n.turn] for n in nodes])
         return {"input_ids": ids, "behav_logprobs": behav, "allowed": allowed,
-                "prompt_lens": np.array([len(n.prompt) for n in nodes]),
-                "response_lens": np.array([len(n.response) for n in nodes]),
+                "prompt_lens": P, "response_lens": R,
                 "advantages": np.array([n.advantage for n in nodes], dtype=np.float32),
                 "stale": np.array([n.version < n.step for n in nodes])}
 
+    # -- messages --------------------------------------------------------------------------
+    def cmd(self, rank: int, msg: tuple, what: str) -> None:
+        """Send a command; `what` names it if the rank then stops answering."""
+        self.world.send(msg, dest=rank, tag=C.TAG_CMD)
+        self.deadlines.sent(rank, what)
+
+    def receive(self) -> tuple:
+        """The next reply (waiting without a spin); a rank that leaves its command unanswered
+        for run.worker_timeout seconds ends the job with the requeue code."""
+        while True:
+            try:
+                return C.recv_from(self.world, tag=C.TAG_REPLY, timeout=self.deadlines.next_deadline())
+            except TimeoutError:
+                late = self.deadlines.overdue()
+                if late is not None:
+                    self.stop_hung(*late)
+
     # -- results -------------------------------------------------------------------------
     def handle(self, msg: tuple, src: int) -> None:
+        with self.clock("handle"):
+            self._handle(msg, src)
+
+    def _handle(self, msg: tuple, src: int) -> None:
         kind, intervals = msg[0], msg[-1]
+        if kind != "intervals":
+            self.deadlines.answered(src)
         if kind == "generated":
             rank, agent, version, nodes = self.batches.pop(msg[1])
             r = self.replicas[rank - 1]
             r.busy, r.outstanding = None, 0.0
-            self.exp.record_generation([(n, t, lp) for n, (t, lp) in zip(nodes, msg[2])],
-                                       version, rank - 1)
+            with self.clock("store"):   # rows are flushed with the next micro-batch's CONSUMED
+                self.exp.record_generation([(n, t, lp) for n, (t, lp) in zip(nodes, msg[2])],
+                                           version, rank - 1)
             self.tokens_since += sum(len(t) for t, _ in msg[2])
-            self.store.flush()
         elif kind == "synced":
             _, index, agent, version, _ = msg
             r = self.replicas[index]
@@ -299,31 +344,57 @@ class Orchestrator:
             raise RuntimeError(f"orchestrator: unknown reply {kind!r}")
         self.record_intervals(src, intervals)
 
-    def record_intervals(self, src: int, intervals: list) -> None:
+    def record_intervals(self, src: int, intervals: list, count: bool = True) -> None:
+        """Buffer a rank's intervals; they reach the store once a logged step (one append)."""
         if not intervals:
             return
         role, _ = self.layout.role_of(src)
-        t0 = self.store.t0
-        for act, _, a, b in intervals:
-            if act != "wait":
-                self.window[act] += b - a
-        self.store.intervals.append({
-            "rank": [src] * len(intervals), "role": [role.encode()] * len(intervals),
-            "activity": [i[0].encode() for i in intervals], "agent": [i[1].encode() for i in intervals],
-            "t0": [i[2] - t0 for i in intervals], "t1": [i[3] - t0 for i in intervals]})
+        if count:
+            for act, _, a, b in intervals:
+                if act != "wait":
+                    self.window[act] += b - a
+        t0, k, rows = self.store.t0, len(intervals), self.iv_rows
+        rows["rank"] += [src] * k
+        rows["role"] += [role.encode()] * k
+        rows["activity"] += [i[0].encode() for i in intervals]
+        rows["agent"] += [i[1].encode() for i in intervals]
+        rows["t0"] += [i[2] - t0 for i in intervals]
+        rows["t1"] += [i[3] - t0 for i in intervals]
+
+    def write_intervals(self) -> None:
+        """The orchestrator's own intervals and every rank's buffered ones, in one append."""
+        with self.clock("store"):
+            self.record_intervals(0, self.clock.drain(), count=False)
+            if self.iv_rows:
+                self.store.intervals.append(dict(self.iv_rows))
+                self.iv_rows.clear()
 
     def on_stepped(self, agent: str, version: int, stats: dict) -> None:
         st = self.state[agent]
         st.inflight -= 1
         nodes, st.step_nodes = st.step_nodes, []
         step = version - 1
-        n = max(len(nodes), 1)
         stale = np.array([step - nd.version for nd in nodes])
         reward = float(np.mean([nd.reward for nd in nodes]))
         self.step_summary[(agent, step)] = (reward, int(stale.max(initial=0)))
+        # mean truncated importance weight of the step's samples (trainer stats are sums
+        # over samples); the log shows it when pipeline.max_staleness > 0
+        self.tis[(agent, step)] = stats.get("tis_mean", np.nan) / max(len(nodes), 1)
+        with self.clock("store"):
+            self._append_step(agent, version, stats, nodes, reward, stale)
+            self.store.flush()          # committed before a checkpoint can hold this version
+        st.version, st.consumed, st.micro = version, 0, 0
+        self.samples_since += len(nodes)
+        if self.checkpoint_due(agent, version):
+            self.ckpt_time[agent] = time.time()
+            self.checkpoint([agent], wait=False)
+        self.maybe_log()
+
+    def _append_step(self, agent: str, version: int, stats: dict, nodes: list, reward: float,
+                     stale: np.ndarray) -> None:
+        st, step, n = self.state[agent], version - 1, max(len(nodes), 1)
         off = self.store.step_rows[agent].append(np.array([nd.row for nd in nodes], dtype=np.int64))
-        self.store.steps[agent].append({
-                    "step": [step], "version": [version], "t_end": [self.store.now()],
+        self.store.steps[agent].append({"step": [step], "version": [version], "t_end": [self.store.now()],
                     "n_samples": [len(nodes)], "n_micro": [st.micro],
                     "loss": [stats.get("loss", 0) / n], "reward_mean": [reward],
                     "entropy": [stats.get("entropy", 0) / n], "kl": [stats.get("kl", 0) / n],
@@ -332,13 +403,6 @@ class Orchestrator:
                     "grad_norm": [stats.get("grad_norm", 0)], "staleness_max": [stale.max(initial=0)],
                     "staleness_mean": [stale.mean() if stale.size else 0.0],
                     "rows_offset": [off], "rows_len": [len(nodes)]})
-        self.store.flush()              # committed before a checkpoint can hold this version
-        st.version, st.consumed, st.micro = version, 0, 0
-        self.samples_since += len(nodes)
-        if self.checkpoint_due(agent, version):
-            self.ckpt_time[agent] = time.time()
-            self.checkpoint([agent], wait=False)
-        self.maybe_log()
 
     def checkpoint_due(self, agent: str, version: int) -> bool:
         """run.checkpoint_every steps or run.checkpoint_minutes since this agent's last one
@@ -351,6 +415,10 @@ class Orchestrator:
         return by_steps or by_time
 
     def maybe_log(self) -> None:
+        with self.clock("log"):
+            self._maybe_log()
+
+    def _maybe_log(self) -> None:
         done = min(s.version for s in self.state.values())
         while self.logged_step < done:
             step = self.logged_step
@@ -358,11 +426,13 @@ class Orchestrator:
             now = time.time()
             wall = max(now - self.t_last, 1e-9)
             info = {a: self.step_info(a, step) for a in self.agents}
+            tis = self.tis_text(step)
             rew = {a: r for a, (r, _) in info.items()}
             stale = max(s for _, s in info.values())
             workers = self.layout.world_size - 1
             busy = sum(v for k, v in self.window.items())
             util = busy / (workers * wall)
+            orch = self.clock.take_busy() / wall
             self.store.metrics.append(row := {
                 "step": [step], "t": [self.store.now()], "wall": [wall], "samples": [self.samples_since],
                 "tokens": [self.tokens_since], "samples_per_s": [self.samples_since / wall],
@@ -375,11 +445,19 @@ class Orchestrator:
                 self.log(f"step {step + 1:4d}/{self.cfg.run.steps} | reward {rs} | "
                          f"{self.samples_since / wall:7.1f} samples/s | stale {stale} | "
                          f"rollout {self.window['generate']:.2f}s train {self.window['train']:.2f}s "
-                         f"sync {self.window['sync']:.2f}s | util {100 * util:3.0f}%")
+                         f"sync {self.window['sync']:.2f}s | util {100 * util:3.0f}% orch {100 * orch:3.0f}%"
+                         + tis)
             self.window.clear()
             self.t_last, self.samples_since, self.tokens_since = now, 0, 0
             self.exp.forget_step(step)
+            self.write_intervals()
             self.store.flush()
+
+    def tis_text(self, step: int) -> str:
+        w = {a: self.tis.pop((a, step), np.nan) for a in self.agents}
+        if not self.cfg.pipeline.max_staleness:
+            return ""
+        return " | tis w " + " ".join(f"{a} {v:.6f}" for a, v in w.items())
 
     def step_info(self, agent: str, step: int) -> tuple[float, int]:
         """(reward_mean, staleness_max) of an agent's step: from memory, or from the store for
@@ -396,10 +474,10 @@ class Orchestrator:
         for a in agents:
             by_group[self.state[a].leader].append(a)
         for leader, names in by_group.items():
-            self.world.send(("checkpoint", names), dest=leader, tag=C.TAG_CMD)
+            self.cmd(leader, ("checkpoint", names), f"checkpoint of {', '.join(names)}")
             self.ckpt_pending += 1
         while wait and self.ckpt_pending > 0:
-            self.handle(*C.recv_from(self.world, tag=C.TAG_REPLY))
+            self.handle(*self.receive())
         self.store.flush()
 
     def drain(self) -> None:
@@ -407,7 +485,7 @@ class Orchestrator:
         while (self.batches or any(r.busy for r in self.replicas)
                or any(s.inflight or s.syncing for s in self.state.values()) or self.ckpt_pending
                or any(self.moving.values())):
-            self.handle(*C.recv_from(self.world, tag=C.TAG_REPLY))
+            self.handle(*self.receive())
 
     def stop_preempted(self) -> int:
         self.log("preemption signal: draining, checkpointing every agent, flushing the store")
@@ -421,13 +499,47 @@ class Orchestrator:
         targets = [r.rank for r in self.replicas] + [self.layout.group_leader(g)
                                                      for g in range(self.layout.groups)]
         for rank in targets:
-            self.world.send(("stop", code), dest=rank, tag=C.TAG_CMD)
+            self.cmd(rank, ("stop", code), "stop")
         # every worker rank answers "stopped" last (group members too: the leader forwards
         # the stop), so once all have, no interval message is left in flight
         pending = self.layout.world_size - 1
         while pending:
-            msg, src = C.recv_from(self.world, tag=C.TAG_REPLY)
+            msg, src = self.receive()
             self.handle(msg, src)
             pending -= msg[0] == "stopped"
+        self.write_intervals()
         self.store.flush()
         self.sinks.close()
+
+    # -- hung workers ----------------------------------------------------------------------
+    def stop_hung(self, rank: int, what: str, secs: float) -> None:
+        """A worker left a command unanswered for run.worker_timeout: say who and what,
+        checkpoint the agents whose trainer groups still answer, flush the store, and end
+        the whole job with the requeue code (a hung rank cannot be stopped by a message)."""
+        role, index = self.layout.role_of(rank)
+        who = f"replica {index}" if role == ROLLOUT else f"trainer group {index} (leader)"
+        self.log(f"{who} (rank {rank}): no answer to {what} for {secs:.0f} s "
+                 f"(run.worker_timeout={self.cfg.run.worker_timeout:g})")
+        if not self.aborting:
+            self.aborting = True
+            self.deadlines.forget(rank)
+            alive = [a for a, s in self.state.items() if s.leader != rank and not self.moving[s.location.group]]
+            if alive:
+                self.log(f"checkpointing {', '.join(alive)}, flushing the store, exiting {EXIT_PREEMPTED} to requeue")
+                self.checkpoint(alive)
+        self.abort(EXIT_PREEMPTED)
+
+    def reward_hung(self, what: str, secs: float) -> None:
+        """The watchdog thread: rank 0 itself is stuck in a reward function. The main thread
+        cannot checkpoint, so flush what the store has and end the job for a requeue."""
+        self.log(f"reward function (orchestrator, rank 0): no return from {what} for {secs:.0f} s "
+                 f"(run.worker_timeout={self.cfg.run.worker_timeout:g}); flushing the store, "
+                 f"exiting {EXIT_PREEMPTED} to requeue")
+        self.abort(EXIT_PREEMPTED)
+
+    def abort(self, code: int) -> None:
+        try:
+            self.write_intervals()
+            self.store.flush()
+        finally:
+            self.world.Abort(code)

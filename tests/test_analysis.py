@@ -72,7 +72,7 @@ def test_json_summary(two_runs, capsys):
 
 def test_utilization_over_time_bins(two_runs):
     u = utilization(load_run(two_runs[1]), by="role", bins=10)
-    assert list(u.columns) == ["rollout", "trainer"] and len(u) == 10
+    assert list(u.columns) == ["orchestrator", "rollout", "trainer"] and len(u) == 10
     assert ((u >= 0) & (u <= 1 + 1e-9)).all().all()
 
 

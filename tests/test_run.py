@@ -1,6 +1,6 @@
 """Real runs: `python -m flexmarl_hpc.run` on real MPI ranks, real HDF5, real training."""
 import os
-import signal
+import re
 import subprocess
 import sys
 import time
@@ -50,6 +50,24 @@ def check_exactly_once(path, steps, dropped_ok=False):
             assert len(last) == len(ids) and [last[r] for r in range(len(ids))] == status.tolist()
 
 
+def check_groups_differ(path, steps):
+    """A GRPO group (the samples of one prompt) must not be copies of one sample: in the first
+    steps, while the policies are still random, most groups hold >= 2 distinct responses
+    (the same sampling seed for a whole group would make every group identical)."""
+    with h5py.File(path, "r") as f:
+        for agent in f.attrs["agents"]:
+            g = f[f"samples/{agent}"][:]
+            off, pl, rl = g["token_offset"], g["prompt_len"], g["response_len"]
+            tok = f[f"tokens/{agent}"]["token"]
+            groups: dict = {}
+            for i, key in enumerate(zip(g["step"], g["input_id"], g["parent_id"])):
+                if key[0] in steps:
+                    groups.setdefault(key, set()).add(tuple(tok[off[i] + pl[i]:off[i] + pl[i] + rl[i]]))
+            assert groups and all(len(v) >= 1 for v in groups.values())
+            same = np.mean([len(v) == 1 for v in groups.values()])
+            assert same < 0.5, f"{agent}: {same:.0%} of the GRPO groups of steps {steps} are all identical"
+
+
 def final_weights(out, agent):
     ckpt = out / "checkpoints" / agent
     return torch.load(ckpt / (ckpt / "latest").read_text(), weights_only=True)
@@ -66,6 +84,7 @@ def test_sync_run_trains_every_sample_exactly_once(sync_run):
     out, p = sync_run
     assert "step    6/6" in p.stdout
     check_exactly_once(out / "local.h5", 6)
+    check_groups_differ(out / "local.h5", steps=(0, 1))
     assert (out / "config.yaml").is_file() and (out / "train.log").is_file()
     with h5py.File(out / "local.h5", "r") as f:
         roles = set(f["intervals"]["role"].tolist())
@@ -90,23 +109,18 @@ def test_resume_continues_the_same_run(sync_run, tmp_path):
 
 @pytest.mark.parametrize("extra", [[], ["pipeline.overprovision=2"]], ids=["plain", "overprovision"])
 def test_preempted_run_resumes_with_nothing_lost(tmp_path, mpiexec, extra):
-    args = [sys.executable, "-m", "flexmarl_hpc.run", "configs/local.yaml", f"run.output_dir={tmp_path}",
-            *SMALL, *extra, "run.steps=60"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
-    t0 = time.time()
-    while not (tmp_path / "train.log").exists() or "step    3/" not in (tmp_path / "train.log").read_text():
-        assert time.time() - t0 < 120 and p.poll() is None, "run did not start"
-        time.sleep(0.2)
-    os.killpg(p.pid, signal.SIGUSR1)                      # what Slurm's --signal does to every task
-    out, _ = p.communicate(timeout=120)
+    """SIGUSR1 reaches the orchestrator at a fixed point mid-step (reward call 212, in step 4
+    or so: 64-96 leaves a step), by the test task itself, not by a timed kill."""
+    preempt = ["workflow.task=tests.faulty_tasks:PreemptingGame", "workflow.task_args.after=212",
+               f"workflow.task_args.marker={tmp_path / 'preempted'}"]
+    p = run_training(tmp_path, *SMALL, *extra, *preempt, "run.steps=60", check=False)
+    out = p.stdout + p.stderr
     assert p.returncode == 75, out
-    assert "preemption signal" in out
+    assert "preemption signal" in out and (tmp_path / "preempted").exists()
     with h5py.File(tmp_path / "local.h5", "r") as f:
         done = len(f["steps/speaker"])
-    assert done < 60
-    q = run_training(tmp_path, *SMALL, *extra, "run.steps=60")
+    assert 2 <= done < 60
+    q = run_training(tmp_path, *SMALL, *extra, *preempt, "run.steps=60")
     assert "resumed at versions" in q.stdout
     check_exactly_once(tmp_path / "local.h5", 60, dropped_ok=bool(extra))
     if extra:
@@ -200,8 +214,9 @@ def test_flex_equals_sync_with_zero_staleness(sync_run, tmp_path):
 def test_staleness_one_trains_samples_at_most_one_version_old(tmp_path, mpiexec):
     """max_staleness=1: some samples are one version old, none older; a GRPO group is never
     split over versions; each step's record matches its samples; still exactly once."""
-    run_training(tmp_path, *SMALL, "pipeline.max_staleness=1")
+    p = run_training(tmp_path, *SMALL, "pipeline.max_staleness=1")
     check_exactly_once(tmp_path / "local.h5", 6)
+    check_stale_samples_are_reweighted(tmp_path / "local.h5")
     with h5py.File(tmp_path / "local.h5", "r") as f:
         for agent in f.attrs["agents"]:
             g = f[f"samples/{agent}"]
@@ -218,6 +233,45 @@ def test_staleness_one_trains_samples_at_most_one_version_old(tmp_path, mpiexec)
                 assert smax == (s - ver[rows[off:off + n]]).max()
         stale = f["samples/speaker"]["step"] - f["samples/speaker"]["policy_version"]
         assert stale.max() == 1                  # the pipeline really overlapped steps
+
+
+def check_stale_samples_are_reweighted(path):
+    """Every sample gets a truncated importance weight against its behaviour log-probs
+    (/steps logp_mismatch, tis_mean): in steps without stale samples the trainer's log-probs
+    equal the rollout's (mismatch at rounding level, weight 1); a step with stale samples
+    shows a mismatch far above that, so the old policy's log-probs really reach the loss."""
+    with h5py.File(path, "r") as f:
+        for agent in f.attrs["agents"]:
+            st = f[f"steps/{agent}"][:]
+            st = st[st["superseded"] == 0]
+            fresh, stale = st[st["staleness_max"] == 0], st[st["staleness_max"] > 0]
+            assert len(fresh) and len(stale), f"{agent}: need steps with and without stale samples"
+            assert np.all(np.abs(fresh["tis_mean"] - 1) < 1e-3), fresh["tis_mean"]
+            floor = max(float(fresh["logp_mismatch"].max()), 1e-6)
+            assert np.all(stale["logp_mismatch"] > 10 * floor), \
+                f"{agent}: stale samples not re-weighted: mismatch {stale['logp_mismatch']} vs fresh {floor}"
+
+
+@pytest.mark.parametrize("where,rank,expect", [
+    ("allowed_tokens", 2, "replica 1 (rank 2): no answer to generate batch "),
+    ("reward", 0, "reward function (orchestrator, rank 0): no return from a reward call for ")],
+    ids=["replica", "reward"])
+def test_hung_worker_ends_the_job_with_the_requeue_code(tmp_path, mpiexec, where, rank, expect):
+    """One rank stops answering mid-run (the test task sleeps in a call it makes): the job
+    names the rank and what it was asked, and exits 75 within about run.worker_timeout
+    instead of waiting for the wall-clock limit; the store stays readable."""
+    hang = ["workflow.task=tests.faulty_tasks:HangingGame", f"workflow.task_args.where={where}",
+            f"workflow.task_args.rank={rank}", "workflow.task_args.after=150"]
+    t0 = time.time()
+    p = run_training(tmp_path, *SMALL, *hang, "run.steps=40", "rollout.replicas=2",
+                     "run.worker_timeout=20", check=False, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode == 75, out
+    assert expect in out, out
+    assert time.time() - t0 < 200, "the hang was not bounded by run.worker_timeout"
+    with h5py.File(tmp_path / "local.h5", "r", swmr=True) as f:   # flushed, readable by h5py alone
+        assert len(f["steps/speaker"]) < 40
+        assert b"orchestrator" in set(f["intervals"]["role"].tolist())
 
 
 def test_fewer_trainer_groups_than_agents_swaps_states_losslessly(sync_run, tmp_path):
@@ -248,13 +302,14 @@ def test_data_parallel_trainer_groups_match_single_rank(sync_run, tmp_path):
 
 
 def check_intervals_cover_every_rank(path, world, trainer_ranks):
-    """Every worker rank (data-parallel members too) records its time: intervals that do not
-    overlap and leave under 5% of the rank's span unaccounted for (not busy, not wait)."""
+    """Every rank (the orchestrator and data-parallel members too) records its time: intervals
+    that do not overlap and leave under 5% of the rank's span unaccounted for (not busy, not wait)."""
     with h5py.File(path, "r") as f:
         iv = f["intervals"]
         rank, act, t0, t1 = iv["rank"][:], iv["activity"][:], iv["t0"][:], iv["t1"][:]
-    assert set(rank.tolist()) == set(range(1, world))
-    for r in range(1, world):
+    assert set(rank.tolist()) == set(range(world))              # the orchestrator is rank 0
+    assert {b"schedule", b"handle", b"store"} <= set(act[rank == 0].tolist())
+    for r in range(world):
         m = rank == r
         order = np.argsort(t0[m])
         a, b = t0[m][order], t1[m][order]

@@ -1,0 +1,135 @@
+"""The orchestrator's own clock, and the deadlines of the commands it waits on.
+
+`BusyClock` books rank 0's time by activity (schedule, handle, store, log; the gaps are
+`wait`) as the same (activity, agent, t0, t1) intervals the workers report, so the
+orchestrator is a row of the timeline like every other rank. Activities nest (a store
+write inside `handle`): the inner one is cut out of the outer, so intervals never overlap.
+
+`Deadlines` knows, per worker rank, the commands sent and not yet answered. Workers run
+their commands in arrival order, so only the oldest one of a rank is running: its clock
+starts when it was sent or when the rank answered the one before, whichever is later.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from contextlib import contextmanager
+
+
+class BusyClock:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, float, float]] = []
+        self.busy: dict[str, float] = defaultdict(float)     # seconds by activity, since reset
+        self.stack: list[str] = []
+        self.t = time.time()
+
+    @contextmanager
+    def __call__(self, activity: str):
+        now = time.time()
+        self._book(self.stack[-1] if self.stack else "wait", now)
+        self.stack.append(activity)
+        try:
+            yield
+        finally:
+            self._book(self.stack.pop(), time.time())
+
+    def _book(self, activity: str, now: float) -> None:
+        a, self.t = self.t, now
+        if now <= a:
+            return
+        last = self.items[-1] if self.items else None
+        if last is not None and last[0] == activity and a - last[3] < 1e-4:
+            self.items[-1] = (activity, "", last[2], now)      # continue the same bar
+        else:
+            self.items.append((activity, "", a, now))
+        if activity != "wait":
+            self.busy[activity] += now - a
+
+    def drain(self) -> list[tuple[str, str, float, float]]:
+        out, self.items = self.items, []
+        return out
+
+    def take_busy(self) -> float:
+        """Busy seconds since the last call."""
+        s = sum(self.busy.values())
+        self.busy.clear()
+        return s
+
+
+class Deadlines:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.asked: dict[int, deque[str]] = defaultdict(deque)
+        self.since: dict[int, float] = {}
+
+    def sent(self, rank: int, what: str) -> None:
+        q = self.asked[rank]
+        if not q:
+            self.since[rank] = time.monotonic()
+        q.append(what)
+
+    def answered(self, rank: int) -> None:
+        q = self.asked.get(rank)
+        if q:
+            q.popleft()
+            self.since[rank] = time.monotonic()
+
+    def forget(self, rank: int) -> None:
+        """Stop timing a rank already reported as hung."""
+        self.asked.pop(rank, None)
+
+    def next_deadline(self) -> float | None:
+        """Seconds until the first running command is overdue (None: nothing outstanding)."""
+        starts = [self.since[r] for r, q in self.asked.items() if q]
+        return None if not starts else max(min(starts) + self.timeout - time.monotonic(), 0.0)
+
+    def overdue(self) -> tuple[int, str, float] | None:
+        """(rank, command, seconds) of the longest-running command past the timeout."""
+        now = time.monotonic()
+        late = [(now - self.since[r], r, q[0]) for r, q in self.asked.items()
+                if q and now - self.since[r] > self.timeout]
+        if not late:
+            return None
+        secs, rank, what = max(late)
+        return rank, what, secs
+
+
+class Watchdog:
+    """Bounds a call that runs on rank 0 itself (a reward function): a thread that wakes at
+    most once a second (never a spin) and calls `on_hang(what, seconds)` once a call has run
+    for longer than `timeout`. `on_hang` runs on that thread and must end the process."""
+
+    def __init__(self, timeout: float, on_hang) -> None:
+        import threading
+        self.timeout, self.on_hang = timeout, on_hang
+        self.current: tuple[str, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(min(self.timeout / 4, 1.0)):
+            cur = self.current
+            if cur is not None and time.monotonic() - cur[1] > self.timeout:
+                self.on_hang(cur[0], time.monotonic() - cur[1])
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class WatchedTask:
+    """A task whose reward calls the watchdog times (rewards are computed on rank 0)."""
+
+    def __init__(self, task, watchdog: Watchdog) -> None:
+        self._task, self._watchdog = task, watchdog
+
+    def __getattr__(self, name):
+        return getattr(self._task, name)
+
+    def reward(self, path):
+        self._watchdog.current = ("a reward call", time.monotonic())
+        try:
+            return self._task.reward(path)
+        finally:
+            self._watchdog.current = None
