@@ -609,6 +609,13 @@ def validate(cfg: Config) -> None:
     need(cfg.rollout.dtype in ("auto", "fp32") or cfg.rollout.backend == "vllm", "rollout.dtype",
          "the torch engine runs fp32; bf16/fp16 need rollout.backend=vllm")
 
+    # -- run.loggers (metric sinks, flexmarl_hpc/sinks.py) ---------------------------------
+    loggers = cfg.run.loggers
+    need(len(set(loggers)) == len(loggers), "run.loggers", f"a logger is listed twice: {loggers}")
+    for name in loggers:
+        need(importlib.util.find_spec(name) is not None, "run.loggers",
+             f"{name!r} needs the {name} package: pip install -r requirements-loggers.txt")
+
     _validate_trainer_engine(cfg.trainer, need)
 
 
@@ -623,13 +630,6 @@ def _validate_trainer_engine(t: "TrainerConfig", need) -> None:
                      "pipeline_microbatches": t.pipeline_microbatches == 0}
     for name, default in megatron_only.items():
         need(t.backend == "megatron" or default, f"trainer.{name}", "needs trainer.backend=megatron")
-
-    # -- run.loggers (metric sinks, flexmarl_hpc/sinks.py) ---------------------------------
-    loggers = cfg.run.loggers
-    need(len(set(loggers)) == len(loggers), "run.loggers", f"a logger is listed twice: {loggers}")
-    for name in loggers:
-        need(importlib.util.find_spec(name) is not None, "run.loggers",
-             f"{name!r} needs the {name} package: pip install -r requirements-loggers.txt")
 
 
 def save_config(cfg: Config, path: Path) -> None:
