@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from . import faults
+
 
 def save_checkpoint(folder: Path, version: int, state: dict[str, torch.Tensor], keep: int = 2) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -18,9 +20,11 @@ def save_checkpoint(folder: Path, version: int, state: dict[str, torch.Tensor], 
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         torch.save(state, f)
+        faults.hit("checkpoint_write")         # test-only: no-op unless FLEXMARL_FAULT is set
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    faults.hit("checkpoint_latest")
     latest = folder / "latest"
     latest.with_suffix(".tmp").write_text(path.name)
     os.replace(latest.with_suffix(".tmp"), latest)
