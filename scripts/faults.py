@@ -220,8 +220,8 @@ def main() -> int:
                        capture_output=True, check=True, timeout=args.timeout)
         run_s = time.time() - t0
         print(f"clean run: {run_s:.1f}s", flush=True)
-    head = f"| # | fault | moment | exit code | s until all ranks gone | resumed | samples lost | trained twice | notes |"
-    print(head + "\n" + "|---" * 9 + "|", flush=True)
+    print("| # | fault | moment | exit code | s until all ranks gone | resumed | samples lost "
+          "| trained twice | notes |\n" + "|---" * 9 + "|", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:    # trials share nothing but the machine
         results = pool.map(lambda t: trial(args, *t), enumerate(plan(args.kills, args.seed, run_s)))
         return 1 if sum(report(*r) for r in results) else 0
@@ -235,7 +235,8 @@ def trial(args, n: int, plan_row: tuple) -> tuple:
         row = kill_trial(out, rank, hook, count, delay, args.bound)
         tries, err = resume(out, 3, args.timeout)
     except Exception as e:                          # a harness failure is a row, not the end
-        row, tries, err = {"moment": "?", "hang": False, "killed": False, "rc": "?", "gone_s": float("nan")}, 0, repr(e)
+        row = {"moment": "?", "hang": False, "killed": False, "rc": "?", "gone_s": float("nan")}
+        tries, err = 0, repr(e)
     chk = check_store(out / "local.h5") if tries else {"lost": "?", "twice": "?", "status_errors": 0,
                                                       "problems": []}
     return n, role, rank, row, tries, err, chk
@@ -249,7 +250,8 @@ def report(n, role, rank, row, tries, err, chk) -> bool:
         f"{tries} re-runs" if tries > 1 else "", err,
         f"{chk['status_errors']} status errors" if chk["status_errors"] else "",
         *chk["problems"][:3]) if s]
-    bad = bool(row["hang"] or not tries or chk["lost"] or chk["twice"] or chk["status_errors"] or chk["problems"])
+    bad = bool(row["hang"] or not tries or chk["lost"] or chk["twice"] or chk["status_errors"]
+               or chk["problems"])
     print(f"| {n} | {role} (rank {rank}) | {row['moment']} | {row['rc']} | {row['gone_s']:.1f} | "
           f"{'yes' if tries else 'no'} | {chk['lost']} | {chk['twice']} | {'; '.join(notes)} |", flush=True)
     return bad
