@@ -1,6 +1,8 @@
 """Fault-injection harness: SIGKILL one rank of a real run, re-run the same command, check the file.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 20 --seed 0 --out runs/faults
+    PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 24 --seed 0 --jobs 3 --run-s 80 --out runs/faults
+    PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 6 --hooked 0 --seed 1 --jobs 3 --run-s 200 \
+        --out runs/faults_random             # random-time kills only (the README's second table)
 
 Each trial runs the default training command on a small config (`TRAIN_ARGS`: configs/local.yaml,
 30 steps, a checkpoint every 5, trainer.ranks_per_group=2 so every group has a leader and a
@@ -186,15 +188,15 @@ def check_store(path: Path) -> dict:
     return res
 
 
-def plan(kills: int, seed: int, run_s: float) -> list[tuple[str, int, str | None, int, float]]:
-    """(fault, rank, hook, count, delay): each hooked moment twice (a third of the kills at
-    most), then random-time kills cycling over the four roles; ranks, counts and delays drawn
+def plan(kills: int, seed: int, run_s: float, hooked_max: int = 8) -> list[tuple]:
+    """(fault, rank, hook, count, delay): each hooked moment twice (a third of the kills and
+    `hooked_max` at most), then random-time kills cycling over the four roles; ranks, counts and delays drawn
     from `seed`. Counts stay below what a run reaches (5 checkpoints per leader, ~400 flushes)."""
     rng = random.Random(seed)
     hooked = [("trainer leader", "checkpoint_write", 5), ("trainer leader", "checkpoint_latest", 5),
               ("orchestrator", "store_append", 400), ("orchestrator", "store_flush", 200)]
     out = [(role, rng.choice(HOOKS[hook]), hook, rng.randint(1, most), 0)
-           for _ in range(2) for role, hook, most in hooked][:max(4, kills // 3)]
+           for _ in range(2) for role, hook, most in hooked][:min(hooked_max, max(4, kills // 3))]
     roles = list(ROLES)
     while len(out) < kills:
         role = roles[len(out) % len(roles)]
@@ -209,6 +211,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "faults")
     ap.add_argument("--run-s", type=float, default=0, help="a clean run's seconds (0: measure it)")
     ap.add_argument("--bound", type=float, default=60, help="seconds a rank may outlive a kill")
+    ap.add_argument("--hooked", type=int, default=8, help="hooked kills at most (0: random only)")
     ap.add_argument("--jobs", type=int, default=1, help="trials run at once (each starts 6 ranks)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one resume may take")
     args = ap.parse_args()
@@ -223,7 +226,8 @@ def main() -> int:
     print("| # | fault | moment | exit code | s until all ranks gone | resumed | samples lost "
           "| trained twice | notes |\n" + "|---" * 9 + "|", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:    # trials share nothing but the machine
-        results = pool.map(lambda t: trial(args, *t), enumerate(plan(args.kills, args.seed, run_s)))
+        trials = enumerate(plan(args.kills, args.seed, run_s, args.hooked))
+        results = pool.map(lambda t: trial(args, *t), trials)
         return 1 if sum(report(*r) for r in results) else 0
 
 
