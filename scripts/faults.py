@@ -1,8 +1,9 @@
 """Fault-injection harness: SIGKILL one rank of a real run, re-run the same command, check the file.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 24 --seed 0 --jobs 3 --run-s 80 --out runs/faults
-    PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 6 --hooked 0 --seed 1 --jobs 3 --run-s 200 \
-        --out runs/faults_random             # random-time kills only (the README's second table)
+    PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 24 --seed 0 --jobs 3 --run-s 80 \
+        --out runs/faults                    # 8 hooked kills, 16 at seeded times (the README's table)
+    PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 8 --hooked 0 --at-step --seed 1 --jobs 3 \
+        --run-s 1 --out runs/faults_steps    # random kills at seeded steps (the README's second table)
 
 Each trial runs the default training command on a small config (`TRAIN_ARGS`: configs/local.yaml,
 30 steps, a checkpoint every 5, trainer.ranks_per_group=2 so every group has a leader and a
@@ -77,7 +78,9 @@ def last_step(log: Path) -> str:
 
 
 def kill_trial(out: Path, rank: int, hook: str | None, count: int, delay: float, bound: float) -> dict:
-    """Start the run, kill `rank` (by the hook, or after `delay` s of running), time the teardown."""
+    """Start the run, kill `rank` (by the hook, or `delay` s after launch or, with no hook and
+    `count` > 0, after step `count` is logged), time the teardown."""
+    at_step = 0 if hook else count
     tag = out.name
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLEXMARL_FAULT_TAG": tag}
     if hook:
@@ -95,9 +98,14 @@ def kill_trial(out: Path, rank: int, hook: str | None, count: int, delay: float,
         t_kill = time.time()
         row["moment"] = f"{hook} #{count} (step {last_step(out / 'train.log')})"
     else:
+        if at_step:                       # load-proof: wait for that step, then the delay
+            while int(last_step(out / "train.log").split("/")[0].replace("none", "0")) < at_step \
+                    and p.poll() is None:
+                time.sleep(0.05)
         time.sleep(delay)
         t_kill = time.time()
-        row["moment"] = f"{delay:.1f}s after launch (step {last_step(out / 'train.log')})"
+        after = f"step {at_step} logged" if at_step else "launch"
+        row["moment"] = f"{delay:.1f}s after {after} (step {last_step(out / 'train.log')})"
         try:
             os.kill(pids[rank], signal.SIGKILL)
             row["killed"] = True
@@ -188,7 +196,7 @@ def check_store(path: Path) -> dict:
     return res
 
 
-def plan(kills: int, seed: int, run_s: float, hooked_max: int = 8) -> list[tuple]:
+def plan(kills: int, seed: int, run_s: float, hooked_max: int = 8, at_step: bool = False) -> list[tuple]:
     """(fault, rank, hook, count, delay): each hooked moment twice (a third of the kills and
     `hooked_max` at most), then random-time kills cycling over the four roles; ranks, counts and delays drawn
     from `seed`. Counts stay below what a run reaches (5 checkpoints per leader, ~400 flushes)."""
@@ -200,7 +208,11 @@ def plan(kills: int, seed: int, run_s: float, hooked_max: int = 8) -> list[tuple
     roles = list(ROLES)
     while len(out) < kills:
         role = roles[len(out) % len(roles)]
-        out.append((role, rng.choice(ROLES[role]), None, 0, round(rng.uniform(0.1, 0.9) * run_s, 1)))
+        if at_step:                   # a seeded step, then up to a second into the next one
+            step, delay = rng.randint(1, STEPS - 1), round(rng.uniform(0, 1), 2)
+            out.append((role, rng.choice(ROLES[role]), None, step, delay))
+        else:
+            out.append((role, rng.choice(ROLES[role]), None, 0, round(rng.uniform(0.1, 0.9) * run_s, 1)))
     return out
 
 
@@ -212,6 +224,7 @@ def main() -> int:
     ap.add_argument("--run-s", type=float, default=0, help="a clean run's seconds (0: measure it)")
     ap.add_argument("--bound", type=float, default=60, help="seconds a rank may outlive a kill")
     ap.add_argument("--hooked", type=int, default=8, help="hooked kills at most (0: random only)")
+    ap.add_argument("--at-step", action="store_true", help="random kills at a seeded step, not time")
     ap.add_argument("--jobs", type=int, default=1, help="trials run at once (each starts 6 ranks)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one resume may take")
     args = ap.parse_args()
@@ -226,7 +239,7 @@ def main() -> int:
     print("| # | fault | moment | exit code | s until all ranks gone | resumed | samples lost "
           "| trained twice | notes |\n" + "|---" * 9 + "|", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:    # trials share nothing but the machine
-        trials = enumerate(plan(args.kills, args.seed, run_s, args.hooked))
+        trials = enumerate(plan(args.kills, args.seed, run_s, args.hooked, args.at_step))
         results = pool.map(lambda t: trial(args, *t), trials)
         return 1 if sum(report(*r) for r in results) else 0
 
