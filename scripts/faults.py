@@ -209,8 +209,8 @@ def plan(kills: int, seed: int, run_s: float, hooked_max: int = 8, at_step: bool
     while len(out) < kills:
         role = roles[len(out) % len(roles)]
         if at_step:                   # a seeded step, then up to a second into the next one
-            step, delay = rng.randint(1, STEPS - 1), round(rng.uniform(0, 1), 2)
-            out.append((role, rng.choice(ROLES[role]), None, step, delay))
+            rank = rng.choice(ROLES[role])
+            out.append((role, rank, None, rng.randint(1, STEPS - 1), round(rng.uniform(0, 1), 2)))
         else:
             out.append((role, rng.choice(ROLES[role]), None, 0, round(rng.uniform(0.1, 0.9) * run_s, 1)))
     return out
