@@ -16,8 +16,10 @@ from tests.conftest import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import faults  # noqa: E402  (scripts/faults.py)
 
-PLAN = [("orchestrator", 0, "store_append", 60, 0), ("replica", 1, None, 0, 25.0),
-        ("trainer leader", 2, "checkpoint_write", 2, 0), ("trainer member", 5, None, 0, 30.0)]
+# (role, rank, hook, count, delay): a hook's count-th pass, or (no hook) `delay` s after step
+# `count` is logged, so the kill lands mid-training whatever the machine's load
+PLAN = [("orchestrator", 0, "store_append", 60, 0), ("replica", 1, None, 10, 0.3),
+        ("trainer leader", 2, "checkpoint_write", 2, 0), ("trainer member", 5, None, 20, 0.2)]
 
 
 @pytest.mark.realrun
