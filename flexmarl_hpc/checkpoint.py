@@ -32,6 +32,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from . import faults
+
 if TYPE_CHECKING:
     import torch
 
@@ -73,6 +75,7 @@ def save_checkpoint(folder: Path, version: int, state: dict[str, torch.Tensor], 
     with writing(tmp):
         with open(tmp, "wb") as f:
             torch.save(state, f)
+            faults.hit("checkpoint_write")     # test-only: no-op unless FLEXMARL_FAULT is set
     return publish(folder, version, tmp, keep)
 
 
@@ -90,6 +93,7 @@ def publish(folder: Path, version: int, tmp: Path, keep: int = 3) -> Path:
         _remove(path)
         os.replace(tmp, path)
         _fsync_dir(folder)
+        faults.hit("checkpoint_latest")        # renamed, no manifest yet: not a valid checkpoint
         body = {"version": version, "entry": path.name, "files": files}
         atomic_write(manifest, json.dumps(body, indent=1).encode())
         atomic_write(folder / "latest", path.name.encode())

@@ -42,6 +42,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from . import faults
 from .h5repair import clear_open_flags
 
 SCHEMA_VERSION = 2
@@ -280,8 +281,10 @@ class StoreFile:
             return
         for t in self.dirty:
             t.write()
+            faults.hit("store_append")          # test-only: no-op unless FLEXMARL_FAULT is set
         self.dirty.clear()
         self.f.flush()
+        faults.hit("store_flush")
         counts = np.array([t.disk for t in self.tables.values()], np.int64)
         self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts)
         self.f.flush()

@@ -1,0 +1,31 @@
+"""Test-only fault injection for `scripts/faults.py`: kill this process at a named point.
+
+`FLEXMARL_FAULT="point:count:rank"` makes world rank `rank` SIGKILL itself the `count`-th
+time it reaches `hit(point)` (points: `checkpoint_write`, mid checkpoint file, before fsync
+and rename; `checkpoint_latest`, file renamed, `latest` not yet updated; `store_append`,
+a table's rows written, /commit not yet; `store_flush`, data flushed, /commit not yet).
+Unset (every real run), `hit` is a function that returns at once.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+_SPEC = os.environ.get("FLEXMARL_FAULT", "")
+_seen: dict[str, int] = {}
+
+
+def _hit(point: str) -> None:
+    want, count, rank = _SPEC.split(":")
+    if point != want or os.environ.get("PMI_RANK", "0") != rank:
+        return
+    _seen[point] = _seen.get(point, 0) + 1
+    if _seen[point] == int(count):
+        os.kill(os.getpid(), signal.SIGKILL)      # no handler, no cleanup: a node failure
+
+
+def _off(point: str) -> None:
+    pass
+
+
+hit = _hit if _SPEC else _off
