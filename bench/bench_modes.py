@@ -55,11 +55,11 @@ FIGURES = ("step_s", "samples_per_s", "util", "orch", "crit_s", "cpu")
 
 def measure(h5: Path, skip: int = 2) -> dict:
     with h5py.File(h5, "r") as f:
-        t = f["metrics/t"][:]
-        samples = f["metrics/samples"][:]
-        rank, role = f["intervals/rank"][:], f["intervals/role"][:]
-        act, t0, t1 = f["intervals/activity"][:], f["intervals/t0"][:], f["intervals/t1"][:]
+        m, iv = f["metrics"][:], f["intervals"][:]            # schema 2: one compound table each
         workers = int(f.attrs["world_size"]) - 1
+    m = m[m["superseded"] == 0]
+    t, samples = m["t"], m["samples"]
+    rank, role, act, t0, t1 = (iv[c] for c in ("rank", "role", "activity", "t0", "t1"))
     lo, hi = t[skip - 1], t[-1]                  # skip start-up (first syncs, imports)
     busy = act != b"wait"
     inside = np.clip(np.minimum(t1, hi) - np.maximum(t0, lo), 0, None) * busy

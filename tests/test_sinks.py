@@ -70,33 +70,28 @@ def read_wandb_history(path: Path) -> list[dict]:
 
 def store_values(h5: Path):
     with h5py.File(h5, "r") as f:
-        steps = {a: {c: f[f"steps/{a}/{c}"][:] for c in ("step", "reward_mean", "loss", "grad_norm")}
+        cur = lambda tab: tab[tab["superseded"] == 0]          # rows a resume rolled back are not current
+        steps = {a: {c: cur(f[f"steps/{a}"][:])[c] for c in ("step", "reward_mean", "loss", "grad_norm")}
                  for a in f.attrs["agents"]}
-        metrics = {c: f[f"metrics/{c}"][:] for c in ("step", "utilization", "samples_per_s")}
+        metrics = {c: cur(f["metrics"][:])[c] for c in ("step", "utilization", "samples_per_s")}
     return steps, metrics
 
 
-def test_tensorboard_and_wandb_carry_the_store_across_a_resume(tmp_path, mpiexec):
+def test_tensorboard_and_wandb_carry_the_store_across_a_resume(tmp_path, mpiexec, monkeypatch):
     """A run with both sinks is preempted (USR1, as Slurm's --signal) and resumed: the
     TensorBoard events (read back with TensorBoard's reader) and the offline W&B history
     hold every global step once, per agent and run-wide, equal to the HDF5 store."""
     for pkg in ("tensorboard", "wandb"):
         need(__import__("importlib").util.find_spec(pkg) is not None, f"{pkg} (requirements-loggers.txt)")
     steps = 24
-    args = [sys.executable, "-m", "flexmarl_hpc.run", "configs/local.yaml", f"run.output_dir={tmp_path}",
-            *SMALL, f"run.steps={steps}", "run.loggers=[tensorboard, wandb]"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("WANDB_MODE", None)                       # offline must be the sink's own default
-    p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
-    t0 = time.time()
-    while not (tmp_path / "train.log").exists() or "step    3/" not in (tmp_path / "train.log").read_text():
-        assert time.time() - t0 < 180 and p.poll() is None, "run did not start"
-        time.sleep(0.2)
-    os.killpg(p.pid, signal.SIGUSR1)
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 75, out
-    q = run_training(tmp_path, *SMALL, f"run.steps={steps}", "run.loggers=[tensorboard, wandb]")
+    # SIGUSR1 at a fixed point mid-run (reward call 212), sent by the test task itself
+    preempt = ["workflow.task=tests.faulty_tasks:PreemptingGame", "workflow.task_args.after=212",
+               f"workflow.task_args.marker={tmp_path / 'preempted'}"]
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline must be the sink's own default
+    loggers = "run.loggers=[tensorboard, wandb]"
+    p = run_training(tmp_path, *SMALL, *preempt, f"run.steps={steps}", loggers, check=False)
+    assert p.returncode == 75, p.stdout + p.stderr
+    q = run_training(tmp_path, *SMALL, *preempt, f"run.steps={steps}", loggers)
     assert "resumed at versions" in q.stdout
     st, met = store_values(tmp_path / "local.h5")
 

@@ -69,7 +69,7 @@ def test_status_of_a_live_then_finished_local_run(tmp_path, mpiexec):
     print(q.stdout)
     assert re.search(r"\[#+\] 40/40 \(100%\).* done", q.stdout)
     with h5py.File(tmp_path / "local.h5", "r") as f:
-        last = {a: float(f[f"steps/{a}/reward_mean"][-1]) for a in ("speaker", "listener")}
+        last = {a: float(f[f"steps/{a}"]["reward_mean"][-1]) for a in ("speaker", "listener")}
     assert f"reward speaker {last['speaker']:.3f}  listener {last['listener']:.3f}  (step 40)" in q.stdout
     assert "ckpt   listener v000040.pt" in q.stdout and "speaker v000040.pt" in q.stdout
     assert "slurm" not in q.stdout                     # a local run has no job
