@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 from .checkpoint import CheckpointError
+from .store import StoreError
 from .config import Config, ConfigError, help_text, load_config, save_config, to_dict
 from .layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
 
@@ -207,8 +208,9 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         return code
-    except CheckpointError as e:            # a full disk: one line naming the path, not a traceback
-        sys.stderr.write(f"[rank {world.Get_rank()}] checkpoint error: {e}\n")
+    except (CheckpointError, StoreError) as e:   # a full disk: one line naming the path, not a traceback
+        what = "checkpoint" if isinstance(e, CheckpointError) else "store"
+        sys.stderr.write(f"[rank {world.Get_rank()}] {what} error: {e}\n")
         sys.stderr.flush()
         world.Abort(1)
         return 1

@@ -79,6 +79,21 @@ DEFAULTS = {"superseded": 0, "logp_mismatch": np.nan, "tis_mean": np.nan,
 STATUS_FIELDS = ("status", "reward", "advantage", "trainer_step", "t_ready", "t_consumed")
 
 
+class StoreError(OSError):
+    """The store could not be written; the message is one line naming the file."""
+
+    @classmethod
+    def of(cls, path: Path, e: Exception) -> "StoreError":
+        # h5py reports a full disk as a multi-line HDF5 error stack mentioning errno 28
+        text = str(e)
+        if getattr(e, "errno", None) == 28 or "errno = 28" in text or "No space left" in text:
+            err = cls(f"{path}: no space left on device while writing the store; rows not yet "
+                      "committed are discarded when the same command runs again")
+            err.errno = 28
+            return err
+        return cls(f"{path}: cannot write the store: {' '.join(text.split())[:300]}")
+
+
 def dtype_of(columns: dict[str, str]) -> np.dtype:
     return np.dtype([(k, v) for k, v in columns.items()])
 
@@ -279,15 +294,18 @@ class StoreFile:
         made visible by an HDF5 flush, so a commit never names rows not yet written."""
         if not self.dirty:
             return
-        for t in self.dirty:
-            t.write()
-            faults.hit("store_append")          # test-only: no-op unless FLEXMARL_FAULT is set
-        self.dirty.clear()
-        self.f.flush()
-        faults.hit("store_flush")
-        counts = np.array([t.disk for t in self.tables.values()], np.int64)
-        self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts)
-        self.f.flush()
+        try:
+            for t in self.dirty:
+                t.write()
+                faults.hit("store_append")      # test-only: no-op unless FLEXMARL_FAULT is set
+            self.dirty.clear()
+            self.f.flush()
+            faults.hit("store_flush")
+            counts = np.array([t.disk for t in self.tables.values()], np.int64)
+            self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts)
+            self.f.flush()
+        except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
+            raise StoreError.of(self.path, e) from None
 
     def samples_written(self) -> bool:
         """Whether an earlier process of this run left any sample rows."""

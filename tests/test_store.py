@@ -189,3 +189,44 @@ def test_journal_rows_tokens_and_status_changes_read_back_as_the_readme_says(tmp
         ev = f["events"][:]
         assert ev["status"].tolist() == [GENERATED] * 3 + [READY] * 3 + [CONSUMED] * 2
         assert ev["advantage"][3:6].tolist() == [-0.5, 0.5, 0.0] and (ev["agent"] == 1).all()
+
+
+def test_a_full_disk_is_one_line_and_the_file_reopens_at_its_last_commit(tmp_path):
+    """The store on a 1 MiB tmpfs: appends until the disk is full give one StoreError line
+    (errno 28) naming the file; the writer dies as the job would (in a forked child); with
+    room again (remount) the same file reopens at its last commit, with no zero-filled rows
+    and every row's status backed by its event."""
+    import json
+    import subprocess
+    from flexmarl_hpc.store import StoreError
+    from test_checkpoint import tmpfs
+    report = tmp_path / "report.json"
+    with tmpfs(tmp_path, "1m") as mnt:
+        path = mnt / "s.h5"
+        pid = os.fork()
+        if pid == 0:                                          # the writer: fills the disk, then dies
+            out = {"committed": 0}
+            try:
+                s = StoreFile(path, AGENTS, {})
+                for step in range(10_000):
+                    first = s.samples["a"].append(sample_rows(s, "a", 64, step=step))
+                    s.events.append(event_rows(s, "a", np.arange(first, first + 64), GENERATED))
+                    s.flush()
+                    out["committed"] = first + 64
+            except StoreError as e:
+                out.update(msg=str(e), errno=e.errno)
+            finally:
+                report.write_text(json.dumps(out))
+                os._exit(0)
+        os.waitpid(pid, 0)
+        out = json.loads(report.read_text())
+        msg = out.get("msg", "")
+        assert out.get("errno") == 28 and "\n" not in msg and str(path) in msg and "no space left" in msg, out
+        assert out["committed"] > 0
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
+        s = StoreFile(path, AGENTS, {})
+        rows, ev = s.samples["a"].read(), s.events.read()
+        assert len(rows) >= out["committed"] and len(ev) == len(rows)
+        assert not (ev == np.zeros(1, ev.dtype)).any() and set(ev["row"].tolist()) == set(range(len(rows)))
+        assert (rows["status"] == GENERATED).all()
+        s.close()
