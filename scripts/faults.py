@@ -1,9 +1,9 @@
 """Fault-injection harness: SIGKILL one rank of a real run, re-run the same command, check the file.
 
+    PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 24 --hooked 8 --at-step --seed 3 \
+        --jobs 2 --run-s 1 --out runs/faults  # 8 hooked kills, 16 at seeded steps (the README's table)
     PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 24 --seed 0 --jobs 3 --run-s 80 \
-        --out runs/faults                    # 8 hooked kills, 16 at seeded times (the README's table)
-    PYTHONPATH=$PWD .venv/bin/python scripts/faults.py --kills 8 --hooked 0 --at-step --seed 1 --jobs 3 \
-        --run-s 1 --out runs/faults_steps    # random kills at seeded steps (the README's second table)
+        --out runs/faults_t                  # random kills at seeded times after launch
 
 Each trial runs the default training command on a small config (`TRAIN_ARGS`: configs/local.yaml,
 30 steps, a checkpoint every 5, trainer.ranks_per_group=2 so every group has a leader and a
@@ -12,7 +12,7 @@ member) into `<out>/fault_<n>` and kills ONE rank with SIGKILL:
 - at a seeded random moment: the orchestrator (world rank 0), the replica (1), a trainer
   leader (2 or 4) or a trainer member (3 or 5), found by `PMI_RANK` in /proc/<pid>/environ;
 - or precisely, through the test-only hook `flexmarl_hpc/faults.py` (env FLEXMARL_FAULT):
-  mid checkpoint file (`checkpoint_write`), between its rename and `latest`
+  mid checkpoint file (`checkpoint_write`), between its rename and its manifest
   (`checkpoint_latest`), after a table's rows are written but before /commit
   (`store_append`), after the HDF5 flush but before /commit (`store_flush`).
 
