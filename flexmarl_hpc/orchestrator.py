@@ -379,9 +379,9 @@ class Orchestrator:
         self.step_summary[(agent, step)] = (reward, int(stale.max(initial=0)))
         # mean truncated importance weight of the step's samples (trainer stats are sums
         # over samples); the log shows it when pipeline.max_staleness > 0
-        self.tis[(agent, step)] = stats.get("tis_mean", np.nan) / max(len(nodes), 1)
+        tis = self.tis[(agent, step)] = stats.get("tis_mean", np.nan) / max(len(nodes), 1)
         with self.clock("store"):
-            self._append_step(agent, version, stats, nodes, reward, stale)
+            self._append_step(agent, version, stats, nodes, reward, stale, tis)
             self.store.flush()          # committed before a checkpoint can hold this version
         st.version, st.consumed, st.micro = version, 0, 0
         self.samples_since += len(nodes)
@@ -391,7 +391,7 @@ class Orchestrator:
         self.maybe_log()
 
     def _append_step(self, agent: str, version: int, stats: dict, nodes: list, reward: float,
-                     stale: np.ndarray) -> None:
+                     stale: np.ndarray, tis: float) -> None:
         st, step, n = self.state[agent], version - 1, max(len(nodes), 1)
         off = self.store.step_rows[agent].append(np.array([nd.row for nd in nodes], dtype=np.int64))
         self.store.steps[agent].append({"step": [step], "version": [version], "t_end": [self.store.now()],
@@ -399,7 +399,7 @@ class Orchestrator:
                     "loss": [stats.get("loss", 0) / n], "reward_mean": [reward],
                     "entropy": [stats.get("entropy", 0) / n], "kl": [stats.get("kl", 0) / n],
                     "logp_mismatch": [stats.get("logp_mismatch", np.nan) / n],
-                    "tis_mean": [stats.get("tis_mean", np.nan) / n],
+                    "tis_mean": [tis],
                     "grad_norm": [stats.get("grad_norm", 0)], "staleness_max": [stale.max(initial=0)],
                     "staleness_mean": [stale.mean() if stale.size else 0.0],
                     "rows_offset": [off], "rows_len": [len(nodes)]})
