@@ -504,6 +504,7 @@ def _validate_run(r: RunConfig) -> None:
     _int_in(r.threads_per_rank, "run.threads_per_rank", 1, 1024)
     _int_in(r.checkpoint_every, "run.checkpoint_every", 0, note=" (0: by minutes only)")
     _float_in(r.checkpoint_minutes, "run.checkpoint_minutes", 0)
+    _float_in(r.worker_timeout, "run.worker_timeout", 0, lo_open=True)
     _int_in(r.keep_checkpoints, "run.keep_checkpoints", 1)
     _int_in(r.log_every, "run.log_every", 1)
 
@@ -584,7 +585,6 @@ def validate(cfg: Config) -> None:
     for agent in cfg.agent_names:
         where = f"agents.{agent}" if agent in cfg.agents else "model"
         _validate_model(cfg.model_for(agent), where)
-    need(cfg.run.worker_timeout > 0, "run.worker_timeout", "expected seconds > 0")
     mp = cfg.trainer.tensor_parallel * cfg.trainer.pipeline_parallel
     need(cfg.trainer.ranks_per_group % mp == 0, "trainer.ranks_per_group",
          f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, "
