@@ -58,11 +58,12 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
         kind = cmd[0]
         t0 = time.time()
         if kind == "generate":
-            _, batch_id, agent, version, reqs = cmd
+            _, batch_id, agent, version, reqs, *override = cmd
             if engine.version(agent) != version:
                 raise RuntimeError(f"replica {index}: asked for {agent} v{version}, holds "
                                    f"v{engine.version(agent)}")
-            gens = engine.generate(agent, [GenRequest(*r) for r in reqs], params)
+            # an evaluation batch brings its own params (greedy), training uses the run's
+            gens = engine.generate(agent, [GenRequest(*r) for r in reqs], override[0] if override else params)
             clock.mark("generate", agent, t0)
             world.send(("generated", batch_id, [(g.tokens, g.logprobs) for g in gens],
                         clock.drain()), dest=orch, tag=C.TAG_REPLY)
