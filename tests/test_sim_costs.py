@@ -11,7 +11,7 @@ import yaml
 from flexmarl_hpc.sim.costs import (QWEN25_14B, QWEN25_32B, AgentLayout, CostModel, LengthDistribution,
                                     ModelShape, decode_schedule, decode_step_s, optimizer_s, prefill_s,
                                     shape_from_model_args, train_compute_s)
-from flexmarl_hpc.sim.hardware import HARDWARE_DIR, HardwareError, load_hardware
+from flexmarl_hpc.sim.hardware import HARDWARE_DIR, HardwareError, load_hardware, save_hardware
 
 
 def ideal(hw):
@@ -98,6 +98,19 @@ def test_missing_or_broken_file_is_one_clear_error(tmp_path):
     (tmp_path / "y.yaml").write_text("- a list\n")
     with pytest.raises(HardwareError, match="expected a mapping"):
         load_hardware(tmp_path / "y.yaml")
+
+
+def test_saved_profile_round_trips_and_a_bad_one_is_not_written(tmp_path, h100):
+    fitted = dataclasses.replace(h100, name="fitted", efficiency=dataclasses.replace(
+        h100.efficiency, mfu_train=0.123, call_overhead_s=2.5e-3))
+    path = save_hardware(fitted, tmp_path / "fitted.yaml", header="fitted by a test\nsecond line")
+    assert load_hardware(path) == fitted
+    assert path.read_text().startswith("# fitted by a test\n# second line\n")
+    bad = dataclasses.replace(fitted, hbm_gb_s=0.0)
+    with pytest.raises(HardwareError, match="hbm_gb_s"):
+        save_hardware(bad, path)
+    assert load_hardware(path) == fitted                      # the old file is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fitted.yaml"]
 
 
 # --------------------------------------------------------------------------- shapes

@@ -8,7 +8,8 @@ import pytest
 from flexmarl_hpc.sim.costs import QWEN25_14B, QWEN25_32B, AgentLayout, CostModel, TRAIN_STATE_BYTES_PER_PARAM
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.sim.plan import (AgentClass, ClassAlloc, Workload, _Estimator, candidates, config_fragment,
-                                   describe, group_sizes, rank_plans, replica_widths, _tp_for)
+                                   describe, group_sizes, main, parse_classes, rank_plans,
+                                   replica_widths, _tp_for)
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +105,15 @@ def test_an_allocation_can_be_evaluated_directly(hw):
     assert p.nodes == 4 + 4 + 2 + 3
     starved = est.plan((allocs[0], ("q14", dataclasses.replace(allocs[1][1], pool_nodes=1))))
     assert starved.phases["q14"]["rollout"] > p.phases["q14"]["rollout"]
+
+
+def test_cli_prints_plans_and_the_fragment_and_refuses_bad_input(capsys):
+    assert main(["--hardware", "h100_ndr", "--nodes", "14", "--classes", "32b:1,14b:2", "--top", "2",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("step: flex") == 2 and '"named_groups"' in out
+    assert main(["--classes", "7b:2"]) == 2
+    assert "SIZE:COUNT" in capsys.readouterr().out
+    assert main(["--hardware", "nope", "--nodes", "4"]) == 2
+    assert "cannot read" in capsys.readouterr().out
+    assert [c.count for c in parse_classes("32B:3, 14b:7")] == [3, 7]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,3 +195,24 @@ def load_hardware(path: str | Path) -> HardwareProfile:
     except yaml.YAMLError as e:
         raise HardwareError(f"{p}: not valid YAML ({e})") from None
     return hardware_from_dict(raw, str(p))
+
+
+def save_hardware(hw: HardwareProfile, path: str | Path, header: str = "") -> Path:
+    """Write `hw` as a profile YAML atomically (temp file + rename: a crash leaves the old file
+    or the new one, never half of one); `header` becomes comment lines (say where the figures
+    come from, e.g. "fitted by simulate --calibrate RUN.h5")."""
+    validate_hardware(hw, str(path))
+    p = Path(path)
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    body = yaml.safe_dump(dataclasses.asdict(hw), sort_keys=False)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines + [body]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
