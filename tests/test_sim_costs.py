@@ -206,6 +206,12 @@ def test_generate_is_bounded_by_the_longest_response(h100):
     assert same_total > 5 * short                         # a straggler sets the time, not the sum
     assert cm.generate_s("a", 8, 256, [100] * 8) == pytest.approx(short)
     assert cm.generate_s("a", 8, 256, 0) == pytest.approx(prefill_s(h100, QWEN25_14B, 8 * 256))
+    # per-prompt lengths: prefill of their sum, decode from their mean
+    mixed = cm.generate_s("a", 2, [100, 300], [50, 50])
+    assert mixed == pytest.approx(cm.generate_s("a", 2, 200, [50, 50]))
+    assert cm.generate_s("a", 2, [100, 300], 0) == pytest.approx(prefill_s(h100, QWEN25_14B, 400))
+    with pytest.raises(ValueError, match="3 prompt lengths for n_prompts=2"):
+        cm.generate_s("a", 2, [1, 2, 3], 5)
     with pytest.raises(ValueError, match="response lengths"):
         cm.generate_s("a", 1, 1, [-1])
     with pytest.raises(KeyError, match="no agent 'b'"):

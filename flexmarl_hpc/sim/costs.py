@@ -12,9 +12,11 @@ README ("Cost model assumptions"):
   plus the data-parallel gradient reduce-scatter and parameter all-gather;
 - weight sync and state swap are bytes over a link plus fixed per-bucket costs.
 
-`CostModel` exposes what the simulated transport needs:
-`generate_s(agent, n_prompts, prompt_tokens, response_tokens)`, `train_s(agent, tokens)`,
-`sync_s(agent, nbytes)`, `swap_s(agent, nbytes)`.
+`CostModel` exposes what the simulated transport needs, one call per message:
+`generate_s(agent, n_prompts, prompt_tokens, response_tokens)` for a Generate (prompt and
+response lengths per request), `train_s(agent, tokens, optimizer_step=msg.last)` for a Train
+(the optimizer runs on the last micro-batch only), `sync_s(agent, nbytes)` for a Sync and
+`swap_s(agent, nbytes)` for a Move (`weight_bytes(agent)`, `state_bytes(agent)` give nbytes).
 """
 from __future__ import annotations
 
@@ -258,7 +260,7 @@ def decode_step_s(hw: HardwareProfile, model: ModelShape, batch, context, g: int
     return np.where(batch > 0, step, 0.0)
 
 
-def decode_schedule(lengths: np.ndarray, prompt_tokens: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
+def decode_schedule(lengths: np.ndarray, prompt_tokens: float, slots: int) -> tuple[np.ndarray, np.ndarray]:
     """Continuous batching of responses of `lengths` tokens on `slots` sequence slots: each
     response starts (in order) on the first slot to free up. Returns per decode step the
     number of active sequences and the tokens they hold in all."""
@@ -287,7 +289,7 @@ def decode_schedule(lengths: np.ndarray, prompt_tokens: int, slots: int) -> tupl
     return active, held
 
 
-def replica_slots(hw: HardwareProfile, layout: AgentLayout, prompt_tokens: int, lengths: np.ndarray) -> int:
+def replica_slots(hw: HardwareProfile, layout: AgentLayout, prompt_tokens: float, lengths: np.ndarray) -> int:
     """Sequences a replica decodes at once: max_num_seqs, or fewer when the KV cache is full
     at the batch's mean context (vLLM pages lazily; preemption is not modelled)."""
     mean_ctx = prompt_tokens + (float(np.mean(lengths)) if len(lengths) else 0.0)
@@ -296,12 +298,13 @@ def replica_slots(hw: HardwareProfile, layout: AgentLayout, prompt_tokens: int, 
     return int(max(1, min(layout.max_num_seqs, by_memory)))
 
 
-def generate_s(hw: HardwareProfile, layout: AgentLayout, n_prompts: int, prompt_tokens: int,
+def generate_s(hw: HardwareProfile, layout: AgentLayout, prefill_tokens: int, prompt_tokens: float,
                lengths: np.ndarray) -> float:
-    """A replica generating the responses `lengths` for `n_prompts` prompts: one prefill per
-    prompt (branches share it, as vLLM's parallel sampling does), then continuous batching."""
+    """A replica generating the responses `lengths`: one prefill of `prefill_tokens` (the
+    prompts once: branches share it, as vLLM's parallel sampling does), then continuous
+    batching of responses that start from `prompt_tokens` cached tokens (the mean prompt)."""
     g, model = layout.gpus_per_replica, layout.model
-    total = prefill_s(hw, model, n_prompts * prompt_tokens, g)
+    total = prefill_s(hw, model, prefill_tokens, g)
     if len(lengths):
         active, held = decode_schedule(lengths, prompt_tokens, replica_slots(hw, layout, prompt_tokens, lengths))
         total += float(decode_step_s(hw, model, active, held, g).sum())
@@ -363,12 +366,16 @@ class CostModel:
         except KeyError:
             raise KeyError(f"cost model has no agent {agent!r} (has {sorted(self.agents)})") from None
 
-    def generate_s(self, agent: str, n_prompts: int, prompt_tokens: int,
+    def generate_s(self, agent: str, n_prompts: int, prompt_tokens: int | Sequence[int] | np.ndarray,
                    response_tokens: int | Sequence[int] | np.ndarray) -> float:
-        """One replica of `agent` serving `n_prompts` prompts of `prompt_tokens` tokens.
+        """One replica of `agent` serving `n_prompts` prompts.
+        `prompt_tokens`: one length for all prompts, or each prompt's length (n_prompts of them).
         `response_tokens`: every response's length (any count, e.g. prompts x branches), or
         one int meaning one response of that length per prompt."""
-        if n_prompts < 0 or prompt_tokens < 0:
+        prompts = np.asarray(prompt_tokens, dtype=np.int64).ravel()
+        if np.ndim(prompt_tokens) and len(prompts) != n_prompts:
+            raise ValueError(f"generate_s: {len(prompts)} prompt lengths for n_prompts={n_prompts}")
+        if n_prompts < 0 or (prompts < 0).any():
             raise ValueError(f"generate_s: n_prompts and prompt_tokens must be >= 0, got {n_prompts}, {prompt_tokens}")
         if np.ndim(response_tokens) == 0:
             lengths = np.full(n_prompts, int(response_tokens), dtype=np.int64)
@@ -376,7 +383,9 @@ class CostModel:
             lengths = np.asarray(response_tokens, dtype=np.int64).ravel()
         if (lengths < 0).any():
             raise ValueError(f"generate_s: response lengths must be >= 0, got min {lengths.min()}")
-        return generate_s(self.hw, self.layout(agent), n_prompts, prompt_tokens, lengths[lengths > 0])
+        prefill = int(prompts.sum()) if np.ndim(prompt_tokens) else n_prompts * int(prompts[0])
+        mean_prompt = prefill / n_prompts if n_prompts else 0.0
+        return generate_s(self.hw, self.layout(agent), prefill, mean_prompt, lengths[lengths > 0])
 
     def train_s(self, agent: str, tokens: int, optimizer_step: bool = True) -> float:
         """Forward/backward over `tokens` tokens on `agent`'s trainer group, plus the optimizer
