@@ -32,7 +32,7 @@ import torch
 from mpi4py import MPI
 
 from . import comm as C
-from .weight_sync import _header, _pack, _unpack
+from .weight_sync import _header, _pack, _unpack, host_bytes
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,9 @@ class HostBuffers:
         """`t` copied (non-blocking) into the buffer `name`; returns the buffer."""
         buf = self.buffers.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+            # the weight sync's host allocator: huge pages, or pinned where CUDA is there
+            raw = host_bytes(t.numel() * t.element_size(), pin=self.pin)
+            buf = raw.view(t.dtype).view(t.shape) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
             self.buffers[name] = buf
             self.allocations += 1
         buf.copy_(t.detach(), non_blocking=True)
