@@ -66,6 +66,18 @@ def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
     # published through checkpoint.py: a folder entry with its sha256 manifest
     from flexmarl_hpc.checkpoint import newest_valid
     assert newest_valid(tmp_path / "ckpt") == (1, tmp_path / "ckpt" / "v000001")
+    # export's reader: the TP2 entry resharded into one CPU rank gives the saved HF weights
+    code = ("import sys, torch; sys.argv = ['x']; import tests.mpi_megatron as m; "
+            "from flexmarl_hpc.trainer.megatron import hf_weights_of_entry; "
+            f"got = hf_weights_of_entry({str(tmp_path / 'ckpt' / 'v000001')!r}, m.ARGS['tp'], m.cfg_for(2, 1)); "
+            f"want = torch.load({str(tmp_path / 'ckpt.weights.pt')!r}); "
+            "assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want); print('export ok')")
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert "export ok" in p.stdout, p.stderr[-3000:]
 
 
 def test_four_ranks_tp2_dp2_and_tp2_pp2(megatron):
