@@ -49,7 +49,9 @@ def need_gpus(n: int) -> None:
 
 GPU = ["rollout.backend=vllm", "rollout.dtype=bf16", "trainer.backend=megatron", "trainer.precision=bf16",
        "weight_sync.backend=nccl", "run.log_every=1", "workflow.inputs_per_step=8",
-       "trainer.micro_batch_size=16"]
+       "trainer.micro_batch_size=16",
+       # head_dim 32: vLLM's attention backends do not all take the default tiny model's 16
+       "model.num_heads=2", "model.num_kv_heads=2"]
 
 
 def check_store(out, steps: int) -> None:
@@ -93,7 +95,8 @@ def test_job_vllm_megatron_nccl_one_group_per_agent(tmp_path):
 
 def test_job_vllm_megatron_nccl_swapped_agents(tmp_path):
     """1 replica + 1 megatron group for both agents (2 GPUs): the agents' states swap through
-    pinned host memory (offload/onload) between their steps; the other engine sleeps."""
+    pinned host memory (offload/onload) between their steps; on the replica both agents
+    share one vLLM engine (same architecture), switched by weight reload."""
     need_gpus(2)
     p = run_training(tmp_path, *GPU, "trainer.groups=1", "pipeline.swap_states=true", "run.steps=4",
                      timeout=1200, python=PYTHON)

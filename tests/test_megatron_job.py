@@ -71,6 +71,10 @@ def test_megatron_agents_swapped_on_one_group(mpiexec, tmp_path):
     p = run_training(tmp_path, *swap, "run.steps=3", timeout=300)
     assert "step    3/3" in p.stdout
     assert _versions(tmp_path) == {"speaker": 3, "listener": 3}
+    import h5py
+    with h5py.File(tmp_path / "local.h5", "r") as f:
+        acts = f["intervals"]["activity"].tolist()
+    assert acts.count(b"swap") >= 2 * 3, acts.count(b"swap")     # both ranks, at least once a step
     p = run_training(tmp_path, *swap, "run.steps=4", timeout=300)
     assert "resumed at versions {'speaker': 3, 'listener': 3}" in p.stdout
     assert _versions(tmp_path) == {"speaker": 4, "listener": 4}

@@ -60,27 +60,29 @@ class Swap:
             if s.nbytes() and s.data_ptr() not in storages:
                 storages[s.data_ptr()] = s
         parked = [(f"storage.{i}", s, s.nbytes()) for i, s in enumerate(storages.values())]
-        dev = next(iter(storages.values())).device if storages else torch.device("cpu")
         for name, s, _ in parked:
             host.copy_in(name, _bytes_of(s))
         # the leader's gathered HF weights may alias the parameters (one rank, fp32)
         self._named = {k: host.copy_in(f"named.{k}", v) if v.untyped_storage().data_ptr() in storages
                        else v for k, v in self._named.items()}
-        finish_copies(dev)
+        devices = {s.device for _, s, _ in parked}    # torch's Adam keeps `step` on the host
+        for dev in devices:
+            finish_copies(dev)
         for _, s, _ in parked:
             s.resize_(0)                              # every view keeps its (now empty) storage
         self._host, self._parked, self._parked_rng = host, parked, torch.get_rng_state()
-        release(dev)
+        for dev in devices:
+            release(dev)
 
     def onload(self) -> None:
         if self._host is None:
             return
         host, parked, self._host, self._parked = self._host, self._parked, None, []
-        dev = parked[0][1].device if parked else torch.device("cpu")
         for name, s, n in parked:
             s.resize_(n)
             _bytes_of(s).copy_(host.buffers[name], non_blocking=True)
-        finish_copies(dev)
+        for dev in {s.device for _, s, _ in parked}:
+            finish_copies(dev)
         torch.set_rng_state(self._parked_rng)
         self._parked_rng = None
         self._refresh_named()                          # the leader's weights on the device again
