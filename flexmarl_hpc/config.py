@@ -603,6 +603,10 @@ def validate(cfg: Config) -> None:
          f"got {cfg.trainer.ranks_per_group}")
     need(cfg.trainer.backend == "megatron" or mp == 1, "trainer.tensor_parallel",
          "tensor/pipeline parallelism needs trainer.backend=megatron")
+    # megatron's reference model (kl_coef > 0) runs outside the pipeline schedule
+    need(cfg.trainer.kl_coef == 0 or cfg.trainer.pipeline_parallel == 1, "trainer.kl_coef",
+         f"expected 0 with trainer.pipeline_parallel={cfg.trainer.pipeline_parallel} (the KL "
+         f"reference model runs with pipeline_parallel=1 only), got {cfg.trainer.kl_coef}")
     n_agents = len(cfg.agent_names)
     if cfg.num_trainer_groups < n_agents and not cfg.pipeline.swap_states:
         orphan = cfg.agent_names[cfg.num_trainer_groups]

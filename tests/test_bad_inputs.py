@@ -101,6 +101,8 @@ CASES = [
     ("grad_clip=-1", ["trainer.grad_clip=-1"], "trainer.grad_clip"),
     ("clip_eps=0", ["trainer.clip_eps=0"], "trainer.clip_eps"),
     ("kl_coef=nan", ["trainer.kl_coef=.nan"], "trainer.kl_coef"),
+    ("kl_coef with pp", ["trainer.backend=megatron", "trainer.ranks_per_group=2", "trainer.pipeline_parallel=2",
+                         "trainer.kl_coef=0.1"], "trainer.kl_coef"),
     ("tis_cap=0", ["trainer.tis_cap=0"], "trainer.tis_cap"),
     ("pp=-1", ["trainer.pipeline_parallel=-1"], "trainer.pipeline_parallel"),
     ("groups=-1", ["trainer.groups=-1"], "trainer.groups"),

@@ -19,14 +19,16 @@ from . import configs
 from .dist import allgather_bytes, device, init_group_distributed, scope
 from .dist_ckpt import DistCheckpoint
 from .hf_state import HFState
+from .swap import Swap
 
 
-class MegatronTrainer(HFState, DistCheckpoint):
+class MegatronTrainer(HFState, DistCheckpoint, Swap):
     def __init__(self, args: ModelArgs, cfg: TrainerConfig, group: MPI.Comm, temperature: float,
                  init: dict[str, torch.Tensor] | None = None):
-        if cfg.kl_coef > 0:
-            raise NotImplementedError("trainer.kl_coef > 0 (a frozen reference model) is not "
-                                      "implemented for the megatron backend; use trainer.backend=torch")
+        if cfg.kl_coef > 0 and cfg.pipeline_parallel > 1:
+            raise NotImplementedError("trainer.kl_coef > 0 with trainer.pipeline_parallel > 1: the frozen "
+                                      "reference model would need its own pipeline pass; use "
+                                      "pipeline_parallel=1 (TP and DP are supported)")
         init_group_distributed(group, cfg.tensor_parallel, cfg.pipeline_parallel)
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel
@@ -45,15 +47,25 @@ class MegatronTrainer(HFState, DistCheckpoint):
             init = hf_state_dict(build_model(args, seed=0))
         with scope(), torch.random.fork_rng(devices=[]):
             self.tconfig = configs.transformer_config(args, cfg)
-            self.gpt = GPTModel(config=self.tconfig, transformer_layer_spec=configs.layer_spec(),
-                                vocab_size=padded_vocab(args), max_sequence_length=args.max_seq_len,
-                                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                                share_embeddings_and_output_weights=args.tie_embeddings,
-                                position_embedding_type="rope", rotary_base=args.rope_theta)
-            if torch.cuda.is_available():
-                self.gpt.cuda(torch.cuda.current_device())
+
+            def gpt():
+                m = GPTModel(config=self.tconfig, transformer_layer_spec=configs.layer_spec(),
+                             vocab_size=padded_vocab(args), max_sequence_length=args.max_seq_len,
+                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                             share_embeddings_and_output_weights=args.tie_embeddings,
+                             position_embedding_type="rope", rotary_base=args.rope_theta)
+                return m.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else m
+            self.gpt = gpt()
             module = Float16Module(self.tconfig, self.gpt) if self.bf16 else self.gpt
             self._load_weights(init)
+            # kl_coef > 0: a frozen copy of the initial weights, sharded like the policy (TP),
+            # as TorchTrainer's reference model (not in the state: it is `init` again on resume)
+            self.ref = None
+            if cfg.kl_coef > 0:
+                ref = gpt()
+                ref.load_state_dict(self._shard_of(init), strict=False)
+                ref.requires_grad_(False).eval()
+                self.ref = Float16Module(self.tconfig, ref) if self.bf16 else ref
             self.model = DistributedDataParallel(config=self.tconfig, module=module,
                                                  ddp_config=configs.ddp_config(cfg))
             self.opt = get_megatron_optimizer(configs.optimizer_config(cfg), [self.model])
@@ -71,8 +83,27 @@ class MegatronTrainer(HFState, DistCheckpoint):
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """HF-named full weights (on the group leader; gathered after every step, so this
-        call is local)."""
+        call is local; a host copy while offloaded)."""
         return self._named
+
+    # -- state, checkpoints: also while offloaded (swap.py), on the device for the call --
+    def state(self) -> dict[str, torch.Tensor]:
+        if not self.offloaded:
+            return HFState.state(self)
+        with self.onloaded():                  # clones: with one rank they may alias the shards
+            return {k: v.clone() for k, v in HFState.state(self).items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        with self.onloaded():
+            HFState.load_state(self, state)
+
+    def save_checkpoint(self, folder, keep: int = 3):
+        with self.onloaded():
+            return DistCheckpoint.save_checkpoint(self, folder, keep)
+
+    def load_checkpoint(self, folder, report=print):
+        with self.onloaded():
+            return DistCheckpoint.load_checkpoint(self, folder, report)
 
     # -- training ------------------------------------------------------------------------
     def _dp_share(self, mb: MicroBatch) -> MicroBatch:
@@ -166,13 +197,22 @@ class MegatronTrainer(HFState, DistCheckpoint):
         i, mb = next(data_iterator)
         t0 = time.time()
         output = self._logits(model, mb)
+        ref_logits = None
+        if self.ref is not None:                       # PP = 1 (checked at construction)
+            with torch.no_grad():
+                ref_logits = self._logits(self.ref, mb)
         self._mark("forward", i, t0)
 
         def loss_func(logits):
             mbd = mb.to(logits.device)
             logp, ent = self._token_logprobs(logits, mbd)
+            ref_logp = None
+            if ref_logits is not None:
+                with torch.no_grad():
+                    ref_logp = self._token_logprobs(ref_logits, mbd)[0]
             loss, stats = grpo_loss(logp, ent, mbd, clip_eps=self.cfg.clip_eps,
-                                    entropy_coef=self.cfg.entropy_coef, tis_cap=self.cfg.tis_cap)
+                                    entropy_coef=self.cfg.entropy_coef, tis_cap=self.cfg.tis_cap,
+                                    kl_coef=self.cfg.kl_coef, ref_logp=ref_logp)
             for key, v in stat_values(stats).items():
                 out[key] = out.get(key, 0.0) + v
             # megatron's DDP averages gradients over data-parallel ranks and the schedule
