@@ -369,3 +369,31 @@ def test_sbatch_templates_run_as_written(slurm, tmp_path):
     for run in runs:
         assert_store_complete(run.result(timeout=150), 2)
     assert "--het-group" in (ROOT / "slurm/flexmarl_hetjob.sbatch").read_text()
+
+
+# ---------------------------------------------------------------------------------------
+# (e) heterogeneous agents: the paper's 48 x 16 GPU job, judged by a real slurmctld
+# ---------------------------------------------------------------------------------------
+PAPER = str(ROOT / "configs/paper_3x32b_7x14b.yaml")
+
+
+@pytest.mark.slurm
+def test_paper_config_is_accepted_by_sbatch_test_only(slurm, tmp_path, capsys):
+    """configs/paper_3x32b_7x14b.yaml (13 components, 561 ranks, 752 GPUs on 48 nodes x 16 GPUs)
+    as `submit` writes it: slurmctld's own scheduler says when it would start (the local
+    cluster's `gpu` partition: 48 State=CLOUD nodes with Gres=gpu:16, scripts/slurm_up.sh).
+    The same script asking one GPU too many per replica is refused: the test can fail."""
+    need("gpu" in slurm, "a Slurm partition `gpu` of 48 nodes x 16 GPUs (scripts/slurm_up.sh)")
+    ov = [f"run.output_dir={tmp_path}"]
+    assert submit_main([PAPER, *ov, "--dry-run"]) == 0      # partitions checked against sinfo
+    out = capsys.readouterr()
+    assert "total           561      48     752" in out.err
+    script = tmp_path / "job.sbatch"
+    script.write_text(out.out)
+    assert out.out.count("#SBATCH hetjob") == 12
+    p = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "to start at" in p.stderr, p.stderr
+    bad = tmp_path / "bad.sbatch"
+    bad.write_text(out.out.replace("--gpus-per-task=4", "--gpus-per-task=5"))
+    p = subprocess.run(["sbatch", "--test-only", str(bad)], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "not available" in p.stderr, p.stderr
