@@ -142,3 +142,25 @@ def test_pool_default_agents_are_those_whose_model_fits():
     cfg.rollout.pools[1].agents = []          # the 14B pool: 2 x 64 GB replicas
     pools = rollout_pools(cfg)
     assert all(a.startswith("shop14") for a in pools[1].agents) and len(pools[1].agents) == 7
+
+
+def test_state_swaps_stay_inside_a_swap_domain_of_one_shape():
+    """Uniform groups form one domain (any group may take any agent, as before); named
+    groups swap only with groups of the same label, which validation keeps to one shape."""
+    from flexmarl_hpc.build import initial_placement
+    from flexmarl_hpc.resources import swap_peers, trainer_groups
+    from flexmarl_hpc.state_swap import Location
+    cfg = load_config(ROOT / "configs/relay3.yaml", ["trainer.groups=2", "pipeline.swap_states=true"])
+    groups = trainer_groups(cfg)
+    assert [g.agents for g in groups] == [("speaker", "listener"), ("relay",)]
+    assert swap_peers(groups, 0) == [0, 1] and swap_peers(groups, 1) == [1, 0]
+    assert initial_placement(cfg) == {"speaker": Location(0, True), "relay": Location(1, True),
+                                      "listener": Location(0, False)}
+    groups_yaml = ("[{name: a, agents: [speaker], ranks: 2, tensor_parallel: 2, backend: megatron}, "
+                   "{name: b, agents: [relay, listener], swap: small}, {name: c, swap: small}]")
+    cfg = load_config(ROOT / "configs/hetero_cpu.yaml", [f"trainer.named_groups={groups_yaml}",
+                                                         "pipeline.swap_states=true"])
+    groups = trainer_groups(cfg)
+    assert swap_peers(groups, 0) == [0] and swap_peers(groups, 1) == [1, 2] and swap_peers(groups, 2) == [2, 1]
+    assert initial_placement(cfg) == {"speaker": Location(0, True), "relay": Location(1, True),
+                                      "listener": Location(1, False)}
