@@ -713,6 +713,10 @@ def help_text(cls: type = Config, prefix: str = "") -> str:
         if dataclasses.is_dataclass(tp):
             lines.append(help_text(tp, key))
             continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(item):          # rollout.pools, trainer.named_groups
+            lines.append(f"  {key} = []\n      {docs.get(f.name, '')}\n" + help_text(item, f"{key}[i]"))
+            continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         lines.append(f"  {key} = {to_dict(default)!r}\n      {docs.get(f.name, '')}")
     return "\n".join(lines)

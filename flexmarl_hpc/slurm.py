@@ -5,7 +5,8 @@
 
 A run is one heterogeneous job: component 0 the orchestrator (1 task), component 1 the
 rollout pool (rollout.replicas tasks), component 2 the trainer groups (groups x
-ranks_per_group tasks). One het step (`srun --het-group=0 ... : --het-group=1 ... :
+ranks_per_group tasks); with `rollout.pools` / `trainer.named_groups` one component per
+pool and per group, in that order (flexmarl_hpc.resources.components). One het step (`srun --het-group=0 ... : --het-group=1 ... :
 --het-group=2 ...`, each component with its own --cpus-per-task) starts every rank in one
 MPI_COMM_WORLD; SLURM_PROCID counts across components in that order, which is the rank
 order of flexmarl_hpc.layout. GPU components bind one block of GPUs per task

@@ -1,5 +1,6 @@
 """Slurm: job scripts against golden files, config checks before submission, and real jobs
-on a local Slurm cluster (scripts/slurm_up.sh: 4 virtual nodes on this host).
+on a local Slurm cluster (scripts/slurm_up.sh: 8 virtual nodes on this host, and a `gpu`
+partition of 48 x 16 GPUs that only `sbatch --test-only` uses).
 
     pytest tests/test_slurm.py -m "not slurm"     # pure: golden files, validation (~3 s)
     pytest tests/test_slurm.py -m slurm           # real Slurm; brings the cluster up (root)
