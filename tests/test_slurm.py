@@ -438,3 +438,16 @@ def test_hetero_cpu_runs_as_a_six_component_het_job(slurm, tmp_path):
     h5 = tmp_path / "hetero_cpu.h5"
     check_exactly_once(h5, 4)
     assert_group_intervals(h5, cfg)
+
+
+def test_dry_run_prints_the_component_table_on_stderr(tmp_path, capsys):
+    """stdout stays the script (`--dry-run > job.sbatch`); stderr has one row per component
+    with its ranks, nodes, GPUs and agents."""
+    assert submit_main([HETERO, f"run.output_dir={tmp_path}", "--dry-run", "--no-partition-check"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("#!/bin/bash\n") and out.out.count("#SBATCH hetjob") == 5
+    rows = [line.replace("pool ", "pool:").replace("group ", "group:").split()
+            for line in out.err.splitlines() if line[:1].isdigit()]
+    assert [(r[1], r[2]) for r in rows] == [("orchestrator", "0"), ("pool:big", "1"), ("pool:small", "2-3"),
+                                            ("group:speaker", "4-5"), ("group:relay", "6"), ("group:listener", "7")]
+    assert rows[3][-1] == "speaker" and rows[2][-1] == "relay,listener" and "megatron" in rows[3]
