@@ -403,33 +403,12 @@ def test_paper_config_is_accepted_by_sbatch_test_only(slurm, tmp_path, capsys):
 HETERO = str(ROOT / "configs/hetero_cpu.yaml")
 
 
-def assert_group_intervals(h5: Path, cfg) -> None:
-    """Per-rank intervals show each group's ranks (every TP rank of the megatron group too)
-    training that group's agents, and each replica generating only for agents of its pool."""
-    from flexmarl_hpc.layout import layout_from_config
-    from flexmarl_hpc.resources import rollout_pools, trainer_groups
-    lay = layout_from_config(cfg)
-    with h5py.File(h5, "r") as f:
-        iv = f["intervals"][:]
-    seen: dict[int, set] = {}
-    for rank, act, agent in zip(iv["rank"], iv["activity"], iv["agent"]):
-        seen.setdefault(int(rank), set()).add((bytes(act).decode(), bytes(agent).decode()))
-    for g, grp in enumerate(trainer_groups(cfg)):
-        for r in lay.group_ranks(g):
-            trained = {a for act, a in seen.get(r, ()) if act == "train"}
-            assert trained == set(grp.agents), f"group {grp.name} rank {r} trained {trained}"
-    pools = rollout_pools(cfg)
-    for i, r in enumerate(lay.replica_ranks):
-        made = {a for act, a in seen.get(r, ()) if act == "generate"}
-        assert made and made <= set(pools[lay.pool_of(i)].agents), f"replica rank {r} generated for {made}"
-
-
 @pytest.mark.slurm
 def test_hetero_cpu_runs_as_a_six_component_het_job(slurm, tmp_path):
     """configs/hetero_cpu.yaml on the local Slurm: 6 components (orchestrator, 2 pools, 3
     trainer groups, one of them megatron TP 2), every sample trained exactly once."""
     from flexmarl_hpc.config import load_config
-    from tests.test_run import check_exactly_once
+    from tests.test_run import check_exactly_once, check_group_intervals
     ov = ["run.steps=4", f"run.output_dir={tmp_path}", "run.log_every=1"]
     cfg = load_config(HETERO, ov)
     assert submit_main([HETERO, *ov, "--wait", "--timeout", "900"]) == 0
@@ -437,7 +416,7 @@ def test_hetero_cpu_runs_as_a_six_component_het_job(slurm, tmp_path):
     assert script.count("#SBATCH hetjob") == 5
     h5 = tmp_path / "hetero_cpu.h5"
     check_exactly_once(h5, 4)
-    assert_group_intervals(h5, cfg)
+    check_group_intervals(h5, cfg)
 
 
 def test_dry_run_prints_the_component_table_on_stderr(tmp_path, capsys):
