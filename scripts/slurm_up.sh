@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real Slurm 22.05 (Debian packages) on this one host, as 4 virtual nodes, for tests and CI.
+# A real Slurm 22.05 (Debian packages) on this one host, as 8 virtual nodes, for tests and CI.
 #
 #   sudo bash scripts/slurm_up.sh     # ~10 s on a fresh machine (apt-get ~7 s of it); <0.1 s when up
 #   bash scripts/slurm_down.sh        # stops the Slurm daemons (--all: its MariaDB, munged too)
