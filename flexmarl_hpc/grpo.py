@@ -5,7 +5,7 @@ Loss of one response of T tokens (per-token terms averaged over its tokens; a gl
 of N samples sums the per-sample losses and divides by N, so any micro-batch split of
 the batch accumulates to the same gradient):
 
-    prox_t = log pi_theta_k(y_t)         (detached: the weights at the start of this step)
+    prox_t = log pi_theta_k(y_t)         (detached: the weights at the start of this batch)
     r_t    = exp(log pi_theta(y_t) - prox_t)
     w_t    = min(exp(prox_t - behav_t), tis_cap)    (truncated importance weight, detached)
     l_t    = -w_t * min(r_t A, clip(r_t, 1-eps, 1+eps) A) - c_ent H_t + c_kl KL3_t
@@ -16,14 +16,16 @@ trainer replays the batch (trainer/base.py): prox_t stays the trainer's log-prob
 i.e. under the weights before the batch's first update (standard PPO "old" policy, kept in
 MicroBatch.old_logprobs), so from pass 2 on r_t moves and the clip bounds it. prox_t is not
 behav_t: the engine gap and staleness are w_t's job, fixed across passes, and the clip
-then measures only how far this batch's own updates moved the policy. w_t corrects EVERY sample for the gap between the
-policy that generated it (behav_t: the rollout engine's log-prob, another kernel, maybe
-bf16) and the trainer's policy: the decoupled-PPO / rollout-correction form of verl and
-slime. Per token, not per sequence: a sequence weight is a product of T token ratios whose
-variance grows with T, and truncating it throws away whole responses; per-token TIS keeps
-the variance bounded by tis_cap at a small bias (verl's token-level `rollout_is` default,
-slime's TIS). A fresh sample has w_t ~= 1 (equal up to the two engines' rounding); a stale
-one (pipeline.max_staleness > 0) is re-weighted towards the current policy.
+then measures only how far this batch's own updates moved the policy.
+
+w_t corrects EVERY sample for the gap between the policy that generated it (behav_t: the
+rollout engine's log-prob, another kernel, maybe bf16) and the trainer's policy: the
+decoupled-PPO / rollout-correction form of verl and slime. Per token, not per sequence: a
+sequence weight is a product of T token ratios whose variance grows with T, and truncating
+it throws away whole responses; per-token TIS keeps the variance bounded by tis_cap at a
+small bias (verl's token-level `rollout_is` default, slime's TIS). A fresh sample has w_t
+~= 1 (equal up to the two engines' rounding); a stale one (pipeline.max_staleness > 0) is
+re-weighted towards the current policy.
 Stats report `logp_mismatch` (per-sample mean |prox_t - behav_t|), `tis_mean` (per-sample
 mean w_t), `clip_frac` (per-sample fraction of tokens whose clipped term is the smaller,
 so their gradient is cut) and `ppo_kl` (per-sample mean prox_t - log pi_theta(y_t), the
