@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from .. import faults
 from ..grpo import MicroBatch
 
 
@@ -80,6 +81,7 @@ def finish_step(tr: TrainerBackend, epochs: int, stats: dict[str, float], group_
         for e in range(2, epochs + 1):
             s = tr.replay_pass()
             s = group_sum({k: s.get(k, 0.0) for k in REPLAY_STATS})
+            faults.hit("ppo_replay")        # test-only: no-op unless FLEXMARL_FAULT is set
             tr.optimizer_step(bump=e == epochs)
             for k in REPLAY_STATS:
                 rep[k] += s[k] / (epochs - 1)
