@@ -78,7 +78,8 @@ class TorchTrainer:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self.version += bump
+        if bump:                               # a replay pass before the last: same version
+            self.version += 1
         return {"grad_norm": norm}
 
     def named_weights(self) -> dict[str, torch.Tensor]:
