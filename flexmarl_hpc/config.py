@@ -181,7 +181,12 @@ class TrainerConfig:
     micro_batch_size: int = 16
     """Samples per forward/backward; gradients accumulate up to the global batch."""
     clip_eps: float = 0.2
-    """PPO ratio clip."""
+    """PPO ratio clip: r = pi/pi_old is bounded to [1 - clip_eps, 1 + clip_eps] for the
+    advantage's sign. It acts only with ppo_epochs > 1 (one pass has r = 1)."""
+    ppo_epochs: int = 1
+    """Optimizer passes over each global batch (verl ppo_epochs, TRL num_iterations, GRPO's
+    mu), one step each; pi_old is the trainer's policy before the batch's first pass. The
+    replay runs inside the trainer group, so a step is still one policy version."""
     entropy_coef: float = 0.0
     """Entropy bonus (the referential game needs ~0.05, see DESIGN.md)."""
     kl_coef: float = 0.0
@@ -616,6 +621,7 @@ def _validate_engines(cfg: Config) -> None:
     for key in ("weight_decay", "grad_clip", "entropy_coef", "kl_coef"):
         _float_in(getattr(tr, key), f"trainer.{key}", 0)
     _float_in(tr.clip_eps, "trainer.clip_eps", 0, lo_open=True)
+    _int_in(tr.ppo_epochs, "trainer.ppo_epochs", 1, 16)
     _float_in(tr.tis_cap, "trainer.tis_cap", 0, lo_open=True)
     _int_in(p.max_staleness, "pipeline.max_staleness", 0)
     _float_in(p.rebalance_threshold, "pipeline.rebalance_threshold", 0, 1)

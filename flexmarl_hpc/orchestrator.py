@@ -464,7 +464,8 @@ class Orchestrator:
                     "loss": [stats.get("loss", 0) / n], "reward_mean": [reward],
                     "entropy": [stats.get("entropy", 0) / n], "kl": [stats.get("kl", 0) / n],
                     "logp_mismatch": [stats.get("logp_mismatch", np.nan) / n],
-                    "tis_mean": [tis],
+                    "tis_mean": [tis], "clip_frac": [stats.get("clip_frac", np.nan) / n],
+                    "ppo_kl": [stats.get("ppo_kl", np.nan) / n],
                     "grad_norm": [stats.get("grad_norm", 0)], "staleness_max": [stale.max(initial=0)],
                     "staleness_mean": [stale.mean() if stale.size else 0.0],
                     "rows_offset": [off], "rows_len": [len(nodes)]})

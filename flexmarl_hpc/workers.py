@@ -19,6 +19,7 @@ from .grpo import MicroBatch
 from .rollout.base import GenRequest
 from .sampling import SamplingParams
 from .state_swap import StateMover
+from .trainer.base import finish_step
 from .weight_sync import SyncChannels, broadcast_weights
 
 
@@ -118,8 +119,9 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
                 acc[k] = acc.get(k, 0.0) + v
             reply = ("trained", agent, step)
             if last:
-                summed = _group_sum(group, acc)
-                summed.update(tr.optimizer_step())
+                # the optimizer step, then (trainer.ppo_epochs > 1) the replay passes with theirs
+                summed = finish_step(tr, tr.cfg.ppo_epochs, _group_sum(group, acc),
+                                     lambda d: _group_sum(group, d))
                 step_stats.pop(agent)
                 reply = ("stepped", agent, tr.version, summed)
             clock.mark("train", agent, t0)

@@ -59,6 +59,14 @@ def test_pipeline_parallel_with_tied_embeddings_matches_torch(megatron):
     assert "ok pp: 1F1B with 6 micro-batches per call" in out
 
 
+def test_ppo_epochs_replay_matches_torch_with_tp2_and_pp2(megatron):
+    """trainer.ppo_epochs=2: with TP2 the group re-forms the micro-batch and with PP2 only the
+    last stage computes log-probs; the replay's old log-probs must line up with the rows
+    each rank trains, so the step equals the torch trainer's."""
+    out = _run(megatron, 2, "ppo-tp", "ppo-pp")
+    assert "ok ppo tp: ppo_epochs=2 == torch" in out and "ok ppo pp: ppo_epochs=2 == torch" in out
+
+
 def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
     out = _run(megatron, 2, "ckpt", str(tmp_path / "ckpt"))
     assert "-> TP1xPP1xDP2 load" in out and "-> TP1xPP2xDP1 load" in out

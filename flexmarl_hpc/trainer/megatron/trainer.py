@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -42,6 +43,7 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
         self.te, self.bf16 = configs.use_te(), configs.resolve_precision(cfg) == "bf16"
         self.microbatches = configs.pipeline_microbatches(cfg)
         self.version, self.opt = 0, None
+        self.kept: list[tuple[list[MicroBatch], int, float]] = []   # this batch (ppo_epochs > 1)
         self.timeline: list[tuple[str, int, float, float]] | None = None   # set to a list to record
         if init is None:
             init = hf_state_dict(build_model(args, seed=0))
@@ -147,12 +149,27 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
         """`last`: no further micro-batch of this step follows (with overlap_grad_reduce the
         gradient reduce starts during this call's backward; earlier calls accumulate)."""
         mb = self._dp_share(mb)
-        stats = dict.fromkeys(self._stat_keys, 0.0)
         if len(mb) == 0:
-            return stats
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+            return dict.fromkeys(self._stat_keys, 0.0)
         chunks, pad = self._chunks(mb)
+        keep = self.cfg.ppo_epochs > 1 and mb.old_logprobs is None
+        return self._schedule(chunks, pad, scale, last, keep)
+
+    def replay_pass(self) -> dict[str, float]:
+        """Pass 2.. of trainer.ppo_epochs over the batch's kept chunks (this replica's share
+        as pass 1 cut it, the last stage's with pass 1's log-probs as old_logprobs)."""
+        acc: dict[str, float] = {}
+        for i, (chunks, pad, scale) in enumerate(self.kept):
+            for k, v in self._schedule(chunks, pad, scale, i == len(self.kept) - 1, False).items():
+                acc[k] = acc.get(k, 0.0) + v
+        return acc
+
+    def _schedule(self, chunks: list[MicroBatch], pad: int, scale: float, last: bool,
+                  keep: bool) -> dict[str, float]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        stats = dict.fromkeys(self._stat_keys, 0.0)
         out: dict[str, float] = {}
+        kept = list(chunks) if keep else None        # the loss fills in each chunk's log-probs
         B, T = chunks[0].input_ids.shape
         # overlap_grad_reduce: the schedule keeps all but its last micro-batch out of the
         # reduce, and the last runtime micro-batch of the step is the one that launches it
@@ -162,9 +179,11 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
         sync = self.model.no_sync() if overlap and not last else contextlib.nullcontext()
         with scope(), sync:
             get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, scale=scale, out=out, k=len(chunks)),
+                forward_step_func=partial(self._forward_step, scale=scale, out=out, k=len(chunks), kept=kept),
                 data_iterator=iter(enumerate(chunks)), model=[self.model], num_microbatches=len(chunks),
                 seq_length=T, micro_batch_size=B, forward_only=False)
+        if keep:
+            self.kept.append((kept, pad, scale))
         if self.tp_rank == 0 and self.pp_rank == self.pp - 1:
             stats.update(out)                          # one report per data-parallel replica
             stats["samples"] -= pad
@@ -193,7 +212,7 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
             vocab_size=self.args.vocab_size, reduce_sum=reduce_from_tensor_model_parallel_region,
             reduce_max=reduce_max)
 
-    def _forward_step(self, data_iterator, model, scale: float, out: dict, k: int):
+    def _forward_step(self, data_iterator, model, scale: float, out: dict, k: int, kept: list | None):
         i, mb = next(data_iterator)
         t0 = time.time()
         output = self._logits(model, mb)
@@ -215,6 +234,8 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
                                     kl_coef=self.cfg.kl_coef, ref_logp=ref_logp)
             for key, v in stat_values(stats).items():
                 out[key] = out.get(key, 0.0) + v
+            if kept is not None:                       # last stage only: the loss needs them
+                kept[i] = replace(mb, old_logprobs=logp.detach())
             # megatron's DDP averages gradients over data-parallel ranks and the schedule
             # divides by the k micro-batches; our 1/N scale (N = global batch) wants sums
             return loss * (scale * self.dp * k), {}
@@ -258,7 +279,7 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
                                         num_microbatches=1, seq_length=T, micro_batch_size=B, forward_only=True)
         return got[0] if got else None
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self, bump: bool = True) -> dict[str, float]:
         from megatron.core.distributed import finalize_model_grads
         with scope():
             finalize_model_grads([self.model])
@@ -269,8 +290,9 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
                 self.model.start_param_sync(force_sync=True)
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
-        self.version += 1
-        self._refresh_named()
+        if bump:                                    # a replayed pass's weights are never synced
+            self.version += 1
+            self._refresh_named()
         return {"grad_norm": float(grad_norm or 0.0)}
 
 
