@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from .store import (CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS,
+from .store import (CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, eval_key, INTERVAL_COLUMNS, METRIC_COLUMNS,
                     READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS)
 
 # the columns schema 1 had, where schema 2 added some
@@ -257,13 +257,8 @@ def summary(run: Run) -> dict:
     }
 
 
-def eval_key(agent: str, metric: str, mode: str) -> str:
-    """"agent/metric" (greedy) or "agent/metric/sample"; task-level metrics under "task"."""
-    return f"{agent or 'task'}/{metric}" + ("" if mode == "greedy" else f"/{mode}")
-
-
 def eval_curves(run: Run) -> dict:
-    """{key (eval_key): {"step": [...], "value": [...], "first", "last", "best", "n_inputs"}}."""
+    """{key (store.eval_key): {"step": [...], "value": [...], "first", "last", "best", "n_inputs"}}."""
     out = {}
     ev = run.evals
     if ev.empty:
