@@ -8,6 +8,9 @@ the `sync` barrier baseline or as the `flex` micro-batch pipeline:
         schedule()   admit steps, re-bind replicas (level 1), push weights, route requests
                      (level 2), hand out micro-batches
         handle()     record generations / train steps / syncs as they come back
+
+Held-out evaluation (evaluation.py) rides on the same loop: its requests go to replicas
+holding the evaluated version, its answers never reach the experience store.
 """
 from __future__ import annotations
 
@@ -260,7 +263,8 @@ class Orchestrator:
             with self.clock("store"):
                 self.store.append_eval(res.rows)
                 self.store.flush()
-            self.sinks.write(res.point, sink_scalars(self.store.eval.read(self.store.eval.disk - len(res.rows["step"])))[res.point])
+            written = self.store.eval.read(self.store.eval.disk - len(res.rows["step"]))
+            self.sinks.write(res.point, sink_scalars(written)[res.point])     # as the store has them
             secs = res.rows["t_end"][0] - res.rows["t_start"][0]
             self.log(f"eval at step {res.point:4d} | " + " ".join(f"{k} {v:.3f}" for k, v in res.summary.items())
                      + f" | {res.rows['n_inputs'][0]} held-out inputs, {secs:.1f} s")
