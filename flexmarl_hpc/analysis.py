@@ -26,7 +26,7 @@ import pandas as pd
 import yaml
 
 from .store import (ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS,
-                    METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS)
+                    METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, eval_key)
 
 # the columns schema 1 had, where schema 2 added some
 V1_ONLY = {"steps": [c for c in STEP_COLUMNS if c not in ("logp_mismatch", "tis_mean", "superseded", *ADDED)],
@@ -259,13 +259,8 @@ def summary(run: Run) -> dict:
     }
 
 
-def eval_key(agent: str, metric: str, mode: str) -> str:
-    """"agent/metric" (greedy) or "agent/metric/sample"; task-level metrics under "task"."""
-    return f"{agent or 'task'}/{metric}" + ("" if mode == "greedy" else f"/{mode}")
-
-
 def eval_curves(run: Run) -> dict:
-    """{key (eval_key): {"step": [...], "value": [...], "first", "last", "best", "n_inputs"}}."""
+    """{key (store.eval_key): {"step": [...], "value": [...], "first", "last", "best", "n_inputs"}}."""
     out = {}
     ev = run.evals
     if ev.empty:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .config import Config
 from .sampling import sample_seed
+from .store import eval_key
 from .workflows.base import Path, Task
 
 GREEDY, SAMPLE = "greedy", "sample"
@@ -68,6 +69,15 @@ class EvalResult:
     point: int
     rows: dict[str, list]              # /eval columns
     summary: dict[str, float]          # "agent/metric[/sample]" -> value (log line, sinks)
+
+
+def sink_scalars(rows) -> dict[int, dict[str, float]]:
+    """{step: {"<agent>/eval/<metric>[/sample]": value}} of /eval rows (a record array)."""
+    out: dict[int, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        key = eval_key(r["agent"].decode(), r["metric"].decode(), r["mode"].decode())
+        out[int(r["step"])][key.replace("/", "/eval/", 1)] = float(r["value"])
+    return dict(out)
 
 
 def eval_points(steps: int, every: int) -> list[int]:
@@ -173,7 +183,10 @@ class Evaluator:
     def _result(self, r: Round, now: float) -> EvalResult:
         rows: dict[str, list] = defaultdict(list)
         summary = {}
-        for (mode, key), total in sorted(r.sums.items()):
+        order = {a: i for i, a in enumerate(self.agents)}
+        keyed = sorted(((mode != GREEDY, order.get(self._split(key)[0], len(order)), key), (mode, key, total))
+                       for (mode, key), total in r.sums.items())       # workflow order, greedy first
+        for _, (mode, key, total) in keyed:
             agent, metric = self._split(key)
             value = total / r.paths[mode]
             used = r.versions.get(agent, {r.point})
@@ -183,7 +196,7 @@ class Evaluator:
                            ("n_paths", r.paths[mode]), ("version", r.point), ("t_start", r.t_start),
                            ("t_end", now)):
                 rows[col].append(v)
-            summary[f"{agent or 'task'}/{metric}" + ("" if mode == GREEDY else "/sample")] = value
+            summary[eval_key(agent, metric, mode)] = value
         return EvalResult(r.point, dict(rows), summary)
 
     def _split(self, key: str) -> tuple[str, str]:

@@ -8,6 +8,9 @@ the `sync` barrier baseline or as the `flex` micro-batch pipeline:
         schedule()   admit steps, re-bind replicas (level 1), push weights, route requests
                      (level 2), hand out micro-batches
         handle()     record generations / train steps / syncs as they come back
+
+Held-out evaluation (evaluation.py) rides on the same loop: its requests go to replicas
+holding the evaluated version, its answers never reach the experience store.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from . import comm as C
 from .checkpoint import latest_version
 from .build import initial_placement
 from .config import Config
-from .evaluation import GREEDY, Evaluator
+from .evaluation import GREEDY, Evaluator, sink_scalars
 from .experience import Experience, Node
 from .layout import ROLLOUT, RankLayout
 from .pool_binding import pool_binding
@@ -97,7 +100,7 @@ class Orchestrator:
         self.tokens_since = 0
         self.step_summary: dict[tuple, object] = {}     # per (agent, step): reward, staleness
         self.tis: dict[tuple, float] = {}               # per (agent, step): mean importance weight
-        self.evals = Evaluator(cfg, task, set(store.eval.read()["step"].tolist()),
+        self.evals = Evaluator(cfg, WatchedTask(task, self.watchdog), set(store.eval.read()["step"].tolist()),
                                {a: s.version for a, s in self.state.items()}) if cfg.run.eval_every else None
         self.eval_batches: dict[int, tuple[int, str, int, list]] = {}
 
@@ -122,6 +125,7 @@ class Orchestrator:
                      f"superseded" + "".join(f"; store: {r}" for r in self.store.repaired))
         elif self.store.repaired:
             self.log("store: " + "; ".join(self.store.repaired))
+        self.replay_eval_to_sinks()
         if self.evals is not None and self.evals.skipped:
             self.log(f"eval: steps {self.evals.skipped} cannot be evaluated any more (the restored "
                      "versions are past them)")
@@ -243,8 +247,15 @@ class Orchestrator:
             bid = self.next_batch = self.next_batch + 1
             self.eval_batches[bid] = (r.rank, agent, version, nodes)
             self.cmd(r.rank, ("generate", bid, agent, version, [self.evals.request(n) for n in nodes], params),
-                     f"evaluation batch {bid} of agent {agent} v{version} ({len(nodes)} requests)")
+                     f"generate batch {bid} of agent {agent} (evaluation at v{version}, {len(nodes)} requests)")
             r.busy, r.outstanding = "gen", float(sum(len(n.prompt) for n in nodes))
+
+    def replay_eval_to_sinks(self) -> None:
+        """A resumed process's sinks hide what the previous one logged from its first step on
+        (TensorBoard purge_step); the evaluations of those steps are in the store, not redone."""
+        rows = self.store.eval.read()
+        for step, scalars in sink_scalars(rows[rows["step"] >= self.logged_step]).items():
+            self.sinks.write(step, scalars)
 
     def on_eval_generated(self, bid: int, gens: list) -> None:
         """Evaluation answers: never journalled; a finished round becomes /eval rows, a log
@@ -256,7 +267,8 @@ class Orchestrator:
             with self.clock("store"):
                 self.store.append_eval(res.rows)
                 self.store.flush()
-            self.sinks.write(res.point, {k.replace("/", "/eval/", 1): v for k, v in res.summary.items()})
+            written = self.store.eval.read(self.store.eval.disk - len(res.rows["step"]))
+            self.sinks.write(res.point, sink_scalars(written)[res.point])     # as the store has them
             secs = res.rows["t_end"][0] - res.rows["t_start"][0]
             self.log(f"eval at step {res.point:4d} | " + " ".join(f"{k} {v:.3f}" for k, v in res.summary.items())
                      + f" | {res.rows['n_inputs'][0]} held-out inputs, {secs:.1f} s")

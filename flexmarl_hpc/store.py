@@ -78,6 +78,14 @@ EVAL_COLUMNS = {
     "step": "i8", "agent": "S64", "metric": "S64", "mode": "S8", "value": "f8", "n_inputs": "i4",
     "n_paths": "i4", "version": "i8", "t_start": "f8", "t_end": "f8",
 }
+
+
+def eval_key(agent: str, metric: str, mode: str) -> str:
+    """How an /eval row is named in logs, sinks and analyze: "agent/metric" (greedy) or
+    "agent/metric/sample"; the task's own metrics (agent "") under "task"."""
+    return f"{agent or 'task'}/{metric}" + ("" if mode == "greedy" else f"/{mode}")
+
+
 # a column an append may leave out, and its value (anything else missing is an error)
 DEFAULTS = {"superseded": 0, "logp_mismatch": np.nan, "tis_mean": np.nan,
             "reward": np.nan, "advantage": np.nan, "clip_frac": np.nan, "ppo_kl": np.nan}

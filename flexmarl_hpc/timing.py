@@ -119,7 +119,7 @@ class Watchdog:
 
 
 class WatchedTask:
-    """A task whose reward calls the watchdog times (rewards are computed on rank 0)."""
+    """A task whose reward (and evaluation metric) calls the watchdog times (rank 0 computes them)."""
 
     def __init__(self, task, watchdog: Watchdog) -> None:
         self._task, self._watchdog = task, watchdog
@@ -131,5 +131,12 @@ class WatchedTask:
         self._watchdog.current = ("a reward call", time.monotonic())
         try:
             return self._task.reward(path)
+        finally:
+            self._watchdog.current = None
+
+    def eval_metrics(self, path):
+        self._watchdog.current = ("an eval_metrics call", time.monotonic())
+        try:
+            return self._task.eval_metrics(path)
         finally:
             self._watchdog.current = None

@@ -58,6 +58,11 @@ CASES = [
     ("file-bad-yaml", b"run: [unclosed", "{file}"),
     ("file-top-list", b"- a list", "{file}"),
     ("task-no-colon", ["workflow.task=nope"], "workflow.task"),
+    # -- issue 15: held-out evaluation
+    ("eval_every=-1", ["run.eval_every=-1"], "run.eval_every"),
+    ("eval_inputs=0", ["run.eval_inputs=0"], "run.eval_inputs"),
+    ("eval_samples=-1", ["run.eval_samples=-1"], "run.eval_samples"),
+    ("eval-task-without-heldout", ["workflow.task=tests.faulty_tasks:NoHeldoutGame"], "run.eval_every"),
     ("task-missing", ["workflow.task=flexmarl_hpc.nope:Missing"], "workflow.task"),
     ("task_args-bogus", ["workflow.task_args={bogus: 1}"], "workflow.task_args"),
     ("top_p=0", ["rollout.top_p=0"], "rollout.top_p"),

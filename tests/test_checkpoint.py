@@ -165,8 +165,11 @@ def test_disk_full_during_a_run_checkpoint(tmp_path, mpiexec):
     left", the job stops, no .tmp is left and every checkpoint on disk still verifies."""
     with tmpfs(tmp_path, "3m") as mnt:
         out = mnt / "run"
+        # the 8-object game (the default config before issue 15): its store stays small
+        # enough that the checkpoints, not the store, fill the 3 MiB
         p = run_training(out, "run.steps=30", "run.checkpoint_every=10", "run.checkpoint_minutes=0",
-                         check=False, timeout=300)
+                         "workflow.task_args.num_objects=8", "workflow.inputs_per_step=8",
+                         "run.eval_every=0", check=False, timeout=300)
         text = p.stdout + p.stderr
         assert p.returncode != 0, text
         line = next(l for l in text.splitlines() if "checkpoint error:" in l)

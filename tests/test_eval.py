@@ -115,7 +115,8 @@ def test_a_task_without_heldout_inputs_is_refused_at_start(capsys, tmp_path):
     # without evaluation the task passes the same start-up check
     from flexmarl_hpc.build import build_task
     from flexmarl_hpc.run import check_eval
-    cfg = load_config(ROOT / "configs/local.yaml", ["workflow.task=tests.faulty_tasks:NoHeldoutGame"])
+    cfg = load_config(ROOT / "configs/local.yaml", ["workflow.task=tests.faulty_tasks:NoHeldoutGame",
+                                                    "run.eval_every=0"])
     check_eval(cfg, build_task(cfg))
 
 

@@ -108,11 +108,21 @@ def test_tensorboard_and_wandb_carry_the_store_across_a_resume(tmp_path, mpiexec
         assert [s for s, _ in tb[f"run/{tag}"]] == list(range(steps)), tag
     assert dict(tb["run/utilization"]) == pytest.approx(
         {int(s): float(v) for s, v in zip(met["step"], met["utilization"])}, rel=1e-6)
+    # held-out evaluation (configs/local.yaml: every 20 steps, and at the start and the end):
+    # its own points, the ones the first process logged past the resume point written again
+    with h5py.File(tmp_path / "local.h5") as f:
+        ev = f["eval"][:]
+    for agent in ("speaker", "listener"):
+        want = {int(r["step"]): float(r["value"]) for r in ev if r["agent"] == agent.encode()}
+        assert sorted(want) == [0, 20, steps]
+        assert dict(tb[f"{agent}/eval/reward"]) == pytest.approx(want, rel=1e-6), agent
 
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2, runs                       # one folder per process, one run id
     assert len({r.name.split("-", 3)[3] for r in runs}) == 1       # offline-run-<time>-<id>
     hist = [h for r in runs for h in read_wandb_history(next(r.glob("run-*.wandb")))]
+    assert {h["global_step"] for h in hist if "listener/eval/reward" in h} == {0, 20, steps}
+    hist = [h for h in hist if "run/utilization" in h]          # the per-step records
     by_step = {}
     for h in hist:
         by_step.setdefault(h["global_step"], []).append(h)
