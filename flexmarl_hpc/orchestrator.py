@@ -137,13 +137,20 @@ class Orchestrator:
             self.exp.admit_step(self.next_step)
             self.next_step += 1
         backlog = {a: sum(self.exp.est_tokens(n) for n in self.exp.pending[a]) for a in self.agents}
-        new = self.sched.rebind(backlog, self.binding)
+        new = self.sched.rebind(backlog, self.binding, [r.busy is None for r in self.replicas],
+                                [self.servable(r) for r in self.replicas])
         if new is not None:
             self.binding = new
         self.push_weights()
         for a in self.agents:
             self.dispatch_generation(a)
             self.dispatch_training(a)
+
+    def servable(self, r) -> set[str]:
+        """Agents replica `r` could generate for now: it holds their current weights, or
+        push_weights may sync them to it this round (time-sharing rebinds only to these)."""
+        return {a for a, st in self.state.items() if r.held.get(a) == st.version or not (
+            st.syncing or st.inflight or st.consumed or self.group_busy(st.location.group))}
 
     def all_synced(self) -> bool:
         return all(r.busy is None and r.held.get(a) == self.state[a].version
