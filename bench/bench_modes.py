@@ -128,9 +128,12 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each variant (>= 3 for a spread)")
     ap.add_argument("--steps", type=int, help="override run.steps of every workload (>= 4: 2 are start-up)")
+    ap.add_argument("--keep", type=Path, help="keep every run's directory here (for "
+                    "python -m flexmarl_hpc.analyze: timeline.png) instead of a temporary one")
     a = ap.parse_args()
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = a.keep or tmp
         for wl in a.workloads:
             config, base = WORKLOADS[wl]
             if a.steps:

@@ -160,6 +160,12 @@ class Table:
         new = np.concatenate(self.buf) if len(self.buf) > 1 else self.buf[0] if self.buf \
             else np.empty(0, self.dtype)
         self.buf = []
+        if not self.patches:                              # appends only (most writes)
+            self.ds.id.set_extent((self.disk + len(new),))
+            self._io(self.disk, new)
+            self.disk += len(new)
+            self._remember(new)
+            return
         old_lo, old = None, None
         patches, self.patches = self.patches, []
         lo = min((int(r.min()) for r, _ in patches if len(r)), default=self.disk)
@@ -327,7 +333,7 @@ class StoreFile:
                     t.write()
                     self.dirty.discard(t)
                     faults.hit("store_append")  # test-only: no-op unless FLEXMARL_FAULT is set
-            counts = np.array([t.disk for t in self.tables.values()], np.int64)
+            counts = np.fromiter((t.disk for t in self.tables.values()), np.int64, len(self.tables))
             if full:
                 self.f.flush()
                 faults.hit("store_flush")
