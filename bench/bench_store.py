@@ -11,15 +11,16 @@ of what the store must record. Then, interleaved A/B/A/B `--reps` times:
           token pools, events, in-place status patches and the commit protocol, flushed
           where the orchestrator flushes: once per micro-batch before the trainer sees it
           (`flush(full=False)`: one HDF5 flush; a generation batch's rows ride along with
-          the next micro-batch's flush, the durability contract needs no more), and a full
-          commit (two HDF5 flushes) at every optimizer step of every agent;
+          the next micro-batch's flush, the durability contract needs no more), the same at
+          every optimizer step of every agent, and a full commit (two HDF5 flushes) once a
+          global step (the log line);
   raw   : plain h5py appends of the same sample rows and tokens (`resize` + slice write),
           no status changes, no events, no commit, the records built untimed beforehand:
           raw-col   one dataset per column (the v1 layout), flushed once per generation batch;
           raw-rec   one compound dataset per table (the v2 layout, h5py's high-level API),
                     flushed once per generation batch: plain append, the speed of h5py;
           raw-recf  the same compound appends flushed at the store's flush points (once per
-                    micro-batch and per step): as many flushes, but nothing new to write
+                    micro-batch, agent step and global step): as many flushes, but nothing new to write
                     at most of them (a flush of an unchanged file costs almost nothing);
           raw-all   every row the store appends (samples, tokens AND the /events rows of
                     each status change), buffered per table and appended + flushed at the
@@ -71,6 +72,7 @@ def trace(cfg, task, steps: int) -> list[tuple]:
             while take := tree.take_ready(agent, step, cfg.trainer.micro_batch_size):
                 ops.append(("take", step, take))
             ops.append(("stepped", agent))
+        ops.append(("logged", step))
         tree.forget_step(step)
     return ops
 
@@ -90,8 +92,10 @@ def run_store(cfg, ops, path: Path) -> int:
         elif op[0] == "take":                             # as Experience.take_ready:
             j.status(op[2], CONSUMED, now, op[1])
             store.flush(full=False)                        # durable before the trainer sees it
+        elif op[0] == "stepped":
+            store.flush(full=False)                        # as on_stepped
         else:
-            store.flush()                                  # as on_stepped: a full commit
+            store.flush()                                  # as the log line: a full commit
     store.close()
     return n
 
@@ -226,10 +230,10 @@ def main() -> None:
                 rate[name].append(n / (time.perf_counter() - t))
                 p.unlink()
     n_gen, n_micro = sum(o[0] == "gen" for o in ops), sum(o[0] == "take" for o in ops)
-    n_step = sum(o[0] == "stepped" for o in ops)
+    n_step, n_log = sum(o[0] == "stepped" for o in ops), sum(o[0] == "logged" for o in ops)
     print(f"experience store, referential game, {a.steps} steps ({n} samples, {n_gen} generation "
-          f"batches; store flushes: {n_micro} per micro-batch + {n_step} full per agent step), "
-          f"{a.reps} interleaved reps")
+          f"batches; store flushes: {n_micro} per micro-batch + {n_step} per agent step + "
+          f"{n_log} full per global step), {a.reps} interleaved reps")
     print(f"  (the workflow tree itself, untimed below: {n / t_tree:.0f} samples/s)")
     for name, xs in rate.items():
         print(f"  {name:8s}: {statistics.median(xs):9.0f} samples/s  [{min(xs):.0f}, {max(xs):.0f}]")

@@ -389,7 +389,8 @@ class Orchestrator:
         tis = self.tis[(agent, step)] = stats.get("tis_mean", np.nan) / max(len(nodes), 1)
         with self.clock("store"):
             self._append_step(agent, version, stats, nodes, reward, stale, tis)
-            self.store.flush()          # committed before a checkpoint can hold this version
+            # written now, committed by the next flush: checkpoint() commits before it sends
+            self.store.flush(full=False)
         st.version, st.consumed, st.micro = version, 0, 0
         self.samples_since += len(nodes)
         if self.checkpoint_due(agent, version):
@@ -477,6 +478,7 @@ class Orchestrator:
 
     # -- checkpoints and shutdown ----------------------------------------------------------
     def checkpoint(self, agents: list[str], wait: bool = True) -> None:
+        self.store.flush()              # committed before a checkpoint can hold a version
         by_group = defaultdict(list)
         for a in agents:
             by_group[self.state[a].leader].append(a)
