@@ -5,7 +5,8 @@
     .venv/bin/python bench/bench_modes.py --workloads skewed --variants sync flex --steps 5   # a loaded machine
 
 For each workload it runs `python -m flexmarl_hpc.run` once per variant and repetition, in
-the order A B C .. A B C .. (so drift of a shared machine hits every variant alike), with the
+the order A B C .., B C .. A, .. (rotated each repetition, so drift of a shared machine hits
+every variant alike and none always runs first), with the
 same seed and config otherwise, and reads each run's HDF5 file:
   step s       median gap between consecutive global steps (/metrics t), start-up skipped
   samples/s    samples trained per second over the same window
@@ -132,16 +133,20 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each variant (>= 3 for a spread)")
     ap.add_argument("--steps", type=int, help="override run.steps of every workload (>= 4: 2 are start-up)")
+    ap.add_argument("--keep", type=Path, help="keep every run's directory here (for "
+                    "python -m flexmarl_hpc.analyze: timeline.png) instead of a temporary one")
     a = ap.parse_args()
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = a.keep or tmp
         for wl in a.workloads:
             config, base = WORKLOADS[wl]
             if a.steps:
                 base = [o for o in base if not o.startswith("run.steps=")] + [f"run.steps={a.steps}"]
             res: dict[str, list[dict]] = {v: [] for v in a.variants}
-            for rep in range(a.reps):                    # A B C .. A B C ..: drift hits all alike
-                for v in a.variants:
+            n = len(a.variants)
+            for rep in range(a.reps):                    # A B C .., B C .. A, ..: drift hits all alike
+                for v in a.variants[rep % n:] + a.variants[:rep % n]:
                     res[v].append(run(config, base + VARIANTS[v], Path(tmp) / f"{wl}-{v}-{rep}"))
                     print(f"  {wl} rep {rep + 1}/{a.reps} {v}: step {res[v][-1]['step_s']:.3f} s",
                           file=sys.stderr, flush=True)

@@ -8,15 +8,28 @@ steps exactly as the orchestrator drives it: admit a step, record each turn's ge
 of what the store must record. Then, interleaved A/B/A/B `--reps` times:
 
   store : the real write-through (`Journal` + `StoreFile`) replays the trace: sample rows,
-          token pools, events, in-place status patches, and the commit protocol (two HDF5
-          flushes per store flush), flushed after every generation batch and before every
-          micro-batch, as in a run;
-  raw   : plain h5py appends the same sample rows and tokens (`resize` + slice write),
-          flushed once per generation batch, no status changes, no events, no commit:
-          raw-col  one dataset per column (the v1 layout),
-          raw-rec  one compound dataset per table (the v2 layout, h5py's high-level API).
+          token pools, events, in-place status patches and the commit protocol, flushed
+          where the orchestrator flushes: once per micro-batch before the trainer sees it
+          (`flush(full=False)`: one HDF5 flush; a generation batch's rows ride along with
+          the next micro-batch's flush, the durability contract needs no more), the same at
+          every optimizer step of every agent, and a full commit (two HDF5 flushes) once a
+          global step (the log line);
+  raw   : plain h5py appends of the same sample rows and tokens (`resize` + slice write),
+          no status changes, no events, no commit, the records built untimed beforehand:
+          raw-col   one dataset per column (the v1 layout), flushed once per generation batch;
+          raw-rec   one compound dataset per table (the v2 layout, h5py's high-level API),
+                    flushed once per generation batch: plain append, the speed of h5py;
+          raw-recf  the same compound appends flushed at the store's flush points (once per
+                    micro-batch, agent step and global step): as many flushes, but nothing new to write
+                    at most of them (a flush of an unchanged file costs almost nothing);
+          raw-all   every row the store appends (samples, tokens AND the /events rows of
+                    each status change), buffered per table and appended + flushed at the
+                    store's flush points: the I/O the durability contract needs, done by
+                    plain h5py (no commit, no status patches, records prebuilt).
 
 Prints samples/s of each and the ratios store/raw as median [min, max] over the reps.
+The goal (issue 13): store >= 0.8x raw h5py append; raw-all is the like-for-like baseline
+(same rows, same flushes), raw-rec the plain append with no durability contract at all.
 """
 from __future__ import annotations
 
@@ -58,6 +71,8 @@ def trace(cfg, task, steps: int) -> list[tuple]:
         for agent in cfg.agent_names:
             while take := tree.take_ready(agent, step, cfg.trainer.micro_batch_size):
                 ops.append(("take", step, take))
+            ops.append(("stepped", agent))
+        ops.append(("logged", step))
         tree.forget_step(step)
     return ops
 
@@ -74,9 +89,13 @@ def run_store(cfg, ops, path: Path) -> int:
             j.status(ch.ready, READY, now)
             j.status(ch.dropped, DROPPED, now)
             n += len(ch.generated)
-        else:
+        elif op[0] == "take":                             # as Experience.take_ready:
             j.status(op[2], CONSUMED, now, op[1])
-        store.flush()
+            store.flush(full=False)                        # durable before the trainer sees it
+        elif op[0] == "stepped":
+            store.flush(full=False)                        # as on_stepped
+        else:
+            store.flush()                                  # as the log line: a full commit
     store.close()
     return n
 
@@ -98,7 +117,7 @@ def raw_batches(cfg, ops, path: Path) -> list[dict]:
     return out
 
 
-def run_raw(cfg, batches, path: Path, per_column: bool) -> int:
+def run_raw(cfg, ops, batches, path: Path, per_column: bool, flush_per_micro: bool) -> int:
     f = h5py.File(path, "w", libver="latest")
     chunk = cfg.store.chunk_rows
     ds = {}
@@ -112,8 +131,13 @@ def run_raw(cfg, batches, path: Path, per_column: bool) -> int:
                                                       (0,), maxshape=(None,), dtype=sub, chunks=(ch,))
     f.swmr_mode = True
     n = 0
-    for b in batches:
-        for a, (rec, tok) in b.items():
+    it = iter(batches)
+    for op in ops:
+        if op[0] != "gen":
+            if flush_per_micro:
+                f.flush()                                  # once per micro-batch and step
+            continue
+        for a, (rec, tok) in next(it).items():
             for table, arr in (("samples", rec), ("tokens", tok)):
                 for name in (arr.dtype.names if per_column else (None,)):
                     d = ds[a, table, name]
@@ -121,6 +145,55 @@ def run_raw(cfg, batches, path: Path, per_column: bool) -> int:
                     d.resize((len(d) + k,))
                     d[-k:] = arr[name] if name else arr
             n += len(rec)
+        if not flush_per_micro:
+            f.flush()
+    f.close()
+    return n
+
+
+def raw_appends(cfg, ops, path: Path) -> list[dict]:
+    """Per op, every row the store appends at it (samples, tokens, events; built with the
+    store's own code once, untimed), coalesced per table as the store's flush does."""
+    store = StoreFile(path, cfg.agent_names, {}, chunk=cfg.store.chunk_rows)
+    j = Journal(store)
+    out = []
+    for op in ops:
+        if op[0] == "gen":
+            ch = op[1]
+            j.generated(ch.generated, 0.0)
+            j.status(ch.ready, READY, 0.0)
+            j.status(ch.dropped, DROPPED, 0.0)
+        elif op[0] == "take":
+            j.status(op[2], CONSUMED, 0.0, op[1])
+        out.append({t.ds.name: (np.concatenate(t.buf), t.ds.chunks[0])
+                    for t in store.tables.values() if t.buf})
+        for t in store.tables.values():
+            t.buf, t.patches = [], []
+    store.f.close()
+    return out
+
+
+def run_raw_all(ops, appends: list[dict], path: Path) -> int:
+    """Plain h5py appends of every row the store appends, buffered per table until the
+    store's flush points (per micro-batch and per step) and flushed there: the I/O the
+    durability contract needs, at h5py's speed, without commit, patches or journal."""
+    f = h5py.File(path, "w", libver="latest")
+    ds = {name: f.create_dataset(name, (0,), maxshape=(None,), dtype=arr.dtype, chunks=(ch,))
+          for app in appends for name, (arr, ch) in app.items() if name not in f}
+    f.swmr_mode = True
+    n, buf = 0, {}
+    for op, app in zip(ops, appends):
+        for name, (arr, _) in app.items():
+            buf.setdefault(name, []).append(arr)
+        if op[0] == "gen":
+            n += len(op[1].generated)
+            continue
+        for name, arrs in buf.items():
+            arr = np.concatenate(arrs)
+            d = ds[name]
+            d.resize((len(d) + len(arr),))
+            d[-len(arr):] = arr
+        buf = {}
         f.flush()
     f.close()
     return n
@@ -142,12 +215,15 @@ def main() -> None:
     t = time.perf_counter()
     ops = trace(cfg, task, a.steps)
     t_tree = time.perf_counter() - t
-    rate = {"store": [], "raw-col": [], "raw-rec": []}
+    rate = {"store": [], "raw-col": [], "raw-rec": [], "raw-recf": [], "raw-all": []}
     with tempfile.TemporaryDirectory() as tmp:
         batches = raw_batches(cfg, ops, Path(tmp) / "prep.h5")
+        appends = raw_appends(cfg, ops, Path(tmp) / "prep2.h5")
         sides = {"store": lambda p: run_store(cfg, ops, p),
-                 "raw-col": lambda p: run_raw(cfg, batches, p, True),
-                 "raw-rec": lambda p: run_raw(cfg, batches, p, False)}
+                 "raw-col": lambda p: run_raw(cfg, ops, batches, p, True, False),
+                 "raw-rec": lambda p: run_raw(cfg, ops, batches, p, False, False),
+                 "raw-recf": lambda p: run_raw(cfg, ops, batches, p, False, True),
+                 "raw-all": lambda p: run_raw_all(ops, appends, p)}
         for rep in range(a.reps):
             for name, fn in sides.items():                # interleaved: drift hits every side
                 p = Path(tmp) / f"{name}{rep}.h5"
@@ -155,11 +231,15 @@ def main() -> None:
                 n = fn(p)
                 rate[name].append(n / (time.perf_counter() - t))
                 p.unlink()
-    print(f"experience store, referential game, {a.steps} steps ({n} samples), {a.reps} interleaved reps")
+    n_gen, n_micro = sum(o[0] == "gen" for o in ops), sum(o[0] == "take" for o in ops)
+    n_step, n_log = sum(o[0] == "stepped" for o in ops), sum(o[0] == "logged" for o in ops)
+    print(f"experience store, referential game, {a.steps} steps ({n} samples, {n_gen} generation "
+          f"batches; store flushes: {n_micro} per micro-batch + {n_step} per agent step + "
+          f"{n_log} full per global step), {a.reps} interleaved reps")
     print(f"  (the workflow tree itself, untimed below: {n / t_tree:.0f} samples/s)")
     for name, xs in rate.items():
         print(f"  {name:8s}: {statistics.median(xs):9.0f} samples/s  [{min(xs):.0f}, {max(xs):.0f}]")
-    for raw in ("raw-col", "raw-rec"):
+    for raw in ("raw-col", "raw-rec", "raw-recf", "raw-all"):
         ratios = [s / r for s, r in zip(rate["store"], rate[raw])]
         print(f"  ratio store/{raw}: {spread(ratios)}")
 

@@ -219,7 +219,8 @@ class PipelineConfig:
     load_balance: bool = True
     """Level-1 (inter-agent replica binding) load balancing; off: replicas split evenly."""
     rebalance_threshold: float = 0.5
-    """Re-bind replicas when the backlog share and replica share of an agent differ by more."""
+    """Re-bind replicas when the backlog share and replica share of an agent differ by more
+    (scheduler.rebind without batch-boundary information; a flex run time-shares instead)."""
     rebalance_cooldown: int = 4
     """Scheduling rounds to wait between two re-bindings (hysteresis)."""
     micro_batch_overlap: bool = True

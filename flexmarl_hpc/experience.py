@@ -12,6 +12,8 @@ consumed-but-uncommitted rows go back to READY, so no sample is lost or trained 
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import chain, repeat
+from operator import attrgetter
 
 import numpy as np
 
@@ -37,36 +39,39 @@ class Journal:
             self._append(agent, ns, now)
 
     def _append(self, agent: str, nodes: list[Node], now: float) -> None:
+        # one pass over the nodes per column (np.fromiter / chain, no per-sample numpy
+        # calls); the pool rows are one array: prompt, then response, logprob NaN on prompts
         tab, pool = self.store.samples[agent], self.store.tokens[agent]
-        plen = np.array([len(n.prompt) for n in nodes], np.int64)
-        rlen = np.array([len(n.response) for n in nodes], np.int64)
-        toks = np.empty(int((plen + rlen).sum()), pool.dtype)
-        toks["token"] = [t for n in nodes for t in (*n.prompt, *n.response)]
-        lp = np.full(len(toks), np.nan, np.float32)
-        ends = np.cumsum(plen + rlen)
-        starts = ends - plen - rlen
-        for n, s, p in zip(nodes, starts, plen):
-            lp[s + p:s + p + len(n.logprobs)] = n.logprobs
-        toks["logprob"] = lp
-        off = pool.append(toks)
         k = len(nodes)
-        rows = np.zeros(k, tab.dtype)
+        plen = np.fromiter((len(n.prompt) for n in nodes), np.int64, k)
+        rlen = np.fromiter((len(n.response) for n in nodes), np.int64, k)
+        total = int(plen.sum() + rlen.sum())
+        toks = np.empty(total, pool.dtype)
+        toks["token"] = np.fromiter(chain.from_iterable(chain(n.prompt, n.response) for n in nodes),
+                                    np.int32, total)
+        nan = float("nan")
+        toks["logprob"] = np.fromiter(chain.from_iterable(
+            chain(repeat(nan, p), n.logprobs, repeat(nan, r - len(n.logprobs)))
+            for n, p, r in zip(nodes, plen.tolist(), rlen.tolist())), np.float32, total)
+        off = pool.append(toks)
+        rows = np.empty(k, tab.dtype)
         rows["sample_id"] = [n.sample_id.encode() for n in nodes]
         rows["parent_id"] = [(n.parent.sample_id if n.parent else "").encode() for n in nodes]
         for name, attr in (("input_id", "input_id"), ("turn", "turn"), ("traj", "traj"),
                            ("step", "step"), ("policy_version", "version"), ("replica", "replica")):
-            rows[name] = [getattr(n, attr) for n in nodes]
+            rows[name] = np.fromiter(map(attrgetter(attr), nodes), np.int64, k)
         rows["status"] = GENERATED
         rows["trainer_step"] = -1
         for name in ("reward", "advantage", "t_ready", "t_consumed"):
             rows[name] = np.nan
         rows["t_generated"] = now
-        rows["token_offset"] = off + starts
+        ends = np.cumsum(plen + rlen)
+        rows["token_offset"] = off + ends - plen - rlen
         rows["prompt_len"], rows["response_len"] = plen, rlen
         first = tab.append(rows)
-        for i, n in enumerate(nodes):
-            n.row = first + i
-        self._events(agent, nodes, GENERATED, now, -1)
+        for i, n in enumerate(nodes, first):
+            n.row = i
+        self._events(agent, np.arange(first, first + k), None, GENERATED, now, -1)
 
     def status(self, nodes: list[Node], status: int, now: float, trainer_step: int = -1) -> None:
         """Record a status change of journalled nodes: one /events append and one queued
@@ -75,26 +80,28 @@ class Journal:
         for n in nodes:
             by_agent[n.agent].append(n)
         for agent, ns in by_agent.items():
-            rows = np.array([n.row for n in ns], np.int64)
+            rows = np.fromiter(map(attrgetter("row"), ns), np.int64, len(ns))
             fields: dict = {"status": status}
             if status == READY:
-                fields.update(reward=[n.reward for n in ns], advantage=[n.advantage for n in ns],
+                fields.update(reward=np.fromiter(map(attrgetter("reward"), ns), np.float32, len(ns)),
+                              advantage=np.fromiter(map(attrgetter("advantage"), ns), np.float32,
+                                                    len(ns)),
                               t_ready=now)
             elif status == CONSUMED:
                 fields.update(trainer_step=trainer_step, t_consumed=now)
             else:
                 fields.update(trainer_step=-1, t_consumed=np.nan)
             self.store.samples[agent].patch(rows, fields)
-            self._events(agent, ns, status, now, trainer_step)
+            self._events(agent, rows, fields, status, now, trainer_step)
 
-    def _events(self, agent: str, nodes: list[Node], status: int, now: float, tstep: int) -> None:
-        ev = np.zeros(len(nodes), self.store.events.dtype)
+    def _events(self, agent: str, rows: np.ndarray, fields, status: int, now: float,
+                tstep: int) -> None:
+        ev = np.empty(len(rows), self.store.events.dtype)
         ev["agent"] = self.agent_index[agent]
-        ev["row"] = [n.row for n in nodes]
+        ev["row"] = rows
         ev["status"], ev["t"], ev["trainer_step"] = status, now, tstep
         if status == READY:
-            ev["reward"] = [n.reward for n in nodes]
-            ev["advantage"] = [n.advantage for n in nodes]
+            ev["reward"], ev["advantage"] = fields["reward"], fields["advantage"]
         else:
             ev["reward"] = ev["advantage"] = np.nan
         self.store.events.append(ev)
@@ -151,7 +158,7 @@ class Experience(Tree):
         take = super().take_ready(agent, step, k)
         if take:
             self.journal.status(take, CONSUMED, self.store.now(), step)
-            self.store.flush()                   # durable before the trainer sees them
+            self.store.flush(full=False)         # durable before the trainer sees them
         return take
 
     def reload(self, first_step: int, versions: dict[str, int]) -> int:

@@ -158,7 +158,8 @@ class Orchestrator:
         backlog = {a: sum(self.exp.est_tokens(n) for n in self.exp.pending[a]) for a in self.agents}
         if self.evals is not None:                # an agent with only eval work gets a replica too
             backlog = {a: b + self.evals.pending_tokens(a) for a, b in backlog.items()}
-        new = self.level1.rebind(backlog, self.binding)
+        new = self.level1.rebind(backlog, self.binding, [r.busy is None for r in self.replicas],
+                                 [self.servable(r) for r in self.replicas])
         if new is not None:
             self.binding = new
         self.push_weights()
@@ -167,6 +168,12 @@ class Orchestrator:
             self.dispatch_training(a)
             if self.evals is not None:
                 self.dispatch_eval(a)
+
+    def servable(self, r) -> set[str]:
+        """Agents replica `r` could generate for now: it holds their current weights, or
+        push_weights may sync them to it this round (time-sharing rebinds only to these)."""
+        return {a for a, st in self.state.items() if r.held.get(a) == st.version or not (
+            st.syncing or st.inflight or st.consumed or self.group_busy(st.location.group))}
 
     def all_synced(self) -> bool:
         return all(r.busy is None and r.held.get(a) == self.state[a].version
@@ -459,7 +466,8 @@ class Orchestrator:
         tis = self.tis[(agent, step)] = stats.get("tis_mean", np.nan) / max(len(nodes), 1)
         with self.clock("store"):
             self._append_step(agent, version, stats, nodes, reward, stale, tis)
-            self.store.flush()          # committed before a checkpoint can hold this version
+            # written now, committed by the next flush: checkpoint() commits before it sends
+            self.store.flush(full=False)
         st.version, st.consumed, st.micro = version, 0, 0
         self.samples_since += len(nodes)
         if self.checkpoint_due(agent, version):
@@ -548,6 +556,7 @@ class Orchestrator:
 
     # -- checkpoints and shutdown ----------------------------------------------------------
     def checkpoint(self, agents: list[str], wait: bool = True) -> None:
+        self.store.flush()              # committed before a checkpoint can hold a version
         by_group = defaultdict(list)
         for a in agents:
             by_group[self.state[a].leader].append(a)

@@ -28,11 +28,15 @@ class PoolBinding:
                 out[i] = a
         return out
 
-    def rebind(self, backlog: dict[str, float], binding: list[str]) -> list[str] | None:
-        """Each pool re-binds its replicas from its agents' backlog; None if no pool changed."""
+    def rebind(self, backlog: dict[str, float], binding: list[str], idle: list[bool] | None = None,
+               servable: list[set[str]] | None = None) -> list[str] | None:
+        """Each pool re-binds its replicas from its agents' backlog; None if no pool changed.
+        `idle`/`servable` (per replica, over all pools) enable the schedulers' time-sharing."""
         new, changed = list(binding), False
         for idx, agents, sched in self.pools:
-            sub = sched.rebind({a: backlog[a] for a in agents}, [binding[i] for i in idx])
+            sub = sched.rebind({a: backlog[a] for a in agents}, [binding[i] for i in idx],
+                               None if idle is None else [idle[i] for i in idx],
+                               None if servable is None else [servable[i] & set(agents) for i in idx])
             if sub is not None:
                 changed = True
                 for i, a in zip(idx, sub):

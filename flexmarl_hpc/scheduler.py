@@ -1,10 +1,15 @@
 """The scheduler: pure policy, no MPI, no clock. The orchestrator and the simulator both
 ask it the same questions with plain data and act on its answers.
 
-Level 1 (inter-agent): how many replicas each agent gets, from its backlog of estimated
-tokens; re-bind only when the backlog share and the replica share of some agent differ
-by more than `rebalance_threshold` and `rebalance_cooldown` rounds have passed since the
-last re-binding (hysteresis), or when an agent with work has no replica at all.
+Level 1 (inter-agent): how much replica time each agent gets, from its backlog of
+estimated tokens. With what the orchestrator knows at batch boundaries (which replicas are
+idle, which agents each could serve now) it is time-sharing (`timeshare`): a replica that
+finishes a batch goes to the agent with the most backlog per replica, so with fewer
+replicas than agents, or one agent's backlog dominating, replicas are not pinned 1:1.
+Without that (`rebind(backlog, binding)` alone) it re-binds whole replicas only when the
+backlog share and the replica share of some agent differ by more than
+`rebalance_threshold` and `rebalance_cooldown` rounds have passed since the last
+re-binding (hysteresis), or when an agent with work has no replica at all.
 Level 2 (intra-agent): each request goes to the replica of its agent with the least
 outstanding work, so the samples of one prompt may be spread over several replicas.
 Gating: when may a step start, when may a request be generated at a version, when does
@@ -69,6 +74,31 @@ def disparity(backlog: dict[str, float], binding: list[str]) -> float:
     return max(abs(backlog[a] / total - binding.count(a) / n) for a in backlog)
 
 
+def timeshare(backlog: dict[str, float], binding: list[str], idle: list[bool],
+              servable: list[set[str]]) -> list[str]:
+    """Replica time in proportion to backlog, decided at batch boundaries: busy replicas
+    keep their agent; each idle replica in turn goes to the agent with the largest backlog
+    per replica serving it (busy ones and those assigned before: the D'Hondt rule) among
+    those with backlog it can serve now (`servable[r]`: it holds their current weights, or
+    they can be synced to it now). Ties keep the replica's agent (no needless sync); with
+    no servable backlog it keeps its agent. Every agent keeps progressing: an agent with
+    backlog and no replica bids its whole backlog, and a served agent's bid falls as its
+    backlog is dispatched, so it wins a replica within finitely many batches."""
+    out = list(binding)
+    serving = {a: 0 for a in backlog}
+    for a, i in zip(binding, idle):
+        if not i:
+            serving[a] = serving.get(a, 0) + 1
+    for r in (r for r, i in enumerate(idle) if i):
+        bids = [a for a in servable[r] if backlog.get(a, 0) > 0]
+        if not bids:
+            continue
+        best = max(bids, key=lambda a: (backlog[a] / (serving[a] + 1), a == binding[r], a))
+        out[r] = best
+        serving[best] += 1
+    return out
+
+
 def route(requests: list[float], outstanding: dict[int, float]) -> dict[int, list[int]]:
     """Level 2: assign each request (estimated tokens, in order) to the replica with the
     least outstanding work, counting what was assigned before it. Returns replica -> request
@@ -99,11 +129,20 @@ class Scheduler:
         return assign(allocate({a: 0.0 for a in self.agents}, self.num_replicas),
                       [None] * self.num_replicas)
 
-    def rebind(self, backlog: dict[str, float], binding: list[str]) -> list[str] | None:
-        """A new replica -> agent binding, or None to keep the current one. Call once a round."""
+    def rebind(self, backlog: dict[str, float], binding: list[str], idle: list[bool] | None = None,
+               servable: list[set[str]] | None = None) -> list[str] | None:
+        """A new replica -> agent binding, or None to keep the current one. Call once a round.
+        flex with load balancing, `idle`/`servable` given (the orchestrator) and fewer replicas
+        than agents: `timeshare`. With a replica per agent available, the backlog-proportional
+        allocation below keeps bindings stable: time-sharing there re-syncs every version to
+        every replica, on the trainer leader's critical path (bench_modes, referential: flex
+        fell to 0.92x of sync with it, from 1.27x without)."""
         self.rounds_since_rebind += 1
         starving = any(backlog[a] > 0 and a not in binding for a in self.agents)
-        if self.mode == "sync" or not self.load_balance:
+        if (self.mode == "flex" and self.load_balance and idle is not None and servable is not None
+                and len(self.agents) > self.num_replicas):
+            new = timeshare(backlog, binding, idle, servable)
+        elif self.mode == "sync" or not self.load_balance:
             if not starving:
                 return None
             static = self.initial_binding()

@@ -9,9 +9,11 @@ Variable-length data (tokens + log-probs, the sample rows of a step) live in poo
 addressed by (offset, length) fields: no pickles, no vlen types.
 
 Writes are buffered in memory and reach the file in `flush()`, which the orchestrator calls
-before it acts on a state change (once per generation batch and per micro-batch). A flush
-writes every table's new rows and in-place patches, flushes HDF5, then writes /commit (the
-committed row count of every table) and flushes again. Re-opening discards rows past the
+before it acts on a state change (once per micro-batch, before the trainer sees it; at every
+optimizer step, checkpoint and log line). A full flush writes every table's new rows and
+in-place patches, flushes HDF5, then writes /commit (the committed row count of every table)
+and flushes again; the per-micro-batch flush is one HDF5 flush that commits the previous
+flush's rows (see `StoreFile.flush`). Re-opening discards rows past the
 committed counts (a torn append: killed mid-write or a full disk; no zero-filled rows) and
 rebuilds the samples' status fields from the committed /events (the journal is the truth,
 the status fields are its cache), so a status change never survives without its event.
@@ -136,6 +138,7 @@ class Table:
         # a copy of the last rows written: status patches hit the live steps' rows, and
         # patching this copy spares reading them back before the range is rewritten
         self.keep = 8 * ds.chunks[0] if mirror else 0
+        self.mirror = mirror                  # a status cache: its patches may wait (flush)
         self._m, self._mn = np.empty(2 * self.keep, self.dtype), 0     # rows [disk - _mn, disk)
 
     def append(self, rows: dict | np.ndarray) -> int:
@@ -168,38 +171,52 @@ class Table:
         self.dirty.add(self)
 
     def write(self) -> None:
-        """New rows: one resize + one write. Patches of rows already on disk: one read and
-        one write of the contiguous range they span (the rows a status change touches are
-        the few live steps', so the range is short), never a per-row point selection."""
+        """New rows: one resize + one write. Patches of rows already on disk: the contiguous
+        range they span (the few live steps' rows, patched in the copy of the last rows or
+        read back), never a per-row point selection; when that range ends near the end of
+        the table it goes out with the new rows as ONE write."""
         if not self.buf and not self.patches:
             return
         new = np.concatenate(self.buf) if len(self.buf) > 1 else self.buf[0] if self.buf \
             else np.empty(0, self.dtype)
         self.buf = []
-        old_lo, old_hi, old = None, None, None
-        patches, self.patches = self.patches, []
-        on_disk = [r[r < self.disk] for r, _ in patches]
-        if any(len(r) for r in on_disk):
-            old_lo = int(min(r.min() for r in on_disk if len(r)))
-            old_hi = int(max(r.max() for r in on_disk if len(r))) + 1
-            m_lo = self.disk - self._mn
-            if old_lo >= m_lo:                            # a view: patched in place
-                old = self._m[old_lo - m_lo:old_hi - m_lo]
-            else:
-                old = self.read(old_lo, old_hi)
-        for (rows, fields), disk_rows in zip(patches, on_disk):
-            mine = rows >= self.disk
-            for name, v in fields.items():
-                v = np.broadcast_to(np.asarray(v), rows.shape)
-                if len(disk_rows):
-                    old[name][rows[~mine] - old_lo] = v[~mine]
-                if mine.any():
-                    new[name][rows[mine] - self.disk] = v[mine]
-        if old is not None:
-            self._io(old_lo, old)
-        if len(new):
+        if not self.patches:                              # appends only (most writes)
             self.ds.id.set_extent((self.disk + len(new),))
             self._io(self.disk, new)
+            self.disk += len(new)
+            self._remember(new)
+            return
+        old_lo, old = None, None
+        patches, self.patches = self.patches, []
+        lo = min((int(r.min()) for r, _ in patches if len(r)), default=self.disk)
+        if lo < self.disk:
+            hi = max(int(r[r < self.disk].max()) for r, _ in patches if len(r) and r.min() < self.disk) + 1
+            m_lo = self.disk - self._mn
+            if lo >= m_lo and len(new) and self.disk - hi <= max(len(new), 64):
+                hi = self.disk                            # one write: [lo, disk) + new rows
+            old_lo = lo
+            old = self._m[lo - m_lo:hi - m_lo] if lo >= m_lo else self.read(lo, hi)
+        for rows, fields in patches:
+            mine = rows >= self.disk
+            if mine.all():                                # only rows not yet written
+                for name, v in fields.items():
+                    new[name][rows - self.disk] = v
+                continue
+            for name, v in fields.items():
+                v = np.broadcast_to(np.asarray(v), rows.shape)
+                old[name][rows[~mine] - old_lo] = v[~mine]
+                if mine.any():
+                    new[name][rows[mine] - self.disk] = v[mine]
+        if len(new):
+            self.ds.id.set_extent((self.disk + len(new),))
+        if old is not None and len(new) and old_lo + len(old) == self.disk:
+            self._io(old_lo, np.concatenate([old, new]))
+        else:
+            if old is not None:
+                self._io(old_lo, old)
+            if len(new):
+                self._io(self.disk, new)
+        if len(new):
             self.disk += len(new)
             self._remember(new)
 
@@ -265,10 +282,12 @@ class StoreFile:
         self.steps = {a: mk(f"steps/{a}", STEP_COLUMNS, 256) for a in self.agents}
         self.step_rows = {a: mk(f"step_rows/{a}", None, 4096, "i8") for a in self.agents}
         self.intervals = mk("intervals", INTERVAL_COLUMNS, 4096)
-        self.events = mk("events", EVENT_COLUMNS, 4096)
+        # small chunks: every flush rewrites the events table's last (dirty) chunk whole
+        self.events = mk("events", EVENT_COLUMNS, 512)
         self.metrics = mk("metrics", METRIC_COLUMNS, 256)
         self.eval = mk("eval", EVAL_COLUMNS, 256)
         self.tables = {t.ds.name: t for t in self._all()}
+        self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         if fresh:
             self.commit = self.f.create_dataset("commit", data=np.zeros(len(self.tables), np.int64))
             self.commit.attrs["tables"] = list(self.tables)
@@ -303,6 +322,7 @@ class StoreFile:
                 self.repaired.append(f"discarded {len(t.ds) - keep} uncommitted rows of {name}")
                 t.ds.resize((keep,))
             t.disk = t.n = keep
+        self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         for i, a in enumerate(self.agents):
             fixed = replay_events(self.samples[a], self.events.read(), i)
             if fixed:
@@ -330,21 +350,40 @@ class StoreFile:
     def now(self) -> float:
         return time.time() - self.t0
 
-    def flush(self) -> None:
+    def flush(self, full: bool = True) -> None:
         """Write every buffered row and patch, then commit: data first, then /commit, each
-        made visible by an HDF5 flush, so a commit never names rows not yet written."""
+        made visible by an HDF5 flush, so a commit never names rows not yet written.
+
+        `full=False` is the per-micro-batch flush (the orchestrator's hot path): every new
+        row reaches the file (the CONSUMED events included) before it returns, but
+          - /commit names the rows of the PREVIOUS flush, which that flush made durable, so
+            one HDF5 flush suffices; rows of this one are committed by the next flush. A
+            crash in between loses them exactly as if this flush had not happened: the
+            micro-batch's trainer step was not committed either (on_stepped makes a full
+            flush before a checkpoint can hold it), so the resume requeues its samples all
+            the same;
+          - status patches of sample rows already on disk (the status fields are a cache of
+            /events) wait for the next flush that appends rows to the same table, or the
+            next full one (every optimizer step, checkpoint, log line and close).
+        """
         if not self.dirty:
             return
         try:
-            for t in self.dirty:
-                t.write()
-                faults.hit("store_append")      # test-only: no-op unless FLEXMARL_FAULT is set
-            self.dirty.clear()
+            for t in list(self.dirty):
+                if full or t.buf or not t.mirror:
+                    t.write()
+                    self.dirty.discard(t)
+                    faults.hit("store_append")  # test-only: no-op unless FLEXMARL_FAULT is set
+            counts = np.fromiter((t.disk for t in self.tables.values()), np.int64, len(self.tables))
+            if full:
+                self.f.flush()
+                faults.hit("store_flush")
+                self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts)
+            else:
+                self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self.flushed)
+                faults.hit("store_flush")
             self.f.flush()
-            faults.hit("store_flush")
-            counts = np.array([t.disk for t in self.tables.values()], np.int64)
-            self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts)
-            self.f.flush()
+            self.flushed = counts
         except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
             raise StoreError.of(self.path, e) from None
 

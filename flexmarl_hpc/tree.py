@@ -22,6 +22,7 @@ Every method that changes statuses returns a `Changes`: what the journal must re
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -58,7 +59,7 @@ class Node:
     row: int = -1                      # its row in the journal (set by the journal)
     trainer_step: int = -1
 
-    @property
+    @cached_property                   # asked for often (journal, seeds, keys); never changes
     def sample_id(self) -> str:
         return f"{self.input_id}_{self.turn}_{self.traj}"
 

@@ -106,6 +106,9 @@ def test_reload_requeues_what_the_trainers_lost_and_regenerates_nothing(plain, r
     exp = Experience(cfg, task, store)
     run_step(exp, 0)                              # step 0 fully trained
     run_step(exp, 1, consume=4)                   # step 1: 4 of each agent consumed, then a crash
+    # ... after a full commit (another agent's step, a log line): a micro-batch's own flush
+    # is committed by the next flush, and the status fields of written rows follow later
+    store.flush()
     before = {a: file_state(path, a)[0] for a in cfg.agent_names}
     store.f.close()                               # "crash": nothing after the last flush survives
 

@@ -1,5 +1,5 @@
 """Pure scheduler policy on skewed request patterns (no MPI, no clock)."""
-from flexmarl_hpc.scheduler import Scheduler, allocate, assign, disparity, route
+from flexmarl_hpc.scheduler import Scheduler, allocate, assign, disparity, route, timeshare
 
 
 def test_allocate_is_proportional_and_keeps_every_busy_agent_served():
@@ -114,3 +114,64 @@ def test_replica_widths_per_pool_give_each_replica_its_own_block():
     gpus = [str(i) for i in range(8)]
     blocks = [choose_device(r, peers, role_widths(lay, 4), gpus, rw).gpus for r in range(lay.world_size)]
     assert blocks == [(), ("0", "1", "2", "3"), ("4",), ("5",), ("6",), ("7",)]
+
+
+ALL3 = [{"p", "c", "w"}] * 2
+
+
+def test_timeshare_gives_a_dominant_backlog_both_replicas_not_one():
+    # 3 agents, 2 replicas: the writer's backlog dominates; the planner replica frees up
+    backlog = {"p": 0.0, "c": 100.0, "w": 4000.0}
+    assert timeshare(backlog, ["p", "w"], [True, False], ALL3) == ["w", "w"]
+    # level-1 allocation alone pins them 1:1 while the coder has any work
+    assert sorted(allocate(backlog, 2).items()) == [("c", 1), ("p", 0), ("w", 1)]
+    # busy replicas keep their agent; both idle: D'Hondt, 4000/1 then 4000/2 > 100
+    assert timeshare(backlog, ["c", "c"], [True, True], ALL3) == ["w", "w"]
+
+
+def test_timeshare_serves_every_agent_as_the_big_backlog_drains():
+    # the writer's bid halves with each replica it holds: the coder wins once 2 x its
+    # backlog exceeds the writer's, and never waits while a replica idles for nothing
+    assert timeshare({"c": 100.0, "w": 150.0}, ["w", "w"], [True, False], [{"c", "w"}] * 2) == ["c", "w"]
+    assert timeshare({"c": 100.0, "w": 250.0}, ["w", "w"], [True, False], [{"c", "w"}] * 2) == ["w", "w"]
+    # simulated: replicas alternate finishing batches of 16 requests; every agent's
+    # backlog is served in proportion, none starves
+    backlog = {"c": 16.0 * 16, "w": 64.0 * 64}
+    binding, served = ["c", "w"], {"c": 0, "w": 0}
+    for k in range(40):
+        r = k % 2
+        idle = [i == r for i in range(2)]
+        binding = timeshare(backlog, binding, idle, [{"c", "w"}] * 2)
+        a = binding[r]
+        if backlog[a] > 0:
+            per = 16.0 if a == "c" else 64.0
+            backlog[a] = max(0.0, backlog[a] - 16 * per)
+            served[a] += 1
+    assert backlog == {"c": 0.0, "w": 0.0} and served == {"c": 1, "w": 4}
+
+
+def test_timeshare_keeps_a_replica_off_agents_it_cannot_serve_now_and_ties_keep_it():
+    # the writer is mid-step (training): a replica lacking its weights cannot take it
+    assert timeshare({"c": 10.0, "w": 4000.0}, ["c", "w"], [True, False], [{"c"}, {"c", "w"}]) == ["c", "w"]
+    # nothing it can serve has backlog: it stays where it is
+    assert timeshare({"c": 0.0, "w": 4000.0}, ["c", "w"], [True, False], [{"c"}, {"c", "w"}]) == ["c", "w"]
+    # equal bids: no move (a move may cost a weight sync)
+    assert timeshare({"c": 100.0, "w": 100.0}, ["c", "w"], [True, True], [{"c", "w"}] * 2) == ["c", "w"]
+
+
+def test_rebind_time_shares_in_flex_only_and_not_without_load_balancing():
+    backlog = {"p": 0.0, "c": 100.0, "w": 4000.0}
+    flex = Scheduler(["p", "c", "w"], 2, "flex")
+    assert flex.rebind(backlog, ["c", "w"], [True, False], ALL3) == ["w", "w"]
+    assert flex.rebind(backlog, ["c", "w"], [True, False], ALL3) == ["w", "w"]     # no cooldown
+    assert flex.rebind(backlog, ["c", "w"], [True, False], ALL3) == ["w", "w"]
+    for s in (Scheduler(["p", "c", "w"], 2, "sync"), Scheduler(["p", "c", "w"], 2, "flex", load_balance=False)):
+        assert s.rebind(backlog, ["c", "w"], [True, False], ALL3) is None
+
+
+def test_rebind_keeps_one_replica_per_agent_when_there_are_enough_replicas():
+    """2 agents on 2 replicas: a dominant backlog does not take the other agent's only
+    replica at every batch boundary (that re-syncs both agents to both replicas each
+    version); the threshold/cooldown allocation applies instead."""
+    s = Scheduler(["a", "b"], 2, "flex", threshold=0.9, cooldown=100)
+    assert s.rebind({"a": 4000.0, "b": 100.0}, ["a", "b"], [True, True], [{"a", "b"}] * 2) is None

@@ -104,6 +104,41 @@ def test_a_torn_append_is_discarded_and_statuses_follow_the_events(tmp_path):
         assert f["samples/a"]["status"].tolist() == [READY, READY, GENERATED, GENERATED]
 
 
+def test_a_micro_batch_flush_is_readable_at_once_and_committed_by_the_next(tmp_path):
+    path = tmp_path / "s.h5"
+
+    def write():
+        s = StoreFile(path, AGENTS, {})
+        s.samples["a"].append(sample_rows(s, "a", 4))
+        s.events.append(event_rows(s, "a", np.arange(4), GENERATED))
+        s.flush()                                              # full: 4 rows, 4 events
+        s.samples["a"].patch([0, 1], {"status": CONSUMED, "trainer_step": 0})
+        s.events.append(event_rows(s, "a", [0, 1], CONSUMED, tstep=0))
+        s.flush(full=False)                                    # micro-batch 1
+        with h5py.File(path, "r", swmr=True) as f:            # in the file before the trainer
+            assert f["events"]["status"][-2:].tolist() == [CONSUMED] * 2
+            assert f["samples/a"]["status"][:2].tolist() == [GENERATED] * 2    # cache: later
+        s.samples["a"].patch([2], {"status": CONSUMED, "trainer_step": 0})
+        s.events.append(event_rows(s, "a", [2], CONSUMED, tstep=0))
+        s.flush(full=False)                                    # micro-batch 2: commits 1
+        return s
+
+    in_child_then_kill(write)
+    s = StoreFile(path, AGENTS, {})
+    rows, ev = s.samples["a"].read(), s.events.read()
+    assert len(ev) == 6                                        # micro-batch 2 was not committed
+    assert rows["status"].tolist() == [CONSUMED, CONSUMED, GENERATED, GENERATED]
+    assert rows["trainer_step"].tolist() == [0, 0, -1, -1]     # rebuilt from the events
+    s.samples["a"].patch([2], {"status": READY})
+    s.events.append(event_rows(s, "a", [2], READY))
+    s.flush(full=False)
+    s.flush()                                                  # a full flush writes the cache
+    with h5py.File(path, "r", swmr=True) as f:
+        assert f["samples/a"]["status"].tolist() == [CONSUMED, CONSUMED, READY, GENERATED]
+        assert f["commit"][:].tolist() == s.flushed.tolist()
+    s.close()
+
+
 def test_superseded_rows_are_marked_and_readers_count_current_ones(tmp_path):
     path = tmp_path / "s.h5"
     s = StoreFile(path, AGENTS, {})
