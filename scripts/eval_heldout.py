@@ -4,6 +4,7 @@ greedily, through the workflow's turns, and `task.eval_metrics` scores the leave
 
     python scripts/eval_heldout.py configs/smollm2_learn.yaml -n 128            # zero-shot
     python scripts/eval_heldout.py runs/smollm2_learn -n 128 --all --json out.json
+    python scripts/eval_heldout.py --plot out.json docs/smollm2_learn.png   # the curve
 
 With a run directory it evaluates its latest checkpoint (or every kept one with --all),
 each agent at the same version. Prints mean metrics with their binomial standard error.
@@ -55,13 +56,40 @@ def load_agents(cfg, run_dir: FsPath | None, version: int | None) -> dict:
     return models
 
 
+def plot(rows_file: str, png: str) -> None:
+    """Held-out metrics per policy version (version 0: the base model), ±1 binomial std err."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sorted((json.loads(x) for x in open(rows_file) if x.strip()), key=lambda r: r["version"])
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for key in [k for k in rows[0] if k not in ("version", "n")]:
+        v = [r["version"] for r in rows]
+        y = [r[key] for r in rows]
+        e = [math.sqrt(x * (1 - x) / r["n"]) for x, r in zip(y, rows)]
+        ax.errorbar(v, y, yerr=e, marker="o", capsize=3, label=key)
+    ax.set_xlabel("policy version (training step)")
+    ax.set_ylabel(f"held-out mean, greedy (n={rows[0]['n']})")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("source", help="a config YAML (base model) or a run directory")
+    ap.add_argument("source", nargs="?", help="a config YAML (base model) or a run directory")
+    ap.add_argument("--plot", nargs=2, metavar=("JSONL", "PNG"), help="plot the recorded rows and exit")
     ap.add_argument("-n", type=int, default=128, help="held-out inputs")
     ap.add_argument("--all", action="store_true", help="every kept checkpoint, not only the latest")
     ap.add_argument("--json", help="append one JSON line per evaluated version to this file")
     a = ap.parse_args(argv)
+    if a.plot:
+        plot(*a.plot)
+        return 0
+    if not a.source:
+        ap.error("a config YAML or a run directory is needed")
     torch.set_num_threads(1)
     src = FsPath(a.source)
     run_dir = src if src.is_dir() else None

@@ -37,18 +37,14 @@ def chatml(system: str, user: str) -> str:
 class SolverVerifier(Task):
 
     def __init__(self, turns: list[str], tokenizer: str, max_operand: int = 10, ops: str = "+-",
-                 system: str = "You are a careful assistant. Answer briefly.", heldout: int = 0,
-                 min_operand: int = 0):
+                 system: str = "You are a careful assistant. Answer briefly.", heldout: int = 0):
         if len(turns) != 2:
             raise TypeError(f"SolverVerifier needs exactly 2 turns (solver, verifier), got {len(turns)}")
         if max_operand < 1:
             raise TypeError(f"max_operand must be >= 1, got {max_operand}")
         if not ops or set(ops) - set("+-*"):
             raise TypeError(f"ops must be a non-empty string over '+-*', got {ops!r}")
-        if not 0 <= min_operand <= max_operand:
-            raise TypeError(f"min_operand must be in [0, max_operand={max_operand}], got {min_operand}")
         self.turns, self.max_operand, self.ops, self.system = turns, max_operand, ops, system
-        self.min_operand = min_operand
         space = self._all_problems()
         if not 0 <= heldout <= len(space) // 2:
             raise TypeError(f"heldout must be in [0, {len(space) // 2}] (half of the {len(space)} "
@@ -74,15 +70,15 @@ class SolverVerifier(Task):
         return ids[0]
 
     def _all_problems(self) -> list[list]:
-        r = range(self.min_operand, self.max_operand + 1)
+        r = range(self.max_operand + 1)
         return [[a, op, b] for op in self.ops for a in r for b in r]
 
     # -- the task ------------------------------------------------------------------------
     def sample_inputs(self, rng: np.random.Generator, n: int) -> list[list]:
         if self._train is not None:     # uniform over the problems not held out
             return [list(self._train[i]) for i in rng.integers(0, len(self._train), n)]
-        a = rng.integers(self.min_operand, self.max_operand + 1, n)
-        b = rng.integers(self.min_operand, self.max_operand + 1, n)
+        a = rng.integers(0, self.max_operand + 1, n)
+        b = rng.integers(0, self.max_operand + 1, n)
         op = rng.integers(0, len(self.ops), n)
         return [[int(x), self.ops[o], int(y)] for x, o, y in zip(a, op, b)]
 
