@@ -68,6 +68,30 @@ def test_prompts_masks_and_rewards(tokenizer):
     assert {op for _, op, _ in xs} == {"+", "-"} and all(0 <= a <= 10 and 0 <= b <= 10 for a, op, b in xs)
 
 
+def test_heldout_inputs_are_fixed_disjoint_from_training_and_scored(tokenizer):
+    t = task(tokenizer, heldout=60)
+    held = t.heldout_inputs(60)
+    # the same problems whatever the seed or instance, a prefix for smaller n, no duplicates
+    assert held == task(tokenizer, heldout=60).heldout_inputs(60) and held[:10] == t.heldout_inputs(10)
+    assert len({tuple(x) for x in held}) == 60 and {op for _, op, _ in held} == {"+", "-"}
+    # training never draws them, and still covers the rest of the 242 problems
+    drawn = {tuple(x) for x in t.sample_inputs(np.random.default_rng(1), 5000)}
+    assert not drawn & {tuple(x) for x in held} and len(drawn) == 242 - 60
+    # without a reserve the same first problems come back (and may be trained on)
+    assert task(tokenizer).heldout_inputs(10) == held[:10]
+    with pytest.raises(ValueError, match="61 held-out inputs asked, the task reserves 60"):
+        t.heldout_inputs(61)
+    with pytest.raises(TypeError, match=r"heldout must be in \[0, 121\]"):
+        task(tokenizer, heldout=122)
+    yes, no = (t.vocab.tokenizer.token_to_id(w) for w in ("yes", "no"))
+    right, wrong = ids(t, "7") + (t.vocab.eos_id,), ids(t, "12")
+    assert t.eval_metrics(Path([3, "+", 4], (right, (yes,)))) == {
+        "solver_correct": 1.0, "verifier_correct": 1.0, "team": 1.0}
+    assert t.eval_metrics(Path([3, "+", 4], (right, (no,))))["team"] == 0.0
+    assert t.eval_metrics(Path([3, "+", 4], (wrong, (no,)))) == {
+        "solver_correct": 0.0, "verifier_correct": 1.0, "team": 0.0}
+
+
 def test_bad_task_args_name_the_field(tokenizer, tmp_path):
     with pytest.raises(ConfigError, match=r"workflow.task_args.*nowhere: no tokenizer.json"):
         load_task("flexmarl_hpc.workflows.arithmetic:SolverVerifier", {"tokenizer": str(tmp_path / "nowhere")},

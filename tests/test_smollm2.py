@@ -43,3 +43,28 @@ def test_two_agents_start_from_smollm2_train_and_export(smollm2, tmp_path, mpiex
     with torch.no_grad():
         diff = float((hf(ids).logits - ours(ids)).abs().max())
     assert diff < 1e-4, f"transformers and flexmarl logits of the exported agent differ by {diff}"
+
+
+@pytest.mark.smollm2
+@pytest.mark.megatron
+def test_learning_config_runs_and_its_heldout_eval_is_recorded(smollm2, tmp_path, mpiexec):
+    """configs/smollm2_learn.yaml shortened to 2 steps of 2 inputs: the machinery, not the
+    learning. The held-out evaluation (scripts/eval_heldout.py) scores the base model and
+    the run's last checkpoint on the same held-out problems and records both."""
+    import json
+    import sys
+    run = tmp_path / "run"
+    run_training(run, "run.steps=2", "run.checkpoint_every=2", "workflow.inputs_per_step=2",
+                 config="configs/smollm2_learn.yaml", timeout=900)
+    check_exactly_once(run / "smollm2_learn.h5", 2)
+    out = tmp_path / "eval.jsonl"
+    for source in ("configs/smollm2_learn.yaml", str(run)):
+        p = subprocess.run([sys.executable, "scripts/eval_heldout.py", source, "-n", "8", "--json", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+        assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["version"] for r in rows] == [0, 2] and all(r["n"] == 8 for r in rows), rows
+    for r in rows:
+        assert set(r) == {"version", "n", "solver_correct", "verifier_correct", "team"}
+        assert all(x * 8 == int(x * 8) and 0 <= x <= 1 for k, x in r.items() if k not in ("version", "n")), r

@@ -6,6 +6,11 @@ token). Turn 1: the verifier sees the question and the solver's answer and says 
 (restricted to those words). Rewards: the solver gets 1 when its number is right; the
 verifier gets 1 when its verdict is right. Prompts use the ChatML format of SmolLM2 / Qwen2 instruct models.
 
+Held-out evaluation: `heldout` (task arg) problems of a fixed, seed-independent shuffle of all
+problems are reserved; training never draws them, `heldout_inputs(n)` returns the first n
+(n <= heldout; with heldout=0 nothing is reserved and they may also be trained on).
+`eval_metrics` scores a greedy leaf: solver_correct, verifier_correct, team (both right).
+
     workflow:
       task: flexmarl_hpc.workflows.arithmetic:SolverVerifier
       task_args: {tokenizer: models/smollm2-135m-instruct, max_operand: 10}
@@ -32,7 +37,7 @@ def chatml(system: str, user: str) -> str:
 class SolverVerifier(Task):
 
     def __init__(self, turns: list[str], tokenizer: str, max_operand: int = 10, ops: str = "+-",
-                 system: str = "You are a careful assistant. Answer briefly."):
+                 system: str = "You are a careful assistant. Answer briefly.", heldout: int = 0):
         if len(turns) != 2:
             raise TypeError(f"SolverVerifier needs exactly 2 turns (solver, verifier), got {len(turns)}")
         if max_operand < 1:
@@ -40,6 +45,14 @@ class SolverVerifier(Task):
         if not ops or set(ops) - set("+-*"):
             raise TypeError(f"ops must be a non-empty string over '+-*', got {ops!r}")
         self.turns, self.max_operand, self.ops, self.system = turns, max_operand, ops, system
+        space = self._all_problems()
+        if not 0 <= heldout <= len(space) // 2:
+            raise TypeError(f"heldout must be in [0, {len(space) // 2}] (half of the {len(space)} "
+                            f"problems), got {heldout}")
+        self.heldout = heldout
+        self._reserve = [space[i] for i in np.random.default_rng(20261123).permutation(len(space))]
+        held = {tuple(p) for p in self._reserve[:heldout]}
+        self._train = None if heldout == 0 else [p for p in space if tuple(p) not in held]
         self.vocab = TokenizerVocab(tokenizer)
         self.stop_tokens = frozenset({self.vocab.eos_id})
         number_tokens = [self._single_token(c) for c in "0123456789-"]
@@ -56,20 +69,39 @@ class SolverVerifier(Task):
             raise ValueError(f"{self.vocab.path}: {text!r} is not a single token ({ids})")
         return ids[0]
 
+    def _all_problems(self) -> list[list]:
+        r = range(self.max_operand + 1)
+        return [[a, op, b] for op in self.ops for a in r for b in r]
+
     # -- the task ------------------------------------------------------------------------
     def sample_inputs(self, rng: np.random.Generator, n: int) -> list[list]:
+        if self._train is not None:     # uniform over the problems not held out
+            return [list(self._train[i]) for i in rng.integers(0, len(self._train), n)]
         a = rng.integers(0, self.max_operand + 1, n)
         b = rng.integers(0, self.max_operand + 1, n)
         op = rng.integers(0, len(self.ops), n)
         return [[int(x), self.ops[o], int(y)] for x, o, y in zip(a, op, b)]
 
     HELDOUT_SEED = 0xE7A1
-    """Seed of the held-out problems' own stream (training inputs come from (run.seed, step))."""
+    """Seed of the held-out problems' own stream when none are reserved (task arg heldout=0)."""
 
     def heldout_inputs(self, n: int) -> list[list]:
-        # a fixed stream of its own, so evaluation never touches the training inputs' rng; with
-        # small operands the problem space is small, so these are not disjoint from training
-        return self.sample_inputs(np.random.default_rng(self.HELDOUT_SEED), n)
+        """With task arg `heldout` > 0: the first n reserved problems (the same for every seed
+        and run), which training never draws. Without: a fixed stream of its own, so
+        evaluation never touches the training inputs' rng (not disjoint from training)."""
+        if not self.heldout:
+            return self.sample_inputs(np.random.default_rng(self.HELDOUT_SEED), n)
+        if not 0 <= n <= self.heldout:
+            raise ValueError(f"{n} held-out inputs asked, the task reserves {self.heldout} "
+                             "(raise workflow.task_args.heldout)")
+        return [list(p) for p in self._reserve[:n]]
+
+    def eval_metrics(self, path: Path) -> dict[str, float]:
+        """A finished leaf's evaluation: the solver's number and the verifier's verdict right?"""
+        r = self.reward(path)
+        solver, verifier = self.turns
+        return {"solver_correct": r[solver], "verifier_correct": r[verifier],
+                "team": float(r[solver] == 1.0 and r[verifier] == 1.0)}
 
     @staticmethod
     def answer(problem) -> int:
