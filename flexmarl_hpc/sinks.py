@@ -40,6 +40,9 @@ PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb"}
 STEP_TAGS = ("reward_mean", "loss", "entropy", "kl", "grad_norm", "staleness_max", "staleness_mean",
              "n_samples")
 """/steps/<agent> columns copied per agent (reward_mean is written as `reward`)."""
+OPTIONAL_STEP_TAGS = ("logp_mismatch", "tis_mean", "clip_frac", "ppo_kl")
+"""/steps columns copied where the file has them (a file resumed from before they existed
+lacks clip_frac and ppo_kl)."""
 RUN_TAGS = ("samples_per_s", "utilization", "staleness_max", "rollout_s", "train_s", "sync_s", "swap_s")
 """/metrics columns copied as `run/<column>`."""
 
@@ -59,7 +62,8 @@ def step_scalars(store, step: int, metrics: dict, extra: dict[str, float] | None
         if rows.size == 0:
             continue
         r = int(rows[-1])
-        for col in STEP_TAGS:
+        names = tab.ds.dtype.names or ()
+        for col in STEP_TAGS + tuple(c for c in OPTIONAL_STEP_TAGS if c in names):
             out[f"{agent}/{'reward' if col == 'reward_mean' else col}"] = float(tab.ds[col][r])
     for col in RUN_TAGS:
         out[f"run/{col}"] = float(metrics[col][0])

@@ -18,7 +18,8 @@ from tests.conftest import ROOT, need, run_training
 SMALL = ["run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
          "workflow.turns=[{agent: speaker, samples: 4, max_new_tokens: 2}, "
          "{agent: listener, samples: 4, max_new_tokens: 1}]"]
-PER_AGENT = ("reward", "loss", "entropy", "kl", "grad_norm", "staleness_max", "staleness_mean")
+PER_AGENT = ("reward", "loss", "entropy", "kl", "grad_norm", "staleness_max", "staleness_mean",
+             "logp_mismatch", "tis_mean", "clip_frac", "ppo_kl")
 RUN = ("samples_per_s", "tokens_per_s", "utilization", "staleness_max", "rollout_s", "train_s", "sync_s")
 
 
