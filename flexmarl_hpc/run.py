@@ -267,6 +267,7 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
     import yaml
     from .orchestrator import Orchestrator
     from .store import StoreFile
+    from .transport import MpiTransport
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
@@ -285,7 +286,7 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
         f"({layout.replicas} replicas, {layout.groups} trainer groups x {layout.ranks_per_group}); "
         f"store {store.path}")
     try:
-        code = Orchestrator(cfg, task, world, layout, store, lambda: _PREEMPTED, log).run()
+        code = Orchestrator(cfg, task, MpiTransport(world), layout, store, lambda: _PREEMPTED, log).run()
     finally:
         store.close()
         log_file.close()
