@@ -4,7 +4,8 @@ clock. Nothing sleeps; `receive` jumps the clock to the next reply.
 A command's reply is made of two independent parts:
 - its content, from `SyntheticWorkers` (responses of modelled length, made of tokens the
   task allows, so the real workflow computes real rewards; training compute skipped), or
-  from any object with the same two methods (in-process real engines/trainers, later);
+  from `sim.inprocess.InProcessWorkers` (the real engine and trainers, for small models:
+  the run then equals an MPI run), or any object with the same four methods;
 - its timing, from a `CostModel` (seconds of each operation) and the workers' queues: a
   worker runs its commands in arrival order, one at a time, as a real rank does, and a
   weight broadcast or a state move starts once every member has reached it (rendezvous).
@@ -91,6 +92,12 @@ class SyntheticWorkers:
     def train(self, cmd: M.Train) -> dict[str, float]:
         return {}
 
+    def sync(self, cmd: M.Sync) -> None:
+        pass
+
+    def checkpoint(self, cmd: M.Checkpoint) -> None:
+        pass
+
     def _allowed(self, turn: int) -> np.ndarray:
         if turn not in self._ids:
             mask = self.task.allowed_tokens(turn)
@@ -151,6 +158,8 @@ class SimTransport:
                 reply = M.Trained(msg.agent, msg.step)
             self._run(rank, start, dt, "train", msg.agent, reply)
         elif isinstance(msg, M.Sync):
+            if rank == msg.members[0]:
+                self.workers.sync(msg)               # the leader's weights at the broadcast
             dt = self.cost.sync_s(msg.agent, self.weight_bytes.get(msg.agent, 0))
             reply = (M.Synced(index, msg.agent, msg.version) if role == ROLLOUT
                      else M.TrainerSynced(msg.agent, msg.version))
@@ -162,6 +171,7 @@ class SimTransport:
             self._meet(("move", msg.agent, msg.src, msg.dst), leaders, rank, start, dt,
                        "swap", msg.agent, M.Moved(msg.agent))
         elif isinstance(msg, M.Checkpoint):
+            self.workers.checkpoint(msg)
             self._run(rank, start, 0.0, "checkpoint", ",".join(msg.agents), M.Checkpointed(msg.agents))
         elif isinstance(msg, M.Stop):
             ranks = [rank] if role == ROLLOUT else self.layout.group_ranks(index)
