@@ -128,10 +128,9 @@ class SimTransport:
         self.events: list[tuple[float, int, int, M.Reply]] = []     # (t, seq, src, reply)
         self.seq = 0
         self.meetings: dict[tuple, _Meeting] = {}
-        self.version: dict[str, int] = {}            # each agent's trainer version
         self.charge = charge_orchestrator
         self._real = time.perf_counter()
-        self.sent = 0
+        self.sent = 0                                # commands handled (for throughput figures)
 
     # -- Transport ------------------------------------------------------------------------
     def send(self, rank: int, msg: M.Command) -> None:
@@ -152,7 +151,6 @@ class SimTransport:
             dt = self.cost.train_s(msg.agent, int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])))
             if msg.last:
                 dt += getattr(self.cost, "optimizer_s", lambda agent: 0.0)(msg.agent)
-                self.version[msg.agent] = msg.step + 1
                 reply: M.Reply = M.Stepped(msg.agent, msg.step + 1, stats)
             else:
                 reply = M.Trained(msg.agent, msg.step)
