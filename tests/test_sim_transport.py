@@ -89,13 +89,9 @@ def test_a_broadcast_starts_when_its_last_member_is_free(tmp_path):
 
 
 def test_a_steps_last_micro_batch_pays_the_optimizer_and_members_report_it_too():
-    class WithOptimizer(ConstantCost):
-        def optimizer_s(self, agent):
-            return 1.0
-
     layout = RankLayout(replicas=1, groups=1, ranks_per_group=2)      # group ranks 2, 3
     cfg = load_config(str(ROOT / "configs/local.yaml"), [])
-    sim = SimTransport(layout, WithOptimizer(train=0.5), SyntheticWorkers(build_task(cfg)), t0=0.0)
+    sim = SimTransport(layout, ConstantCost(train=0.5, optimizer=1.0), SyntheticWorkers(build_task(cfg)), t0=0.0)
     arrays = {"prompt_lens": np.array([3, 3]), "response_lens": np.array([2, 2])}
     sim.send(2, M.Train("speaker", 0, arrays, 0.5, False))
     sim.send(2, M.Train("speaker", 0, arrays, 0.5, True))

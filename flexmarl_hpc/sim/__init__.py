@@ -1,0 +1,1 @@
+"""Simulation of a FlexMARL job at cluster scale: cost models, hardware profiles, planning."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -30,21 +30,27 @@ from ..layout import ROLLOUT, RankLayout
 
 
 class CostModel(Protocol):
-    """Seconds each operation takes on the modelled hardware (sim/costs.py implements it)."""
+    """Seconds each operation takes on the modelled hardware (sim.costs.CostModel is one)."""
 
-    def generate_s(self, agent: str, n_prompts: int, prompt_tokens: int, response_tokens: int) -> float:
-        """One replica batch: `n_prompts` requests, their prompt and response token totals."""
+    def generate_s(self, agent: str, n_prompts: int, prompt_tokens: Sequence[int],
+                   response_tokens: Sequence[int]) -> float:
+        """One replica batch of `n_prompts` requests: each one's prompt and response length."""
 
-    def train_s(self, agent: str, tokens: int) -> float:
+    def train_s(self, agent: str, tokens: int, optimizer_step: bool = True) -> float:
         """Forward + backward of one micro-batch of `tokens` (prompt + response) tokens on a
-        trainer group. A model may also have `optimizer_s(agent) -> float`, added to the
-        step's last micro-batch."""
+        trainer group, plus the optimizer step on a step's last micro-batch."""
 
-    def sync_s(self, agent: str, nbytes: int) -> float:
+    def sync_s(self, agent: str, nbytes: float) -> float:
         """Broadcast of `nbytes` of weights from a trainer leader to the replicas."""
 
-    def swap_s(self, agent: str, nbytes: int) -> float:
+    def swap_s(self, agent: str, nbytes: float) -> float:
         """Moving `nbytes` of training state (park, unpark or between groups)."""
+
+    def weight_bytes(self, agent: str) -> int:
+        """What a weight sync of `agent` moves."""
+
+    def state_bytes(self, agent: str) -> int:
+        """What a state move of `agent` moves."""
 
 
 @dataclass(frozen=True)
@@ -53,20 +59,27 @@ class ConstantCost:
     own throughput limit."""
     generate: float = 0.0
     train: float = 0.0
+    optimizer: float = 0.0
     sync: float = 0.0
     swap: float = 0.0
 
     def generate_s(self, agent, n_prompts, prompt_tokens, response_tokens) -> float:
         return self.generate
 
-    def train_s(self, agent, tokens) -> float:
-        return self.train
+    def train_s(self, agent, tokens, optimizer_step=True) -> float:
+        return self.train + (self.optimizer if optimizer_step else 0.0)
 
     def sync_s(self, agent, nbytes) -> float:
         return self.sync
 
     def swap_s(self, agent, nbytes) -> float:
         return self.swap
+
+    def weight_bytes(self, agent) -> int:
+        return 0
+
+    def state_bytes(self, agent) -> int:
+        return 0
 
 
 class SyntheticWorkers:
@@ -119,10 +132,8 @@ class SimTransport:
     like time.time(), starting at `t0`)."""
 
     def __init__(self, layout: RankLayout, cost: CostModel, workers, t0: float | None = None,
-                 weight_bytes: Mapping[str, int] | None = None, state_bytes: Mapping[str, int] | None = None,
                  charge_orchestrator: bool = False) -> None:
         self.layout, self.cost, self.workers = layout, cost, workers
-        self.weight_bytes, self.state_bytes = weight_bytes or {}, state_bytes or {}
         self.now = time.time() if t0 is None else t0
         self.free_at: dict[int, float] = {}          # worker rank -> end of its last command
         self.events: list[tuple[float, int, int, M.Reply]] = []     # (t, seq, src, reply)
@@ -142,15 +153,15 @@ class SimTransport:
         role, index = self.layout.role_of(rank)
         if isinstance(msg, M.Generate):
             outputs = self.workers.generate(msg)
-            dt = self.cost.generate_s(msg.agent, len(msg.requests), sum(len(r[1]) for r in msg.requests),
-                                      sum(len(t) for t, _ in outputs))
+            dt = self.cost.generate_s(msg.agent, len(msg.requests), [len(r[1]) for r in msg.requests],
+                                      [len(t) for t, _ in outputs])
             self._run(rank, start, dt, "generate", msg.agent, M.Generated(msg.batch_id, outputs))
         elif isinstance(msg, M.Train):
             stats = self.workers.train(msg)
             a = msg.arrays
-            dt = self.cost.train_s(msg.agent, int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])))
+            dt = self.cost.train_s(msg.agent, int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])),
+                                   optimizer_step=msg.last)
             if msg.last:
-                dt += getattr(self.cost, "optimizer_s", lambda agent: 0.0)(msg.agent)
                 reply: M.Reply = M.Stepped(msg.agent, msg.step + 1, stats)
             else:
                 reply = M.Trained(msg.agent, msg.step)
@@ -158,14 +169,14 @@ class SimTransport:
         elif isinstance(msg, M.Sync):
             if rank == msg.members[0]:
                 self.workers.sync(msg)               # the leader's weights at the broadcast
-            dt = self.cost.sync_s(msg.agent, self.weight_bytes.get(msg.agent, 0))
+            dt = self.cost.sync_s(msg.agent, self.cost.weight_bytes(msg.agent))
             reply = (M.Synced(index, msg.agent, msg.version) if role == ROLLOUT
                      else M.TrainerSynced(msg.agent, msg.version))
             self._meet(("sync", msg.agent, msg.version, msg.members), msg.members, rank, start, dt,
                        "sync", msg.agent, reply)
         elif isinstance(msg, M.Move):
             leaders = tuple(sorted({self.layout.group_leader(g) for g in (msg.src.group, msg.dst.group)}))
-            dt = self.cost.swap_s(msg.agent, self.state_bytes.get(msg.agent, 0))
+            dt = self.cost.swap_s(msg.agent, self.cost.state_bytes(msg.agent))
             self._meet(("move", msg.agent, msg.src, msg.dst), leaders, rank, start, dt,
                        "swap", msg.agent, M.Moved(msg.agent))
         elif isinstance(msg, M.Checkpoint):
