@@ -8,7 +8,8 @@
 DataFrames: `samples` (one row per sample, all agents, column `agent`; `staleness` =
 trainer_step - policy_version for consumed samples), `steps` (one row per optimizer step
 and agent), `intervals` (per-rank busy/wait intervals), `metrics` (one row per global step),
-`events` (every status change). `steps` and `metrics` hold only current rows: rows a
+`events` (every status change), `evals` (held-out evaluation, one row per step, agent,
+metric and mode; empty without run.eval_every). `steps` and `metrics` hold only current rows: rows a
 resume rolled back (schema 2: `superseded`=1; schema 1: all but the last row of a step)
 are left out. Reads schema versions 1 and 2 (columns schema 1 lacks are absent). Bad input
 raises `AnalysisError` naming the file and what is wrong; files of another schema version
@@ -24,8 +25,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from .store import (CONSUMED, DROPPED, EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, READS,
-                    SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS)
+from .store import (CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS,
+                    READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS)
 
 # the columns schema 1 had, where schema 2 added some
 V1_ONLY = {"steps": [c for c in STEP_COLUMNS if c not in ("logp_mismatch", "tis_mean", "superseded")],
@@ -51,6 +52,7 @@ class Run:
     metrics: pd.DataFrame
     events: pd.DataFrame
     agents: list[str] = field(default_factory=list)
+    evals: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def label(self) -> str:
@@ -161,6 +163,8 @@ def load_run(path: str | Path) -> Run:
             intervals = table("intervals", INTERVAL_COLUMNS)
             metrics = _current(table("metrics", METRIC_COLUMNS), ["step"])
             events = table("events", EVENT_COLUMNS)
+            # /eval came later within schema 2: a file without it has no evaluation
+            evals = table("eval", EVAL_COLUMNS) if version == 2 and "eval" in f else pd.DataFrame()
         except (KeyError, OSError, ValueError, RuntimeError) as e:
             raise AnalysisError(f"{path}: damaged file ({e})") from None
     try:
@@ -170,7 +174,7 @@ def load_run(path: str | Path) -> Run:
     events["agent"] = [agents[i] if 0 <= i < len(agents) else "?" for i in events["agent"]]
     return Run(path, attrs, config, pd.concat(samples, ignore_index=True) if samples else pd.DataFrame(),
                pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(), intervals, metrics,
-               events, agents)
+               events, agents, evals)
 
 
 def _samples(df: pd.DataFrame, agent: str) -> pd.DataFrame:
@@ -249,4 +253,25 @@ def summary(run: Run) -> dict:
         "per_agent": per_agent, "utilization": utilization(run),
         "staleness": {int(k): int(v) for k, v in staleness(run).items()},
         "sync_s": float(secs.get("sync", 0.0)), "swap_s": float(secs.get("swap", 0.0)),
+        "eval": eval_curves(run),
     }
+
+
+def eval_key(agent: str, metric: str, mode: str) -> str:
+    """"agent/metric" (greedy) or "agent/metric/sample"; task-level metrics under "task"."""
+    return f"{agent or 'task'}/{metric}" + ("" if mode == "greedy" else f"/{mode}")
+
+
+def eval_curves(run: Run) -> dict:
+    """{key (eval_key): {"step": [...], "value": [...], "first", "last", "best", "n_inputs"}}."""
+    out = {}
+    ev = run.evals
+    if ev.empty:
+        return out
+    for (agent, metric, mode), g in ev.groupby(["agent", "metric", "mode"], sort=False):
+        g = g.sort_values("step")
+        v = g["value"].astype(float)
+        out[eval_key(agent, metric, mode)] = {
+            "step": g["step"].astype(int).tolist(), "value": v.tolist(), "first": float(v.iloc[0]),
+            "last": float(v.iloc[-1]), "best": float(v.max()), "n_inputs": int(g["n_inputs"].iloc[-1])}
+    return out

@@ -6,7 +6,8 @@
 
 Figures (PNG, into --out, default `<first run's folder>/figures`): rewards.png,
 entropy_kl.png, timeline.png (per-rank Gantt), utilization.png, staleness.png,
-response_lengths.png, replica_load.png. Several runs are drawn side by side. A file that
+response_lengths.png, replica_load.png, and eval.png (held-out evaluation per step, when a
+run has /eval). Several runs are drawn side by side. A file that
 is missing, truncated, of another program or of another schema version gives a one-line
 message and exit code 2.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .analysis import AnalysisError, Run, load_run, summary, utilization
+from .analysis import AnalysisError, Run, eval_curves, load_run, summary, utilization
 
 ACTIVITY_COLORS = {"generate": "tab:blue", "train": "tab:orange", "sync": "tab:green",
                    "swap": "tab:purple", "checkpoint": "tab:brown", "wait": "0.85",
@@ -41,6 +42,9 @@ def print_summary(runs: list[Run], sums: list[dict]) -> None:
             if r["steps"]:
                 print(f"   {a:12s} reward first {r['reward_first']:.3f}  last {r['reward_last']:.3f}  "
                       f"best {r['reward_best']:.3f}")
+        for k, e in s["eval"].items():
+            print(f"   eval {k:24s} step {e['step'][0]} {e['first']:.3f} -> step {e['step'][-1]} "
+                  f"{e['last']:.3f}  best {e['best']:.3f}  ({e['n_inputs']} held-out inputs)")
         util = ", ".join(f"{k} {v:.0%}" for k, v in s["utilization"].items())
         print(f"   utilization: {util}")
         total = sum(s["staleness"].values()) or 1
@@ -161,7 +165,22 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
         ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], colors.keys(),
                   fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(colors))
     save(fig, "replica_load.png")
+    if any(not run.evals.empty for run in runs):
+        save(_eval_figure(plt, runs, styles), "eval.png")
     return files
+
+
+def _eval_figure(plt, runs: list[Run], styles: list[str]):
+    """Held-out evaluation per step: one line per (agent, metric, mode) and run."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, run in enumerate(runs):
+        for key, e in eval_curves(run).items():
+            ax.plot(e["step"], e["value"], styles[i % 4], marker="o", ms=3, label=f"{key} - {run.label}")
+    ax.set(xlabel="optimizer step (policy version evaluated)", ylabel="mean over held-out inputs",
+           title="Held-out evaluation")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
 
 
 def _gantt(ax, iv, window: tuple | None) -> None:

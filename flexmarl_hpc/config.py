@@ -66,6 +66,15 @@ class RunConfig:
     """Seconds a replica, trainer group or reward function may take to answer one command
     before it counts as hung: the job then reports it, checkpoints what still answers and
     exits 75 (requeue) instead of sitting until the wall-clock limit."""
+    eval_every: int = 0
+    """Evaluate every agent on the task's held-out inputs (Task.heldout_inputs) every N
+    optimizer steps, and before the first and after the last (0: never). It runs through the
+    same workflow on the rollout replicas and is never trained on (results: /eval)."""
+    eval_inputs: int = 32
+    """Held-out root inputs per evaluation."""
+    eval_samples: int = 0
+    """0: greedy evaluation only (temperature 0, one response per turn). n > 0: also n
+    sampled chains per input at rollout.temperature (mode `sample` in /eval, their mean)."""
 
 
 @dataclass
@@ -507,6 +516,9 @@ def _validate_run(r: RunConfig) -> None:
     _float_in(r.worker_timeout, "run.worker_timeout", 0, lo_open=True)
     _int_in(r.keep_checkpoints, "run.keep_checkpoints", 1)
     _int_in(r.log_every, "run.log_every", 1)
+    _int_in(r.eval_every, "run.eval_every", 0, MAX_STEPS, note=" (0: no evaluation)")
+    _int_in(r.eval_inputs, "run.eval_inputs", 1, 1 << 20)
+    _int_in(r.eval_samples, "run.eval_samples", 0, 1024, note=" (0: greedy only)")
 
 
 def _validate_model(m: ModelConfig, where: str) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:                   # no torch/MPI import for a module of plain data
+    from .sampling import SamplingParams
     from .state_swap import Location
 
 Interval = tuple[str, str, float, float]
@@ -46,6 +47,8 @@ class Generate(Command):
     version: int
     """The policy version the replica must hold for `agent` (it refuses otherwise)."""
     requests: list[Request]
+    params: SamplingParams | None = None
+    """Sampling parameters of this batch (an evaluation's greedy ones); None: the run's."""
 
 
 @dataclass(frozen=True)

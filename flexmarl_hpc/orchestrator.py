@@ -21,8 +21,10 @@ from . import messages as M
 from .checkpoint import latest_version
 from .build import initial_placement
 from .config import Config
+from .evaluation import GREEDY, Evaluator
 from .experience import Experience, Node
 from .layout import ROLLOUT, RankLayout
+from .sampling import SamplingParams
 from .scheduler import Scheduler, route
 from .sinks import open_sinks, step_scalars
 from .state_swap import Location
@@ -91,6 +93,9 @@ class Orchestrator:
         self.tokens_since = 0
         self.step_summary: dict[tuple, object] = {}     # per (agent, step): reward, staleness
         self.tis: dict[tuple, float] = {}               # per (agent, step): mean importance weight
+        self.evals = Evaluator(cfg, task, set(store.eval.read()["step"].tolist()),
+                               {a: s.version for a, s in self.state.items()}) if cfg.run.eval_every else None
+        self.eval_batches: dict[int, tuple[int, str, int, list]] = {}
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> int:
@@ -113,6 +118,9 @@ class Orchestrator:
                      f"superseded" + "".join(f"; store: {r}" for r in self.store.repaired))
         elif self.store.repaired:
             self.log("store: " + "; ".join(self.store.repaired))
+        if self.evals is not None and self.evals.skipped:
+            self.log(f"eval: steps {self.evals.skipped} cannot be evaluated any more (the restored "
+                     "versions are past them)")
         while not self.finished():
             if self.preempted():
                 return self.stop_preempted()
@@ -127,7 +135,8 @@ class Orchestrator:
 
     def finished(self) -> bool:
         steps = self.cfg.run.steps
-        return all(s.version >= steps and s.inflight == 0 for s in self.state.values())
+        return all(s.version >= steps and s.inflight == 0 for s in self.state.values()) and (
+            self.evals is None or self.evals.finished())
 
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self) -> None:
@@ -136,7 +145,11 @@ class Orchestrator:
                 self.next_step, versions, self.all_synced()):
             self.exp.admit_step(self.next_step)
             self.next_step += 1
+        if self.evals is not None:
+            self.evals.start(versions, self.store.now())
         backlog = {a: sum(self.exp.est_tokens(n) for n in self.exp.pending[a]) for a in self.agents}
+        if self.evals is not None:                # an agent with only eval work gets a replica too
+            backlog = {a: b + self.evals.pending_tokens(a) for a, b in backlog.items()}
         new = self.sched.rebind(backlog, self.binding)
         if new is not None:
             self.binding = new
@@ -144,6 +157,8 @@ class Orchestrator:
         for a in self.agents:
             self.dispatch_generation(a)
             self.dispatch_training(a)
+            if self.evals is not None:
+                self.dispatch_eval(a)
 
     def all_synced(self) -> bool:
         return all(r.busy is None and r.held.get(a) == self.state[a].version
@@ -156,6 +171,9 @@ class Orchestrator:
         for a, st in self.state.items():
             if st.syncing or st.inflight or st.consumed or self.group_busy(st.location.group):
                 continue
+            hold = self.eval_hold(a)
+            if hold is not None and st.version > hold:
+                continue                         # the replicas keep the version being evaluated
             targets = [r for r, b in zip(self.replicas, self.binding)
                        if b == a and r.busy is None and r.held.get(a) != st.version]
             if not targets:
@@ -200,6 +218,44 @@ class Orchestrator:
             keep = [n for n in q if id(n) not in sent]
             q.clear()
             q.extend(keep)
+
+    def eval_hold(self, agent: str) -> int | None:
+        """The version of `agent` an unfinished evaluation still needs on the replicas."""
+        return None if self.evals is None else self.evals.hold(agent)
+
+    def dispatch_eval(self, agent: str) -> None:
+        """Send `agent`'s pending evaluation requests to idle replicas holding the version
+        they evaluate (its bound replicas first: another agent's replica may switch engines)."""
+        idle = sorted((r for r in self.replicas if r.busy is None and r.held.get(agent) is not None),
+                      key=lambda r: self.binding[r.rank - 1] != agent)
+        for r in idle:
+            version = r.held[agent]
+            nodes = self.evals.ready(agent, version)[: self.cfg.rollout.max_batch]
+            if not nodes:
+                continue
+            self.evals.take(nodes)
+            ro = self.cfg.rollout
+            params = SamplingParams(0.0 if nodes[0].mode == GREEDY else ro.temperature, ro.top_p)
+            bid = self.next_batch = self.next_batch + 1
+            self.eval_batches[bid] = (r.rank, agent, version, nodes)
+            self.cmd(r.rank, M.Generate(bid, agent, version, [self.evals.request(n) for n in nodes], params),
+                     f"evaluation batch {bid} of agent {agent} v{version} ({len(nodes)} requests)")
+            r.busy, r.outstanding = "gen", float(sum(len(n.prompt) for n in nodes))
+
+    def on_eval_generated(self, bid: int, gens: list) -> None:
+        """Evaluation answers: never journalled; a finished round becomes /eval rows, a log
+        line and sink scalars."""
+        rank, agent, version, nodes = self.eval_batches.pop(bid)
+        r = self.replicas[rank - 1]
+        r.busy, r.outstanding = None, 0.0
+        for res in self.evals.record(nodes, [t for t, _ in gens], version, self.store.now()):
+            with self.clock("store"):
+                self.store.append_eval(res.rows)
+                self.store.flush()
+            self.sinks.write(res.point, {k.replace("/", "/eval/", 1): v for k, v in res.summary.items()})
+            secs = res.rows["t_end"][0] - res.rows["t_start"][0]
+            self.log(f"eval at step {res.point:4d} | " + " ".join(f"{k} {v:.3f}" for k, v in res.summary.items())
+                     + f" | {res.rows['n_inputs'][0]} held-out inputs, {secs:.1f} s")
 
     def next_micro(self, agent: str) -> int:
         """Size of the micro-batch the scheduler would hand `agent`'s trainer now (0: none)."""
@@ -246,6 +302,9 @@ class Orchestrator:
         st = self.state[agent]
         if st.syncing or st.inflight >= 2 or self.moving[st.location.group]:
             return
+        if self.eval_hold(agent) == st.version and not any(
+                r.held.get(agent) == st.version for r in self.replicas):
+            return          # an evaluated version reaches a replica before it is trained past
         if not st.location.resident:
             if self.next_micro(agent):
                 self.acquire_group(agent)
@@ -316,7 +375,9 @@ class Orchestrator:
     def _handle(self, src: int, msg: M.Reply) -> None:
         if not isinstance(msg, M.Intervals):
             self.deadlines.answered(src)
-        if isinstance(msg, M.Generated):
+        if isinstance(msg, M.Generated) and msg.batch_id in self.eval_batches:
+            self.on_eval_generated(msg.batch_id, msg.outputs)
+        elif isinstance(msg, M.Generated):
             rank, agent, version, nodes = self.batches.pop(msg.batch_id)
             r = self.replicas[rank - 1]
             r.busy, r.outstanding = None, 0.0
@@ -481,7 +542,7 @@ class Orchestrator:
 
     def drain(self) -> None:
         """Wait until no generation, training or sync is in flight."""
-        while (self.batches or any(r.busy for r in self.replicas)
+        while (self.batches or self.eval_batches or any(r.busy for r in self.replicas)
                or any(s.inflight or s.syncing for s in self.state.values()) or self.ckpt_pending
                or any(self.moving.values())):
             self.handle(*self.receive())

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         from .build import build_task, check_models
         task = build_task(cfg)
         check_models(cfg, task)
+        check_eval(cfg, task)
         check_lengths(cfg, task)
         check_backend_math(cfg, task)
     except ConfigError as e:
@@ -114,6 +115,22 @@ def check_local_ranks(cfg: Config, layout: RankLayout) -> None:
                       "submit it to Slurm (python -m flexmarl_hpc.submit)")
 
 
+def check_eval(cfg: Config, task) -> None:
+    """run.eval_every > 0 needs the task's held-out inputs, as many as run.eval_inputs."""
+    if not cfg.run.eval_every:
+        return
+    name = cfg.workflow.task
+    try:
+        inputs = task.heldout_inputs(cfg.run.eval_inputs)
+    except NotImplementedError:
+        raise ConfigError(f"run.eval_every: {cfg.run.eval_every} asks for evaluation, but the task "
+                          f"{name} defines no heldout_inputs(n) (see flexmarl_hpc/workflows/base.py); "
+                          "add it or set run.eval_every=0") from None
+    if len(inputs) != cfg.run.eval_inputs:
+        raise ConfigError(f"run.eval_inputs: {name}.heldout_inputs({cfg.run.eval_inputs}) returned "
+                          f"{len(inputs)} inputs")
+
+
 def check_lengths(cfg: Config, task) -> None:
     """Each turn's prompt plus its max_new_tokens fits the acting agent's max_seq_len (and
     rollout.max_model_len): walk a few inputs down one branch, with full-length responses."""
@@ -121,7 +138,10 @@ def check_lengths(cfg: Config, task) -> None:
     from .build import model_args
     from .workflows.base import Path as TaskPath
     turns = cfg.workflow.turns
-    for inp in task.sample_inputs(np.random.default_rng(cfg.run.seed), 4):
+    inputs = task.sample_inputs(np.random.default_rng(cfg.run.seed), 4)
+    if cfg.run.eval_every:
+        inputs += list(task.heldout_inputs(cfg.run.eval_inputs)[:4])
+    for inp in inputs:
         path = TaskPath(inp)
         for t, turn in enumerate(turns):
             try:

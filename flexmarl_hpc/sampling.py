@@ -24,6 +24,7 @@ def sample_seed(seed: int, agent: str, version: int, sample_id: str) -> int:
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
+    """0: greedy (the most likely allowed token; evaluation). Log-probs are then at temperature 1."""
     top_p: float = 1.0
 
 
@@ -89,9 +90,12 @@ def generate(model: CausalLM, prompts: list[list[int]], seeds: list[int], max_ne
     out_lp = torch.zeros(B, steps)
     live = torch.ones(B, dtype=torch.bool)
     for t in range(steps):
-        logp = torch.log_softmax(masked_logits(logits, allow, params.temperature), dim=-1)
-        u = torch.cat([torch.rand(1, generator=g) for g in gens])
-        tok = draw(logp, u, params.top_p)
+        logp = torch.log_softmax(masked_logits(logits, allow, params.temperature or 1.0), dim=-1)
+        if params.temperature == 0:
+            tok = logp.argmax(-1)
+        else:
+            u = torch.cat([torch.rand(1, generator=g) for g in gens])
+            tok = draw(logp, u, params.top_p)
         out_tok[:, t] = torch.where(live, tok, pad_id)
         out_lp[:, t] = logp.gather(1, tok[:, None]).squeeze(1)
         stopped = torch.tensor([int(x) in stop_ids for x in tok]) if stop_ids else torch.zeros(B, dtype=torch.bool)

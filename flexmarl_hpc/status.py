@@ -165,13 +165,20 @@ def read_store(path: Path, total: int) -> Progress:
 
 
 def read_eval(f: h5py.File) -> dict[str, dict[str, float]]:
-    """The last row of each /eval/<agent> table: its float columns (step included)."""
-    out = {}
-    for agent, g in (f["eval"].items() if "eval" in f else []):
-        if isinstance(g, h5py.Group) and "step" in g and len(g["step"]):
-            out[agent] = {k: float(d[-1]) for k, d in g.items()
-                          if isinstance(d, h5py.Dataset) and d.dtype.kind in "fiu" and d.ndim == 1
-                          and len(d) == len(g["step"])}
+    """The latest evaluation in /eval (store.py EVAL_COLUMNS): {agent or "task": {"step":
+    its step, metric[/sample]: value}}; committed rows only."""
+    if "eval" not in f or "commit" not in f:
+        return {}
+    committed = dict(zip((str(x) for x in f["commit"].attrs["tables"]), f["commit"][:].tolist()))
+    rows = f["eval"][:committed.get("/eval", 0)]
+    if not len(rows):
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    last = rows[rows["step"] == rows["step"].max()]
+    for r in last:
+        d = out.setdefault(r["agent"].decode() or "task", {"step": float(r["step"])})
+        mode = r["mode"].decode()
+        d[r["metric"].decode() + ("" if mode == "greedy" else f"/{mode}")] = float(r["value"])
     return out
 
 

@@ -33,6 +33,8 @@ Schema version 2 (version 1 had one dataset per column and no /commit; analysis 
     /intervals       INTERVAL rows: busy/wait time of every rank
     /events          EVENT rows: every status change, append-only (reward, advantage set on ready)
     /metrics         METRIC rows, one per global step (superseded=1: rolled back by a resume)
+    /eval            EVAL rows: held-out evaluation (run.eval_every), one per (step, agent,
+                     metric, mode); added within version 2 (a file without it has no eval)
 """
 from __future__ import annotations
 
@@ -71,6 +73,10 @@ METRIC_COLUMNS = {
     "step": "i8", "t": "f8", "wall": "f8", "samples": "i8", "tokens": "i8",
     "samples_per_s": "f4", "rollout_s": "f4", "train_s": "f4", "sync_s": "f4", "swap_s": "f4",
     "utilization": "f4", "staleness_max": "i4", "superseded": "i1",
+}
+EVAL_COLUMNS = {
+    "step": "i8", "agent": "S64", "metric": "S64", "mode": "S8", "value": "f8", "n_inputs": "i4",
+    "n_paths": "i4", "version": "i8", "t_start": "f8", "t_end": "f8",
 }
 # a column an append may leave out, and its value (anything else missing is an error)
 DEFAULTS = {"superseded": 0, "logp_mismatch": np.nan, "tis_mean": np.nan,
@@ -247,6 +253,7 @@ class StoreFile:
         self.intervals = mk("intervals", INTERVAL_COLUMNS, 4096)
         self.events = mk("events", EVENT_COLUMNS, 4096)
         self.metrics = mk("metrics", METRIC_COLUMNS, 256)
+        self.eval = mk("eval", EVAL_COLUMNS, 256)
         self.tables = {t.ds.name: t for t in self._all()}
         if fresh:
             self.commit = self.f.create_dataset("commit", data=np.zeros(len(self.tables), np.int64))
@@ -263,7 +270,7 @@ class StoreFile:
 
     def _all(self) -> list[Table]:
         return [*self.samples.values(), *self.tokens.values(), *self.steps.values(),
-                *self.step_rows.values(), self.intervals, self.events, self.metrics]
+                *self.step_rows.values(), self.intervals, self.events, self.metrics, self.eval]
 
     def _recover(self) -> None:
         """Cut every table back to its committed rows, then rebuild the status fields of the
@@ -271,6 +278,8 @@ class StoreFile:
         self.commit = self.f["commit"]
         names = [str(n) for n in self.commit.attrs["tables"]]
         counts = dict(zip(names, self.commit[:].tolist()))
+        if names != list(self.tables):
+            self._add_to_commit(names, counts)
         for name, t in self.tables.items():
             keep = counts.get(name)
             if keep is None or keep > len(t.ds):
@@ -285,6 +294,24 @@ class StoreFile:
             if fixed:
                 self.repaired.append(f"restored the status of {fixed} {a} samples from /events")
         self.flush()
+
+    def _add_to_commit(self, names: list[str], counts: dict) -> None:
+        """A file written before a table was added (/eval): the new tables are empty, so
+        /commit is rewritten with a 0 for each (it has a fixed length)."""
+        new = [n for n in self.tables if n not in counts]
+        if set(names) - set(self.tables) or any(len(self.tables[n].ds) for n in new):
+            raise ValueError(f"{self.path}: /commit names tables {names}, this flexmarl_hpc has "
+                             f"{list(self.tables)} (damaged file)")
+        counts.update({n: 0 for n in new})
+        del self.f["commit"]
+        self.commit = self.f.create_dataset("commit", data=np.array([counts[n] for n in self.tables]))
+        self.commit.attrs["tables"] = list(self.tables)
+        self.f.flush()
+        self.repaired.append(f"added {', '.join(new)} to /commit")
+
+    def append_eval(self, cols: dict) -> None:
+        """Queue /eval rows (columns as lists); committed by the next flush."""
+        self.eval.append(cols)
 
     def now(self) -> float:
         return time.time() - self.t0

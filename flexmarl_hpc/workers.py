@@ -64,7 +64,8 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
             if engine.version(agent) != version:
                 raise RuntimeError(f"replica {index}: asked for {agent} v{version}, holds "
                                    f"v{engine.version(agent)}")
-            gens = engine.generate(agent, [GenRequest(*r) for r in cmd.requests], params)
+            # an evaluation batch brings its own params (greedy), training uses the run's
+            gens = engine.generate(agent, [GenRequest(*r) for r in cmd.requests], cmd.params or params)
             clock.mark("generate", agent, t0)
             send_reply(world, orch, M.Generated(cmd.batch_id, [(g.tokens, g.logprobs) for g in gens],
                                                 intervals=clock.drain()))

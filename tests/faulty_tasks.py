@@ -57,3 +57,9 @@ class PreemptingGame(ReferentialGame):
                 self.marker.write_text(f"SIGUSR1 at reward call {self.after}\n")
                 os.kill(os.getpid(), signal.SIGUSR1)
         return super().reward(path)
+
+
+class NoHeldoutGame(ReferentialGame):
+    """The referential game without held-out inputs (run.eval_every must refuse it)."""
+    from flexmarl_hpc.workflows.base import Task as _Task
+    heldout_inputs = _Task.heldout_inputs

@@ -155,3 +155,18 @@ def test_messages_round_trip_without_copying_arrays():
         assert all(getattr(back, k) is getattr(msg, k) for k in msg.__dataclass_fields__)
     with pytest.raises(ValueError, match="not a message"):
         M.decode(("trained", "a"))
+
+
+def test_evaluation_batches_carry_their_own_sampling_params(tmp_path):
+    """run.eval_every: held-out batches go to the replicas as Generate commands with greedy
+    (or sampled) params of their own; training batches use the run's (params None)."""
+    orch, transport, store, lines = make(tmp_path, "run.eval_every=1", "run.eval_inputs=2")
+    try:
+        assert orch.run() == 0
+    finally:
+        store.close()
+    gens = [c for _, c in transport.sent if isinstance(c, M.Generate)]
+    evals = [c for c in gens if c.params is not None]
+    assert evals and any(c.params.temperature == 0.0 for c in evals)
+    assert len(evals) < len(gens)
+    assert any(ln.startswith("eval at step") for ln in lines), lines

@@ -100,3 +100,18 @@ def test_a_steps_last_micro_batch_pays_the_optimizer_and_members_report_it_too()
         (2, "trained", (0.0, 0.5)), (3, "intervals", (0.0, 0.5)),
         (2, "stepped", (0.5, 2.0)), (3, "intervals", (0.5, 2.0))]
     assert got[2][1].version == 1
+
+
+def test_the_cost_models_of_sim_costs_drive_the_transport(tmp_path):
+    """SimTransport's CostModel protocol is what sim.costs.CostModel implements: the tiny
+    run on the CPU profile, every message priced by it (a swap too: 2 agents, 1 group)."""
+    from flexmarl_hpc.build import model_args
+    from flexmarl_hpc.sim.costs import AgentLayout, CostModel, shape_from_model_args
+    from flexmarl_hpc.sim.hardware import load_hardware
+    cfg = load_config(str(ROOT / "configs/local.yaml"), [])
+    task = build_task(cfg)
+    shape = {a: shape_from_model_args(model_args(cfg, task, a), a, 4) for a in cfg.agent_names}
+    cost = CostModel(load_hardware("cpu_local"), {a: AgentLayout(s, trainer_devices=1) for a, s in shape.items()})
+    elapsed, iv = simulate(tmp_path, cost, "trainer.groups=1", "pipeline.swap_states=true")
+    assert elapsed > 0
+    assert {b"generate", b"train", b"sync", b"swap"} <= set(iv["activity"].tolist())

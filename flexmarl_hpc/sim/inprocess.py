@@ -35,7 +35,7 @@ class InProcessWorkers:
     def generate(self, cmd: M.Generate) -> list[tuple[list[int], list[float]]]:
         if self.engine.version(cmd.agent) != cmd.version:
             self.engine.load_weights(cmd.agent, cmd.version, self.published[cmd.agent, cmd.version])
-        gens = self.engine.generate(cmd.agent, [GenRequest(*r) for r in cmd.requests], self.params)
+        gens = self.engine.generate(cmd.agent, [GenRequest(*r) for r in cmd.requests], cmd.params or self.params)
         return [(g.tokens, g.logprobs) for g in gens]
 
     def sync(self, cmd: M.Sync) -> None:

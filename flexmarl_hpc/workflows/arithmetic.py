@@ -63,6 +63,14 @@ class SolverVerifier(Task):
         op = rng.integers(0, len(self.ops), n)
         return [[int(x), self.ops[o], int(y)] for x, o, y in zip(a, op, b)]
 
+    HELDOUT_SEED = 0xE7A1
+    """Seed of the held-out problems' own stream (training inputs come from (run.seed, step))."""
+
+    def heldout_inputs(self, n: int) -> list[list]:
+        # a fixed stream of its own, so evaluation never touches the training inputs' rng; with
+        # small operands the problem space is small, so these are not disjoint from training
+        return self.sample_inputs(np.random.default_rng(self.HELDOUT_SEED), n)
+
     @staticmethod
     def answer(problem) -> int:
         a, op, b = problem

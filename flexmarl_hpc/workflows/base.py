@@ -10,11 +10,19 @@ grows a tree. The task class supplies the pieces that depend on the problem:
         def prompt(self, turn, path): ...             # token ids the agent of `turn` sees
         def reward(self, path): ...                   # {agent: reward} at a finished leaf
         def allowed_tokens(self, turn): ...           # optional action mask (None: all)
+        def heldout_inputs(self, n): ...              # n fixed held-out inputs (run.eval_every)
+        def eval_metrics(self, path): ...             # optional: {metric: value} of an eval leaf
 
 and is referenced from YAML as `workflow.task: my_pkg.my_module:MyTask`; it is built as
 `MyTask(turns=[agent of each turn], **workflow.task_args)`. `path` is a `Path`: the root input plus the responses
 (token id lists) of the turns so far. A turn's sample is rewarded with the mean reward of
 the leaves below it, and its advantage is normalised among its siblings (the GRPO group).
+
+Evaluation (run.eval_every > 0) walks `heldout_inputs(run.eval_inputs)` down the same turns
+on the rollout replicas, one greedy response per turn (and run.eval_samples sampled chains),
+and averages `eval_metrics` over the finished paths; it is never trained on. A metric keyed
+by an agent's name is that agent's (default: its reward), `agent/name` is that agent's
+metric `name`, any other key is the task's (e.g. "solver_correct").
 """
 from __future__ import annotations
 
@@ -131,6 +139,18 @@ class Task:
 
     def allowed_tokens(self, turn: int) -> torch.Tensor | None:
         return None
+
+    def heldout_inputs(self, n: int) -> list[Any]:
+        """`n` fixed root inputs for evaluation: deterministic (no rng is passed, so the
+        training input stream is untouched) and, where the input space allows, disjoint from
+        what sample_inputs draws."""
+        raise NotImplementedError(f"{type(self).__module__}:{type(self).__name__} defines no "
+                                  "heldout_inputs(n)")
+
+    def eval_metrics(self, path: Path) -> dict[str, float]:
+        """Metrics of one finished evaluation path (averaged over the held-out paths).
+        Default: each agent's reward, keyed by the agent's name."""
+        return dict(self.reward(path))
 
     def response_budget(self, turn: int, sample_id: str, default: int) -> int:
         """Most new tokens for this sample (default: the turn's max_new_tokens)."""

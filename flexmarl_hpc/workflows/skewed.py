@@ -34,6 +34,9 @@ class SkewedLengths(Task):
     def sample_inputs(self, rng: np.random.Generator, n: int) -> list[int]:
         return [int(x) for x in rng.integers(0, len(self.symbols), n)]
 
+    def heldout_inputs(self, n: int) -> list[int]:
+        return [i % len(self.symbols) for i in range(n)]     # the whole (tiny) input space
+
     def prompt(self, turn: int, path: Path) -> list[int]:
         if turn == 0:
             return [Vocab.bos_id, self.vocab.index["q"], self.vocab.index[self.symbols[path.input]]]

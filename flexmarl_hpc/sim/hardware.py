@@ -1,0 +1,218 @@
+"""Hardware profiles for the cost model: typed, validated, loaded from configs/hardware/*.yaml.
+
+A profile holds the vendor figures of one node kind (each sourced in a comment of its YAML
+file) and an `efficiency:` section of stated assumptions (MFU, achievable fraction of
+bandwidth, fixed latencies) that calibration may refit. YAML fields use human units
+(TFLOP/s, GB, GB/s, decimal); the properties give SI units (FLOP/s, bytes, bytes/s).
+
+    hw = load_hardware("configs/hardware/h100_ndr.yaml")
+    hw.hbm_bandwidth        # 3.35e12 bytes/s
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+
+
+class HardwareError(ValueError):
+    """A hardware profile field or file is wrong; the message names both and what was expected."""
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Assumed achieved fractions of peak and fixed costs (not vendor figures)."""
+
+    mfu_prefill: float = 0.5
+    """Fraction of dense peak FLOP/s reached by prefill (compute-bound)."""
+    mfu_decode: float = 0.5
+    """Fraction of peak reached by decode once it turns compute-bound (large batches)."""
+    mfu_train: float = 0.4
+    """Model FLOPs utilisation of a trainer step (6 x params x tokens counted)."""
+    hbm: float = 0.8
+    """Fraction of peak HBM bandwidth a memory-bound kernel reaches."""
+    link: float = 0.8
+    """Fraction of peak link bandwidth a collective or transfer reaches (NVLink, NIC, PCIe)."""
+    collective_latency_s: float = 1e-5
+    """Fixed cost of one small tensor-parallel all-reduce, seconds."""
+    bucket_latency_s: float = 5e-4
+    """Fixed cost of one weight-sync bucket (collective launch, bookkeeping), seconds."""
+    decode_step_overhead_s: float = 1e-3
+    """Fixed cost of one decode step of a replica (scheduler, kernel launches), seconds."""
+    call_overhead_s: float = 0.0
+    """Fixed cost of one generate or train call, seconds."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory a replica may use for weights plus KV cache (vLLM's knob)."""
+
+
+_FRACTIONS = ("mfu_prefill", "mfu_decode", "mfu_train", "hbm", "link", "gpu_memory_utilization")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One node kind: `devices_per_node` accelerators and the links between them."""
+
+    name: str
+    """Short name (the file's stem by convention)."""
+    accelerator: str
+    """What one device is, in words."""
+    devices_per_node: int
+    """Accelerators per node."""
+    peak_bf16_tflops: float
+    """Dense (no sparsity) bf16 peak per device, TFLOP/s."""
+    hbm_gb: float
+    """Device memory capacity, GB (1e9 bytes)."""
+    hbm_gb_s: float
+    """Device memory bandwidth, GB/s."""
+    intra_node_gb_s: float
+    """Device-to-device bandwidth inside a node per device and direction (NVLink/HCCS), GB/s."""
+    nic_gb_s: float
+    """Bandwidth of one inter-node NIC per direction, GB/s."""
+    nics_per_node: int
+    """Inter-node NICs per node (compute fabric only)."""
+    host_device_gb_s: float
+    """Host <-> device bandwidth per device and direction (PCIe), GB/s."""
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    """Assumed efficiencies and fixed costs (see `Efficiency`)."""
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_bf16_tflops * 1e12
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.hbm_gb * 1e9
+
+    @property
+    def hbm_bandwidth(self) -> float:
+        return self.hbm_gb_s * 1e9
+
+    @property
+    def intra_node_bandwidth(self) -> float:
+        return self.intra_node_gb_s * 1e9
+
+    @property
+    def inter_node_bandwidth_per_device(self) -> float:
+        """A device's share of its node's NICs, bytes/s (all devices sending at once)."""
+        return self.nic_gb_s * 1e9 * self.nics_per_node / self.devices_per_node
+
+    @property
+    def host_device_bandwidth(self) -> float:
+        return self.host_device_gb_s * 1e9
+
+
+def _check_number(value: Any, where: str, *, integer: bool = False,
+                  lo: float = 0.0, hi: float = math.inf, lo_open: bool = True) -> float:
+    kind = "an integer" if integer else "a number"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type:
+        hint = ""
+        if isinstance(value, str):
+            try:
+                float(value)
+                hint = " (YAML reads 1e-5 as a string: write 1.0e-5)"
+            except ValueError:
+                pass
+        raise HardwareError(f"{where}: expected {kind}, got {value!r}{hint}")
+    bad_lo = value <= lo if lo_open else value < lo
+    if not math.isfinite(value) or bad_lo or value > hi:
+        lo_s = f"> {lo:g}" if lo_open else f">= {lo:g}"
+        hi_s = f" and <= {hi:g}" if hi != math.inf else ""
+        raise HardwareError(f"{where}: expected {kind} {lo_s}{hi_s}, got {value!r}")
+    return value
+
+
+def _check_keys(raw: dict, cls: type, where: str) -> None:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise HardwareError(f"{where}: unknown field {unknown[0]!r}; expected one of {sorted(names)}")
+
+
+def validate_efficiency(eff: Efficiency, where: str) -> None:
+    for f in dataclasses.fields(eff):
+        v = getattr(eff, f.name)
+        if f.name in _FRACTIONS:
+            _check_number(v, f"{where}: field 'efficiency.{f.name}'", hi=1.0)
+        else:
+            _check_number(v, f"{where}: field 'efficiency.{f.name}'", lo_open=False)
+
+
+def validate_hardware(hw: HardwareProfile, where: str = "hardware profile") -> HardwareProfile:
+    """Raise HardwareError naming `where` and the first bad field; return `hw` when sound."""
+    for name in ("name", "accelerator"):
+        if not isinstance(getattr(hw, name), str) or not getattr(hw, name):
+            raise HardwareError(f"{where}: field {name!r}: expected a non-empty string, "
+                                f"got {getattr(hw, name)!r}")
+    for f in dataclasses.fields(hw):
+        if f.name in ("name", "accelerator", "efficiency"):
+            continue
+        _check_number(getattr(hw, f.name), f"{where}: field {f.name!r}",
+                      integer=f.name in ("devices_per_node", "nics_per_node"))
+    validate_efficiency(hw.efficiency, where)
+    return hw
+
+
+def hardware_from_dict(raw: Any, where: str) -> HardwareProfile:
+    """Build and validate a profile from parsed YAML; `where` names the source in errors."""
+    if not isinstance(raw, dict):
+        raise HardwareError(f"{where}: expected a mapping of profile fields, got {type(raw).__name__}")
+    _check_keys(raw, HardwareProfile, where)
+    missing = [f.name for f in dataclasses.fields(HardwareProfile)
+               if f.name != "efficiency" and f.name not in raw]
+    if missing:
+        raise HardwareError(f"{where}: field {missing[0]!r} is missing")
+    eff_raw = raw.get("efficiency") or {}
+    if not isinstance(eff_raw, dict):
+        raise HardwareError(f"{where}: field 'efficiency': expected a mapping, got {eff_raw!r}")
+    _check_keys(eff_raw, Efficiency, f"{where}: field 'efficiency'")
+    # Type checks run before construction so a string never reaches arithmetic.
+    for key, value in eff_raw.items():
+        _check_number(value, f"{where}: field 'efficiency.{key}'", lo_open=key in _FRACTIONS)
+    hw = HardwareProfile(**{**raw, "efficiency": Efficiency(**eff_raw)})
+    return validate_hardware(hw, where)
+
+
+def load_hardware(path: str | Path) -> HardwareProfile:
+    """Load configs/hardware/<name>.yaml (a bare name looks there)."""
+    p = Path(path)
+    if not p.suffix and not p.exists():
+        p = HARDWARE_DIR / f"{p.name}.yaml"
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise HardwareError(f"{p}: cannot read hardware profile ({e.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise HardwareError(f"{p}: not valid YAML ({e})") from None
+    return hardware_from_dict(raw, str(p))
+
+
+def save_hardware(hw: HardwareProfile, path: str | Path, header: str = "") -> Path:
+    """Write `hw` as a profile YAML atomically (temp file + rename: a crash leaves the old file
+    or the new one, never half of one); `header` becomes comment lines (say where the figures
+    come from, e.g. "fitted by simulate --calibrate RUN.h5")."""
+    validate_hardware(hw, str(path))
+    p = Path(path)
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    body = yaml.safe_dump(dataclasses.asdict(hw), sort_keys=False)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines + [body]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p

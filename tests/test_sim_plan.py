@@ -1,0 +1,119 @@
+"""Unit tests of the closed-form allocation planner (flexmarl_hpc/sim/plan.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flexmarl_hpc.sim.costs import QWEN25_14B, QWEN25_32B, AgentLayout, CostModel, TRAIN_STATE_BYTES_PER_PARAM
+from flexmarl_hpc.sim.hardware import load_hardware
+from flexmarl_hpc.sim.plan import (AgentClass, ClassAlloc, Workload, _Estimator, candidates, config_fragment,
+                                   describe, group_sizes, main, parse_classes, rank_plans,
+                                   replica_widths, _tp_for)
+
+
+@pytest.fixture(scope="module")
+def hw():
+    return load_hardware("h100_ndr")
+
+
+CLASSES = [AgentClass("q32", QWEN25_32B, 2), AgentClass("q14", QWEN25_14B, 3)]
+
+
+def test_shapes_tried_hold_the_model(hw):
+    assert replica_widths(hw, QWEN25_14B) == [1, 2]          # 29.5 GB fits one 80 GB GPU
+    assert replica_widths(hw, QWEN25_32B) == [2, 4]          # 65.5 GB leaves no KV room on one
+    assert group_sizes(hw, QWEN25_32B, 48)[0] >= 1
+    npu = load_hardware("npu64_a3")
+    assert replica_widths(npu, QWEN25_32B)[0] >= 2
+
+
+def test_every_candidate_uses_exactly_the_nodes(hw):
+    nodes = 16
+    cands = candidates(hw, CLASSES, nodes)
+    assert cands
+    for allocs in cands:
+        used = sum(a.pool_nodes + a.groups * a.group_nodes for _, a in allocs)
+        assert used == nodes
+        assert all(a.pool_nodes >= 1 and 1 <= a.groups for _, a in allocs)
+        assert [n for n, _ in allocs] == ["q32", "q14"]
+    no_swap = candidates(hw, CLASSES, nodes, swap=False)
+    assert all(a.groups == c.count for allocs in no_swap for (_, a), c in zip(allocs, CLASSES))
+    assert len(no_swap) < len(cands)
+
+
+def test_step_estimates_are_sum_for_sync_and_overlap_for_flex(hw):
+    plans = rank_plans(hw, CLASSES, Workload(), nodes=16, top=50)
+    for p in plans:
+        ph = p.phases.values()
+        assert p.step_s["sync"] == pytest.approx(max(x["rollout"] for x in ph) + max(x["train"] for x in ph)
+                                                 + max(x["sync"] for x in ph))
+        assert p.step_s["flex"] <= p.step_s["sync"] + 1e-9
+        assert p.step_s["flex"] >= max(max(x["rollout"], x["train"]) for x in ph)
+        assert 0 < p.utilization["flex"] <= 1 and 0 < p.utilization["sync"] <= 1
+    flex = [p.step_s["flex"] for p in plans]
+    assert all(b >= a / 1.005 for a, b in zip(flex, flex[1:]))   # sorted up to the 0.5% tie band
+
+
+def test_ranking_is_seeded_and_mode_specific(hw):
+    a = rank_plans(hw, CLASSES, Workload(seed=3), nodes=14, top=3)
+    b = rank_plans(hw, CLASSES, Workload(seed=3), nodes=14, top=3)
+    assert [p.allocs for p in a] == [p.allocs for p in b]
+    best_sync = rank_plans(hw, CLASSES, Workload(seed=3), nodes=14, mode="sync", top=1)[0]
+    assert best_sync.step_s["sync"] <= min(p.step_s["sync"] for p in a)
+
+
+def test_more_replicas_never_slow_rollout_and_swaps_cost_their_transfers(hw):
+    est = _Estimator(hw, Workload(), CLASSES)
+    times = [est.rollout("q14", n, 1)[0] for n in (1, 2, 4, 8)]
+    assert times == sorted(times, reverse=True) and times[0] > times[-1]
+    one, _, _, _ = est.train("q32", 1, 2)                     # 2 agents share one group
+    two, _, _, _ = est.train("q32", 2, 2)                     # a group each
+    devices = 2 * hw.devices_per_node
+    lay = AgentLayout(QWEN25_32B, gpus_per_replica=2, trainer_devices=devices,
+                      trainer_tp=_tp_for(hw, QWEN25_32B, devices))
+    swap = CostModel(hw, {"a": lay}).swap_s("a", TRAIN_STATE_BYTES_PER_PARAM * QWEN25_32B.params)
+    assert one == pytest.approx(2 * two + 2 * swap)
+
+
+def test_too_few_nodes_is_one_clear_error(hw):
+    with pytest.raises(ValueError, match="nodes: 3 nodes"):
+        rank_plans(hw, CLASSES, Workload(), nodes=3)
+    with pytest.raises(ValueError, match="mode"):
+        rank_plans(hw, CLASSES, Workload(), nodes=16, mode="fast")
+
+
+def test_config_fragment_names_every_agent_once_and_fills_the_nodes(hw):
+    nodes = 16
+    best = rank_plans(hw, CLASSES, Workload(), nodes=nodes, top=1)[0]
+    frag = config_fragment(best, hw, CLASSES)
+    pools, groups = frag["rollout"]["pools"], frag["trainer"]["named_groups"]
+    served = sorted(a for p in pools for a in p["agents"])
+    trained = sorted(a for g in groups for a in g["agents"])
+    assert served == trained == sorted([f"q32_{i}" for i in range(2)] + [f"q14_{i}" for i in range(3)])
+    devices = sum(p["replicas"] * p["gpus_per_replica"] for p in pools) + sum(g["ranks"] for g in groups)
+    assert devices == nodes * hw.devices_per_node
+    assert all(g["ranks"] % g["tensor_parallel"] == 0 for g in groups)
+    text = describe(best, hw)
+    assert "q32: pool" in text and "step: flex" in text
+
+
+def test_an_allocation_can_be_evaluated_directly(hw):
+    est = _Estimator(hw, Workload(), CLASSES)
+    allocs = (("q32", ClassAlloc(4, 2, 2, 2, 4)), ("q14", ClassAlloc(2, 1, 3, 1, 2)))
+    p = est.plan(allocs)
+    assert p.nodes == 4 + 4 + 2 + 3
+    starved = est.plan((allocs[0], ("q14", dataclasses.replace(allocs[1][1], pool_nodes=1))))
+    assert starved.phases["q14"]["rollout"] > p.phases["q14"]["rollout"]
+
+
+def test_cli_prints_plans_and_the_fragment_and_refuses_bad_input(capsys):
+    assert main(["--hardware", "h100_ndr", "--nodes", "14", "--classes", "32b:1,14b:2", "--top", "2",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("step: flex") == 2 and '"named_groups"' in out
+    assert main(["--classes", "7b:2"]) == 2
+    assert "SIZE:COUNT" in capsys.readouterr().out
+    assert main(["--hardware", "nope", "--nodes", "4"]) == 2
+    assert "cannot read" in capsys.readouterr().out
+    assert [c.count for c in parse_classes("32B:3, 14b:7")] == [3, 7]
