@@ -159,8 +159,10 @@ class SimTransport:
         elif isinstance(msg, M.Train):
             stats = self.workers.train(msg)
             a = msg.arrays
-            dt = self.cost.train_s(msg.agent, int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])),
-                                   optimizer_step=msg.last)
+            # a cost may price modelled rather than real tokens (sim.driver.ModelledCost)
+            tokens = (self.cost.train_tokens(a) if hasattr(self.cost, "train_tokens")
+                      else int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])))
+            dt = self.cost.train_s(msg.agent, tokens, optimizer_step=msg.last)
             if msg.last:
                 reply: M.Reply = M.Stepped(msg.agent, msg.step + 1, stats)
             else:
