@@ -48,13 +48,18 @@ def run_variants(config: str, variants: list[str], hardware: str, steps: int, ou
                                    f"run.output_dir={out / v}", "run.checkpoint_every=0",
                                    "run.checkpoint_minutes=0"])
         wall = time.perf_counter()
-        path, sim = simulate_run(cfg, cost_model(cfg, hw), out / v, hw.name, Workload())
+        try:
+            path, sim = simulate_run(cfg, cost_model(cfg, hw), out / v, hw.name, Workload())
+        except RuntimeError as e:      # e.g. the orchestrator waits with nothing in flight
+            results[v] = {"error": str(e), "wall_s": time.perf_counter() - wall}
+            continue
         r = measure(path, rank_devices(cfg))
         r.update(wall_s=time.perf_counter() - wall, sim_s=sim.now - sim_t0(path), h5=str(path))
         results[v] = r
-    if "sync" in results:
+    if "step_s" in results.get("sync", {}):
         for r in results.values():
-            r["speedup_vs_sync"] = results["sync"]["step_s"] / r["step_s"]
+            if "step_s" in r:
+                r["speedup_vs_sync"] = results["sync"]["step_s"] / r["step_s"]
     return results
 
 
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{res['commands_per_s']:.0f} commands/s ({res['commands']} commands, wall {res['wall_s']:.1f} s)")
                 return 0
             res = run_variants(a.config, variants, a.hardware, a.steps, out, a.overrides)
+            failed = any("error" in r for r in res.values())
         except (ConfigError, HardwareError, ValueError) as e:
             print(f"simulate: {e}", file=sys.stderr)
             return 2
@@ -116,10 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{a.config} on {a.hardware}, {a.steps} steps (simulated)")
             print(f"{'variant':12s} {'step_s':>9s} {'util':>6s} {'samples/s':>10s} {'vs sync':>8s} {'wall_s':>7s}")
             for v, r in res.items():
+                if "error" in r:
+                    print(f"{v:12s} failed: {r['error']}")
+                    continue
                 ratio = f"{r['speedup_vs_sync']:.2f}x" if "speedup_vs_sync" in r else "-"
                 print(f"{v:12s} {r['step_s']:9.1f} {r['util']:6.1%} {r['samples_per_s']:10.2f} "
                       f"{ratio:>8s} {r['wall_s']:7.1f}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
