@@ -5,7 +5,7 @@
     python -m flexmarl_hpc.analyze runs/local/local.h5 --json              # machine-readable
 
 Figures (PNG, into --out, default `<first run's folder>/figures`): rewards.png,
-entropy_kl.png, timeline.png (per-rank Gantt), utilization.png, staleness.png,
+entropy_kl.png, timeline.png (per-rank Gantt; per role and pool/group beyond 64 ranks), utilization.png, staleness.png,
 response_lengths.png, replica_load.png, and eval.png (held-out evaluation per step, when a
 run has /eval). Several runs are drawn side by side. A file that
 is missing, truncated, of another program or of another schema version gives a one-line
@@ -27,7 +27,8 @@ ACTIVITY_COLORS = {"generate": "tab:blue", "train": "tab:orange", "sync": "tab:g
                    # the orchestrator's own row (rank 0)
                    "schedule": "tab:red", "handle": "tab:olive", "store": "tab:cyan", "log": "tab:pink"}
 ZOOM_STEPS = 3                    # timeline: the right panel shows this many mid-run steps
-MAX_BARS_PER_RANK = 4000          # Gantt: merge bars beyond this (keeps 1e6-sample files fast)
+MAX_BARS_PER_RANK = 4000
+MAX_TIMELINE_RANKS = 64           # beyond: one timeline row per role and pool/group, not per rank          # Gantt: merge bars beyond this (keeps 1e6-sample files fast)
 
 
 def print_summary(runs: list[Run], sums: list[dict]) -> None:
@@ -99,14 +100,17 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     save(fig, "entropy_kl.png")
 
-    fig, axes = plt.subplots(len(runs), 2, figsize=(14, 1.4 + 0.5 * max(r.attrs.get("world_size", 4) for r in runs) * len(runs)),
+    rows = max(len(_rows(r)) if _aggregated(r) else r.attrs.get("world_size", 4) for r in runs)
+    fig, axes = plt.subplots(len(runs), 2, figsize=(14, 1.4 + 0.5 * min(rows, MAX_TIMELINE_RANKS) * len(runs)),
                              squeeze=False, gridspec_kw={"width_ratios": [3, 2]})
     for (ax, zoom), run in zip(axes, runs):
-        _gantt(ax, run.intervals, None)
-        ax.set_title(f"Per-rank timeline - {run.label}", fontsize=9)
+        draw = (lambda a, w, run=run: _band_gantt(a, run, w)) if _aggregated(run) else (
+            lambda a, w, run=run: _gantt(a, run.intervals, w))
+        draw(ax, None)
+        ax.set_title(f"{'Per-pool/group' if _aggregated(run) else 'Per-rank'} timeline - {run.label}", fontsize=9)
         window = _mid_steps(run, ZOOM_STEPS)
         if window is not None:
-            _gantt(zoom, run.intervals, window)
+            draw(zoom, window)
             zoom.set_title(f"steps {window[2]}-{window[2] + ZOOM_STEPS - 1}, zoomed", fontsize=9)
             ax.axvspan(window[0], window[1], color="k", alpha=0.15, lw=0)
         else:
@@ -197,6 +201,53 @@ def _gantt(ax, iv, window: tuple | None) -> None:
     ax.set_xlabel("time since start (s)")
     if window is not None:
         ax.set_xlim(window[0], window[1])
+
+
+def _aggregated(run: Run) -> bool:
+    return int(run.attrs.get("world_size", 0)) > MAX_TIMELINE_RANKS
+
+
+def _rows(run: Run) -> list[tuple[str, list[int]]]:
+    """(label, world ranks) per timeline row of a large run: the orchestrator, each rollout
+    pool, each trainer group (from the run's config, in the layout's rank order)."""
+    ro, tr = run.config.get("rollout", {}), run.config.get("trainer", {})
+    pools = [(p.get("name") or f"pool{i}", int(p["replicas"])) for i, p in enumerate(ro.get("pools") or [])] \
+        or [("rollout", int(ro.get("replicas", 1)))]
+    groups = [(g.get("name") or f"group{i}", int(g["ranks"])) for i, g in enumerate(tr.get("named_groups") or [])]
+    if not groups:
+        n = int(run.attrs.get("world_size", 1)) - 1 - sum(k for _, k in pools)
+        per = max(int(tr.get("ranks_per_group", 1)), 1)
+        groups = [(f"group{i}", per) for i in range(max(n // per, 0))]
+    out, r = [("orchestrator", [0])], 1
+    for kind, items in (("pool", pools), ("group", groups)):
+        for name, k in items:
+            out.append((f"{kind} {name} ({k})", list(range(r, r + k))))
+            r += k
+    return out
+
+
+def _band_gantt(ax, run: Run, window: tuple | None, bins: int = 600) -> None:
+    """One row per role and pool/group (for runs of more than MAX_TIMELINE_RANKS ranks): per
+    activity, the fraction of the row's ranks busy with it, stacked inside the row's band."""
+    iv = run.intervals
+    if iv.empty:
+        return
+    lo, hi = (window[0], window[1]) if window else (float(iv["t0"].min()), float(iv["t1"].max()))
+    t = np.linspace(lo, hi, bins)
+    rows = _rows(run)
+    for y, (label, ranks) in enumerate(rows):
+        g = iv[iv["rank"].isin(ranks) & (iv["activity"] != "wait")]
+        base = np.zeros(bins)
+        for act, ga in g.groupby("activity"):
+            t0, t1 = np.sort(ga["t0"].to_numpy()), np.sort(ga["t1"].to_numpy())
+            frac = (np.searchsorted(t0, t, "right") - np.searchsorted(t1, t, "right")) / len(ranks)
+            top = base + 0.8 * np.clip(frac, 0, 1)
+            ax.fill_between(t, y - 0.4 + base, y - 0.4 + top, color=ACTIVITY_COLORS.get(act, "k"), lw=0,
+                            label=act if y == len(rows) - 1 else None)
+            base = top
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
+    ax.set_xlabel("time since start (s); band height = share of the row's ranks busy")
+    ax.set_xlim(lo, hi)
 
 
 def _mid_steps(run: Run, k: int) -> tuple[float, float, int] | None:

@@ -19,9 +19,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-from mpi4py import MPI
 
-from . import comm as C
+from . import messages as M
 from .checkpoint import latest_version
 from .build import initial_placement
 from .config import Config
@@ -36,6 +35,7 @@ from .sinks import open_sinks, step_scalars
 from .state_swap import Location
 from .store import StoreFile
 from .timing import BusyClock, Deadlines, Watchdog, WatchedTask
+from .transport import Transport
 from .workflows.base import Task
 
 EXIT_PREEMPTED = 75
@@ -62,9 +62,9 @@ class AgentState:
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, task: Task, world: MPI.Comm, layout: RankLayout,
+    def __init__(self, cfg: Config, task: Task, transport: Transport, layout: RankLayout,
                  store: StoreFile, preempted=lambda: False, log=print):
-        self.cfg, self.task, self.world, self.layout = cfg, task, world, layout
+        self.cfg, self.task, self.transport, self.layout = cfg, task, transport, layout
         self.store, self.preempted, self.log = store, preempted, log
         self.clock = BusyClock()                 # rank 0's own time, a row of the timeline
         self.deadlines = Deadlines(cfg.run.worker_timeout)
@@ -135,7 +135,7 @@ class Orchestrator:
             with self.clock("schedule"):
                 self.schedule()
             self.handle(*self.receive())
-            while (m := C.poll(self.world, tag=C.TAG_REPLY)) is not None:
+            while (m := self.transport.poll()) is not None:
                 self.handle(*m)
         self.checkpoint(self.agents)
         self.stop_workers(0)
@@ -195,9 +195,9 @@ class Orchestrator:
                 continue
             members = (st.leader,) + tuple(sorted(r.rank for r in targets))
             what = f"weight sync of agent {a} v{st.version}"
-            self.cmd(st.leader, ("sync", a, st.version, members), what)
+            self.cmd(st.leader, M.Sync(a, st.version, members), what)
             for r in targets:
-                self.cmd(r.rank, ("sync", a, st.version, members), what)
+                self.cmd(r.rank, M.Sync(a, st.version, members), what)
                 r.busy = "sync"
             st.syncing = True
 
@@ -224,7 +224,7 @@ class Orchestrator:
                      n.turn) for n in nodes]
             bid = self.next_batch = self.next_batch + 1
             self.batches[bid] = (r.rank, agent, st.version, nodes)
-            self.cmd(r.rank, ("generate", bid, agent, st.version, reqs),
+            self.cmd(r.rank, M.Generate(bid, agent, st.version, reqs),
                      f"generate batch {bid} of agent {agent} ({len(reqs)} requests)")
             r.busy, r.outstanding = "gen", sum(self.exp.est_tokens(n) for n in nodes)
             sent.update(id(n) for n in nodes)
@@ -253,8 +253,8 @@ class Orchestrator:
             params = SamplingParams(0.0 if nodes[0].mode == GREEDY else ro.temperature, ro.top_p)
             bid = self.next_batch = self.next_batch + 1
             self.eval_batches[bid] = (r.rank, agent, version, nodes)
-            self.cmd(r.rank, ("generate", bid, agent, version, [self.evals.request(n) for n in nodes], params),
-                     f"generate batch {bid} of agent {agent} (evaluation at v{version}, {len(nodes)} requests)")
+            self.cmd(r.rank, M.Generate(bid, agent, version, [self.evals.request(n) for n in nodes], params),
+                     f"evaluation batch {bid} of agent {agent} v{version} ({len(nodes)} requests)")
             r.busy, r.outstanding = "gen", float(sum(len(n.prompt) for n in nodes))
 
     def replay_eval_to_sinks(self) -> None:
@@ -316,7 +316,7 @@ class Orchestrator:
 
     def send_move(self, agent: str, src: Location, dst: Location) -> None:
         for g in sorted({src.group, dst.group}):
-            self.cmd(self.layout.group_leader(g), ("move", agent, src, dst), f"state move of agent {agent}")
+            self.cmd(self.layout.group_leader(g), M.Move(agent, src, dst), f"state move of agent {agent}")
             self.moving[g] += 1
         st = self.state[agent]
         st.location, st.leader = dst, self.layout.group_leader(dst.group)
@@ -343,7 +343,7 @@ class Orchestrator:
             st.micro += 1
             st.step_nodes.extend(nodes)
             last = st.consumed == batch
-            self.cmd(st.leader, ("train", agent, step, self.micro_arrays(nodes), 1.0 / batch, last),
+            self.cmd(st.leader, M.Train(agent, step, self.micro_arrays(nodes), 1.0 / batch, last),
                      f"train micro-batch {st.micro} of agent {agent} step {step}")
             st.inflight += 1
 
@@ -373,60 +373,59 @@ class Orchestrator:
                 "stale": np.array([n.version < n.step for n in nodes])}
 
     # -- messages --------------------------------------------------------------------------
-    def cmd(self, rank: int, msg: tuple, what: str) -> None:
+    def cmd(self, rank: int, msg: M.Command, what: str) -> None:
         """Send a command; `what` names it if the rank then stops answering."""
-        self.world.send(msg, dest=rank, tag=C.TAG_CMD)
+        self.transport.send(rank, msg)
         self.deadlines.sent(rank, what)
 
-    def receive(self) -> tuple:
-        """The next reply (waiting without a spin); a rank that leaves its command unanswered
-        for run.worker_timeout seconds ends the job with the requeue code."""
+    def receive(self) -> tuple[int, M.Reply]:
+        """The next reply as (source rank, message), waiting without a spin; a rank that
+        leaves its command unanswered for run.worker_timeout seconds ends the job with the
+        requeue code."""
         while True:
             try:
-                return C.recv_from(self.world, tag=C.TAG_REPLY, timeout=self.deadlines.next_deadline())
+                return self.transport.receive(self.deadlines.next_deadline())
             except TimeoutError:
                 late = self.deadlines.overdue()
                 if late is not None:
                     self.stop_hung(*late)
 
     # -- results -------------------------------------------------------------------------
-    def handle(self, msg: tuple, src: int) -> None:
+    def handle(self, src: int, msg: M.Reply) -> None:
         with self.clock("handle"):
-            self._handle(msg, src)
+            self._handle(src, msg)
 
-    def _handle(self, msg: tuple, src: int) -> None:
-        kind, intervals = msg[0], msg[-1]
-        if kind != "intervals":
+    def _handle(self, src: int, msg: M.Reply) -> None:
+        if not isinstance(msg, M.Intervals):
             self.deadlines.answered(src)
-        if kind == "generated" and msg[1] in self.eval_batches:
-            self.on_eval_generated(msg[1], msg[2])
-        elif kind == "generated":
-            rank, agent, version, nodes = self.batches.pop(msg[1])
+        if isinstance(msg, M.Generated) and msg.batch_id in self.eval_batches:
+            self.on_eval_generated(msg.batch_id, msg.outputs)
+        elif isinstance(msg, M.Generated):
+            rank, agent, version, nodes = self.batches.pop(msg.batch_id)
             r = self.replicas[rank - 1]
             r.busy, r.outstanding = None, 0.0
             with self.clock("store"):   # rows are flushed with the next micro-batch's CONSUMED
-                self.exp.record_generation([(n, t, lp) for n, (t, lp) in zip(nodes, msg[2])],
+                self.exp.record_generation([(n, t, lp) for n, (t, lp) in zip(nodes, msg.outputs)],
                                            version, rank - 1)
-            self.tokens_since += sum(len(t) for t, _ in msg[2])
-        elif kind == "synced":
-            _, index, agent, version, _ = msg
-            r = self.replicas[index]
-            r.busy, r.held[agent] = None, version
-        elif kind == "tsynced":
-            self.state[msg[1]].syncing = False
-        elif kind == "trained":
-            self.state[msg[1]].inflight -= 1
-        elif kind == "stepped":
-            self.on_stepped(msg[1], msg[2], msg[3])
-        elif kind == "checkpointed":
+            self.tokens_since += sum(len(t) for t, _ in msg.outputs)
+        elif isinstance(msg, M.Synced):
+            r = self.replicas[msg.replica]
+            r.busy, r.held[msg.agent] = None, msg.version
+        elif isinstance(msg, M.TrainerSynced):
+            self.state[msg.agent].syncing = False
+        elif isinstance(msg, M.Trained):
+            self.state[msg.agent].inflight -= 1
+        elif isinstance(msg, M.Stepped):
+            self.on_stepped(msg.agent, msg.version, msg.stats)
+        elif isinstance(msg, M.Checkpointed):
             self.ckpt_pending -= 1
-        elif kind == "moved":
+        elif isinstance(msg, M.Moved):
             self.moving[self.layout.role_of(src)[1]] -= 1
-        elif kind in ("stopped", "intervals"):
+        elif isinstance(msg, (M.Stopped, M.Intervals)):
             pass
         else:
-            raise RuntimeError(f"orchestrator: unknown reply {kind!r}")
-        self.record_intervals(src, intervals)
+            raise RuntimeError(f"orchestrator: unknown reply {msg!r}")
+        self.record_intervals(src, msg.intervals)
 
     def record_intervals(self, src: int, intervals: list, count: bool = True) -> None:
         """Buffer a rank's intervals; they reach the store once a logged step (one append)."""
@@ -561,7 +560,7 @@ class Orchestrator:
         for a in agents:
             by_group[self.state[a].leader].append(a)
         for leader, names in by_group.items():
-            self.cmd(leader, ("checkpoint", names), f"checkpoint of {', '.join(names)}")
+            self.cmd(leader, M.Checkpoint(names), f"checkpoint of {', '.join(names)}")
             self.ckpt_pending += 1
         while wait and self.ckpt_pending > 0:
             self.handle(*self.receive())
@@ -586,14 +585,14 @@ class Orchestrator:
         targets = [r.rank for r in self.replicas] + [self.layout.group_leader(g)
                                                      for g in range(self.layout.groups)]
         for rank in targets:
-            self.cmd(rank, ("stop", code), "stop")
+            self.cmd(rank, M.Stop(code), "stop")
         # every worker rank answers "stopped" last (group members too: the leader forwards
         # the stop), so once all have, no interval message is left in flight
         pending = self.layout.world_size - 1
         while pending:
-            msg, src = self.receive()
-            self.handle(msg, src)
-            pending -= msg[0] == "stopped"
+            src, msg = self.receive()
+            self.handle(src, msg)
+            pending -= isinstance(msg, M.Stopped)
         self.write_intervals()
         self.store.flush()
         self.sinks.close()
@@ -629,4 +628,4 @@ class Orchestrator:
             self.write_intervals()
             self.store.flush()
         finally:
-            self.world.Abort(code)
+            self.transport.abort(code)

@@ -289,6 +289,7 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
     import yaml
     from .orchestrator import Orchestrator
     from .store import StoreFile
+    from .transport import MpiTransport
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
@@ -308,7 +309,7 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
         f"{layout.ranks_per_group or '+'.join(map(str, layout.group_sizes))}); "
         f"store {store.path}")
     try:
-        code = Orchestrator(cfg, task, world, layout, store, lambda: _PREEMPTED, log).run()
+        code = Orchestrator(cfg, task, MpiTransport(world), layout, store, lambda: _PREEMPTED, log).run()
     finally:
         store.close()
         log_file.close()

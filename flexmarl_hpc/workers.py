@@ -7,6 +7,7 @@ can account for every rank's time. Waiting is never a spin (see comm.py).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +15,14 @@ import torch
 from mpi4py import MPI
 
 from . import comm as C
+from . import messages as M
 from .checkpoint import load_latest, save_checkpoint
 from .grpo import MicroBatch
 from .rollout.base import GenRequest
 from .sampling import SamplingParams
 from .state_swap import StateMover
 from .trainer.base import finish_step
+from .transport import recv_command, send_reply
 from .weight_sync import SyncChannels, broadcast_weights
 
 
@@ -55,34 +58,33 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
     channels = SyncChannels(world, sync_backend)
     clock = Clock()
     while True:
-        cmd = C.recv(world, source=orch, tag=C.TAG_CMD)
-        kind = cmd[0]
+        cmd = recv_command(world, orch)
         t0 = time.time()
-        if kind == "generate":
-            _, batch_id, agent, version, reqs, *override = cmd
+        if isinstance(cmd, M.Generate):
+            agent, version = cmd.agent, cmd.version
             if engine.version(agent) != version:
                 raise RuntimeError(f"replica {index}: asked for {agent} v{version}, holds "
                                    f"v{engine.version(agent)}")
             # an evaluation batch brings its own params (greedy), training uses the run's
-            gens = engine.generate(agent, [GenRequest(*r) for r in reqs], override[0] if override else params)
+            gens = engine.generate(agent, [GenRequest(*r) for r in cmd.requests], cmd.params or params)
             clock.mark("generate", agent, t0)
-            world.send(("generated", batch_id, [(g.tokens, g.logprobs) for g in gens],
-                        clock.drain()), dest=orch, tag=C.TAG_REPLY)
-        elif kind == "sync":
-            _, agent, version, members = cmd
+            send_reply(world, orch, M.Generated(cmd.batch_id, [(g.tokens, g.logprobs) for g in gens],
+                                                intervals=clock.drain()))
+        elif isinstance(cmd, M.Sync):
+            agent = cmd.agent
             t = [t0]
-            v, named = broadcast_weights(channels, tuple(members), None, version, bucket_bytes,
+            v, named = broadcast_weights(channels, tuple(cmd.members), None, cmd.version, bucket_bytes,
                                          on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
             engine.load_weights(agent, v, named)
             clock.mark("sync", agent, t[0])
-            world.send(("synced", index, agent, v, clock.drain()), dest=orch, tag=C.TAG_REPLY)
-        elif kind == "stop":
+            send_reply(world, orch, M.Synced(index, agent, v, intervals=clock.drain()))
+        elif isinstance(cmd, M.Stop):
             channels.close()
             clock.waited(t0)
-            world.send(("stopped", index, clock.drain()), dest=orch, tag=C.TAG_REPLY)
-            return cmd[1]
+            send_reply(world, orch, M.Stopped(index, intervals=clock.drain()))
+            return cmd.code
         else:
-            raise ValueError(f"replica {index}: unknown command {kind!r}")
+            raise ValueError(f"replica {index}: unknown command {cmd.kind!r}")
 
 
 def microbatch_from_arrays(d: dict) -> MicroBatch:
@@ -104,29 +106,28 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
     clock = Clock()
     step_stats: dict[str, dict[str, float]] = {}
     while True:
-        cmd = C.recv(world, source=orch, tag=C.TAG_CMD) if leader else None
+        cmd = recv_command(world, orch) if leader else None
         cmd = C.bcast_obj(group, cmd, 0)
-        kind, agent = cmd[0], (cmd[1] if len(cmd) > 1 else "")
         t0 = time.time()
-        reply = None
-        if kind == "train":
-            _, agent, step, arrays, scale, last = cmd
+        reply: M.Reply | None = None
+        if isinstance(cmd, M.Train):
+            agent, last = cmd.agent, cmd.last
             tr = trainers[agent]
-            mb = microbatch_from_arrays(arrays).shard(group.Get_rank(), group.Get_size())
-            stats = tr.forward_backward(mb, scale, last=last)
+            mb = microbatch_from_arrays(cmd.arrays).shard(group.Get_rank(), group.Get_size())
+            stats = tr.forward_backward(mb, cmd.scale, last=last)
             acc = step_stats.setdefault(agent, {})
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + v
-            reply = ("trained", agent, step)
+            reply = M.Trained(agent, cmd.step)
             if last:
                 # the optimizer step, then (trainer.ppo_epochs > 1) the replay passes with theirs
                 summed = finish_step(tr, tr.cfg.ppo_epochs, _group_sum(group, acc),
                                      lambda d: _group_sum(group, d))
                 step_stats.pop(agent)
-                reply = ("stepped", agent, tr.version, summed)
+                reply = M.Stepped(agent, tr.version, summed)
             clock.mark("train", agent, t0)
-        elif kind == "sync":
-            _, agent, version, members = cmd
+        elif isinstance(cmd, M.Sync):
+            agent, version, members = cmd.agent, cmd.version, cmd.members
             t = [t0]
             if leader:
                 held = weights_and_version(mover, agent)
@@ -136,9 +137,9 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
                                   wire=sync_wire,
                                   on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
                 clock.mark("sync", agent, t[0])        # the other members take no part in it
-            reply = ("tsynced", agent, version)
-        elif kind == "checkpoint":
-            for name in cmd[1]:
+            reply = M.TrainerSynced(agent, version)
+        elif isinstance(cmd, M.Checkpoint):
+            for name in cmd.agents:
                 tr = trainer_of(mover, name)
                 if hasattr(tr, "save_checkpoint"):
                     # megatron: every rank writes its own shards (dist_checkpointing), the
@@ -150,26 +151,25 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
                 state = mover.state_of(name)
                 if leader:
                     save_checkpoint(ckpt_dir / name, int(state["version"]), state, keep_checkpoints)
-            clock.mark("checkpoint", ",".join(cmd[1]), t0)
-            reply = ("checkpointed", cmd[1])
-        elif kind == "move":
-            _, agent, src, dst = cmd
-            mover.move(agent, src, dst)
-            clock.mark("swap", agent, t0)
-            reply = ("moved", agent)
-        elif kind == "stop":
+            clock.mark("checkpoint", ",".join(cmd.agents), t0)
+            reply = M.Checkpointed(cmd.agents)
+        elif isinstance(cmd, M.Move):
+            mover.move(cmd.agent, cmd.src, cmd.dst)
+            clock.mark("swap", cmd.agent, t0)
+            reply = M.Moved(cmd.agent)
+        elif isinstance(cmd, M.Stop):
             channels.close()
             clock.waited(t0)
-            world.send(("stopped", -1, clock.drain()), dest=orch, tag=C.TAG_REPLY)   # every rank
-            return cmd[1]
+            send_reply(world, orch, M.Stopped(-1, intervals=clock.drain()))   # every rank
+            return cmd.code
         else:
-            raise ValueError(f"trainer: unknown command {kind!r}")
+            raise ValueError(f"trainer: unknown command {cmd.kind!r}")
         if leader and reply is not None:
-            world.send(reply + (clock.drain(),), dest=orch, tag=C.TAG_REPLY)
+            send_reply(world, orch, replace(reply, intervals=clock.drain()))
         elif not leader:
             # the other members' intervals go straight to the store too (one small message
             # per command), so utilization counts every rank of a data-parallel group
-            world.send(("intervals", clock.drain()), dest=orch, tag=C.TAG_REPLY)
+            send_reply(world, orch, M.Intervals(intervals=clock.drain()))
 
 
 def _group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,181 @@
+"""One simulated run: the real Orchestrator, Scheduler, Experience, workflow and rewards over
+SimTransport, with synthetic workers priced by sim.costs.CostModel ("synthesize" mode).
+
+Responses carry the task's real tokens (at most the turn's max_new_tokens, so the workflow's
+reward runs on real text: for a random synthetic policy it is a random reward), while their
+*cost* is that of a modelled response: a length drawn from the long-tailed
+`LengthDistribution` (max 8192 tokens) after a declared prompt of `prompt_tokens`. Training
+compute is skipped; its time is that of micro-batches of modelled tokens (each row the
+prompt plus the distribution's mean length: a micro-batch of 16 averages the tail).
+
+Clock: everything the orchestrator timestamps (its busy intervals schedule/handle/store/log,
+/metrics t, /steps, the store's elapsed time) reads the simulated clock (`sim_clock`), so the
+HDF5 file is one coherent simulated timeline. The orchestrator's own work then costs zero
+simulated seconds unless `charge_orchestrator` adds its real compute to the clock (the
+capacity measurement does). Hang detection (time.monotonic) stays on the real clock.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import yaml
+
+from ..config import Config, to_dict
+from ..layout import ROLLOUT, layout_from_config
+from ..resources import rollout_pools, trainer_groups
+from .costs import AgentLayout, CostModel, LengthDistribution, shape_from_model_args
+from .hardware import HardwareProfile
+from .transport import SimTransport, SyntheticWorkers
+
+QWEN_VOCAB = 152064
+"""Vocabulary the cost model prices (Qwen2.5's): the tasks' own vocabularies are tiny."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the synthetic responses stand for."""
+    prompt_tokens: int = 1024
+    """Modelled prompt length of every request (assumption: the paper gives none)."""
+    lengths: LengthDistribution = LengthDistribution()
+    """Modelled response lengths (lognormal, median 1024, sigma 0.8, max 8192)."""
+    vocab: int = QWEN_VOCAB
+    """Vocabulary of the priced models (embedding and LM head parameters)."""
+    seed: int = 0
+    """Seed of the modelled lengths (the simulation is deterministic given it)."""
+
+
+def cost_model(cfg: Config, hw: HardwareProfile, vocab: int = QWEN_VOCAB) -> CostModel:
+    """Each agent's model, replica width (its first pool) and trainer group (where it starts)."""
+    pools, groups = rollout_pools(cfg), trainer_groups(cfg)
+    agents = {}
+    for a in cfg.agent_names:
+        m = cfg.model_for(a)
+        shape = shape_from_model_args(types.SimpleNamespace(**{**to_dict(m), "vocab_size": vocab}), a, 2)
+        pool = next(p for p in pools if a in p.agents)
+        group = next((g for g in groups if a in g.agents), groups[0])
+        agents[a] = AgentLayout(shape, gpus_per_replica=pool.gpus_per_replica, trainer_devices=group.ranks,
+                                trainer_tp=group.tensor_parallel, trainer_pp=group.pipeline_parallel,
+                                max_num_seqs=max(cfg.rollout.max_batch, 1))
+    return CostModel(hw, agents)
+
+
+class ModelledCost:
+    """`cost` (a sim.costs.CostModel) charged for modelled, not real, lengths."""
+
+    def __init__(self, cost: CostModel, work: Workload) -> None:
+        self.cost, self.work = cost, work
+        self.rng = np.random.default_rng(work.seed)
+        self.mean_len = float(work.lengths.sample(np.random.default_rng(12345), 100_000).mean())
+
+    def generate_s(self, agent, n_prompts, prompt_tokens, response_tokens) -> float:
+        lengths = self.work.lengths.sample(self.rng, len(response_tokens))
+        return self.cost.generate_s(agent, n_prompts, self.work.prompt_tokens, lengths)
+
+    def train_tokens(self, arrays: dict) -> int:
+        rows = int(np.count_nonzero(np.asarray(arrays["response_lens"])))
+        return int(rows * (self.work.prompt_tokens + self.mean_len))
+
+    def train_s(self, agent, tokens, optimizer_step=True) -> float:
+        return self.cost.train_s(agent, tokens, optimizer_step)
+
+    def sync_s(self, agent, nbytes) -> float:
+        return self.cost.sync_s(agent, nbytes)
+
+    def swap_s(self, agent, nbytes) -> float:
+        return self.cost.swap_s(agent, nbytes)
+
+    def weight_bytes(self, agent) -> int:
+        return self.cost.weight_bytes(agent)
+
+    def state_bytes(self, agent) -> int:
+        return self.cost.state_bytes(agent)
+
+
+@contextlib.contextmanager
+def sim_clock(sim: SimTransport):
+    """The orchestrator's, the store's and BusyClock's time.time() read `sim.now` meanwhile."""
+    from .. import orchestrator, store, timing
+    fake = types.SimpleNamespace(time=lambda: sim.now, monotonic=time.monotonic,
+                                 perf_counter=time.perf_counter, sleep=_no_sleep)
+    mods = (orchestrator, store, timing)
+    saved = [m.time for m in mods]
+    for m in mods:
+        m.time = fake
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, saved):
+            m.time = t
+
+
+def _no_sleep(secs: float) -> None:
+    raise RuntimeError("simulation: something tried to sleep on the simulated clock")
+
+
+def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | None = None,
+                 charge_orchestrator: bool = False) -> tuple[Path, SimTransport]:
+    """Run `cfg` on the simulated clock; returns its HDF5 file (attrs simulated=True,
+    hardware) and the transport (for its clock and counters)."""
+    from ..build import build_task
+    from ..orchestrator import Orchestrator
+    from ..store import StoreFile
+    task, layout = build_task(cfg), layout_from_config(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{cfg.run.name}.h5"
+    path.unlink(missing_ok=True)
+    store = StoreFile(path, cfg.agent_names,
+                      {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False), "mode": cfg.run.mode,
+                       "world_size": layout.world_size, "simulated": True, "hardware": hardware},
+                      chunk=cfg.store.chunk_rows)
+    if work is not None:
+        cost = ModelledCost(cost, work)
+    sim = SimTransport(layout, cost, SyntheticWorkers(task), t0=store.t0,
+                       charge_orchestrator=charge_orchestrator)
+    try:
+        with sim_clock(sim):
+            code = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None).run()
+    finally:
+        store.close()
+    if code != 0:
+        raise RuntimeError(f"simulated run {cfg.run.name} ({cfg.run.mode}) ended with code {code}")
+    return path, sim
+
+
+def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2) -> dict:
+    """step_s (median gap between global steps after `skip`), samples/s, and accelerator
+    utilization (busy accelerator-seconds / (accelerators x window); `gpus`: rank -> devices)."""
+    with h5py.File(path, "r") as f:
+        m, iv = f["metrics"][:], f["intervals"][:]
+        world = int(f.attrs["world_size"])
+    m = m[m["superseded"] == 0]
+    t = m["t"]
+    skip = min(skip, max(len(t) - 2, 0))
+    lo, hi = (t[skip - 1] if skip else 0.0), t[-1]
+    busy = iv["activity"] != b"wait"
+    inside = np.clip(np.minimum(iv["t1"], hi) - np.maximum(iv["t0"], lo), 0, None) * busy
+    weight = np.ones(world)
+    weight[0] = 0.0                                   # the orchestrator is a CPU rank
+    for r, g in (gpus or {}).items():
+        weight[r] = g
+    per_rank = np.bincount(iv["rank"], weights=inside, minlength=world)
+    span = max(hi - lo, 1e-12)
+    return {"step_s": float(np.median(np.diff(t[max(skip - 1, 0):]))) if len(t) > 1 else float(hi),
+            "samples_per_s": float(m["samples"][skip:].sum() / span),
+            "util": float((per_rank * weight).sum() / (weight.sum() * span)),
+            "steps": int(len(t))}
+
+
+def rank_devices(cfg: Config) -> dict[int, int]:
+    """World rank -> accelerators it stands for (a replica rank holds its pool's width)."""
+    layout, pools = layout_from_config(cfg), rollout_pools(cfg)
+    out = {}
+    for r in range(1, layout.world_size):
+        role, index = layout.role_of(r)
+        out[r] = pools[layout.pool_of(index)].gpus_per_replica if role == ROLLOUT else 1
+    return out

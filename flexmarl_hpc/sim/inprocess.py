@@ -1,0 +1,68 @@
+"""Reply content from the real engine and trainers, run in the simulator's process (small
+models): a simulated run then trains the same weights as an MPI run of the same config.
+
+One engine serves every simulated replica (sampling is seeded per sample, so which replica
+ran a request, or what shared its batch, does not change it); it loads the weights a `Sync`
+published for the version a `Generate` asks for. One trainer per agent, on a one-rank
+group (trainer.ranks_per_group must be 1), stays live: a state move only costs time.
+"""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from .. import messages as M
+from ..build import build_engine, build_trainer
+from ..checkpoint import save_checkpoint
+from ..config import Config, ConfigError
+from ..rollout.base import GenRequest
+from ..sampling import SamplingParams
+from ..workers import microbatch_from_arrays
+
+
+class InProcessWorkers:
+    def __init__(self, cfg: Config, task) -> None:
+        if cfg.trainer.ranks_per_group != 1:
+            raise ConfigError("trainer.ranks_per_group: the in-process simulation runs one trainer "
+                              f"rank per agent, expected 1, got {cfg.trainer.ranks_per_group}")
+        self.engine = build_engine(cfg, task)
+        self.trainers = {a: build_trainer(cfg, task, a, MPI.COMM_SELF) for a in cfg.agent_names}
+        self.params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
+        self.keep = cfg.pipeline.max_staleness + 1      # versions a request may still ask for
+        self.ckpt_dir, self.keep_ckpt = cfg.output_dir / "checkpoints", cfg.run.keep_checkpoints
+        self.published: dict[tuple[str, int], dict] = {}
+        self.acc: dict[str, dict[str, float]] = {}
+
+    def generate(self, cmd: M.Generate) -> list[tuple[list[int], list[float]]]:
+        if self.engine.version(cmd.agent) != cmd.version:
+            self.engine.load_weights(cmd.agent, cmd.version, self.published[cmd.agent, cmd.version])
+        gens = self.engine.generate(cmd.agent, [GenRequest(*r) for r in cmd.requests], cmd.params or self.params)
+        return [(g.tokens, g.logprobs) for g in gens]
+
+    def sync(self, cmd: M.Sync) -> None:
+        tr = self.trainers[cmd.agent]
+        if tr.version != cmd.version:
+            raise RuntimeError(f"sync of {cmd.agent} v{cmd.version} but its trainer is at v{tr.version}")
+        # a copy: the trainer's parameters change under it before a replica loads them
+        self.published[cmd.agent, cmd.version] = {k: v.detach().clone()
+                                                  for k, v in tr.named_weights().items()}
+        for key in [k for k in self.published if k[0] == cmd.agent and k[1] < cmd.version - self.keep]:
+            del self.published[key]
+
+    def train(self, cmd: M.Train) -> dict[str, float]:
+        """What trainer_loop does on a one-rank group: statistics summed over the step's
+        micro-batches, then the optimizer step's."""
+        tr = self.trainers[cmd.agent]
+        stats = tr.forward_backward(microbatch_from_arrays(cmd.arrays).shard(0, 1), cmd.scale, last=cmd.last)
+        acc = self.acc.setdefault(cmd.agent, {})
+        for k, v in stats.items():
+            acc[k] = acc.get(k, 0.0) + v
+        if not cmd.last:
+            return {}
+        summed = dict(sorted(self.acc.pop(cmd.agent).items()))
+        summed.update(tr.optimizer_step())
+        return summed
+
+    def checkpoint(self, cmd: M.Checkpoint) -> None:
+        for name in cmd.agents:
+            state = self.trainers[name].state()
+            save_checkpoint(self.ckpt_dir / name, int(state["version"]), state, self.keep_ckpt)

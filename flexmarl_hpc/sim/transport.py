@@ -1,0 +1,251 @@
+"""A discrete-event transport: the real Orchestrator drives simulated workers on a simulated
+clock. Nothing sleeps; `receive` jumps the clock to the next reply.
+
+A command's reply is made of two independent parts:
+- its content, from `SyntheticWorkers` (responses of modelled length, made of tokens the
+  task allows, so the real workflow computes real rewards; training compute skipped), or
+  from `sim.inprocess.InProcessWorkers` (the real engine and trainers, for small models:
+  the run then equals an MPI run), or any object with the same four methods;
+- its timing, from a `CostModel` (seconds of each operation) and the workers' queues: a
+  worker runs its commands in arrival order, one at a time, as a real rank does, and a
+  weight broadcast or a state move starts once every member has reached it (rendezvous).
+
+Replies carry (activity, agent, t0, t1) intervals in simulated seconds from `t0` (the
+store's start, so the timeline lines up), and each trainer group member reports its own, as
+real ranks do. With `charge_orchestrator`, the orchestrator's own real compute time
+between two receives is added to the clock: zero-cost workers then measure how much the
+single orchestrator rank can drive.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field, replace
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .. import messages as M
+from ..layout import ROLLOUT, RankLayout
+
+
+class CostModel(Protocol):
+    """Seconds each operation takes on the modelled hardware (sim.costs.CostModel is one)."""
+
+    def generate_s(self, agent: str, n_prompts: int, prompt_tokens: Sequence[int],
+                   response_tokens: Sequence[int]) -> float:
+        """One replica batch of `n_prompts` requests: each one's prompt and response length."""
+
+    def train_s(self, agent: str, tokens: int, optimizer_step: bool = True) -> float:
+        """Forward + backward of one micro-batch of `tokens` (prompt + response) tokens on a
+        trainer group, plus the optimizer step on a step's last micro-batch."""
+
+    def sync_s(self, agent: str, nbytes: float) -> float:
+        """Broadcast of `nbytes` of weights from a trainer leader to the replicas."""
+
+    def swap_s(self, agent: str, nbytes: float) -> float:
+        """Moving `nbytes` of training state (park, unpark or between groups)."""
+
+    def weight_bytes(self, agent: str) -> int:
+        """What a weight sync of `agent` moves."""
+
+    def state_bytes(self, agent: str) -> int:
+        """What a state move of `agent` moves."""
+
+
+@dataclass(frozen=True)
+class ConstantCost:
+    """Fixed seconds per operation (zero by default): for tests and the orchestrator's
+    own throughput limit."""
+    generate: float = 0.0
+    train: float = 0.0
+    optimizer: float = 0.0
+    sync: float = 0.0
+    swap: float = 0.0
+
+    def generate_s(self, agent, n_prompts, prompt_tokens, response_tokens) -> float:
+        return self.generate
+
+    def train_s(self, agent, tokens, optimizer_step=True) -> float:
+        return self.train + (self.optimizer if optimizer_step else 0.0)
+
+    def sync_s(self, agent, nbytes) -> float:
+        return self.sync
+
+    def swap_s(self, agent, nbytes) -> float:
+        return self.swap
+
+    def weight_bytes(self, agent) -> int:
+        return 0
+
+    def state_bytes(self, agent) -> int:
+        return 0
+
+
+class SyntheticWorkers:
+    """Reply content without models: each response has `response_len(agent, turn, budget)`
+    tokens (default: the whole budget) drawn, seeded by the request's seed, from the tokens
+    the task allows at that turn; log-probs are those of a uniform policy. Training returns
+    no statistics (the store records zeros)."""
+
+    def __init__(self, task, response_len=None) -> None:
+        self.task = task
+        self.response_len = response_len or (lambda agent, turn, budget: budget)
+        self._ids: dict[int, np.ndarray] = {}
+
+    def generate(self, cmd: M.Generate) -> list[tuple[list[int], list[float]]]:
+        out = []
+        for sample_id, prompt, seed, budget, turn in cmd.requests:
+            ids = self._allowed(turn)
+            n = max(0, min(budget, int(self.response_len(cmd.agent, turn, budget))))
+            toks = np.random.default_rng(seed).choice(ids, size=n).tolist()
+            out.append((toks, [-float(np.log(len(ids)))] * n))
+        return out
+
+    def train(self, cmd: M.Train) -> dict[str, float]:
+        return {}
+
+    def sync(self, cmd: M.Sync) -> None:
+        pass
+
+    def checkpoint(self, cmd: M.Checkpoint) -> None:
+        pass
+
+    def _allowed(self, turn: int) -> np.ndarray:
+        if turn not in self._ids:
+            mask = self.task.allowed_tokens(turn)
+            self._ids[turn] = (np.arange(len(self.task.vocab)) if mask is None
+                               else np.nonzero(np.asarray(mask))[0])
+        return self._ids[turn]
+
+
+@dataclass
+class _Meeting:
+    """A collective (weight broadcast, state move) waiting for its members' commands."""
+    members: tuple[int, ...]
+    arrived: dict[int, float] = field(default_factory=dict)    # rank -> when it is free for it
+    replies: dict[int, M.Reply] = field(default_factory=dict)  # rank -> its reply, once done
+
+
+class SimTransport:
+    """The orchestrator's Transport, on a simulated clock (`now`, seconds since the epoch
+    like time.time(), starting at `t0`)."""
+
+    def __init__(self, layout: RankLayout, cost: CostModel, workers, t0: float | None = None,
+                 charge_orchestrator: bool = False) -> None:
+        self.layout, self.cost, self.workers = layout, cost, workers
+        self.now = time.time() if t0 is None else t0
+        self.free_at: dict[int, float] = {}          # worker rank -> end of its last command
+        self.events: list[tuple[float, int, int, M.Reply]] = []     # (t, seq, src, reply)
+        self.seq = 0
+        self.meetings: dict[tuple, _Meeting] = {}
+        self.charge = charge_orchestrator
+        self._real = time.perf_counter()
+        self.sent = 0                                # commands handled (for throughput figures)
+
+    # -- Transport ------------------------------------------------------------------------
+    def send(self, rank: int, msg: M.Command) -> None:
+        self._tick()
+        self.sent += 1
+        start = max(self.now, self.free_at.get(rank, self.now))
+        if start == float("inf"):
+            raise RuntimeError(f"simulation: rank {rank} got {msg.kind!r} while it waits in a collective")
+        role, index = self.layout.role_of(rank)
+        if isinstance(msg, M.Generate):
+            outputs = self.workers.generate(msg)
+            dt = self.cost.generate_s(msg.agent, len(msg.requests), [len(r[1]) for r in msg.requests],
+                                      [len(t) for t, _ in outputs])
+            self._run(rank, start, dt, "generate", msg.agent, M.Generated(msg.batch_id, outputs))
+        elif isinstance(msg, M.Train):
+            stats = self.workers.train(msg)
+            a = msg.arrays
+            # a cost may price modelled rather than real tokens (sim.driver.ModelledCost)
+            tokens = (self.cost.train_tokens(a) if hasattr(self.cost, "train_tokens")
+                      else int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])))
+            dt = self.cost.train_s(msg.agent, tokens, optimizer_step=msg.last)
+            if msg.last:
+                reply: M.Reply = M.Stepped(msg.agent, msg.step + 1, stats)
+            else:
+                reply = M.Trained(msg.agent, msg.step)
+            self._run(rank, start, dt, "train", msg.agent, reply)
+        elif isinstance(msg, M.Sync):
+            if rank == msg.members[0]:
+                self.workers.sync(msg)               # the leader's weights at the broadcast
+            dt = self.cost.sync_s(msg.agent, self.cost.weight_bytes(msg.agent))
+            reply = (M.Synced(index, msg.agent, msg.version) if role == ROLLOUT
+                     else M.TrainerSynced(msg.agent, msg.version))
+            self._meet(("sync", msg.agent, msg.version, msg.members), msg.members, rank, start, dt,
+                       "sync", msg.agent, reply)
+        elif isinstance(msg, M.Move):
+            leaders = tuple(sorted({self.layout.group_leader(g) for g in (msg.src.group, msg.dst.group)}))
+            dt = self.cost.swap_s(msg.agent, self.cost.state_bytes(msg.agent))
+            self._meet(("move", msg.agent, msg.src, msg.dst), leaders, rank, start, dt,
+                       "swap", msg.agent, M.Moved(msg.agent))
+        elif isinstance(msg, M.Checkpoint):
+            self.workers.checkpoint(msg)
+            self._run(rank, start, 0.0, "checkpoint", ",".join(msg.agents), M.Checkpointed(msg.agents))
+        elif isinstance(msg, M.Stop):
+            ranks = [rank] if role == ROLLOUT else self.layout.group_ranks(index)
+            for r in ranks:
+                self._reply(start, r, M.Stopped(index if role == ROLLOUT else -1))
+        else:
+            raise ValueError(f"simulated worker {rank}: unknown command {msg.kind!r}")
+
+    def receive(self, timeout: float | None = None) -> tuple[int, M.Reply]:
+        self._tick()
+        if not self.events:
+            # simulated workers never hang: an empty queue is a protocol error, not a wait
+            raise RuntimeError("simulation: the orchestrator waits for a reply but no command is in flight")
+        t, _, src, reply = heapq.heappop(self.events)
+        self.now = max(self.now, t)
+        self._real = time.perf_counter()
+        return src, reply
+
+    def poll(self) -> tuple[int, M.Reply] | None:
+        self._tick()
+        if self.events and self.events[0][0] <= self.now:
+            _, _, src, reply = heapq.heappop(self.events)
+            return src, reply
+        return None
+
+    def abort(self, code: int) -> None:
+        raise SystemExit(code)
+
+    # -- the simulated workers ---------------------------------------------------------------
+    def _tick(self) -> None:
+        """Charge the orchestrator's real compute since the last call to the clock."""
+        if self.charge:
+            t = time.perf_counter()
+            self.now += t - self._real
+            self._real = t
+
+    def _run(self, rank: int, start: float, dt: float, activity: str, agent: str, reply: M.Reply) -> None:
+        """`rank` (a replica or a group leader) runs one command from `start` for `dt`."""
+        end = start + dt
+        self.free_at[rank] = end
+        self._reply(end, rank, _with(reply, activity, agent, start, end))
+        role, index = self.layout.role_of(rank)
+        if role != ROLLOUT and activity != "sync":          # the members work alongside
+            for r in self.layout.group_ranks(index)[1:]:
+                self._reply(end, r, M.Intervals(intervals=[(activity, agent, start, end)]))
+
+    def _meet(self, key: tuple, members: tuple[int, ...], rank: int, start: float, dt: float,
+              activity: str, agent: str, reply: M.Reply) -> None:
+        """A collective: each member's reply comes when all have arrived, plus `dt`."""
+        m = self.meetings.setdefault(key, _Meeting(members))
+        m.arrived[rank], m.replies[rank] = start, reply
+        self.free_at[rank] = float("inf")           # held until the others arrive
+        if len(m.arrived) < len(m.members):
+            return
+        del self.meetings[key]
+        begin = max(m.arrived.values())
+        for r in m.members:
+            self._run(r, begin, dt, activity, agent, m.replies[r])
+
+    def _reply(self, t: float, src: int, reply: M.Reply) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, src, reply))
+
+
+def _with(reply: M.Reply, activity: str, agent: str, t0: float, t1: float) -> M.Reply:
+    return replace(reply, intervals=[(activity, agent, t0, t1)])

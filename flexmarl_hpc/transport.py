@@ -1,0 +1,103 @@
+"""How the orchestrator reaches its workers: a transport object it is given.
+
+`MpiTransport` serves real jobs (the MPI world, passed in, never global); `FakeTransport`
+answers from a script, in memory, so unit tests drive the real Orchestrator without MPI.
+The simulator's transport (sim/) answers the same messages on a simulated clock.
+
+The worker end of the MPI transport is `recv_command`/`send_reply`: replicas and trainer
+leaders keep their communicator for collectives (weight broadcasts, group commands).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Iterable, Protocol
+
+from mpi4py import MPI
+
+from . import comm as C
+from . import messages as M
+
+
+class Transport(Protocol):
+    def send(self, rank: int, msg: M.Command) -> None:
+        """Queue a command to a worker rank; never waits for the worker."""
+
+    def receive(self, timeout: float | None = None) -> tuple[int, M.Reply]:
+        """The next reply as (source rank, message), waiting without a spin. Raises
+        TimeoutError after `timeout` seconds (None: wait as long as it takes)."""
+
+    def poll(self) -> tuple[int, M.Reply] | None:
+        """A reply that has already arrived, or None; never waits."""
+
+    def abort(self, code: int) -> None:
+        """End the whole job with `code` (a hung worker cannot be stopped by a message)."""
+
+
+class MpiTransport:
+    """Commands on comm.TAG_CMD, replies on comm.TAG_REPLY of `comm` (the world)."""
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+
+    def send(self, rank: int, msg: M.Command) -> None:
+        self.comm.send(M.encode(msg), dest=rank, tag=C.TAG_CMD)
+
+    def receive(self, timeout: float | None = None) -> tuple[int, M.Reply]:
+        wire, src = C.recv_from(self.comm, tag=C.TAG_REPLY, timeout=timeout)
+        return src, M.decode(wire)
+
+    def poll(self) -> tuple[int, M.Reply] | None:
+        m = C.poll(self.comm, tag=C.TAG_REPLY)
+        return None if m is None else (m[1], M.decode(m[0]))
+
+    def abort(self, code: int) -> None:
+        self.comm.Abort(code)
+
+
+def recv_command(comm: MPI.Comm, orch: int) -> M.Command:
+    """A worker's next command from the orchestrator (waiting without a spin)."""
+    return M.decode(C.recv(comm, source=orch, tag=C.TAG_CMD))
+
+
+def send_reply(comm: MPI.Comm, orch: int, msg: M.Reply) -> None:
+    comm.send(M.encode(msg), dest=orch, tag=C.TAG_REPLY)
+
+
+class Aborted(Exception):
+    """FakeTransport.abort: the job would have ended with `code`."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"aborted with exit code {code}")
+        self.code = code
+
+
+class FakeTransport:
+    """In memory, for unit tests: every command is recorded in `sent` and answered at once
+    by `respond(rank, command)`, whose (source rank, reply) pairs are delivered in order.
+    A script that leaves a command unanswered makes `receive` time out (after sleeping the
+    timeout: keep run.worker_timeout small), as a hung worker would."""
+
+    def __init__(self, respond: Callable[[int, M.Command], Iterable[tuple[int, M.Reply]]]) -> None:
+        self.respond = respond
+        self.sent: list[tuple[int, M.Command]] = []
+        self.queue: deque[tuple[int, M.Reply]] = deque()
+
+    def send(self, rank: int, msg: M.Command) -> None:
+        M.decode(M.encode(msg))                  # what MPI would carry must round-trip
+        self.sent.append((rank, msg))
+        self.queue.extend(self.respond(rank, msg))
+
+    def receive(self, timeout: float | None = None) -> tuple[int, M.Reply]:
+        if self.queue:
+            return self.queue.popleft()
+        if timeout is None:
+            raise RuntimeError("the orchestrator waits for a reply with no command outstanding")
+        time.sleep(timeout)
+        raise TimeoutError(f"no reply in {timeout} s")
+
+    def poll(self) -> tuple[int, M.Reply] | None:
+        return self.queue.popleft() if self.queue else None
+
+    def abort(self, code: int) -> None:
+        raise Aborted(code)

@@ -1,0 +1,172 @@
+"""The real Orchestrator (with the real Scheduler, Experience, workflow and HDF5 store),
+driven in one process through a FakeTransport whose scripted workers answer at once: the
+commands it emits, without MPI."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from flexmarl_hpc import messages as M
+from flexmarl_hpc.build import build_task
+from flexmarl_hpc.config import load_config
+from flexmarl_hpc.layout import ROLLOUT, layout_from_config
+from flexmarl_hpc.orchestrator import EXIT_PREEMPTED, Orchestrator
+from flexmarl_hpc.store import StoreFile
+from flexmarl_hpc.transport import Aborted, FakeTransport
+from tests.conftest import ROOT
+
+STEPS = 3
+
+
+class ScriptedWorkers:
+    """Replicas that hold what they were synced to and answer with tokens the task allows
+    (seeded by each request), trainer groups that count their micro-batches. `hang` names
+    a command kind that is never answered."""
+
+    def __init__(self, cfg, task, layout, hang: type | None = None):
+        self.task, self.layout, self.hang = task, layout, hang
+        self.held: dict[tuple[int, str], int] = {}
+        self.version = {a: 0 for a in cfg.agent_names}
+
+    def __call__(self, rank: int, cmd: M.Command):
+        role, index = self.layout.role_of(rank)
+        if isinstance(cmd, self.hang or ()):
+            return []
+        if isinstance(cmd, M.Sync):
+            if role == ROLLOUT:
+                self.held[rank, cmd.agent] = cmd.version
+                return [(rank, M.Synced(index, cmd.agent, cmd.version))]
+            return [(rank, M.TrainerSynced(cmd.agent, cmd.version))]
+        if isinstance(cmd, M.Generate):
+            assert self.held.get((rank, cmd.agent)) == cmd.version, "generate before its weights"
+            return [(rank, M.Generated(cmd.batch_id, [self.answer(r) for r in cmd.requests],
+                                       intervals=[("generate", cmd.agent, 0.0, 0.0)]))]
+        if isinstance(cmd, M.Train):
+            if not cmd.last:
+                return [(rank, M.Trained(cmd.agent, cmd.step))]
+            self.version[cmd.agent] = cmd.step + 1
+            return [(rank, M.Stepped(cmd.agent, cmd.step + 1, {"loss": 0.0, "grad_norm": 1.0}))]
+        if isinstance(cmd, M.Checkpoint):
+            return [(rank, M.Checkpointed(cmd.agents))]
+        if isinstance(cmd, M.Move):
+            return [(rank, M.Moved(cmd.agent))]
+        if isinstance(cmd, M.Stop):
+            ranks = [rank] if role == ROLLOUT else self.layout.group_ranks(index)
+            return [(r, M.Stopped(index if role == ROLLOUT else -1)) for r in ranks]
+        raise AssertionError(f"unexpected command {cmd.kind}")
+
+    def answer(self, req: M.Request) -> tuple[list[int], list[float]]:
+        sample_id, prompt, seed, max_new, turn = req
+        mask = self.task.allowed_tokens(turn)
+        ids = np.arange(len(self.task.vocab)) if mask is None else np.nonzero(mask.numpy())[0]
+        toks = np.random.default_rng(seed).choice(ids, size=max_new).tolist()
+        return toks, [-float(np.log(len(ids)))] * max_new
+
+
+def make(tmp_path, *overrides, hang=None):
+    cfg = load_config(str(ROOT / "configs/local.yaml"),
+                      [f"run.output_dir={tmp_path}", f"run.steps={STEPS}", "run.resume=false",
+                       "workflow.inputs_per_step=2", "trainer.micro_batch_size=8", *overrides])
+    task, layout = build_task(cfg), layout_from_config(cfg)
+    store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})
+    transport = FakeTransport(ScriptedWorkers(cfg, task, layout, hang))
+    lines: list[str] = []
+    orch = Orchestrator(cfg, task, transport, layout, store, log=lines.append)
+    return orch, transport, store, lines
+
+
+@pytest.mark.parametrize("mode", ["sync", "flex"])
+def test_every_sample_is_trained_once_per_step_in_order(tmp_path, mode):
+    orch, transport, store, _ = make(tmp_path, f"run.mode={mode}")
+    try:
+        assert orch.run() == 0
+    finally:
+        store.close()
+    sent = transport.sent
+    batch = orch.exp.batch_size
+    for agent in orch.agents:
+        trains = [c for _, c in sent if isinstance(c, M.Train) and c.agent == agent]
+        for step in range(STEPS):
+            mine = [c for c in trains if c.step == step]
+            assert sum(len(c.arrays["input_ids"]) for c in mine) == batch[agent]
+            assert [c.last for c in mine] == [False] * (len(mine) - 1) + [True]
+            assert all(c.scale == 1.0 / batch[agent] for c in mine)
+        assert [c.step for c in trains] == sorted(c.step for c in trains), "steps out of order"
+    # a version is generated with only after it was pushed to that replica
+    synced = set()
+    for rank, c in sent:
+        if isinstance(c, M.Sync):
+            synced.add((rank, c.agent, c.version))
+        elif isinstance(c, M.Generate):
+            assert (rank, c.agent, c.version) in synced
+    # it ends with a checkpoint of every agent, then a stop to each replica and group leader
+    kinds = [c.kind for _, c in sent]
+    leaders, workers = len({s.leader for s in orch.state.values()}), orch.layout.replicas + orch.layout.groups
+    assert kinds[-leaders - workers:] == ["checkpoint"] * leaders + ["stop"] * workers
+    assert Counter(kinds)["stop"] == workers
+    assert {a for _, c in sent if isinstance(c, M.Checkpoint) for a in c.agents} == set(orch.agents)
+    assert all(s.version == STEPS for s in orch.state.values())
+
+
+def test_sync_mode_keeps_the_barriers_of_the_baseline(tmp_path, mode="sync"):
+    """No generation at version v+1 while some agent is still at v, and no micro-batch of a
+    step until all of its generation is done (small batches: flex would overlap them)."""
+    orch, transport, store, _ = make(tmp_path, f"run.mode={mode}", "rollout.max_batch=8")
+    try:
+        orch.run()
+    finally:
+        store.close()
+    at = {a: 0 for a in orch.agents}
+    last_generate = {}
+    for i, (_, c) in enumerate(transport.sent):
+        if isinstance(c, M.Train) and c.last:
+            at[c.agent] = c.step + 1
+        elif isinstance(c, M.Generate):
+            assert c.version <= min(at.values()), f"{c.agent} v{c.version} generated before the barrier"
+            last_generate[c.version] = i
+    first_train = {}
+    for i, (_, c) in enumerate(transport.sent):
+        if isinstance(c, M.Train):
+            first_train.setdefault(c.step, i)
+    assert all(first_train[s] > last_generate[s] for s in range(STEPS)), "training overlapped generation"
+
+
+def test_a_hung_replica_ends_the_job_with_the_requeue_code(tmp_path):
+    orch, transport, store, lines = make(tmp_path, "run.worker_timeout=0.2", hang=M.Generate)
+    try:
+        with pytest.raises(Aborted) as e:
+            orch.run()
+    finally:
+        store.close()
+    assert e.value.code == EXIT_PREEMPTED
+    assert any("replica 0 (rank 1): no answer to generate batch 1" in ln for ln in lines), lines
+    # the trainer groups still answer: both agents are checkpointed before the exit
+    assert {a for _, c in transport.sent if isinstance(c, M.Checkpoint) for a in c.agents} == set(orch.agents)
+
+
+def test_messages_round_trip_without_copying_arrays():
+    arrays = {"input_ids": np.zeros((2, 3), np.int64)}
+    for msg in (M.Train("a", 1, arrays, 0.5, True), M.Stopped(-1, intervals=[("wait", "", 0.0, 1.0)]),
+                M.Generate(3, "a", 0, [("s", [1, 2], 7, 2, 0)]), M.Intervals()):
+        back = M.decode(M.encode(msg))
+        assert type(back) is type(msg) and back.kind == msg.kind
+        assert all(getattr(back, k) is getattr(msg, k) for k in msg.__dataclass_fields__)
+    with pytest.raises(ValueError, match="not a message"):
+        M.decode(("trained", "a"))
+
+
+def test_evaluation_batches_carry_their_own_sampling_params(tmp_path):
+    """run.eval_every: held-out batches go to the replicas as Generate commands with greedy
+    (or sampled) params of their own; training batches use the run's (params None)."""
+    orch, transport, store, lines = make(tmp_path, "run.eval_every=1", "run.eval_inputs=2")
+    try:
+        assert orch.run() == 0
+    finally:
+        store.close()
+    gens = [c for _, c in transport.sent if isinstance(c, M.Generate)]
+    evals = [c for c in gens if c.params is not None]
+    assert evals and any(c.params.temperature == 0.0 for c in evals)
+    assert len(evals) < len(gens)
+    assert any(ln.startswith("eval at step") for ln in lines), lines

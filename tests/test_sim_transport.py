@@ -1,0 +1,117 @@
+"""The discrete-event transport: the real Orchestrator, Scheduler, Experience and workflow
+on a simulated clock with synthetic workers (unit tests: one process, no MPI, no sleeping)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flexmarl_hpc import messages as M
+from flexmarl_hpc.build import build_task
+from flexmarl_hpc.config import load_config
+from flexmarl_hpc.layout import RankLayout, layout_from_config
+from flexmarl_hpc.orchestrator import Orchestrator
+from flexmarl_hpc.sim.transport import ConstantCost, SimTransport, SyntheticWorkers
+from flexmarl_hpc.state_swap import Location
+from flexmarl_hpc.store import StoreFile
+from tests.conftest import ROOT
+
+STEPS = 3
+
+
+def simulate(tmp_path, cost, *overrides, charge=False):
+    cfg = load_config(str(ROOT / "configs/local.yaml"),
+                      [f"run.output_dir={tmp_path}", f"run.steps={STEPS}", "run.resume=false",
+                       "workflow.inputs_per_step=2", "trainer.micro_batch_size=8", *overrides])
+    task, layout = build_task(cfg), layout_from_config(cfg)
+    store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})
+    sim = SimTransport(layout, cost, SyntheticWorkers(task), t0=store.t0, charge_orchestrator=charge)
+    orch = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None)
+    try:
+        assert orch.run() == 0
+        iv = store.intervals.read()
+    finally:
+        store.close()
+    assert all(s.version == STEPS for s in orch.state.values())
+    return sim.now - store.t0, iv
+
+
+def test_sync_mode_takes_the_generation_time_of_its_barriers(tmp_path):
+    """One replica, 1 s per generation batch, the rest free: each sync step is a speaker
+    batch then a listener batch (the per-turn barrier), so 3 steps take exactly 6 s."""
+    elapsed, _ = simulate(tmp_path, ConstantCost(generate=1.0), "run.mode=sync")
+    assert elapsed == pytest.approx(2.0 * STEPS)
+
+
+def test_flex_overlaps_what_sync_serializes(tmp_path):
+    cost = ConstantCost(generate=1.0, train=1.0, sync=0.1)
+    small = ("rollout.max_batch=8",)
+    t_sync, _ = simulate(tmp_path / "sync", cost, "run.mode=sync", *small)
+    t_flex, _ = simulate(tmp_path / "flex", cost, "run.mode=flex", *small)
+    assert t_flex < t_sync
+
+
+def test_zero_cost_workers_leave_only_the_orchestrators_own_time(tmp_path):
+    """Free workers: the simulated run takes no time, unless the orchestrator's real
+    compute is charged to the clock (how its own limit is measured)."""
+    assert simulate(tmp_path / "free", ConstantCost())[0] == 0.0
+    assert simulate(tmp_path / "charged", ConstantCost(), charge=True)[0] > 0.0
+
+
+def test_every_rank_reports_simulated_intervals_that_never_overlap(tmp_path):
+    _, iv = simulate(tmp_path, ConstantCost(generate=1.0, train=0.5, sync=0.25),
+                     "trainer.ranks_per_group=2")
+    ranks = set(iv["rank"].tolist())
+    assert ranks >= {1, 2, 3, 4, 5}, "a trainer group member reported nothing"
+    for r in ranks - {0}:              # rank 0's own intervals are real time
+        mine = iv[iv["rank"] == r]
+        t0, t1 = np.sort(mine["t0"]), mine["t1"][np.argsort(mine["t0"])]
+        assert (t1 >= t0).all() and (t0[1:] >= t1[:-1] - 1e-9).all(), f"rank {r} overlaps itself"
+    train = iv[(iv["activity"] == b"train")]
+    assert set(train["rank"].tolist()) == {2, 3, 4, 5}
+
+
+def test_a_broadcast_starts_when_its_last_member_is_free(tmp_path):
+    layout = RankLayout(replicas=1, groups=1, ranks_per_group=1)      # ranks: 0, replica 1, leader 2
+    cfg = load_config(str(ROOT / "configs/local.yaml"), [])
+    sim = SimTransport(layout, ConstantCost(generate=2.0, sync=0.5, swap=3.0), SyntheticWorkers(build_task(cfg)),
+                       t0=0.0)
+    sim.send(1, M.Generate(1, "speaker", 0, [("s0", [1], 7, 2, 0)]))
+    sim.send(2, M.Sync("speaker", 1, (2, 1)))
+    sim.send(1, M.Sync("speaker", 1, (2, 1)))
+    got = [sim.receive() for _ in range(3)]
+    assert [(src, type(m).__name__, m.intervals[0][2:]) for src, m in got] == [
+        (1, "Generated", (0.0, 2.0)), (2, "TrainerSynced", (2.0, 2.5)), (1, "Synced", (2.0, 2.5))]
+    assert sim.now == 2.5 and sim.poll() is None
+    sim.send(2, M.Move("speaker", Location(0, True), Location(0, False)))   # one group: no wait
+    assert sim.receive()[1].intervals == [("swap", "speaker", 2.5, 5.5)]
+    with pytest.raises(RuntimeError, match="no command is in flight"):
+        sim.receive()
+
+
+def test_a_steps_last_micro_batch_pays_the_optimizer_and_members_report_it_too():
+    layout = RankLayout(replicas=1, groups=1, ranks_per_group=2)      # group ranks 2, 3
+    cfg = load_config(str(ROOT / "configs/local.yaml"), [])
+    sim = SimTransport(layout, ConstantCost(train=0.5, optimizer=1.0), SyntheticWorkers(build_task(cfg)), t0=0.0)
+    arrays = {"prompt_lens": np.array([3, 3]), "response_lens": np.array([2, 2])}
+    sim.send(2, M.Train("speaker", 0, arrays, 0.5, False))
+    sim.send(2, M.Train("speaker", 0, arrays, 0.5, True))
+    got = [sim.receive() for _ in range(4)]
+    assert [(src, m.kind, m.intervals[0][2:]) for src, m in got] == [
+        (2, "trained", (0.0, 0.5)), (3, "intervals", (0.0, 0.5)),
+        (2, "stepped", (0.5, 2.0)), (3, "intervals", (0.5, 2.0))]
+    assert got[2][1].version == 1
+
+
+def test_the_cost_models_of_sim_costs_drive_the_transport(tmp_path):
+    """SimTransport's CostModel protocol is what sim.costs.CostModel implements: the tiny
+    run on the CPU profile, every message priced by it (a swap too: 2 agents, 1 group)."""
+    from flexmarl_hpc.build import model_args
+    from flexmarl_hpc.sim.costs import AgentLayout, CostModel, shape_from_model_args
+    from flexmarl_hpc.sim.hardware import load_hardware
+    cfg = load_config(str(ROOT / "configs/local.yaml"), [])
+    task = build_task(cfg)
+    shape = {a: shape_from_model_args(model_args(cfg, task, a), a, 4) for a in cfg.agent_names}
+    cost = CostModel(load_hardware("cpu_local"), {a: AgentLayout(s, trainer_devices=1) for a, s in shape.items()})
+    elapsed, iv = simulate(tmp_path, cost, "trainer.groups=1", "pipeline.swap_states=true")
+    assert elapsed > 0
+    assert {b"generate", b"train", b"sync", b"swap"} <= set(iv["activity"].tolist())

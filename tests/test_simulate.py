@@ -1,0 +1,71 @@
+"""`python -m flexmarl_hpc.simulate`: the CLI's variants and JSON, the simulated HDF5 file
+that `analyze` reads unchanged, and a clock that never sleeps (unit: one process, no MPI)."""
+from __future__ import annotations
+
+import json
+import time
+
+import h5py
+import pytest
+
+from flexmarl_hpc import analyze
+from flexmarl_hpc import simulate
+from tests.conftest import ROOT
+
+CONFIG = str(ROOT / "configs/local.yaml")
+TINY = ["workflow.inputs_per_step=2", "trainer.micro_batch_size=8"]
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    code = simulate.main([CONFIG, *TINY, *args])
+    return code, capsys.readouterr().out
+
+
+def test_json_gives_each_variants_step_time_and_ratio(tmp_path, capsys):
+    code, out = run_cli(capsys, "--steps", "4", "--compare", "sync,flex,flex-nolb", "--json",
+                        "--hardware", "h100_ndr", "--out", str(tmp_path))
+    assert code == 0
+    res = json.loads(out)["variants"]
+    assert list(res) == ["sync", "flex", "flex-nolb"]
+    for v, r in res.items():
+        assert r["step_s"] > 0 and 0 < r["util"] <= 1, v
+        assert r["speedup_vs_sync"] == pytest.approx(res["sync"]["step_s"] / r["step_s"])
+    assert res["sync"]["speedup_vs_sync"] == 1.0
+
+
+def test_the_table_names_every_variant_and_bad_variants_are_refused(tmp_path, capsys):
+    code, out = run_cli(capsys, "--steps", "3", "--compare", "sync,flex-nopipe", "--out", str(tmp_path))
+    assert code == 0
+    assert "sync" in out and "flex-nopipe" in out and "step_s" in out
+    code = simulate.main([CONFIG, "--compare", "sync,fast"])
+    assert code == 2 and "fast" in capsys.readouterr().err
+
+
+def test_the_simulated_file_is_marked_and_analyze_reads_it(tmp_path, capsys, monkeypatch):
+    assert run_cli(capsys, "--steps", "4", "--compare", "flex", "--out", str(tmp_path))[0] == 0
+    h5 = tmp_path / "flex" / "local.h5"
+    with h5py.File(h5, "r") as f:
+        assert bool(f.attrs["simulated"]) and f.attrs["hardware"] == "npu64_a3"
+        assert len(f["metrics"]) == 4
+    assert analyze.main([str(h5), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary                                           # the same summary as a real run's
+    # a large run's timeline: one row per role and pool/group (forced here on a small run)
+    monkeypatch.setattr(analyze, "MAX_TIMELINE_RANKS", 2)
+    assert analyze.main([str(h5), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "timeline.png").stat().st_size > 0
+    run = analyze.load_run(h5)
+    rows = analyze._rows(run)
+    assert [label.split(" (")[0] for label, _ in rows][:2] == ["orchestrator", "pool rollout"]
+    assert sum(len(r) for _, r in rows) == int(run.attrs["world_size"])
+
+
+def test_the_clock_never_sleeps_and_runs_far_ahead_of_the_wall(tmp_path, monkeypatch):
+    def no_sleep(s):
+        raise AssertionError(f"slept {s} s")
+    monkeypatch.setattr(time, "sleep", no_sleep)
+    wall = time.perf_counter()
+    res = simulate.run_variants(CONFIG, ["sync", "flex"], "npu64_a3", 4, tmp_path, TINY)
+    wall = time.perf_counter() - wall
+    simulated = sum(r["sim_s"] for r in res.values())
+    assert simulated > 2 * wall, (simulated, wall)
