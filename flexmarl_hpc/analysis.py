@@ -25,11 +25,11 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from .store import (CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS,
-                    READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS)
+from .store import (ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS,
+                    METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS)
 
 # the columns schema 1 had, where schema 2 added some
-V1_ONLY = {"steps": [c for c in STEP_COLUMNS if c not in ("logp_mismatch", "tis_mean", "superseded")],
+V1_ONLY = {"steps": [c for c in STEP_COLUMNS if c not in ("logp_mismatch", "tis_mean", "superseded", *ADDED)],
            "metrics": [c for c in METRIC_COLUMNS if c != "superseded"],
            "events": [c for c in EVENT_COLUMNS if c not in ("reward", "advantage")]}
 
@@ -81,11 +81,13 @@ def _columns_v2(f, name: str, columns: dict, path: Path, committed: dict) -> dic
         raise AnalysisError(f"{path}: missing dataset /{name} (truncated or foreign file?)")
     ds = f[name]
     ds.refresh() if hasattr(ds, "refresh") else None
-    missing = [c for c in columns if c not in (ds.dtype.names or ())]
+    have = ds.dtype.names or ()
+    missing = [c for c in columns if c not in have and c not in ADDED]
     if missing:
         raise AnalysisError(f"{path}: /{name} has no column {missing[0]}")
     rows = ds[:min(len(ds), committed.get("/" + name, len(ds)))]
-    return {c: rows[c] for c in columns}
+    # a column added within schema 2 reads as NaN from a file written before it
+    return {c: rows[c] if c in have else np.full(len(rows), np.nan, np.float32) for c in columns}
 
 
 def _frame(data: dict) -> pd.DataFrame:

@@ -62,37 +62,48 @@ def _cpu_only(what: str, device: str) -> None:
 _WARNED: set[str] = set()
 
 
-def build_engine(cfg: Config, task: Task, device: str = "cpu"):
-    """This replica's engine. `device` is the rank's binding (flexmarl_hpc.devices), already
+def build_engine(cfg: Config, task: Task, device: str = "cpu", pool: int = 0):
+    """This replica's engine, holding the models of the agents its pool may serve
+    (flexmarl_hpc.resources). `device` is the rank's binding (flexmarl_hpc.devices), already
     applied: vLLM sees only the replica's GPU block as cuda:0.. through CUDA_VISIBLE_DEVICES."""
-    args_of = {a: model_args(cfg, task, a) for a in cfg.agent_names}
+    import dataclasses
+    from .resources import rollout_pools
+    p = rollout_pools(cfg)[pool]
+    args_of = {a: model_args(cfg, task, a) for a in cfg.agent_names if a in p.agents}
     if cfg.rollout.backend == "vllm":
         from .rollout.vllm_engine import VLLMEngine
-        return VLLMEngine(args_of, task, cfg.rollout)
+        # the pool's GPUs per replica are vLLM's tensor_parallel_size
+        return VLLMEngine(args_of, task, dataclasses.replace(cfg.rollout, gpus_per_replica=p.gpus_per_replica))
     from .rollout.torch_engine import TorchEngine
     _cpu_only("rollout.backend=torch", device)
     return TorchEngine(args_of, task, cfg.rollout.max_batch)
 
 
-def build_trainer(cfg: Config, task: Task, agent: str, group_comm, device: str = "cpu"):
-    """One agent's trainer backend on this rank's group, at version 0. `device`: the rank's
-    binding, already the current CUDA device (megatron allocates on current_device())."""
+def build_trainer(cfg: Config, task: Task, agent: str, group_comm, device: str = "cpu", group: int = 0):
+    """One agent's trainer backend on this rank's group (`group`: its index, whose backend
+    and TP/PP it uses), at version 0. `device`: the rank's binding, already the current CUDA
+    device (megatron allocates on current_device())."""
+    from .resources import group_trainer_config, trainer_groups
+    tcfg = group_trainer_config(cfg, trainer_groups(cfg)[group])
     model = initial_model(cfg, task, agent)
-    if cfg.trainer.backend == "megatron":
+    if tcfg.backend == "megatron":
         from .trainer.megatron import MegatronTrainer
-        return MegatronTrainer(model.args, cfg.trainer, group_comm, cfg.rollout.temperature,
+        return MegatronTrainer(model.args, tcfg, group_comm, cfg.rollout.temperature,
                                init={k: v.clone() for k, v in model.state_dict().items()})
     from .trainer.torch_trainer import TorchTrainer
     _cpu_only("trainer.backend=torch", device)
-    return TorchTrainer(model, cfg.trainer, group_comm, cfg.rollout.temperature)
+    return TorchTrainer(model, tcfg, group_comm, cfg.rollout.temperature)
 
 
 def initial_placement(cfg: Config):
-    """Agent i's state starts on group i % G: resident for the first agent of a group,
-    parked in that group's host memory for the others (agent-centric allocation)."""
+    """Where each agent's state starts: on its trainer group (flexmarl_hpc.resources; the
+    uniform case puts agent i on group i % G), resident for the group's first agent, parked
+    in that group's host memory for the others (agent-centric allocation)."""
+    from .resources import trainer_groups
     from .state_swap import Location
-    G = cfg.num_trainer_groups
-    return {a: Location(i % G, resident=i < G) for i, a in enumerate(cfg.agent_names)}
+    at = {a: Location(g, resident=i == 0) for g, grp in enumerate(trainer_groups(cfg))
+          for i, a in enumerate(grp.agents)}
+    return {a: at[a] for a in cfg.agent_names}
 
 
 def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout, device: str = "cpu"):
@@ -101,11 +112,11 @@ def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, la
     that later swaps reuse."""
     from .state_swap import StateMover
     mover = StateMover(world, group_comm, group_index, layout.group_ranks, {},
-                       lambda agent: build_trainer(cfg, task, agent, group_comm, device))
+                       lambda agent: build_trainer(cfg, task, agent, group_comm, device, group_index))
     for agent, loc in initial_placement(cfg).items():
         if loc.group != group_index:
             continue
-        tr = build_trainer(cfg, task, agent, group_comm, device)
+        tr = build_trainer(cfg, task, agent, group_comm, device, group_index)
         if loc.resident:
             mover.trainers[agent] = tr
         else:

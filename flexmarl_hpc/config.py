@@ -150,6 +150,9 @@ class RolloutConfig:
     parallelism stays inside it). Ignored on CPU nodes."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Weights/activations dtype of the vLLM engines. auto: bf16 on GPU, fp32 on CPU."""
+    pools: list["RolloutPool"] = field(default_factory=list)
+    """Rollout pools, each its own het-job component (flexmarl_hpc/resources.py). Empty: one
+    pool of `replicas` x `gpus_per_replica` serving every agent, in slurm.rollout."""
 
 
 @dataclass
@@ -164,6 +167,9 @@ class TrainerConfig:
     """Tensor-parallel degree inside a group (megatron backend only)."""
     pipeline_parallel: int = 1
     """Pipeline-parallel degree inside a group (megatron backend only)."""
+    named_groups: list["TrainerGroup"] = field(default_factory=list)
+    """Trainer groups with their own shape and het-job component (flexmarl_hpc/resources.py).
+    Empty: `groups` groups of `ranks_per_group` ranks in slurm.trainer."""
     lr: float = 1e-3
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -175,7 +181,12 @@ class TrainerConfig:
     micro_batch_size: int = 16
     """Samples per forward/backward; gradients accumulate up to the global batch."""
     clip_eps: float = 0.2
-    """PPO ratio clip."""
+    """PPO ratio clip: r = pi/pi_old is bounded to [1 - clip_eps, 1 + clip_eps] for the
+    advantage's sign. It acts only with ppo_epochs > 1 (one pass has r = 1)."""
+    ppo_epochs: int = 1
+    """Optimizer passes over each global batch (verl ppo_epochs, TRL num_iterations, GRPO's
+    mu), one step each; pi_old is the trainer's policy before the batch's first pass. The
+    replay runs inside the trainer group, so a step is still one policy version."""
     entropy_coef: float = 0.0
     """Entropy bonus (the referential game needs ~0.05, see DESIGN.md)."""
     kl_coef: float = 0.0
@@ -260,6 +271,49 @@ class SlurmComponent:
 
 
 @dataclass
+class RolloutPool:
+    """Replicas of one size class, the agents they may serve, and their het-job component."""
+
+    name: str = ""
+    """Pool name (labels its component and the dry-run table); empty: pool<i>."""
+    replicas: int = 1
+    """Replica ranks in the pool."""
+    gpus_per_replica: int = 1
+    """GPUs of one replica rank (vLLM's tensor_parallel_size lives inside it)."""
+    gpu_memory_gb: float = 0.0
+    """Memory of one GPU, to check that each served model's weights fit a replica
+    (0: not checked, e.g. CPU nodes)."""
+    agents: list[str] = field(default_factory=list)
+    """Agents the pool may serve; empty: every agent whose model fits its replicas."""
+    slurm: SlurmComponent = field(default_factory=SlurmComponent)
+    """This pool's het-job component (nodes, gpus_per_node, partition, sbatch_options)."""
+
+
+@dataclass
+class TrainerGroup:
+    """The trainer ranks of some agents: their shape, backend and het-job component."""
+
+    name: str = ""
+    """Group name (labels its component and the dry-run table); empty: group<i>."""
+    agents: list[str] = field(default_factory=list)
+    """Agents trained on this group (the first starts resident; more than one needs
+    pipeline.swap_states)."""
+    ranks: int = 1
+    """Ranks of the group = tensor_parallel x pipeline_parallel x data parallel."""
+    tensor_parallel: int = 1
+    """Tensor-parallel degree (megatron); must divide the heads of the group's models."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel degree (megatron); must divide the layers of the group's models."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training engine of this group."""
+    swap: str = ""
+    """Swap domain: groups with the same non-empty label may take each other's agents
+    (pipeline.swap_states); they must have the same shape. Empty: its agents stay here."""
+    slurm: SlurmComponent = field(default_factory=SlurmComponent)
+    """This group's het-job component (nodes, gpus_per_node, partition, sbatch_options)."""
+
+
+@dataclass
 class SlurmConfig:
     partition: str = ""
     """Default partition of all components."""
@@ -313,7 +367,7 @@ class Config:
 
     @property
     def num_trainer_groups(self) -> int:
-        return self.trainer.groups or len(self.agent_names)
+        return len(self.trainer.named_groups) or self.trainer.groups or len(self.agent_names)
 
     @property
     def output_dir(self) -> Path:
@@ -567,6 +621,7 @@ def _validate_engines(cfg: Config) -> None:
     for key in ("weight_decay", "grad_clip", "entropy_coef", "kl_coef"):
         _float_in(getattr(tr, key), f"trainer.{key}", 0)
     _float_in(tr.clip_eps, "trainer.clip_eps", 0, lo_open=True)
+    _int_in(tr.ppo_epochs, "trainer.ppo_epochs", 1, 16)
     _float_in(tr.tis_cap, "trainer.tis_cap", 0, lo_open=True)
     _int_in(p.max_staleness, "pipeline.max_staleness", 0)
     _float_in(p.rebalance_threshold, "pipeline.rebalance_threshold", 0, 1)
@@ -603,13 +658,17 @@ def validate(cfg: Config) -> None:
          f"got {cfg.trainer.ranks_per_group}")
     need(cfg.trainer.backend == "megatron" or mp == 1, "trainer.tensor_parallel",
          "tensor/pipeline parallelism needs trainer.backend=megatron")
+    # megatron's reference model (kl_coef > 0) runs outside the pipeline schedule
+    need(cfg.trainer.kl_coef == 0 or cfg.trainer.pipeline_parallel == 1, "trainer.kl_coef",
+         f"expected 0 with trainer.pipeline_parallel={cfg.trainer.pipeline_parallel} (the KL "
+         f"reference model runs with pipeline_parallel=1 only), got {cfg.trainer.kl_coef}")
     n_agents = len(cfg.agent_names)
-    if cfg.num_trainer_groups < n_agents and not cfg.pipeline.swap_states:
+    if cfg.num_trainer_groups < n_agents and not cfg.pipeline.swap_states and not cfg.trainer.named_groups:
         orphan = cfg.agent_names[cfg.num_trainer_groups]
         raise ConfigError(
             f"trainer.groups: {cfg.num_trainer_groups} groups for {n_agents} agents leaves agent "
             f"{orphan!r} with no trainer; set trainer.groups=0 or pipeline.swap_states=true")
-    need(cfg.num_trainer_groups <= n_agents, "trainer.groups",
+    need(cfg.num_trainer_groups <= n_agents or bool(cfg.trainer.named_groups), "trainer.groups",
          f"expected at most {n_agents} (one per agent), got {cfg.num_trainer_groups}")
     need(cfg.pipeline.overprovision == 0 or cfg.run.mode == "flex", "pipeline.overprovision",
          "needs run.mode=flex (sync, the baseline, trains every input it admits)")
@@ -629,6 +688,8 @@ def validate(cfg: Config) -> None:
              f"{name!r} needs the {name} package: pip install -r requirements-loggers.txt")
 
     _validate_trainer_engine(cfg.trainer, need)
+    from .resources import validate_resources     # pools and trainer groups (their own module)
+    validate_resources(cfg)
 
 
 # -- trainer engine fields (megatron precision, overlap, pipeline schedule) ------------------
@@ -673,6 +734,10 @@ def help_text(cls: type = Config, prefix: str = "") -> str:
         key = _join(prefix, f.name)
         if dataclasses.is_dataclass(tp):
             lines.append(help_text(tp, key))
+            continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(item):          # rollout.pools, trainer.named_groups
+            lines.append(f"  {key} = []\n      {docs.get(f.name, '')}\n" + help_text(item, f"{key}[i]"))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         lines.append(f"  {key} = {to_dict(default)!r}\n      {docs.get(f.name, '')}")

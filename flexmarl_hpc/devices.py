@@ -55,22 +55,28 @@ def visible_gpus(env: Mapping[str, str]) -> list[str] | None:
 
 
 def choose_device(rank: int, peers: Sequence[tuple[int, str]], width: Mapping[str, int],
-                  visible: Sequence[str]) -> Binding:
+                  visible: Sequence[str], rank_width: Mapping[int, int] | None = None) -> Binding:
     """The device of world rank `rank`.
 
     peers: (world rank, role) of every rank on this node, `rank` included.
     width: GPUs per rank of each role (roles not named, e.g. the orchestrator, get none).
     visible: the GPU ids this rank sees (empty: a CPU node).
+    rank_width: GPUs of particular ranks, overriding their role's width (replicas of rollout
+    pools with different gpus_per_replica).
     """
     roles = dict(peers)
     if rank not in roles:
         raise ValueError(f"rank {rank} is not among its node's ranks {sorted(roles)}")
-    w = width.get(roles[rank], 0)
+
+    def wof(r: int) -> int:
+        return rank_width[r] if rank_width and r in rank_width else width.get(roles[r], 0)
+
+    w = wof(rank)
     if w == 0 or not visible:
         return CPU
-    gpu_ranks = sorted(r for r, role in peers if width.get(role, 0) > 0)
-    need = sum(width[roles[r]] for r in gpu_ranks)
-    offset = sum(width[roles[r]] for r in gpu_ranks if r < rank)
+    gpu_ranks = sorted(r for r, _ in peers if wof(r) > 0)
+    need = sum(wof(r) for r in gpu_ranks)
+    offset = sum(wof(r) for r in gpu_ranks if r < rank)
     if len(visible) >= need:
         block = tuple(visible[offset:offset + w])
     elif len(visible) == w:                    # Slurm bound this task to its own GPUs
@@ -90,6 +96,11 @@ def choose_device(rank: int, peers: Sequence[tuple[int, str]], width: Mapping[st
 
 def role_widths(layout: RankLayout, gpus_per_replica: int) -> dict[str, int]:
     return {ORCHESTRATOR: 0, ROLLOUT: gpus_per_replica, TRAINER: 1}
+
+
+def replica_widths(layout: RankLayout, per_pool: Sequence[int]) -> dict[int, int]:
+    """World rank -> GPUs of each replica, from its pool's gpus_per_replica."""
+    return {r: per_pool[layout.pool_of(r - 1)] for r in layout.replica_ranks}
 
 
 def node_peers(world, layout: RankLayout) -> list[tuple[int, str]]:
@@ -113,16 +124,18 @@ def apply_binding(b: Binding) -> None:
         torch.cuda.set_device(torch.device(b.device))
 
 
-def bind_rank(world, layout: RankLayout, gpus_per_replica: int,
+def bind_rank(world, layout: RankLayout, gpus_per_replica: int | Sequence[int],
               env: Mapping[str, str] | None = None) -> Binding:
     """Choose and apply this rank's device (collective over `world`). On a node without
-    GPUs every rank gets 'cpu'."""
+    GPUs every rank gets 'cpu'. `gpus_per_replica`: one width, or one per rollout pool."""
     env = os.environ if env is None else env
     peers = node_peers(world, layout)
     visible = visible_gpus(env)
     if visible is None:
         import torch
         visible = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    b = choose_device(world.Get_rank(), peers, role_widths(layout, gpus_per_replica), visible)
+    per_pool = (gpus_per_replica,) if isinstance(gpus_per_replica, int) else tuple(gpus_per_replica)
+    rank_width = replica_widths(layout, per_pool) if len(set(per_pool)) > 1 else None
+    b = choose_device(world.Get_rank(), peers, role_widths(layout, per_pool[0]), visible, rank_width)
     apply_binding(b)
     return b

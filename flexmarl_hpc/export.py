@@ -6,8 +6,9 @@ and, for tasks on a pretrained tokenizer, its tokenizer files. transformers, vLL
     python -m flexmarl_hpc.export runs/local speaker out/speaker --version 500
 
 The weights come from the run's checkpoint (the latest, or `--version`), whichever trainer
-backend wrote it: checkpoints hold the portable HF-named state (megatron shards are
-gathered and converted before saving).
+backend wrote it: a torch-format file holds the portable HF-named state; a megatron
+dist_checkpointing folder is loaded into a one-rank megatron trainer (resharding) and its
+weights converted to HF names.
 """
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ def checkpoint_file(run_dir: Path, agent: str, version: int | None) -> Path:
             raise FileNotFoundError(f"{latest}: no checkpoint of agent {agent!r} in this run")
         return folder / latest.read_text().strip()
     path = folder / f"v{version:06d}.pt"
+    if not path.is_file() and (folder / path.stem).is_dir():
+        return folder / path.stem                     # a megatron dist_checkpointing entry
     if not path.is_file():
-        have = sorted(p.stem for p in folder.glob("v*.pt"))
+        have = sorted(p.stem for p in folder.glob("v*") if p.suffix in ("", ".pt") and p.name != "latest")
         raise FileNotFoundError(f"{path}: no checkpoint of version {version} (kept: {have or 'none'})")
     return path
 
@@ -52,9 +55,14 @@ def export(run_dir: str | Path, agent: str, out: str | Path, version: int | None
         raise ConfigError(f"agent {agent!r} is not in this run (agents: {cfg.agent_names})")
     task = build_task(cfg)
     path = checkpoint_file(run_dir, agent, version)
-    state = torch.load(path, weights_only=True)
-    weights = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-    model = CausalLM(model_args(cfg, task, agent))
+    args = model_args(cfg, task, agent)
+    if path.is_dir():           # megatron dist_checkpointing: resharded into one CPU rank
+        from .trainer.megatron import hf_weights_of_entry
+        weights = hf_weights_of_entry(path, args, cfg.trainer)
+    else:
+        state = torch.load(path, weights_only=True)
+        weights = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    model = CausalLM(args)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if not (model.args.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:

@@ -3,7 +3,8 @@
 `FLEXMARL_FAULT="point:count:rank"` makes world rank `rank` SIGKILL itself the `count`-th
 time it reaches `hit(point)` (points: `checkpoint_write`, mid checkpoint file, before fsync
 and rename; `checkpoint_latest`, file renamed, `latest` not yet updated; `store_append`,
-a table's rows written, /commit not yet; `store_flush`, data flushed, /commit not yet).
+a table's rows written, /commit not yet; `store_flush`, data flushed, /commit not yet; `ppo_replay`, a trainer rank between a replay
+pass of trainer.ppo_epochs and its optimizer step).
 Unset (every real run), `hit` is a function that returns at once.
 """
 from __future__ import annotations

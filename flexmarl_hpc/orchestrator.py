@@ -24,6 +24,8 @@ from .config import Config
 from .evaluation import GREEDY, Evaluator
 from .experience import Experience, Node
 from .layout import ROLLOUT, RankLayout
+from .pool_binding import pool_binding
+from .resources import swap_peers, trainer_groups
 from .sampling import SamplingParams
 from .scheduler import Scheduler, route
 from .sinks import open_sinks, step_scalars
@@ -80,7 +82,9 @@ class Orchestrator:
         self.sched = Scheduler(self.agents, layout.replicas, cfg.run.mode, p.max_staleness,
                                p.load_balance, p.rebalance_threshold, p.rebalance_cooldown,
                                p.micro_batch_overlap)
-        self.binding = self.sched.initial_binding()
+        self.level1 = pool_binding(cfg, layout, self.sched)     # level 1 inside each pool
+        self.binding = self.level1.initial_binding()
+        self.swap_peers = lambda g, groups=trainer_groups(cfg): swap_peers(groups, g)
         self.batches: dict[int, tuple[int, str, int, list[Node]]] = {}
         self.next_batch = 0
         self.next_step = min(s.version for s in self.state.values())
@@ -150,7 +154,7 @@ class Orchestrator:
         backlog = {a: sum(self.exp.est_tokens(n) for n in self.exp.pending[a]) for a in self.agents}
         if self.evals is not None:                # an agent with only eval work gets a replica too
             backlog = {a: b + self.evals.pending_tokens(a) for a, b in backlog.items()}
-        new = self.sched.rebind(backlog, self.binding)
+        new = self.level1.rebind(backlog, self.binding)
         if new is not None:
             self.binding = new
         self.push_weights()
@@ -278,7 +282,7 @@ class Orchestrator:
         that group's resident agent if it sits at a step boundary with nothing to train."""
         st = self.state[agent]
         src = st.location
-        order = sorted(range(self.layout.groups), key=lambda g: g != src.group)
+        order = self.swap_peers(src.group)      # its own group first, then same-shape groups
         for g in order:
             if self.group_busy(g) or (src.group != g and self.group_busy(src.group)):
                 continue
@@ -459,7 +463,8 @@ class Orchestrator:
                     "loss": [stats.get("loss", 0) / n], "reward_mean": [reward],
                     "entropy": [stats.get("entropy", 0) / n], "kl": [stats.get("kl", 0) / n],
                     "logp_mismatch": [stats.get("logp_mismatch", np.nan) / n],
-                    "tis_mean": [tis],
+                    "tis_mean": [tis], "clip_frac": [stats.get("clip_frac", np.nan) / n],
+                    "ppo_kl": [stats.get("ppo_kl", np.nan) / n],
                     "grad_norm": [stats.get("grad_norm", 0)], "staleness_max": [stale.max(initial=0)],
                     "staleness_mean": [stale.mean() if stale.size else 0.0],
                     "rows_offset": [off], "rows_len": [len(nodes)]})

@@ -107,7 +107,7 @@ def check_local_ranks(cfg: Config, layout: RankLayout) -> None:
     limit = local_rank_limit()
     if layout.world_size <= limit:
         return
-    trainer_ranks = layout.groups * layout.ranks_per_group
+    trainer_ranks = sum(layout.group_sizes)
     field = "rollout.replicas" if layout.replicas >= trainer_ranks else "trainer.ranks_per_group"
     raise ConfigError(f"{field}: the layout needs {layout.world_size} ranks (1 + {layout.replicas} replicas "
                       f"+ {trainer_ranks} trainer ranks); a local run starts at most {limit} on this "
@@ -168,7 +168,8 @@ def check_backend_math(cfg: Config, task) -> None:
     (megatron-core's GPTModel has rope_scaling/rope_scaling_factor with low/high frequency
     factors 1/4 and original context 8192 fixed; once the trainer passes them, only other
     values need refusing.)"""
-    if cfg.trainer.backend != "megatron":
+    from .resources import trainer_groups
+    if all(g.backend != "megatron" for g in trainer_groups(cfg)):
         return
     from .build import model_args
     for agent in cfg.agent_names:
@@ -261,7 +262,8 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     # every rank (collective): each replica and trainer rank gets GPUs of its own, before
     # any engine or trainer touches CUDA; 'cpu' on nodes without GPUs
     from .devices import bind_rank
-    device = bind_rank(world, layout, cfg.rollout.gpus_per_replica).device
+    from .resources import rollout_pools
+    device = bind_rank(world, layout, tuple(p.gpus_per_replica for p in rollout_pools(cfg))).device
     task = build_task(cfg)
     out = cfg.output_dir
     bucket = int(cfg.weight_sync.bucket_mb * 2**20)
@@ -270,7 +272,7 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     if role == ROLLOUT:
         from .sampling import SamplingParams
         from .workers import replica_loop
-        engine = build_engine(cfg, task, device)
+        engine = build_engine(cfg, task, device, layout.pool_of(index))
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
         return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend)
     from .workers import restore_trainers, trainer_loop
@@ -303,7 +305,8 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
                        "mode": cfg.run.mode, "world_size": layout.world_size},
                       chunk=cfg.store.chunk_rows)
     log(f"{cfg.run.name}: mode {cfg.run.mode}, agents {cfg.agent_names}, {layout.world_size} ranks "
-        f"({layout.replicas} replicas, {layout.groups} trainer groups x {layout.ranks_per_group}); "
+        f"({layout.replicas} replicas, {layout.groups} trainer groups x "
+        f"{layout.ranks_per_group or '+'.join(map(str, layout.group_sizes))}); "
         f"store {store.path}")
     try:
         code = Orchestrator(cfg, task, MpiTransport(world), layout, store, lambda: _PREEMPTED, log).run()

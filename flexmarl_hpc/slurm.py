@@ -5,7 +5,8 @@
 
 A run is one heterogeneous job: component 0 the orchestrator (1 task), component 1 the
 rollout pool (rollout.replicas tasks), component 2 the trainer groups (groups x
-ranks_per_group tasks). One het step (`srun --het-group=0 ... : --het-group=1 ... :
+ranks_per_group tasks); with `rollout.pools` / `trainer.named_groups` one component per
+pool and per group, in that order (flexmarl_hpc.resources.components). One het step (`srun --het-group=0 ... : --het-group=1 ... :
 --het-group=2 ...`, each component with its own --cpus-per-task) starts every rank in one
 MPI_COMM_WORLD; SLURM_PROCID counts across components in that order, which is the rank
 order of flexmarl_hpc.layout. GPU components bind one block of GPUs per task
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 from .config import Config, ConfigError, SlurmComponent
 from .layout import layout_from_config
+from .resources import components
 
 EXIT_REQUEUE = 75
 """EX_TEMPFAIL: the ranks checkpointed after SIGUSR1/SIGTERM; requeue the job."""
@@ -116,14 +118,13 @@ def validate_slurm(cfg: Config) -> None:
     if re.search(r"[\s\"'\\]", str(cfg.output_dir)):
         raise ConfigError(f"run.output_dir: {str(cfg.output_dir)!r}: #SBATCH --output cannot carry "
                           "blanks, quotes or backslashes")
-    tasks = dict(zip(COMPONENTS, layout_from_config(cfg).component_sizes))
-    for name in COMPONENTS:
-        comp: SlurmComponent = getattr(s, name)
-        where = f"slurm.{name}"
+    for c in components(cfg):
+        comp: SlurmComponent = c.slurm
+        where = c.where
         if comp.nodes < 1:
             raise ConfigError(f"{where}.nodes: expected >= 1, got {comp.nodes}")
-        if comp.nodes > tasks[name]:
-            raise ConfigError(f"{where}.nodes: {comp.nodes} nodes for {tasks[name]} tasks leaves a node idle")
+        if comp.nodes > c.ntasks:
+            raise ConfigError(f"{where}.nodes: {comp.nodes} nodes for {c.ntasks} tasks leaves a node idle")
         if comp.gpus_per_node < 0:
             raise ConfigError(f"{where}.gpus_per_node: expected >= 0, got {comp.gpus_per_node}")
         if comp.cpus_per_task < 1:
@@ -179,11 +180,10 @@ def check_capacity(cfg: Config, partitions: dict[str, Partition], default: str, 
     """
     layout = layout_from_config(cfg)
     if single:
-        todo = [("trainer", single_component(cfg), layout.world_size)]
+        todo = [(components(cfg)[-1].where, single_component(cfg), layout.world_size)]
     else:
-        todo = [(n, getattr(cfg.slurm, n), k) for n, k in zip(COMPONENTS, layout.component_sizes)]
-    for name, comp, ntasks in todo:
-        where = f"slurm.{name}"
+        todo = [(c.where, c.slurm, c.ntasks) for c in components(cfg)]
+    for where, comp, ntasks in todo:
         pname = comp.partition or cfg.slurm.partition or default
         pfield = f"{where}.partition" if comp.partition else "slurm.partition"
         if pname not in partitions:
@@ -288,22 +288,20 @@ def hetjob_script(cfg: Config, config_path: str, overrides: list[str] = (), pyth
     """
     validate_slurm(cfg)
     check_gpus(cfg)
-    sizes = layout_from_config(cfg).component_sizes
+    comps = components(cfg)
     lines = ["#!/bin/bash",
              f"# flexmarl_hpc run {cfg.run.name}: one heterogeneous job, rank order = component order",
-             "#   tasks: " + ", ".join(f"{i} {n} {k}" for i, (n, k) in enumerate(zip(COMPONENTS, sizes))),
+             "#   tasks: " + ", ".join(f"{i} {c.name} {c.ntasks}" for i, c in enumerate(comps)),
              *_job_wide(cfg)]
-    widths = gpu_widths(cfg)
-    for i, (name, n) in enumerate(zip(COMPONENTS, sizes)):
+    for i, c in enumerate(comps):
         if i:
             lines.append("#SBATCH hetjob")
-        lines += _component(getattr(cfg.slurm, name), n, cfg.slurm.partition, f"component {i}: {name}",
-                            widths[name])
+        lines += _component(c.slurm, c.ntasks, cfg.slurm.partition, f"component {i}: {c.name}",
+                            c.gpus_per_task)
     # one step over every component (one MPI_COMM_WORLD, ranks in component order), each with
     # its own --cpus-per-task: since Slurm 22.05 srun does not take it from the allocation
     srun = f"srun --mpi={cfg.slurm.mpi} " + " : ".join(
-        f"--het-group={i} --cpus-per-task={getattr(cfg.slurm, name).cpus_per_task} {{cmd}}"
-        for i, name in enumerate(COMPONENTS))
+        f"--het-group={i} --cpus-per-task={c.slurm.cpus_per_task} {{cmd}}" for i, c in enumerate(comps))
     return "\n".join(lines + _body(cfg, srun, python, config_path, list(overrides)))
 
 
@@ -319,48 +317,49 @@ def check_gpus(cfg: Config, single: bool = False) -> None:
     flexmarl_hpc.devices checks the same again on each node at start."""
     layout = layout_from_config(cfg)
     widths = gpu_widths(cfg)
+    comps = components(cfg)
     if single:
         comp = single_component(cfg)
         if not comp.gpus_per_node:
             return
         per_node = math.ceil(layout.world_size / comp.nodes)
-        role_width = {"orchestrator": 0, "rollout": widths["rollout"], "trainer": 1}
         # any run of per_node consecutive ranks may share a node (Slurm's block distribution
         # may put fewer on some nodes), so every window must fit
-        w = [role_width[layout.role_of(r)[0]] for r in range(layout.world_size)]
+        w = [c.gpus_per_task for c in comps for _ in range(c.ntasks)]
         need = [sum(w[j:j + per_node]) for j in range(max(1, layout.world_size - per_node + 1))]
         if max(need) > comp.gpus_per_node:
             raise ConfigError(
-                f"slurm.trainer.gpus_per_node: --single puts {per_node} ranks on a node (rank order: "
+                f"{comps[-1].where}.gpus_per_node: --single puts {per_node} ranks on a node (rank order: "
                 f"orchestrator, replicas x {widths['rollout']} GPU, trainer ranks x 1 GPU), one node needs "
                 f"{max(need)} GPUs but the allocation has {comp.gpus_per_node} per node (the largest "
                 "gpus_per_node of the components); add nodes or GPUs, or use the het job")
         return
-    for name, n in zip(COMPONENTS, layout.component_sizes):
-        comp: SlurmComponent = getattr(cfg.slurm, name)
-        if not (comp.gpus_per_node and widths[name]):
+    for c in comps:
+        comp, n, width = c.slurm, c.ntasks, c.gpus_per_task
+        if not (comp.gpus_per_node and width):
             continue
         per_node = math.ceil(n / comp.nodes)
-        if per_node * widths[name] > comp.gpus_per_node:
+        if per_node * width > comp.gpus_per_node:
             raise ConfigError(
-                f"slurm.{name}.gpus_per_node: {n} tasks on {comp.nodes} node(s) put {per_node} on a node, "
-                f"x {widths[name]} GPU(s) each = {per_node * widths[name]} GPUs, but a node has "
-                f"{comp.gpus_per_node}; raise slurm.{name}.nodes or gpus_per_node (GPUs are not shared)")
+                f"{c.where}.gpus_per_node: {n} tasks on {comp.nodes} node(s) put {per_node} on a node, "
+                f"x {width} GPU(s) each = {per_node * width} GPUs, but a node has "
+                f"{comp.gpus_per_node}; raise {c.where}.nodes or gpus_per_node (GPUs are not shared)")
 
 
 def single_component(cfg: Config) -> SlurmComponent:
     """All ranks in one allocation: the nodes of the rollout and trainer components (the
     orchestrator is one CPU rank that fits beside them), the largest per-task CPUs,
-    per-node GPUs and memory of the three, the trainer's partition and sbatch_options."""
-    comps = [getattr(cfg.slurm, n) for n in COMPONENTS]
+    per-node GPUs and memory of them all, the (last) trainer component's partition and
+    sbatch_options."""
+    comps = [c.slurm for c in components(cfg)]
     mems = [c.mem for c in comps if c.mem]
     return SlurmComponent(
-        nodes=cfg.slurm.rollout.nodes + cfg.slurm.trainer.nodes,
+        nodes=sum(c.nodes for c in comps[1:]),
         gpus_per_node=max(c.gpus_per_node for c in comps),
         cpus_per_task=max(c.cpus_per_task for c in comps),
         mem=max(mems, key=mem_mb) if mems else "",
-        partition=cfg.slurm.trainer.partition,
-        sbatch_options=list(cfg.slurm.trainer.sbatch_options))
+        partition=comps[-1].partition,
+        sbatch_options=list(comps[-1].sbatch_options))
 
 
 def single_script(cfg: Config, config_path: str, overrides: list[str] = (), python: str = "python") -> str:

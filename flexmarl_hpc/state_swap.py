@@ -13,8 +13,11 @@ tensor per name, allocated at the first swap and reused by every later one, pinn
 CUDA is there, filled with non-blocking copies), points the module and optimizer at those
 host copies and frees the device memory; swap-in copies them back onto the device. The
 module, the optimizer and the host buffers are kept: nothing is rebuilt, no checkpoint is
-read. A parked trainer's `state()` and `load_state()` still work (on the host copies), so
-checkpoints and weight syncs of parked agents need no swap-in.
+read. Both backends have it: TorchTrainer re-points its tensors at the host copies (its
+`state()` reads them there); MegatronTrainer (trainer/megatron/swap.py) copies every storage
+of its shards out and resizes it to 0 bytes, so the many views megatron keeps stay valid,
+and brings the state in for a `state()`/checkpoint call while parked. Weight syncs of a
+parked agent read `named_weights()`, a local call on either.
 
 Different groups: rank i of the source group sends its `state()` to rank i of the
 destination group over MPI (one header + one flat byte buffer, a non-blocking send/receive
@@ -32,7 +35,7 @@ import torch
 from mpi4py import MPI
 
 from . import comm as C
-from .weight_sync import _header, _pack, _unpack
+from .weight_sync import _header, _pack, _unpack, host_bytes
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ class HostBuffers:
         """`t` copied (non-blocking) into the buffer `name`; returns the buffer."""
         buf = self.buffers.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+            # the weight sync's host allocator: huge pages, or pinned where CUDA is there
+            raw = host_bytes(t.numel() * t.element_size(), pin=self.pin)
+            buf = raw.view(t.dtype).view(t.shape) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
             self.buffers[name] = buf
             self.allocations += 1
         buf.copy_(t.detach(), non_blocking=True)

@@ -63,7 +63,7 @@ STEP_COLUMNS = {
     "step": "i8", "version": "i8", "t_end": "f8", "n_samples": "i4", "n_micro": "i4",
     "loss": "f4", "reward_mean": "f4", "entropy": "f4", "kl": "f4", "grad_norm": "f4",
     "logp_mismatch": "f4", "tis_mean": "f4", "staleness_max": "i4", "staleness_mean": "f4",
-    "rows_offset": "i8", "rows_len": "i4", "superseded": "i1",
+    "rows_offset": "i8", "rows_len": "i4", "superseded": "i1", "clip_frac": "f4", "ppo_kl": "f4",
 }
 INTERVAL_COLUMNS = {"rank": "i4", "role": "S16", "activity": "S16", "agent": "S32",
                     "t0": "f8", "t1": "f8"}
@@ -80,7 +80,10 @@ EVAL_COLUMNS = {
 }
 # a column an append may leave out, and its value (anything else missing is an error)
 DEFAULTS = {"superseded": 0, "logp_mismatch": np.nan, "tis_mean": np.nan,
-            "reward": np.nan, "advantage": np.nan}
+            "reward": np.nan, "advantage": np.nan, "clip_frac": np.nan, "ppo_kl": np.nan}
+# columns added within schema 2: a file written before lacks them, and a resume into it
+# writes its rows without them (analysis reads them as NaN)
+ADDED = {"clip_frac", "ppo_kl"}
 # what an event sets in its sample's row (the rest of the row is written once)
 STATUS_FIELDS = ("status", "reward", "advantage", "trainer_step", "t_ready", "t_consumed")
 
@@ -112,6 +115,8 @@ class Table:
                  dirty: set | None = None):
         self.ds = ds
         self.dirty = set() if dirty is None else dirty      # the file's tables with work queued
+        if columns is not None:
+            columns = {k: v for k, v in columns.items() if k not in ADDED or k in ds.dtype.names}
         self.columns = columns
         self.dtype = ds.dtype
         # the file's own type as the memory type: HDF5 then copies records as they are
@@ -140,9 +145,10 @@ class Table:
             raise TypeError(f"{self.ds.name}: a pool takes an array, not columns")
         k = len(next(iter(cols.values())))
         missing = set(self.columns) - set(cols) - set(DEFAULTS)
-        if missing or set(cols) - set(self.columns):
+        unknown = set(cols) - set(self.columns) - ADDED
+        if missing or unknown:
             raise KeyError(f"{self.ds.name}: append is missing columns {sorted(missing)} "
-                           f"or has unknown ones {sorted(set(cols) - set(self.columns))}")
+                           f"or has unknown ones {sorted(unknown)}")
         out = np.empty(k, self.dtype)
         for name in self.columns:
             out[name] = cols[name] if name in cols else DEFAULTS[name]

@@ -2,6 +2,7 @@
 
     python -m flexmarl_hpc.submit configs/local.yaml run.steps=200           # submit; prints id, logs, store
     python -m flexmarl_hpc.submit configs/local.yaml --dry-run               # print the job script only
+                                                   # (and the component table on stderr)
     python -m flexmarl_hpc.submit configs/local.yaml --single                # one allocation instead
     python -m flexmarl_hpc.submit configs/local.yaml --wait --timeout 7200   # and block until it ends
     python -m flexmarl_hpc.submit configs/local.yaml --sweep trainer.lr=1e-3,3e-4   # one array task per value
@@ -48,6 +49,7 @@ from submitit.slurm.slurm import SlurmInfoWatcher
 
 from .config import Config, ConfigError, load_config, save_config
 from .layout import layout_from_config
+from .resources import component_table
 from .slurm import (EXIT_REQUEUE, Partition, check_capacity, hetjob_script, parse_time,
                     sbatch_option_items, single_component, single_script, validate_slurm)
 
@@ -453,7 +455,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"# task: python -m flexmarl_hpc.run {shlex.quote(str(Path(a.config).resolve()))} "
                           + " ".join(shlex.quote(o) for o in ov))
             else:
-                print(prepare(a.config, a.overrides, a.single, parts).script)
+                prep = prepare(a.config, a.overrides, a.single, parts)
+                # the component table goes to stderr: `--dry-run > job.sbatch` stays a script
+                print(component_table(prep.cfg), file=sys.stderr)
+                print(prep.script)
             if parts is None and check:
                 print("# (no sinfo here: partitions not checked)", file=sys.stderr)
             return 0

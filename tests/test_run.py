@@ -338,3 +338,34 @@ def test_megatron_trainer_backend_gives_the_same_run(sync_run, tmp_path):
     run_training(tmp_path, *SMALL, "run.mode=sync", "trainer.backend=megatron")
     check_exactly_once(tmp_path / "local.h5", 6)
     assert_same_run(ref, tmp_path, rel_tol=1e-4)
+
+
+def check_group_intervals(h5, cfg) -> None:
+    """Per-rank intervals show each group's ranks (every TP rank of the megatron group too)
+    training that group's agents, and each replica generating only for agents of its pool."""
+    from flexmarl_hpc.layout import layout_from_config
+    from flexmarl_hpc.resources import rollout_pools, trainer_groups
+    lay = layout_from_config(cfg)
+    with h5py.File(h5, "r") as f:
+        iv = f["intervals"][:]
+    seen: dict[int, set] = {}
+    for rank, act, agent in zip(iv["rank"], iv["activity"], iv["agent"]):
+        seen.setdefault(int(rank), set()).add((bytes(act).decode(), bytes(agent).decode()))
+    for g, grp in enumerate(trainer_groups(cfg)):
+        for r in lay.group_ranks(g):
+            trained = {a for act, a in seen.get(r, ()) if act == "train"}
+            assert trained == set(grp.agents), f"group {grp.name} rank {r} trained {trained}"
+    pools = rollout_pools(cfg)
+    for i, r in enumerate(lay.replica_ranks):
+        made = {a for act, a in seen.get(r, ()) if act == "generate"}
+        assert made and made <= set(pools[lay.pool_of(i)].agents), f"replica rank {r} generated for {made}"
+
+
+def test_hetero_cpu_runs_locally(tmp_path, mpiexec):
+    """configs/hetero_cpu.yaml under mpiexec: 8 ranks, 2 pools, a megatron TP 2 group and two
+    torch groups; every sample trained exactly once, each group's ranks (both TP ranks)
+    train its agent, each replica generates only for its pool's agents."""
+    from flexmarl_hpc.config import load_config
+    run_training(tmp_path, "run.steps=4", config="configs/hetero_cpu.yaml", timeout=900)
+    check_exactly_once(tmp_path / "hetero_cpu.h5", 4)
+    check_group_intervals(tmp_path / "hetero_cpu.h5", load_config(ROOT / "configs/hetero_cpu.yaml"))

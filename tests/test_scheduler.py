@@ -81,3 +81,36 @@ def test_gating_rules():
     assert flex0.micro_batch(ready=5, remaining=5, micro=16, step_complete_everywhere=False) == 5
     assert sync.micro_batch(ready=20, remaining=32, micro=16, step_complete_everywhere=False) == 0
     assert sync.micro_batch(ready=32, remaining=32, micro=16, step_complete_everywhere=True) == 16
+
+
+# ---------------------------------------------------------------------------------------
+# level 1 over rollout pools (flexmarl_hpc/pool_binding.py)
+# ---------------------------------------------------------------------------------------
+def test_pools_rebind_only_their_replicas_to_their_agents():
+    """Pool 0 (replicas 0, 1) serves the big agent only; pool 1 (replicas 2-4) serves two
+    small agents. A huge backlog of `big` never takes a replica of pool 1, and the small
+    agents' backlog moves replicas inside pool 1 only."""
+    from flexmarl_hpc.pool_binding import PoolBinding
+    from flexmarl_hpc.scheduler import Scheduler
+    mk = lambda agents, n: Scheduler(agents, n, "flex", threshold=0.2, cooldown=0)
+    pb = PoolBinding([([0, 1], ["big"], mk(["big"], 2)), ([2, 3, 4], ["s1", "s2"], mk(["s1", "s2"], 3))])
+    b = pb.initial_binding()
+    assert b[:2] == ["big", "big"] and sorted(b[2:]) == ["s1", "s1", "s2"]
+    new = pb.rebind({"big": 1000.0, "s1": 0.0, "s2": 50.0}, b)
+    assert new is not None and new[:2] == ["big", "big"]
+    assert set(new[2:]) == {"s2"} or new[2:].count("s2") >= 2
+    for backlog in ({"big": 0.0, "s1": 10.0, "s2": 0.0}, {"big": 5.0, "s1": 1.0, "s2": 1.0}):
+        new = pb.rebind(backlog, new) or new
+        assert new[:2] == ["big", "big"] and set(new[2:]) <= {"s1", "s2"}
+
+
+def test_replica_widths_per_pool_give_each_replica_its_own_block():
+    from flexmarl_hpc.devices import choose_device, replica_widths, role_widths
+    from flexmarl_hpc.layout import RankLayout
+    lay = RankLayout.of([1, 2], [2])            # rank 1: 4-GPU replica, ranks 2, 3: 1 GPU each
+    rw = replica_widths(lay, (4, 1))
+    assert rw == {1: 4, 2: 1, 3: 1}
+    peers = [(r, lay.role_of(r)[0]) for r in range(lay.world_size)]
+    gpus = [str(i) for i in range(8)]
+    blocks = [choose_device(r, peers, role_widths(lay, 4), gpus, rw).gpus for r in range(lay.world_size)]
+    assert blocks == [(), ("0", "1", "2", "3"), ("4",), ("5",), ("6",), ("7",)]

@@ -1,5 +1,6 @@
 """Slurm: job scripts against golden files, config checks before submission, and real jobs
-on a local Slurm cluster (scripts/slurm_up.sh: 4 virtual nodes on this host).
+on a local Slurm cluster (scripts/slurm_up.sh: 8 virtual nodes on this host, and a `gpu`
+partition of 48 x 16 GPUs that only `sbatch --test-only` uses).
 
     pytest tests/test_slurm.py -m "not slurm"     # pure: golden files, validation (~3 s)
     pytest tests/test_slurm.py -m slurm           # real Slurm; brings the cluster up (root)
@@ -369,3 +370,63 @@ def test_sbatch_templates_run_as_written(slurm, tmp_path):
     for run in runs:
         assert_store_complete(run.result(timeout=150), 2)
     assert "--het-group" in (ROOT / "slurm/flexmarl_hetjob.sbatch").read_text()
+
+
+# ---------------------------------------------------------------------------------------
+# (e) heterogeneous agents: the paper's 48 x 16 GPU job, judged by a real slurmctld
+# ---------------------------------------------------------------------------------------
+PAPER = str(ROOT / "configs/paper_3x32b_7x14b.yaml")
+
+
+@pytest.mark.slurm
+def test_paper_config_is_accepted_by_sbatch_test_only(slurm, tmp_path, capsys):
+    """configs/paper_3x32b_7x14b.yaml (13 components, 561 ranks, 752 GPUs on 48 nodes x 16 GPUs)
+    as `submit` writes it: slurmctld's own scheduler says when it would start (the local
+    cluster's `gpu` partition: 48 State=CLOUD nodes with Gres=gpu:16, scripts/slurm_up.sh).
+    The same script asking one GPU too many per replica is refused: the test can fail."""
+    need("gpu" in slurm, "a Slurm partition `gpu` of 48 nodes x 16 GPUs (scripts/slurm_up.sh)")
+    ov = [f"run.output_dir={tmp_path}"]
+    assert submit_main([PAPER, *ov, "--dry-run"]) == 0      # partitions checked against sinfo
+    out = capsys.readouterr()
+    assert "total           561      48     752" in out.err
+    script = tmp_path / "job.sbatch"
+    script.write_text(out.out)
+    assert out.out.count("#SBATCH hetjob") == 12
+    p = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "to start at" in p.stderr, p.stderr
+    bad = tmp_path / "bad.sbatch"
+    bad.write_text(out.out.replace("--gpus-per-task=4", "--gpus-per-task=5"))
+    p = subprocess.run(["sbatch", "--test-only", str(bad)], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "not available" in p.stderr, p.stderr
+
+
+HETERO = str(ROOT / "configs/hetero_cpu.yaml")
+
+
+@pytest.mark.slurm
+def test_hetero_cpu_runs_as_a_six_component_het_job(slurm, tmp_path):
+    """configs/hetero_cpu.yaml on the local Slurm: 6 components (orchestrator, 2 pools, 3
+    trainer groups, one of them megatron TP 2), every sample trained exactly once."""
+    from flexmarl_hpc.config import load_config
+    from tests.test_run import check_exactly_once, check_group_intervals
+    ov = ["run.steps=4", f"run.output_dir={tmp_path}", "run.log_every=1"]
+    cfg = load_config(HETERO, ov)
+    assert submit_main([HETERO, *ov, "--wait", "--timeout", "900"]) == 0
+    script = next((tmp_path / "logs").glob("*.sbatch")).read_text()
+    assert script.count("#SBATCH hetjob") == 5
+    h5 = tmp_path / "hetero_cpu.h5"
+    check_exactly_once(h5, 4)
+    check_group_intervals(h5, cfg)
+
+
+def test_dry_run_prints_the_component_table_on_stderr(tmp_path, capsys):
+    """stdout stays the script (`--dry-run > job.sbatch`); stderr has one row per component
+    with its ranks, nodes, GPUs and agents."""
+    assert submit_main([HETERO, f"run.output_dir={tmp_path}", "--dry-run", "--no-partition-check"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("#!/bin/bash\n") and out.out.count("#SBATCH hetjob") == 5
+    rows = [line.replace("pool ", "pool:").replace("group ", "group:").split()
+            for line in out.err.splitlines() if line[:1].isdigit()]
+    assert [(r[1], r[2]) for r in rows] == [("orchestrator", "0"), ("pool:big", "1"), ("pool:small", "2-3"),
+                                            ("group:speaker", "4-5"), ("group:relay", "6"), ("group:listener", "7")]
+    assert rows[3][-1] == "speaker" and rows[2][-1] == "relay,listener" and "megatron" in rows[3]

@@ -7,6 +7,16 @@ reduced across the group inside). `named_weights` gives HF-named full tensors on
 group leader for the weight sync; `state`/`load_state` carry model + optimizer + RNG as a
 flat dict of tensors (checkpoints and state swapping use it; no pickled objects).
 `torch` (trainer/torch_trainer.py) is built in; `megatron` (the trainer/megatron/ package).
+
+Several PPO epochs (trainer.ppo_epochs = E > 1, `finish_step`): on pass 1 a backend keeps
+each micro-batch it trains (its own share and cut, in `kept`) with the token log-probs it
+computed as `old_logprobs`; those are pi_old, the policy before the batch's first update,
+obtained for free (pass 1's ratio is 1 by construction). After pass 1's optimizer step the
+group replays passes 2..E locally, one optimizer step per pass (verl's ppo_epochs with one
+mini-batch, GRPO's mu), and only then reports the step: the orchestrator sees one step and
+one version bump per global batch whatever E is, the first pass keeps its micro-batch
+overlap in flex mode, and a kill during the replay loses the whole step, which is redone
+from the last checkpoint like any unreported step (nothing is trained twice).
 """
 from __future__ import annotations
 
@@ -14,18 +24,24 @@ from typing import Protocol
 
 import torch
 
+from .. import faults
 from ..grpo import MicroBatch
 
 
 class TrainerBackend(Protocol):
     version: int
+    kept: list          # pass-1 micro-batches of the current batch (ppo_epochs > 1), backend-owned
 
     def forward_backward(self, mb: MicroBatch, scale: float, last: bool = True) -> dict[str, float]:
         """Accumulate gradients of scale * loss(mb); returns summed stats (loss, entropy, ...).
         `last`: the step's last micro-batch (a backend may start its gradient reduce in it)."""
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Reduce gradients over the group, clip, step, zero; bumps `version`; returns grad_norm."""
+    def replay_pass(self) -> dict[str, float]:
+        """forward_backward over `kept` again, against their old_logprobs; summed stats."""
+
+    def optimizer_step(self, bump: bool = True) -> dict[str, float]:
+        """Reduce gradients over the group, clip, step, zero; bumps `version` (unless `bump`
+        is False: a pass of several PPO epochs before the last); returns grad_norm."""
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """HF-named full weights (valid on the group leader)."""
@@ -35,3 +51,41 @@ class TrainerBackend(Protocol):
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of `state`."""
+
+
+REPLAY_STATS = ("clip_frac", "ppo_kl")
+"""What a replay pass reports (its loss/entropy are not comparable to pass 1's, which the
+step keeps); averaged over passes 2..E."""
+
+
+def replay(tr: TrainerBackend, kept: list[tuple[MicroBatch, float]]) -> dict[str, float]:
+    """One pass of forward_backward over (micro-batch, scale) pairs kept at pass 1."""
+    acc: dict[str, float] = {}
+    for i, (mb, scale) in enumerate(kept):
+        for k, v in tr.forward_backward(mb, scale, last=i == len(kept) - 1).items():
+            acc[k] = acc.get(k, 0.0) + v
+    return acc
+
+
+def finish_step(tr: TrainerBackend, epochs: int, stats: dict[str, float], group_sum) -> dict[str, float]:
+    """After the batch's last micro-batch: the optimizer step, then passes 2..`epochs` each
+    with its own step; returns the step's stats (`stats`: pass 1's, summed over the group;
+    `group_sum`: a collective sum of a dict over the group, the same keys on every rank).
+    Collective over the group. grad_norm is pass 1's; clip_frac and ppo_kl the replay's."""
+    out = dict(stats)
+    out.update(tr.optimizer_step(bump=epochs == 1))
+    if epochs == 1:
+        return out
+    rep = dict.fromkeys(REPLAY_STATS, 0.0)
+    try:
+        for e in range(2, epochs + 1):
+            s = tr.replay_pass()
+            s = group_sum({k: s.get(k, 0.0) for k in REPLAY_STATS})
+            faults.hit("ppo_replay")        # test-only: no-op unless FLEXMARL_FAULT is set
+            tr.optimizer_step(bump=e == epochs)
+            for k in REPLAY_STATS:
+                rep[k] += s[k] / (epochs - 1)
+    finally:
+        tr.kept.clear()
+    out.update(rep)
+    return out

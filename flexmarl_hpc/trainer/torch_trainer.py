@@ -7,6 +7,8 @@ written for any device: every tensor of the state goes through `_rehome`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -17,6 +19,7 @@ from ..grpo import MicroBatch, grpo_loss, stat_values, token_logprobs
 from ..model import CausalLM, hf_state_dict
 from ..state_swap import HostBuffers, finish_copies, release, to_device
 from ..weight_sync import _header, host_bytes
+from .base import replay
 
 
 class TorchTrainer:
@@ -33,6 +36,7 @@ class TorchTrainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas,
                                      weight_decay=cfg.weight_decay)
+        self.kept: list[tuple[MicroBatch, float]] = []   # this batch, for ppo_epochs > 1
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = CausalLM(model.args)
@@ -53,9 +57,15 @@ class TorchTrainer:
                                 entropy_coef=self.cfg.entropy_coef, tis_cap=self.cfg.tis_cap,
                                 kl_coef=self.cfg.kl_coef, ref_logp=ref_logp)
         (loss * scale).backward()
+        if self.cfg.ppo_epochs > 1 and mb.old_logprobs is None:    # pass 1: keep it for the replay
+            self.kept.append((replace(mb, old_logprobs=logp.detach()), scale))
         return stat_values(stats)
 
-    def optimizer_step(self) -> dict[str, float]:
+    def replay_pass(self) -> dict[str, float]:
+        """One more pass over the batch's kept micro-batches (trainer/base.py), summed stats."""
+        return replay(self, self.kept)
+
+    def optimizer_step(self, bump: bool = True) -> dict[str, float]:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         C.allreduce_sum(self.group, flat.numpy())          # SUM: the 1/N scale is already in
@@ -68,7 +78,8 @@ class TorchTrainer:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self.version += 1
+        if bump:                               # a replay pass before the last: same version
+            self.version += 1
         return {"grad_norm": norm}
 
     def named_weights(self) -> dict[str, torch.Tensor]:

@@ -13,7 +13,8 @@ the TP ranks, so both backends optimise the same function.
     dist.py       torch.distributed + parallel_state over one group; MPI byte helpers
     configs.py    TransformerConfig / DDP / optimizer configs (precision, recompute, overlap)
     hf_state.py   HF-named weights and Adam state <-> this rank's shards (state/load_state)
-    dist_ckpt.py  dist_checkpointing save/load (reshardable)
+    dist_ckpt.py  dist_checkpointing save/load (reshardable) through checkpoint.py's manifests
+    swap.py       offload/onload of this rank's storages (state swap)
     trainer.py    MegatronTrainer: the schedule, the vocab-parallel loss, the optimizer step
     compat.py     megatron-core on a CUDA-less torch (CPU, gloo)
 
@@ -30,12 +31,30 @@ Contract (same as TorchTrainer; tests/test_megatron.py checks it against TorchTr
 - `state()` / `load_state()`: HF-named full tensors in TorchTrainer's format, independent
   of TP/PP/DP. Both collective (every group rank calls them; `state()` gives each the full
   state). Meant for small models: at scale use `save_checkpoint`/`load_checkpoint`.
-- `save_checkpoint(dir)` / `load_checkpoint(dir)`: megatron dist_checkpointing of model and
-  optimizer (fully reshardable format). Collective.
+- `save_checkpoint(dir, keep)` / `load_checkpoint(dir)`: megatron dist_checkpointing of model
+  and optimizer (fully reshardable format) as manifest-checked entries of flexmarl_hpc.checkpoint
+  (atomic publish, newest valid on load). Collective. The job checkpoints megatron this way.
+- `offload(host)` / `onload()` (swap.py, flexmarl_hpc.state_swap.Swappable): this rank's
+  parameter, grad and optimizer storages to preallocated host buffers and back, no rebuild.
+- `trainer.kl_coef > 0`: a frozen TP-sharded reference copy of the initial weights (PP = 1).
 
     trainer: {backend: megatron, ranks_per_group: 4, tensor_parallel: 2, pipeline_parallel: 1}
 """
 from .dist import init_group_distributed
 from .trainer import MegatronTrainer
 
-__all__ = ["MegatronTrainer", "init_group_distributed"]
+
+def hf_weights_of_entry(entry, args, cfg):
+    """HF-named weights of a dist_checkpointing entry (any layout), read by a one-rank
+    TP1 x PP1 trainer on this process (export)."""
+    import dataclasses
+    from pathlib import Path
+
+    from mpi4py import MPI
+    one = dataclasses.replace(cfg, ranks_per_group=1, tensor_parallel=1, pipeline_parallel=1, kl_coef=0.0)
+    tr = MegatronTrainer(args, one, MPI.COMM_SELF, 1.0)
+    tr._load_entry(Path(entry))
+    return tr.named_weights()
+
+
+__all__ = ["MegatronTrainer", "hf_weights_of_entry", "init_group_distributed"]

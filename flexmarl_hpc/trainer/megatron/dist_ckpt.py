@@ -1,15 +1,26 @@
 """megatron dist_checkpointing of model and optimizer (fully reshardable format): a
 checkpoint saved with one TP/PP/DP layout loads into another. Both calls are collective
-over the trainer group. A mixin of MegatronTrainer; at scale this replaces `state()`."""
+over the trainer group. A mixin of MegatronTrainer; the job checkpoints megatron trainers
+this way (no full-model gather per rank, as `state()` would need).
+
+Entries go through flexmarl_hpc.checkpoint like the torch backend's files: every rank
+writes its shards into the staging folder `v<version>.tmp/`, the leader `publish`es it
+(fsync, rename to `v<version>/`, sha256 manifest, `latest`, prune), and loading takes
+`newest_valid`: a corrupted or half-written newest entry is reported and the older one
+loaded. An entry that is a torch-format file (`state()`, written for an agent parked as a
+plain state) loads through `load_state`."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ... import comm as C
-from .dist import scope
+from ... import faults
+from ...checkpoint import CheckpointError, newest_valid, publish, staging_path, writing
+from .dist import allgather_bytes, scope
 from .hf_state import torch_adam
 
 _META = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -21,26 +32,59 @@ class DistCheckpoint:
         opt_sd = self.opt.sharded_state_dict(model_sd, is_loading=loading, metadata=_META)
         return {"model": model_sd, "optimizer": opt_sd}
 
-    def save_checkpoint(self, folder: str | Path) -> None:
-        """Collective: every group rank writes its shards of model and optimizer."""
+    def save_checkpoint(self, folder: str | Path, keep: int = 3) -> Path:
+        """Collective: every group rank writes its shards of model and optimizer into the
+        staging entry, the leader publishes it as checkpoint `version` of `folder` (keeping
+        the last `keep`). Returns the entry. A failure on any rank is a CheckpointError on
+        every rank; older checkpoints are intact."""
         from megatron.core import dist_checkpointing
         _fork_only_writer_queue()
         folder = Path(folder)
+        tmp = folder / "none"
         if self.leader:
-            folder.mkdir(parents=True, exist_ok=True)
-        C.barrier(self.group)
-        with scope():
-            self._zero_optimizer_states()          # the format wants every state tensor
-            dist_checkpointing.save(self._sharded(loading=False), str(folder), content_metadata=_META)
-        if self.leader:
-            (folder / "flexmarl.json").write_text(json.dumps({"version": self.version}))
-        C.barrier(self.group)
+            tmp = staging_path(folder, self.version, is_dir=True)
+            tmp.mkdir()
+        tmp = Path(C.bcast_obj(self.group, str(tmp), 0))
+        err = ""
+        try:
+            with writing(tmp), scope():
+                self._zero_optimizer_states()          # the format wants every state tensor
+                dist_checkpointing.save(self._sharded(loading=False), str(tmp), content_metadata=_META)
+                if self.leader:
+                    (tmp / "flexmarl.json").write_text(json.dumps({"version": self.version}))
+                faults.hit("checkpoint_write")        # test-only: no-op unless FLEXMARL_FAULT is set
+        except OSError as e:
+            err = str(e)
+        errs = [e.decode() for e in allgather_bytes(self.group, err.encode()) if e]
+        entry = folder / "none"
+        if self.leader and not errs:
+            try:
+                entry = publish(folder, self.version, tmp, keep)
+            except OSError as e:
+                errs = [str(e)]
+        errs = C.bcast_obj(self.group, errs, 0)
+        if errs:
+            raise CheckpointError(errs[0])
+        return entry
 
-    def load_checkpoint(self, folder: str | Path) -> None:
-        """Collective; the checkpoint may come from another TP/PP/DP layout. Restores the
-        optimizer's fp32 main params too (the reshardable format holds them)."""
+    def load_checkpoint(self, folder: str | Path, report: Callable[[str], None] = print) -> int | None:
+        """Collective: load the newest valid checkpoint of `folder` (the leader verifies the
+        manifests and reports bad entries); returns its version, None if there is none. The
+        checkpoint may come from another TP/PP/DP layout; it restores the optimizer's fp32
+        main params too (the reshardable format holds them)."""
+        found = newest_valid(Path(folder), report) if self.leader else None
+        found = C.bcast_obj(self.group, None if found is None else (found[0], str(found[1])), 0)
+        if found is None:
+            return None
+        entry = Path(found[1])
+        if entry.is_file():
+            self.load_state(torch.load(entry, weights_only=True))
+        else:
+            self._load_entry(entry)
+        return self.version
+
+    def _load_entry(self, folder: Path) -> None:
         from megatron.core import dist_checkpointing
-        folder = Path(folder)
         meta = json.loads((folder / "flexmarl.json").read_text())
         with scope():
             self._zero_optimizer_states()

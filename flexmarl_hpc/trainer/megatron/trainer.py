@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -19,14 +20,16 @@ from . import configs
 from .dist import allgather_bytes, device, init_group_distributed, scope
 from .dist_ckpt import DistCheckpoint
 from .hf_state import HFState
+from .swap import Swap
 
 
-class MegatronTrainer(HFState, DistCheckpoint):
+class MegatronTrainer(HFState, DistCheckpoint, Swap):
     def __init__(self, args: ModelArgs, cfg: TrainerConfig, group: MPI.Comm, temperature: float,
                  init: dict[str, torch.Tensor] | None = None):
-        if cfg.kl_coef > 0:
-            raise NotImplementedError("trainer.kl_coef > 0 (a frozen reference model) is not "
-                                      "implemented for the megatron backend; use trainer.backend=torch")
+        if cfg.kl_coef > 0 and cfg.pipeline_parallel > 1:
+            raise NotImplementedError("trainer.kl_coef > 0 with trainer.pipeline_parallel > 1: the frozen "
+                                      "reference model would need its own pipeline pass; use "
+                                      "pipeline_parallel=1 (TP and DP are supported)")
         init_group_distributed(group, cfg.tensor_parallel, cfg.pipeline_parallel)
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel
@@ -40,20 +43,31 @@ class MegatronTrainer(HFState, DistCheckpoint):
         self.te, self.bf16 = configs.use_te(), configs.resolve_precision(cfg) == "bf16"
         self.microbatches = configs.pipeline_microbatches(cfg)
         self.version, self.opt = 0, None
+        self.kept: list[tuple[list[MicroBatch], int, float]] = []   # this batch (ppo_epochs > 1)
         self.timeline: list[tuple[str, int, float, float]] | None = None   # set to a list to record
         if init is None:
             init = hf_state_dict(build_model(args, seed=0))
         with scope(), torch.random.fork_rng(devices=[]):
             self.tconfig = configs.transformer_config(args, cfg)
-            self.gpt = GPTModel(config=self.tconfig, transformer_layer_spec=configs.layer_spec(),
-                                vocab_size=padded_vocab(args), max_sequence_length=args.max_seq_len,
-                                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                                share_embeddings_and_output_weights=args.tie_embeddings,
-                                position_embedding_type="rope", rotary_base=args.rope_theta)
-            if torch.cuda.is_available():
-                self.gpt.cuda(torch.cuda.current_device())
+
+            def gpt():
+                m = GPTModel(config=self.tconfig, transformer_layer_spec=configs.layer_spec(),
+                             vocab_size=padded_vocab(args), max_sequence_length=args.max_seq_len,
+                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                             share_embeddings_and_output_weights=args.tie_embeddings,
+                             position_embedding_type="rope", rotary_base=args.rope_theta)
+                return m.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else m
+            self.gpt = gpt()
             module = Float16Module(self.tconfig, self.gpt) if self.bf16 else self.gpt
             self._load_weights(init)
+            # kl_coef > 0: a frozen copy of the initial weights, sharded like the policy (TP),
+            # as TorchTrainer's reference model (not in the state: it is `init` again on resume)
+            self.ref = None
+            if cfg.kl_coef > 0:
+                ref = gpt()
+                ref.load_state_dict(self._shard_of(init), strict=False)
+                ref.requires_grad_(False).eval()
+                self.ref = Float16Module(self.tconfig, ref) if self.bf16 else ref
             self.model = DistributedDataParallel(config=self.tconfig, module=module,
                                                  ddp_config=configs.ddp_config(cfg))
             self.opt = get_megatron_optimizer(configs.optimizer_config(cfg), [self.model])
@@ -71,8 +85,27 @@ class MegatronTrainer(HFState, DistCheckpoint):
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """HF-named full weights (on the group leader; gathered after every step, so this
-        call is local)."""
+        call is local; a host copy while offloaded)."""
         return self._named
+
+    # -- state, checkpoints: also while offloaded (swap.py), on the device for the call --
+    def state(self) -> dict[str, torch.Tensor]:
+        if not self.offloaded:
+            return HFState.state(self)
+        with self.onloaded():                  # clones: with one rank they may alias the shards
+            return {k: v.clone() for k, v in HFState.state(self).items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        with self.onloaded():
+            HFState.load_state(self, state)
+
+    def save_checkpoint(self, folder, keep: int = 3):
+        with self.onloaded():
+            return DistCheckpoint.save_checkpoint(self, folder, keep)
+
+    def load_checkpoint(self, folder, report=print):
+        with self.onloaded():
+            return DistCheckpoint.load_checkpoint(self, folder, report)
 
     # -- training ------------------------------------------------------------------------
     def _dp_share(self, mb: MicroBatch) -> MicroBatch:
@@ -116,12 +149,27 @@ class MegatronTrainer(HFState, DistCheckpoint):
         """`last`: no further micro-batch of this step follows (with overlap_grad_reduce the
         gradient reduce starts during this call's backward; earlier calls accumulate)."""
         mb = self._dp_share(mb)
-        stats = dict.fromkeys(self._stat_keys, 0.0)
         if len(mb) == 0:
-            return stats
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+            return dict.fromkeys(self._stat_keys, 0.0)
         chunks, pad = self._chunks(mb)
+        keep = self.cfg.ppo_epochs > 1 and mb.old_logprobs is None
+        return self._schedule(chunks, pad, scale, last, keep)
+
+    def replay_pass(self) -> dict[str, float]:
+        """Pass 2.. of trainer.ppo_epochs over the batch's kept chunks (this replica's share
+        as pass 1 cut it, the last stage's with pass 1's log-probs as old_logprobs)."""
+        acc: dict[str, float] = {}
+        for i, (chunks, pad, scale) in enumerate(self.kept):
+            for k, v in self._schedule(chunks, pad, scale, i == len(self.kept) - 1, False).items():
+                acc[k] = acc.get(k, 0.0) + v
+        return acc
+
+    def _schedule(self, chunks: list[MicroBatch], pad: int, scale: float, last: bool,
+                  keep: bool) -> dict[str, float]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        stats = dict.fromkeys(self._stat_keys, 0.0)
         out: dict[str, float] = {}
+        kept = list(chunks) if keep else None        # the loss fills in each chunk's log-probs
         B, T = chunks[0].input_ids.shape
         # overlap_grad_reduce: the schedule keeps all but its last micro-batch out of the
         # reduce, and the last runtime micro-batch of the step is the one that launches it
@@ -131,9 +179,11 @@ class MegatronTrainer(HFState, DistCheckpoint):
         sync = self.model.no_sync() if overlap and not last else contextlib.nullcontext()
         with scope(), sync:
             get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, scale=scale, out=out, k=len(chunks)),
+                forward_step_func=partial(self._forward_step, scale=scale, out=out, k=len(chunks), kept=kept),
                 data_iterator=iter(enumerate(chunks)), model=[self.model], num_microbatches=len(chunks),
                 seq_length=T, micro_batch_size=B, forward_only=False)
+        if keep:
+            self.kept.append((kept, pad, scale))
         if self.tp_rank == 0 and self.pp_rank == self.pp - 1:
             stats.update(out)                          # one report per data-parallel replica
             stats["samples"] -= pad
@@ -162,19 +212,30 @@ class MegatronTrainer(HFState, DistCheckpoint):
             vocab_size=self.args.vocab_size, reduce_sum=reduce_from_tensor_model_parallel_region,
             reduce_max=reduce_max)
 
-    def _forward_step(self, data_iterator, model, scale: float, out: dict, k: int):
+    def _forward_step(self, data_iterator, model, scale: float, out: dict, k: int, kept: list | None):
         i, mb = next(data_iterator)
         t0 = time.time()
         output = self._logits(model, mb)
+        ref_logits = None
+        if self.ref is not None:                       # PP = 1 (checked at construction)
+            with torch.no_grad():
+                ref_logits = self._logits(self.ref, mb)
         self._mark("forward", i, t0)
 
         def loss_func(logits):
             mbd = mb.to(logits.device)
             logp, ent = self._token_logprobs(logits, mbd)
+            ref_logp = None
+            if ref_logits is not None:
+                with torch.no_grad():
+                    ref_logp = self._token_logprobs(ref_logits, mbd)[0]
             loss, stats = grpo_loss(logp, ent, mbd, clip_eps=self.cfg.clip_eps,
-                                    entropy_coef=self.cfg.entropy_coef, tis_cap=self.cfg.tis_cap)
+                                    entropy_coef=self.cfg.entropy_coef, tis_cap=self.cfg.tis_cap,
+                                    kl_coef=self.cfg.kl_coef, ref_logp=ref_logp)
             for key, v in stat_values(stats).items():
                 out[key] = out.get(key, 0.0) + v
+            if kept is not None:                       # last stage only: the loss needs them
+                kept[i] = replace(mb, old_logprobs=logp.detach())
             # megatron's DDP averages gradients over data-parallel ranks and the schedule
             # divides by the k micro-batches; our 1/N scale (N = global batch) wants sums
             return loss * (scale * self.dp * k), {}
@@ -218,7 +279,7 @@ class MegatronTrainer(HFState, DistCheckpoint):
                                         num_microbatches=1, seq_length=T, micro_batch_size=B, forward_only=True)
         return got[0] if got else None
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self, bump: bool = True) -> dict[str, float]:
         from megatron.core.distributed import finalize_model_grads
         with scope():
             finalize_model_grads([self.model])
@@ -229,8 +290,9 @@ class MegatronTrainer(HFState, DistCheckpoint):
                 self.model.start_param_sync(force_sync=True)
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
-        self.version += 1
-        self._refresh_named()
+        if bump:                                    # a replayed pass's weights are never synced
+            self.version += 1
+            self._refresh_named()
         return {"grad_norm": float(grad_norm or 0.0)}
 
 

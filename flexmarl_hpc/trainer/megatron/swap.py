@@ -1,0 +1,108 @@
+"""State swap of a megatron trainer (flexmarl_hpc.state_swap.Swappable): this rank's own
+shards of parameters, grads and optimizer state go to preallocated host memory and back,
+the module, DDP wrapper and optimizer objects are kept.
+
+Megatron's tensors alias each other: the parameters and their `main_grad`s are views of the
+DDP buffers (`param_data`, `grad_data`), each bucket keeps views of those, with fp32 the
+DistributedOptimizer's main params are views of the parameter buffer, and megatron caches
+shard lists of them. Re-pointing each tensor would miss some view. So a swap acts on the
+*storages* (as megatron's own `_ParamAndGradBuffer.offload_to_cpu` does for its buffers):
+every distinct storage of the training state is copied into its host buffer (non-blocking
+into pinned memory on GPUs) and then resized to 0 bytes, which frees the device memory
+while every view keeps its storage object; swap-in resizes each storage back and copies
+the bytes in. Nothing is rebuilt or read from disk, the bytes come back unchanged.
+
+While offloaded, `state()` / `load_state()` / the dist checkpoint calls bring the state onto
+the device for the call and park it again (collective, like the calls themselves);
+`named_weights()` answers from a host copy.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ...state_swap import HostBuffers, finish_copies, release
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The whole storage as a flat uint8 tensor (a view: same memory)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class Swap:
+    _host: HostBuffers | None = None
+    _parked: list = []                          # (buffer name, storage, nbytes) while offloaded
+    _parked_rng: torch.Tensor | None = None
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of this rank's training state (views included; storages dedupe):
+        DDP parameter and grad buffers, parameters outside them, the optimizer's main
+        params (fp32 copies with bf16) with their grads and Adam state, the reference model."""
+        out: list[torch.Tensor] = []
+        for buf in [*self.model.buffers, *getattr(self.model, "expert_parallel_buffers", [])]:
+            out += [buf.param_data, buf.grad_data]
+        out += list(self.model.parameters())
+        for o in self._dist_optimizers():
+            for g in o.optimizer.param_groups:
+                for main in g["params"]:
+                    out += [main, main.grad, *o.optimizer.state.get(main, {}).values()]
+        if getattr(self, "ref", None) is not None:
+            out += list(self.ref.parameters())
+        return [t for t in out if torch.is_tensor(t)]
+
+    def offload(self, host: HostBuffers) -> None:
+        if self._host is not None:
+            return
+        storages: dict[int, torch.UntypedStorage] = {}
+        for t in self._state_tensors():
+            s = t.untyped_storage()
+            if s.nbytes() and s.data_ptr() not in storages:
+                storages[s.data_ptr()] = s
+        parked = [(f"storage.{i}", s, s.nbytes()) for i, s in enumerate(storages.values())]
+        for name, s, _ in parked:
+            host.copy_in(name, _bytes_of(s))
+        # the leader's gathered HF weights may alias the parameters (one rank, fp32)
+        self._named = {k: host.copy_in(f"named.{k}", v) if v.untyped_storage().data_ptr() in storages
+                       else v for k, v in self._named.items()}
+        devices = {s.device for _, s, _ in parked}    # torch's Adam keeps `step` on the host
+        for dev in devices:
+            finish_copies(dev)
+        for _, s, _ in parked:
+            s.resize_(0)                              # every view keeps its (now empty) storage
+        self._host, self._parked, self._parked_rng = host, parked, torch.get_rng_state()
+        for dev in devices:
+            release(dev)
+
+    def onload(self) -> None:
+        if self._host is None:
+            return
+        host, parked, self._host, self._parked = self._host, self._parked, None, []
+        for name, s, n in parked:
+            s.resize_(n)
+            _bytes_of(s).copy_(host.buffers[name], non_blocking=True)
+        for dev in {s.device for _, s, _ in parked}:
+            finish_copies(dev)
+        torch.set_rng_state(self._parked_rng)
+        self._parked_rng = None
+        self._refresh_named()                          # the leader's weights on the device again
+
+    @property
+    def offloaded(self) -> bool:
+        return self._host is not None
+
+    @contextlib.contextmanager
+    def onloaded(self):
+        """The state on the device for the block, parked again after it (if it was), and the
+        caller's RNG stream untouched. Collective when the trainer is offloaded."""
+        host = self._host
+        if host is None:
+            yield
+            return
+        rng = torch.get_rng_state()
+        self.onload()
+        try:
+            yield
+        finally:
+            self.offload(host)
+            torch.set_rng_state(rng)
