@@ -16,7 +16,8 @@ from ..checkpoint import save_checkpoint
 from ..config import Config, ConfigError
 from ..rollout.base import GenRequest
 from ..sampling import SamplingParams
-from ..workers import microbatch_from_arrays
+from ..trainer.base import finish_step
+from ..workers import _group_sum, microbatch_from_arrays
 
 
 class InProcessWorkers:
@@ -50,7 +51,7 @@ class InProcessWorkers:
 
     def train(self, cmd: M.Train) -> dict[str, float]:
         """What trainer_loop does on a one-rank group: statistics summed over the step's
-        micro-batches, then the optimizer step's."""
+        micro-batches, then the optimizer step (and trainer.ppo_epochs' replays)."""
         tr = self.trainers[cmd.agent]
         stats = tr.forward_backward(microbatch_from_arrays(cmd.arrays).shard(0, 1), cmd.scale, last=cmd.last)
         acc = self.acc.setdefault(cmd.agent, {})
@@ -58,9 +59,9 @@ class InProcessWorkers:
             acc[k] = acc.get(k, 0.0) + v
         if not cmd.last:
             return {}
-        summed = dict(sorted(self.acc.pop(cmd.agent).items()))
-        summed.update(tr.optimizer_step())
-        return summed
+        one = MPI.COMM_SELF
+        return finish_step(tr, tr.cfg.ppo_epochs, _group_sum(one, self.acc.pop(cmd.agent)),
+                           lambda d: _group_sum(one, d))
 
     def checkpoint(self, cmd: M.Checkpoint) -> None:
         for name in cmd.agents:
