@@ -173,7 +173,7 @@ class Orchestrator:
         """Agents replica `r` could generate for now: it holds their current weights, or
         push_weights may sync them to it this round (time-sharing rebinds only to these)."""
         return {a for a, st in self.state.items() if r.held.get(a) == st.version or not (
-            st.syncing or st.inflight or st.consumed or self.group_busy(st.location.group))}
+            st.syncing or st.inflight or self.group_busy(st.location.group))}
 
     def all_synced(self) -> bool:
         return all(r.busy is None and r.held.get(a) == self.state[a].version
@@ -184,7 +184,11 @@ class Orchestrator:
         if self.cfg.run.mode == "sync" and len({s.version for s in self.state.values()}) > 1:
             return                               # baseline: every agent trains, then all sync
         for a, st in self.state.items():
-            if st.syncing or st.inflight or st.consumed or self.group_busy(st.location.group):
+            # mid-step (some micro-batches consumed, none in flight) the trainer still holds
+            # st.version: its weights change only at the step's last micro-batch. Waiting for
+            # the step to end instead deadlocks when that step's missing samples need a replica
+            # that lacks st.version (a re-bound one, with max_staleness >= 1).
+            if st.syncing or st.inflight or self.group_busy(st.location.group):
                 continue
             hold = self.eval_hold(a)
             if hold is not None and st.version > hold:

@@ -21,7 +21,8 @@ STEPS = 3
 def simulate(tmp_path, cost, *overrides, charge=False):
     cfg = load_config(str(ROOT / "configs/local.yaml"),
                       [f"run.output_dir={tmp_path}", f"run.steps={STEPS}", "run.resume=false",
-                       "workflow.inputs_per_step=2", "trainer.micro_batch_size=8", *overrides])
+                       "workflow.inputs_per_step=2", "trainer.micro_batch_size=8", "run.eval_every=0",
+                       *overrides])
     task, layout = build_task(cfg), layout_from_config(cfg)
     store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})
     sim = SimTransport(layout, cost, SyntheticWorkers(task), t0=store.t0, charge_orchestrator=charge)

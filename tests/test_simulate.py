@@ -69,3 +69,15 @@ def test_the_clock_never_sleeps_and_runs_far_ahead_of_the_wall(tmp_path, monkeyp
     wall = time.perf_counter() - wall
     simulated = sum(r["sim_s"] for r in res.values())
     assert simulated > 2 * wall, (simulated, wall)
+
+
+def test_staleness_one_with_rebound_replicas_does_not_deadlock(tmp_path, capsys):
+    """Found by the simulator on the paper shapes: mid-step, a re-bound replica lacked the
+    agent's current version and push_weights waited for the step to end, which needed that
+    replica's sample: the orchestrator waited with nothing in flight. The real orchestrator
+    code runs here, so the same fix holds for MPI jobs."""
+    code = simulate.main([str(ROOT / "configs/paper_5x32b.yaml"), "--steps", "6", "--compare",
+                          "flex-stale1", "--json", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert json.loads(out)["variants"]["flex-stale1"]["step_s"] > 0
