@@ -4,6 +4,8 @@ by megatron-core trainer groups for real RL steps on CPU, then one agent exporte
 checkpoint that transformers loads with the same logits as ours."""
 import subprocess
 
+import h5py
+
 import pytest
 import torch
 
@@ -49,22 +51,23 @@ def test_two_agents_start_from_smollm2_train_and_export(smollm2, tmp_path, mpiex
 @pytest.mark.megatron
 def test_learning_config_runs_and_its_heldout_eval_is_recorded(smollm2, tmp_path, mpiexec):
     """configs/smollm2_learn.yaml shortened to 2 steps of 2 inputs: the machinery, not the
-    learning. The held-out evaluation (scripts/eval_heldout.py) scores the base model and
-    the run's last checkpoint on the same held-out problems and records both."""
+    learning. run.eval_every records the held-out evaluation of versions 0 and 2 in /eval;
+    scripts/eval_heldout.py scores the base model on the same held-out problems."""
     import json
     import sys
     run = tmp_path / "run"
     run_training(run, "run.steps=2", "run.checkpoint_every=2", "workflow.inputs_per_step=2",
-                 config="configs/smollm2_learn.yaml", timeout=900)
+                 "run.eval_every=2", "run.eval_inputs=8", config="configs/smollm2_learn.yaml", timeout=900)
     check_exactly_once(run / "smollm2_learn.h5", 2)
+    with h5py.File(run / "smollm2_learn.h5", "r") as f:
+        ev = f["eval"][:]
+    assert sorted(set(ev["step"].tolist())) == [0, 2] and set(ev["n_inputs"].tolist()) == {8}
+    assert {m.decode() for m in ev["metric"]} == {"solver_correct", "verifier_correct", "team"}
+    assert all(v * 8 == int(v * 8) and 0 <= v <= 1 for v in ev["value"]), ev
     out = tmp_path / "eval.jsonl"
-    for source in ("configs/smollm2_learn.yaml", str(run)):
-        p = subprocess.run([sys.executable, "scripts/eval_heldout.py", source, "-n", "8", "--json", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-        assert p.returncode == 0, p.stdout + p.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["version"] for r in rows] == [0, 2] and all(r["n"] == 8 for r in rows), rows
-    for r in rows:
-        assert set(r) == {"version", "n", "solver_correct", "verifier_correct", "team"}
-        assert all(x * 8 == int(x * 8) and 0 <= x <= 1 for k, x in r.items() if k not in ("version", "n")), r
+    p = subprocess.run([sys.executable, "scripts/eval_heldout.py", "configs/smollm2_learn.yaml", "-n", "8",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    base = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["version"] for r in base] == [0] and base[0]["n"] == 8, base

@@ -82,17 +82,13 @@ class SolverVerifier(Task):
         op = rng.integers(0, len(self.ops), n)
         return [[int(x), self.ops[o], int(y)] for x, o, y in zip(a, op, b)]
 
-    HELDOUT_SEED = 0xE7A1
-    """Seed of the held-out problems' own stream when none are reserved (task arg heldout=0)."""
-
     def heldout_inputs(self, n: int) -> list[list]:
-        """With task arg `heldout` > 0: the first n reserved problems (the same for every seed
-        and run), which training never draws. Without: a fixed stream of its own, so
-        evaluation never touches the training inputs' rng (not disjoint from training)."""
-        if not self.heldout:
-            return self.sample_inputs(np.random.default_rng(self.HELDOUT_SEED), n)
-        if not 0 <= n <= self.heldout:
-            raise ValueError(f"{n} held-out inputs asked, the task reserves {self.heldout} "
+        """The first n problems of a fixed, seed-independent shuffle (the same for every seed
+        and run). Task arg `heldout` reserves that many, which training then never draws;
+        without a reserve they come back all the same (and may be trained on)."""
+        limit = self.heldout or len(self._reserve)
+        if not 0 <= n <= limit:
+            raise ValueError(f"{n} held-out inputs asked, the task reserves {limit} "
                              "(raise workflow.task_args.heldout)")
         return [list(p) for p in self._reserve[:n]]
 
