@@ -302,7 +302,9 @@ def test_interrupted_job_is_requeued_and_finishes_exactly_once(slurm, how, tmp_p
         run.signal("USR1", full=True)                 # the batch shell traps it; the ranks act
     else:
         # every CPU of every node: Slurm must preempt (SIGTERM, GraceTime 30 s, requeue)
-        p = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", "4", "--exclusive", "-o", "/dev/null",
+        nodes = subprocess.run(["sinfo", "-h", "-p", "high", "-o", "%D"], capture_output=True, text=True,
+                               timeout=20).stdout.split()[0]
+        p = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", nodes, "--exclusive", "-o", "/dev/null",
                             "--wrap", "sleep 1"], capture_output=True, text=True, timeout=30)
         assert p.returncode == 0, p.stderr
     _wait_for(lambda: "ranks exited 75" in run.stdout(), 90, "the checkpoint and exit 75")
