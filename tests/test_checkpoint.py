@@ -159,17 +159,19 @@ def test_disk_full_is_one_line_and_keeps_the_previous(small_tmpfs):
 
 
 @pytest.mark.realrun
-def test_disk_full_during_a_run_checkpoint(tmp_path, mpiexec):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("megatron", marks=pytest.mark.megatron)])
+def test_disk_full_during_a_run_checkpoint(tmp_path, mpiexec, backend):
     """A real run whose output_dir (a 3 MiB tmpfs) fills up at the step-10 checkpoints
-    (~1 MB per agent): the trainer reports one line naming the checkpoint and "no space
-    left", the job stops, no .tmp is left and every checkpoint on disk still verifies."""
+    (~1 MB per agent; megatron's dist checkpoint folders are written by the rank's threads):
+    the trainer reports one line naming the checkpoint and "no space left", the job stops,
+    no .tmp is left and every checkpoint on disk still verifies."""
     with tmpfs(tmp_path, "3m") as mnt:
         out = mnt / "run"
         # the 8-object game (the default config before issue 15): its store stays small
         # enough that the checkpoints, not the store, fill the 3 MiB
         p = run_training(out, "run.steps=30", "run.checkpoint_every=10", "run.checkpoint_minutes=0",
                          "workflow.task_args.num_objects=8", "workflow.inputs_per_step=8",
-                         "run.eval_every=0", check=False, timeout=300)
+                         "run.eval_every=0", f"trainer.backend={backend}", check=False, timeout=300)
         text = p.stdout + p.stderr
         assert p.returncode != 0, text
         line = next((l for l in text.splitlines() if "checkpoint error:" in l), text[-3000:])

@@ -11,11 +11,14 @@ loaded. An entry that is a torch-format file (`state()`, written for an agent pa
 plain state) loads through `load_state`."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from ... import comm as C
 from ... import faults
@@ -38,7 +41,7 @@ class DistCheckpoint:
         the last `keep`). Returns the entry. A failure on any rank is a CheckpointError on
         every rank; older checkpoints are intact."""
         from megatron.core import dist_checkpointing
-        _fork_only_writer_queue()
+        _write_in_process()
         folder = Path(folder)
         tmp = folder / "none"
         if self.leader:
@@ -49,7 +52,10 @@ class DistCheckpoint:
         try:
             with writing(tmp), scope():
                 self._zero_optimizer_states()          # the format wants every state tensor
-                dist_checkpointing.save(self._sharded(loading=False), str(tmp), content_metadata=_META)
+                try:
+                    dist_checkpointing.save(self._sharded(loading=False), str(tmp), content_metadata=_META)
+                except CheckpointException as e:     # a BaseException wrapping a writer's error
+                    raise _root_cause(e, tmp) from None    # writing() reports a full disk in one line
                 if self.leader:
                     (tmp / "flexmarl.json").write_text(json.dumps({"version": self.version}))
                 faults.hit("checkpoint_write")        # test-only: no-op unless FLEXMARL_FAULT is set
@@ -110,6 +116,24 @@ class DistCheckpoint:
                         st["exp_avg_sq"] = torch.zeros_like(main)
 
 
+def _root_cause(e: CheckpointException, folder: Path) -> Exception:
+    """The error beneath a failed dist_checkpointing save: a writer thread's OSError where
+    there is one. torch's C++ serializer reports a full disk as a RuntimeError ("unexpected
+    pos ..."), dropping the errno: a failure that left `folder`'s filesystem without space is
+    ENOSPC. Anything else is the first failure, as a RuntimeError."""
+    first = None
+    for exc, _trace in e.failures.values():
+        while exc is not None:
+            if isinstance(exc, OSError):
+                return exc
+            first = first or RuntimeError(f"dist_checkpointing save: {type(exc).__name__}: {exc}".splitlines()[0])
+            exc = exc.__cause__ or exc.__context__
+    fs = os.statvfs(folder)
+    if fs.f_bavail * fs.f_frsize < 1 << 16:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+    return first or RuntimeError("dist_checkpointing save failed")
+
+
 def _tolerate_torch_adam_step(opt) -> None:
     """megatron-core 0.16 with torch's AdamW (no TE/apex): loading a sharded optimizer state
     adds the per-parameter "step" to the destination but not to the loaded tensors and then
@@ -122,15 +146,43 @@ def _tolerate_torch_adam_step(opt) -> None:
     opt._set_main_param_and_optimizer_states = set_states
 
 
-def _fork_only_writer_queue() -> None:
-    """dist_checkpointing's writer collects results through a multiprocessing Manager that it
-    starts with the *spawn* method; a spawned child re-imports the MPI program's main module,
-    initialises MPI and dies (PMI_Init failed). A forked manager inherits the process and never
-    touches MPI (forked children leave through os._exit, so no MPI_Finalize runs there)."""
-    import multiprocessing as mp
+def _write_in_process() -> None:
+    """dist_checkpointing's writer is built for async saves: it forks one writer process per
+    bucket and collects their results through a multiprocessing Manager (another process,
+    started with *spawn*, which re-imports the MPI program and dies in PMI_Init). A sync save
+    gains nothing from processes here, and forking an MPI rank is a hazard: the fork copies
+    a multithreaded process (a lock held by another thread stays held in the child), doubles
+    its resident pages as they are touched, and a child outliving a killed rank keeps the
+    rank's stdout open, so mpiexec waits for it forever. The buckets are written by threads
+    of the rank instead (file writes release the GIL); results go through thread queues."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:
         return
-    if getattr(fa, "_results_queue", "absent") is None:
-        fa._results_queue = mp.get_context("fork").Manager().Queue()
+    writer = fa.FileSystemWriterAsync
+    if getattr(writer, "_flexmarl_in_process", False):
+        return
+
+    def write_buckets(transform_list, use_msc, rank, buckets, results) -> None:
+        done, count = queue.Queue(), queue.Queue()
+        with ThreadPoolExecutor(max_workers=max(1, len(buckets))) as pool:
+            for i, bucket in enumerate(buckets):
+                count.put(i)
+                pool.submit(writer.write_preloaded_data, transform_list, i, bucket, done, count, True,
+                            use_msc=use_msc)
+        got: dict | Exception = {}
+        while not done.empty():
+            i, out = done.get()
+            if isinstance(out, Exception):
+                got = out
+                break
+            got[i] = out
+        if isinstance(got, dict) and len(got) != len(buckets):
+            got = RuntimeError(f"{len(buckets) - len(got)} checkpoint writer threads gave no result")
+        results.put(got)
+
+    fa._results_queue = fa._results_queue or queue.Queue()
+    writer.write_preloaded_data_multiproc = staticmethod(write_buckets)
+    writer._flexmarl_in_process = True
