@@ -308,8 +308,10 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
         f"({layout.replicas} replicas, {layout.groups} trainer groups x "
         f"{layout.ranks_per_group or '+'.join(map(str, layout.group_sizes))}); "
         f"store {store.path}")
+    transport = MpiTransport(world)
     try:
-        code = Orchestrator(cfg, task, MpiTransport(world), layout, store, lambda: _PREEMPTED, log).run()
+        code = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log).run()
+        transport.close()
     finally:
         store.close()
         log_file.close()

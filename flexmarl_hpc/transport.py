@@ -35,15 +35,24 @@ class Transport(Protocol):
 
 
 class MpiTransport:
-    """Commands on comm.TAG_CMD, replies on comm.TAG_REPLY of `comm` (the world)."""
+    """Commands on comm.TAG_CMD, replies on comm.TAG_REPLY of `comm` (the world).
+
+    Sends are non-blocking: a micro-batch is larger than MPI's eager limit, so a blocking
+    send to a trainer leader still busy with the previous one waited until that leader next
+    looked for a message (seconds of orchestrator time, with every replica's next prompt
+    queued behind it). MPI keeps commands to one rank in order; each request is kept until
+    it completes (checked at every send and receive; `close` waits for the rest)."""
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
+        self.sending: list[MPI.Request] = []
 
     def send(self, rank: int, msg: M.Command) -> None:
-        self.comm.send(M.encode(msg), dest=rank, tag=C.TAG_CMD)
+        self._reap()
+        self.sending.append(self.comm.isend(M.encode(msg), dest=rank, tag=C.TAG_CMD))
 
     def receive(self, timeout: float | None = None) -> tuple[int, M.Reply]:
+        self._reap()
         wire, src = C.recv_from(self.comm, tag=C.TAG_REPLY, timeout=timeout)
         return src, M.decode(wire)
 
@@ -53,6 +62,14 @@ class MpiTransport:
 
     def abort(self, code: int) -> None:
         self.comm.Abort(code)
+
+    def close(self) -> None:
+        """Wait (without a spin) until every command sent has been received."""
+        C.waitall(self.sending)
+        self.sending = []
+
+    def _reap(self) -> None:
+        self.sending = [r for r in self.sending if not r.Test()]
 
 
 def recv_command(comm: MPI.Comm, orch: int) -> M.Command:
