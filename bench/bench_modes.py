@@ -3,6 +3,11 @@
     .venv/bin/python bench/bench_modes.py                       # both workloads, all variants, 3 reps
     .venv/bin/python bench/bench_modes.py --workloads skewed --reps 5
     .venv/bin/python bench/bench_modes.py --workloads skewed --variants sync flex --steps 5   # a loaded machine
+    .venv/bin/python bench/bench_modes.py --workloads referential --variants sync flex --against HEAD~1
+
+`--against REV` also runs every variant on the code of git revision REV (a temporary
+worktree), interleaved with the current tree's runs, as variant `<name>@REV`: a code change
+measured A/B in one invocation, with the ratio current / REV of each variant's step time.
 
 For each workload it runs `python -m flexmarl_hpc.run` once per variant and repetition, in
 the order A B C .., B C .. A, .. (rotated each repetition, so drift of a shared machine hits
@@ -78,12 +83,12 @@ def measure(h5: Path, skip: int = 2) -> dict:
             "crit_s": float(per_rank.max() / steps)}
 
 
-def run(config: str, overrides: list[str], out: Path) -> dict:
+def run(config: str, overrides: list[str], out: Path, root: Path = ROOT) -> dict:
     cmd = [sys.executable, "-m", "flexmarl_hpc.run", config, f"run.output_dir={out}",
            "run.log_every=1000", *overrides]
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(root)})
     wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
@@ -103,13 +108,18 @@ def report(wl: str, config: str, base: list[str], res: dict[str, list[dict]], co
     print(f"{'variant':15s} " + " ".join(f"{k:>19s}" for k in FIGURES))
     for v, rs in res.items():
         print(f"{v:15s} " + " ".join(f"{spread([r[k] for r in rs]):>19s}" for k in FIGURES))
+    for v, rs in res.items():
+        name, at, rev = v.partition("@")
+        if at and name in res:
+            ratio = [r["step_s"] / o["step_s"] for r, o in zip(res[name], rs)]
+            print(f"{name}: step time current / {rev} (paired by repetition) {spread(ratio)}")
     ref = res.get("sync")
     if not ref:
         return
     print(f"\nvs sync (paired by repetition) {'speedup':>19s} {'x samples/s':>19s} {'x util':>19s} {'bound':>19s}")
     speed = {}
     for v, rs in res.items():
-        if v == "sync":
+        if v == "sync" or "@" in v:
             continue
         speed[v] = [s["step_s"] / r["step_s"] for s, r in zip(ref, rs)]
         xs = [r["samples_per_s"] / s["samples_per_s"] for s, r in zip(ref, rs)]
@@ -118,6 +128,8 @@ def report(wl: str, config: str, base: list[str], res: dict[str, list[dict]], co
         over = sum(a > b for a, b in zip(speed[v], bound))
         print(f"{v:30s} {spread(speed[v]):>19s} {spread(xs):>19s} {spread(xu):>19s} {spread(bound):>19s}"
               + (f"  (above its bound in {over} reps: the bound is broken)" if over else ""))
+    if not speed:
+        return
     order = sorted(speed, key=lambda v: -np.median(speed[v]))
     print("ablation ordering (speedup vs sync): " + " > ".join(f"{v} {spread(speed[v])}" for v in order))
     if "flex" in speed:
@@ -135,22 +147,37 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="override run.steps of every workload (>= 4: 2 are start-up)")
     ap.add_argument("--keep", type=Path, help="keep every run's directory here (for "
                     "python -m flexmarl_hpc.analyze: timeline.png) instead of a temporary one")
+    ap.add_argument("--against", metavar="REV", help="also run every variant on git revision REV's code")
     a = ap.parse_args()
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = a.keep or tmp
-        for wl in a.workloads:
-            config, base = WORKLOADS[wl]
-            if a.steps:
-                base = [o for o in base if not o.startswith("run.steps=")] + [f"run.steps={a.steps}"]
-            res: dict[str, list[dict]] = {v: [] for v in a.variants}
-            n = len(a.variants)
-            for rep in range(a.reps):                    # A B C .., B C .. A, ..: drift hits all alike
-                for v in a.variants[rep % n:] + a.variants[:rep % n]:
-                    res[v].append(run(config, base + VARIANTS[v], Path(tmp) / f"{wl}-{v}-{rep}"))
-                    print(f"  {wl} rep {rep + 1}/{a.reps} {v}: step {res[v][-1]['step_s']:.3f} s",
-                          file=sys.stderr, flush=True)
-            report(wl, config, base, res, cores)
+        roots = {"": ROOT}
+        if a.against:
+            other = Path(tmp) / "against"
+            subprocess.run(["git", "worktree", "add", "--detach", str(other), a.against], cwd=ROOT, check=True,
+                           capture_output=True)
+            roots[f"@{a.against}"] = other
+        try:
+            _bench(a, a.keep or Path(tmp), roots, cores)
+        finally:
+            if a.against:
+                subprocess.run(["git", "worktree", "remove", "--force", str(roots[f"@{a.against}"])], cwd=ROOT)
+
+
+def _bench(a, tmp: Path, roots: dict[str, Path], cores: int) -> None:
+    for wl in a.workloads:
+        config, base = WORKLOADS[wl]
+        if a.steps:
+            base = [o for o in base if not o.startswith("run.steps=")] + [f"run.steps={a.steps}"]
+        runs = [(v + tag, v, root) for v in a.variants for tag, root in roots.items()]
+        res: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
+        n = len(runs)
+        for rep in range(a.reps):                    # A B C .., B C .. A, ..: drift hits all alike
+            for name, v, root in runs[rep % n:] + runs[:rep % n]:
+                res[name].append(run(config, base + VARIANTS[v], tmp / f"{wl}-{name}-{rep}", root))
+                print(f"  {wl} rep {rep + 1}/{a.reps} {name}: step {res[name][-1]['step_s']:.3f} s",
+                      file=sys.stderr, flush=True)
+        report(wl, config, base, res, cores)
 
 
 if __name__ == "__main__":
