@@ -14,7 +14,8 @@ sync's step time to the variant's.
 
 --plan --nodes N ranks splits of N nodes among the config's rollout pools and trainer groups
 (one pool per agent class = agents of one model shape; replicas, group sizes, group counts)
-with the closed-form planner (sim/plan.py), simulates the best --top in flex mode, prints
+with the closed-form planner (sim/plan.py), simulates the best --top of distinct shapes
+in flex mode, prints
 both estimates, and prints (and with --write, writes) the best simulated plan's
 rollout.pools / trainer.named_groups with their slurm: components, ready to paste.
 
@@ -37,7 +38,7 @@ from .config import ConfigError, apply_override, load_config
 from .sim.driver import Workload, cost_model, measure, rank_devices, simulate_run
 from .sim.hardware import HardwareError, HardwareProfile, load_hardware
 from .sim.plan import rank_plans
-from .sim.plan_config import (config_classes, describe_alloc, fragment, fragment_nodes, fragment_yaml,
+from .sim.plan_config import (config_classes, describe_alloc, distinct, fragment, fragment_nodes, fragment_yaml,
                               merge_fragment, min_nodes, plan_nodes, plan_workload)
 from .sim.transport import ConstantCost
 
@@ -95,8 +96,9 @@ def capacity(config: str, steps: int, out: Path, overrides: list[str] = ()) -> d
 
 def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path,
          overrides: list[str] = ()) -> list[dict]:
-    """Rank splits of `nodes` in closed form, then simulate the best `top` (flex): per plan its
-    closed-form Plan, config fragment and simulated result, best simulated step first."""
+    """Rank splits of `nodes` in closed form, then simulate the best `top` of distinct shapes
+    (sim.plan_config.distinct) in flex mode: per plan its closed-form Plan, config fragment
+    and simulated result, best simulated step first."""
     cfg = load_config(config, overrides)
     try:
         hw = load_hardware(hardware)
@@ -108,7 +110,8 @@ def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path
         raise ValueError(f"--nodes: expected >= {least} for {len(cfg.agent_names)} agents on {hw.name} "
                          f"({cfg.slurm.orchestrator.nodes} orchestrator node, then per class one pool node "
                          f"and one trainer group), got {nodes}")
-    plans = rank_plans(hw, [c.cls for c in classes], plan_workload(cfg), plan_nodes(cfg, nodes), "flex", top)
+    work, n = plan_workload(cfg), plan_nodes(cfg, nodes)
+    plans = distinct(rank_plans(hw, [c.cls for c in classes], work, n, "flex", top=10**9), top)
     data = _raw_config(config, overrides)
     rows = []
     for i, p in enumerate(plans, 1):

@@ -14,8 +14,8 @@ from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.sim.plan import (AgentClass, ClassAlloc, Workload, _Estimator, candidates, config_fragment,
                                    describe, group_sizes, main, parse_classes, rank_plans,
                                    replica_widths, _tp_for)
-from flexmarl_hpc.sim.plan_config import (config_classes, fragment, fragment_nodes, fragment_yaml, merge_fragment,
-                                          min_nodes, plan_nodes, plan_workload)
+from flexmarl_hpc.sim.plan_config import (config_classes, distinct, fragment, fragment_nodes, fragment_yaml,
+                                          merge_fragment, min_nodes, plan_nodes, plan_workload)
 from tests.conftest import ROOT
 
 
@@ -214,3 +214,18 @@ def test_min_nodes_counts_the_orchestrator_a_pool_node_and_a_group_per_class(pap
     tiny = dataclasses.replace(hw, hbm_gb=2.0)                         # 16 x 2 GB cannot hold 32B
     with pytest.raises(ValueError, match=r"agents\.shop32_0: the 32\.8B model of agent 'shop32_0' fits no"):
         min_nodes(tiny, classes, paper)
+
+
+def test_the_simulated_candidates_are_distinct_shapes_each_with_its_best_split(paper):
+    hw = load_hardware("npu64_a3")
+    classes = config_classes(paper)
+    ranked = rank_plans(hw, [c.cls for c in classes], plan_workload(paper), 47, top=10**9)
+    picked = distinct(ranked, 3)
+    shapes = [tuple((a.gpus_per_replica, a.groups, a.group_nodes) for _, a in p.allocs) for p in picked]
+    assert len(picked) == 3 and len(set(shapes)) == 3
+    assert picked[0] is ranked[0]
+    for p, shape in zip(picked, shapes):            # no better-ranked plan of the same shape was skipped
+        first = next(q for q in ranked if tuple((a.gpus_per_replica, a.groups, a.group_nodes)
+                                                for _, a in q.allocs) == shape)
+        assert first is p
+    assert distinct(ranked, 10**6) and len(distinct(ranked[:5], 10)) <= 5

@@ -114,6 +114,22 @@ def fragment(plan: Plan, hw: HardwareProfile, classes: list[ConfigClass], cfg: C
     return out
 
 
+def distinct(plans: list[Plan], k: int) -> list[Plan]:
+    """The first `k` plans of distinct shapes (per class: replica width, group count, group
+    size), each with its best pool split. Splits of one shape that differ by a pool node sit
+    inside the closed form's tie band and inside a few simulated steps' noise, so simulating
+    several of them would spend the simulator on nothing."""
+    out, seen = [], set()
+    for p in plans:
+        key = tuple((n, a.gpus_per_replica, a.groups, a.group_nodes) for n, a in p.allocs)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+            if len(out) == k:
+                break
+    return out
+
+
 def _slurm(nodes: int, gpus_per_node: int, cpus_per_task: int) -> dict:
     return {"nodes": nodes, "gpus_per_node": gpus_per_node, "cpus_per_task": cpus_per_task}
 
