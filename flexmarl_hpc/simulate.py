@@ -35,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, apply_override, load_config
+from .resources import components
 from .sim.driver import Workload, cost_model, measure, rank_devices, simulate_run
 from .sim.hardware import HardwareError, HardwareProfile, load_hardware
 from .sim.plan import rank_plans
@@ -95,10 +96,11 @@ def capacity(config: str, steps: int, out: Path, overrides: list[str] = ()) -> d
 
 
 def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path,
-         overrides: list[str] = ()) -> list[dict]:
+         overrides: list[str] = (), baseline: bool = False) -> tuple[list[dict], dict | None]:
     """Rank splits of `nodes` in closed form, then simulate the best `top` of distinct shapes
     (sim.plan_config.distinct) in flex mode: per plan its closed-form Plan, config fragment
-    and simulated result, best simulated step first."""
+    and simulated result, best simulated step first; with `baseline`, also the config's own
+    allocation simulated the same way (its `nodes`: every component's but the orchestrator's)."""
     cfg = load_config(config, overrides)
     try:
         hw = load_hardware(hardware)
@@ -121,7 +123,11 @@ def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path
         path.write_text(yaml.safe_dump(merge_fragment(data, frag), sort_keys=False))
         rows.append({"rank": i, "plan": p, "fragment": frag,
                      "sim": run_variants(str(path), ["flex"], hardware, steps, out / f"plan{i}")["flex"]})
-    return sorted(rows, key=lambda r: r["sim"].get("step_s", float("inf")))
+    rows.sort(key=lambda r: r["sim"].get("step_s", float("inf")))
+    if not baseline:
+        return rows, None
+    current = run_variants(config, ["flex"], hardware, steps, out / "config", overrides)["flex"]
+    return rows, {"sim": current, "nodes": sum(c.slurm.nodes for c in components(cfg)[1:])}
 
 
 def _raw_config(config: str, overrides: list[str]) -> dict:
@@ -132,8 +138,9 @@ def _raw_config(config: str, overrides: list[str]) -> dict:
     return data
 
 
-def plan_table(rows: list[dict], hw: HardwareProfile) -> str:
-    """Closed-form and simulated flex step time and utilization per plan (best first)."""
+def plan_table(rows: list[dict], hw: HardwareProfile, current: dict | None = None) -> str:
+    """Closed-form and simulated flex step time and utilization per plan (best first), then
+    the config's own allocation (simulated only) when given."""
     head = (f"{'plan':5s} {'closed-form step_s':>18s} {'util':>6s} {'simulated step_s':>17s} {'util':>6s} "
             f"{'nodes':>5s} {'wall_s':>7s}")
     lines = [head]
@@ -146,6 +153,12 @@ def plan_table(rows: list[dict], hw: HardwareProfile) -> str:
         lines += [f"      {line}" for line in describe_alloc(p, hw)]
         if "error" in sim:
             lines.append(f"      failed: {sim['error']}")
+    if current is not None:
+        sim = current["sim"]
+        simulated = (f"{sim['step_s']:17.1f} {sim['util']:6.1%}" if "step_s" in sim
+                     else f"{'failed':>17s} {'-':>6s}")
+        lines.append(f"{'config':6s}{'-':>18s} {'-':>6s} {simulated} {current['nodes']:5d} {sim['wall_s']:7.1f}")
+        lines.append("      the config's own pools and groups")
     return "\n".join(lines)
 
 
@@ -175,14 +188,14 @@ def plan_main(a: argparse.Namespace, out: Path) -> int:
         print(f"simulate: --write: folder {a.write.parent} does not exist", file=sys.stderr)
         return 2
     try:
-        rows = plan(a.config, a.nodes, a.hardware, a.top, a.steps, out, a.overrides)
+        rows, current = plan(a.config, a.nodes, a.hardware, a.top, a.steps, out, a.overrides, a.baseline)
         hw = load_hardware(a.hardware)
     except (ConfigError, HardwareError, ValueError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
     best = rows[0]
     if "step_s" not in best["sim"]:
-        print(plan_table(rows, hw))
+        print(plan_table(rows, hw, current))
         print("simulate: every simulated plan failed", file=sys.stderr)
         return 1
     header = [f"simulate --plan: {a.config}, {a.nodes} nodes of {hw.name} ({fragment_nodes(best['fragment'])} "
@@ -196,11 +209,12 @@ def plan_main(a: argparse.Namespace, out: Path) -> int:
         print(json.dumps({"config": a.config, "hardware": hw.name, "nodes": a.nodes, "steps": a.steps,
                           "plans": [{"rank": r["rank"], "closed_form_step_s": r["plan"].step_s["flex"],
                                      "closed_form_util": r["plan"].utilization["flex"], "simulated": r["sim"],
-                                     "fragment": r["fragment"]} for r in rows]}, indent=1))
+                                     "fragment": r["fragment"]} for r in rows],
+                          "config_allocation": current}, indent=1))
         return 0
     print(f"{a.config} on {hw.name}, {a.nodes} nodes: the closed form's best {len(rows)} simulated "
           f"(flex, {a.steps} steps), best simulated first")
-    print(plan_table(rows, hw))
+    print(plan_table(rows, hw, current))
     print(f"\nbest: plan #{best['rank']}; paste into the config{f' (written to {a.write})' if a.write else ''}:")
     print(text, end="")
     return 0
@@ -220,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", action="store_true", help="search the split of --nodes among pools and groups")
     p.add_argument("--nodes", type=int, default=None, help="with --plan: nodes to split (orchestrator included)")
     p.add_argument("--top", type=int, default=3, help="with --plan: closed-form plans to simulate")
+    p.add_argument("--baseline", action="store_true", help="with --plan: also simulate the config's own allocation")
     p.add_argument("--write", type=Path, default=None, help="with --plan: write the best plan's YAML here")
     a = p.parse_args(argv)
     if a.steps is None:

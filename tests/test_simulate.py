@@ -120,14 +120,17 @@ def test_plan_prints_closed_form_and_simulated_rows_and_writes_a_fragment_that_v
             assert bool(f.attrs["simulated"]) and len(f["metrics"]) == 3
 
 
-def test_plan_json_gives_both_estimates_per_plan(tmp_path, capsys):
+def test_plan_json_gives_both_estimates_per_plan_and_the_configs_own_allocation(tmp_path, capsys):
     code = simulate.main([CONFIG, *TINY, "--plan", "--nodes", "3", "--top", "1", "--steps", "3", "--json",
-                          "--hardware", "h100_ndr", "--out", str(tmp_path)])
+                          "--hardware", "h100_ndr", "--baseline", "--out", str(tmp_path)])
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and res["nodes"] == 3 and res["hardware"] == "h100_ndr"
     (p,) = res["plans"]
     assert p["closed_form_step_s"] > 0 and p["simulated"]["step_s"] > 0 and 0 < p["simulated"]["util"] <= 1
     assert p["fragment"]["rollout"]["pools"][0]["agents"] == ["speaker", "listener"]
+    own = res["config_allocation"]                    # local.yaml as written: slurm.rollout + slurm.trainer
+    assert own["nodes"] == 2 and own["sim"]["step_s"] > 0
+    assert (tmp_path / "config" / "flex" / "local.h5").is_file()
 
 
 @pytest.mark.parametrize("args, flag", [
