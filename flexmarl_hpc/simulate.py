@@ -39,8 +39,9 @@ from .resources import components
 from .sim.driver import Workload, cost_model, measure, rank_devices, simulate_run
 from .sim.hardware import HardwareError, HardwareProfile, load_hardware
 from .sim.plan import rank_plans
-from .sim.plan_config import (config_classes, describe_alloc, distinct, fragment, fragment_nodes, fragment_yaml,
-                              merge_fragment, min_nodes, plan_nodes, plan_workload)
+from .sim.plan_config import (config_classes, describe_alloc, describe_classes, distinct, fragment,
+                              fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
+                              plan_workload)
 from .sim.transport import ConstantCost
 
 VARIANTS = {
@@ -212,8 +213,10 @@ def plan_main(a: argparse.Namespace, out: Path) -> int:
                                      "fragment": r["fragment"]} for r in rows],
                           "config_allocation": current}, indent=1))
         return 0
-    print(f"{a.config} on {hw.name}, {a.nodes} nodes: the closed form's best {len(rows)} simulated "
-          f"(flex, {a.steps} steps), best simulated first")
+    classes = describe_classes(config_classes(load_config(a.config, a.overrides)))
+    print(f"{a.config} on {hw.name}, {a.nodes} nodes; agent classes {classes}")
+    print(f"the closed form's best {len(rows)} plans of distinct shapes, simulated (flex, {a.steps} steps), "
+          f"best simulated first:")
     print(plan_table(rows, hw, current))
     print(f"\nbest: plan #{best['rank']}; paste into the config{f' (written to {a.write})' if a.write else ''}:")
     print(text, end="")

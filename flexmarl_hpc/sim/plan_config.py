@@ -56,7 +56,7 @@ def config_classes(cfg: Config, vocab: int = QWEN_VOCAB) -> list[ConfigClass]:
         used = {c.cls.name for c in out}
         name = pools.get(frozenset(agents)) or _prefix(agents)
         if not name or name in used:
-            name = f"c{i}"
+            name = next(f"c{j}" for j in range(i, i + len(out) + 2) if f"c{j}" not in used)
         model = dataclasses.replace(shape, name=f"{agents[0]}'s model ({shape.params / 1e9:.1f}B)")
         out.append(ConfigClass(AgentClass(name, model, len(agents)), tuple(agents)))
     return out
@@ -166,8 +166,10 @@ def describe_alloc(plan: Plan, hw: HardwareProfile) -> list[str]:
     return out
 
 
-def min_nodes_hint(classes: list[ConfigClass]) -> str:
-    return ", ".join(f"{c.cls.name} = {c.cls.count} x {c.cls.model.params / 1e9:.1f}B" for c in classes)
+def describe_classes(classes: list[ConfigClass]) -> str:
+    """`p32 = 3 x 32.8B (shop32_0..shop32_2), ...`"""
+    return ", ".join(f"{c.cls.name} = {c.cls.count} x {c.cls.model.params / 1e9:.3g}B "
+                     f"({c.agents[0]}{'..' + c.agents[-1] if len(c.agents) > 1 else ''})" for c in classes)
 
 
 
