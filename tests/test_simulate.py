@@ -148,3 +148,17 @@ def test_plan_refuses_bad_flags_in_one_line_and_keeps_the_old_file(tmp_path, cap
     err = capsys.readouterr().err
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
     assert old.read_text() == "old\n"
+
+
+def test_plan_exits_1_and_writes_nothing_when_every_simulated_plan_fails(tmp_path, capsys, monkeypatch):
+    """E.g. a plan whose run stalls (the orchestrator waits with nothing in flight): the table
+    says so and no fragment is recommended or written."""
+    monkeypatch.setattr(simulate, "run_variants",
+                        lambda *a, **k: {"flex": {"error": "waits with nothing in flight", "wall_s": 0.0}})
+    frag = tmp_path / "plan.yaml"
+    code = simulate.main([str(PAPER), "--plan", "--nodes", "48", "--top", "2", "--write", str(frag),
+                          "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert code == 1 and "every simulated plan failed" in captured.err
+    assert captured.out.count("failed: waits with nothing in flight") == 2 and "rollout:" not in captured.out
+    assert not frag.exists()
