@@ -14,10 +14,9 @@ sync's step time to the variant's.
 
 --plan --nodes N ranks splits of N nodes among the config's rollout pools and trainer groups
 (one pool per agent class = agents of one model shape; replicas, group sizes, group counts)
-with the closed-form planner (sim/plan.py), simulates the best --top of distinct shapes
-in flex mode, prints
-both estimates, and prints (and with --write, writes) the best simulated plan's
-rollout.pools / trainer.named_groups with their slurm: components, ready to paste.
+with the closed-form planner (sim/plan.py), simulates the best --top of distinct shapes in
+flex mode, prints both estimates, and prints (and with --write, writes) the best simulated
+plan's rollout.pools / trainer.named_groups with their slurm: components, ready to paste.
 
 --capacity runs flex with zero-cost workers and the orchestrator's real compute charged to
 the clock: samples/s is then what the single orchestrator rank can drive on this CPU.
@@ -121,7 +120,7 @@ def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path
         frag = fragment(p, hw, classes, cfg)
         path = out / f"plan{i}" / "config.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(merge_fragment(data, frag), sort_keys=False))
+        write_atomic(path, yaml.safe_dump(merge_fragment(data, frag), sort_keys=False))
         rows.append({"rank": i, "plan": p, "fragment": frag,
                      "sim": run_variants(str(path), ["flex"], hardware, steps, out / f"plan{i}")["flex"]})
     rows.sort(key=lambda r: r["sim"].get("step_s", float("inf")))
