@@ -12,6 +12,12 @@ sim/driver.py for what is modelled and README "Scale"). Each writes
 between global steps after the first 2), accelerator utilization, samples/s and the ratio of
 sync's step time to the variant's.
 
+--plan --nodes N ranks splits of N nodes among the config's rollout pools and trainer groups
+(one pool per agent class = agents of one model shape; replicas, group sizes, group counts)
+with the closed-form planner (sim/plan.py), simulates the best --top of distinct shapes in
+flex mode, prints both estimates, and prints (and with --write, writes) the best simulated
+plan's rollout.pools / trainer.named_groups with their slurm: components, ready to paste.
+
 --capacity runs flex with zero-cost workers and the orchestrator's real compute charged to
 the clock: samples/s is then what the single orchestrator rank can drive on this CPU.
 """
@@ -19,14 +25,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .config import ConfigError, load_config
+import yaml
+
+from .config import ConfigError, apply_override, load_config
+from .resources import components
 from .sim.driver import Workload, cost_model, measure, rank_devices, simulate_run
-from .sim.hardware import HardwareError, load_hardware
+from .sim.hardware import HardwareError, HardwareProfile, load_hardware
+from .sim.plan import rank_plans
+from .sim.plan_config import (config_classes, describe_alloc, describe_classes, distinct, fragment,
+                              fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
+                              plan_workload)
 from .sim.transport import ConstantCost
 
 VARIANTS = {
@@ -81,18 +95,152 @@ def capacity(config: str, steps: int, out: Path, overrides: list[str] = ()) -> d
             "commands": sim.sent, "commands_per_s": sim.sent / max(sim.now - sim_t0(path), 1e-9)}
 
 
+def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path,
+         overrides: list[str] = (), baseline: bool = False) -> tuple[list[dict], dict | None]:
+    """Rank splits of `nodes` in closed form, then simulate the best `top` of distinct shapes
+    (sim.plan_config.distinct) in flex mode: per plan its closed-form Plan, config fragment
+    and simulated result, best simulated step first; with `baseline`, also the config's own
+    allocation simulated the same way (its `nodes`: every component's but the orchestrator's)."""
+    cfg = load_config(config, overrides)
+    try:
+        hw = load_hardware(hardware)
+    except HardwareError as e:
+        raise ValueError(f"--hardware: {e}") from None
+    classes = config_classes(cfg)
+    least = min_nodes(hw, classes, cfg)
+    if nodes < least:
+        raise ValueError(f"--nodes: expected >= {least} for {len(cfg.agent_names)} agents on {hw.name} "
+                         f"({cfg.slurm.orchestrator.nodes} orchestrator node, then per class one pool node "
+                         f"and one trainer group), got {nodes}")
+    work, n = plan_workload(cfg), plan_nodes(cfg, nodes)
+    plans = distinct(rank_plans(hw, [c.cls for c in classes], work, n, "flex", top=10**9), top)
+    data = _raw_config(config, overrides)
+    rows = []
+    for i, p in enumerate(plans, 1):
+        frag = fragment(p, hw, classes, cfg)
+        path = out / f"plan{i}" / "config.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, yaml.safe_dump(merge_fragment(data, frag), sort_keys=False))
+        rows.append({"rank": i, "plan": p, "fragment": frag,
+                     "sim": run_variants(str(path), ["flex"], hardware, steps, out / f"plan{i}")["flex"]})
+    rows.sort(key=lambda r: r["sim"].get("step_s", float("inf")))
+    if not baseline:
+        return rows, None
+    current = run_variants(config, ["flex"], hardware, steps, out / "config", overrides)["flex"]
+    return rows, {"sim": current, "nodes": sum(c.slurm.nodes for c in components(cfg)[1:])}
+
+
+def _raw_config(config: str, overrides: list[str]) -> dict:
+    """The config file's own mapping with the overrides applied (already validated)."""
+    data = yaml.safe_load(Path(config).read_text()) or {}
+    for o in overrides:
+        apply_override(data, o)
+    return data
+
+
+def plan_table(rows: list[dict], hw: HardwareProfile, current: dict | None = None) -> str:
+    """Closed-form and simulated flex step time and utilization per plan (best first), then
+    the config's own allocation (simulated only) when given."""
+    head = (f"{'plan':5s} {'closed-form step_s':>18s} {'util':>6s} {'simulated step_s':>17s} {'util':>6s} "
+            f"{'nodes':>5s} {'wall_s':>7s}")
+    lines = [head]
+    for r in rows:
+        p, sim = r["plan"], r["sim"]
+        simulated = (f"{sim['step_s']:17.1f} {sim['util']:6.1%}" if "step_s" in sim
+                     else f"{'failed':>17s} {'-':>6s}")
+        lines.append(f"#{r['rank']:<4d} {p.step_s['flex']:18.1f} {p.utilization['flex']:6.1%} {simulated} "
+                     f"{fragment_nodes(r['fragment']):5d} {sim['wall_s']:7.1f}")
+        lines += [f"      {line}" for line in describe_alloc(p, hw)]
+        if "error" in sim:
+            lines.append(f"      failed: {sim['error']}")
+    if current is not None:
+        sim = current["sim"]
+        simulated = (f"{sim['step_s']:17.1f} {sim['util']:6.1%}" if "step_s" in sim
+                     else f"{'failed':>17s} {'-':>6s}")
+        lines.append(f"{'config':6s}{'-':>18s} {'-':>6s} {simulated} {current['nodes']:5d} {sim['wall_s']:7.1f}")
+        lines.append("      the config's own pools and groups")
+    return "\n".join(lines)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """tmp + fsync + rename: `path` is the old file or the whole new one, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def plan_main(a: argparse.Namespace, out: Path) -> int:
+    """The --plan shell: checks the flags, runs plan(), prints, writes --write."""
+    if a.nodes is None:
+        print("simulate: --nodes: required with --plan (the nodes to split, orchestrator included)", file=sys.stderr)
+        return 2
+    if a.top < 1:
+        print(f"simulate: --top: expected >= 1, got {a.top}", file=sys.stderr)
+        return 2
+    if a.write is not None and not a.write.parent.is_dir():
+        print(f"simulate: --write: folder {a.write.parent} does not exist", file=sys.stderr)
+        return 2
+    try:
+        rows, current = plan(a.config, a.nodes, a.hardware, a.top, a.steps, out, a.overrides, a.baseline)
+        hw = load_hardware(a.hardware)
+    except (ConfigError, HardwareError, ValueError) as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    best = rows[0]
+    if "step_s" not in best["sim"]:
+        print(plan_table(rows, hw, current))
+        print("simulate: every simulated plan failed", file=sys.stderr)
+        return 1
+    header = [f"simulate --plan: {a.config}, {a.nodes} nodes of {hw.name} ({fragment_nodes(best['fragment'])} "
+              f"for pools and groups + the orchestrator's), plan #{best['rank']} of the closed form",
+              f"predicted flex step {best['sim']['step_s']:.1f} s simulated ({a.steps} steps), "
+              f"{best['plan'].step_s['flex']:.1f} s closed form; utilization {best['sim']['util']:.1%}"]
+    text = fragment_yaml(best["fragment"], header)
+    if a.write is not None:
+        write_atomic(a.write, text)
+    if a.json:
+        print(json.dumps({"config": a.config, "hardware": hw.name, "nodes": a.nodes, "steps": a.steps,
+                          "plans": [{"rank": r["rank"], "closed_form_step_s": r["plan"].step_s["flex"],
+                                     "closed_form_util": r["plan"].utilization["flex"], "simulated": r["sim"],
+                                     "fragment": r["fragment"]} for r in rows],
+                          "config_allocation": current}, indent=1))
+        return 0
+    classes = describe_classes(config_classes(load_config(a.config, a.overrides)))
+    print(f"{a.config} on {hw.name}, {a.nodes} nodes; agent classes {classes}")
+    print(f"the closed form's best {len(rows)} plans of distinct shapes, simulated (flex, {a.steps} steps), "
+          f"best simulated first:")
+    print(plan_table(rows, hw, current))
+    print(f"\nbest: plan #{best['rank']}; paste into the config{f' (written to {a.write})' if a.write else ''}:")
+    print(text, end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flexmarl_hpc.simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p.add_argument("--hardware", default="npu64_a3", help="configs/hardware/<name>.yaml or a path")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=None, help="simulated steps (default 10; 4 with --plan)")
     p.add_argument("--compare", default="sync,flex", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--out", type=Path, default=None, help="folder of the variants' HDF5 files (default: a temp dir)")
     p.add_argument("--capacity", action="store_true", help="measure the orchestrator's own samples/s")
+    p.add_argument("--plan", action="store_true", help="search the split of --nodes among pools and groups")
+    p.add_argument("--nodes", type=int, default=None, help="with --plan: nodes to split (orchestrator included)")
+    p.add_argument("--top", type=int, default=3, help="with --plan: closed-form plans to simulate")
+    p.add_argument("--baseline", action="store_true", help="with --plan: also simulate the config's own allocation")
+    p.add_argument("--write", type=Path, default=None, help="with --plan: write the best plan's YAML here")
     a = p.parse_args(argv)
+    if a.steps is None:
+        a.steps = 4 if a.plan else 10
     variants = [v.strip() for v in a.compare.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or not variants:
@@ -103,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         out = a.out or Path(tmp)
+        if a.plan:
+            return plan_main(a, out)
         try:
             if a.capacity:
                 res = capacity(a.config, a.steps, out / "capacity", a.overrides)

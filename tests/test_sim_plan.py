@@ -1,15 +1,22 @@
-"""Unit tests of the closed-form allocation planner (flexmarl_hpc/sim/plan.py)."""
+"""Unit tests of the closed-form allocation planner (flexmarl_hpc/sim/plan.py) and of its plans
+in a config's own terms (flexmarl_hpc/sim/plan_config.py)."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import yaml
 
+from flexmarl_hpc.config import ConfigError, load_config
+from flexmarl_hpc.resources import components
 from flexmarl_hpc.sim.costs import QWEN25_14B, QWEN25_32B, AgentLayout, CostModel, TRAIN_STATE_BYTES_PER_PARAM
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.sim.plan import (AgentClass, ClassAlloc, Workload, _Estimator, candidates, config_fragment,
                                    describe, group_sizes, main, parse_classes, rank_plans,
                                    replica_widths, _tp_for)
+from flexmarl_hpc.sim.plan_config import (config_classes, distinct, fragment, fragment_nodes, fragment_yaml,
+                                          merge_fragment, min_nodes, plan_nodes, plan_workload)
+from tests.conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +124,108 @@ def test_cli_prints_plans_and_the_fragment_and_refuses_bad_input(capsys):
     assert main(["--hardware", "nope", "--nodes", "4"]) == 2
     assert "cannot read" in capsys.readouterr().out
     assert [c.count for c in parse_classes("32B:3, 14b:7")] == [3, 7]
+
+
+# ---------------------------------------------------------------------------------------
+# plans in a config's own terms (flexmarl_hpc/sim/plan_config.py)
+# ---------------------------------------------------------------------------------------
+PAPER = ROOT / "configs/paper_3x32b_7x14b.yaml"
+
+
+@pytest.fixture(scope="module")
+def paper():
+    return load_config(PAPER)
+
+
+def _load_merged(tmp_path, frag, source=PAPER):
+    data = merge_fragment(yaml.safe_load(source.read_text()), frag)
+    path = tmp_path / "merged.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return load_config(path)
+
+
+def test_classes_are_the_configs_agents_grouped_by_model_shape(paper):
+    classes = config_classes(paper)
+    assert [(c.cls.name, c.cls.count) for c in classes] == [("p32", 3), ("p14", 7)]   # the config's pool names
+    assert classes[0].agents == ("shop32_0", "shop32_1", "shop32_2")
+    assert classes[1].agents == tuple(f"shop14_{i}" for i in range(7))
+    assert classes[0].cls.model.params == QWEN25_32B.params        # priced with Qwen2.5's vocabulary
+    assert classes[1].cls.model.params == QWEN25_14B.params
+    # no pools in the config: one class named by the agents' common prefix, or cN
+    local = config_classes(load_config(ROOT / "configs/local.yaml"))
+    assert [(c.cls.name, c.agents) for c in local] == [("c0", ("speaker", "listener"))]
+    w = plan_workload(paper)
+    assert (w.global_batch, w.micro_batch) == (64, 16)            # 16 inputs x 4 branches, the trainer's 16
+
+
+def test_the_fragment_names_the_configs_agents_and_loads_back(paper, tmp_path):
+    hw = load_hardware("npu64_a3")
+    classes = config_classes(paper)
+    nodes = 48
+    best = rank_plans(hw, [c.cls for c in classes], plan_workload(paper), plan_nodes(paper, nodes), top=1)[0]
+    frag = fragment(best, hw, classes, paper)
+    pools, groups = frag["rollout"]["pools"], frag["trainer"]["named_groups"]
+    agents = sorted(paper.agent_names)
+    assert sorted(a for p in pools for a in p["agents"]) == agents
+    assert sorted(a for g in groups for a in g["agents"]) == agents
+    assert all(p["slurm"]["gpus_per_node"] == 16 and p["replicas"] * p["gpus_per_replica"]
+               == 16 * p["slurm"]["nodes"] for p in pools)
+    assert all(g["ranks"] == 16 * g["slurm"]["nodes"] for g in groups)
+    assert fragment_nodes(frag) == best.nodes == nodes - 1            # the orchestrator keeps its node
+    assert yaml.safe_load(fragment_yaml(frag, ["a comment"])) == frag
+    cfg = _load_merged(tmp_path, frag)                               # validates pools, groups, TP
+    assert [p.name for p in cfg.rollout.pools] == ["p32", "p14"]
+    assert sum(c.slurm.nodes for c in components(cfg)) <= nodes
+
+
+def test_a_plan_with_fewer_groups_than_agents_swaps_and_still_validates(paper, tmp_path):
+    hw = load_hardware("npu64_a3")
+    classes = config_classes(paper)
+    est = _Estimator(hw, plan_workload(paper), [c.cls for c in classes])
+    plan = est.plan((("p32", ClassAlloc(8, 4, 3, 4, 8)), ("p14", ClassAlloc(6, 2, 2, 2, 4))))
+    frag = fragment(plan, hw, classes, paper)
+    groups = frag["trainer"]["named_groups"]
+    assert [g["name"] for g in groups] == ["shop32_0", "shop32_1", "shop32_2", "p14_g0", "p14_g1"]
+    assert groups[3]["agents"] == ["shop14_0", "shop14_2", "shop14_4", "shop14_6"] and groups[3]["swap"] == "p14"
+    assert "swap" not in groups[0] and frag["pipeline"] == {"swap_states": True}
+    cfg = _load_merged(tmp_path, frag)
+    assert cfg.pipeline.swap_states and len(cfg.trainer.named_groups) == 5
+    without = {k: v for k, v in frag.items() if k != "pipeline"}        # the swap needs the flag
+    with pytest.raises(ConfigError, match="swap_states"):
+        _load_merged(tmp_path, without)
+
+
+def test_merging_replaces_lists_keeps_the_rest_and_leaves_the_input_alone():
+    data = {"rollout": {"backend": "vllm", "pools": [{"name": "old"}]}, "run": {"steps": 3}}
+    out = merge_fragment(data, {"rollout": {"pools": [{"name": "new"}]}, "pipeline": {"swap_states": True}})
+    assert out == {"rollout": {"backend": "vllm", "pools": [{"name": "new"}]}, "run": {"steps": 3},
+                   "pipeline": {"swap_states": True}}
+    assert data["rollout"]["pools"] == [{"name": "old"}]
+
+
+def test_min_nodes_counts_the_orchestrator_a_pool_node_and_a_group_per_class(paper):
+    hw = load_hardware("npu64_a3")
+    classes = config_classes(paper)
+    least = min_nodes(hw, classes, paper)
+    assert least == 1 + sum(1 + group_sizes(hw, c.cls.model, 48)[0] for c in classes)
+    assert rank_plans(hw, [c.cls for c in classes], plan_workload(paper), plan_nodes(paper, least), top=1)
+    with pytest.raises(ValueError):
+        rank_plans(hw, [c.cls for c in classes], plan_workload(paper), plan_nodes(paper, least - 1), top=1)
+    tiny = dataclasses.replace(hw, hbm_gb=2.0)                         # 16 x 2 GB cannot hold 32B
+    with pytest.raises(ValueError, match=r"agents\.shop32_0: the 32\.8B model of agent 'shop32_0' fits no"):
+        min_nodes(tiny, classes, paper)
+
+
+def test_the_simulated_candidates_are_distinct_shapes_each_with_its_best_split(paper):
+    hw = load_hardware("npu64_a3")
+    classes = config_classes(paper)
+    ranked = rank_plans(hw, [c.cls for c in classes], plan_workload(paper), 47, top=10**9)
+    picked = distinct(ranked, 3)
+    shapes = [tuple((a.gpus_per_replica, a.groups, a.group_nodes) for _, a in p.allocs) for p in picked]
+    assert len(picked) == 3 and len(set(shapes)) == 3
+    assert picked[0] is ranked[0]
+    for p, shape in zip(picked, shapes):            # no better-ranked plan of the same shape was skipped
+        first = next(q for q in ranked if tuple((a.gpus_per_replica, a.groups, a.group_nodes)
+                                                for _, a in q.allocs) == shape)
+        assert first is p
+    assert distinct(ranked, 10**6) and len(distinct(ranked[:5], 10)) <= 5

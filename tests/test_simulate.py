@@ -7,9 +7,13 @@ import time
 
 import h5py
 import pytest
+import yaml
 
 from flexmarl_hpc import analyze
 from flexmarl_hpc import simulate
+from flexmarl_hpc.config import load_config
+from flexmarl_hpc.resources import components
+from flexmarl_hpc.sim.plan_config import merge_fragment
 from tests.conftest import ROOT
 
 CONFIG = str(ROOT / "configs/local.yaml")
@@ -81,3 +85,80 @@ def test_staleness_one_with_rebound_replicas_does_not_deadlock(tmp_path, capsys)
     out = capsys.readouterr().out
     assert code == 0, out
     assert json.loads(out)["variants"]["flex-stale1"]["step_s"] > 0
+
+
+PAPER = ROOT / "configs/paper_3x32b_7x14b.yaml"
+
+
+def test_plan_prints_closed_form_and_simulated_rows_and_writes_a_fragment_that_validates(tmp_path, capsys):
+    frag_path = tmp_path / "plan.yaml"
+    code = simulate.main([str(PAPER), "--plan", "--nodes", "48", "--top", "2", "--steps", "3",
+                          "--write", str(frag_path), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("plan "))
+    assert "closed-form step_s" in lines[head] and "simulated step_s" in lines[head]
+    rows = [line.split() for line in lines[head + 1:] if line.startswith("#") and not line.startswith("# ")]
+    assert sorted(r[0] for r in rows) == ["#1", "#2"]
+    sim = [float(r[3]) for r in rows]
+    assert all(float(r[1]) > 0 and s > 0 for r, s in zip(rows, sim)) and sim == sorted(sim)  # best simulated first
+    assert all(int(r[5]) == 47 for r in rows)                          # + the orchestrator's node = 48
+    written = frag_path.read_text()
+    assert written in out and written.startswith("# simulate --plan")  # the printed fragment is the file
+    assert f"predicted flex step {sim[0]:.1f} s simulated" in written
+    frag = yaml.safe_load(written)
+    assert {a for p in frag["rollout"]["pools"] for a in p["agents"]} == {
+        *(f"shop32_{i}" for i in range(3)), *(f"shop14_{i}" for i in range(7))}
+    merged = tmp_path / "merged.yaml"
+    merged.write_text(yaml.safe_dump(merge_fragment(yaml.safe_load(PAPER.read_text()), frag)))
+    cfg = load_config(merged)                                         # the pasted config validates
+    assert sum(c.slurm.nodes for c in components(cfg)) == 48
+    assert not list(tmp_path.glob(".*.tmp"))
+    for i in (1, 2):                                                 # each plan ran the real orchestrator
+        with h5py.File(next((tmp_path / "out" / f"plan{i}" / "flex").glob("*.h5")), "r") as f:
+            assert bool(f.attrs["simulated"]) and len(f["metrics"]) == 3
+
+
+def test_plan_json_gives_both_estimates_per_plan_and_the_configs_own_allocation(tmp_path, capsys):
+    code = simulate.main([CONFIG, *TINY, "--plan", "--nodes", "3", "--top", "1", "--steps", "3", "--json",
+                          "--hardware", "h100_ndr", "--baseline", "--out", str(tmp_path)])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["nodes"] == 3 and res["hardware"] == "h100_ndr"
+    (p,) = res["plans"]
+    assert p["closed_form_step_s"] > 0 and p["simulated"]["step_s"] > 0 and 0 < p["simulated"]["util"] <= 1
+    assert p["fragment"]["rollout"]["pools"][0]["agents"] == ["speaker", "listener"]
+    own = res["config_allocation"]                    # local.yaml as written: slurm.rollout + slurm.trainer
+    assert own["nodes"] == 2 and own["sim"]["step_s"] > 0
+    assert (tmp_path / "config" / "flex" / "local.h5").is_file()
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--plan"], "--nodes: required"),
+    (["--plan", "--nodes", "3"], "--nodes: expected >= "),
+    (["--plan", "--nodes", "48", "--hardware", "nope"], "--hardware: "),
+    (["--plan", "--nodes", "48", "--top", "0"], "--top: expected >= 1"),
+    (["--plan", "--nodes", "48", "--write", "/no/such/dir/plan.yaml"], "--write: folder"),
+])
+def test_plan_refuses_bad_flags_in_one_line_and_keeps_the_old_file(tmp_path, capsys, args, flag):
+    old = tmp_path / "plan.yaml"
+    old.write_text("old\n")
+    write = [] if "--write" in args else ["--write", str(old)]
+    code = simulate.main([str(PAPER), *args, *write, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
+    assert old.read_text() == "old\n"
+
+
+def test_plan_exits_1_and_writes_nothing_when_every_simulated_plan_fails(tmp_path, capsys, monkeypatch):
+    """E.g. a plan whose run stalls (the orchestrator waits with nothing in flight): the table
+    says so and no fragment is recommended or written."""
+    monkeypatch.setattr(simulate, "run_variants",
+                        lambda *a, **k: {"flex": {"error": "waits with nothing in flight", "wall_s": 0.0}})
+    frag = tmp_path / "plan.yaml"
+    code = simulate.main([str(PAPER), "--plan", "--nodes", "48", "--top", "2", "--write", str(frag),
+                          "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert code == 1 and "every simulated plan failed" in captured.err
+    assert captured.out.count("failed: waits with nothing in flight") == 2 and "rollout:" not in captured.out
+    assert not frag.exists()
