@@ -43,20 +43,13 @@ def checkpoint_file(run_dir: Path, agent: str, version: int | None) -> Path:
     return path
 
 
-def export(run_dir: str | Path, agent: str, out: str | Path, version: int | None = None) -> Path:
-    """Write agent's weights (checkpoint `version`, default the latest) to `out`; returns the
-    checkpoint file used."""
-    run_dir, out = Path(run_dir), Path(out)
-    cfg_file = run_dir / "config.yaml"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file}: not a run directory (no resolved config.yaml)")
-    cfg = load_config(cfg_file)
-    if agent not in cfg.agent_names:
-        raise ConfigError(f"agent {agent!r} is not in this run (agents: {cfg.agent_names})")
-    task = build_task(cfg)
+def load_agent(run_dir: Path, cfg, task, agent: str, version: int | None = None) -> tuple[CausalLM, Path]:
+    """Agent's model at checkpoint `version` of the run (default the latest), whatever wrote
+    it: a torch `.pt` file or a megatron dist_checkpointing folder (resharded into one CPU
+    rank). Returns the model and the checkpoint entry used."""
     path = checkpoint_file(run_dir, agent, version)
     args = model_args(cfg, task, agent)
-    if path.is_dir():           # megatron dist_checkpointing: resharded into one CPU rank
+    if path.is_dir():
         from .trainer.megatron import hf_weights_of_entry
         weights = hf_weights_of_entry(path, args, cfg.trainer)
     else:
@@ -68,6 +61,21 @@ def export(run_dir: str | Path, agent: str, out: str | Path, version: int | None
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the run's model: missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]}")
+    return model, path
+
+
+def export(run_dir: str | Path, agent: str, out: str | Path, version: int | None = None) -> Path:
+    """Write agent's weights (checkpoint `version`, default the latest) to `out`; returns the
+    checkpoint file used."""
+    run_dir, out = Path(run_dir), Path(out)
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file}: not a run directory (no resolved config.yaml)")
+    cfg = load_config(cfg_file)
+    if agent not in cfg.agent_names:
+        raise ConfigError(f"agent {agent!r} is not in this run (agents: {cfg.agent_names})")
+    task = build_task(cfg)
+    model, path = load_agent(run_dir, cfg, task, agent, version)
     save_hf_checkpoint(model, out)
     if isinstance(task.vocab, TokenizerVocab):
         src = Path(task.vocab.path).parent

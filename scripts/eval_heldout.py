@@ -4,10 +4,16 @@ greedily, through the workflow's turns, and `task.eval_metrics` scores the leave
 
     python scripts/eval_heldout.py configs/smollm2_learn.yaml -n 128            # zero-shot
     python scripts/eval_heldout.py runs/smollm2_learn -n 128 --all --json out.json
+    python scripts/eval_heldout.py runs/smollm2_learn -n 121 --all --paired   # + flips vs the base
     python scripts/eval_heldout.py --plot out.json docs/smollm2_learn.png   # the curve
 
-With a run directory it evaluates its latest checkpoint (or every kept one with --all),
-each agent at the same version. Prints mean metrics with their binomial standard error.
+With a run directory it evaluates its latest checkpoint (or every kept one with --all; torch
+files or megatron dist_checkpointing folders), each agent at the same version. Prints mean
+metrics with their binomial standard error. --paired also evaluates the base model and, per
+metric, counts the held-out inputs each version turned from wrong to right and from right
+to wrong, with the two-sided sign-test p-value of those flips: the same inputs scored
+twice, so a gain that the unpaired standard errors leave in doubt can still be told from
+noise.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import torch
 from flexmarl_hpc.build import build_task
 from flexmarl_hpc.checkpoint import committed_versions
 from flexmarl_hpc.config import load_config
+from flexmarl_hpc.export import checkpoint_file, load_agent
 from flexmarl_hpc.model import load_hf_checkpoint
 from flexmarl_hpc.sampling import SamplingParams, generate
 from flexmarl_hpc.workflows.base import Path
@@ -29,8 +36,8 @@ from flexmarl_hpc.workflows.base import Path
 GREEDY = SamplingParams(temperature=1.0, top_p=1e-9)     # top_p keeps only the top token
 
 
-def evaluate(task, models: dict, turns, n: int, batch: int = 64) -> dict[str, float]:
-    """Mean eval metrics over n held-out inputs, one greedy sample per turn."""
+def evaluate(task, models: dict, turns, n: int, batch: int = 64) -> list[dict[str, float]]:
+    """Eval metrics of each of n held-out inputs, one greedy sample per turn."""
     paths = [Path(x) for x in task.heldout_inputs(n)]
     for t, turn in enumerate(turns):
         nxt = []
@@ -41,19 +48,45 @@ def evaluate(task, models: dict, turns, n: int, batch: int = 64) -> dict[str, fl
                             task.stop_tokens, [task.allowed_tokens(t)] * len(chunk))
             nxt += [Path(p.input, p.responses + (tuple(g.tokens),)) for p, g in zip(chunk, gens)]
         paths = nxt
-    rows = [task.eval_metrics(p) for p in paths]
+    return [task.eval_metrics(p) for p in paths]
+
+
+def mean(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
 
 
-def load_agents(cfg, run_dir: FsPath | None, version: int | None) -> dict:
-    models = {}
-    for agent in cfg.agent_names:
-        m = load_hf_checkpoint(cfg.model_for(agent).checkpoint)
-        if version is not None:
-            state = torch.load(run_dir / "checkpoints" / agent / f"v{version:06d}.pt", weights_only=True)
-            m.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")}, strict=False)
-        models[agent] = m.eval()
-    return models
+def sign_test(up: int, down: int) -> float:
+    """Two-sided exact sign test: P(a split at least this uneven | flips are 50/50)."""
+    n, k = up + down, min(up, down)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
+def flips(base: list[dict[str, float]], rows: list[dict[str, float]]) -> str:
+    """Per 0/1 metric: inputs turned wrong -> right (+) and right -> wrong (-), and p."""
+    out = []
+    for k in rows[0]:
+        up = sum(b[k] < r[k] for b, r in zip(base, rows))
+        down = sum(b[k] > r[k] for b, r in zip(base, rows))
+        out.append(f"{k} +{up}/-{down} (p={sign_test(up, down):.3g})")
+    return "  ".join(out)
+
+
+def load_agents(cfg, task, run_dir: FsPath | None, version: int | None) -> dict:
+    if version is None:
+        return {a: load_hf_checkpoint(cfg.model_for(a).checkpoint).eval() for a in cfg.agent_names}
+    return {a: load_agent(run_dir, cfg, task, a, version)[0].eval() for a in cfg.agent_names}
+
+
+def kept_versions(run_dir: FsPath, agents: list[str]) -> list[int]:
+    """Versions every agent has a committed checkpoint of (file or folder)."""
+    def has(agent: str, v: int) -> bool:
+        try:
+            return checkpoint_file(run_dir, agent, v).exists()
+        except FileNotFoundError:
+            return False
+    return [v for v in committed_versions(run_dir / "checkpoints" / agents[0]) if all(has(a, v) for a in agents)]
 
 
 def plot(rows_file: str, png: str) -> None:
@@ -84,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=128, help="held-out inputs")
     ap.add_argument("--all", action="store_true", help="every kept checkpoint, not only the latest")
     ap.add_argument("--json", help="append one JSON line per evaluated version to this file")
+    ap.add_argument("--paired", action="store_true", help="also the base model, and each version's "
+                    "flips against it per input with a sign test")
     a = ap.parse_args(argv)
     if a.plot:
         plot(*a.plot)
@@ -95,17 +130,24 @@ def main(argv=None) -> int:
     run_dir = src if src.is_dir() else None
     cfg = load_config(src / "config.yaml" if run_dir else src)
     task = build_task(cfg)
-    versions = [None]
+    versions: list[int | None] = [None]
     if run_dir:
-        kept = [v for v in committed_versions(run_dir / "checkpoints" / cfg.agent_names[0])
-                if all((run_dir / "checkpoints" / ag / f"v{v:06d}.pt").is_file() for ag in cfg.agent_names)]
-        versions = kept if a.all else kept[-1:]
+        kept = kept_versions(run_dir, cfg.agent_names)
+        if not kept:
+            print(f"{run_dir / 'checkpoints'}: no checkpoint that every agent has")
+            return 2
+        versions = ([None] if a.paired else []) + (kept if a.all else kept[-1:])
+    base = None
     for v in versions:
         t0 = time.time()
-        res = evaluate(task, load_agents(cfg, run_dir, v), cfg.workflow.turns, a.n)
+        rows = evaluate(task, load_agents(cfg, task, run_dir, v), cfg.workflow.turns, a.n)
+        res = mean(rows)
+        base = rows if v is None else base
         err = {k: math.sqrt(x * (1 - x) / a.n) for k, x in res.items()}
         print(f"version {v if v is not None else 'base'}: n={a.n} " +
               "  ".join(f"{k} {x:.3f}±{err[k]:.3f}" for k, x in res.items()) + f"  ({time.time() - t0:.0f}s)")
+        if a.paired and v is not None:
+            print(f"  vs base: {flips(base, rows)}")
         if a.json:
             with open(a.json, "a") as f:
                 f.write(json.dumps({"version": v or 0, "n": a.n, **res}) + "\n")

@@ -193,3 +193,18 @@ def test_eval_rows_log_line_and_analyze(runs, tmp_path):
     st = subprocess.run([sys.executable, "-m", "flexmarl_hpc.status", str(on)], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
     assert "eval   listener step 6" in st.stdout, st.stdout
+
+
+def test_sign_test_of_paired_flips():
+    """scripts/eval_heldout.py --paired: the exact two-sided sign test of wrong->right vs
+    right->wrong flips (values by hand: 2 * sum C(n, i) for i <= k over 2^n)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("eval_heldout", ROOT / "scripts" / "eval_heldout.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    assert ev.sign_test(0, 0) == 1.0 and ev.sign_test(3, 3) == 1.0
+    assert ev.sign_test(5, 0) == ev.sign_test(0, 5) == 2 / 32
+    assert abs(ev.sign_test(10, 2) - 2 * (1 + 12 + 66) / 4096) < 1e-12
+    base = [{"ok": 0.0}, {"ok": 1.0}, {"ok": 0.0}, {"ok": 1.0}]
+    now = [{"ok": 1.0}, {"ok": 1.0}, {"ok": 1.0}, {"ok": 0.0}]
+    assert ev.flips(base, now) == f"ok +2/-1 (p={ev.sign_test(2, 1):.3g})"

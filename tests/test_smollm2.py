@@ -46,6 +46,17 @@ def test_two_agents_start_from_smollm2_train_and_export(smollm2, tmp_path, mpiex
         diff = float((hf(ids).logits - ours(ids)).abs().max())
     assert diff < 1e-4, f"transformers and flexmarl logits of the exported agent differ by {diff}"
 
+    # the held-out evaluation outside the run reads the megatron dist-checkpoint folders too,
+    # and --paired scores the base model on the same inputs and counts the flips against it
+    import sys
+    p = subprocess.run([sys.executable, "scripts/eval_heldout.py", str(tmp_path / "run"), "-n", "4", "--paired"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = [line for line in p.stdout.splitlines() if line.startswith(("version", "  vs base"))]
+    assert lines[0].startswith("version base: n=4") and lines[1].startswith("version 2: n=4"), p.stdout
+    assert lines[2].startswith("  vs base: solver_correct +") and "(p=" in lines[2], p.stdout
+
 
 @pytest.mark.smollm2
 def test_learning_config_runs_and_its_heldout_eval_is_recorded(smollm2, tmp_path, mpiexec):
