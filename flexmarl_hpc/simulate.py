@@ -132,7 +132,7 @@ def calibrate_main(a: argparse.Namespace, variants: list[str], out: Path) -> int
     import numpy as np
     from .sim.hardware import save_hardware
     try:
-        hw = calibrate(a.calibrate, a.hardware if a.hardware != "npu64_a3" else "cpu_local")
+        hw = calibrate(a.calibrate, a.hardware)
         pred = predict_variants(a.config, variants, hw, a.steps, out, a.overrides)
         measured: dict[str, list[float]] = {}
         for h5 in a.measured:
@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    p.add_argument("--hardware", default="npu64_a3", help="configs/hardware/<name>.yaml or a path")
+    p.add_argument("--hardware", default=None,
+                   help="configs/hardware/<name>.yaml or a path (default npu64_a3; cpu_local with --calibrate)")
     p.add_argument("--steps", type=int, default=None, help="simulated steps (default 10; 4 with --plan)")
     p.add_argument("--compare", default="sync,flex", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --calibrate: real runs of the variants, to print predicted vs measured")
     p.add_argument("--write-profile", type=Path, default=None, help="with --calibrate: write the fitted profile")
     a = p.parse_args(argv)
+    a.hardware = a.hardware or ("cpu_local" if a.calibrate else "npu64_a3")
     if a.steps is None:
         a.steps = 4 if a.plan else 10
     variants = [v.strip() for v in a.compare.split(",") if v.strip()]

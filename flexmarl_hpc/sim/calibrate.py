@@ -65,12 +65,13 @@ class Observations:
     the orchestrator's next busy start after a worker's end (one-way latencies, upper bounds)."""
 
 
-def observe(path: str | Path, max_batch: int, replicas: int) -> Observations:
-    """Read a real run's HDF5 file. Rollout rank = 1 + replica index (the run's layout)."""
+def observe(path: str | Path, max_batch: int, replicas: int, allow_simulated: bool = False) -> Observations:
+    """Read a real run's HDF5 file. Rollout rank = 1 + replica index (the run's layout).
+    `allow_simulated`: a simulated run too (tests: a run of known figures, read back)."""
     with h5py.File(path, "r") as f:
         if "intervals" not in f or "samples" not in f:
             raise ValueError(f"{path}: not a run file (expected /intervals and /samples)")
-        if f.attrs.get("simulated", False):
+        if f.attrs.get("simulated", False) and not allow_simulated:
             raise ValueError(f"{path}: a simulated run; calibrate from a real (MPI) run")
         iv = f["intervals"][:]
         samples = {a: f["samples"][a][:] for a in f["samples"]}
