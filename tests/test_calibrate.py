@@ -114,3 +114,30 @@ def test_observe_refuses_a_simulated_file_and_a_file_that_is_not_a_run(tmp_path)
         pass
     with pytest.raises(ValueError, match="empty.h5: not a run file"):
         observe(tmp_path / "empty.h5", 32, 2)
+
+
+def test_the_cli_fits_prints_predicts_compares_and_writes_a_loadable_profile(tmp_path, capsys):
+    """`simulate CONFIG --calibrate RUN.h5 --measured ... --write-profile P` on a run file of
+    the real schema (a simulated run with its `simulated` mark removed stands in for it)."""
+    import h5py
+    from flexmarl_hpc.simulate import main
+    runs = {}
+    for mode in ("sync", "flex"):
+        cfg = load_config(str(ROOT / "configs/local.yaml"), [*REFERENTIAL, f"run.mode={mode}", "run.steps=8",
+                                                             f"run.output_dir={tmp_path / mode}"])
+        runs[mode], _ = simulate_run(cfg, cost_model(cfg, truth_profile(), len(build_task(cfg).vocab), 4),
+                                     tmp_path / mode, "t")
+        with h5py.File(runs[mode], "a") as f:
+            del f.attrs["simulated"]
+    prof = tmp_path / "fitted.yaml"
+    code = main([str(ROOT / "configs/local.yaml"), *REFERENTIAL, "--calibrate", str(runs["sync"]), "--steps", "8",
+                 "--measured", str(runs["sync"]), str(runs["flex"]), "--write-profile", str(prof),
+                 "--out", str(tmp_path / "sim")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"fitted from {runs['sync']}: generate = " in out and "GFLOP/s" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["sync"], ["flex"])}
+    assert set(rows) == {"sync", "flex"} and all(r[2] != "-" for r in rows.values())   # measured given
+    fitted = load_hardware(prof)
+    assert fitted.name == "cpu_local_fitted" and fitted.efficiency.call_overhead_s > 0
+    assert prof.read_text().startswith(f"# fitted by simulate --calibrate {runs['sync']}")

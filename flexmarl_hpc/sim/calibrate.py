@@ -207,13 +207,14 @@ def fit(obs: Observations, base: HardwareProfile, shape: ModelShape, source: str
     link = base.inter_node_bandwidth_per_device * eff.link
     nbytes = shape.weight_bytes
     bucket = max(float(np.median(obs.sync_s)) - nbytes / link, 0.0) if len(obs.sync_s) else eff.bucket_latency_s
-    bucket /= max(math.ceil(nbytes / (1024 * 2**20)), 1)
-    peak = max(f_gen, f_train)
+    bucket = float(bucket / max(math.ceil(nbytes / (1024 * 2**20)), 1))
+    peak = float(max(f_gen, f_train))
+    f_gen, f_train = float(f_gen), float(f_train)
     fitted = dataclasses.replace(
         eff, mfu_prefill=f_gen / peak, mfu_decode=f_gen / peak, mfu_train=f_train / peak, hbm=1.0,
         call_overhead_s=float(call), decode_step_overhead_s=float(step), bucket_latency_s=float(bucket),
-        orchestrator_s=obs.orchestrator_busy_s / max(obs.replies, 1),
-        orchestrator_step_s=obs.orchestrator_log_s / max(obs.agent_steps, 1),
+        orchestrator_s=float(obs.orchestrator_busy_s / max(obs.replies, 1)),
+        orchestrator_step_s=float(obs.orchestrator_log_s / max(obs.agent_steps, 1)),
         message_latency_s=float(np.median(obs.gaps_s)) if len(obs.gaps_s) else eff.message_latency_s)
     hw = dataclasses.replace(base, name=f"{base.name}_fitted", peak_bf16_tflops=peak / 1e12,
                              hbm_gb_s=float(hbm), efficiency=fitted,

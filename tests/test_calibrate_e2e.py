@@ -1,0 +1,51 @@
+"""End-to-end fidelity check (issue 11 item 3): real MPI runs of bench_modes' referential
+workload in sync and in flex, the CPU profile calibrated on the sync run, both predicted by
+the simulator. Goal: step time within 20% of the measured one per mode, and the flex/sync
+ratio within 15%. The uncalibrated placeholder profile must miss (the check can fail).
+
+Each real run is repeated (interleaved sync, flex, sync, flex) and the measured step time is
+the median of the repetitions, as bench_modes reports it: one run on this shared 2-core
+machine is noise. Figures are printed (-s) for the README."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flexmarl_hpc.sim.driver import measure
+from flexmarl_hpc.sim.hardware import load_hardware
+from flexmarl_hpc.simulate import calibrate, predict_variants
+from tests.conftest import ROOT, run_training
+
+pytestmark = pytest.mark.realrun
+
+CONFIG = str(ROOT / "configs/local.yaml")
+STEPS = 16
+WORKLOAD = ["rollout.replicas=2", "rollout.max_batch=32", "workflow.task_args.num_objects=8",
+            "workflow.inputs_per_step=8", "run.eval_every=0"]
+"""bench/bench_modes.py's referential workload (its steps aside)."""
+REAL = [*WORKLOAD, f"run.steps={STEPS}", "run.log_every=1000", "run.checkpoint_every=0",
+        "run.checkpoint_minutes=0", "run.resume=false"]
+REPS = 2
+
+
+def test_the_calibrated_simulator_predicts_sync_and_flex_step_times(tmp_path, mpiexec):
+    runs: dict[str, list] = {"sync": [], "flex": []}
+    for rep in range(REPS):
+        for mode in ("sync", "flex"):
+            out = tmp_path / f"{mode}{rep}"
+            run_training(out, *REAL, f"run.mode={mode}", config=CONFIG, timeout=600)
+            runs[mode].append(out / "local.h5")
+    measured = {m: float(np.median([measure(p)["step_s"] for p in ps])) for m, ps in runs.items()}
+    hw = calibrate(str(runs["sync"][0]))
+    pred = {m: r["step_s"] for m, r in predict_variants(CONFIG, ["sync", "flex"], hw, STEPS,
+                                                        tmp_path / "sim", WORKLOAD).items()}
+    raw = {m: r["step_s"] for m, r in predict_variants(CONFIG, ["sync", "flex"], load_hardware("cpu_local"),
+                                                       STEPS, tmp_path / "raw", WORKLOAD).items()}
+    err = {m: pred[m] / measured[m] - 1 for m in measured}
+    ratio_err = (pred["sync"] / pred["flex"]) / (measured["sync"] / measured["flex"]) - 1
+    raw_err = {m: raw[m] / measured[m] - 1 for m in measured}
+    print(f"\nmeasured {measured}\npredicted {pred} errors {err} flex/sync ratio error {ratio_err:+.1%}"
+          f"\nuncalibrated {raw} errors {raw_err}")
+    assert max(abs(e) for e in raw_err.values()) > 0.2, "the placeholder profile should miss"
+    assert abs(err["sync"]) < 0.2 and abs(err["flex"]) < 0.2, err
+    assert abs(ratio_err) < 0.15, ratio_err
