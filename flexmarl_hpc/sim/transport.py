@@ -15,6 +15,13 @@ store's start, so the timeline lines up), and each trainer group member reports 
 real ranks do. With `charge_orchestrator`, the orchestrator's own real compute time
 between two receives is added to the clock: zero-cost workers then measure how much the
 single orchestrator rank can drive.
+
+Three modelled costs, all 0 unless a profile sets them (a calibrated CPU profile does, see
+sim/calibrate.py): `orchestrator_s` per reply handled and `orchestrator_step_s` per optimizer
+step (the orchestrator's own time, on the clock before it sends again); `latency_s`, one way,
+on every command and reply; `shared_cores`: when worker ranks outnumber cores, a generate or
+train runs (1 + the other ranks' overlapping compute, the orchestrator's included) / cores
+times longer, judged once when it is scheduled.
 """
 from __future__ import annotations
 
