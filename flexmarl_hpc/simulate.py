@@ -18,6 +18,11 @@ with the closed-form planner (sim/plan.py), simulates the best --top of distinct
 flex mode, prints both estimates, and prints (and with --write, writes) the best simulated
 plan's rollout.pools / trainer.named_groups with their slurm: components, ready to paste.
 
+--calibrate RUN.h5 fits --hardware (default cpu_local) to a real run's intervals
+(sim/calibrate.py), prints the fitted figures, simulates --compare on the fitted profile with
+the task's own response lengths, and with --measured H5... prints predicted vs measured
+step_s per variant and the flex/sync ratio error; --write-profile saves the fitted profile.
+
 --capacity runs flex with zero-cost workers and the orchestrator's real compute charged to
 the clock: samples/s is then what the single orchestrator rank can drive on this CPU.
 """
