@@ -18,12 +18,18 @@ with the closed-form planner (sim/plan.py), simulates the best --top of distinct
 flex mode, prints both estimates, and prints (and with --write, writes) the best simulated
 plan's rollout.pools / trainer.named_groups with their slurm: components, ready to paste.
 
+--calibrate RUN.h5 fits --hardware (default cpu_local) to a real run's intervals
+(sim/calibrate.py), prints the fitted figures, simulates --compare on the fitted profile with
+the task's own response lengths, and with --measured H5... prints predicted vs measured
+step_s per variant and the flex/sync ratio error; --write-profile saves the fitted profile.
+
 --capacity runs flex with zero-cost workers and the orchestrator's real compute charged to
 the clock: samples/s is then what the single orchestrator rank can drive on this CPU.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -75,6 +81,105 @@ def run_variants(config: str, variants: list[str], hardware: str, steps: int, ou
             if "step_s" in r:
                 r["speedup_vs_sync"] = results["sync"]["step_s"] / r["step_s"]
     return results
+
+
+def run_config(path: str | Path):
+    """The Config a run's HDF5 file was made with (its config_yaml attribute)."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        text = f.attrs["config_yaml"]
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as tmp:
+        tmp.write(text if isinstance(text, str) else text.decode())
+        tmp.flush()
+        return load_config(tmp.name)
+
+
+def calibrate(h5: str, base: str = "cpu_local") -> HardwareProfile:
+    """The `base` profile fitted to the real run `h5` (sim.calibrate; its own config gives the
+    model shape, max_batch and replicas)."""
+    from .build import build_task
+    from .sim.calibrate import fit, observe
+    if not Path(h5).is_file():
+        raise ValueError(f"--calibrate: no such file {h5}")
+    cfg = run_config(h5)
+    shape = cost_model(cfg, load_hardware(base), len(build_task(cfg).vocab), 4).layout(cfg.agent_names[0]).model
+    obs = observe(h5, max(cfg.rollout.max_batch, 1), cfg.rollout.replicas)
+    return fit(obs, load_hardware(base), shape, h5)
+
+
+def predict_variants(config: str, variants: list[str], hw: HardwareProfile, steps: int, out: Path,
+                     overrides: list[str] = ()) -> dict[str, dict]:
+    """Small CPU configs on a (fitted) profile: responses of the task's own lengths, models
+    priced with the task's vocabulary in fp32; step_s as bench_modes measures it."""
+    from .build import build_task
+    results = {}
+    for v in variants:
+        cfg = load_config(config, [*overrides, *VARIANTS[v], f"run.steps={steps}", "run.resume=false",
+                                   f"run.output_dir={out / v}", "run.checkpoint_every=0",
+                                   "run.checkpoint_minutes=0"])
+        cost = cost_model(cfg, hw, len(build_task(cfg).vocab), 4)
+        path, _ = simulate_run(cfg, cost, out / v, hw.name)
+        results[v] = measure(path)
+    return results
+
+
+def variant_of(cfg) -> str:
+    """Which --compare variant a real run's config is (for --measured)."""
+    if cfg.run.mode == "sync":
+        return "sync"
+    p = cfg.pipeline
+    return ("flex-nolb" if not p.load_balance else "flex-nopipe" if not p.micro_batch_overlap
+            else "flex-stale1" if p.max_staleness == 1 else "flex")
+
+
+def calibrate_main(a: argparse.Namespace, variants: list[str], out: Path) -> int:
+    """The --calibrate shell: fit, print the figures, predict the variants (and compare)."""
+    import numpy as np
+    from .sim.hardware import save_hardware
+    try:
+        hw = calibrate(a.calibrate, a.hardware)
+        pred = predict_variants(a.config, variants, hw, a.steps, out, a.overrides)
+        measured: dict[str, list[float]] = {}
+        for h5 in a.measured:
+            measured.setdefault(variant_of(run_config(h5)), []).append(measure(Path(h5))["step_s"])
+    except (ConfigError, HardwareError, ValueError, OSError) as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    e = hw.efficiency
+    print(f"fitted from {a.calibrate}: generate = {e.call_overhead_s * 1e3:.2f} ms/call + "
+          f"{e.decode_step_overhead_s * 1e3:.2f} ms/decode step + FLOPs at "
+          f"{hw.peak_flops * e.mfu_prefill / 1e9:.3g} GFLOP/s; train FLOPs at "
+          f"{hw.peak_flops * e.mfu_train / 1e9:.3g} GFLOP/s, optimizer at {hw.hbm_gb_s:.3g} GB/s; "
+          f"sync latency {e.bucket_latency_s * 1e3:.2f} ms; orchestrator {e.orchestrator_s * 1e3:.2f} ms/reply "
+          f"+ {e.orchestrator_step_s * 1e3:.2f} ms/agent step; message latency {e.message_latency_s * 1e3:.2f} ms")
+    if a.write_profile is not None:
+        save_hardware(hw, a.write_profile, f"fitted by simulate --calibrate {a.calibrate}\n"
+                      f"from the base profile {a.hardware}")
+    res = {}
+    for v, r in pred.items():
+        m = measured.get(v)
+        res[v] = {"predicted_step_s": r["step_s"]}
+        if m:
+            res[v].update(measured_step_s=float(np.median(m)), measured_runs=len(m),
+                          error=r["step_s"] / float(np.median(m)) - 1)
+    if "sync" in res and len(res) > 1:
+        for v, r in res.items():
+            r["predicted_vs_sync"] = res["sync"]["predicted_step_s"] / r["predicted_step_s"]
+            if "measured_step_s" in r and "measured_step_s" in res["sync"]:
+                r["measured_vs_sync"] = res["sync"]["measured_step_s"] / r["measured_step_s"]
+                r["ratio_error"] = r["predicted_vs_sync"] / r["measured_vs_sync"] - 1
+    if a.json:
+        print(json.dumps({"profile": dataclasses.asdict(hw), "variants": res}, indent=1))
+        return 0
+    print(f"{'variant':12s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s} "
+          f"{'pred vs sync':>12s} {'meas vs sync':>12s} {'error':>7s}")
+    for v, r in res.items():
+        meas = f"{r['measured_step_s']:10.3f} {r['error']:+7.1%}" if "measured_step_s" in r else f"{'-':>10s} {'-':>7s}"
+        ratio = (f"{r['predicted_vs_sync']:11.2f}x" if "predicted_vs_sync" in r else f"{'-':>12s}")
+        mr = (f"{r['measured_vs_sync']:11.2f}x {r['ratio_error']:+7.1%}" if "ratio_error" in r
+              else f"{'-':>12s} {'-':>7s}")
+        print(f"{v:12s} {r['predicted_step_s']:11.3f} {meas} {ratio} {mr}")
+    return 0
 
 
 def sim_t0(path: Path) -> float:
@@ -227,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    p.add_argument("--hardware", default="npu64_a3", help="configs/hardware/<name>.yaml or a path")
+    p.add_argument("--hardware", default=None,
+                   help="configs/hardware/<name>.yaml or a path (default npu64_a3; cpu_local with --calibrate)")
     p.add_argument("--steps", type=int, default=None, help="simulated steps (default 10; 4 with --plan)")
     p.add_argument("--compare", default="sync,flex", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -238,7 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=3, help="with --plan: closed-form plans to simulate")
     p.add_argument("--baseline", action="store_true", help="with --plan: also simulate the config's own allocation")
     p.add_argument("--write", type=Path, default=None, help="with --plan: write the best plan's YAML here")
+    p.add_argument("--calibrate", default=None, metavar="RUN.h5",
+                   help="fit --hardware (default cpu_local) to this real run, then predict the variants")
+    p.add_argument("--measured", nargs="*", default=[], metavar="H5",
+                   help="with --calibrate: real runs of the variants, to print predicted vs measured")
+    p.add_argument("--write-profile", type=Path, default=None, help="with --calibrate: write the fitted profile")
     a = p.parse_args(argv)
+    a.hardware = a.hardware or ("cpu_local" if a.calibrate else "npu64_a3")
     if a.steps is None:
         a.steps = 4 if a.plan else 10
     variants = [v.strip() for v in a.compare.split(",") if v.strip()]
@@ -253,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         out = a.out or Path(tmp)
         if a.plan:
             return plan_main(a, out)
+        if a.calibrate:
+            return calibrate_main(a, variants, out)
         try:
             if a.capacity:
                 res = capacity(a.config, a.steps, out / "capacity", a.overrides)

@@ -50,13 +50,15 @@ class Workload:
     """Seed of the modelled lengths (the simulation is deterministic given it)."""
 
 
-def cost_model(cfg: Config, hw: HardwareProfile, vocab: int = QWEN_VOCAB) -> CostModel:
-    """Each agent's model, replica width (its first pool) and trainer group (where it starts)."""
+def cost_model(cfg: Config, hw: HardwareProfile, vocab: int = QWEN_VOCAB, bytes_per_param: int = 2) -> CostModel:
+    """Each agent's model, replica width (its first pool) and trainer group (where it starts);
+    bytes_per_param 4 for the CPU runs' fp32 models."""
     pools, groups = rollout_pools(cfg), trainer_groups(cfg)
     agents = {}
     for a in cfg.agent_names:
         m = cfg.model_for(a)
-        shape = shape_from_model_args(types.SimpleNamespace(**{**to_dict(m), "vocab_size": vocab}), a, 2)
+        shape = shape_from_model_args(types.SimpleNamespace(**{**to_dict(m), "vocab_size": vocab}), a,
+                                      bytes_per_param)
         pool = next(p for p in pools if a in p.agents)
         group = next((g for g in groups if a in g.agents), groups[0])
         agents[a] = AgentLayout(shape, gpus_per_replica=pool.gpus_per_replica, trainer_devices=group.ranks,
@@ -135,8 +137,13 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                       chunk=cfg.store.chunk_rows)
     if work is not None:
         cost = ModelledCost(cost, work)
+    eff = getattr(getattr(cost, "hw", None), "efficiency", None)   # a CostModel's profile
     sim = SimTransport(layout, cost, SyntheticWorkers(task), t0=store.t0,
-                       charge_orchestrator=charge_orchestrator)
+                       charge_orchestrator=charge_orchestrator,
+                       orchestrator_s=eff.orchestrator_s if eff else 0.0,
+                       orchestrator_step_s=eff.orchestrator_step_s if eff else 0.0,
+                       latency_s=eff.message_latency_s if eff else 0.0,
+                       shared_cores=eff.shared_cores if eff else 0)
     try:
         with sim_clock(sim):
             code = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None).run()

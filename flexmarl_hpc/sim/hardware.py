@@ -51,6 +51,19 @@ class Efficiency:
     """Fixed cost of one generate or train call, seconds."""
     gpu_memory_utilization: float = 0.9
     """Fraction of device memory a replica may use for weights plus KV cache (vLLM's knob)."""
+    orchestrator_s: float = 0.0
+    """The orchestrator's own seconds per reply it handles (schedule, store, log): 0 models
+    an orchestrator that costs nothing; `simulate --calibrate` fits it on CPU runs."""
+    orchestrator_step_s: float = 0.0
+    """The orchestrator's own seconds per agent optimizer step it receives (its step-end
+    metrics, log and commit): 0 by default; fitted on CPU runs."""
+    message_latency_s: float = 0.0
+    """One-way latency of a command or reply between the orchestrator and a worker (MPI
+    send, the worker's receive loop), seconds; fitted on CPU runs."""
+    shared_cores: int = 0
+    """Cores the worker ranks share (0: each rank has its device to itself). With N > 0, a
+    command starting while k worker ranks are busy runs max(1, k / N) times longer: ranks
+    outnumbering cores, as on the 2-core machine of the calibration runs."""
 
 
 _FRACTIONS = ("mfu_prefill", "mfu_decode", "mfu_train", "hbm", "link", "gpu_memory_utilization")

@@ -15,6 +15,13 @@ store's start, so the timeline lines up), and each trainer group member reports 
 real ranks do. With `charge_orchestrator`, the orchestrator's own real compute time
 between two receives is added to the clock: zero-cost workers then measure how much the
 single orchestrator rank can drive.
+
+Three modelled costs, all 0 unless a profile sets them (a calibrated CPU profile does, see
+sim/calibrate.py): `orchestrator_s` per reply handled and `orchestrator_step_s` per optimizer
+step (the orchestrator's own time, on the clock before it sends again); `latency_s`, one way,
+on every command and reply; `shared_cores`: when worker ranks outnumber cores, a generate or
+train runs (1 + the other ranks' overlapping compute, the orchestrator's included) / cores
+times longer, judged once when it is scheduled.
 """
 from __future__ import annotations
 
@@ -132,7 +139,9 @@ class SimTransport:
     like time.time(), starting at `t0`)."""
 
     def __init__(self, layout: RankLayout, cost: CostModel, workers, t0: float | None = None,
-                 charge_orchestrator: bool = False) -> None:
+                 charge_orchestrator: bool = False, orchestrator_s: float = 0.0,
+                 orchestrator_step_s: float = 0.0, latency_s: float = 0.0,
+                 shared_cores: int = 0) -> None:
         self.layout, self.cost, self.workers = layout, cost, workers
         self.now = time.time() if t0 is None else t0
         self.free_at: dict[int, float] = {}          # worker rank -> end of its last command
@@ -142,12 +151,17 @@ class SimTransport:
         self.charge = charge_orchestrator
         self._real = time.perf_counter()
         self.sent = 0                                # commands handled (for throughput figures)
+        self.orchestrator_s = orchestrator_s         # modelled seconds per reply handled
+        self.orchestrator_step_s = orchestrator_step_s   # ... and per optimizer step (Stepped)
+        self.latency_s = latency_s                   # one-way, each command and reply
+        self.shared_cores = shared_cores             # > 0: worker ranks share that many cores
+        self.computing: dict[int, tuple[float, float]] = {}   # rank -> its last generate/train
 
     # -- Transport ------------------------------------------------------------------------
     def send(self, rank: int, msg: M.Command) -> None:
         self._tick()
         self.sent += 1
-        start = max(self.now, self.free_at.get(rank, self.now))
+        start = max(self.now + self.latency_s, self.free_at.get(rank, self.now))
         if start == float("inf"):
             raise RuntimeError(f"simulation: rank {rank} got {msg.kind!r} while it waits in a collective")
         role, index = self.layout.role_of(rank)
@@ -198,6 +212,7 @@ class SimTransport:
             raise RuntimeError("simulation: the orchestrator waits for a reply but no command is in flight")
         t, _, src, reply = heapq.heappop(self.events)
         self.now = max(self.now, t)
+        self.now += self._handling(reply)
         self._real = time.perf_counter()
         return src, reply
 
@@ -205,6 +220,7 @@ class SimTransport:
         self._tick()
         if self.events and self.events[0][0] <= self.now:
             _, _, src, reply = heapq.heappop(self.events)
+            self.now += self._handling(reply)
             return src, reply
         return None
 
@@ -212,6 +228,15 @@ class SimTransport:
         raise SystemExit(code)
 
     # -- the simulated workers ---------------------------------------------------------------
+    def _handling(self, reply: M.Reply) -> float:
+        """Modelled orchestrator seconds to handle `reply` (from now on: on shared cores its
+        work competes with the workers' compute, as rank 0's)."""
+        dt = self.orchestrator_s + (self.orchestrator_step_s if isinstance(reply, M.Stepped) else 0.0)
+        if self.shared_cores and dt > 0:
+            s, e = self.computing.get(0, (0.0, 0.0))
+            self.computing[0] = (s, self.now + dt) if e >= self.now else (self.now, self.now + dt)
+        return dt
+
     def _tick(self) -> None:
         """Charge the orchestrator's real compute since the last call to the clock."""
         if self.charge:
@@ -221,6 +246,14 @@ class SimTransport:
 
     def _run(self, rank: int, start: float, dt: float, activity: str, agent: str, reply: M.Reply) -> None:
         """`rank` (a replica or a group leader) runs one command from `start` for `dt`."""
+        if self.shared_cores and activity in ("generate", "train"):
+            # ranks outnumbering cores: stretched by the other ranks' compute known to overlap
+            # it (time-averaged; one pass: a command already scheduled is not re-timed)
+            end = start + dt
+            others = sum(max(0.0, min(e, end) - max(s, start)) for r, (s, e) in self.computing.items()
+                         if r != rank) / dt if dt > 0 else 0.0
+            dt *= max(1.0, (1 + others) / self.shared_cores)
+            self.computing[rank] = (start, start + dt)
         end = start + dt
         self.free_at[rank] = end
         self._reply(end, rank, _with(reply, activity, agent, start, end))
@@ -244,7 +277,7 @@ class SimTransport:
 
     def _reply(self, t: float, src: int, reply: M.Reply) -> None:
         self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, src, reply))
+        heapq.heappush(self.events, (t + self.latency_s, self.seq, src, reply))
 
 
 def _with(reply: M.Reply, activity: str, agent: str, t0: float, t1: float) -> M.Reply:
