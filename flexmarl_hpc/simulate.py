@@ -346,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", type=Path, default=None, help="with --plan: write the best plan's YAML here")
     p.add_argument("--scale", default=None, help="accelerator counts, e.g. 1,2,4,...,3072: per count the "
                    "planner's allocation per variant, simulated (default 4 steps)")
-    p.add_argument("--png", type=Path, default=None, help="with --scale: write the step time / utilization curve here")
+    p.add_argument("--png", type=Path, default=None,
+                   help="with --scale: write the step time / utilization curve here")
     a = p.parse_args(argv)
     if a.steps is None:
         a.steps = 4 if a.plan or a.scale is not None else 10
