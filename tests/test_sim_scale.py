@@ -47,7 +47,7 @@ def test_each_count_gets_its_nodes_and_the_planners_best_split_per_mode():
     # 1 device: a 32B model fits no replica there; 8 devices: part of one node, and a pool and
     # a group need whole nodes; 16: one node of the 3 needed (pool node + 2-node 32B group)
     assert "fits no replica" in pts[1].reason and pts[1].hw.devices_per_node == 1
-    assert "are one node" in pts[8].reason and pts[8].nodes == 1
+    assert "make one node" in pts[8].reason and "nodes of 8 devices" in pts[8].reason and pts[8].nodes == 1
     assert "needs >= 3 nodes = 48 accelerators" in pts[16].reason and not pts[16].plans
     # 40 devices take 3 whole nodes (48 devices), 3072 take 192
     assert (pts[40].nodes, pts[40].devices_used) == (3, 48) and pts[40].fits

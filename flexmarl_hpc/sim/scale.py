@@ -95,8 +95,8 @@ def scale_points(sizes: list[int], hw: HardwareProfile, classes: list[ConfigClas
         why = "per agent class a pool node and its smallest trainer group, each of whole nodes"
         if n < hw.devices_per_node:
             out.append(ScalePoint(n, nodes, node_hw, reason=(
-                f"does not fit: {n} of a node's {hw.devices_per_node} devices are one node, and the "
-                f"planner needs >= {need} ({why})")))
+                f"does not fit: {n} of a node's {hw.devices_per_node} devices make one node, and the "
+                f"planner needs >= {need} nodes of {n} devices ({why})")))
             continue
         if nodes < need:
             out.append(ScalePoint(n, nodes, node_hw, reason=(
