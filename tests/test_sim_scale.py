@@ -62,6 +62,14 @@ def test_each_count_gets_its_nodes_and_the_planners_best_split_per_mode():
     assert pts[3072].plans["flex"].step_s["flex"] <= pts[64].plans["flex"].step_s["flex"]
     only_flex = scale_points([64], hw, classes, work, cfg, modes=("flex",))[0]
     assert set(only_flex.plans) == {"flex"}
+    # where the modes' best splits differ (3 x 32B + 7 x 14B on 8 nodes), each mode gets its own
+    mixed = load_config(ROOT / "configs/paper_3x32b_7x14b.yaml")
+    mixed_classes = config_classes(mixed)
+    pt = scale_points([128], hw, mixed_classes, plan_workload(mixed), mixed)[0]
+    for mode in ("sync", "flex"):
+        best = rank_plans(hw, [c.cls for c in mixed_classes], plan_workload(mixed), 8, mode, top=1)[0]
+        assert pt.plans[mode].allocs == best.allocs
+    assert pt.plans["sync"].allocs != pt.plans["flex"].allocs
 
 
 def test_cli_sweeps_sizes_writes_json_and_a_png(tmp_path, capsys):
