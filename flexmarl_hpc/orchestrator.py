@@ -158,8 +158,9 @@ class Orchestrator:
         backlog = {a: sum(self.exp.est_tokens(n) for n in self.exp.pending[a]) for a in self.agents}
         if self.evals is not None:                # an agent with only eval work gets a replica too
             backlog = {a: b + self.evals.pending_tokens(a) for a, b in backlog.items()}
+        free = self.syncable()                    # once per round, not per replica (1000s at scale)
         new = self.level1.rebind(backlog, self.binding, [r.busy is None for r in self.replicas],
-                                 [self.servable(r) for r in self.replicas])
+                                 [self.servable(r, free) for r in self.replicas])
         if new is not None:
             self.binding = new
         self.push_weights()
@@ -169,11 +170,17 @@ class Orchestrator:
             if self.evals is not None:
                 self.dispatch_eval(a)
 
-    def servable(self, r) -> set[str]:
+    def syncable(self) -> set[str]:
+        """Agents push_weights may sync this round: not syncing, not in flight, group idle."""
+        return {a for a, st in self.state.items()
+                if not (st.syncing or st.inflight or self.group_busy(st.location.group))}
+
+    def servable(self, r, free: set[str] | None = None) -> set[str]:
         """Agents replica `r` could generate for now: it holds their current weights, or
-        push_weights may sync them to it this round (time-sharing rebinds only to these)."""
-        return {a for a, st in self.state.items() if r.held.get(a) == st.version or not (
-            st.syncing or st.inflight or self.group_busy(st.location.group))}
+        push_weights may sync them to it this round (time-sharing rebinds only to these);
+        `free`: this round's syncable(), computed once by the caller."""
+        free = self.syncable() if free is None else free
+        return {a for a, st in self.state.items() if a in free or r.held.get(a) == st.version}
 
     def all_synced(self) -> bool:
         return all(r.busy is None and r.held.get(a) == self.state[a].version

@@ -23,6 +23,12 @@ plan's rollout.pools / trainer.named_groups with their slurm: components, ready 
 the task's own response lengths, and with --measured H5... prints predicted vs measured
 step_s per variant and the flex/sync ratio error; --write-profile saves the fitted profile.
 
+--scale 1,2,4,...,3072 [--png PATH] asks the same closed-form planner, per accelerator count
+(whole nodes of the profile; below one node, one node with only that many devices) and per
+variant mode, for the best split, simulates it for each variant (default 4 steps), prints
+step_s and utilization per count and variant (sizes that cannot hold the models: "does not
+fit") and draws both against the count (sim/scale.py).
+
 --capacity runs flex with zero-cost workers and the orchestrator's real compute charged to
 the clock: samples/s is then what the single orchestrator rank can drive on this CPU.
 """
@@ -47,6 +53,7 @@ from .sim.plan import rank_plans
 from .sim.plan_config import (config_classes, describe_alloc, describe_classes, distinct, fragment,
                               fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
                               plan_workload)
+from .sim.scale import parse_sizes, plot_scale, scale_points
 from .sim.transport import ConstantCost
 
 VARIANTS = {
@@ -59,9 +66,9 @@ VARIANTS = {
 """Variant -> config overrides (as bench/bench_modes.py expresses the ablations)."""
 
 
-def run_variants(config: str, variants: list[str], hardware: str, steps: int, out: Path,
+def run_variants(config: str, variants: list[str], hardware: str | HardwareProfile, steps: int, out: Path,
                  overrides: list[str] = ()) -> dict[str, dict]:
-    hw = load_hardware(hardware)
+    hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
     results = {}
     for v in variants:
         cfg = load_config(config, [*overrides, *VARIANTS[v], f"run.steps={steps}", "run.resume=false",
@@ -235,6 +242,105 @@ def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path
     return rows, {"sim": current, "nodes": sum(c.slurm.nodes for c in components(cfg)[1:])}
 
 
+def variant_mode(variant: str) -> str:
+    """The run.mode a variant sets (the planner's mode for its allocation)."""
+    return next(o.split("=", 1)[1] for o in VARIANTS[variant] if o.startswith("run.mode="))
+
+
+def scale(config: str, sizes: list[int], variants: list[str], hardware: str, steps: int, out: Path,
+          overrides: list[str] = (), progress=lambda line: None) -> list[dict]:
+    """Per accelerator count (sim.scale.scale_points): the closed-form planner's best split for
+    each variant's mode, pasted into a copy of the config (as --plan does) and simulated;
+    a row per count with its nodes, allocation and per-variant result, or why it does not fit."""
+    cfg = load_config(config, overrides)
+    try:
+        hw = load_hardware(hardware)
+    except HardwareError as e:
+        raise ValueError(f"--hardware: {e}") from None
+    classes, data = config_classes(cfg), _raw_config(config, overrides)
+    modes = tuple(dict.fromkeys(variant_mode(v) for v in variants))
+    rows = []
+    for pt in scale_points(sizes, hw, classes, plan_workload(cfg), cfg, modes):
+        row = {"devices": pt.devices, "nodes": pt.nodes, "devices_used": pt.devices_used,
+               "hardware": pt.hw.name, "reason": pt.reason}
+        rows.append(row)
+        if not pt.fits:
+            progress(f"{pt.devices} accelerators: {pt.reason}")
+            continue
+        row["allocation"] = {m: describe_alloc(p, pt.hw) for m, p in pt.plans.items()}
+        row["closed_form_step_s"] = {m: p.step_s[m] for m, p in pt.plans.items()}
+        res = {}
+        for m in modes:
+            path = out / str(pt.devices) / m / "config.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            frag = fragment(pt.plans[m], pt.hw, classes, cfg)
+            write_atomic(path, yaml.safe_dump(merge_fragment(data, frag), sort_keys=False))
+            mine = [v for v in variants if variant_mode(v) == m]
+            res.update(run_variants(str(path), mine, pt.hw, steps, path.parent))
+        row["variants"] = {v: res[v] for v in variants}
+        sync = res.get("sync", {}).get("step_s")
+        for r in row["variants"].values():
+            if sync and "step_s" in r:
+                r["speedup_vs_sync"] = sync / r["step_s"]
+        progress(f"{pt.devices} accelerators ({pt.nodes} nodes): " + ", ".join(
+            f"{v} {r['step_s']:.1f} s" if "step_s" in r else f"{v} failed" for v, r in row["variants"].items())
+            + f" (wall {sum(r['wall_s'] for r in res.values()):.1f} s)")
+    return rows
+
+
+def scale_table(rows: list[dict], variants: list[str]) -> str:
+    """Accelerators, nodes, then per variant step_s and utilization (or why it does not fit)."""
+    lines = [f"{'accel':>6s} {'nodes':>5s} " + " ".join(f"{v:>19s}" for v in variants),
+             f"{'':12s}" + " ".join(f"{'step_s   util':>19s}" for _ in variants)]
+    for r in rows:
+        head = f"{r['devices_used']:6d} {r['nodes']:5d} "
+        if r["reason"]:
+            lines.append(f"{r['devices']:6d} {r['nodes']:5d} {r['reason']}")
+            continue
+        cells = []
+        for v in variants:
+            x = r["variants"][v]
+            cells.append(f"{x['step_s']:11.1f} {x['util']:6.1%}" if "step_s" in x else f"{'failed':>18s}")
+        lines.append(head + " ".join(f"{c:>19s}" for c in cells))
+    return "\n".join(lines)
+
+
+def scale_main(a: argparse.Namespace, variants: list[str], out: Path) -> int:
+    """The --scale shell: checks the flags, runs scale(), prints, writes --png."""
+    try:
+        sizes = parse_sizes(a.scale)
+    except ValueError as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    if a.png is not None and (a.png.suffix.lower() != ".png" or not a.png.parent.is_dir()):
+        print(f"simulate: --png: expected a .png path in an existing folder, got {a.png}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter()
+    try:
+        rows = scale(a.config, sizes, variants, a.hardware, a.steps, out, a.overrides,
+                     progress=lambda line: print(f"scale: {line}", file=sys.stderr, flush=True))
+    except (ConfigError, HardwareError, ValueError) as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter() - wall
+    fitting = [r for r in rows if not r["reason"]]
+    if a.png is not None and fitting:
+        plot_scale(rows, variants, a.png, f"{Path(a.config).name} on {a.hardware}: simulated, "
+                                           f"{a.steps} steps, closed-form planner's allocation per size")
+    if a.json:
+        print(json.dumps({"config": a.config, "hardware": a.hardware, "steps": a.steps, "wall_s": wall,
+                          "sizes": rows}, indent=1))
+    else:
+        print(f"{a.config} on {a.hardware}, {a.steps} steps (simulated) per accelerator count; wall {wall:.1f} s")
+        print(scale_table(rows, variants))
+        if a.png is not None and fitting:
+            print(f"wrote {a.png}")
+    if not fitting:
+        print("simulate: --scale: no accelerator count fits the config's models", file=sys.stderr)
+        return 1
+    return 1 if any("error" in x for r in fitting for x in r["variants"].values()) else 0
+
+
 def _raw_config(config: str, overrides: list[str]) -> dict:
     """The config file's own mapping with the overrides applied (already validated)."""
     data = yaml.safe_load(Path(config).read_text()) or {}
@@ -349,10 +455,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measured", nargs="*", default=[], metavar="H5",
                    help="with --calibrate: real runs of the variants, to print predicted vs measured")
     p.add_argument("--write-profile", type=Path, default=None, help="with --calibrate: write the fitted profile")
+    p.add_argument("--scale", default=None, help="accelerator counts, e.g. 1,2,4,...,3072: per count the "
+                   "planner's allocation per variant, simulated (default 4 steps)")
+    p.add_argument("--png", type=Path, default=None,
+                   help="with --scale: write the step time / utilization curve here")
     a = p.parse_args(argv)
     a.hardware = a.hardware or ("cpu_local" if a.calibrate else "npu64_a3")
     if a.steps is None:
-        a.steps = 4 if a.plan else 10
+        a.steps = 4 if a.plan or a.scale is not None else 10
     variants = [v.strip() for v in a.compare.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or not variants:
@@ -361,8 +471,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps < 3:
         print(f"--steps: expected >= 3 (the first 2 steps are start-up), got {a.steps}", file=sys.stderr)
         return 2
+    if a.png is not None and a.scale is None:
+        print("simulate: --png: only with --scale", file=sys.stderr)
+        return 2
+    if a.scale is not None and (a.plan or a.capacity):
+        print("simulate: --scale: not with --plan or --capacity", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         out = a.out or Path(tmp)
+        if a.scale is not None:
+            return scale_main(a, variants, out)
         if a.plan:
             return plan_main(a, out)
         if a.calibrate:
