@@ -63,7 +63,9 @@ def test_the_calibrated_simulator_predicts_sync_and_flex_step_times(tmp_path, mp
           f"\nuncalibrated {raw} errors {raw_err}")
     met = abs(err["sync"]) < GOAL_STEP and abs(err["flex"]) < GOAL_STEP and abs(ratio_err) < GOAL_RATIO
     print(f"goal (step within {GOAL_STEP:.0%}, ratio within {GOAL_RATIO:.0%}): {'met' if met else 'NOT met'}")
-    assert min(abs(e) for e in raw_err.values()) > 0.5, "the placeholder profile should miss by far"
+    # the calibration is what meets the goal: uncalibrated, the placeholder misses it (by
+    # 71-80% on a loaded machine, 45-47% on CI's quiet one, where every step is faster)
+    assert min(abs(e) for e in raw_err.values()) > GOAL_STEP, "the placeholder profile should miss the goal"
     assert abs(err["sync"]) < GOAL_STEP, err
     assert abs(err["flex"]) < NOISE_FLEX, err
     assert abs(ratio_err) < NOISE_RATIO, ratio_err
