@@ -104,20 +104,26 @@ def publish(folder: Path, version: int, tmp: Path, keep: int = 3) -> Path:
     return path
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """tmp -> fsync -> rename -> fsync(dir); on failure no `.tmp` is left and `path` is as before."""
+def replace_file(path: Path, data: bytes) -> None:
+    """Any file written whole: tmp -> fsync -> rename -> fsync(dir). `path` is the old file or
+    the whole new one, never half of one; on failure no `.tmp` is left."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with writing(path):
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """replace_file for a checkpoint's files: a full disk is one CheckpointError line."""
+    with writing(path):
+        replace_file(path, data)
 
 
 def prune(folder: Path, keep: int) -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import yaml
 
+from .checkpoint import replace_file
 from .config import ConfigError, apply_override, load_config
 from .resources import components
 from .sim.driver import Workload, cost_model, measure, rank_devices, simulate_run
@@ -374,17 +374,8 @@ def plan_table(rows: list[dict], hw: HardwareProfile, current: dict | None = Non
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """tmp + fsync + rename: `path` is the old file or the whole new one, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """`path` is the old file or the whole new one, never half."""
+    replace_file(path, text.encode())
 
 
 def plan_main(a: argparse.Namespace, out: Path) -> int:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,14 +216,6 @@ def save_hardware(hw: HardwareProfile, path: str | Path, header: str = "") -> Pa
     p = Path(path)
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     body = yaml.safe_dump(dataclasses.asdict(hw), sort_keys=False)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines + [body]))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from flexmarl_hpc.checkpoint import replace_file
+    replace_file(p, "\n".join(lines + [body]).encode())
     return p

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from ..config import Config
 from .hardware import HardwareProfile
 from .plan import Plan, Workload, rank_plans
 from .plan_config import ConfigClass, min_nodes
+from ..checkpoint import replace_file
 
 MODES = ("sync", "flex")
 
@@ -145,14 +146,9 @@ def plot_scale(rows: list[dict], variants: list[str], path: Path, title: str) ->
                   fontsize=8, va="top")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        fig.savefig(png, format="png")
     finally:
         plt.close(fig)
+    replace_file(path, png.getvalue())
