@@ -3,20 +3,27 @@
 Pure core: `observe(h5)` reads a run's file into `Observations` (each generate interval with
 its batch's prompt and response lengths, each train interval with its micro-batch's tokens
 and whether it ran the optimizer, sync durations, the orchestrator's busy seconds per reply);
-`fit(obs, base, shape)` returns `base` with the fitted fields replaced. The fit uses the cost
-model's own small-model form (sim/costs.py with bytes_per_param=4), which is linear in these
-unknowns once compute dominates memory (a model of ~1e5 parameters reads its weights in
-microseconds, while its calls take milliseconds):
+`fit(obs, base, shape)` returns `base` with the fitted fields replaced. The fit prices each
+observed interval with the cost model's own functions (sim/costs.py, one device per replica,
+bytes_per_param=4), so a fitted profile reproduces the intervals it was fitted on:
 
-  generate = call + decode_steps x step_overhead + 2P x (prompt + response tokens) / F_gen
-  train    = call + 6P x tokens / F_train + [optimizer step] x 30 bytes x P / hbm
+  generate = call + decode_steps x step_overhead + prefill(F_gen, B)
+             + sum over decode steps of max(KV and weight bytes read / B, 2P x batch / F_gen)
+  train    = call + 6P x tokens / F_train + [optimizer step] x (30 bytes x P / B + opt_overhead)
   sync     = bytes / link + buckets x bucket_latency
   orchestrator, per reply it handles: orchestrator_s (its schedule/handle/store/log time)
 
-F_gen becomes peak_bf16_tflops with mfu_prefill = mfu_decode = 1, F_train = peak x mfu_train.
-Each group is fitted by non-negative least squares; a term the run cannot separate (e.g. one
-micro-batch size: per-call and per-token train costs are collinear) falls back to the base
-profile's value for the other term. The result's `name` says it was fitted, from which file.
+For each memory bandwidth B of a grid and each generate rate F_gen (a golden-section search
+in log F), call and step_overhead are a non-negative least-squares fit; the (B, F_gen) of
+least squared error wins. On a small model the memory term is mostly below the compute term
+(reads hit the cache), B is then not identified: the largest B of equal error is kept, so
+the fitted profile never prices a memory term the run did not show (the bug of a B taken
+from the optimizer: the KV reads of a decode step at Adam's "bandwidth" doubled a step).
+F_gen becomes peak_bf16_tflops with mfu_prefill = mfu_decode = 1, F_train = peak x mfu_train;
+the optimizer's time beyond its memory-bound update at B is `optimizer_overhead_s` (torch's
+per-tensor dispatch on CPU). A term the run cannot separate (e.g. one micro-batch size: per-call
+and per-token train costs are collinear) falls back to the base profile's value for the
+other term. The result's `name` says it was fitted, from which file.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .costs import ADAM_BYTES_PER_PARAM, ModelShape, decode_schedule
+from .costs import ADAM_BYTES_PER_PARAM, ModelShape, decode_schedule, decode_step_s, prefill_s
 from .hardware import HardwareProfile, validate_hardware
 
 BUSY = (b"generate", b"train", b"sync", b"checkpoint", b"swap")
@@ -40,10 +47,10 @@ class Observations:
     """What one real run measured, as the fit needs it (all seconds)."""
     gen_s: np.ndarray
     """Duration of each generate interval matched to its samples."""
-    gen_steps: np.ndarray
-    """Decode steps of each (continuous batching on `max_batch` slots)."""
-    gen_tokens: np.ndarray
-    """Prompt + response tokens of each (what its FLOPs are counted over)."""
+    gen_batches: list[tuple[int, float, np.ndarray]]
+    """Per generate interval: its prompt tokens in all, the mean prompt, the response lengths."""
+    slots: int
+    """Sequences a replica decodes at once (rollout.max_batch)."""
     train_s: np.ndarray
     """Duration of each train interval (one micro-batch)."""
     train_tokens: np.ndarray
@@ -76,14 +83,14 @@ def observe(path: str | Path, max_batch: int, replicas: int, allow_simulated: bo
         iv = f["intervals"][:]
         samples = {a: f["samples"][a][:] for a in f["samples"]}
         steps = {a: f["steps"][a][:] for a in f["steps"]}
-    gen_s, gen_steps, gen_tokens = _generate_obs(iv, samples, max_batch, replicas)
+    gen_s, gen_batches = _generate_obs(iv, samples, max_batch, replicas)
     train_s, train_tokens, train_last = _train_obs(iv, samples, steps)
     sync = iv[iv["activity"] == b"sync"]
     orch = (iv["rank"] == 0) & (iv["activity"] != b"wait")
     log = orch & (iv["activity"] == b"log")
     workers = (iv["rank"] > 0) & np.isin(iv["activity"], BUSY)
     dur = iv["t1"] - iv["t0"]
-    return Observations(gen_s, gen_steps, gen_tokens, train_s, train_tokens, train_last,
+    return Observations(gen_s, gen_batches, max_batch, train_s, train_tokens, train_last,
                         sync["t1"] - sync["t0"], float(dur[orch & ~log].sum()), int(workers.sum()),
                         float(dur[log].sum()), int(train_last.sum()), message_gaps(iv))
 
@@ -121,13 +128,11 @@ def _generate_obs(iv, samples, max_batch, replicas):
                 if i < 0:
                     continue
                 batch = mine[mine["t_generated"] == t]
-                lens = batch["response_len"].astype(np.int64)
-                active, _ = decode_schedule(lens[lens > 0], float(batch["prompt_len"].mean()), max_batch)
-                out.append((durs[i], len(active), int(batch["prompt_len"].sum() + lens.sum())))
+                out.append((float(durs[i]), (int(batch["prompt_len"].sum()), float(batch["prompt_len"].mean()),
+                                             batch["response_len"].astype(np.int64))))
     if not out:
         raise ValueError("calibration: no generate interval could be matched to its samples")
-    a = np.asarray(out, dtype=np.float64)
-    return a[:, 0], a[:, 1], a[:, 2]
+    return np.array([d for d, _ in out]), [b for _, b in out]
 
 
 def _train_obs(iv, samples, steps):
@@ -189,20 +194,81 @@ def fit_columns(cols: list[np.ndarray], y: np.ndarray, prior: list[float]) -> np
     return x
 
 
+B_GRID = np.geomspace(1e6, 1e14, 33)
+"""Memory bandwidths (bytes/s) the generate fit starts from: 1 MB/s to 100 TB/s (where no
+term of a small model's decode is left), then refined around the best."""
+F_RANGE = (1e6, 1e14)
+"""Generate FLOP rates (FLOP/s) the golden-section search spans."""
+
+
+def golden(fn, lo: float, hi: float, iters: int) -> float:
+    """argmin of `fn` over [lo, hi] (golden-section search; unimodal in practice here)."""
+    g = (np.sqrt(5) - 1) / 2
+    for _ in range(iters):
+        m1, m2 = hi - g * (hi - lo), lo + g * (hi - lo)
+        if fn(m1) <= fn(m2):
+            hi = m2
+        else:
+            lo = m1
+    return (lo + hi) / 2
+
+
+def fit_generate(obs: Observations, base: HardwareProfile, shape: ModelShape) -> tuple[float, float, float, float]:
+    """(call_s, step_overhead_s, F_gen, B) of least squared error on the generate intervals,
+    each priced by sim.costs.prefill_s and decode_step_s on one device."""
+    n, eff = len(obs.gen_s), base.efficiency
+    idx, active, held = [], [], []
+    for i, (_, prompt, lens) in enumerate(obs.gen_batches):
+        lens = lens[lens > 0]
+        if len(lens):
+            a, h = decode_schedule(lens, prompt, obs.slots)
+            idx.append(np.full(len(a), i))
+            active.append(a)
+            held.append(h)
+    idx = np.concatenate(idx) if idx else np.zeros(0, np.int64)
+    active = np.concatenate(active) if active else np.zeros(0)
+    held = np.concatenate(held) if held else np.zeros(0)
+    prefill = np.array([b[0] for b in obs.gen_batches], dtype=np.float64)
+    steps = np.bincount(idx, minlength=n).astype(np.float64)
+    bare = dataclasses.replace(eff, mfu_prefill=1.0, mfu_decode=1.0, hbm=1.0, call_overhead_s=0.0,
+                               decode_step_overhead_s=0.0)
+
+    def solve(log_f: float, log_b: float) -> tuple[float, np.ndarray]:
+        hw = dataclasses.replace(base, peak_bf16_tflops=np.exp(log_f) / 1e12, hbm_gb_s=np.exp(log_b) / 1e9,
+                                 efficiency=bare)
+        rest = obs.gen_s - np.bincount(idx, weights=decode_step_s(hw, shape, active, held), minlength=n) \
+            - prefill_s(hw, shape, prefill)
+        x = fit_columns([np.ones(n), steps], rest, [eff.call_overhead_s, eff.decode_step_overhead_s])
+        r = rest - x[0] - x[1] * steps
+        return float(r @ r), x
+
+    def best_f(log_b: float) -> float:
+        return golden(lambda lf: solve(lf, log_b)[0], *np.log(F_RANGE), 45)
+
+    def sse(log_b: float) -> float:
+        return solve(best_f(log_b), log_b)[0]
+
+    grid = np.log(B_GRID)
+    errors = [sse(lb) for lb in grid]
+    # of equal errors the largest B wins: a memory term the run did not show is not priced
+    i = max(range(len(grid)), key=lambda k: (-round(errors[k] / max(min(errors), 1e-300), 6), k))
+    log_b = grid[i] if i == len(grid) - 1 else golden(sse, grid[max(i - 1, 0)], grid[i + 1], 30)
+    log_f = best_f(log_b)
+    x = solve(log_f, log_b)[1]
+    return float(x[0]), float(x[1]), float(np.exp(log_f)), float(np.exp(log_b))
+
+
 def fit(obs: Observations, base: HardwareProfile, shape: ModelShape, source: str) -> HardwareProfile:
-    """`base` with peak, mfu_train, hbm_gb_s, call/decode-step/bucket latencies and
-    orchestrator_s fitted to `obs` for a model of `shape` (one device per replica and trainer)."""
+    """`base` with peak, mfu_train, memory bandwidth, the optimizer's overhead, call/decode-step/
+    bucket latencies and the orchestrator's costs fitted to `obs` for a model of `shape`
+    (one device per replica and trainer)."""
     p, eff = shape.params, base.efficiency
-    # generate: [call, decode step, 2P x tokens] -> call_s, step_s, 1 / F_gen
-    g = fit_columns([np.ones_like(obs.gen_s), obs.gen_steps, 2 * p * obs.gen_tokens], obs.gen_s,
-                    [eff.call_overhead_s, eff.decode_step_overhead_s, 1 / (base.peak_flops * eff.mfu_prefill)])
-    call, step = g[0], g[1]
-    f_gen = 1.0 / g[2] if g[2] > 0 else base.peak_flops * eff.mfu_prefill
-    # train, the call cost known: [6P x tokens, optimizer step] -> 1 / F_train, Adam seconds
+    call, step, f_gen, bandwidth = fit_generate(obs, base, shape)
+    # train, the call cost known: [6P x tokens, optimizer step] -> 1 / F_train, optimizer seconds
+    adam = ADAM_BYTES_PER_PARAM * p / bandwidth
     t = fit_columns([6 * p * obs.train_tokens, obs.train_last], obs.train_s - call,
-                    [1 / (base.peak_flops * eff.mfu_train), ADAM_BYTES_PER_PARAM * p / (base.hbm_bandwidth * eff.hbm)])
+                    [1 / (base.peak_flops * eff.mfu_train), adam + eff.optimizer_overhead_s])
     f_train = 1.0 / t[0] if t[0] > 0 else base.peak_flops * eff.mfu_train
-    hbm = ADAM_BYTES_PER_PARAM * p / t[1] / 1e9 if t[1] > 0 else base.hbm_gb_s
     # sync: one size per agent in these runs; the link keeps the base bandwidth, the rest is latency
     link = base.inter_node_bandwidth_per_device * eff.link
     nbytes = shape.weight_bytes
@@ -213,10 +279,11 @@ def fit(obs: Observations, base: HardwareProfile, shape: ModelShape, source: str
     fitted = dataclasses.replace(
         eff, mfu_prefill=f_gen / peak, mfu_decode=f_gen / peak, mfu_train=f_train / peak, hbm=1.0,
         call_overhead_s=float(call), decode_step_overhead_s=float(step), bucket_latency_s=float(bucket),
+        optimizer_overhead_s=float(max(t[1] - adam, 0.0)),
         orchestrator_s=float(obs.orchestrator_busy_s / max(obs.replies, 1)),
         orchestrator_step_s=float(obs.orchestrator_log_s / max(obs.agent_steps, 1)),
         message_latency_s=float(np.median(obs.gaps_s)) if len(obs.gaps_s) else eff.message_latency_s)
     hw = dataclasses.replace(base, name=f"{base.name}_fitted", peak_bf16_tflops=peak / 1e12,
-                             hbm_gb_s=float(hbm), efficiency=fitted,
+                             hbm_gb_s=bandwidth / 1e9, efficiency=fitted,
                              accelerator=f"{base.accelerator}; fitted by simulate --calibrate {source}")
     return validate_hardware(hw, f"profile fitted from {source}")

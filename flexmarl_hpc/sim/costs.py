@@ -231,15 +231,16 @@ def kv_room(hw: HardwareProfile, model: ModelShape, g: int, where: str = "replic
     return room
 
 
-def prefill_s(hw: HardwareProfile, model: ModelShape, tokens: int, g: int = 1) -> float:
+def prefill_s(hw: HardwareProfile, model: ModelShape, tokens, g: int = 1):
     """Prefill of `tokens` prompt tokens on a replica of `g` devices (TP): compute-bound, but
-    never faster than one read of the weights."""
-    if tokens <= 0:
-        return 0.0
-    compute = 2 * model.params * tokens / (g * hw.peak_flops * hw.efficiency.mfu_prefill)
+    never faster than one read of the weights; 0 tokens cost 0. Vectorised: an array of token
+    counts gives an array of seconds."""
+    t = np.asarray(tokens, dtype=np.float64)
+    compute = 2 * model.params * t / (g * hw.peak_flops * hw.efficiency.mfu_prefill)
     weights = model.weight_bytes / (g * hw.hbm_bandwidth * hw.efficiency.hbm)
-    tp = ring_allreduce_s(hw, tokens * model.hidden * model.bytes_per_param, g, 2 * model.layers)
-    return max(compute, weights) + tp
+    tp = ring_allreduce_s(hw, t * model.hidden * model.bytes_per_param, g, 2 * model.layers)
+    out = np.where(t > 0, np.maximum(compute, weights) + tp, 0.0)
+    return float(out) if out.ndim == 0 else out
 
 
 def decode_step_s(hw: HardwareProfile, model: ModelShape, batch, context, g: int = 1):
@@ -336,7 +337,7 @@ def optimizer_s(hw: HardwareProfile, layout: AgentLayout) -> float:
     # reduce-scatter + all-gather move what one all-reduce moves: 2(dp-1)/dp of the bytes.
     # TP is the innermost dimension, so the DP ring crosses nodes once the group does.
     comm = ring_allreduce_s(hw, grads, dp, span=layout.trainer_devices)
-    return adam + comm
+    return adam + comm + hw.efficiency.optimizer_overhead_s
 
 
 def transfer_s(nbytes: float, bandwidth: float, chunk: float, latency: float) -> float:

@@ -52,6 +52,9 @@ class Efficiency:
     orchestrator_s: float = 0.0
     """The orchestrator's own seconds per reply it handles (schedule, store, log): 0 models
     an orchestrator that costs nothing; `simulate --calibrate` fits it on CPU runs."""
+    optimizer_overhead_s: float = 0.0
+    """Fixed seconds of one optimizer step beyond its memory-bound update (on CPU: torch's
+    per-tensor dispatch of Adam, which no bandwidth explains); 0 by default; fitted on CPU runs."""
     orchestrator_step_s: float = 0.0
     """The orchestrator's own seconds per agent optimizer step it receives (its step-end
     metrics, log and commit): 0 by default; fitted on CPU runs."""
