@@ -3,10 +3,14 @@
     python -m flexmarl_hpc.simulate configs/paper_3x32b_7x14b.yaml --compare sync,flex
     python -m flexmarl_hpc.simulate configs/paper_5x32b.yaml --hardware h100_ndr --steps 10 --json
     python -m flexmarl_hpc.simulate configs/local.yaml --capacity          # the orchestrator's own limit
+    python -m flexmarl_hpc.simulate configs/skewed.yaml --workers real --calibrate runs/skewed/skewed.h5
 
 Each variant of --compare runs the real Orchestrator, Scheduler, Experience, workflow and
-rewards over sim.transport.SimTransport with synthetic workers priced by sim.costs (see
-sim/driver.py for what is modelled and README "Scale"). Each writes
+rewards over sim.transport.SimTransport. Its workers (--workers) are synthetic (responses of
+modelled length, training skipped: any model size) or real (the real engine and trainers in
+this process, for small models: the run trains what an MPI run of the config trains, and
+only the clock is modelled, from the lengths the policy really generates).
+Both are priced by sim.costs (see sim/driver.py for what is modelled and README "Scale"). Each writes
 `<out>/<variant>/<run>.h5` (the run schema, attrs simulated=True and hardware), which
 `python -m flexmarl_hpc.analyze` reads unchanged. Printed per variant: step_s (median gap
 between global steps after the first 2), accelerator utilization, samples/s and the ratio of
@@ -47,7 +51,7 @@ import yaml
 from .checkpoint import replace_file
 from .config import ConfigError, apply_override, load_config
 from .resources import components
-from .sim.driver import Workload, cost_model, measure, rank_devices, simulate_run
+from .sim.driver import WORKERS, Workload, cost_model, measure, rank_devices, simulate_run
 from .sim.hardware import HardwareError, HardwareProfile, load_hardware
 from .sim.plan import rank_plans
 from .sim.plan_config import (config_classes, describe_alloc, describe_classes, distinct, fragment,
@@ -66,17 +70,38 @@ VARIANTS = {
 """Variant -> config overrides (as bench/bench_modes.py expresses the ablations)."""
 
 
+def variant_config(config: str, variant: str, steps: int, out: Path, overrides: list[str] = ()):
+    """The config of one --compare variant, writing under `out`/<variant>, no checkpoints."""
+    return load_config(config, [*overrides, *VARIANTS[variant], f"run.steps={steps}", "run.resume=false",
+                                f"run.output_dir={out / variant}", "run.checkpoint_every=0",
+                                "run.checkpoint_minutes=0"])
+
+
+def priced(cfg, hw: HardwareProfile, workers: str):
+    """The cost model and modelled workload of a run: synthetic workers price the config's
+    model shape with Qwen's vocabulary and modelled lengths (bf16); real ones the models as
+    they run here (the task's vocabulary, fp32) and the lengths they produce."""
+    if workers == "synthetic":
+        return cost_model(cfg, hw), Workload()
+    return local_cost(cfg, hw), None
+
+
+def local_cost(cfg, hw: HardwareProfile):
+    """`cfg`'s models priced as they run on this machine: the task's vocabulary, fp32."""
+    from .build import build_task
+    return cost_model(cfg, hw, len(build_task(cfg).vocab), 4)
+
+
 def run_variants(config: str, variants: list[str], hardware: str | HardwareProfile, steps: int, out: Path,
-                 overrides: list[str] = ()) -> dict[str, dict]:
+                 overrides: list[str] = (), workers: str = "synthetic") -> dict[str, dict]:
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
     results = {}
     for v in variants:
-        cfg = load_config(config, [*overrides, *VARIANTS[v], f"run.steps={steps}", "run.resume=false",
-                                   f"run.output_dir={out / v}", "run.checkpoint_every=0",
-                                   "run.checkpoint_minutes=0"])
+        cfg = variant_config(config, v, steps, out, overrides)
         wall = time.perf_counter()
         try:
-            path, sim = simulate_run(cfg, cost_model(cfg, hw), out / v, hw.name, Workload())
+            cost, work = priced(cfg, hw, workers)
+            path, sim = simulate_run(cfg, cost, out / v, hw.name, work, workers=workers)
         except RuntimeError as e:      # e.g. the orchestrator waits with nothing in flight
             results[v] = {"error": str(e), "wall_s": time.perf_counter() - wall}
             continue
@@ -104,28 +129,25 @@ def run_config(path: str | Path):
 def calibrate(h5: str, base: str = "cpu_local") -> HardwareProfile:
     """The `base` profile fitted to the real run `h5` (sim.calibrate; its own config gives the
     model shape, max_batch and replicas)."""
-    from .build import build_task
     from .sim.calibrate import fit, observe
     if not Path(h5).is_file():
         raise ValueError(f"--calibrate: no such file {h5}")
     cfg = run_config(h5)
-    shape = cost_model(cfg, load_hardware(base), len(build_task(cfg).vocab), 4).layout(cfg.agent_names[0]).model
+    shape = local_cost(cfg, load_hardware(base)).layout(cfg.agent_names[0]).model
     obs = observe(h5, max(cfg.rollout.max_batch, 1), cfg.rollout.replicas)
     return fit(obs, load_hardware(base), shape, h5)
 
 
 def predict_variants(config: str, variants: list[str], hw: HardwareProfile, steps: int, out: Path,
-                     overrides: list[str] = ()) -> dict[str, dict]:
-    """Small CPU configs on a (fitted) profile: responses of the task's own lengths, models
-    priced with the task's vocabulary in fp32; step_s as bench_modes measures it."""
-    from .build import build_task
+                     overrides: list[str] = (), workers: str = "synthetic") -> dict[str, dict]:
+    """Small CPU configs on a (fitted) profile, models priced with the task's vocabulary in
+    fp32; step_s as bench_modes measures it. Synthetic workers answer with the turn's whole
+    budget of tokens; real ones (in-process) with what the policy generates, so a workload
+    whose lengths come from the policy (configs/skewed.yaml) is priced as it runs."""
     results = {}
     for v in variants:
-        cfg = load_config(config, [*overrides, *VARIANTS[v], f"run.steps={steps}", "run.resume=false",
-                                   f"run.output_dir={out / v}", "run.checkpoint_every=0",
-                                   "run.checkpoint_minutes=0"])
-        cost = cost_model(cfg, hw, len(build_task(cfg).vocab), 4)
-        path, _ = simulate_run(cfg, cost, out / v, hw.name)
+        cfg = variant_config(config, v, steps, out, overrides)
+        path, _ = simulate_run(cfg, local_cost(cfg, hw), out / v, hw.name, workers=workers)
         results[v] = measure(path)
     return results
 
@@ -145,20 +167,14 @@ def calibrate_main(a: argparse.Namespace, variants: list[str], out: Path) -> int
     from .sim.hardware import save_hardware
     try:
         hw = calibrate(a.calibrate, a.hardware)
-        pred = predict_variants(a.config, variants, hw, a.steps, out, a.overrides)
+        pred = predict_variants(a.config, variants, hw, a.steps, out, a.overrides, a.workers)
         measured: dict[str, list[float]] = {}
         for h5 in a.measured:
             measured.setdefault(variant_of(run_config(h5)), []).append(measure(Path(h5))["step_s"])
     except (ConfigError, HardwareError, ValueError, OSError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
-    e = hw.efficiency
-    print(f"fitted from {a.calibrate}: generate = {e.call_overhead_s * 1e3:.2f} ms/call + "
-          f"{e.decode_step_overhead_s * 1e3:.2f} ms/decode step + FLOPs at "
-          f"{hw.peak_flops * e.mfu_prefill / 1e9:.3g} GFLOP/s; train FLOPs at "
-          f"{hw.peak_flops * e.mfu_train / 1e9:.3g} GFLOP/s, optimizer at {hw.hbm_gb_s:.3g} GB/s; "
-          f"sync latency {e.bucket_latency_s * 1e3:.2f} ms; orchestrator {e.orchestrator_s * 1e3:.2f} ms/reply "
-          f"+ {e.orchestrator_step_s * 1e3:.2f} ms/agent step; message latency {e.message_latency_s * 1e3:.2f} ms")
+    print(f"fitted from {a.calibrate}: {fitted_summary(hw)}")
     if a.write_profile is not None:
         save_hardware(hw, a.write_profile, f"fitted by simulate --calibrate {a.calibrate}\n"
                       f"from the base profile {a.hardware}")
@@ -187,6 +203,22 @@ def calibrate_main(a: argparse.Namespace, variants: list[str], out: Path) -> int
               else f"{'-':>12s} {'-':>7s}")
         print(f"{v:12s} {r['predicted_step_s']:11.3f} {meas} {ratio} {mr}")
     return 0
+
+
+def fitted_summary(hw: HardwareProfile) -> str:
+    """One line of a fitted profile's figures; a term the fit found negligible (at the end
+    of its search range: the run's intervals show no such cost) says so instead of a number."""
+    from .sim.calibrate import B_GRID, F_RANGE
+    e = hw.efficiency
+    gen = hw.peak_flops * e.mfu_prefill
+    flops = ("FLOPs negligible" if gen >= 0.99 * F_RANGE[1] else f"FLOPs at {gen / 1e9:.3g} GFLOP/s")
+    memory = ("memory reads negligible" if hw.hbm_bandwidth >= 0.99 * B_GRID[-1]
+              else f"memory {hw.hbm_gb_s:.3g} GB/s")
+    return (f"generate = {e.call_overhead_s * 1e3:.2f} ms/call + {e.decode_step_overhead_s * 1e3:.2f} ms/decode "
+            f"step, {flops}, {memory}; train FLOPs at {hw.peak_flops * e.mfu_train / 1e9:.3g} GFLOP/s + "
+            f"{e.optimizer_overhead_s * 1e3:.2f} ms/optimizer step; sync latency {e.bucket_latency_s * 1e3:.2f} ms; "
+            f"orchestrator {e.orchestrator_s * 1e3:.2f} ms/reply + {e.orchestrator_step_s * 1e3:.2f} ms/agent step; "
+            f"message latency {e.message_latency_s * 1e3:.2f} ms")
 
 
 def sim_t0(path: Path) -> float:
@@ -341,6 +373,11 @@ def scale_main(a: argparse.Namespace, variants: list[str], out: Path) -> int:
     return 1 if any("error" in x for r in fitting for x in r["variants"].values()) else 0
 
 
+def _secs(x: float) -> str:
+    """Seconds with 4 significant digits: 1520.3 s on a paper config, 0.1187 on a CPU one."""
+    return f"{x:.1f}" if x >= 1000 else f"{x:.4g}"
+
+
 def _raw_config(config: str, overrides: list[str]) -> dict:
     """The config file's own mapping with the overrides applied (already validated)."""
     data = yaml.safe_load(Path(config).read_text()) or {}
@@ -446,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measured", nargs="*", default=[], metavar="H5",
                    help="with --calibrate: real runs of the variants, to print predicted vs measured")
     p.add_argument("--write-profile", type=Path, default=None, help="with --calibrate: write the fitted profile")
+    p.add_argument("--workers", choices=WORKERS, default="synthetic",
+                   help="synthetic: modelled responses, training skipped (any model size); real: the "
+                   "real engine and trainers in this process (small models: the run trains what an MPI "
+                   "run trains, only the clock is modelled; with --compare and --calibrate)")
     p.add_argument("--scale", default=None, help="accelerator counts, e.g. 1,2,4,...,3072: per count the "
                    "planner's allocation per variant, simulated (default 4 steps)")
     p.add_argument("--png", type=Path, default=None,
@@ -461,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.steps < 3:
         print(f"--steps: expected >= 3 (the first 2 steps are start-up), got {a.steps}", file=sys.stderr)
+        return 2
+    if a.workers == "real" and (a.plan or a.capacity or a.scale is not None):
+        print("simulate: --workers real: only with --compare or --calibrate (plans and scales are for "
+              "models too large to run here)", file=sys.stderr)
         return 2
     if a.png is not None and a.scale is None:
         print("simulate: --png: only with --scale", file=sys.stderr)
@@ -483,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"orchestrator capacity: {res['samples_per_s']:.0f} samples/s, "
                       f"{res['commands_per_s']:.0f} commands/s ({res['commands']} commands, wall {res['wall_s']:.1f} s)")
                 return 0
-            res = run_variants(a.config, variants, a.hardware, a.steps, out, a.overrides)
+            res = run_variants(a.config, variants, a.hardware, a.steps, out, a.overrides, a.workers)
             failed = any("error" in r for r in res.values())
         except (ConfigError, HardwareError, ValueError) as e:
             print(f"simulate: {e}", file=sys.stderr)
@@ -499,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{v:12s} failed: {r['error']}")
                     continue
                 ratio = f"{r['speedup_vs_sync']:.2f}x" if "speedup_vs_sync" in r else "-"
-                print(f"{v:12s} {r['step_s']:9.1f} {r['util']:6.1%} {r['samples_per_s']:10.2f} "
+                print(f"{v:12s} {_secs(r['step_s']):>9s} {r['util']:6.1%} {r['samples_per_s']:10.2f} "
                       f"{ratio:>8s} {r['wall_s']:7.1f}")
     return 1 if failed else 0
 

@@ -1,12 +1,16 @@
 """The simulator runs the real code: a simulated run with in-process workers (real engine
 and trainers, SimTransport's clock) and an MPI run of the same tiny config produce the same
-trajectories and the same trained weights at staleness 0."""
+trajectories and the same trained weights at staleness 0, and so does the CLI's
+`simulate --workers real` (same trajectories, same training statistics per step)."""
 from __future__ import annotations
 
 import h5py
 import pytest
 import torch
 
+import numpy as np
+
+from flexmarl_hpc import simulate as simulate_cli
 from flexmarl_hpc.build import build_task
 from flexmarl_hpc.checkpoint import load_latest
 from flexmarl_hpc.config import load_config
@@ -60,3 +64,27 @@ def test_a_simulated_run_trains_what_the_mpi_run_trains(tmp_path, mpiexec, mode)
         assert model and set(a) == set(b)
         for k in model:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=f"{agent} {k}")
+
+
+def steps(path) -> np.ndarray:
+    with h5py.File(path, "r") as f:
+        rows = f["steps"]["speaker"][()]
+    return rows[rows["superseded"] == 0][["version", "n_samples", "loss", "reward_mean", "grad_norm"]]
+
+
+@pytest.mark.parametrize("mode", ["sync", "flex"])
+def test_simulate_workers_real_trains_what_the_mpi_run_trains(tmp_path, mpiexec, mode, capsys):
+    run_training(tmp_path / "mpi", *TINY, f"run.mode={mode}")
+    code = simulate_cli.main([str(ROOT / "configs/local.yaml"), *TINY, "--workers", "real", "--compare", mode,
+                              "--steps", "4", "--hardware", "cpu_local", "--out", str(tmp_path / "cli")])
+    assert code == 0, capsys.readouterr()
+    cli = tmp_path / "cli" / mode / "local.h5"
+    with h5py.File(cli, "r") as f:
+        assert f.attrs["sim_workers"] == "real" and bool(f.attrs["simulated"])
+    real = tmp_path / "mpi" / "local.h5"
+    assert trajectories(real) == trajectories(cli)
+    a, b = steps(real), steps(cli)
+    assert len(a) == 4 and np.all(a["loss"] != 0)           # real training, not the synthetic zeros
+    np.testing.assert_array_equal(a[["version", "n_samples"]], b[["version", "n_samples"]])
+    for k in ("loss", "reward_mean", "grad_norm"):
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, err_msg=k)

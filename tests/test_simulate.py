@@ -45,6 +45,24 @@ def test_the_table_names_every_variant_and_bad_variants_are_refused(tmp_path, ca
     assert code == 2 and "fast" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,says", [
+    ([str(ROOT / "configs/paper_5x32b.yaml"), "--workers", "real"], "parameters in all"),
+    ([CONFIG, "--workers", "real", "trainer.ranks_per_group=2", "slurm.trainer.ntasks=4"], "trainer.ranks_per_group"),
+    ([CONFIG, "--workers", "real", "--plan", "--nodes", "4"], "--workers real: only with"),
+    ([CONFIG, "--workers", "fake"], "--workers"),
+])
+def test_real_workers_refuse_what_they_cannot_run_in_one_line(tmp_path, capsys, args, says):
+    """In-process workers build every model here: a 32B config, a multi-rank trainer group or a
+    planning sweep is refused before anything runs, naming the flag or field."""
+    try:
+        code = simulate.main([*args, "--out", str(tmp_path)])
+    except SystemExit as e:                                  # argparse's own refusal of a choice
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and says in err, err
+    assert not list(tmp_path.rglob("*.h5"))
+
+
 def test_the_simulated_file_is_marked_and_analyze_reads_it(tmp_path, capsys, monkeypatch):
     assert run_cli(capsys, "--steps", "4", "--compare", "flex", "--out", str(tmp_path))[0] == 0
     h5 = tmp_path / "flex" / "local.h5"

@@ -1,5 +1,13 @@
 """One simulated run: the real Orchestrator, Scheduler, Experience, workflow and rewards over
-SimTransport, with synthetic workers priced by sim.costs.CostModel ("synthesize" mode).
+SimTransport, priced by sim.costs.CostModel, with one of two kinds of workers:
+
+- "synthetic" (large models): no model runs; described below;
+- "real" (small models): sim.inprocess.InProcessWorkers, the real engine and trainers in this
+  process, so the responses, their lengths, the rewards and the trained weights are those of
+  an MPI run of the config (tests/test_sim_equals_mpi.py); only the clock is modelled, from
+  the real lengths (use it with a calibrated profile: `simulate --calibrate ... --workers real`).
+
+Synthetic workers:
 
 Responses carry the task's real tokens (at most the turn's max_new_tokens, so the workflow's
 reward runs on real text: for a random synthetic policy it is a random reward), while their
@@ -26,7 +34,7 @@ import h5py
 import numpy as np
 import yaml
 
-from ..config import Config, to_dict
+from ..config import Config, ConfigError, to_dict
 from ..layout import ROLLOUT, layout_from_config
 from ..resources import rollout_pools, trainer_groups
 from .costs import AgentLayout, CostModel, LengthDistribution, shape_from_model_args
@@ -120,25 +128,55 @@ def _no_sleep(secs: float) -> None:
     raise RuntimeError("simulation: something tried to sleep on the simulated clock")
 
 
+WORKERS = ("synthetic", "real")
+"""The kinds of simulated workers (`simulate --workers`)."""
+REAL_WORKERS_MAX_PARAMS = 2_000_000_000
+"""In-process ("real") workers build every agent's model and trainer in one process: above
+this many parameters in all, a config is refused (it would not fit, or run for hours)."""
+
+
+def real_workers_fit(cfg: Config, vocab: int) -> None:
+    """Raises ConfigError unless `cfg`'s models may run in-process (sim.inprocess)."""
+    total = sum(shape_from_model_args(types.SimpleNamespace(**{**to_dict(cfg.model_for(a)), "vocab_size": vocab}),
+                                      a).params for a in cfg.agent_names)
+    if total > REAL_WORKERS_MAX_PARAMS:
+        raise ConfigError(f"--workers real: builds every agent's model in this process, {total / 1e9:.1f}B "
+                          f"parameters in all for {len(cfg.agent_names)} agents, expected at most "
+                          f"{REAL_WORKERS_MAX_PARAMS / 1e9:.0f}B; use --workers synthetic for models this size")
+
+
 def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | None = None,
-                 charge_orchestrator: bool = False) -> tuple[Path, SimTransport]:
+                 charge_orchestrator: bool = False, workers: str = "synthetic") -> tuple[Path, SimTransport]:
     """Run `cfg` on the simulated clock; returns its HDF5 file (attrs simulated=True,
-    hardware) and the transport (for its clock and counters)."""
+    hardware, workers) and the transport (for its clock and counters). `workers` "real"
+    runs the real engine and trainers in-process (small models; `work` must then be None:
+    the real lengths are priced)."""
     from ..build import build_task
     from ..orchestrator import Orchestrator
     from ..store import StoreFile
+    if workers not in WORKERS:
+        raise ValueError(f"workers: expected one of {', '.join(WORKERS)}, got {workers!r}")
+    if workers == "real" and work is not None:
+        raise ValueError("workers='real' prices the real responses: a modelled Workload does not apply")
     task, layout = build_task(cfg), layout_from_config(cfg)
+    if workers == "real":
+        from .inprocess import InProcessWorkers
+        real_workers_fit(cfg, len(task.vocab))
+        content = InProcessWorkers(cfg, task)
+    else:
+        content = SyntheticWorkers(task)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{cfg.run.name}.h5"
     path.unlink(missing_ok=True)
     store = StoreFile(path, cfg.agent_names,
                       {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False), "mode": cfg.run.mode,
-                       "world_size": layout.world_size, "simulated": True, "hardware": hardware},
+                       "world_size": layout.world_size, "simulated": True, "hardware": hardware,
+                       "sim_workers": workers},
                       chunk=cfg.store.chunk_rows)
     if work is not None:
         cost = ModelledCost(cost, work)
     eff = getattr(getattr(cost, "hw", None), "efficiency", None)   # a CostModel's profile
-    sim = SimTransport(layout, cost, SyntheticWorkers(task), t0=store.t0,
+    sim = SimTransport(layout, cost, content, t0=store.t0,
                        charge_orchestrator=charge_orchestrator,
                        orchestrator_s=eff.orchestrator_s if eff else 0.0,
                        orchestrator_step_s=eff.orchestrator_step_s if eff else 0.0,
