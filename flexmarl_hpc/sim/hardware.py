@@ -62,9 +62,10 @@ class Efficiency:
     """One-way latency of a command or reply between the orchestrator and a worker (MPI
     send, the worker's receive loop), seconds; fitted on CPU runs."""
     shared_cores: int = 0
-    """Cores the worker ranks share (0: each rank has its device to itself). With N > 0, a
-    command starting while k worker ranks are busy runs max(1, k / N) times longer: ranks
-    outnumbering cores, as on the 2-core machine of the calibration runs."""
+    """Cores the worker ranks share (0: each rank has its device to itself). With N > 0,
+    generate and train commands share N cores (processor sharing: while ranks computing w in
+    all run, each runs at min(1, N / w) of a core), as on the 2-core machine of the
+    calibration runs."""
 
 
 _FRACTIONS = ("mfu_prefill", "mfu_decode", "mfu_train", "hbm", "link", "gpu_memory_utilization")

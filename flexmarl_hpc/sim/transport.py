@@ -19,9 +19,10 @@ single orchestrator rank can drive.
 Three modelled costs, all 0 unless a profile sets them (a calibrated CPU profile does, see
 sim/calibrate.py): `orchestrator_s` per reply handled and `orchestrator_step_s` per optimizer
 step (the orchestrator's own time, on the clock before it sends again); `latency_s`, one way,
-on every command and reply; `shared_cores`: when worker ranks outnumber cores, a generate or
-train runs (1 + the other ranks' overlapping compute, the orchestrator's included) / cores
-times longer, judged once when it is scheduled.
+on every command and reply; `shared_cores`: when worker ranks outnumber cores, generate and
+train commands share them (processor sharing, sim/cores.py: while ranks computing w in all
+run, each gets min(1, cores / w) of a core, and every start or end re-times the others); a
+rank's later commands then wait in `deferred` until its running command has ended.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import numpy as np
 
 from .. import messages as M
 from ..layout import ROLLOUT, RankLayout
+from .cores import CoreShare, Job
 
 
 class CostModel(Protocol):
@@ -154,59 +156,32 @@ class SimTransport:
         self.orchestrator_s = orchestrator_s         # modelled seconds per reply handled
         self.orchestrator_step_s = orchestrator_step_s   # ... and per optimizer step (Stepped)
         self.latency_s = latency_s                   # one-way, each command and reply
-        self.shared_cores = shared_cores             # > 0: worker ranks share that many cores
-        self.computing: dict[int, tuple[float, float]] = {}   # rank -> its last generate/train
+        # > 0: generate and train share that many cores (processor sharing, sim/cores.py);
+        # a rank computing or held in a collective keeps later commands in `deferred`
+        self.share = CoreShare(shared_cores, self.now) if shared_cores else None
+        self.computing: set[int] = set()
+        self.deferred: dict[int, list[tuple[float, tuple]]] = {}
 
     # -- Transport ------------------------------------------------------------------------
     def send(self, rank: int, msg: M.Command) -> None:
         self._tick()
+        self._settle(self.now)
         self.sent += 1
-        start = max(self.now + self.latency_s, self.free_at.get(rank, self.now))
-        if start == float("inf"):
-            raise RuntimeError(f"simulation: rank {rank} got {msg.kind!r} while it waits in a collective")
-        role, index = self.layout.role_of(rank)
-        if isinstance(msg, M.Generate):
-            outputs = self.workers.generate(msg)
-            dt = self.cost.generate_s(msg.agent, len(msg.requests), [len(r[1]) for r in msg.requests],
-                                      [len(t) for t, _ in outputs])
-            self._run(rank, start, dt, "generate", msg.agent, M.Generated(msg.batch_id, outputs))
-        elif isinstance(msg, M.Train):
-            stats = self.workers.train(msg)
-            a = msg.arrays
-            # a cost may price modelled rather than real tokens (sim.driver.ModelledCost)
-            tokens = (self.cost.train_tokens(a) if hasattr(self.cost, "train_tokens")
-                      else int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])))
-            dt = self.cost.train_s(msg.agent, tokens, optimizer_step=msg.last)
-            if msg.last:
-                reply: M.Reply = M.Stepped(msg.agent, msg.step + 1, stats)
-            else:
-                reply = M.Trained(msg.agent, msg.step)
-            self._run(rank, start, dt, "train", msg.agent, reply)
-        elif isinstance(msg, M.Sync):
-            if rank == msg.members[0]:
-                self.workers.sync(msg)               # the leader's weights at the broadcast
-            dt = self.cost.sync_s(msg.agent, self.cost.weight_bytes(msg.agent))
-            reply = (M.Synced(index, msg.agent, msg.version) if role == ROLLOUT
-                     else M.TrainerSynced(msg.agent, msg.version))
-            self._meet(("sync", msg.agent, msg.version, msg.members), msg.members, rank, start, dt,
-                       "sync", msg.agent, reply)
-        elif isinstance(msg, M.Move):
-            leaders = tuple(sorted({self.layout.group_leader(g) for g in (msg.src.group, msg.dst.group)}))
-            dt = self.cost.swap_s(msg.agent, self.cost.state_bytes(msg.agent))
-            self._meet(("move", msg.agent, msg.src, msg.dst), leaders, rank, start, dt,
-                       "swap", msg.agent, M.Moved(msg.agent))
-        elif isinstance(msg, M.Checkpoint):
-            self.workers.checkpoint(msg)
-            self._run(rank, start, 0.0, "checkpoint", ",".join(msg.agents), M.Checkpointed(msg.agents))
-        elif isinstance(msg, M.Stop):
-            ranks = [rank] if role == ROLLOUT else self.layout.group_ranks(index)
-            for r in ranks:
-                self._reply(start, r, M.Stopped(index if role == ROLLOUT else -1))
-        else:
-            raise ValueError(f"simulated worker {rank}: unknown command {msg.kind!r}")
+        plan = self._plan(rank, msg)                 # the reply's content is made now, in send order
+        arrival = self.now + self.latency_s
+        if self.share and (rank in self.computing or self.deferred.get(rank)
+                           or self.free_at.get(rank, 0.0) == float("inf")):
+            self.deferred.setdefault(rank, []).append((arrival, plan))
+            return
+        self._start(rank, plan, arrival)
 
     def receive(self, timeout: float | None = None) -> tuple[int, M.Reply]:
         self._tick()
+        while self.share:                            # complete the jobs that end before the next reply
+            end = self.share.next_end()
+            if end == float("inf") or (self.events and self.events[0][0] <= end):
+                break
+            self._settle(end)
         if not self.events:
             # simulated workers never hang: an empty queue is a protocol error, not a wait
             raise RuntimeError("simulation: the orchestrator waits for a reply but no command is in flight")
@@ -218,6 +193,7 @@ class SimTransport:
 
     def poll(self) -> tuple[int, M.Reply] | None:
         self._tick()
+        self._settle(self.now)
         if self.events and self.events[0][0] <= self.now:
             _, _, src, reply = heapq.heappop(self.events)
             self.now += self._handling(reply)
@@ -228,14 +204,59 @@ class SimTransport:
         raise SystemExit(code)
 
     # -- the simulated workers ---------------------------------------------------------------
+    def _plan(self, rank: int, msg: M.Command) -> tuple:
+        """What `rank` will do for `msg`: its content (the workers' answer) and duration."""
+        role, index = self.layout.role_of(rank)
+        if isinstance(msg, M.Generate):
+            outputs = self.workers.generate(msg)
+            dt = self.cost.generate_s(msg.agent, len(msg.requests), [len(r[1]) for r in msg.requests],
+                                      [len(t) for t, _ in outputs])
+            return ("run", dt, "generate", msg.agent, M.Generated(msg.batch_id, outputs))
+        if isinstance(msg, M.Train):
+            stats = self.workers.train(msg)
+            a = msg.arrays
+            # a cost may price modelled rather than real tokens (sim.driver.ModelledCost)
+            tokens = (self.cost.train_tokens(a) if hasattr(self.cost, "train_tokens")
+                      else int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])))
+            dt = self.cost.train_s(msg.agent, tokens, optimizer_step=msg.last)
+            reply = M.Stepped(msg.agent, msg.step + 1, stats) if msg.last else M.Trained(msg.agent, msg.step)
+            return ("run", dt, "train", msg.agent, reply)
+        if isinstance(msg, M.Sync):
+            if rank == msg.members[0]:
+                self.workers.sync(msg)               # the leader's weights at the broadcast
+            dt = self.cost.sync_s(msg.agent, self.cost.weight_bytes(msg.agent))
+            reply = (M.Synced(index, msg.agent, msg.version) if role == ROLLOUT
+                     else M.TrainerSynced(msg.agent, msg.version))
+            return ("meet", ("sync", msg.agent, msg.version, msg.members), msg.members, dt, "sync", msg.agent, reply)
+        if isinstance(msg, M.Move):
+            leaders = tuple(sorted({self.layout.group_leader(g) for g in (msg.src.group, msg.dst.group)}))
+            dt = self.cost.swap_s(msg.agent, self.cost.state_bytes(msg.agent))
+            return ("meet", ("move", msg.agent, msg.src, msg.dst), leaders, dt, "swap", msg.agent, M.Moved(msg.agent))
+        if isinstance(msg, M.Checkpoint):
+            self.workers.checkpoint(msg)
+            return ("run", 0.0, "checkpoint", ",".join(msg.agents), M.Checkpointed(msg.agents))
+        if isinstance(msg, M.Stop):
+            return ("stop", [rank] if role == ROLLOUT else self.layout.group_ranks(index),
+                    M.Stopped(index if role == ROLLOUT else -1))
+        raise ValueError(f"simulated worker {rank}: unknown command {msg.kind!r}")
+
+    def _start(self, rank: int, plan: tuple, arrival: float) -> None:
+        """`rank` takes up `plan` once it has arrived and the rank is free."""
+        start = max(arrival, self.free_at.get(rank, arrival))
+        if start == float("inf"):
+            raise RuntimeError(f"simulation: rank {rank} got {plan[0]!r} while it waits in a collective")
+        if plan[0] == "run":
+            self._run(rank, start, *plan[1:])
+        elif plan[0] == "meet":
+            self._meet(plan[1], plan[2], rank, start, *plan[3:])
+        else:
+            for r in plan[1]:
+                self._reply(start, r, plan[2])
+
     def _handling(self, reply: M.Reply) -> float:
-        """Modelled orchestrator seconds to handle `reply` (from now on: on shared cores its
-        work competes with the workers' compute, as rank 0's)."""
-        dt = self.orchestrator_s + (self.orchestrator_step_s if isinstance(reply, M.Stepped) else 0.0)
-        if self.shared_cores and dt > 0:
-            s, e = self.computing.get(0, (0.0, 0.0))
-            self.computing[0] = (s, self.now + dt) if e >= self.now else (self.now, self.now + dt)
-        return dt
+        """Modelled orchestrator seconds to handle `reply` (not counted against the shared
+        cores: rank 0 is busy 3-5% of a CPU run)."""
+        return self.orchestrator_s + (self.orchestrator_step_s if isinstance(reply, M.Stepped) else 0.0)
 
     def _tick(self) -> None:
         """Charge the orchestrator's real compute since the last call to the clock."""
@@ -244,23 +265,44 @@ class SimTransport:
             self.now += t - self._real
             self._real = t
 
+    def _settle(self, t: float) -> None:
+        """Complete the shared-core jobs that end by `t` (their replies queue)."""
+        if not self.share:
+            return
+        # one completion time at a time: what a completion frees may start a job right then
+        while (end := self.share.next_end()) <= t:
+            for at, job in self.share.advance(end):
+                self.computing.discard(job.key)
+                self._done(job.key, job.start, at, *job.payload)
+        self.share.advance(max(t, self.share.t))
+
     def _run(self, rank: int, start: float, dt: float, activity: str, agent: str, reply: M.Reply) -> None:
-        """`rank` (a replica or a group leader) runs one command from `start` for `dt`."""
-        if self.shared_cores and activity in ("generate", "train"):
-            # ranks outnumbering cores: stretched by the other ranks' compute known to overlap
-            # it (time-averaged; one pass: a command already scheduled is not re-timed)
-            end = start + dt
-            others = sum(max(0.0, min(e, end) - max(s, start)) for r, (s, e) in self.computing.items()
-                         if r != rank) / dt if dt > 0 else 0.0
-            dt *= max(1.0, (1 + others) / self.shared_cores)
-            self.computing[rank] = (start, start + dt)
-        end = start + dt
+        """`rank` (a replica or a group leader) runs one command from `start` for `dt`
+        (on shared cores a generate or train takes as long as its share of them makes it)."""
+        if self.share and activity in ("generate", "train") and dt > 0:
+            role, index = self.layout.role_of(rank)
+            weight = 1 if role == ROLLOUT else len(self.layout.group_ranks(index))
+            self.computing.add(rank)
+            self.free_at[rank] = float("inf")
+            self.share.add(Job(rank, start, dt, weight, (activity, agent, reply)))
+            return
+        self._done(rank, start, start + dt, activity, agent, reply)
+
+    def _done(self, rank: int, start: float, end: float, activity: str, agent: str, reply: M.Reply) -> None:
         self.free_at[rank] = end
         self._reply(end, rank, _with(reply, activity, agent, start, end))
         role, index = self.layout.role_of(rank)
         if role != ROLLOUT and activity != "sync":          # the members work alongside
             for r in self.layout.group_ranks(index)[1:]:
                 self._reply(end, r, M.Intervals(intervals=[(activity, agent, start, end)]))
+        self._resume(rank)
+
+    def _resume(self, rank: int) -> None:
+        """Start what waited for `rank` (shared cores), in arrival order, while it is free."""
+        queue = self.deferred.get(rank)
+        while queue and rank not in self.computing and self.free_at.get(rank, 0.0) != float("inf"):
+            arrival, plan = queue.pop(0)
+            self._start(rank, plan, arrival)
 
     def _meet(self, key: tuple, members: tuple[int, ...], rank: int, start: float, dt: float,
               activity: str, agent: str, reply: M.Reply) -> None:

@@ -1,0 +1,105 @@
+"""Processor sharing of a machine's cores among the simulated ranks' compute.
+
+A local run has more MPI ranks than cores (6 ranks on 2 here), so while ranks computing
+`w` in all share `cores`, each runs at min(1, cores / w) of a core, and every start or end
+re-times the others still running. `CoreShare` is that fluid model, pure and exact: jobs
+are added with a start time (now or later: a rank's queue) and their work in seconds at a
+whole core; `advance(t)` moves its clock to `t` and returns the jobs that completed on the
+way, each with its completion time, in order. `sim.transport.SimTransport` uses it for
+generate and train commands when a hardware profile sets `shared_cores`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+EPS = 1e-6
+"""Seconds of slack for a start "in the past" (times are epoch seconds: ~2e-7 s resolution)."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One command's compute."""
+    key: Any
+    """The caller's handle (the rank that runs it)."""
+    start: float
+    """When it starts (its rank's previous command has ended and it has arrived)."""
+    work: float
+    """Seconds it takes at a whole core."""
+    weight: int = 1
+    """Ranks computing it at once (a trainer group's members)."""
+    payload: Any = None
+    """Whatever the caller needs back when it completes."""
+    done: float = 0.0
+    """Seconds of `work` done so far."""
+
+
+class CoreShare:
+    """Jobs sharing `cores` from time `t` on."""
+
+    def __init__(self, cores: int, t: float) -> None:
+        if cores < 1:
+            raise ValueError(f"cores: expected >= 1, got {cores}")
+        self.cores, self.t = cores, t
+        self.jobs: list[Job] = []
+
+    def add(self, job: Job) -> None:
+        if job.start < self.t - EPS:
+            raise ValueError(f"a job starting at {job.start} is in the past (the clock is at {self.t})")
+        job.start = max(job.start, self.t)
+        self.jobs.append(job)
+
+    def rate(self) -> float:
+        """Fraction of a core each running job gets now."""
+        w = sum(j.weight for j in self.jobs if j.start <= self.t)
+        return min(1.0, self.cores / w) if w else 1.0
+
+    def _next(self) -> tuple[float, Job | None]:
+        """The next event: (time, the job that completes) or (time a pending job starts, None)."""
+        rate, end, first = self.rate(), math.inf, None
+        for j in self.jobs:
+            if j.start <= self.t:
+                te = self.t + max(j.work - j.done, 0.0) / rate
+                if te < end:
+                    end, first = te, j
+        start = min((j.start for j in self.jobs if j.start > self.t), default=math.inf)
+        return (start, None) if start < end else (end, first)
+
+    def _go(self, t: float) -> None:
+        """Run every started job at the current rate up to `t` (no event in between)."""
+        rate = self.rate()
+        for j in self.jobs:
+            if j.start <= self.t:
+                j.done += (t - self.t) * rate
+        self.t = t
+
+    def advance(self, t: float) -> list[tuple[float, Job]]:
+        """Move the clock to `t`; the jobs that complete by then, with their times, in order."""
+        out = []
+        while self.jobs:
+            te, job = self._next()
+            if te > t:
+                break
+            self._go(te)
+            if job is not None:
+                self.jobs.remove(job)
+                out.append((te, job))
+        if t > self.t:
+            self._go(t)
+        return out
+
+    def next_end(self) -> float:
+        """When the next job completes if nothing is added meanwhile (inf: none left)."""
+        saved = (self.t, [(j, j.done, j.start) for j in self.jobs], list(self.jobs))
+        try:
+            while self.jobs:
+                te, job = self._next()
+                if job is not None:
+                    return te
+                self._go(te)
+            return math.inf
+        finally:
+            self.t, self.jobs = saved[0], saved[2]
+            for j, done, start in saved[1]:
+                j.done, j.start = done, start
