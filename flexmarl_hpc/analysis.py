@@ -53,10 +53,26 @@ class Run:
     events: pd.DataFrame
     agents: list[str] = field(default_factory=list)
     evals: pd.DataFrame = field(default_factory=pd.DataFrame)
+    name: str = ""
+    """How plots and tables name the run (`distinct_names`); default: the file's stem."""
 
     @property
     def label(self) -> str:
-        return f"{self.path.stem} ({self.attrs.get('mode', '?')})"
+        return f"{self.name or self.path.stem} ({self.attrs.get('mode', '?')})"
+
+
+def distinct_names(paths: list[Path]) -> list[str]:
+    """A name per run file that tells runs apart: the file's stem, with as many of its
+    parent folders in front as it takes (runs/a/local.h5 and runs/b/local.h5 become a/local
+    and b/local; the same file twice stays the same name)."""
+    parts = [Path(p).resolve().with_suffix("").parts for p in paths]
+    names = []
+    for mine in parts:
+        k = 1
+        while k < len(mine) and any(o != mine and o[-k:] == mine[-k:] for o in parts):
+            k += 1
+        names.append("/".join(mine[-k:]))
+    return names
 
 
 def _columns_v1(f, group: str, columns: dict, path: Path) -> dict:

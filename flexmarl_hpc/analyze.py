@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .analysis import AnalysisError, Run, eval_curves, load_run, summary, utilization
+from .analysis import AnalysisError, Run, distinct_names, eval_curves, load_run, summary, utilization
 
 ACTIVITY_COLORS = {"generate": "tab:blue", "train": "tab:orange", "sync": "tab:green",
                    "swap": "tab:purple", "checkpoint": "tab:brown", "wait": "0.85",
@@ -282,9 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true", help="summary only")
     a = ap.parse_args(argv)
     runs, sums = [], []
-    for p in a.files:
+    names = distinct_names(a.files)                 # runs of one name: their folders tell them apart
+    for p, name in zip(a.files, names):
         try:
             runs.append(load_run(p))
+            runs[-1].name = name
             sums.append(summary(runs[-1]))
         except AnalysisError as e:
             print(f"analyze: {e}", file=sys.stderr)

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from flexmarl_hpc.analysis import AnalysisError, load_run, summary, utilization
+from flexmarl_hpc.analysis import AnalysisError, distinct_names, load_run, summary, utilization
 from flexmarl_hpc.analyze import main as analyze_main
 from tests.conftest import ROOT, run_training
 
@@ -55,13 +55,19 @@ def test_summary_agrees_with_raw_datasets(two_runs):
 def test_figures_and_side_by_side(two_runs, tmp_path, capsys):
     assert analyze_main([str(two_runs[0]), str(two_runs[1]), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "comparison vs" in out and "(flex)" in out and "(sync)" in out
+    assert "comparison vs" in out and "sync/local (sync)" in out and "flex/local (flex)" in out
     names = {"rewards.png", "entropy_kl.png", "timeline.png", "utilization.png", "staleness.png",
              "response_lengths.png", "replica_load.png"}
     assert names <= {p.name for p in tmp_path.iterdir()}
     for n in names:
         data = (tmp_path / n).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, n
+
+
+def test_runs_of_one_name_are_told_apart_by_their_folders():
+    assert distinct_names(["/r/a/local.h5", "/r/b/local.h5", "/r/b/other.h5"]) == ["a/local", "b/local", "other"]
+    assert distinct_names(["/x/run/a/local.h5", "/y/run/a/local.h5"]) == ["x/run/a/local", "y/run/a/local"]
+    assert distinct_names(["/r/a/local.h5", "/r/a/local.h5"]) == ["local", "local"]     # the same file twice
 
 
 def test_json_summary(two_runs, capsys):
