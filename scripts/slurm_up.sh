@@ -112,6 +112,17 @@ if [ -f "$CONF" ] && [ "$(slurm_conf)" = "$(cat "$CONF")" ] && daemons_up && nod
   echo "[slurm_up] already up ($NN nodes, $CONF unchanged)"; sinfo; exit 0
 fi
 [ "$(id -u)" = 0 ] || { echo "[slurm_up] needs root (apt, munge, slurmd run as root)" >&2; exit 1; }
+# Daemons of another state dir (another clone's cluster, or one whose clone was deleted while
+# it ran) hold the ports this one needs: name them instead of failing later on a busy port.
+ours=" $( (cat "$P"/*.pid 2>/dev/null || true) | xargs) "
+foreign=$(for pid in $(for d in slurmctld slurmd slurmdbd; do pgrep -x "$d" || true; done); do
+  [[ "$ours" == *" $pid "* || "$(ps -o stat= -p "$pid" || true)" == Z* ]] || echo "$pid"; done | xargs)
+if [ -n "$foreign" ]; then
+  echo "[slurm_up] slurm daemons of another cluster are running: $(ps -o pid=,args= -p "${foreign// /,}" | head -5 | tr -s ' \n' ' ')" >&2
+  echo "[slurm_up] stop them first: 'bash scripts/slurm_down.sh --all' in their clone, or" \
+       "'bash scripts/slurm_down.sh --orphans' here if that clone was deleted" >&2
+  exit 1
+fi
 export DEBIAN_FRONTEND=noninteractive
 
 # mariadb-server-core, not mariadb-server: the daemon without a system service to start
@@ -154,7 +165,7 @@ if [ "$WITH_DBD" = 1 ]; then
        --port="$DBPORT" --bind-address=127.0.0.1 --pid-file="$P/mariadb.pid" \
        --log-error="$P/log/mariadb.log" </dev/null >/dev/null 2>&1 &)
   fi
-  until_ok 30 "${SQL[@]}" -e "SELECT 1" || { echo "[slurm_up] MariaDB does not start:" >&2; tail -n 20 "$P/log/mariadb.log" >&2; exit 1; }
+  until_ok 30 "${SQL[@]}" -e "SELECT 1" || { echo "[slurm_up] MariaDB does not start (port $DBPORT taken? an orphan of a deleted clone: bash scripts/slurm_down.sh --orphans):" >&2; tail -n 20 "$P/log/mariadb.log" >&2; exit 1; }
   "${SQL[@]}" -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
     CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurmpw';
     GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
