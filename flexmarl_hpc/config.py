@@ -702,8 +702,13 @@ def _validate_trainer_engine(t: "TrainerConfig", need) -> None:
                      "overlap_grad_reduce": not t.overlap_grad_reduce,
                      "overlap_param_gather": not t.overlap_param_gather,
                      "pipeline_microbatches": t.pipeline_microbatches == 0}
+    # with trainer.named_groups each group has its own backend: the options apply to the
+    # megatron groups, so one is enough (checking the global backend refused them there)
+    backends = {g.backend for g in t.named_groups} or {t.backend}
     for name, default in megatron_only.items():
-        need(t.backend == "megatron" or default, f"trainer.{name}", "needs trainer.backend=megatron")
+        need("megatron" in backends or default, f"trainer.{name}",
+             "needs a megatron trainer: trainer.backend=megatron, or a trainer.named_groups entry "
+             "with backend megatron (the option applies to those groups)")
 
 
 def save_config(cfg: Config, path: Path) -> None:

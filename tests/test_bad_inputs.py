@@ -284,6 +284,23 @@ def test_bad_heterogeneous_config_is_refused(case, tmp_path):
     assert message in str(e.value)
 
 
+def test_megatron_options_follow_the_groups_backends(tmp_path):
+    """trainer.precision etc. are megatron options: with named groups, one megatron group
+    admits them (the global trainer.backend may stay torch); with none they are refused."""
+    import yaml
+    from flexmarl_hpc.config import ConfigError, load_config
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(yaml.safe_dump(_hetero(lambda d: _set(d["trainer"], precision="bf16", recompute="full"))))
+    cfg = load_config(ok)
+    assert cfg.trainer.backend == "torch" and cfg.trainer.precision == "bf16"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_hetero(lambda d: (_set(d["trainer"], precision="bf16"),
+                                                    _set(_groups(d)[0], backend="torch", ranks=1,
+                                                         tensor_parallel=1)))))
+    with pytest.raises(ConfigError, match=r"trainer\.precision: needs a megatron trainer"):
+        load_config(bad)
+
+
 def test_pool_too_small_for_its_model_class(tmp_path):
     """A 32B agent (62 GB of bf16 weights) listed in the pool of 1 x 64 GB replicas."""
     import yaml
