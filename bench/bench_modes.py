@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -150,6 +151,8 @@ def main() -> None:
     ap.add_argument("--against", metavar="REV", help="also run every variant on git revision REV's code")
     a = ap.parse_args()
     cores = os.cpu_count() or 1
+    # a kill (SIGTERM) unwinds like Ctrl-C, so the --against worktree is removed, not left registered
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with tempfile.TemporaryDirectory() as tmp:
         roots = {"": ROOT}
         if a.against:
