@@ -132,10 +132,10 @@ def calibrate(h5: str, base: str = "cpu_local") -> HardwareProfile:
     from .sim.calibrate import fit, observe
     if not Path(h5).is_file():
         raise ValueError(f"--calibrate: no such file {h5}")
-    cfg = run_config(h5)
-    shape = local_cost(cfg, load_hardware(base)).layout(cfg.agent_names[0]).model
+    cfg, hw = run_config(h5), load_hardware(base)
+    shape = local_cost(cfg, hw).layout(cfg.agent_names[0]).model
     obs = observe(h5, max(cfg.rollout.max_batch, 1), cfg.rollout.replicas)
-    return fit(obs, load_hardware(base), shape, h5)
+    return fit(obs, hw, shape, h5)
 
 
 def predict_variants(config: str, variants: list[str], hw: HardwareProfile, steps: int, out: Path,
@@ -262,9 +262,7 @@ def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path
     rows = []
     for i, p in enumerate(plans, 1):
         frag = fragment(p, hw, classes, cfg)
-        path = out / f"plan{i}" / "config.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, yaml.safe_dump(merge_fragment(data, frag), sort_keys=False))
+        path = write_plan_config(out / f"plan{i}" / "config.yaml", data, frag)
         rows.append({"rank": i, "plan": p, "fragment": frag,
                      "sim": run_variants(str(path), ["flex"], hardware, steps, out / f"plan{i}")["flex"]})
     rows.sort(key=lambda r: r["sim"].get("step_s", float("inf")))
@@ -303,10 +301,8 @@ def scale(config: str, sizes: list[int], variants: list[str], hardware: str, ste
         row["closed_form_step_s"] = {m: p.step_s[m] for m, p in pt.plans.items()}
         res = {}
         for m in modes:
-            path = out / str(pt.devices) / m / "config.yaml"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            frag = fragment(pt.plans[m], pt.hw, classes, cfg)
-            write_atomic(path, yaml.safe_dump(merge_fragment(data, frag), sort_keys=False))
+            path = write_plan_config(out / str(pt.devices) / m / "config.yaml", data,
+                                     fragment(pt.plans[m], pt.hw, classes, cfg))
             mine = [v for v in variants if variant_mode(v) == m]
             res.update(run_variants(str(path), mine, pt.hw, steps, path.parent))
         row["variants"] = {v: res[v] for v in variants}
@@ -408,6 +404,14 @@ def plan_table(rows: list[dict], hw: HardwareProfile, current: dict | None = Non
         lines.append(f"{'config':6s}{'-':>18s} {'-':>6s} {simulated} {current['nodes']:5d} {sim['wall_s']:7.1f}")
         lines.append("      the config's own pools and groups")
     return "\n".join(lines)
+
+
+def write_plan_config(path: Path, data: dict, frag: dict) -> Path:
+    """The config file's mapping with a plan's fragment pasted in, written (atomically) to
+    `path` for the simulation of that plan; returns `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, yaml.safe_dump(merge_fragment(data, frag), sort_keys=False))
+    return path
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -37,7 +37,7 @@ import yaml
 from ..config import Config, ConfigError, to_dict
 from ..layout import ROLLOUT, layout_from_config
 from ..resources import rollout_pools, trainer_groups
-from .costs import AgentLayout, CostModel, LengthDistribution, shape_from_model_args
+from .costs import AgentLayout, CostModel, LengthDistribution, ModelShape, shape_from_model_args
 from .hardware import HardwareProfile
 from .transport import SimTransport, SyntheticWorkers
 
@@ -58,15 +58,19 @@ class Workload:
     """Seed of the modelled lengths (the simulation is deterministic given it)."""
 
 
+def agent_shape(cfg: Config, agent: str, vocab: int, bytes_per_param: int = 2) -> ModelShape:
+    """The shape of `agent`'s model in `cfg`, with a vocabulary of `vocab`."""
+    return shape_from_model_args(types.SimpleNamespace(**{**to_dict(cfg.model_for(agent)), "vocab_size": vocab}),
+                                 agent, bytes_per_param)
+
+
 def cost_model(cfg: Config, hw: HardwareProfile, vocab: int = QWEN_VOCAB, bytes_per_param: int = 2) -> CostModel:
     """Each agent's model, replica width (its first pool) and trainer group (where it starts);
     bytes_per_param 4 for the CPU runs' fp32 models."""
     pools, groups = rollout_pools(cfg), trainer_groups(cfg)
     agents = {}
     for a in cfg.agent_names:
-        m = cfg.model_for(a)
-        shape = shape_from_model_args(types.SimpleNamespace(**{**to_dict(m), "vocab_size": vocab}), a,
-                                      bytes_per_param)
+        shape = agent_shape(cfg, a, vocab, bytes_per_param)
         pool = next(p for p in pools if a in p.agents)
         group = next((g for g in groups if a in g.agents), groups[0])
         agents[a] = AgentLayout(shape, gpus_per_replica=pool.gpus_per_replica, trainer_devices=group.ranks,
@@ -137,8 +141,7 @@ this many parameters in all, a config is refused (it would not fit, or run for h
 
 def real_workers_fit(cfg: Config, vocab: int) -> None:
     """Raises ConfigError unless `cfg`'s models may run in-process (sim.inprocess)."""
-    total = sum(shape_from_model_args(types.SimpleNamespace(**{**to_dict(cfg.model_for(a)), "vocab_size": vocab}),
-                                      a).params for a in cfg.agent_names)
+    total = sum(agent_shape(cfg, a, vocab).params for a in cfg.agent_names)
     if total > REAL_WORKERS_MAX_PARAMS:
         raise ConfigError(f"--workers real: builds every agent's model in this process, {total / 1e9:.1f}B "
                           f"parameters in all for {len(cfg.agent_names)} agents, expected at most "
