@@ -1,6 +1,7 @@
 """How many cores this machine gives ranks that compute at once (the simulator's `shared_cores`).
 
     .venv/bin/python bench/bench_cores.py [--procs 2] [--reps 5] [--calls 6]
+    .venv/bin/python bench/bench_cores.py --procs 2 --pollers 4     # waiting_share
 
 A rollout replica's real work, the torch engine of `configs/skewed.yaml` generating its
 writer turn (16 requests, up to 160 tokens, one torch thread per process as in a run), runs
@@ -15,6 +16,17 @@ core's execution units or caches (a VM's vCPUs may be hyperthreads of one core) 
 load it. Printed as median [min, max] over the reps; the simulator's `cpu_local` profile
 takes its `shared_cores` from this figure (processor sharing: ranks computing w in all run
 at min(1, shared_cores / w) of a core each, sim/cores.py).
+
+`--pollers K` instead times the `--procs` processes at once without and with K more that
+wait as a run's idle ranks do (`Iprobe` and flexmarl_hpc.comm's back-off sleep, for a
+message that never comes), interleaved, and prints
+
+    waiting share = procs x (time with pollers / time without - 1) / K
+
+the share of a core each waiting rank takes from ranks computing on full cores (its own few
+percent of CPU, and the preemptions its wake-ups cost them): the profile's `waiting_share`,
+under which the simulator runs w computing ranks with r waiting at
+min(1, cores / (w + waiting_share x r)) of a core once w >= cores.
 """
 from __future__ import annotations
 
@@ -56,11 +68,33 @@ def worker(conn, calls: int) -> None:
         conn.send(time.perf_counter() - t)
 
 
+def poller(stop) -> None:
+    """An idle rank: flexmarl_hpc.comm's wait loop on a message that never comes."""
+    sys.path.insert(0, str(ROOT))
+    from mpi4py import MPI
+    from flexmarl_hpc.comm import Backoff
+    while not stop.is_set():
+        b = Backoff()
+        for _ in range(1000):                   # ~0.5 s of waiting, then look at `stop`
+            if MPI.COMM_SELF.Iprobe():
+                break
+            b.sleep()
+
+
+def timed(pipes) -> float:
+    """Mean seconds of each process's calls, all running at once."""
+    for p in pipes:
+        p.send("run")
+    return statistics.mean(p.recv() for p in pipes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--pollers", type=int, default=0,
+                    help="measure the waiting share of this many idle (polling) ranks instead")
     a = ap.parse_args()
     ctx = mp.get_context("spawn")
     pipes = []
@@ -70,6 +104,8 @@ def main() -> None:
         pipes.append(mine)
     for p in pipes:
         assert p.recv() == "ready"
+    if a.pollers:
+        return waiting_share(ctx, pipes, a)
     alone, together, cores = [], [], []
     for rep in range(a.reps):
         for side in (("alone", "together") if rep % 2 == 0 else ("together", "alone")):
@@ -81,11 +117,38 @@ def main() -> None:
         cores.append(a.procs * alone[-1] / together[-1])
     for p in pipes:
         p.send("stop")
-    spread = lambda xs: f"{statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]"   # noqa: E731
     print(f"torch engine, skewed writer batch x {a.calls} calls per process, {a.reps} interleaved reps")
     print(f"  1 process alone            : {spread(alone)} s")
     print(f"  each of {a.procs} processes at once: {spread(together)} s")
     print(f"  effective cores ({a.procs} x alone / at once): {spread(cores)}")
+
+
+
+def waiting_share(ctx, pipes, a) -> None:
+    without, with_, share = [], [], []
+    for rep in range(a.reps):
+        for side in (("without", "with") if rep % 2 == 0 else ("with", "without")):
+            stop, polling = ctx.Event(), []
+            if side == "with":
+                polling = [ctx.Process(target=poller, args=(stop,), daemon=True) for _ in range(a.pollers)]
+                for q in polling:
+                    q.start()
+                time.sleep(2.0)                 # imported and polling before the timing starts
+            (with_ if side == "with" else without).append(timed(pipes))
+            stop.set()
+            for q in polling:
+                q.join()
+        share.append(a.procs * (with_[-1] / without[-1] - 1) / a.pollers)
+    for p in pipes:
+        p.send("stop")
+    print(f"torch engine, skewed writer batch x {a.calls} calls, {a.procs} processes at once, {a.reps} interleaved reps")
+    print(f"  without pollers            : {spread(without)} s")
+    print(f"  with {a.pollers} polling ranks      : {spread(with_)} s")
+    print(f"  waiting share per rank (procs x (with / without - 1) / pollers): {spread(share)}")
+
+
+def spread(xs) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]"
 
 
 if __name__ == "__main__":

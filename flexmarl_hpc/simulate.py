@@ -134,7 +134,8 @@ def calibrate(h5: str, base: str = "cpu_local") -> HardwareProfile:
         raise ValueError(f"--calibrate: no such file {h5}")
     cfg, hw = run_config(h5), load_hardware(base)
     shape = local_cost(cfg, hw).layout(cfg.agent_names[0]).model
-    obs = observe(h5, max(cfg.rollout.max_batch, 1), cfg.rollout.replicas)
+    obs = observe(h5, max(cfg.rollout.max_batch, 1), cfg.rollout.replicas,
+                  shared_cores=hw.efficiency.shared_cores, waiting_share=hw.efficiency.waiting_share)
     return fit(obs, hw, shape, h5)
 
 

@@ -102,9 +102,13 @@ def test_calibrating_on_a_simulated_run_predicts_its_step_time_and_the_placehold
                                                          f"run.output_dir={tmp_path / 'truth'}"])
     vocab = len(build_task(cfg).vocab)
     truth, _ = simulate_run(cfg, cost_model(cfg, truth_profile(), vocab, 4), tmp_path / "truth", "truth")
-    obs = observe(truth, 32, 2, allow_simulated=True)
-    assert len(obs.gen_s) == 12 * 5 and len(obs.train_s) == 12 * 5 and obs.train_last.sum() == 24
     base = load_hardware("cpu_local")
+    assert base.efficiency.shared_cores == 2 and base.efficiency.waiting_share > 0
+    # the truth ran on 2 shared cores with waiting ranks: observe() reads each interval's
+    # work at a whole core (plain durations would fit a slower machine, see test_sim_cores)
+    obs = observe(truth, 32, 2, allow_simulated=True, shared_cores=2,
+                  waiting_share=base.efficiency.waiting_share)
+    assert len(obs.gen_s) == 12 * 5 and len(obs.train_s) == 12 * 5 and obs.train_last.sum() == 24
     # the simulated file has no orchestrator intervals nor message gaps: take those as known
     got = fit(obs, dataclasses.replace(base, efficiency=dataclasses.replace(
         base.efficiency, message_latency_s=1e-3)), cost_model(cfg, base, vocab, 4).layout("speaker").model, "t")

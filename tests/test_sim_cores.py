@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from flexmarl_hpc import messages as M
 from flexmarl_hpc.layout import RankLayout
-from flexmarl_hpc.sim.cores import CoreShare, Job
+from flexmarl_hpc.sim.cores import CoreShare, Job, core_rate, work_at_rate
 from flexmarl_hpc.sim.transport import ConstantCost, SimTransport
 
 
@@ -39,6 +40,40 @@ def test_a_trainer_group_counts_each_of_its_ranks():
     share.add(Job("group", 0.0, 1.0, weight=2))
     share.add(Job("replica", 0.0, 1.0))
     assert ends(share) == {"group": 1.5, "replica": 1.5}
+
+
+def test_waiting_ranks_cost_nothing_while_a_core_is_idle_and_their_share_once_none_is():
+    """6 ranks on 2 cores, waiting share 0.25: one computing rank keeps a whole core (the
+    waiters wake up on the idle one); two computing with 4 waiting get 2 / (2 + 1) each;
+    three with 3 waiting 2 / 3.75."""
+    assert core_rate(1, 2, ranks=6, waiting_share=0.25) == 1.0
+    assert core_rate(2, 2, ranks=6, waiting_share=0.25) == pytest.approx(2 / 3)
+    assert core_rate(3, 2, ranks=6, waiting_share=0.25) == pytest.approx(2 / 3.75)
+    assert core_rate(3, 2) == pytest.approx(2 / 3)                 # no share: plain sharing
+    share = CoreShare(2, 0.0, ranks=6, waiting_share=0.25)
+    share.add(Job("a", 0.0, 1.0))
+    share.add(Job("b", 0.0, 1.0))
+    assert ends(share) == {"a": 1.5, "b": 1.5}
+    with pytest.raises(ValueError, match="waiting_share"):
+        CoreShare(2, 0.0, 6, -0.1)
+
+
+def test_work_at_rate_gives_back_the_work_of_jobs_run_under_the_same_sharing():
+    """Jobs of known work run through CoreShare (starts and ends re-time each other, 1 to 4
+    at once); their intervals, read back by work_at_rate as calibration reads a real run's,
+    give each job's work. Plain durations would not (the check can fail)."""
+    rng = np.random.default_rng(3)
+    share = CoreShare(2, 0.0, ranks=6, waiting_share=0.3)
+    jobs = [Job(i, float(s), float(w)) for i, (s, w) in
+            enumerate(zip(np.sort(rng.uniform(0, 5, 12)), rng.uniform(0.2, 2.0, 12)))]
+    for j in jobs:
+        share.add(j)
+    done = {job.key: at for at, job in share.advance(math.inf)}
+    t0 = np.array([j.start for j in jobs])
+    t1 = np.array([done[j.key] for j in jobs])
+    work = np.array([j.work for j in jobs])
+    assert work_at_rate(t0, t1, 2, 6, 0.3) == pytest.approx(work, rel=1e-9)
+    assert not np.allclose(t1 - t0, work, rtol=0.05)
 
 
 def test_next_end_changes_nothing_and_the_past_is_refused():

@@ -35,6 +35,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from .cores import work_at_rate
 from .costs import ADAM_BYTES_PER_PARAM, ModelShape, decode_schedule, decode_step_s, prefill_s
 from .hardware import HardwareProfile, validate_hardware
 
@@ -46,13 +47,14 @@ BUSY = (b"generate", b"train", b"sync", b"checkpoint", b"swap")
 class Observations:
     """What one real run measured, as the fit needs it (all seconds)."""
     gen_s: np.ndarray
-    """Duration of each generate interval matched to its samples."""
+    """Seconds at a whole core of each generate interval matched to its samples (its
+    duration unless the ranks shared cores, see observe)."""
     gen_batches: list[tuple[int, float, np.ndarray]]
     """Per generate interval: its prompt tokens in all, the mean prompt, the response lengths."""
     slots: int
     """Sequences a replica decodes at once (rollout.max_batch)."""
     train_s: np.ndarray
-    """Duration of each train interval (one micro-batch)."""
+    """Seconds at a whole core of each train interval (one micro-batch), likewise."""
     train_tokens: np.ndarray
     """Prompt + response tokens of each micro-batch."""
     train_last: np.ndarray
@@ -72,19 +74,28 @@ class Observations:
     the orchestrator's next busy start after a worker's end (one-way latencies, upper bounds)."""
 
 
-def observe(path: str | Path, max_batch: int, replicas: int, allow_simulated: bool = False) -> Observations:
+def observe(path: str | Path, max_batch: int, replicas: int, allow_simulated: bool = False,
+            shared_cores: int = 0, waiting_share: float = 0.0) -> Observations:
     """Read a real run's HDF5 file. Rollout rank = 1 + replica index (the run's layout).
-    `allow_simulated`: a simulated run too (tests: a run of known figures, read back)."""
+    `allow_simulated`: a simulated run too (tests: a run of known figures, read back).
+    `shared_cores` > 0: the ranks shared that many cores, so each generate and train interval
+    counts the seconds it would take at a whole core (sim.cores.work_at_rate, the model the
+    simulator runs them under), not its wall time."""
     with h5py.File(path, "r") as f:
         if "intervals" not in f or "samples" not in f:
             raise ValueError(f"{path}: not a run file (expected /intervals and /samples)")
         if f.attrs.get("simulated", False) and not allow_simulated:
             raise ValueError(f"{path}: a simulated run; calibrate from a real (MPI) run")
         iv = f["intervals"][:]
+        ranks = int(f.attrs.get("world_size", iv["rank"].max() + 1))
         samples = {a: f["samples"][a][:] for a in f["samples"]}
         steps = {a: f["steps"][a][:] for a in f["steps"]}
-    gen_s, gen_batches = _generate_obs(iv, samples, max_batch, replicas)
-    train_s, train_tokens, train_last = _train_obs(iv, samples, steps)
+    work = iv["t1"] - iv["t0"]
+    if shared_cores:
+        k = (iv["rank"] > 0) & np.isin(iv["activity"], (b"generate", b"train"))
+        work[k] = work_at_rate(iv["t0"][k], iv["t1"][k], shared_cores, ranks, waiting_share)
+    gen_s, gen_batches = _generate_obs(iv, work, samples, max_batch, replicas)
+    train_s, train_tokens, train_last = _train_obs(iv, work, samples, steps)
     sync = iv[iv["activity"] == b"sync"]
     orch = (iv["rank"] == 0) & (iv["activity"] != b"wait")
     log = orch & (iv["activity"] == b"log")
@@ -110,7 +121,7 @@ def message_gaps(iv: np.ndarray) -> np.ndarray:
     return np.concatenate([reply, command])
 
 
-def _generate_obs(iv, samples, max_batch, replicas):
+def _generate_obs(iv, work, samples, max_batch, replicas):
     """Each generate interval with the samples it produced: those of its agent and replica
     the orchestrator received first after the interval ended (t_generated)."""
     out = []
@@ -119,7 +130,7 @@ def _generate_obs(iv, samples, max_batch, replicas):
             if not 0 <= rep < replicas:
                 continue
             k = (iv["rank"] == rep + 1) & (iv["activity"] == b"generate") & (iv["agent"] == agent.encode())
-            ends, durs = iv["t1"][k], (iv["t1"] - iv["t0"])[k]
+            ends, durs = iv["t1"][k], work[k]
             order = np.argsort(ends)
             ends, durs = ends[order], durs[order]
             mine = s[s["replica"] == rep]
@@ -135,7 +146,7 @@ def _generate_obs(iv, samples, max_batch, replicas):
     return np.array([d for d, _ in out]), [b for _, b in out]
 
 
-def _train_obs(iv, samples, steps):
+def _train_obs(iv, work, samples, steps):
     """Each agent's train intervals (its trainer leader's, in time order) split into its
     steps' micro-batches (n_micro each, the last one runs the optimizer)."""
     dur, tokens, last = [], [], []
@@ -146,8 +157,7 @@ def _train_obs(iv, samples, steps):
             continue
         leader = int(iv["rank"][k].min())
         k &= iv["rank"] == leader
-        d = np.sort(np.stack([iv["t0"][k], iv["t1"][k]], 1), axis=0)
-        d = d[:, 1] - d[:, 0]
+        d = work[k][np.argsort(iv["t0"][k], kind="stable")]
         s = samples[agent]
         per_sample = float(np.mean(s["prompt_len"] + s["response_len"])) if len(s) else 0.0
         flags = np.concatenate([np.r_[np.zeros(max(n - 1, 0)), 1.0] for n in st["n_micro"]]) if len(st) else []
@@ -250,8 +260,11 @@ def fit_generate(obs: Observations, base: HardwareProfile, shape: ModelShape) ->
 
     grid = np.log(B_GRID)
     errors = [sse(lb) for lb in grid]
-    # of equal errors the largest B wins: a memory term the run did not show is not priced
-    i = max(range(len(grid)), key=lambda k: (-round(errors[k] / max(min(errors), 1e-300), 6), k))
+    # of equal errors the largest B wins: a memory term the run did not show is not priced.
+    # "Equal" relative to the data too: on intervals the model explains exactly every error
+    # is round-off, and the least of them picks a B at random (and prices Adam's reads at it)
+    tie = min(errors) * (1 + 1e-6) + 1e-12 * float(obs.gen_s @ obs.gen_s)
+    i = max(k for k in range(len(grid)) if errors[k] <= tie)
     log_b = grid[i] if i == len(grid) - 1 else golden(sse, grid[max(i - 1, 0)], grid[i + 1], 30)
     log_f = best_f(log_b)
     x = solve(log_f, log_b)[1]

@@ -1,18 +1,27 @@
 """Processor sharing of a machine's cores among the simulated ranks' compute.
 
 A local run has more MPI ranks than cores (6 ranks on 2 here), so while ranks computing
-`w` in all share `cores`, each runs at min(1, cores / w) of a core, and every start or end
-re-times the others still running. `CoreShare` is that fluid model, pure and exact: jobs
+`w` in all share `cores` with the `ranks - w` others that wait, each runs at
+
+    min(1, cores / (w + waiting_share x (ranks - w)))
+
+of a core, and every start or end re-times the others still running. A waiting rank polls
+with back-off (flexmarl_hpc.comm): little CPU of its own, but each wake-up preempts a rank
+that computes (a context switch, caches refilled), which `bench/bench_cores.py --pollers`
+measures as a share of a core per waiting rank; it matters only once the cores are full. `CoreShare` is that fluid model, pure and exact: jobs
 are added with a start time (now or later: a rank's queue) and their work in seconds at a
 whole core; `advance(t)` moves its clock to `t` and returns the jobs that completed on the
 way, each with its completion time, in order. `sim.transport.SimTransport` uses it for
-generate and train commands when a hardware profile sets `shared_cores`.
+generate and train commands when a hardware profile sets `shared_cores`; `work_at_rate`
+inverts the same model on a real run's intervals for `sim.calibrate`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 EPS = 1e-6
 """Seconds of slack for a start "in the past" (times are epoch seconds: ~2e-7 s resolution)."""
@@ -35,13 +44,43 @@ class Job:
     """Seconds of `work` done so far."""
 
 
-class CoreShare:
-    """Jobs sharing `cores` from time `t` on."""
+def core_rate(computing, cores: int, ranks: int = 0, waiting_share: float = 0.0):
+    """Fraction of a core each of `computing` ranks gets (scalar or array; 1 where none
+    computes): `cores` shared with `ranks - computing` waiting ranks of `waiting_share` each."""
+    w = np.asarray(computing, dtype=np.float64)
+    # while a core is idle the waiting ranks wake up there; once none is, they preempt
+    load = np.where(w < cores, w, w + waiting_share * np.maximum(ranks - w, 0.0))
+    rate = np.where(w > 0, np.minimum(1.0, cores / np.maximum(load, 1e-300)), 1.0)
+    return float(rate) if rate.ndim == 0 else rate
 
-    def __init__(self, cores: int, t: float) -> None:
+
+def work_at_rate(t0: np.ndarray, t1: np.ndarray, cores: int, ranks: int = 0,
+                 waiting_share: float = 0.0) -> np.ndarray:
+    """Seconds at a whole core of each compute interval [t0, t1) of a real run: the integral
+    of `core_rate` over it, the concurrency counted from the intervals themselves (the
+    inverse of CoreShare: a run of these works under that model has these intervals)."""
+    t0, t1 = np.asarray(t0, np.float64), np.asarray(t1, np.float64)
+    if not len(t0):
+        return np.zeros(0)
+    times = np.concatenate([t0, t1])
+    order = np.argsort(times, kind="stable")
+    ts = times[order]
+    w = np.cumsum(np.r_[np.ones(len(t0)), -np.ones(len(t1))][order])    # computing after each event
+    rate = core_rate(w[:-1], cores, ranks, waiting_share)
+    done = np.r_[0.0, np.cumsum(np.diff(ts) * rate)]                   # work of one rank since ts[0]
+    return np.interp(t1, ts, done) - np.interp(t0, ts, done)
+
+
+class CoreShare:
+    """Jobs sharing `cores` (with `ranks` in all, those not computing waiting) from time `t` on."""
+
+    def __init__(self, cores: int, t: float, ranks: int = 0, waiting_share: float = 0.0) -> None:
         if cores < 1:
             raise ValueError(f"cores: expected >= 1, got {cores}")
+        if waiting_share < 0:
+            raise ValueError(f"waiting_share: expected >= 0, got {waiting_share}")
         self.cores, self.t = cores, t
+        self.ranks, self.waiting_share = ranks, waiting_share
         self.jobs: list[Job] = []
 
     def add(self, job: Job) -> None:
@@ -53,7 +92,7 @@ class CoreShare:
     def rate(self) -> float:
         """Fraction of a core each running job gets now."""
         w = sum(j.weight for j in self.jobs if j.start <= self.t)
-        return min(1.0, self.cores / w) if w else 1.0
+        return core_rate(w, self.cores, self.ranks, self.waiting_share)
 
     def _next(self) -> tuple[float, Job | None]:
         """The next event: (time, the job that completes) or (time a pending job starts, None)."""
