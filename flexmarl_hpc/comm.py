@@ -4,15 +4,20 @@ MPICH's blocking receive spins a core at 100 % while it waits. Our ranks outnumb
 cores (an orchestrator, replicas and trainers on a 2-core node), so a spinning waiter
 steals the CPU from the rank doing the work. Every wait here polls with `Iprobe`/`Test`
 and sleeps with exponential back-off (20 us .. 0.5 ms): at most ~0.5 ms of added latency
-and a few thousand cheap wake-ups a second per waiting rank.
+and a few thousand cheap wake-ups a second per waiting rank. Cheap for the waiter, not for
+the rank each wake-up preempts on a full node: where the sender rings a doorbell
+(flexmarl_hpc.doorbell: the orchestrator and its workers), the wait sleeps until it does.
 Communicators are always passed in.
 """
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from .doorbell import Doorbell
 
 MIN_SLEEP, MAX_SLEEP = 2e-5, 5e-4
 
@@ -33,23 +38,42 @@ class Backoff:
 
 
 def recv(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
-         status: MPI.Status | None = None, timeout: float | None = None) -> Any:
-    """`comm.recv` without spinning. Raises TimeoutError after `timeout` seconds."""
+         status: MPI.Status | None = None, timeout: float | None = None,
+         bell: "Doorbell | None" = None, may_sleep: Callable[[], bool] | None = None) -> Any:
+    """`comm.recv` without spinning. Raises TimeoutError after `timeout` seconds. With a
+    `bell` (flexmarl_hpc.doorbell) the wait sleeps until the sender rings, whenever
+    `may_sleep()` allows (the orchestrator's sends in flight need its MPI progress)."""
     st = status if status is not None else MPI.Status()
-    b = Backoff()
-    t0 = time.monotonic()
-    while not comm.Iprobe(source=source, tag=tag, status=st):
-        if timeout is not None and time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"no message from rank {source} (tag {tag}) in {timeout} s")
-        b.sleep()
+    until(lambda: comm.Iprobe(source=source, tag=tag, status=st), timeout, bell, may_sleep,
+          f"no message from rank {source} (tag {tag})")
     return comm.recv(source=st.Get_source(), tag=st.Get_tag(), status=st)
 
 
+def until(ready: Callable[[], bool], timeout: float | None = None, bell: "Doorbell | None" = None,
+          may_sleep: Callable[[], bool] | None = None, what: str = "nothing ready") -> None:
+    """Return once `ready()`; between looks, sleep in `bell` (woken by a ring, then poll for
+    its GRACE_S) or, without one, with back-off. TimeoutError after `timeout` seconds."""
+    from .doorbell import GRACE_S, SAFETY_S
+    b = Backoff()
+    t0 = time.monotonic()
+    woke = -float("inf")
+    while not ready():
+        now = time.monotonic()
+        if timeout is not None and now - t0 > timeout:
+            raise TimeoutError(f"{what} in {timeout} s")
+        if bell is not None and now - woke >= GRACE_S and (may_sleep is None or may_sleep()):
+            if bell.sleep(SAFETY_S if timeout is None else min(SAFETY_S, t0 + timeout - now)):
+                woke, b = time.monotonic(), Backoff()     # rung: the message is on its way
+        else:
+            b.sleep()
+
+
 def recv_from(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
-              timeout: float | None = None) -> tuple[Any, int]:
+              timeout: float | None = None, bell: "Doorbell | None" = None,
+              may_sleep: Callable[[], bool] | None = None) -> tuple[Any, int]:
     """Like `recv`, also returning the sender's rank."""
     st = MPI.Status()
-    obj = recv(comm, source, tag, st, timeout)
+    obj = recv(comm, source, tag, st, timeout, bell, may_sleep)
     return obj, st.Get_source()
 
 

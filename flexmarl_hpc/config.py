@@ -46,6 +46,12 @@ class RunConfig:
     """Master seed: inputs, model init and per-sample sampling seeds derive from it."""
     threads_per_rank: int = 1
     """torch intra-op threads per MPI rank (ranks usually outnumber cores)."""
+    idle_wait: Literal["doorbell", "poll"] = "doorbell"
+    """How the orchestrator and its workers wait for each other's messages. `doorbell`: asleep
+    in the kernel until the sender rings a TCP socket it shares with them (flexmarl_hpc.
+    doorbell; no CPU while idle; falls back to `poll` if the sockets cannot be opened).
+    `poll`: MPI probes with back-off sleeps (20 us .. 0.5 ms), each wake-up preempting a rank
+    that computes on a node whose cores are full."""
     checkpoint_every: int = 10
     """Checkpoint every N steps (0: by minutes only; the end of the run and a preemption
     signal always checkpoint)."""

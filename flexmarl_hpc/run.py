@@ -267,14 +267,15 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     task = build_task(cfg)
     out = cfg.output_dir
     bucket = int(cfg.weight_sync.bucket_mb * 2**20)
+    bell = _doorbell(cfg, world)
     if role == ORCHESTRATOR:
-        return _orchestrate(cfg, layout, world, task)
+        return _orchestrate(cfg, layout, world, task, bell)
     if role == ROLLOUT:
         from .sampling import SamplingParams
         from .workers import replica_loop
         engine = build_engine(cfg, task, device, layout.pool_of(index))
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
-        return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend)
+        return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell)
     from .workers import restore_trainers, trainer_loop
     mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
@@ -282,10 +283,22 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     from .weight_sync import wire_dtype
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
-                        cfg.weight_sync.backend, wire)
+                        cfg.weight_sync.backend, wire, bell)
 
 
-def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
+def _doorbell(cfg: Config, world):
+    """Every rank (collective): the orchestrator's star of wake-up sockets, or None (polling)."""
+    if cfg.run.idle_wait != "doorbell":
+        return None
+    from .doorbell import connect
+    bell = connect(world, 0)
+    if bell is None and world.Get_rank() == 0:
+        print("run.idle_wait=doorbell: the wake-up sockets could not be opened; waiting ranks "
+              "poll (run.idle_wait=poll)", file=sys.stderr, flush=True)
+    return bell
+
+
+def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None) -> int:
     import yaml
     from .orchestrator import Orchestrator
     from .store import StoreFile
@@ -308,7 +321,7 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task) -> int:
         f"({layout.replicas} replicas, {layout.groups} trainer groups x "
         f"{layout.ranks_per_group or '+'.join(map(str, layout.group_sizes))}); "
         f"store {store.path}")
-    transport = MpiTransport(world)
+    transport = MpiTransport(world, bell)
     try:
         code = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log).run()
         transport.close()

@@ -120,8 +120,11 @@ def run_config(path: str | Path):
     import h5py
     with h5py.File(path, "r") as f:
         text = f.attrs["config_yaml"]
+    raw = yaml.safe_load(text if isinstance(text, str) else text.decode())
+    # a file written before run.idle_wait existed: its ranks polled (the default is doorbell)
+    raw.setdefault("run", {}).setdefault("idle_wait", "poll")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as tmp:
-        tmp.write(text if isinstance(text, str) else text.decode())
+        tmp.write(yaml.safe_dump(raw, sort_keys=False))
         tmp.flush()
         return load_config(tmp.name)
 
@@ -135,7 +138,8 @@ def calibrate(h5: str, base: str = "cpu_local") -> HardwareProfile:
     cfg, hw = run_config(h5), load_hardware(base)
     shape = local_cost(cfg, hw).layout(cfg.agent_names[0]).model
     obs = observe(h5, max(cfg.rollout.max_batch, 1), cfg.rollout.replicas,
-                  shared_cores=hw.efficiency.shared_cores, waiting_share=hw.efficiency.waiting_share)
+                  shared_cores=hw.efficiency.shared_cores, waiting_share=hw.efficiency.waiting_share,
+                  workers_poll=cfg.run.idle_wait == "poll")
     return fit(obs, hw, shape, h5)
 
 

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from . import comm as C
 from . import messages as M
+from .doorbell import Doorbell
 
 
 class Transport(Protocol):
@@ -43,17 +44,23 @@ class MpiTransport:
     queued behind it). MPI keeps commands to one rank in order; each request is kept until
     it completes (checked at every send and receive; `close` waits for the rest)."""
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm, bell: Doorbell | None = None) -> None:
         self.comm = comm
+        self.bell = bell
         self.sending: list[MPI.Request] = []
 
     def send(self, rank: int, msg: M.Command) -> None:
         self._reap()
         self.sending.append(self.comm.isend(M.encode(msg), dest=rank, tag=C.TAG_CMD))
+        if self.bell is not None:
+            self.bell.ring(rank)
 
     def receive(self, timeout: float | None = None) -> tuple[int, M.Reply]:
         self._reap()
-        wire, src = C.recv_from(self.comm, tag=C.TAG_REPLY, timeout=timeout)
+        # asleep in the doorbell only with no send in flight: a large command moves while
+        # both ends drive MPI's progress, and the worker receiving it does not ring
+        wire, src = C.recv_from(self.comm, tag=C.TAG_REPLY, timeout=timeout, bell=self.bell,
+                                may_sleep=self._idle)
         return src, M.decode(wire)
 
     def poll(self) -> tuple[int, M.Reply] | None:
@@ -71,14 +78,24 @@ class MpiTransport:
     def _reap(self) -> None:
         self.sending = [r for r in self.sending if not r.Test()]
 
+    def _idle(self) -> bool:
+        self._reap()
+        return not self.sending
 
-def recv_command(comm: MPI.Comm, orch: int) -> M.Command:
-    """A worker's next command from the orchestrator (waiting without a spin)."""
-    return M.decode(C.recv(comm, source=orch, tag=C.TAG_CMD))
+
+def recv_command(comm: MPI.Comm, orch: int, bell: Doorbell | None = None) -> M.Command:
+    """A worker's next command from the orchestrator (waiting without a spin; asleep until
+    the orchestrator rings, with a `bell`)."""
+    return M.decode(C.recv(comm, source=orch, tag=C.TAG_CMD, bell=bell))
 
 
-def send_reply(comm: MPI.Comm, orch: int, msg: M.Reply) -> None:
-    comm.send(M.encode(msg), dest=orch, tag=C.TAG_REPLY)
+def send_reply(comm: MPI.Comm, orch: int, msg: M.Reply, bell: Doorbell | None = None) -> None:
+    """Post the reply, ring the orchestrator, and return once it has the message (a large
+    reply moves while both drive MPI's progress; this end polls meanwhile)."""
+    req = comm.isend(M.encode(msg), dest=orch, tag=C.TAG_REPLY)
+    if bell is not None:
+        bell.ring(orch)
+    C.wait(req)
 
 
 class Aborted(Exception):

@@ -22,6 +22,7 @@ from .rollout.base import GenRequest
 from .sampling import SamplingParams
 from .state_swap import StateMover
 from .trainer.base import finish_step
+from .doorbell import Doorbell
 from .transport import recv_command, send_reply
 from .weight_sync import SyncChannels, broadcast_weights
 
@@ -54,11 +55,11 @@ class Clock:
 
 
 def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
-                 bucket_bytes: int, sync_backend: str = "auto") -> int:
+                 bucket_bytes: int, sync_backend: str = "auto", bell: Doorbell | None = None) -> int:
     channels = SyncChannels(world, sync_backend)
     clock = Clock()
     while True:
-        cmd = recv_command(world, orch)
+        cmd = recv_command(world, orch, bell)
         t0 = time.time()
         if isinstance(cmd, M.Generate):
             agent, version = cmd.agent, cmd.version
@@ -69,7 +70,7 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
             gens = engine.generate(agent, [GenRequest(*r) for r in cmd.requests], cmd.params or params)
             clock.mark("generate", agent, t0)
             send_reply(world, orch, M.Generated(cmd.batch_id, [(g.tokens, g.logprobs) for g in gens],
-                                                intervals=clock.drain()))
+                                                intervals=clock.drain()), bell)
         elif isinstance(cmd, M.Sync):
             agent = cmd.agent
             t = [t0]
@@ -77,11 +78,11 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
                                          on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
             engine.load_weights(agent, v, named)
             clock.mark("sync", agent, t[0])
-            send_reply(world, orch, M.Synced(index, agent, v, intervals=clock.drain()))
+            send_reply(world, orch, M.Synced(index, agent, v, intervals=clock.drain()), bell)
         elif isinstance(cmd, M.Stop):
             channels.close()
             clock.waited(t0)
-            send_reply(world, orch, M.Stopped(index, intervals=clock.drain()))
+            send_reply(world, orch, M.Stopped(index, intervals=clock.drain()), bell)
             return cmd.code
         else:
             raise ValueError(f"replica {index}: unknown command {cmd.kind!r}")
@@ -96,7 +97,7 @@ def microbatch_from_arrays(d: dict) -> MicroBatch:
 
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
                  bucket_bytes: int, keep_checkpoints: int = 3, sync_backend: str = "auto",
-                 sync_wire: torch.dtype | None = None) -> int:
+                 sync_wire: torch.dtype | None = None, bell: Doorbell | None = None) -> int:
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
     and forwards each command to the members (a non-spinning broadcast). `mover` holds the
     agents whose state is on this group, live (`mover.trainers`) or parked in host memory."""
@@ -106,7 +107,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
     clock = Clock()
     step_stats: dict[str, dict[str, float]] = {}
     while True:
-        cmd = recv_command(world, orch) if leader else None
+        cmd = recv_command(world, orch, bell) if leader else None
         cmd = C.bcast_obj(group, cmd, 0)
         t0 = time.time()
         reply: M.Reply | None = None
@@ -160,16 +161,16 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
         elif isinstance(cmd, M.Stop):
             channels.close()
             clock.waited(t0)
-            send_reply(world, orch, M.Stopped(-1, intervals=clock.drain()))   # every rank
+            send_reply(world, orch, M.Stopped(-1, intervals=clock.drain()), bell)   # every rank
             return cmd.code
         else:
             raise ValueError(f"trainer: unknown command {cmd.kind!r}")
         if leader and reply is not None:
-            send_reply(world, orch, replace(reply, intervals=clock.drain()))
+            send_reply(world, orch, replace(reply, intervals=clock.drain()), bell)
         elif not leader:
             # the other members' intervals go straight to the store too (one small message
             # per command), so utilization counts every rank of a data-parallel group
-            send_reply(world, orch, M.Intervals(intervals=clock.drain()))
+            send_reply(world, orch, M.Intervals(intervals=clock.drain()), bell)
 
 
 def _group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:

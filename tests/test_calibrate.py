@@ -107,7 +107,7 @@ def test_calibrating_on_a_simulated_run_predicts_its_step_time_and_the_placehold
     # the truth ran on 2 shared cores with waiting ranks: observe() reads each interval's
     # work at a whole core (plain durations would fit a slower machine, see test_sim_cores)
     obs = observe(truth, 32, 2, allow_simulated=True, shared_cores=2,
-                  waiting_share=base.efficiency.waiting_share)
+                  waiting_share=base.efficiency.waiting_share, workers_poll=cfg.run.idle_wait == "poll")
     assert len(obs.gen_s) == 12 * 5 and len(obs.train_s) == 12 * 5 and obs.train_last.sum() == 24
     # the simulated file has no orchestrator intervals nor message gaps: take those as known
     got = fit(obs, dataclasses.replace(base, efficiency=dataclasses.replace(

@@ -17,6 +17,7 @@ def test_local_config_loads_and_overrides_apply():
     ("trainer.lrr=1", "trainer.lrr", "unknown key"),
     ("trainer.lr=abc", "trainer.lr", "expected float"),
     ("run.mode=fast", "run.mode", "expected one of"),
+    ("run.idle_wait=sleep", "run.idle_wait", "expected one of"),
     ("run.steps=0", "run.steps", "expected 1..1000000000"),
     ("rollout.replicas=0", "rollout.replicas", ">= 1 replica"),
     ("trainer.groups=1", "trainer.groups", "no trainer"),

@@ -301,6 +301,17 @@ def test_fewer_trainer_groups_than_agents_swaps_states_losslessly(sync_run, tmp_
                 assert torch.equal(a[k], b[k]), (agent, k)
 
 
+def test_waiting_by_polling_gives_the_same_run_as_the_doorbell(sync_run, tmp_path):
+    """How idle ranks wait (run.idle_wait) changes when they wake, never what they compute:
+    the default run slept in doorbells (their star opened: no fallback notice), this one
+    polls, and both have the same trajectories and weights."""
+    ref, p_ref = sync_run
+    assert "wake-up sockets could not be opened" not in p_ref.stderr
+    run_training(tmp_path, *SMALL, "run.mode=sync", "run.idle_wait=poll")
+    check_exactly_once(tmp_path / "local.h5", 6)
+    assert_same_run(ref, tmp_path)
+
+
 def test_data_parallel_trainer_groups_match_single_rank(sync_run, tmp_path):
     """Two ranks per trainer group (6 ranks): each trains half of every micro-batch and the
     gradients are all-reduced, so the weights match the one-rank groups."""

@@ -50,6 +50,9 @@ def test_waiting_ranks_cost_nothing_while_a_core_is_idle_and_their_share_once_no
     assert core_rate(2, 2, ranks=6, waiting_share=0.25) == pytest.approx(2 / 3)
     assert core_rate(3, 2, ranks=6, waiting_share=0.25) == pytest.approx(2 / 3.75)
     assert core_rate(3, 2) == pytest.approx(2 / 3)                 # no share: plain sharing
+    # with doorbells the workers sleep while they wait: the orchestrator alone polls
+    assert core_rate(2, 2, ranks=6, waiting_share=0.25, workers_poll=False) == pytest.approx(2 / 2.25)
+    assert core_rate(1, 2, ranks=6, waiting_share=0.25, workers_poll=False) == 1.0
     share = CoreShare(2, 0.0, ranks=6, waiting_share=0.25)
     share.add(Job("a", 0.0, 1.0))
     share.add(Job("b", 0.0, 1.0))
@@ -73,6 +76,7 @@ def test_work_at_rate_gives_back_the_work_of_jobs_run_under_the_same_sharing():
     t1 = np.array([done[j.key] for j in jobs])
     work = np.array([j.work for j in jobs])
     assert work_at_rate(t0, t1, 2, 6, 0.3) == pytest.approx(work, rel=1e-9)
+    assert not np.allclose(work_at_rate(t0, t1, 2, 6, 0.3, workers_poll=False), work, rtol=0.02)
     assert not np.allclose(t1 - t0, work, rtol=0.05)
 
 

@@ -75,12 +75,12 @@ class Observations:
 
 
 def observe(path: str | Path, max_batch: int, replicas: int, allow_simulated: bool = False,
-            shared_cores: int = 0, waiting_share: float = 0.0) -> Observations:
+            shared_cores: int = 0, waiting_share: float = 0.0, workers_poll: bool = True) -> Observations:
     """Read a real run's HDF5 file. Rollout rank = 1 + replica index (the run's layout).
     `allow_simulated`: a simulated run too (tests: a run of known figures, read back).
     `shared_cores` > 0: the ranks shared that many cores, so each generate and train interval
     counts the seconds it would take at a whole core (sim.cores.work_at_rate, the model the
-    simulator runs them under), not its wall time."""
+    simulator runs them under, `workers_poll` as the run's idle_wait), not its wall time."""
     with h5py.File(path, "r") as f:
         if "intervals" not in f or "samples" not in f:
             raise ValueError(f"{path}: not a run file (expected /intervals and /samples)")
@@ -93,7 +93,7 @@ def observe(path: str | Path, max_batch: int, replicas: int, allow_simulated: bo
     work = iv["t1"] - iv["t0"]
     if shared_cores:
         k = (iv["rank"] > 0) & np.isin(iv["activity"], (b"generate", b"train"))
-        work[k] = work_at_rate(iv["t0"][k], iv["t1"][k], shared_cores, ranks, waiting_share)
+        work[k] = work_at_rate(iv["t0"][k], iv["t1"][k], shared_cores, ranks, waiting_share, workers_poll)
     gen_s, gen_batches = _generate_obs(iv, work, samples, max_batch, replicas)
     train_s, train_tokens, train_last = _train_obs(iv, work, samples, steps)
     sync = iv[iv["activity"] == b"sync"]

@@ -1,14 +1,17 @@
 """Processor sharing of a machine's cores among the simulated ranks' compute.
 
 A local run has more MPI ranks than cores (6 ranks on 2 here), so while ranks computing
-`w` in all share `cores` with the `ranks - w` others that wait, each runs at
+`w` in all share `cores` with `p` others that poll while they wait, each runs at
 
-    min(1, cores / (w + waiting_share x (ranks - w)))
+    1 while w < cores (the pollers wake up on an idle core), else cores / (w + waiting_share x p)
 
-of a core, and every start or end re-times the others still running. A waiting rank polls
-with back-off (flexmarl_hpc.comm): little CPU of its own, but each wake-up preempts a rank
-that computes (a context switch, caches refilled), which `bench/bench_cores.py --pollers`
-measures as a share of a core per waiting rank; it matters only once the cores are full. `CoreShare` is that fluid model, pure and exact: jobs
+of a core, and every start or end re-times the others still running. A polling rank
+(`Iprobe` and back-off sleeps, flexmarl_hpc.comm) uses little CPU of its own, but each
+wake-up preempts a rank that computes (a context switch, caches refilled), which
+`bench/bench_cores.py --pollers` measures as a share of a core per waiting rank. Which ranks
+poll is the run's `run.idle_wait` (`waiting_pollers`): all that wait with `poll`; with
+`doorbell` the workers sleep until rung and only the orchestrator polls (while a command of
+its is in flight, which is most of a run). `CoreShare` is that fluid model, pure and exact: jobs
 are added with a start time (now or later: a rank's queue) and their work in seconds at a
 whole core; `advance(t)` moves its clock to `t` and returns the jobs that completed on the
 way, each with its completion time, in order. `sim.transport.SimTransport` uses it for
@@ -44,18 +47,27 @@ class Job:
     """Seconds of `work` done so far."""
 
 
-def core_rate(computing, cores: int, ranks: int = 0, waiting_share: float = 0.0):
-    """Fraction of a core each of `computing` ranks gets (scalar or array; 1 where none
-    computes): `cores` shared with `ranks - computing` waiting ranks of `waiting_share` each."""
+def waiting_pollers(computing, ranks: int, workers_poll: bool = True):
+    """Ranks that poll while `computing` ranks compute (scalar or array), `ranks` in all:
+    every other one when the workers poll (run.idle_wait=poll), else the orchestrator alone."""
     w = np.asarray(computing, dtype=np.float64)
-    # while a core is idle the waiting ranks wake up there; once none is, they preempt
-    load = np.where(w < cores, w, w + waiting_share * np.maximum(ranks - w, 0.0))
+    p = np.maximum(ranks - w, 0.0) if workers_poll else np.minimum(ranks, 1.0) + 0.0 * w
+    return float(p) if p.ndim == 0 else p
+
+
+def core_rate(computing, cores: int, ranks: int = 0, waiting_share: float = 0.0,
+              workers_poll: bool = True):
+    """Fraction of a core each of `computing` ranks gets (scalar or array; 1 where none
+    computes): `cores` shared with the waiting_pollers, `waiting_share` of a core each."""
+    w = np.asarray(computing, dtype=np.float64)
+    # while a core is idle the pollers wake up there; once none is, they preempt
+    load = np.where(w < cores, w, w + waiting_share * waiting_pollers(w, ranks, workers_poll))
     rate = np.where(w > 0, np.minimum(1.0, cores / np.maximum(load, 1e-300)), 1.0)
     return float(rate) if rate.ndim == 0 else rate
 
 
 def work_at_rate(t0: np.ndarray, t1: np.ndarray, cores: int, ranks: int = 0,
-                 waiting_share: float = 0.0) -> np.ndarray:
+                 waiting_share: float = 0.0, workers_poll: bool = True) -> np.ndarray:
     """Seconds at a whole core of each compute interval [t0, t1) of a real run: the integral
     of `core_rate` over it, the concurrency counted from the intervals themselves (the
     inverse of CoreShare: a run of these works under that model has these intervals)."""
@@ -66,7 +78,7 @@ def work_at_rate(t0: np.ndarray, t1: np.ndarray, cores: int, ranks: int = 0,
     order = np.argsort(times, kind="stable")
     ts = times[order]
     w = np.cumsum(np.r_[np.ones(len(t0)), -np.ones(len(t1))][order])    # computing after each event
-    rate = core_rate(w[:-1], cores, ranks, waiting_share)
+    rate = core_rate(w[:-1], cores, ranks, waiting_share, workers_poll)
     done = np.r_[0.0, np.cumsum(np.diff(ts) * rate)]                   # work of one rank since ts[0]
     return np.interp(t1, ts, done) - np.interp(t0, ts, done)
 
@@ -74,13 +86,14 @@ def work_at_rate(t0: np.ndarray, t1: np.ndarray, cores: int, ranks: int = 0,
 class CoreShare:
     """Jobs sharing `cores` (with `ranks` in all, those not computing waiting) from time `t` on."""
 
-    def __init__(self, cores: int, t: float, ranks: int = 0, waiting_share: float = 0.0) -> None:
+    def __init__(self, cores: int, t: float, ranks: int = 0, waiting_share: float = 0.0,
+                 workers_poll: bool = True) -> None:
         if cores < 1:
             raise ValueError(f"cores: expected >= 1, got {cores}")
         if waiting_share < 0:
             raise ValueError(f"waiting_share: expected >= 0, got {waiting_share}")
         self.cores, self.t = cores, t
-        self.ranks, self.waiting_share = ranks, waiting_share
+        self.ranks, self.waiting_share, self.workers_poll = ranks, waiting_share, workers_poll
         self.jobs: list[Job] = []
 
     def add(self, job: Job) -> None:
@@ -92,7 +105,7 @@ class CoreShare:
     def rate(self) -> float:
         """Fraction of a core each running job gets now."""
         w = sum(j.weight for j in self.jobs if j.start <= self.t)
-        return core_rate(w, self.cores, self.ranks, self.waiting_share)
+        return core_rate(w, self.cores, self.ranks, self.waiting_share, self.workers_poll)
 
     def _next(self) -> tuple[float, Job | None]:
         """The next event: (time, the job that completes) or (time a pending job starts, None)."""

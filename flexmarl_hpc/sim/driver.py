@@ -185,7 +185,8 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        orchestrator_step_s=eff.orchestrator_step_s if eff else 0.0,
                        latency_s=eff.message_latency_s if eff else 0.0,
                        shared_cores=eff.shared_cores if eff else 0,
-                       waiting_share=eff.waiting_share if eff else 0.0)
+                       waiting_share=eff.waiting_share if eff else 0.0,
+                       workers_poll=cfg.run.idle_wait == "poll")
     try:
         with sim_clock(sim):
             code = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None).run()

@@ -21,8 +21,8 @@ sim/calibrate.py): `orchestrator_s` per reply handled and `orchestrator_step_s` 
 step (the orchestrator's own time, on the clock before it sends again); `latency_s`, one way,
 on every command and reply; `shared_cores`: when worker ranks outnumber cores, generate and
 train commands share them (processor sharing, sim/cores.py: while ranks computing w in all
-run, each gets min(1, cores / (w + waiting_share x the ranks waiting)) of a core, and every
-start or end re-times the others); a
+run, each gets min(1, cores / (w + waiting_share x the ranks polling)) of a core once they
+fill the cores, and every start or end re-times the others); a
 rank's later commands then wait in `deferred` until its running command has ended.
 """
 from __future__ import annotations
@@ -144,7 +144,7 @@ class SimTransport:
     def __init__(self, layout: RankLayout, cost: CostModel, workers, t0: float | None = None,
                  charge_orchestrator: bool = False, orchestrator_s: float = 0.0,
                  orchestrator_step_s: float = 0.0, latency_s: float = 0.0,
-                 shared_cores: int = 0, waiting_share: float = 0.0) -> None:
+                 shared_cores: int = 0, waiting_share: float = 0.0, workers_poll: bool = True) -> None:
         self.layout, self.cost, self.workers = layout, cost, workers
         self.now = time.time() if t0 is None else t0
         self.free_at: dict[int, float] = {}          # worker rank -> end of its last command
@@ -159,7 +159,7 @@ class SimTransport:
         self.latency_s = latency_s                   # one-way, each command and reply
         # > 0: generate and train share that many cores (processor sharing, sim/cores.py);
         # a rank computing or held in a collective keeps later commands in `deferred`
-        self.share = (CoreShare(shared_cores, self.now, layout.world_size, waiting_share)
+        self.share = (CoreShare(shared_cores, self.now, layout.world_size, waiting_share, workers_poll)
                       if shared_cores else None)
         self.computing: set[int] = set()
         self.deferred: dict[int, list[tuple[float, tuple]]] = {}
