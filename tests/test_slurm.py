@@ -295,7 +295,7 @@ def test_interrupted_job_is_requeued_and_finishes_exactly_once(slurm, how, tmp_p
     job (SLURM_RESTART_COUNT=1) finishes the run with every sample consumed exactly once."""
     if how == "preempt":
         need("high" in slurm, "a `high` partition that preempts the default one (scripts/slurm_up.sh)")
-    steps = 30                                        # ~0.5 s each: the signal lands mid-run
+    steps = 300                                       # ~40 ms each: the signal lands mid-run
     run = submit_from_test(tmp_path, steps)
     _wait_for(lambda: _steps_logged(run) >= 3, 120, "3 steps")
     if how == "signal":
@@ -335,7 +335,7 @@ def test_sweep_runs_one_array_task_per_value(slurm, tmp_path):
 def test_signalled_sweep_task_requeues_and_resumes(slurm, tmp_path):
     """A sweep task signalled mid-run (USR2, submitit's preemption signal) checkpoints,
     requeues itself and resumes from its output_dir to a complete store."""
-    steps = 30
+    steps = 300                                       # ~40 ms each: the signal lands mid-run
     (task,) = submit_sweep(CONFIG, [*SMALL, f"run.steps={steps}", f"run.output_dir={tmp_path}"], "trainer.lr=1e-3")
     log = task.job.paths.stdout
     _wait_for(lambda: log.exists() and re.search(r"step\s+3/", log.read_text()), 120, "3 steps")

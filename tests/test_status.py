@@ -93,8 +93,10 @@ def submit(tmp_path: Path, *overrides: str):
 
 @pytest.mark.slurm
 def test_status_of_a_slurm_job_running_requeued_and_completed(slurm, tmp_path):
-    run = submit(tmp_path, "run.steps=24")
-    _wait_for(lambda: re.search(r"] ([1-9]\d*)/24", status_cli(run.job_id).stdout), 180, "steps by job id")
+    # long enough to be running when signalled: since the doorbell waits this small game
+    # trains a step in ~40 ms, and 24 steps were over before the signal came
+    run = submit(tmp_path, "run.steps=300")
+    _wait_for(lambda: re.search(r"] ([1-9]\d*)/300", status_cli(run.job_id).stdout), 180, "steps by job id")
     q = status_cli(run.job_id)
     assert f"slurm  job {run.job_id}: RUNNING" in q.stdout, q.stdout
     assert re.search(rf"het components: {run.job_id}\+0 RUNNING, {run.job_id}\+1 RUNNING, "
@@ -112,7 +114,7 @@ def test_status_of_a_slurm_job_running_requeued_and_completed(slurm, tmp_path):
     print(frames[-1])
     assert len(frames) >= 2 and "RUNNING" in out
     assert f"slurm  job {run.job_id}: COMPLETED, requeued: restart 1" in frames[-1]
-    assert "24/24 (100%)" in frames[-1] and "preemption signal" in frames[-1]   # last warning line
+    assert "300/300 (100%)" in frames[-1] and "preemption signal" in frames[-1]   # last warning line
     # by job id through accounting alone (slurmctld forgets a job MinJobAge after it ends)
     job = status.parse_sacct(status._cmd(["sacct", "-X", "-n", "-P", "-D", "-j", run.job_id,
                                           "-o", "JobID,State,SubmitLine"]), run.job_id)
