@@ -109,11 +109,7 @@ def main() -> None:
     alone, together, cores = [], [], []
     for rep in range(a.reps):
         for side in (("alone", "together") if rep % 2 == 0 else ("together", "alone")):
-            running = pipes[:1] if side == "alone" else pipes
-            for p in running:
-                p.send("run")
-            times = [p.recv() for p in running]
-            (alone if side == "alone" else together).append(statistics.mean(times))
+            (alone if side == "alone" else together).append(timed(pipes[:1] if side == "alone" else pipes))
         cores.append(a.procs * alone[-1] / together[-1])
     for p in pipes:
         p.send("stop")

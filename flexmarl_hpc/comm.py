@@ -12,12 +12,11 @@ Communicators are always passed in.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from mpi4py import MPI
 
-if TYPE_CHECKING:
-    from .doorbell import Doorbell
+from .doorbell import GRACE_S, SAFETY_S, Doorbell
 
 MIN_SLEEP, MAX_SLEEP = 2e-5, 5e-4
 
@@ -39,7 +38,7 @@ class Backoff:
 
 def recv(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
          status: MPI.Status | None = None, timeout: float | None = None,
-         bell: "Doorbell | None" = None, may_sleep: Callable[[], bool] | None = None) -> Any:
+         bell: Doorbell | None = None, may_sleep: Callable[[], bool] | None = None) -> Any:
     """`comm.recv` without spinning. Raises TimeoutError after `timeout` seconds. With a
     `bell` (flexmarl_hpc.doorbell) the wait sleeps until the sender rings, whenever
     `may_sleep()` allows (the orchestrator's sends in flight need its MPI progress)."""
@@ -49,11 +48,10 @@ def recv(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
     return comm.recv(source=st.Get_source(), tag=st.Get_tag(), status=st)
 
 
-def until(ready: Callable[[], bool], timeout: float | None = None, bell: "Doorbell | None" = None,
+def until(ready: Callable[[], bool], timeout: float | None = None, bell: Doorbell | None = None,
           may_sleep: Callable[[], bool] | None = None, what: str = "nothing ready") -> None:
     """Return once `ready()`; between looks, sleep in `bell` (woken by a ring, then poll for
     its GRACE_S) or, without one, with back-off. TimeoutError after `timeout` seconds."""
-    from .doorbell import GRACE_S, SAFETY_S
     b = Backoff()
     t0 = time.monotonic()
     woke = -float("inf")
@@ -69,7 +67,7 @@ def until(ready: Callable[[], bool], timeout: float | None = None, bell: "Doorbe
 
 
 def recv_from(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
-              timeout: float | None = None, bell: "Doorbell | None" = None,
+              timeout: float | None = None, bell: Doorbell | None = None,
               may_sleep: Callable[[], bool] | None = None) -> tuple[Any, int]:
     """Like `recv`, also returning the sender's rank."""
     st = MPI.Status()
@@ -87,15 +85,11 @@ def poll(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -
 
 def wait(req: MPI.Request) -> None:
     """`req.Wait()` for a non-blocking send or collective, without spinning."""
-    b = Backoff()
-    while not req.Test():
-        b.sleep()
+    until(req.Test)
 
 
 def waitall(reqs: list[MPI.Request]) -> None:
-    b = Backoff()
-    while not MPI.Request.Testall(reqs):
-        b.sleep()
+    until(lambda: MPI.Request.Testall(reqs))
 
 
 def bcast_buffer(comm: MPI.Comm, buf, root: int) -> None:

@@ -51,7 +51,7 @@ def waiting_pollers(computing, ranks: int, workers_poll: bool = True):
     """Ranks that poll while `computing` ranks compute (scalar or array), `ranks` in all:
     every other one when the workers poll (run.idle_wait=poll), else the orchestrator alone."""
     w = np.asarray(computing, dtype=np.float64)
-    p = np.maximum(ranks - w, 0.0) if workers_poll else np.minimum(ranks, 1.0) + 0.0 * w
+    p = np.maximum(ranks - w, 0.0) if workers_poll else np.full_like(w, min(ranks, 1))
     return float(p) if p.ndim == 0 else p
 
 

@@ -64,12 +64,13 @@ class Efficiency:
     shared_cores: int = 0
     """Cores the worker ranks share (0: each rank has its device to itself). With N > 0,
     generate and train commands share N cores (processor sharing: while ranks computing w in
-    all run, each runs at min(1, N / (w + waiting_share x waiting ranks)) of a core), as on
-    the 2-core machine of the calibration runs."""
+    all run, each runs at min(1, N / w) of a core while w < N, and at N / (w + waiting_share
+    x polling ranks) once they fill the cores; sim/cores.py), as on the 2-core machine of
+    the calibration runs."""
     waiting_share: float = 0.0
-    """Share of a core each waiting rank takes from those computing once `shared_cores` are
-    full (its back-off polling wakes up and preempts them); measured by
-    bench/bench_cores.py --pollers, not fitted."""
+    """Share of a core each polling rank takes from those computing once `shared_cores` are
+    full (its back-off wake-ups preempt them; which ranks poll follows run.idle_wait);
+    measured by bench/bench_cores.py --pollers, not fitted."""
 
 
 _FRACTIONS = ("mfu_prefill", "mfu_decode", "mfu_train", "hbm", "link", "gpu_memory_utilization")
