@@ -134,6 +134,9 @@ class Orchestrator:
                 return self.stop_preempted()
             with self.clock("schedule"):
                 self.schedule()
+            # after schedule(): the weight syncs a finished step unlocks are out before its
+            # log line, metrics row and full store flush (~3 ms here) are made
+            self.maybe_log()
             self.handle(*self.receive())
             while (m := self.transport.poll()) is not None:
                 self.handle(*m)
@@ -164,8 +167,9 @@ class Orchestrator:
         if new is not None:
             self.binding = new
         self.push_weights()
-        for a in self.agents:
-            self.dispatch_generation(a)
+        for a in self.agents:                     # generation first: the replicas wait on
+            self.dispatch_generation(a)           # this rank, while a trainer's second
+        for a in self.agents:                     # micro-batch is often still queued
             self.dispatch_training(a)
             if self.evals is not None:
                 self.dispatch_eval(a)
@@ -415,6 +419,9 @@ class Orchestrator:
             rank, agent, version, nodes = self.batches.pop(msg.batch_id)
             r = self.replicas[rank - 1]
             r.busy, r.outstanding = None, 0.0
+            # the replica's next batch, from what was already pending, goes out before this
+            # one is recorded (the tree and the store take ~0.5 ms the replica would idle)
+            self.dispatch_generation(agent)
             with self.clock("store"):   # rows are flushed with the next micro-batch's CONSUMED
                 self.exp.record_generation([(n, t, lp) for n, (t, lp) in zip(nodes, msg.outputs)],
                                            version, rank - 1)
@@ -483,7 +490,6 @@ class Orchestrator:
         if self.checkpoint_due(agent, version):
             self.ckpt_time[agent] = time.time()
             self.checkpoint([agent], wait=False)
-        self.maybe_log()
 
     def _append_step(self, agent: str, version: int, stats: dict, nodes: list, reward: float,
                      stale: np.ndarray, tis: float) -> None:
@@ -511,8 +517,11 @@ class Orchestrator:
         return by_steps or by_time
 
     def maybe_log(self) -> None:
-        with self.clock("log"):
-            self._maybe_log()
+        """Log every global step all agents have finished (the main loop calls it after each
+        schedule(); checkpoint() and stop_workers() before they act)."""
+        if min(s.version for s in self.state.values()) > self.logged_step:
+            with self.clock("log"):
+                self._maybe_log()
 
     def _maybe_log(self) -> None:
         done = min(s.version for s in self.state.values())
@@ -535,7 +544,8 @@ class Orchestrator:
                 "rollout_s": [self.window["generate"]], "train_s": [self.window["train"]],
                 "sync_s": [self.window["sync"]], "swap_s": [self.window["swap"]],
                 "utilization": [util], "staleness_max": [stale]})
-            self.sinks.write(step, step_scalars(self.store, step, row))
+            if self.sinks:                      # run.loggers (reads the steps' rows back)
+                self.sinks.write(step, step_scalars(self.store, step, row))
             if step % self.cfg.run.log_every == 0 or step == self.cfg.run.steps - 1:
                 rs = " ".join(f"{a} {r:.3f}" for a, r in rew.items())
                 self.log(f"step {step + 1:4d}/{self.cfg.run.steps} | reward {rs} | "
@@ -566,6 +576,7 @@ class Orchestrator:
 
     # -- checkpoints and shutdown ----------------------------------------------------------
     def checkpoint(self, agents: list[str], wait: bool = True) -> None:
+        self.maybe_log()                # a resume starts logging at the checkpoint's steps
         self.store.flush()              # committed before a checkpoint can hold a version
         by_group = defaultdict(list)
         for a in agents:
@@ -604,6 +615,7 @@ class Orchestrator:
             src, msg = self.receive()
             self.handle(src, msg)
             pending -= isinstance(msg, M.Stopped)
+        self.maybe_log()
         self.write_intervals()
         self.store.flush()
         self.sinks.close()

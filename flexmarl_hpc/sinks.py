@@ -58,19 +58,31 @@ def step_scalars(store, step: int, metrics: dict, extra: dict[str, float] | None
     just appended (`metrics`, column -> [value]) and `extra` (e.g. eval results) as given."""
     out: dict[str, float] = {}
     for agent, tab in store.steps.items():
-        rows = np.nonzero(tab.ds["step"][:] == step)[0]
-        if rows.size == 0:
+        row = _last_row_of(tab, step)
+        if row is None:
             continue
-        r = int(rows[-1])
-        names = tab.ds.dtype.names or ()
+        names = row.dtype.names or ()
         for col in STEP_TAGS + tuple(c for c in OPTIONAL_STEP_TAGS if c in names):
-            out[f"{agent}/{'reward' if col == 'reward_mean' else col}"] = float(tab.ds[col][r])
+            out[f"{agent}/{'reward' if col == 'reward_mean' else col}"] = float(row[col])
     for col in RUN_TAGS:
         out[f"run/{col}"] = float(metrics[col][0])
     wall = float(metrics["wall"][0])
     out["run/tokens_per_s"] = float(metrics["tokens"][0]) / wall if wall > 0 else 0.0
     out.update(extra or {})
     return out
+
+
+def _last_row_of(tab, step: int, tail: int = 16):
+    """The last written /steps row of `step`, or None: one read of the table's last rows
+    (the step just logged is among them), the whole table only if it is not."""
+    for lo in (max(tab.disk - tail, 0), 0):
+        rows = tab.read(lo)
+        hit = np.nonzero(rows["step"] == step)[0]
+        if hit.size:
+            return rows[hit[-1]]
+        if lo == 0:
+            return None
+    return None
 
 
 class TensorBoardSink:
@@ -120,6 +132,9 @@ class Sinks:
 
     def __init__(self, sinks: list[Sink]) -> None:
         self.sinks = sinks
+
+    def __bool__(self) -> bool:
+        return bool(self.sinks)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         for s in self.sinks:
