@@ -100,6 +100,7 @@ class Orchestrator:
         self.tokens_since = 0
         self.step_summary: dict[tuple, object] = {}     # per (agent, step): reward, staleness
         self.tis: dict[tuple, float] = {}               # per (agent, step): mean importance weight
+        self.stepped: list[tuple] = []                  # finished steps not yet in /steps (record_steps)
         self.evals = Evaluator(cfg, WatchedTask(task, self.watchdog), set(store.eval.read()["step"].tolist()),
                                {a: s.version for a, s in self.state.items()}) if cfg.run.eval_every else None
         self.eval_batches: dict[int, tuple[int, str, int, list]] = {}
@@ -135,7 +136,8 @@ class Orchestrator:
             with self.clock("schedule"):
                 self.schedule()
             # after schedule(): the weight syncs a finished step unlocks are out before its
-            # log line, metrics row and full store flush (~3 ms here) are made
+            # /steps row, checkpoint, log line, metrics row and full store flush are made
+            self.record_steps()
             self.maybe_log()
             self.handle(*self.receive())
             while (m := self.transport.poll()) is not None:
@@ -481,22 +483,35 @@ class Orchestrator:
         # mean truncated importance weight of the step's samples (trainer stats are sums
         # over samples); the log shows it when pipeline.max_staleness > 0
         tis = self.tis[(agent, step)] = stats.get("tis_mean", np.nan) / max(len(nodes), 1)
-        with self.clock("store"):
-            self._append_step(agent, version, stats, nodes, reward, stale, tis)
-            # written now, committed by the next flush: checkpoint() commits before it sends
-            self.store.flush(full=False)
+        self.stepped.append((agent, version, stats, nodes, reward, stale, tis, st.micro))
         st.version, st.consumed, st.micro = version, 0, 0
         self.samples_since += len(nodes)
-        if self.checkpoint_due(agent, version):
-            self.ckpt_time[agent] = time.time()
-            self.checkpoint([agent], wait=False)
+
+    def record_steps(self, checkpoints: bool = True) -> None:
+        """The /steps rows of the steps finished since the last call, and the checkpoints
+        they make due. The main loop calls it after schedule(), so a finished step's weight
+        syncs go out before its bookkeeping and before its checkpoint (which would hold the
+        trainer for the checkpoint's duration); checkpoint() calls it before it commits."""
+        if not self.stepped:
+            return
+        done, self.stepped = self.stepped, []
+        with self.clock("store"):
+            for args in done:
+                self._append_step(*args)
+            # written now, committed by the next flush: checkpoint() commits before it sends
+            self.store.flush(full=False)
+        due = [a for a, v, *_ in done if checkpoints and self.checkpoint_due(a, v)]
+        if due:
+            for a in due:
+                self.ckpt_time[a] = time.time()
+            self.checkpoint(due, wait=False)
 
     def _append_step(self, agent: str, version: int, stats: dict, nodes: list, reward: float,
-                     stale: np.ndarray, tis: float) -> None:
-        st, step, n = self.state[agent], version - 1, max(len(nodes), 1)
+                     stale: np.ndarray, tis: float, n_micro: int) -> None:
+        step, n = version - 1, max(len(nodes), 1)
         off = self.store.step_rows[agent].append(np.array([nd.row for nd in nodes], dtype=np.int64))
         self.store.steps[agent].append({"step": [step], "version": [version], "t_end": [self.store.now()],
-                    "n_samples": [len(nodes)], "n_micro": [st.micro],
+                    "n_samples": [len(nodes)], "n_micro": [n_micro],
                     "loss": [stats.get("loss", 0) / n], "reward_mean": [reward],
                     "entropy": [stats.get("entropy", 0) / n], "kl": [stats.get("kl", 0) / n],
                     "logp_mismatch": [stats.get("logp_mismatch", np.nan) / n],
@@ -576,8 +591,10 @@ class Orchestrator:
 
     # -- checkpoints and shutdown ----------------------------------------------------------
     def checkpoint(self, agents: list[str], wait: bool = True) -> None:
+        self.record_steps(checkpoints=False)
         self.maybe_log()                # a resume starts logging at the checkpoint's steps
-        self.store.flush()              # committed before a checkpoint can hold a version
+        with self.clock("store"):
+            self.store.flush()          # committed before a checkpoint can hold a version
         by_group = defaultdict(list)
         for a in agents:
             by_group[self.state[a].leader].append(a)
@@ -615,6 +632,7 @@ class Orchestrator:
             src, msg = self.receive()
             self.handle(src, msg)
             pending -= isinstance(msg, M.Stopped)
+        self.record_steps(checkpoints=False)
         self.maybe_log()
         self.write_intervals()
         self.store.flush()
@@ -648,6 +666,7 @@ class Orchestrator:
 
     def abort(self, code: int) -> None:
         try:
+            self.record_steps(checkpoints=False)
             self.write_intervals()
             self.store.flush()
         finally:
