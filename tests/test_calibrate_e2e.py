@@ -64,12 +64,10 @@ def test_the_calibrated_simulator_predicts_sync_and_flex_step_times(tmp_path, mp
           f"\nuncalibrated {raw} errors {raw_err}")
     met = abs(err["sync"]) < GOAL_STEP and abs(err["flex"]) < GOAL_STEP and abs(ratio_err) < GOAL_RATIO
     print(f"goal (step within {GOAL_STEP:.0%}, ratio within {GOAL_RATIO:.0%}): {'met' if met else 'NOT met'}")
-    # the calibration, fitted on the median sync run, predicts sync better than the
-    # placeholder's guesses. How much better depends on the machine, not on the code: -4%
-    # vs -30% on a quiet machine with polling waits, -7% vs -12% with doorbells (the runs
-    # got faster, towards the guess); earlier, loaded, -45% to -80% uncalibrated.
-    assert abs(raw_err["sync"]) > abs(err["sync"]), \
-        "the placeholder profile should predict sync worse than the calibrated one"
+    # the placeholder profile's error is printed, not asserted: how far its guesses are
+    # off depends on the machine, not on the code (-30% on a quiet machine with polling
+    # waits, -12% with doorbells, +0.2% once the orchestrator's hot path got faster: the
+    # runs moved onto the guess); the calibrated prediction is held to the goal
     assert abs(err["sync"]) < GOAL_STEP, err
     assert abs(err["flex"]) < NOISE_FLEX, err
     assert abs(ratio_err) < NOISE_RATIO, ratio_err

@@ -78,9 +78,10 @@ def observe(path: str | Path, max_batch: int, replicas: int, allow_simulated: bo
             shared_cores: int = 0, waiting_share: float = 0.0, workers_poll: bool = True) -> Observations:
     """Read a real run's HDF5 file. Rollout rank = 1 + replica index (the run's layout).
     `allow_simulated`: a simulated run too (tests: a run of known figures, read back).
-    `shared_cores` > 0: the ranks shared that many cores, so each generate and train interval
-    counts the seconds it would take at a whole core (sim.cores.work_at_rate, the model the
-    simulator runs them under, `workers_poll` as the run's idle_wait), not its wall time."""
+    `shared_cores` > 0: the ranks shared that many cores, so each generate and train interval,
+    and each of the orchestrator's busy ones, counts the seconds it would take at a whole
+    core (sim.cores.work_at_rate, the model the simulator runs them under, `workers_poll` as
+    the run's idle_wait), not its wall time."""
     with h5py.File(path, "r") as f:
         if "intervals" not in f or "samples" not in f:
             raise ValueError(f"{path}: not a run file (expected /intervals and /samples)")
@@ -91,19 +92,18 @@ def observe(path: str | Path, max_batch: int, replicas: int, allow_simulated: bo
         samples = {a: f["samples"][a][:] for a in f["samples"]}
         steps = {a: f["steps"][a][:] for a in f["steps"]}
     work = iv["t1"] - iv["t0"]
-    if shared_cores:
-        k = (iv["rank"] > 0) & np.isin(iv["activity"], (b"generate", b"train"))
+    orch = (iv["rank"] == 0) & (iv["activity"] != b"wait")
+    if shared_cores:                   # the orchestrator computes on the same cores
+        k = ((iv["rank"] > 0) & np.isin(iv["activity"], (b"generate", b"train"))) | orch
         work[k] = work_at_rate(iv["t0"][k], iv["t1"][k], shared_cores, ranks, waiting_share, workers_poll)
     gen_s, gen_batches = _generate_obs(iv, work, samples, max_batch, replicas)
     train_s, train_tokens, train_last = _train_obs(iv, work, samples, steps)
     sync = iv[iv["activity"] == b"sync"]
-    orch = (iv["rank"] == 0) & (iv["activity"] != b"wait")
     log = orch & (iv["activity"] == b"log")
     workers = (iv["rank"] > 0) & np.isin(iv["activity"], BUSY)
-    dur = iv["t1"] - iv["t0"]
     return Observations(gen_s, gen_batches, max_batch, train_s, train_tokens, train_last,
-                        sync["t1"] - sync["t0"], float(dur[orch & ~log].sum()), int(workers.sum()),
-                        float(dur[log].sum()), int(train_last.sum()), message_gaps(iv))
+                        sync["t1"] - sync["t0"], float(work[orch & ~log].sum()), int(workers.sum()),
+                        float(work[log].sum()), int(train_last.sum()), message_gaps(iv))
 
 
 def message_gaps(iv: np.ndarray) -> np.ndarray:

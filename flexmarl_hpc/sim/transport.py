@@ -19,8 +19,8 @@ single orchestrator rank can drive.
 Three modelled costs, all 0 unless a profile sets them (a calibrated CPU profile does, see
 sim/calibrate.py): `orchestrator_s` per reply handled and `orchestrator_step_s` per optimizer
 step (the orchestrator's own time, on the clock before it sends again); `latency_s`, one way,
-on every command and reply; `shared_cores`: when worker ranks outnumber cores, generate and
-train commands share them (processor sharing, sim/cores.py: while ranks computing w in all
+on every command and reply; `shared_cores`: when ranks outnumber cores, generate and train
+commands and the orchestrator's own time share them (processor sharing, sim/cores.py: while ranks computing w in all
 run, each gets min(1, cores / (w + waiting_share x the ranks polling)) of a core once they
 fill the cores, and every start or end re-times the others); a
 rank's later commands then wait in `deferred` until its running command has ended.
@@ -189,7 +189,7 @@ class SimTransport:
             raise RuntimeError("simulation: the orchestrator waits for a reply but no command is in flight")
         t, _, src, reply = heapq.heappop(self.events)
         self.now = max(self.now, t)
-        self.now += self._handling(reply)
+        self._orchestrate(reply)
         self._real = time.perf_counter()
         return src, reply
 
@@ -198,7 +198,7 @@ class SimTransport:
         self._settle(self.now)
         if self.events and self.events[0][0] <= self.now:
             _, _, src, reply = heapq.heappop(self.events)
-            self.now += self._handling(reply)
+            self._orchestrate(reply)
             return src, reply
         return None
 
@@ -256,9 +256,28 @@ class SimTransport:
                 self._reply(start, r, plan[2])
 
     def _handling(self, reply: M.Reply) -> float:
-        """Modelled orchestrator seconds to handle `reply` (not counted against the shared
-        cores: rank 0 is busy 3-5% of a CPU run)."""
+        """Modelled orchestrator seconds (at a whole core) to handle `reply`."""
         return self.orchestrator_s + (self.orchestrator_step_s if isinstance(reply, M.Stepped) else 0.0)
+
+    def _orchestrate(self, reply: M.Reply) -> None:
+        """The orchestrator handles `reply`: its modelled seconds pass on the clock. On shared
+        cores it computes there like a worker (rank 0 is busy 25-30% of a referential run,
+        while the workers compute): it takes its share of a core, and slows them meanwhile;
+        the jobs that end while it works send their replies then."""
+        h = self._handling(reply)
+        if not (self.share and h > 0):
+            self.now += h
+            return
+        self._settle(self.now)
+        me = Job(0, self.now, h, 1, None)
+        self.share.add(me)
+        while me in self.share.jobs:
+            for at, job in self.share.advance(self.share.next_end()):
+                if job is me:
+                    self.now = at
+                else:
+                    self.computing.discard(job.key)
+                    self._done(job.key, job.start, at, *job.payload)
 
     def _tick(self) -> None:
         """Charge the orchestrator's real compute since the last call to the clock."""
