@@ -134,6 +134,38 @@ def test_sync_mode_keeps_the_barriers_of_the_baseline(tmp_path, mode="sync"):
     assert all(first_train[s] > last_generate[s] for s in range(STEPS)), "training overlapped generation"
 
 
+def test_a_finished_step_sends_its_weight_sync_before_its_checkpoint_and_log_line(tmp_path):
+    """The bookkeeping of a finished step (its /steps row, its checkpoint, the log line) waits
+    until schedule() has sent the weight sync the step unlocks: a checkpoint would hold the
+    trainer, and the log line with its full store flush delayed the sync by ~3 ms a step.
+    (flex with a replica per agent: each sync can go out as soon as its step ends; sync mode
+    holds it until every agent has stepped, and a shared replica until it is rebound.)"""
+    orch, transport, store, _ = make(tmp_path, "run.mode=flex", "rollout.replicas=2",
+                                     "run.checkpoint_every=1", "run.log_every=1")
+    logged: list[tuple[int, str]] = []
+    orch.log = lambda line: logged.append((len(transport.sent), line))
+    try:
+        assert orch.run() == 0
+    finally:
+        store.close()
+    sent = transport.sent
+    for agent in orch.agents:
+        leader = orch.state[agent].leader
+        for v in range(1, STEPS):
+            stepped = next(i for i, (_, c) in enumerate(sent)
+                           if isinstance(c, M.Train) and c.agent == agent and c.step == v - 1 and c.last)
+            ckpt = next(i for i, (_, c) in enumerate(sent)
+                        if i > stepped and isinstance(c, M.Checkpoint) and agent in c.agents)
+            sync = next(i for i, (r, c) in enumerate(sent)
+                        if r == leader and isinstance(c, M.Sync) and c.agent == agent and c.version == v)
+            assert stepped < sync < ckpt, f"{agent} v{v}: sync at {sync}, checkpoint at {ckpt}"
+    # the log line of global step s comes after the syncs of version s + 1 of every agent
+    for s in range(STEPS - 1):
+        at = next(n for n, line in logged if line.startswith(f"step {s + 1:4d}/"))
+        syncs = [i for i, (_, c) in enumerate(sent) if isinstance(c, M.Sync) and c.version == s + 1]
+        assert syncs and max(syncs) < at, f"step {s + 1} logged at {at}, its syncs at {syncs}"
+
+
 def test_a_hung_replica_ends_the_job_with_the_requeue_code(tmp_path):
     orch, transport, store, lines = make(tmp_path, "run.worker_timeout=0.2", hang=M.Generate)
     try:
