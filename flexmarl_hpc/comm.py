@@ -11,6 +11,7 @@ Communicators are always passed in.
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Callable
 
@@ -25,6 +26,20 @@ TAG_CMD = 1          # orchestrator -> worker commands
 TAG_REPLY = 2        # worker -> orchestrator results
 TAG_GROUP = 3        # trainer leader -> group members
 TAG_STATE = 4        # state swap payloads between ranks
+
+
+# mpiexec (hydra) forwards a rank's output through its proxy; MPI_Abort can end mpiexec
+# before output still in flight is written, so the line saying why the job ended was lost
+# (seen once in CI). A second is nothing next to the timeout that led here.
+ABORT_GRACE_S = 1.0
+
+
+def abort(comm: MPI.Comm, code: int) -> None:
+    """End the whole job with `code`, after the reason printed just before has left."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(code)
 
 
 class Backoff:

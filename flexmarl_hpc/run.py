@@ -220,6 +220,7 @@ def _get(d: dict, dotted: str):
 
 def run_rank(cfg: Config, layout: RankLayout) -> int:
     from mpi4py import MPI
+    from .comm import abort
     world = MPI.COMM_WORLD
     try:
         check_world(layout, world.Get_size())
@@ -232,13 +233,11 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
     except (CheckpointError, StoreError) as e:   # a full disk: one line naming the path, not a traceback
         what = "checkpoint" if isinstance(e, CheckpointError) else "store"
         sys.stderr.write(f"[rank {world.Get_rank()}] {what} error: {e}\n")
-        sys.stderr.flush()
-        world.Abort(1)
+        abort(world, 1)
         return 1
     except BaseException:
         sys.stderr.write(f"[rank {world.Get_rank()}] fatal error:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        world.Abort(1)
+        abort(world, 1)
         return 1
 
 

@@ -68,7 +68,7 @@ class MpiTransport:
         return None if m is None else (m[1], M.decode(m[0]))
 
     def abort(self, code: int) -> None:
-        self.comm.Abort(code)
+        C.abort(self.comm, code)
 
     def close(self) -> None:
         """Wait (without a spin) until every command sent has been received."""
