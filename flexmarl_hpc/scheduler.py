@@ -163,10 +163,15 @@ class Scheduler:
     # -- gating ------------------------------------------------------------------------
     def may_admit(self, step: int, versions: dict[str, int], synced: bool) -> bool:
         """May the roots of `step` be created? sync: only once every agent is at `step`
-        and the replicas hold it. flex: once the first agent is within max_staleness."""
+        and the replicas hold it. flex: once some agent may sample it (within
+        max_staleness of its version), at most one step ahead of the slowest agent's
+        window. An agent that finished its step samples its part of the next one while a
+        slower agent still trains; may_generate keeps each request at its own agent's
+        version, so the samples (and the weights) are the same as without the lookahead."""
         if self.mode == "sync":
             return all(v == step for v in versions.values()) and synced
-        return step <= min(versions.values()) + self.max_staleness
+        return step <= max(versions.values()) + self.max_staleness and \
+            step <= min(versions.values()) + self.max_staleness + 1
 
     def may_generate(self, step: int, version: int, prev_turn_left: int) -> bool:
         """May a request of `step` be sampled with weights of `version`? (sync also waits for

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import h5py
 import numpy as np
 import pytest
 
@@ -164,6 +165,53 @@ def test_a_finished_step_sends_its_weight_sync_before_its_checkpoint_and_log_lin
         at = next(n for n, line in logged if line.startswith(f"step {s + 1:4d}/"))
         syncs = [i for i, (_, c) in enumerate(sent) if isinstance(c, M.Sync) and c.version == s + 1]
         assert syncs and max(syncs) < at, f"step {s + 1} logged at {at}, its syncs at {syncs}"
+
+
+class SlowTrainer(ScriptedWorkers):
+    """`slow`'s trainer reports each optimizer step (but the last) only once the orchestrator
+    sends its next Generate: until then that agent is still training step s."""
+
+    def __init__(self, *a, slow: str):
+        super().__init__(*a)
+        self.slow, self.parked = slow, []
+        self.generated_while_held: list[tuple[str, int]] = []
+
+    def __call__(self, rank, cmd):
+        out = super().__call__(rank, cmd)
+        if isinstance(cmd, M.Train) and cmd.last and cmd.agent == self.slow and cmd.step < STEPS - 1:
+            self.parked, out = out, []
+        elif isinstance(cmd, M.Generate) and self.parked:
+            self.generated_while_held.append((cmd.agent, cmd.version))
+            out, self.parked = self.parked + out, []
+        return out
+
+
+@pytest.mark.parametrize("config,slow", [("configs/local.yaml", "listener"),
+                                         ("configs/skewed.yaml", "writer")])
+def test_an_agent_that_finished_its_step_samples_the_next_while_another_still_trains(
+        tmp_path, config, slow):
+    """flex, max_staleness=0: step s+1 is admitted once some agent is at version s+1, so that
+    agent generates its part of it while a slower one still trains step s (before, nothing
+    of step s+1 was sampled until every agent had stepped: with this trainer, a deadlock).
+    Each request is still sampled at its own agent's version, equal to its step."""
+    cfg = load_config(str(ROOT / config), [f"run.output_dir={tmp_path}", f"run.steps={STEPS}",
+                                           "run.resume=false", "workflow.inputs_per_step=2",
+                                           "trainer.micro_batch_size=8", "run.eval_every=0",
+                                           "run.mode=flex", "run.worker_timeout=2"])
+    task, layout = build_task(cfg), layout_from_config(cfg)
+    store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})
+    workers = SlowTrainer(cfg, task, layout, slow=slow)
+    transport = FakeTransport(workers)
+    try:
+        assert Orchestrator(cfg, task, transport, layout, store, log=lambda _: None).run() == 0
+    finally:
+        store.close()
+    assert workers.generated_while_held, "no agent sampled while the slow one trained"
+    assert all(a != slow for a, _ in workers.generated_while_held)
+    with h5py.File(tmp_path / "run.h5", "r") as f:
+        for agent in cfg.agent_names:
+            rows = f[f"samples/{agent}"][:]
+            assert len(rows) and np.array_equal(rows["step"], rows["policy_version"]), agent
 
 
 def test_a_hung_replica_ends_the_job_with_the_requeue_code(tmp_path):

@@ -66,7 +66,9 @@ def test_sync_mode_keeps_the_static_split():
 def test_gating_rules():
     flex0 = Scheduler(["a", "b"], 2, "flex", max_staleness=0)
     assert flex0.may_admit(3, {"a": 3, "b": 3}, synced=False)
-    assert not flex0.may_admit(4, {"a": 3, "b": 4}, synced=True)
+    assert flex0.may_admit(4, {"a": 3, "b": 4}, synced=True)        # b samples step 4 while a trains
+    assert not flex0.may_admit(4, {"a": 3, "b": 3}, synced=True)    # nobody can sample it yet
+    assert not flex0.may_admit(5, {"a": 3, "b": 5}, synced=True)    # one step ahead of a at most
     assert flex0.may_generate(3, 3, prev_turn_left=7)               # no per-turn barrier in flex
     assert not flex0.may_generate(4, 3, 0)
     flex1 = Scheduler(["a", "b"], 2, "flex", max_staleness=1)
