@@ -168,22 +168,40 @@ def test_a_finished_step_sends_its_weight_sync_before_its_checkpoint_and_log_lin
 
 
 class SlowTrainer(ScriptedWorkers):
-    """`slow`'s trainer reports each optimizer step (but the last) only once the orchestrator
-    sends its next Generate: until then that agent is still training step s."""
+    """`slow`'s trainer reports each optimizer step only once the orchestrator has nothing
+    else to handle (PatientTransport): until the orchestrator has that reply, the agent is
+    still training step s. Records the other agents' batches of a later step sent meanwhile."""
 
     def __init__(self, *a, slow: str):
         super().__init__(*a)
-        self.slow, self.parked = slow, []
-        self.generated_while_held: list[tuple[str, int]] = []
+        self.slow, self.parked, self.told = slow, [], 0
+        self.ahead: list[tuple[str, int]] = []
 
     def __call__(self, rank, cmd):
         out = super().__call__(rank, cmd)
-        if isinstance(cmd, M.Train) and cmd.last and cmd.agent == self.slow and cmd.step < STEPS - 1:
+        if isinstance(cmd, M.Train) and cmd.last and cmd.agent == self.slow:
             self.parked, out = out, []
-        elif isinstance(cmd, M.Generate) and self.parked:
-            self.generated_while_held.append((cmd.agent, cmd.version))
-            out, self.parked = self.parked + out, []
+        elif isinstance(cmd, M.Generate) and cmd.agent != self.slow and cmd.version > self.told:
+            self.ahead.append((cmd.agent, cmd.version))
         return out
+
+
+class PatientTransport(FakeTransport):
+    def receive(self, timeout=None):
+        w = self.respond
+        if not self.queue:
+            self.queue.extend(w.parked)
+            w.parked = []
+        src, msg = super().receive(timeout)
+        if isinstance(msg, M.Stepped) and msg.agent == w.slow:
+            w.told = msg.version
+        return src, msg
+
+    def poll(self):
+        m = super().poll()
+        if m is not None and isinstance(m[1], M.Stepped) and m[1].agent == self.respond.slow:
+            self.respond.told = m[1].version
+        return m
 
 
 @pytest.mark.parametrize("config,slow", [("configs/local.yaml", "listener"),
@@ -192,22 +210,21 @@ def test_an_agent_that_finished_its_step_samples_the_next_while_another_still_tr
         tmp_path, config, slow):
     """flex, max_staleness=0: step s+1 is admitted once some agent is at version s+1, so that
     agent generates its part of it while a slower one still trains step s (before, nothing
-    of step s+1 was sampled until every agent had stepped: with this trainer, a deadlock).
-    Each request is still sampled at its own agent's version, equal to its step."""
+    of step s+1 was sampled until every agent had stepped). Each request is still sampled
+    at its own agent's version, equal to its step."""
     cfg = load_config(str(ROOT / config), [f"run.output_dir={tmp_path}", f"run.steps={STEPS}",
                                            "run.resume=false", "workflow.inputs_per_step=2",
                                            "trainer.micro_batch_size=8", "run.eval_every=0",
-                                           "run.mode=flex", "run.worker_timeout=2"])
+                                           "run.mode=flex", "rollout.replicas=3"])
     task, layout = build_task(cfg), layout_from_config(cfg)
     store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})
     workers = SlowTrainer(cfg, task, layout, slow=slow)
-    transport = FakeTransport(workers)
+    transport = PatientTransport(workers)
     try:
         assert Orchestrator(cfg, task, transport, layout, store, log=lambda _: None).run() == 0
     finally:
         store.close()
-    assert workers.generated_while_held, "no agent sampled while the slow one trained"
-    assert all(a != slow for a, _ in workers.generated_while_held)
+    assert workers.ahead, "no agent sampled its next step while the slow one trained"
     with h5py.File(tmp_path / "run.h5", "r") as f:
         for agent in cfg.agent_names:
             rows = f[f"samples/{agent}"][:]
