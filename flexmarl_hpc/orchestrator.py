@@ -47,6 +47,15 @@ class ReplicaState:
     busy: str | None = None           # None, "gen" or "sync"
     outstanding: float = 0.0          # estimated tokens of the batch in flight
     held: dict[str, int] = field(default_factory=dict)
+    syncing_to: tuple[str, int] | None = None   # (agent, version) of the sync in flight
+    queued: bool = False              # a generate batch waits behind that sync
+
+    def free_for(self, agent: str, version: int) -> bool:
+        """May a generate batch of `agent` at `version` be sent now? Idle, or syncing to
+        exactly that version with nothing queued: the replica runs its commands in order,
+        so the batch starts the moment the weights are in, not a round trip later."""
+        return self.busy is None or (self.busy == "sync" and not self.queued
+                                     and self.syncing_to == (agent, version))
 
 
 @dataclass
@@ -215,14 +224,14 @@ class Orchestrator:
             self.cmd(st.leader, M.Sync(a, st.version, members), what)
             for r in targets:
                 self.cmd(r.rank, M.Sync(a, st.version, members), what)
-                r.busy = "sync"
+                r.busy, r.syncing_to = "sync", (a, st.version)
             st.syncing = True
 
     def dispatch_generation(self, agent: str) -> None:
         st = self.state[agent]
-        mine = [r for r, b in zip(self.replicas, self.binding)
-                if b == agent and r.held.get(agent) == st.version and r.busy != "sync"]
-        if not mine or not any(r.busy is None for r in mine):
+        mine = [r for r, b in zip(self.replicas, self.binding) if b == agent and (
+                (r.held.get(agent) == st.version and r.busy != "sync") or r.syncing_to == (agent, st.version))]
+        if not any(r.free_for(agent, st.version) for r in mine):
             return
         eligible = [n for n in self.exp.pending[agent] if self.sched.may_generate(
             n.step, st.version, self.exp.turn_left.get((n.step, n.turn - 1), 0))]
@@ -232,7 +241,7 @@ class Orchestrator:
                      {r.rank: r.outstanding for r in mine})
         sent = set()
         for r in mine:
-            if r.busy is not None or not plan[r.rank]:
+            if not r.free_for(agent, st.version) or not plan[r.rank]:
                 continue
             nodes = [eligible[i] for i in plan[r.rank]][: self.cfg.rollout.max_batch]
             reqs = [(n.sample_id, n.prompt, self.exp.request_seed(n, st.version),
@@ -243,7 +252,11 @@ class Orchestrator:
             self.batches[bid] = (r.rank, agent, st.version, nodes)
             self.cmd(r.rank, M.Generate(bid, agent, st.version, reqs),
                      f"generate batch {bid} of agent {agent} ({len(reqs)} requests)")
-            r.busy, r.outstanding = "gen", sum(self.exp.est_tokens(n) for n in nodes)
+            r.outstanding = sum(self.exp.est_tokens(n) for n in nodes)
+            if r.busy == "sync":
+                r.queued = True
+            else:
+                r.busy = "gen"
             sent.update(id(n) for n in nodes)
         if sent:
             q = self.exp.pending[agent]
@@ -430,7 +443,8 @@ class Orchestrator:
             self.tokens_since += sum(len(t) for t, _ in msg.outputs)
         elif isinstance(msg, M.Synced):
             r = self.replicas[msg.replica]
-            r.busy, r.held[msg.agent] = None, msg.version
+            r.held[msg.agent], r.syncing_to = msg.version, None
+            r.busy, r.queued = ("gen" if r.queued else None), False
         elif isinstance(msg, M.TrainerSynced):
             self.state[msg.agent].syncing = False
         elif isinstance(msg, M.Trained):

@@ -231,6 +231,31 @@ def test_an_agent_that_finished_its_step_samples_the_next_while_another_still_tr
             assert len(rows) and np.array_equal(rows["step"], rows["policy_version"]), agent
 
 
+def test_a_generate_batch_goes_out_behind_its_replicas_weight_sync(tmp_path):
+    """A replica syncing to the version its next batch needs gets that batch at once, queued
+    behind the sync (a replica runs its commands in order), not a round trip after its
+    Synced reply; one batch at most, and never behind a sync to another version."""
+    orch, transport, store, _ = make(tmp_path, "run.mode=flex", "rollout.replicas=2")
+    at_send: list[tuple[M.Command, tuple]] = []
+    send = transport.send
+
+    def recording_send(rank, msg):
+        if isinstance(msg, M.Generate):
+            r = orch.replicas[rank - 1]
+            at_send.append((msg, (r.busy, getattr(r, "syncing_to", None), getattr(r, "queued", False))))
+        send(rank, msg)
+    transport.send = recording_send
+    try:
+        assert orch.run() == 0
+    finally:
+        store.close()
+    behind = [(m, st) for m, st in at_send if st[0] == "sync"]
+    assert behind, "every batch waited for its replica's Synced reply"
+    for m, (_, syncing_to, queued) in behind:
+        assert syncing_to == (m.agent, m.version) and not queued
+    assert all(s.version == STEPS for s in orch.state.values())
+
+
 def test_a_hung_replica_ends_the_job_with_the_requeue_code(tmp_path):
     orch, transport, store, lines = make(tmp_path, "run.worker_timeout=0.2", hang=M.Generate)
     try:

@@ -171,8 +171,10 @@ class SimTransport:
         self.sent += 1
         plan = self._plan(rank, msg)                 # the reply's content is made now, in send order
         arrival = self.now + self.latency_s
-        if self.share and (rank in self.computing or self.deferred.get(rank)
-                           or self.free_at.get(rank, 0.0) == float("inf")):
+        # a command to a rank still held in a collective (a generate queued behind its
+        # weight sync) waits for it, as it does behind a computing rank on shared cores
+        if (rank in self.computing or self.deferred.get(rank)
+                or self.free_at.get(rank, 0.0) == float("inf")):
             self.deferred.setdefault(rank, []).append((arrival, plan))
             return
         self._start(rank, plan, arrival)
