@@ -278,8 +278,7 @@ class SimTransport:
                 if job is me:
                     self.now = at
                 else:
-                    self.computing.discard(job.key)
-                    self._done(job.key, job.start, at, *job.payload)
+                    self._job_ended(at, job)
 
     def _tick(self) -> None:
         """Charge the orchestrator's real compute since the last call to the clock."""
@@ -295,9 +294,13 @@ class SimTransport:
         # one completion time at a time: what a completion frees may start a job right then
         while (end := self.share.next_end()) <= t:
             for at, job in self.share.advance(end):
-                self.computing.discard(job.key)
-                self._done(job.key, job.start, at, *job.payload)
+                self._job_ended(at, job)
         self.share.advance(max(t, self.share.t))
+
+    def _job_ended(self, at: float, job: Job) -> None:
+        """A worker's shared-core job ended at `at`: its rank is free, its reply goes out."""
+        self.computing.discard(job.key)
+        self._done(job.key, job.start, at, *job.payload)
 
     def _run(self, rank: int, start: float, dt: float, activity: str, agent: str, reply: M.Reply) -> None:
         """`rank` (a replica or a group leader) runs one command from `start` for `dt`
