@@ -220,6 +220,7 @@ def _get(d: dict, dotted: str):
 
 def run_rank(cfg: Config, layout: RankLayout) -> int:
     from mpi4py import MPI
+    from .comm import abort
     world = MPI.COMM_WORLD
     try:
         check_world(layout, world.Get_size())
@@ -229,19 +230,18 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         return code
-    # a rank's fatal error ends the job at once (no grace as in comm.abort): ranks that are
-    # still running would add failures of their own, e.g. a second checkpoint writer on the
-    # same full disk, whose save failed after the first one's cleanup freed space again
+    # a rank's fatal error ends the job, after comm.abort's grace: without it mpiexec may
+    # end the job before its proxy forwarded the rank's last line (seen in CI). Ranks still
+    # running meanwhile may fail too (a second checkpoint writer on the same full disk); each
+    # reports its own error
     except (CheckpointError, StoreError) as e:   # a full disk: one line naming the path, not a traceback
         what = "checkpoint" if isinstance(e, CheckpointError) else "store"
         sys.stderr.write(f"[rank {world.Get_rank()}] {what} error: {e}\n")
-        sys.stderr.flush()
-        world.Abort(1)
+        abort(world, 1)
         return 1
     except BaseException:
         sys.stderr.write(f"[rank {world.Get_rank()}] fatal error:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        world.Abort(1)
+        abort(world, 1)
         return 1
 
 

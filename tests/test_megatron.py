@@ -138,3 +138,28 @@ def test_state_swap_keeps_the_trainer_and_is_bit_equal(megatron):
 def test_kl_term_matches_torch_trainer_on_tp2(megatron):
     out = _run(megatron, 2, "kl")
     assert "ok kl: TP2 megatron with kl_coef 0.5 == torch trainer" in out
+
+
+def test_a_full_disk_under_megatrons_checkpoint_writer_is_reported_as_enospc(megatron):
+    """torch.save writes a shard through the file's `write` and may report a short write as
+    "unexpected pos ...", without the errno: the writer's files keep it (/dev/full: every
+    write fails with ENOSPC), and _root_cause finds it under a failure that lost it."""
+    import errno
+
+    import torch
+    from torch.distributed.checkpoint import CheckpointException
+
+    from flexmarl_hpc.trainer.megatron import dist_ckpt
+    from flexmarl_hpc.trainer.megatron.dist_ckpt import _root_cause, _WriteErrors, _write_in_process
+    _write_in_process()
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    assert fa.open == _WriteErrors.open            # megatron's writer opens its files through it
+    _WriteErrors.seen.clear()
+    with pytest.raises(Exception):
+        with fa.open("/dev/full", "wb") as f:
+            torch.save(torch.zeros(1 << 16), f)
+    lost = CheckpointException("save", {0: (RuntimeError("unexpected pos 64 vs 0"), None)})
+    cause = _root_cause(lost, dist_ckpt.Path("/nowhere"))
+    assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, cause
+    _WriteErrors.seen.clear()
+    assert not isinstance(_root_cause(lost, dist_ckpt.Path("/nowhere")), OSError)

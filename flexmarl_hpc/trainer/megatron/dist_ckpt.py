@@ -11,9 +11,7 @@ loaded. An entry that is a torch-format file (`state()`, written for an agent pa
 plain state) loads through `load_state`."""
 from __future__ import annotations
 
-import errno
 import json
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +49,7 @@ class DistCheckpoint:
         err = ""
         try:
             with writing(tmp), scope():
+                _WriteErrors.seen.clear()
                 self._zero_optimizer_states()          # the format wants every state tensor
                 try:
                     dist_checkpointing.save(self._sharded(loading=False), str(tmp), content_metadata=_META)
@@ -118,9 +117,9 @@ class DistCheckpoint:
 
 def _root_cause(e: CheckpointException, folder: Path) -> Exception:
     """The error beneath a failed dist_checkpointing save: a writer thread's OSError where
-    there is one. torch's C++ serializer reports a full disk as a RuntimeError ("unexpected
-    pos ..."), dropping the errno: a failure that left `folder`'s filesystem without space is
-    ENOSPC. Anything else is the first failure, as a RuntimeError."""
+    there is one, else the OSError its checkpoint file raised (`_WriteErrors`: torch's C++
+    serializer reports a short write as a RuntimeError, "unexpected pos ...", and drops the
+    errno of a full disk). Anything else is the first failure, as a RuntimeError."""
     first = None
     for exc, _trace in e.failures.values():
         while exc is not None:
@@ -128,10 +127,50 @@ def _root_cause(e: CheckpointException, folder: Path) -> Exception:
                 return exc
             first = first or RuntimeError(f"dist_checkpointing save: {type(exc).__name__}: {exc}".splitlines()[0])
             exc = exc.__cause__ or exc.__context__
-    fs = os.statvfs(folder)
-    if fs.f_bavail * fs.f_frsize < 1 << 16:
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
-    return first or RuntimeError("dist_checkpointing save failed")
+    if _WriteErrors.seen:
+        return _WriteErrors.seen[0]
+    return first or RuntimeError(f"{folder}: dist_checkpointing save failed")
+
+
+class _WriteErrors:
+    """The checkpoint files of megatron's writer, with the OSError of a failed write kept
+    (`seen`, cleared by each save): torch.save writes a tensor through the file's `write`
+    from C++ and turns its OSError into "unexpected pos ...", so the errno (ENOSPC) survives
+    only here. Deciding "disk full" from free space after the fact would race with another
+    rank's cleanup freeing it."""
+    seen: list[OSError] = []
+
+    def __init__(self, f):
+        self._f = f
+
+    @classmethod
+    def open(cls, *args, **kwargs) -> "_WriteErrors":
+        return cls(open(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def write(self, data):
+        return self._keep(self._f.write, data)
+
+    def flush(self) -> None:
+        self._keep(self._f.flush)
+
+    def close(self) -> None:
+        self._keep(self._f.close)
+
+    def _keep(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError as e:
+            self.seen.append(e)
+            raise
 
 
 def _tolerate_torch_adam_step(opt) -> None:
@@ -184,5 +223,8 @@ def _write_in_process() -> None:
         results.put(got)
 
     fa._results_queue = fa._results_queue or queue.Queue()
+    # write_preloaded_data opens its files with the builtin `open`, looked up in the module
+    # first: the files keep the errno of a failed write (_WriteErrors)
+    fa.open = _WriteErrors.open
     writer.write_preloaded_data_multiproc = staticmethod(write_buckets)
     writer._flexmarl_in_process = True
