@@ -192,14 +192,15 @@ class PatientTransport(FakeTransport):
         if not self.queue:
             self.queue.extend(w.parked)
             w.parked = []
-        src, msg = super().receive(timeout)
-        if isinstance(msg, M.Stepped) and msg.agent == w.slow:
-            w.told = msg.version
-        return src, msg
+        return self._read(super().receive(timeout))
 
     def poll(self):
         m = super().poll()
-        if m is not None and isinstance(m[1], M.Stepped) and m[1].agent == self.respond.slow:
+        return m if m is None else self._read(m)
+
+    def _read(self, m):
+        """The orchestrator now has this reply: a Stepped of the slow agent ends its step."""
+        if isinstance(m[1], M.Stepped) and m[1].agent == self.respond.slow:
             self.respond.told = m[1].version
         return m
 
