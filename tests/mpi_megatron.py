@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from mpi4py import MPI
@@ -297,6 +298,7 @@ def check_reshard(folder):
     t0 = time.time()
     a.save_checkpoint(folder)
     t_save = time.time() - t0
+    check_lean_save(a, folder)
     want = a.state()
     if rank == 0:                  # for the export check (tests/test_megatron.py)
         torch.save({k[6:]: v for k, v in want.items() if k.startswith("model.")}, f"{folder}.weights.pt")
@@ -312,6 +314,29 @@ def check_reshard(folder):
         assert b.version == 1
         log(f"ok checkpoint: TP2 save ({t_save:.1f} s) -> TP{tp}xPP{pp}xDP{world.Get_size() // (tp * pp)} load ({t_load:.1f} s): "
             f"vocab {V} padded to {padded_vocab(args)} at every TP, weights and Adam moments identical (max |diff| {d:.1e}), version {b.version}")
+
+def check_lean_save(trainer, folder):
+    """A save on one DP rank (each TP rank here): the optimizer state gathered without
+    megatron's copies equals megatron's own gather, and the entry holds each tensor's bytes
+    once (torch.save of a view into a larger storage would write the whole storage)."""
+    for o in trainer._dist_optimizers():
+        assert getattr(o, "_flexmarl_dp1_state", False), "the copy-free gather is not installed"
+        ours = o.get_parameter_state_dp_zero()
+        theirs = type(o).get_parameter_state_dp_zero(o, use_gloo_comm=True, return_on_all_ranks=True)
+        assert ours.keys() == theirs.keys(), (ours.keys(), theirs.keys())
+        for g in (k for k in ours if k != "buckets_coalesced"):
+            for dtype, got in ours[g].items():
+                want = theirs[g][dtype]
+                assert got.keys() == want.keys() and got["numel_unpadded"] == want["numel_unpadded"]
+                for k in ("param", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(got[k], want[k]), (g, k)
+    # fp32 params, main params and two moments (TP shards: summed over the group)
+    total = world.allreduce(4 * 4 * sum(p.numel() for p in trainer.gpt.parameters()))
+    written = sum(f.stat().st_size for f in (Path(folder) / "v000001").rglob("*") if f.is_file())
+    assert written < 1.5 * total + (256 << 10), (written, total)
+    log(f"ok checkpoint: one DP rank's optimizer state gathered without copies == megatron's, "
+        f"entry {written / 1e6:.2f} MB for {total / 1e6:.2f} MB of state")
+
 
 def same(a, b, what):
     assert a.keys() == b.keys(), (what, sorted(set(a) ^ set(b))[:5])

@@ -71,6 +71,7 @@ def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
     out = _run(megatron, 2, "ckpt", str(tmp_path / "ckpt"))
     assert "-> TP1xPP1xDP2 load" in out and "-> TP1xPP2xDP1 load" in out
     assert "vocab 23 padded to 128 at every TP" in out
+    assert "gathered without copies == megatron's" in out
     # published through checkpoint.py: a folder entry with its sha256 manifest
     from flexmarl_hpc.checkpoint import newest_valid
     assert newest_valid(tmp_path / "ckpt") == (1, tmp_path / "ckpt" / "v000001")
