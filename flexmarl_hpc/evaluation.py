@@ -45,11 +45,7 @@ class EvalNode:
         return f"eval{self.point}_{self.mode}_{self.chain}_{self.turn}"
 
     def path(self) -> Path:
-        resp, n = [], self.parent
-        while n is not None:
-            resp.append(tuple(n.response))
-            n = n.parent
-        return Path(self.root_input, tuple(reversed(resp)))
+        return Path.to(self)
 
 
 @dataclass

@@ -64,11 +64,7 @@ class Node:
         return f"{self.input_id}_{self.turn}_{self.traj}"
 
     def path(self) -> Path:
-        resp, n = [], self.parent
-        while n is not None:
-            resp.append(tuple(n.response))
-            n = n.parent
-        return Path(self.root_input, tuple(reversed(resp)))
+        return Path.to(self)
 
 
 @dataclass

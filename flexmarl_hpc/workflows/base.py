@@ -121,6 +121,16 @@ class Path:
     responses: tuple[tuple[int, ...], ...] = ()
     """Token ids of each turn's response so far."""
 
+    @classmethod
+    def to(cls, node) -> "Path":
+        """The path down to `node` (a training or evaluation node: `root_input`, `parent`):
+        its root input and the responses of the nodes above it, top first."""
+        responses, n = [], node.parent
+        while n is not None:
+            responses.append(tuple(n.response))
+            n = n.parent
+        return cls(node.root_input, tuple(reversed(responses)))
+
 
 class Task:
     """Base class of workflow tasks (see the module docstring)."""
