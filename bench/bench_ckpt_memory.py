@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -94,8 +95,7 @@ def main() -> int:
     for rep in range(a.reps):
         for v in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
             p = subprocess.run([sys.executable, __file__, "--size", a.size, "--child", v], cwd=root,
-                               capture_output=True, text=True, env={"PYTHONWARNINGS": "ignore",
-                                                                   **__import__("os").environ})
+                               capture_output=True, text=True, env={"PYTHONWARNINGS": "ignore", **os.environ})
             lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
             if p.returncode != 0 or not lines:
                 print(f"{v} (rep {rep}) failed:\n{p.stderr[-3000:]}", file=sys.stderr)

@@ -146,11 +146,11 @@ def test_a_full_disk_under_megatrons_checkpoint_writer_is_reported_as_enospc(meg
     "unexpected pos ...", without the errno: the writer's files keep it (/dev/full: every
     write fails with ENOSPC), and _root_cause finds it under a failure that lost it."""
     import errno
+    from pathlib import Path
 
     import torch
     from torch.distributed.checkpoint import CheckpointException
 
-    from flexmarl_hpc.trainer.megatron import dist_ckpt
     from flexmarl_hpc.trainer.megatron.dist_ckpt import _root_cause, _WriteErrors, _write_in_process
     _write_in_process()
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
@@ -160,7 +160,7 @@ def test_a_full_disk_under_megatrons_checkpoint_writer_is_reported_as_enospc(meg
         with fa.open("/dev/full", "wb") as f:
             torch.save(torch.zeros(1 << 16), f)
     lost = CheckpointException("save", {0: (RuntimeError("unexpected pos 64 vs 0"), None)})
-    cause = _root_cause(lost, dist_ckpt.Path("/nowhere"))
+    cause = _root_cause(lost, Path("/nowhere"))
     assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, cause
     _WriteErrors.seen.clear()
-    assert not isinstance(_root_cause(lost, dist_ckpt.Path("/nowhere")), OSError)
+    assert not isinstance(_root_cause(lost, Path("/nowhere")), OSError)
