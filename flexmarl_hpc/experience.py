@@ -12,7 +12,7 @@ consumed-but-uncommitted rows go back to READY, so no sample is lost or trained 
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import chain, repeat
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -21,6 +21,11 @@ from .config import Config
 from .store import CONSUMED, DROPPED, GENERATED, READY, StoreFile
 from .tree import Changes, Node, Tree, global_batch  # noqa: F401  (re-exported)
 from .workflows.base import Task
+
+
+def _spans(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The positions [start_i, start_i + len_i) of every i, concatenated."""
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
 
 
 class Journal:
@@ -39,24 +44,27 @@ class Journal:
             self._append(agent, ns, now)
 
     def _append(self, agent: str, nodes: list[Node], now: float) -> None:
-        # one pass over the nodes per column (np.fromiter / chain, no per-sample numpy
-        # calls); the pool rows are one array: prompt, then response, logprob NaN on prompts
+        # the pool rows are one array: prompt, then response, logprob NaN on prompts (and
+        # past a response's logprobs, if it has fewer). Each column is one C-level pass over
+        # the nodes (map / chain.from_iterable into np.fromiter, no Python frame per
+        # sample), scattered to its positions by index arithmetic
         tab, pool = self.store.samples[agent], self.store.tokens[agent]
         k = len(nodes)
-        plen = np.fromiter((len(n.prompt) for n in nodes), np.int64, k)
-        rlen = np.fromiter((len(n.response) for n in nodes), np.int64, k)
-        total = int(plen.sum() + rlen.sum())
-        toks = np.empty(total, pool.dtype)
-        toks["token"] = np.fromiter(chain.from_iterable(chain(n.prompt, n.response) for n in nodes),
-                                    np.int32, total)
-        nan = float("nan")
-        toks["logprob"] = np.fromiter(chain.from_iterable(
-            chain(repeat(nan, p), n.logprobs, repeat(nan, r - len(n.logprobs)))
-            for n, p, r in zip(nodes, plen.tolist(), rlen.tolist())), np.float32, total)
+        prompts, responses = list(map(attrgetter("prompt"), nodes)), list(map(attrgetter("response"), nodes))
+        logprobs = list(map(attrgetter("logprobs"), nodes))
+        plen, rlen, llen = (np.fromiter(map(len, xs), np.int64, k) for xs in (prompts, responses, logprobs))
+        ends = np.cumsum(plen + rlen)
+        starts, rstarts = ends - plen - rlen, ends - rlen
+        toks = np.empty(int(ends[-1]), pool.dtype)
+        toks["logprob"] = np.nan
+        for col, xs, at, lens, dt in (("token", prompts, starts, plen, np.int32),
+                                      ("token", responses, rstarts, rlen, np.int32),
+                                      ("logprob", logprobs, rstarts, llen, np.float32)):
+            toks[col][_spans(at, lens)] = np.fromiter(chain.from_iterable(xs), dt, int(lens.sum()))
         off = pool.append(toks)
         rows = np.empty(k, tab.dtype)
-        rows["sample_id"] = [n.sample_id.encode() for n in nodes]
-        rows["parent_id"] = [(n.parent.sample_id if n.parent else "").encode() for n in nodes]
+        rows["sample_id"] = list(map(attrgetter("sample_id"), nodes))        # ASCII: numpy encodes
+        rows["parent_id"] = [p.sample_id if p else "" for p in map(attrgetter("parent"), nodes)]
         for name, attr in (("input_id", "input_id"), ("turn", "turn"), ("traj", "traj"),
                            ("step", "step"), ("policy_version", "version"), ("replica", "replica")):
             rows[name] = np.fromiter(map(attrgetter(attr), nodes), np.int64, k)
@@ -65,8 +73,7 @@ class Journal:
         for name in ("reward", "advantage", "t_ready", "t_consumed"):
             rows[name] = np.nan
         rows["t_generated"] = now
-        ends = np.cumsum(plen + rlen)
-        rows["token_offset"] = off + ends - plen - rlen
+        rows["token_offset"] = off + starts
         rows["prompt_len"], rows["response_len"] = plen, rlen
         first = tab.append(rows)
         for i, n in enumerate(nodes, first):

@@ -9,7 +9,7 @@ import pytest
 
 from flexmarl_hpc.analysis import load_run
 from flexmarl_hpc.h5repair import clear_open_flags, lookup3
-from flexmarl_hpc.store import CONSUMED, GENERATED, READY, StoreFile
+from flexmarl_hpc.store import CONSUMED, GENERATED, READY, StoreFile, Table
 
 AGENTS = ["a", "b"]
 
@@ -102,6 +102,32 @@ def test_a_torn_append_is_discarded_and_statuses_follow_the_events(tmp_path):
     s.close()
     with h5py.File(path, "r", swmr=True) as f:                 # a plain SWMR reader agrees
         assert f["samples/a"]["status"].tolist() == [READY, READY, GENERATED, GENERATED]
+
+
+def test_whole_chunk_writes_keep_every_row_across_chunks_reopens_and_old_patches(tmp_path, monkeypatch):
+    """Rows reach the file as whole chunks built in memory: an append that crosses chunks,
+    a re-open whose first append lands in a chunk already half on disk, and a patch of a
+    chunk no longer kept in memory must all leave every other row as it was."""
+    monkeypatch.setattr(Table, "IMAGES", 2)
+    path = tmp_path / "s.h5"
+    s = StoreFile(path, AGENTS, {}, chunk=4)
+    want = sample_rows(s, "a", 3)
+    s.samples["a"].append(want)
+    s.flush()
+    s.close()
+    s = StoreFile(path, AGENTS, {}, chunk=4)                   # rows 0-2 of chunk 0 on disk
+    more = sample_rows(s, "a", 19, step=1)
+    s.samples["a"].append(more[:6])                            # rows 3-8: chunks 0, 1, 2
+    s.flush(full=False)
+    s.samples["a"].append(more[6:])                            # rows 9-21: chunk 0 dropped
+    s.samples["a"].patch([1, 20], {"status": CONSUMED, "trainer_step": [7, 8]})
+    s.flush()
+    want = np.concatenate([want, more])
+    want["status"][[1, 20]], want["trainer_step"][[1, 20]] = CONSUMED, [7, 8]
+    with h5py.File(path, "r", swmr=True) as f:                 # a plain SWMR reader agrees
+        assert f["samples/a"][:].tobytes() == want.tobytes()
+    assert s.samples["a"].read().tobytes() == want.tobytes()
+    s.close()
 
 
 def test_a_micro_batch_flush_is_readable_at_once_and_committed_by_the_next(tmp_path):
