@@ -1,6 +1,6 @@
 """Experience-store write-through vs a raw h5py append of the same data, in one run.
 
-    .venv/bin/python bench/bench_store.py [--steps 40] [--reps 5]
+    .venv/bin/python bench/bench_store.py [--steps 40] [--reps 5] [--warmup 1]
 
 The workflow tree of the referential game is driven once (untimed) through `--steps`
 steps exactly as the orchestrator drives it: admit a step, record each turn's generations
@@ -112,7 +112,7 @@ def raw_batches(cfg, ops, path: Path) -> list[dict]:
             out.append({a: (np.concatenate(store.samples[a].buf), np.concatenate(store.tokens[a].buf))
                         for a in cfg.agent_names if store.samples[a].buf})
             for t in (*store.samples.values(), *store.tokens.values()):
-                t.buf = []
+                t.buf, t.disk = [], t.n            # as if written
     store.f.close()
     return out
 
@@ -168,7 +168,7 @@ def raw_appends(cfg, ops, path: Path) -> list[dict]:
         out.append({t.ds.name: (np.concatenate(t.buf), t.ds.chunks[0])
                     for t in store.tables.values() if t.buf})
         for t in store.tables.values():
-            t.buf, t.patches = [], []
+            t.buf, t.patches, t.disk = [], [], t.n      # as if written
     store.f.close()
     return out
 
@@ -207,6 +207,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds of every side first")
     a = ap.parse_args()
     # the workload the README's store figures were measured on (the default config's game then)
     cfg = load_config(ROOT / "configs" / "local.yaml", ["workflow.task_args.num_objects=8",
@@ -224,18 +225,19 @@ def main() -> None:
                  "raw-rec": lambda p: run_raw(cfg, ops, batches, p, False, False),
                  "raw-recf": lambda p: run_raw(cfg, ops, batches, p, False, True),
                  "raw-all": lambda p: run_raw_all(ops, appends, p)}
-        for rep in range(a.reps):
+        for rep in range(-a.warmup, a.reps):             # rep < 0: warm-up (first-call costs)
             for name, fn in sides.items():                # interleaved: drift hits every side
                 p = Path(tmp) / f"{name}{rep}.h5"
                 t = time.perf_counter()
                 n = fn(p)
-                rate[name].append(n / (time.perf_counter() - t))
+                if rep >= 0:
+                    rate[name].append(n / (time.perf_counter() - t))
                 p.unlink()
     n_gen, n_micro = sum(o[0] == "gen" for o in ops), sum(o[0] == "take" for o in ops)
     n_step, n_log = sum(o[0] == "stepped" for o in ops), sum(o[0] == "logged" for o in ops)
     print(f"experience store, referential game, {a.steps} steps ({n} samples, {n_gen} generation "
           f"batches; store flushes: {n_micro} per micro-batch + {n_step} per agent step + "
-          f"{n_log} full per global step), {a.reps} interleaved reps")
+          f"{n_log} full per global step), {a.reps} interleaved reps after {a.warmup} untimed")
     print(f"  (the workflow tree itself, untimed below: {n / t_tree:.0f} samples/s)")
     for name, xs in rate.items():
         print(f"  {name:8s}: {statistics.median(xs):9.0f} samples/s  [{min(xs):.0f}, {max(xs):.0f}]")

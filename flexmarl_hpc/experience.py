@@ -28,6 +28,19 @@ def _spans(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
 
 
+def _by_agent(nodes: list[Node]) -> list[tuple[str, list[Node]]]:
+    """The nodes grouped by agent, each group in the nodes' order (a batch is most often
+    of one agent: then one pass in C)."""
+    if not nodes:
+        return []
+    if all(map(nodes[0].agent.__eq__, map(attrgetter("agent"), nodes))):
+        return [(nodes[0].agent, nodes)]
+    by: dict[str, list[Node]] = defaultdict(list)
+    for n in nodes:
+        by[n.agent].append(n)
+    return list(by.items())
+
+
 class Journal:
     """Records nodes and their status changes in the store (buffered until its flush)."""
 
@@ -37,10 +50,7 @@ class Journal:
 
     def generated(self, nodes: list[Node], now: float) -> None:
         """Append rows (+ tokens) for newly generated nodes and set their `row`."""
-        by_agent: dict[str, list[Node]] = defaultdict(list)
-        for n in nodes:
-            by_agent[n.agent].append(n)
-        for agent, ns in by_agent.items():
+        for agent, ns in _by_agent(nodes):
             self._append(agent, ns, now)
 
     def _append(self, agent: str, nodes: list[Node], now: float) -> None:
@@ -83,10 +93,7 @@ class Journal:
     def status(self, nodes: list[Node], status: int, now: float, trainer_step: int = -1) -> None:
         """Record a status change of journalled nodes: one /events append and one queued
         patch of their rows per agent (READY also records reward and advantage)."""
-        by_agent: dict[str, list[Node]] = defaultdict(list)
-        for n in nodes:
-            by_agent[n.agent].append(n)
-        for agent, ns in by_agent.items():
+        for agent, ns in _by_agent(nodes):
             rows = np.fromiter(map(attrgetter("row"), ns), np.int64, len(ns))
             fields: dict = {"status": status}
             if status == READY:

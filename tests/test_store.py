@@ -106,8 +106,9 @@ def test_a_torn_append_is_discarded_and_statuses_follow_the_events(tmp_path):
 
 def test_whole_chunk_writes_keep_every_row_across_chunks_reopens_and_old_patches(tmp_path, monkeypatch):
     """Rows reach the file as whole chunks built in memory: an append that crosses chunks,
-    a re-open whose first append lands in a chunk already half on disk, and a patch of a
-    chunk no longer kept in memory must all leave every other row as it was."""
+    a re-open whose first append lands in a chunk already half on disk, patches of chunks
+    no longer kept in memory or spread over several, and patches of rows not yet written
+    (applied in order) must all leave every other row as it was."""
     monkeypatch.setattr(Table, "IMAGES", 2)
     path = tmp_path / "s.h5"
     s = StoreFile(path, AGENTS, {}, chunk=4)
@@ -121,9 +122,13 @@ def test_whole_chunk_writes_keep_every_row_across_chunks_reopens_and_old_patches
     s.flush(full=False)
     s.samples["a"].append(more[6:])                            # rows 9-21: chunk 0 dropped
     s.samples["a"].patch([1, 20], {"status": CONSUMED, "trainer_step": [7, 8]})
+    s.samples["a"].patch([20], {"trainer_step": 9})                     # after it, not before
+    s.flush()
+    s.samples["a"].patch([13, 6, 9], {"reward": [0.5, 0.25, 1.0]})     # chunks 3, 1, 2: on disk
     s.flush()
     want = np.concatenate([want, more])
-    want["status"][[1, 20]], want["trainer_step"][[1, 20]] = CONSUMED, [7, 8]
+    want["status"][[1, 20]], want["trainer_step"][[1, 20]] = CONSUMED, [7, 9]
+    want["reward"][[13, 6, 9]] = [0.5, 0.25, 1.0]
     with h5py.File(path, "r", swmr=True) as f:                 # a plain SWMR reader agrees
         assert f["samples/a"][:].tobytes() == want.tobytes()
     assert s.samples["a"].read().tobytes() == want.tobytes()
