@@ -135,6 +135,26 @@ def test_whole_chunk_writes_keep_every_row_across_chunks_reopens_and_old_patches
     s.close()
 
 
+def test_a_file_with_other_chunks_resumes_with_its_own(tmp_path):
+    """A run resumed into a file written with another store.chunk_rows (1024 rows before
+    256 became the default) writes whole chunks of the file's size, not the config's."""
+    path = tmp_path / "s.h5"
+    s = StoreFile(path, AGENTS, {}, chunk=16)
+    want = sample_rows(s, "a", 11)
+    s.samples["a"].append(want)
+    s.close()
+    s = StoreFile(path, AGENTS, {}, chunk=4)
+    assert s.samples["a"].chunk == 16
+    more = sample_rows(s, "a", 11, step=1)
+    s.samples["a"].append(more)
+    s.samples["a"].patch([3, 20], {"status": CONSUMED})
+    s.close()
+    want = np.concatenate([want, more])
+    want["status"][[3, 20]] = CONSUMED
+    with h5py.File(path, "r", swmr=True) as f:
+        assert f["samples/a"].chunks == (16,) and f["samples/a"][:].tobytes() == want.tobytes()
+
+
 def test_a_micro_batch_flush_is_readable_at_once_and_committed_by_the_next(tmp_path):
     path = tmp_path / "s.h5"
 
