@@ -1,7 +1,7 @@
 """Weight sync vs a raw broadcast of the same bytes on the same backend, in one run.
 
     .venv/bin/python bench/bench_weight_sync.py [--sizes 82,smollm2] [--replicas 1,2]
-                                                [--backends mpi,gloo] [--reps 5] [--bucket-mb 1024]
+                                                [--backends mpi,gloo] [--reps 9] [--bucket-mb 1024]
 
 For each replica count one MPI job (1 + replicas ranks) is started; rank 0 plays a trainer
 leader whose parameters live in sync layout (as the torch trainer's do), the others play
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="82,smollm2", help="comma list: MiB of a Llama-shaped model, or smollm2")
     ap.add_argument("--replicas", default="1,2")
     ap.add_argument("--backends", default="mpi,gloo")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)   # 3 ranks on 2 cores: 5 left medians to chance
     from flexmarl_hpc.config import WeightSyncConfig
     ap.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb)
     a = ap.parse_args()
