@@ -185,14 +185,16 @@ class Table:
         """Update some fields of existing rows (any order): at once where they are all still
         buffered (the journal patches the rows it has just appended), else queued."""
         rows = np.asarray(rows, np.int64)
-        if len(rows) and rows.min() >= self.disk and not self._queued_new:
+        if not len(rows):
+            return
+        if rows.min() >= self.disk and not self._queued_new:
             if len(self.buf) > 1:
                 self.buf = [np.concatenate(self.buf)]
             for name, v in fields.items():
                 self.buf[0][name][rows - self.disk] = v
             return
         fields = {k: np.asarray(v) for k, v in fields.items()}
-        self._queued_new |= bool(len(rows)) and rows.max() >= self.disk   # later ones must queue too
+        self._queued_new |= bool(rows.max() >= self.disk)   # then later ones must queue too
         self.patches.append((rows, fields))
         self.dirty.add(self)
 
@@ -204,7 +206,7 @@ class Table:
             return
         pieces, self.buf = self.buf, []
         on_disk = self.patches
-        if self._queued_new:                              # rare: the journal patches at once
+        if self._queued_new:                  # rare: patch() updates buffered rows itself
             pieces = [np.concatenate(pieces)] if len(pieces) > 1 else pieces
             on_disk = self._patch_new(pieces[0], on_disk) if pieces else on_disk
             self._queued_new = False

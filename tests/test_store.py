@@ -125,6 +125,7 @@ def test_whole_chunk_writes_keep_every_row_across_chunks_reopens_and_old_patches
     s.samples["a"].patch([20], {"trainer_step": 9})                     # after it, not before
     s.flush()
     s.samples["a"].patch([13, 6, 9], {"reward": [0.5, 0.25, 1.0]})     # chunks 3, 1, 2: on disk
+    s.samples["a"].patch([], {"status": CONSUMED})             # no rows: nothing to do
     s.flush()
     want = np.concatenate([want, more])
     want["status"][[1, 20]], want["trainer_step"][[1, 20]] = CONSUMED, [7, 9]
