@@ -63,6 +63,10 @@ class Journal:
         prompts, responses = list(map(attrgetter("prompt"), nodes)), list(map(attrgetter("response"), nodes))
         logprobs = list(map(attrgetter("logprobs"), nodes))
         plen, rlen, llen = (np.fromiter(map(len, xs), np.int64, k) for xs in (prompts, responses, logprobs))
+        if (llen > rlen).any():               # they would land on the next sample's tokens
+            bad = nodes[int(np.argmax(llen > rlen))]
+            raise ValueError(f"{agent} sample {bad.sample_id}: {len(bad.logprobs)} log-probs for "
+                             f"{len(bad.response)} response tokens")
         ends = np.cumsum(plen + rlen)
         starts, rstarts = ends - plen - rlen, ends - rlen
         toks = np.empty(int(ends[-1]), pool.dtype)

@@ -143,3 +143,14 @@ def test_reload_requeues_what_the_trainers_lost_and_regenerates_nothing(plain, r
     for a in cfg.agent_names:
         rows, _ = file_state(path, a)
         assert (rows["status"] == CONSUMED).all() and (rows["trainer_step"] == rows["step"]).all()
+
+
+def test_an_answer_with_more_log_probs_than_tokens_is_refused_by_name(exp):
+    """Each response's log-probs go to its own token positions in the pool: one too many
+    would land on the next sample's prompt, so the journal refuses it and names the sample."""
+    exp.admit_step(0)
+    nodes = take_pending(exp, "speaker", {0})
+    batch = [(n, [3, 4], [-1.0, -1.0]) for n in nodes]
+    batch[1] = (nodes[1], [3, 4], [-1.0, -1.0, -1.0])
+    with pytest.raises(ValueError, match=f"speaker sample {nodes[1].sample_id}: 3 log-probs for 2"):
+        exp.record_generation(batch, 0, 0)
