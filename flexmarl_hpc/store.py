@@ -41,6 +41,7 @@ Schema version 2 (version 1 had one dataset per column and no /commit; analysis 
 from __future__ import annotations
 
 import time
+from functools import partial
 from operator import attrgetter
 from pathlib import Path
 
@@ -190,8 +191,7 @@ class Table:
         if rows.min() >= self.disk and not self._queued_new:
             if len(self.buf) > 1:
                 self.buf = [np.concatenate(self.buf)]
-            for name, v in fields.items():
-                self.buf[0][name][rows - self.disk] = v
+            _set(self.buf[0], rows - self.disk, fields)
             return
         fields = {k: np.asarray(v) for k, v in fields.items()}
         self._queued_new |= bool(rows.max() >= self.disk)   # then later ones must queue too
@@ -223,8 +223,7 @@ class Table:
             for c in range(c_lo, c_hi + 1):
                 img, lo = image(c), c * self.chunk
                 mine = slice(None) if c_lo == c_hi else (rows >= lo) & (rows < lo + self.chunk)
-                for name, v in fields.items():
-                    img[name][rows[mine] - lo] = v[mine] if np.ndim(v) else v
+                _set(img, rows[mine] - lo, fields, mine)
         end = self.disk
         for new in pieces:                                # each buffered array, chunk by chunk
             start, end = end, end + len(new)
@@ -257,8 +256,7 @@ class Table:
         for rows, fields in patches:
             mine = rows >= self.disk
             if mine.any():
-                for name, v in fields.items():
-                    new[name][rows[mine] - self.disk] = v[mine] if np.ndim(v) else v
+                _set(new, rows[mine] - self.disk, fields, mine)
             if not mine.all():
                 if mine.any():
                     fields = {k: v[~mine] if np.ndim(v) else v for k, v in fields.items()}
@@ -282,6 +280,13 @@ class Table:
         return out
 
 
+def _set(dst: np.ndarray, idx, fields: dict, pick=slice(None)) -> None:
+    """dst[name][idx] = each field's value: a scalar as it is, an array at `pick` (the
+    positions of `idx` among the patch's rows)."""
+    for name, v in fields.items():
+        dst[name][idx] = v[pick] if np.ndim(v) else v
+
+
 class StoreFile:
     """The run's HDF5 file: creates it, or re-opens it for a resume (repairing what an
     unclean exit left), buffers writes and commits them in `flush()`."""
@@ -289,7 +294,7 @@ class StoreFile:
     def __init__(self, path: Path, agents: list[str], attrs: dict, chunk: int = 1024):
         self.path = Path(path)
         self.agents = list(agents)
-        self.fresh = fresh = not self.path.exists()
+        fresh = not self.path.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.repaired: list[str] = []          # what re-opening fixed, for the log
         self.dirty: set[Table] = set()
@@ -306,7 +311,7 @@ class StoreFile:
                 raise ValueError(f"{self.path}: written for agents {list(self.f.attrs['agents'])}, "
                                  f"this run has {self.agents}")
         self.t0 = float(self.f.attrs["t0"])
-        mk = self._table
+        mk = partial(self._table, fresh)
         self.samples = {a: mk(f"samples/{a}", SAMPLE_COLUMNS, chunk, mirror=True) for a in self.agents}
         self.tokens = {a: mk(f"tokens/{a}", TOKEN_COLUMNS, 8 * chunk) for a in self.agents}
         self.steps = {a: mk(f"steps/{a}", STEP_COLUMNS, 256) for a in self.agents}
@@ -325,8 +330,8 @@ class StoreFile:
             self._recover()
         self.f.swmr_mode = True
 
-    def _table(self, name: str, columns, chunk: int, dt=None, mirror: bool = False) -> Table:
-        if not self.fresh and name in self.f:
+    def _table(self, fresh: bool, name: str, columns, chunk: int, dt=None, mirror: bool = False) -> Table:
+        if not fresh and name in self.f:      # a new file has none: skip 13 group lookups
             return Table(self.f[name], columns, mirror, self.dirty)
         # the low-level create: h5py's create_dataset costs ~4x as much (~170 us a table)
         dtype = np.dtype(dt) if dt else dtype_of(columns)
