@@ -44,7 +44,7 @@ def child(size: str, variant: str) -> None:
     from mpi4py import MPI
 
     from bench.bench_weight_sync import model_args
-    from flexmarl_hpc.config import TrainerConfig
+    from flexmarl_hpc.config.schema import TrainerConfig
     from flexmarl_hpc.trainer.megatron import MegatronTrainer, dist_ckpt
     torch.set_num_threads(1)
     if variant == "megatron":

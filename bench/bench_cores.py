@@ -18,7 +18,7 @@ takes its `shared_cores` from this figure (processor sharing: ranks computing w 
 at min(1, shared_cores / w) of a core each, sim/cores.py).
 
 `--pollers K` instead times the `--procs` processes at once without and with K more that
-wait as a run's idle ranks do (`Iprobe` and flexmarl_hpc.comm's back-off sleep, for a
+wait as a run's idle ranks do (`Iprobe` and flexmarl_hpc.runtime.comm's back-off sleep, for a
 message that never comes), interleaved, and prints
 
     waiting share = procs x (time with pollers / time without - 1) / K
@@ -44,11 +44,11 @@ def worker(conn, calls: int) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
     torch.set_num_threads(1)
-    from flexmarl_hpc.build import build_engine, build_task, model_args
-    from flexmarl_hpc.model import CausalLM
-    from flexmarl_hpc.config import load_config
+    from flexmarl_hpc.runtime.build import build_engine, build_task, model_args
+    from flexmarl_hpc.learn.model import CausalLM
+    from flexmarl_hpc.config.schema import load_config
     from flexmarl_hpc.rollout.base import GenRequest
-    from flexmarl_hpc.sampling import SamplingParams
+    from flexmarl_hpc.learn.sampling import SamplingParams
     cfg = load_config(str(ROOT / "configs/skewed.yaml"), ["run.eval_every=0"])
     task = build_task(cfg)
     engine = build_engine(cfg, task)
@@ -69,10 +69,10 @@ def worker(conn, calls: int) -> None:
 
 
 def poller(stop) -> None:
-    """An idle rank: flexmarl_hpc.comm's wait loop on a message that never comes."""
+    """An idle rank: flexmarl_hpc.runtime.comm's wait loop on a message that never comes."""
     sys.path.insert(0, str(ROOT))
     from mpi4py import MPI
-    from flexmarl_hpc.comm import Backoff
+    from flexmarl_hpc.runtime.comm import Backoff
     while not stop.is_set():
         b = Backoff()
         for _ in range(1000):                   # ~0.5 s of waiting, then look at `stop`

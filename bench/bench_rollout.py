@@ -25,12 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flexmarl_hpc.config import RolloutConfig  # noqa: E402
-from flexmarl_hpc.model import hf_state_dict, load_hf_checkpoint  # noqa: E402
+from flexmarl_hpc.config.schema import RolloutConfig  # noqa: E402
+from flexmarl_hpc.learn.model import hf_state_dict, load_hf_checkpoint  # noqa: E402
 from flexmarl_hpc.rollout.base import GenRequest  # noqa: E402
 from flexmarl_hpc.rollout.torch_engine import TorchEngine  # noqa: E402
 from flexmarl_hpc.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from flexmarl_hpc.sampling import SamplingParams  # noqa: E402
+from flexmarl_hpc.learn.sampling import SamplingParams  # noqa: E402
 from flexmarl_hpc.workflows.arithmetic import SolverVerifier  # noqa: E402
 from flexmarl_hpc.workflows.base import Path as TaskPath  # noqa: E402
 

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.config import TrainerConfig
-from flexmarl_hpc.grpo import MicroBatch
-from flexmarl_hpc.model import ModelArgs, build_model
-from flexmarl_hpc.state_swap import Location, StateMover
+from flexmarl_hpc.config.schema import TrainerConfig
+from flexmarl_hpc.learn.grpo import MicroBatch
+from flexmarl_hpc.learn.model import ModelArgs, build_model
+from flexmarl_hpc.runtime.state_swap import Location, StateMover
 from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
 
 

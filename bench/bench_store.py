@@ -45,11 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import h5py
 import numpy as np
 
-from flexmarl_hpc.build import build_task
-from flexmarl_hpc.config import load_config
-from flexmarl_hpc.experience import Journal
-from flexmarl_hpc.store import CONSUMED, READY, DROPPED, StoreFile, TOKEN_COLUMNS, dtype_of
-from flexmarl_hpc.tree import Tree
+from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.orchestrator.experience import Journal
+from flexmarl_hpc.store.tables import CONSUMED, READY, DROPPED, StoreFile, TOKEN_COLUMNS, dtype_of
+from flexmarl_hpc.orchestrator.tree import Tree
 
 ROOT = Path(__file__).resolve().parents[1]
 

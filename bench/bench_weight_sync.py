@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def model_args(size: str):
-    from flexmarl_hpc.model import ModelArgs
+    from flexmarl_hpc.learn.model import ModelArgs
     if size == "smollm2":       # SmolLM2-135M: 576 hidden, 30 layers, 9/3 heads, tied 49152 vocab
         return ModelArgs(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                          intermediate_size=1536, max_seq_len=64, tie_embeddings=True)
@@ -48,9 +48,9 @@ def run_size(world, size: str, backends: list[str], reps: int, bucket: int) -> N
     """Every backend's ours and raw, interleaved in each repetition (order rotated per rep)."""
     import numpy as np
     import torch
-    from flexmarl_hpc.model import build_model, hf_state_dict
+    from flexmarl_hpc.learn.model import build_model, hf_state_dict
     from flexmarl_hpc.trainer.torch_trainer import flatten_parameters
-    from flexmarl_hpc.weight_sync import SyncChannels, broadcast_weights
+    from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
 
     named = packed = None
     if world.rank == 0:
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--replicas", default="1,2")
     ap.add_argument("--backends", default="mpi,gloo")
     ap.add_argument("--reps", type=int, default=9)   # 3 ranks on 2 cores: 5 left medians to chance
-    from flexmarl_hpc.config import WeightSyncConfig
+    from flexmarl_hpc.config.schema import WeightSyncConfig
     ap.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb)
     a = ap.parse_args()
     if "PMI_RANK" not in os.environ:

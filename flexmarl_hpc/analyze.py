@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .analysis import AnalysisError, Run, distinct_names, eval_curves, load_run, summary, utilization
+from flexmarl_hpc.analysis.load import AnalysisError, Run, distinct_names, eval_curves, load_run, summary, utilization
 
 ACTIVITY_COLORS = {"generate": "tab:blue", "train": "tab:orange", "sync": "tab:green",
                    "swap": "tab:purple", "checkpoint": "tab:brown", "wait": "0.85",

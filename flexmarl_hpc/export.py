@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from .build import build_task, model_args
-from .config import ConfigError, load_config
-from .model import CausalLM, save_hf_checkpoint
-from .workflows.base import TokenizerVocab
+from flexmarl_hpc.runtime.build import build_task, model_args
+from flexmarl_hpc.config.schema import ConfigError, load_config
+from flexmarl_hpc.learn.model import CausalLM, save_hf_checkpoint
+from flexmarl_hpc.workflows.base import TokenizerVocab
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -50,7 +50,7 @@ def load_agent(run_dir: Path, cfg, task, agent: str, version: int | None = None)
     path = checkpoint_file(run_dir, agent, version)
     args = model_args(cfg, task, agent)
     if path.is_dir():
-        from .trainer.megatron import hf_weights_of_entry
+        from flexmarl_hpc.trainer.megatron import hf_weights_of_entry
         weights = hf_weights_of_entry(path, args, cfg.trainer)
     else:
         state = torch.load(path, weights_only=True)

@@ -20,10 +20,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from .checkpoint import CheckpointError
-from .store import StoreError
-from .config import Config, ConfigError, help_text, load_config, save_config, to_dict
-from .layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
+from flexmarl_hpc.store.checkpoint import CheckpointError
+from flexmarl_hpc.store.tables import StoreError
+from flexmarl_hpc.config.schema import Config, ConfigError, help_text, load_config, save_config, to_dict
+from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
 
 MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if not under_mpi():
             check_local_ranks(cfg, layout)
         check_resumable(cfg)
-        from .build import build_task, check_models
+        from flexmarl_hpc.runtime.build import build_task, check_models
         task = build_task(cfg)
         check_models(cfg, task)
         check_eval(cfg, task)
@@ -135,8 +135,8 @@ def check_lengths(cfg: Config, task) -> None:
     """Each turn's prompt plus its max_new_tokens fits the acting agent's max_seq_len (and
     rollout.max_model_len): walk a few inputs down one branch, with full-length responses."""
     import numpy as np
-    from .build import model_args
-    from .workflows.base import Path as TaskPath
+    from flexmarl_hpc.runtime.build import model_args
+    from flexmarl_hpc.workflows.base import Path as TaskPath
     turns = cfg.workflow.turns
     inputs = task.sample_inputs(np.random.default_rng(cfg.run.seed), 4)
     if cfg.run.eval_every:
@@ -168,10 +168,10 @@ def check_backend_math(cfg: Config, task) -> None:
     (megatron-core's GPTModel has rope_scaling/rope_scaling_factor with low/high frequency
     factors 1/4 and original context 8192 fixed; once the trainer passes them, only other
     values need refusing.)"""
-    from .resources import trainer_groups
+    from flexmarl_hpc.config.resources import trainer_groups
     if all(g.backend != "megatron" for g in trainer_groups(cfg)):
         return
-    from .build import model_args
+    from flexmarl_hpc.runtime.build import model_args
     for agent in cfg.agent_names:
         if model_args(cfg, task, agent).rope_llama3 is not None:
             where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
@@ -191,7 +191,7 @@ def check_resumable(cfg: Config) -> None:
     path = cfg.output_dir / f"{cfg.run.name}.h5"
     if not (cfg.run.resume and path.exists()):
         return
-    from .h5repair import clear_open_flags
+    from flexmarl_hpc.store.repair import clear_open_flags
     try:
         try:
             f = h5py.File(path, "r", swmr=True)
@@ -220,7 +220,7 @@ def _get(d: dict, dotted: str):
 
 def run_rank(cfg: Config, layout: RankLayout) -> int:
     from mpi4py import MPI
-    from .comm import abort
+    from flexmarl_hpc.runtime.comm import abort
     world = MPI.COMM_WORLD
     try:
         check_world(layout, world.Get_size())
@@ -255,7 +255,7 @@ def _on_signal(signum, frame) -> None:
 
 def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     import torch
-    from .build import build_engine, build_mover, build_task
+    from flexmarl_hpc.runtime.build import build_engine, build_mover, build_task
     torch.set_num_threads(cfg.run.threads_per_rank)
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, _on_signal)          # every rank: the orchestrator decides what to do
@@ -264,8 +264,8 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     role_comm = world.Split(layout.split_color(rank), rank)
     # every rank (collective): each replica and trainer rank gets GPUs of its own, before
     # any engine or trainer touches CUDA; 'cpu' on nodes without GPUs
-    from .devices import bind_rank
-    from .resources import rollout_pools
+    from flexmarl_hpc.runtime.devices import bind_rank
+    from flexmarl_hpc.config.resources import rollout_pools
     device = bind_rank(world, layout, tuple(p.gpus_per_replica for p in rollout_pools(cfg))).device
     task = build_task(cfg)
     out = cfg.output_dir
@@ -274,16 +274,16 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     if role == ORCHESTRATOR:
         return _orchestrate(cfg, layout, world, task, bell)
     if role == ROLLOUT:
-        from .sampling import SamplingParams
-        from .workers import replica_loop
+        from flexmarl_hpc.learn.sampling import SamplingParams
+        from flexmarl_hpc.runtime.workers import replica_loop
         engine = build_engine(cfg, task, device, layout.pool_of(index))
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
         return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell)
-    from .workers import restore_trainers, trainer_loop
+    from flexmarl_hpc.runtime.workers import restore_trainers, trainer_loop
     mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
-    from .weight_sync import wire_dtype
+    from flexmarl_hpc.runtime.weight_sync import wire_dtype
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
                         cfg.weight_sync.backend, wire, bell)
@@ -293,7 +293,7 @@ def _doorbell(cfg: Config, world):
     """Every rank (collective): the orchestrator's star of wake-up sockets, or None (polling)."""
     if cfg.run.idle_wait != "doorbell":
         return None
-    from .doorbell import connect
+    from flexmarl_hpc.runtime.doorbell import connect
     bell = connect(world, 0)
     if bell is None and world.Get_rank() == 0:
         print("run.idle_wait=doorbell: the wake-up sockets could not be opened; waiting ranks "
@@ -303,9 +303,9 @@ def _doorbell(cfg: Config, world):
 
 def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None) -> int:
     import yaml
-    from .orchestrator import Orchestrator
-    from .store import StoreFile
-    from .transport import MpiTransport
+    from flexmarl_hpc.orchestrator.loop import Orchestrator
+    from flexmarl_hpc.store.tables import StoreFile
+    from flexmarl_hpc.runtime.transport import MpiTransport
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")

@@ -48,17 +48,17 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint import replace_file
-from .config import ConfigError, apply_override, load_config
-from .resources import components
-from .sim.driver import WORKERS, Workload, cost_model, measure, rank_devices, simulate_run
-from .sim.hardware import HardwareError, HardwareProfile, load_hardware
-from .sim.plan import rank_plans
-from .sim.plan_config import (config_classes, describe_alloc, describe_classes, distinct, fragment,
+from flexmarl_hpc.store.checkpoint import replace_file
+from flexmarl_hpc.config.schema import ConfigError, apply_override, load_config
+from flexmarl_hpc.config.resources import components
+from flexmarl_hpc.sim.driver import WORKERS, Workload, cost_model, measure, rank_devices, simulate_run
+from flexmarl_hpc.sim.hardware import HardwareError, HardwareProfile, load_hardware
+from flexmarl_hpc.sim.plan import rank_plans
+from flexmarl_hpc.sim.plan_config import (config_classes, describe_alloc, describe_classes, distinct, fragment,
                               fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
                               plan_workload)
-from .sim.scale import parse_sizes, plot_scale, scale_points
-from .sim.transport import ConstantCost
+from flexmarl_hpc.sim.scale import parse_sizes, plot_scale, scale_points
+from flexmarl_hpc.sim.transport import ConstantCost
 
 VARIANTS = {
     "sync": ["run.mode=sync"],
@@ -88,7 +88,7 @@ def priced(cfg, hw: HardwareProfile, workers: str):
 
 def local_cost(cfg, hw: HardwareProfile):
     """`cfg`'s models priced as they run on this machine: the task's vocabulary, fp32."""
-    from .build import build_task
+    from flexmarl_hpc.runtime.build import build_task
     return cost_model(cfg, hw, len(build_task(cfg).vocab), 4)
 
 
@@ -132,7 +132,7 @@ def run_config(path: str | Path):
 def calibrate(h5: str, base: str = "cpu_local") -> HardwareProfile:
     """The `base` profile fitted to the real run `h5` (sim.calibrate; its own config gives the
     model shape, max_batch and replicas)."""
-    from .sim.calibrate import fit, observe
+    from flexmarl_hpc.sim.calibrate import fit, observe
     if not Path(h5).is_file():
         raise ValueError(f"--calibrate: no such file {h5}")
     cfg, hw = run_config(h5), load_hardware(base)
@@ -169,7 +169,7 @@ def variant_of(cfg) -> str:
 def calibrate_main(a: argparse.Namespace, variants: list[str], out: Path) -> int:
     """The --calibrate shell: fit, print the figures, predict the variants (and compare)."""
     import numpy as np
-    from .sim.hardware import save_hardware
+    from flexmarl_hpc.sim.hardware import save_hardware
     try:
         hw = calibrate(a.calibrate, a.hardware)
         pred = predict_variants(a.config, variants, hw, a.steps, out, a.overrides, a.workers)
@@ -213,7 +213,7 @@ def calibrate_main(a: argparse.Namespace, variants: list[str], out: Path) -> int
 def fitted_summary(hw: HardwareProfile) -> str:
     """One line of a fitted profile's figures; a term the fit found negligible (at the end
     of its search range: the run's intervals show no such cost) says so instead of a number."""
-    from .sim.calibrate import B_GRID, F_RANGE
+    from flexmarl_hpc.sim.calibrate import B_GRID, F_RANGE
     e = hw.efficiency
     gen = hw.peak_flops * e.mfu_prefill
     flops = ("FLOPs negligible" if gen >= 0.99 * F_RANGE[1] else f"FLOPs at {gen / 1e9:.3g} GFLOP/s")

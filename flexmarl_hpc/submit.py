@@ -47,10 +47,10 @@ import submitit
 from submitit.core.utils import FailedJobError, JobPaths
 from submitit.slurm.slurm import SlurmInfoWatcher
 
-from .config import Config, ConfigError, load_config, save_config
-from .layout import layout_from_config
-from .resources import component_table
-from .slurm import (EXIT_REQUEUE, Partition, check_capacity, hetjob_script, parse_time,
+from flexmarl_hpc.config.schema import Config, ConfigError, load_config, save_config
+from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.config.resources import component_table
+from flexmarl_hpc.launch.sbatch import (EXIT_REQUEUE, Partition, check_capacity, hetjob_script, parse_time,
                     sbatch_option_items, single_component, single_script, validate_slurm)
 
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
@@ -330,7 +330,7 @@ class SweepRun(submitit.helpers.Checkpointable):
     """
 
     def __call__(self, config_path: str, overrides: list[str]) -> str:
-        from . import run
+        from flexmarl_hpc import run
         signal.signal(signal.SIGUSR2, _usr2_to_run)
         code = run.main([config_path, *overrides])
         if code == EXIT_REQUEUE:
@@ -382,7 +382,7 @@ def sweep_parameters(cfg: Config) -> dict[str, object]:
         job_name=f"{cfg.run.name}-sweep", nodes=comp.nodes, cpus_per_task=comp.cpus_per_task,
         signal_delay_s=s.signal_seconds or 60, setup=list(s.setup),
         # srun takes no --cpus-per-task from the allocation since Slurm 22.05; the GPUs of a
-        # node are shared out by role (flexmarl_hpc.devices), as in single_script
+        # node are shared out by role (flexmarl_hpc.runtime.devices), as in single_script
         srun_args=[f"--mpi={s.mpi}", f"--cpus-per-task={comp.cpus_per_task}",
                    *(["--gpu-bind=none"] if comp.gpus_per_node else [])])
     if secs is None:

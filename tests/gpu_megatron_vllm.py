@@ -72,7 +72,7 @@ def check_store(out, steps: int) -> None:
 
 
 def _versions(out) -> dict[str, int]:
-    from flexmarl_hpc.checkpoint import newest_valid
+    from flexmarl_hpc.store.checkpoint import newest_valid
     got = {}
     for agent in ("speaker", "listener"):
         version, entry = newest_valid(out / "checkpoints" / agent)

@@ -6,8 +6,8 @@ import os
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.devices import bind_rank
-from flexmarl_hpc.layout import RankLayout
+from flexmarl_hpc.runtime.devices import bind_rank
+from flexmarl_hpc.config.layout import RankLayout
 
 world = MPI.COMM_WORLD
 calls = []

@@ -1,4 +1,4 @@
-"""mpiexec -n 3: the orchestrator's doorbell star (flexmarl_hpc.doorbell.connect) with the
+"""mpiexec -n 3: the orchestrator's doorbell star (flexmarl_hpc.runtime.doorbell.connect) with the
 real MpiTransport and worker ends.
 
 Rank 0 (orchestrator) sends worker 1 an 8 MB micro-batch (rendezvous-sized: it moves only
@@ -12,9 +12,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from flexmarl_hpc import messages as M
-from flexmarl_hpc.doorbell import connect
-from flexmarl_hpc.transport import MpiTransport, recv_command, send_reply
+from flexmarl_hpc.runtime import messages
+from flexmarl_hpc.runtime.doorbell import connect
+from flexmarl_hpc.runtime.transport import MpiTransport, recv_command, send_reply
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
@@ -31,11 +31,11 @@ def switches() -> int:
 
 if rank == 0:
     t = MpiTransport(world, bell)
-    t.send(1, M.Train("speaker", 0, big, 0.5, True))
+    t.send(1, messages.Train("speaker", 0, big, 0.5, True))
     src, reply = t.receive(timeout=60)
-    assert src == 1 and reply == M.Checkpointed(["speaker"]), reply
+    assert src == 1 and reply == messages.Checkpointed(["speaker"]), reply
     time.sleep(1.0)
-    t.send(2, M.Checkpoint(["listener"]))
+    t.send(2, messages.Checkpoint(["listener"]))
     src, reply = t.receive(timeout=60)
     assert src == 2 and reply.kind == "intervals", reply
     t.close()
@@ -45,13 +45,13 @@ if rank == 0:
           f"(worker 2: {woke} wake-ups in ~1 s)", flush=True)
 elif rank == 1:
     cmd = recv_command(world, 0, bell)
-    assert isinstance(cmd, M.Train) and np.array_equal(cmd.arrays["input_ids"], big["input_ids"])
-    send_reply(world, 0, M.Checkpointed(["speaker"]), bell)
+    assert isinstance(cmd, messages.Train) and np.array_equal(cmd.arrays["input_ids"], big["input_ids"])
+    send_reply(world, 0, messages.Checkpointed(["speaker"]), bell)
 else:
     before = switches()
     cmd = recv_command(world, 0, bell)
     woke = switches() - before
-    assert cmd == M.Checkpoint(["listener"]), cmd
-    send_reply(world, 0, M.Intervals(intervals=[]), bell)
+    assert cmd == messages.Checkpoint(["listener"]), cmd
+    send_reply(world, 0, messages.Intervals(intervals=[]), bell)
     world.send(woke, dest=0, tag=9)
 bell.close()

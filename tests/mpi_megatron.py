@@ -27,10 +27,10 @@ warnings.filterwarnings("ignore")
 import logging  # noqa: E402
 logging.disable(logging.WARNING)
 
-from flexmarl_hpc.config import TrainerConfig  # noqa: E402
-from flexmarl_hpc.convert import padded_vocab  # noqa: E402
-from flexmarl_hpc.grpo import MicroBatch, token_logprobs  # noqa: E402
-from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict  # noqa: E402
+from flexmarl_hpc.config.schema import TrainerConfig  # noqa: E402
+from flexmarl_hpc.learn.convert import padded_vocab  # noqa: E402
+from flexmarl_hpc.learn.grpo import MicroBatch, token_logprobs  # noqa: E402
+from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict  # noqa: E402
 from flexmarl_hpc.trainer.torch_trainer import TorchTrainer  # noqa: E402
 from flexmarl_hpc.trainer.megatron import MegatronTrainer, init_group_distributed  # noqa: E402
 
@@ -353,8 +353,8 @@ def check_swap(precision):
     read during the swaps, the host buffers are allocated once."""
     import dataclasses
 
-    import flexmarl_hpc.checkpoint as ckpt
-    from flexmarl_hpc.state_swap import Location, StateMover, Swappable
+    import flexmarl_hpc.store.checkpoint as ckpt
+    from flexmarl_hpc.runtime.state_swap import Location, StateMover, Swappable
     from flexmarl_hpc.trainer.megatron import dist_ckpt, hf_state
     args = ARGS["dp"]
     init_group_distributed(world, 1, 1, relayout=True)

@@ -4,7 +4,7 @@ swap-out (a shelved trainer's state), and back."""
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.state_swap import Location, StateMover
+from flexmarl_hpc.runtime.state_swap import Location, StateMover
 from tests.test_state_swap import make, step
 
 world = MPI.COMM_WORLD

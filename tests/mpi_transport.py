@@ -7,9 +7,9 @@ comes back and `close` returns with nothing left in flight."""
 import numpy as np
 from mpi4py import MPI
 
-from flexmarl_hpc import comm as C
-from flexmarl_hpc import messages as M
-from flexmarl_hpc.transport import MpiTransport, recv_command, send_reply
+from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.runtime import messages
+from flexmarl_hpc.runtime.transport import MpiTransport, recv_command, send_reply
 
 GO = 77
 world = MPI.COMM_WORLD
@@ -17,16 +17,16 @@ big = {"input_ids": np.arange(2_000_000, dtype=np.int32)}            # 8 MB
 if world.Get_rank() == 0:
     t = MpiTransport(world)
     for step in range(3):
-        t.send(1, M.Train("speaker", step, big, 0.5, step == 2))
+        t.send(1, messages.Train("speaker", step, big, 0.5, step == 2))
     world.send("go", dest=1, tag=GO)
     src, reply = t.receive(timeout=60)
-    assert src == 1 and reply == M.Checkpointed(["speaker"]), reply
+    assert src == 1 and reply == messages.Checkpointed(["speaker"]), reply
     t.close()
     assert t.sending == []
     print("ok: 3 sends of 8 MB returned before the worker received; in order; closed", flush=True)
 else:
-    C.recv(world, source=0, tag=GO, timeout=60)
+    comm.recv(world, source=0, tag=GO, timeout=60)
     got = [recv_command(world, 0) for _ in range(3)]
     assert [c.step for c in got] == [0, 1, 2] and got[2].last, got
     assert all(np.array_equal(c.arrays["input_ids"], big["input_ids"]) for c in got)
-    send_reply(world, 0, M.Checkpointed(["speaker"]))
+    send_reply(world, 0, messages.Checkpointed(["speaker"]))

@@ -10,11 +10,11 @@ import sys
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.model import ModelArgs, build_model
+from flexmarl_hpc.learn.model import ModelArgs, build_model
 from flexmarl_hpc.rollout.torch_engine import TorchEngine
 from flexmarl_hpc.trainer.torch_trainer import flatten_parameters
-from flexmarl_hpc.model import hf_state_dict
-from flexmarl_hpc.weight_sync import SyncChannels, broadcast_weights
+from flexmarl_hpc.learn.model import hf_state_dict
+from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
 from flexmarl_hpc.workflows.referential import ReferentialGame
 
 world = MPI.COMM_WORLD

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from flexmarl_hpc.analysis import AnalysisError, distinct_names, load_run, summary, utilization
+from flexmarl_hpc.analysis.load import AnalysisError, distinct_names, load_run, summary, utilization
 from flexmarl_hpc.analyze import main as analyze_main
 from tests.conftest import ROOT, run_training
 

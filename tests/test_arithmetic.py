@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl_hpc.config import ConfigError
+from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.run import main as run_main
 from flexmarl_hpc.workflows.arithmetic import SolverVerifier
 from flexmarl_hpc.workflows.base import Path, TokenizerVocab, load_task
@@ -106,7 +106,7 @@ def test_bad_task_args_name_the_field(tokenizer, tmp_path):
 
 
 def test_checkpoint_with_a_smaller_vocabulary_is_refused_before_launch(tokenizer, tmp_path, capsys):
-    from flexmarl_hpc.model import ModelArgs, build_model, save_hf_checkpoint
+    from flexmarl_hpc.learn.model import ModelArgs, build_model, save_hf_checkpoint
     save_hf_checkpoint(build_model(ModelArgs(10, 16, 1, 2, 2, 32, 64), seed=0), tmp_path / "tiny")
     code = run_main(["configs/smollm2_arith.yaml", f"workflow.task_args.tokenizer={tokenizer}",
                      f"model.checkpoint={tmp_path / 'tiny'}", f"run.output_dir={tmp_path / 'run'}"])

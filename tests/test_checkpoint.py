@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexmarl_hpc import checkpoint as ck
+from flexmarl_hpc.store import checkpoint as ck
 from tests.conftest import IN_CI, run_training
 
 

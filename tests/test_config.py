@@ -1,6 +1,6 @@
 import pytest
 
-from flexmarl_hpc.config import Config, ConfigError, apply_override, help_text, load_config, to_dict
+from flexmarl_hpc.config.schema import Config, ConfigError, apply_override, help_text, load_config, to_dict
 from tests.conftest import ROOT
 
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -67,7 +67,7 @@ def test_roundtrip_and_help():
 
 
 def test_bad_task_is_named(tmp_path):
-    from flexmarl_hpc.build import build_task
+    from flexmarl_hpc.runtime.build import build_task
     cfg = load_config(LOCAL, ["workflow.task=flexmarl_hpc.nope:Missing"])
     with pytest.raises(ConfigError, match="workflow.task: cannot import"):
         build_task(cfg)
@@ -85,7 +85,7 @@ def test_cli_reports_config_error_before_any_rank(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# heterogeneous resources (flexmarl_hpc/resources.py): pools and named trainer groups
+# heterogeneous resources (flexmarl_hpc/config/resources.py): pools and named trainer groups
 # ---------------------------------------------------------------------------------------
 OLD_CONFIGS = ["local", "relay3", "skewed", "smollm2_arith"]
 
@@ -96,8 +96,8 @@ def test_old_configs_keep_their_layout_and_scripts(name):
     case: rank roles, colors, leaders, component sizes and both job scripts are byte for byte
     what the three-component code produced (tests/golden, written before the change)."""
     import json
-    from flexmarl_hpc.layout import layout_from_config
-    from flexmarl_hpc.slurm import hetjob_script, single_script
+    from flexmarl_hpc.config.layout import layout_from_config
+    from flexmarl_hpc.launch.sbatch import hetjob_script, single_script
     golden = ROOT / "tests/golden"
     ov = ["run.output_dir=/scratch/{name}", "model.checkpoint="]
     path = f"configs/{name}.yaml"
@@ -114,8 +114,8 @@ def test_old_configs_keep_their_layout_and_scripts(name):
 
 
 def test_hetero_config_resolves_to_pools_groups_and_components():
-    from flexmarl_hpc.layout import layout_from_config
-    from flexmarl_hpc.resources import components, group_trainer_config, rollout_pools, trainer_groups
+    from flexmarl_hpc.config.layout import layout_from_config
+    from flexmarl_hpc.config.resources import components, group_trainer_config, rollout_pools, trainer_groups
     cfg = load_config(ROOT / "configs/hetero_cpu.yaml")
     assert [(p.name, p.replicas, p.agents) for p in rollout_pools(cfg)] == [
         ("big", 1, ("speaker",)), ("small", 2, ("relay", "listener"))]
@@ -137,7 +137,7 @@ def test_hetero_config_resolves_to_pools_groups_and_components():
 
 def test_pool_default_agents_are_those_whose_model_fits():
     """A pool without `agents` serves every agent whose weights fit its replicas."""
-    from flexmarl_hpc.resources import rollout_pools, weight_gb
+    from flexmarl_hpc.config.resources import rollout_pools, weight_gb
     cfg = load_config(ROOT / "configs/paper_3x32b_7x14b.yaml")
     assert 55 < weight_gb(cfg, "shop32_0") < 70 and 22 < weight_gb(cfg, "shop14_0") < 30
     cfg.rollout.pools[1].agents = []          # the 14B pool: 2 x 64 GB replicas
@@ -148,9 +148,9 @@ def test_pool_default_agents_are_those_whose_model_fits():
 def test_state_swaps_stay_inside_a_swap_domain_of_one_shape():
     """Uniform groups form one domain (any group may take any agent, as before); named
     groups swap only with groups of the same label, which validation keeps to one shape."""
-    from flexmarl_hpc.build import initial_placement
-    from flexmarl_hpc.resources import swap_peers, trainer_groups
-    from flexmarl_hpc.state_swap import Location
+    from flexmarl_hpc.runtime.build import initial_placement
+    from flexmarl_hpc.config.resources import swap_peers, trainer_groups
+    from flexmarl_hpc.runtime.state_swap import Location
     cfg = load_config(ROOT / "configs/relay3.yaml", ["trainer.groups=2", "pipeline.swap_states=true"])
     groups = trainer_groups(cfg)
     assert [g.agents for g in groups] == [("speaker", "listener"), ("relay",)]

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from flexmarl_hpc.convert import hf_to_megatron, max_tensor_parallel, megatron_to_hf, padded_vocab
-from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict
+from flexmarl_hpc.learn.convert import hf_to_megatron, max_tensor_parallel, megatron_to_hf, padded_vocab
+from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
 
 
 def _hf(args: ModelArgs, seed: int = 3) -> dict[str, torch.Tensor]:

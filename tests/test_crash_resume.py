@@ -10,7 +10,7 @@ import time
 import h5py
 import psutil
 
-from flexmarl_hpc.analysis import load_run, summary
+from flexmarl_hpc.analysis.load import load_run, summary
 from tests.conftest import ROOT, run_training
 from tests.test_run import SMALL, check_exactly_once
 

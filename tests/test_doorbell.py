@@ -1,4 +1,4 @@
-"""Doorbell wake-ups (flexmarl_hpc/doorbell.py) and the wait loop that sleeps in them
+"""Doorbell wake-ups (flexmarl_hpc/runtime/doorbell.py) and the wait loop that sleeps in them
 (comm.until): unit tests on socket pairs, no MPI job. The MPI test (tests/mpi_doorbell.py)
 runs the orchestrator's star under mpiexec."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from flexmarl_hpc import comm as C
-from flexmarl_hpc.doorbell import Doorbell
+from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.runtime.doorbell import Doorbell
 from tests.conftest import run_mpi
 
 
@@ -64,7 +64,7 @@ def test_until_sleeps_in_the_bell_until_a_ring_and_then_sees_the_message():
         looks.append(1)
         return arrived.is_set()
 
-    C.until(ready, timeout=10.0, bell=worker)
+    comm.until(ready, timeout=10.0, bell=worker)
     # asleep between looks: a polling wait would have looked ~400 times in 0.2 s
     assert len(looks) < 20, len(looks)
 
@@ -73,7 +73,7 @@ def test_until_polls_while_may_sleep_says_no_and_times_out_naming_what():
     _, worker = pair()
     looks = []
     with pytest.raises(TimeoutError, match="no reply from rank 3 in 0.05 s"):
-        C.until(lambda: looks.append(1) is not None, timeout=0.05, bell=worker,
+        comm.until(lambda: looks.append(1) is not None, timeout=0.05, bell=worker,
                 may_sleep=lambda: False, what="no reply from rank 3")
     assert len(looks) > 20                             # polled with back-off, never slept
 

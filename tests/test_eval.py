@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl_hpc.config import ConfigError, load_config
-from flexmarl_hpc.evaluation import Evaluator, eval_points
-from flexmarl_hpc.model import ModelArgs, build_model
+from flexmarl_hpc.config.schema import ConfigError, load_config
+from flexmarl_hpc.orchestrator.evaluation import Evaluator, eval_points
+from flexmarl_hpc.learn.model import ModelArgs, build_model
 from flexmarl_hpc.run import main as run_main
-from flexmarl_hpc.sampling import SamplingParams, generate, masked_logits
-from flexmarl_hpc.store import StoreFile
+from flexmarl_hpc.learn.sampling import SamplingParams, generate, masked_logits
+from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.workflows.base import Path
 from flexmarl_hpc.workflows.referential import ReferentialGame
 from tests.conftest import ROOT, run_training
@@ -113,7 +113,7 @@ def test_a_task_without_heldout_inputs_is_refused_at_start(capsys, tmp_path):
     assert rc == 2 and "run.eval_every" in err and "tests.faulty_tasks:NoHeldoutGame" in err
     assert "heldout_inputs" in err and not (tmp_path / "local.h5").exists()
     # without evaluation the task passes the same start-up check
-    from flexmarl_hpc.build import build_task
+    from flexmarl_hpc.runtime.build import build_task
     from flexmarl_hpc.run import check_eval
     cfg = load_config(ROOT / "configs/local.yaml", ["workflow.task=tests.faulty_tasks:NoHeldoutGame",
                                                     "run.eval_every=0"])

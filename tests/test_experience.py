@@ -4,10 +4,10 @@ import h5py
 import numpy as np
 import pytest
 
-from flexmarl_hpc.build import build_task
-from flexmarl_hpc.config import load_config
-from flexmarl_hpc.experience import Experience
-from flexmarl_hpc.store import CONSUMED, DROPPED, GENERATED, READY, StoreFile
+from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.orchestrator.experience import Experience
+from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY, StoreFile
 from tests.conftest import ROOT
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl_hpc.grpo import (MicroBatch, group_advantages, grpo_loss, stat_values, token_logprobs,
+from flexmarl_hpc.learn.grpo import (MicroBatch, group_advantages, grpo_loss, stat_values, token_logprobs,
                                vocab_parallel_logprobs)
 
 
@@ -117,8 +117,8 @@ def test_torch_trainer_with_kl_coef_penalises_distance_to_the_initial_policy():
     trained policy against the frozen initial one, computed by hand from two models."""
     from mpi4py import MPI
 
-    from flexmarl_hpc.config import TrainerConfig
-    from flexmarl_hpc.model import CausalLM, ModelArgs
+    from flexmarl_hpc.config.schema import TrainerConfig
+    from flexmarl_hpc.learn.model import CausalLM, ModelArgs
     from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2,

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from flexmarl_hpc.model import CausalLM, ModelArgs, load_hf_checkpoint
+from flexmarl_hpc.learn.model import CausalLM, ModelArgs, load_hf_checkpoint
 from tests.conftest import ROOT, need
 
 BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,

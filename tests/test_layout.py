@@ -1,6 +1,6 @@
 import pytest
 
-from flexmarl_hpc.layout import ORCHESTRATOR, ROLLOUT, TRAINER, RankLayout, check_world
+from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TRAINER, RankLayout, check_world
 
 
 def test_rank_roles_in_component_order():
@@ -28,9 +28,9 @@ def test_layout_errors():
 
 
 # ---------------------------------------------------------------------------------------
-# device binding (flexmarl_hpc.devices): each replica and trainer rank on GPUs of its own
+# device binding (flexmarl_hpc.runtime.devices): each replica and trainer rank on GPUs of its own
 # ---------------------------------------------------------------------------------------
-from flexmarl_hpc.devices import CPU, Binding, choose_device, node_peers, role_widths, visible_gpus  # noqa: E402
+from flexmarl_hpc.runtime.devices import CPU, Binding, choose_device, node_peers, role_widths, visible_gpus  # noqa: E402
 
 
 def _node_bindings(layout, ranks, envs, gpus_per_replica=1):

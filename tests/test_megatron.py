@@ -73,7 +73,7 @@ def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
     assert "vocab 23 padded to 128 at every TP" in out
     assert "gathered without copies == megatron's" in out
     # published through checkpoint.py: a folder entry with its sha256 manifest
-    from flexmarl_hpc.checkpoint import newest_valid
+    from flexmarl_hpc.store.checkpoint import newest_valid
     assert newest_valid(tmp_path / "ckpt") == (1, tmp_path / "ckpt" / "v000001")
     # export's reader: the TP2 entry resharded into one CPU rank gives the saved HF weights
     code = ("import sys, torch; sys.argv = ['x']; import tests.mpi_megatron as m; "
@@ -101,8 +101,8 @@ def test_bf16_config_builds_bf16_megatron_and_optimizer_configs(megatron):
     and overlap flags reach megatron. Structural: no GPU needed."""
     import torch
 
-    from flexmarl_hpc.config import TrainerConfig
-    from flexmarl_hpc.model import ModelArgs
+    from flexmarl_hpc.config.schema import TrainerConfig
+    from flexmarl_hpc.learn.model import ModelArgs
     from flexmarl_hpc.trainer.megatron import configs
     args = ModelArgs(23, 32, 2, 4, 2, 64, 16)
     gpu = TrainerConfig(backend="megatron", recompute="full", overlap_grad_reduce=True,

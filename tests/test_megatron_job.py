@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from flexmarl_hpc.checkpoint import newest_valid
+from flexmarl_hpc.store.checkpoint import newest_valid
 from tests.conftest import need, run_training
 from tests.test_run import check_exactly_once
 

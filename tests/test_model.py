@@ -1,6 +1,6 @@
 import torch
 
-from flexmarl_hpc.model import KVCache, ModelArgs, build_model, load_hf_checkpoint, save_hf_checkpoint
+from flexmarl_hpc.learn.model import KVCache, ModelArgs, build_model, load_hf_checkpoint, save_hf_checkpoint
 
 ARGS = ModelArgs(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                  intermediate_size=64, max_seq_len=32, tie_embeddings=False)

@@ -9,13 +9,13 @@ import h5py
 import numpy as np
 import pytest
 
-from flexmarl_hpc import messages as M
-from flexmarl_hpc.build import build_task
-from flexmarl_hpc.config import load_config
-from flexmarl_hpc.layout import ROLLOUT, layout_from_config
-from flexmarl_hpc.orchestrator import EXIT_PREEMPTED, Orchestrator
-from flexmarl_hpc.store import StoreFile
-from flexmarl_hpc.transport import Aborted, FakeTransport
+from flexmarl_hpc.runtime import messages
+from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.layout import ROLLOUT, layout_from_config
+from flexmarl_hpc.orchestrator.loop import EXIT_PREEMPTED, Orchestrator
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.runtime.transport import Aborted, FakeTransport
 from tests.conftest import ROOT
 
 STEPS = 3
@@ -31,34 +31,34 @@ class ScriptedWorkers:
         self.held: dict[tuple[int, str], int] = {}
         self.version = {a: 0 for a in cfg.agent_names}
 
-    def __call__(self, rank: int, cmd: M.Command):
+    def __call__(self, rank: int, cmd: messages.Command):
         role, index = self.layout.role_of(rank)
         if isinstance(cmd, self.hang or ()):
             return []
-        if isinstance(cmd, M.Sync):
+        if isinstance(cmd, messages.Sync):
             if role == ROLLOUT:
                 self.held[rank, cmd.agent] = cmd.version
-                return [(rank, M.Synced(index, cmd.agent, cmd.version))]
-            return [(rank, M.TrainerSynced(cmd.agent, cmd.version))]
-        if isinstance(cmd, M.Generate):
+                return [(rank, messages.Synced(index, cmd.agent, cmd.version))]
+            return [(rank, messages.TrainerSynced(cmd.agent, cmd.version))]
+        if isinstance(cmd, messages.Generate):
             assert self.held.get((rank, cmd.agent)) == cmd.version, "generate before its weights"
-            return [(rank, M.Generated(cmd.batch_id, [self.answer(r) for r in cmd.requests],
+            return [(rank, messages.Generated(cmd.batch_id, [self.answer(r) for r in cmd.requests],
                                        intervals=[("generate", cmd.agent, 0.0, 0.0)]))]
-        if isinstance(cmd, M.Train):
+        if isinstance(cmd, messages.Train):
             if not cmd.last:
-                return [(rank, M.Trained(cmd.agent, cmd.step))]
+                return [(rank, messages.Trained(cmd.agent, cmd.step))]
             self.version[cmd.agent] = cmd.step + 1
-            return [(rank, M.Stepped(cmd.agent, cmd.step + 1, {"loss": 0.0, "grad_norm": 1.0}))]
-        if isinstance(cmd, M.Checkpoint):
-            return [(rank, M.Checkpointed(cmd.agents))]
-        if isinstance(cmd, M.Move):
-            return [(rank, M.Moved(cmd.agent))]
-        if isinstance(cmd, M.Stop):
+            return [(rank, messages.Stepped(cmd.agent, cmd.step + 1, {"loss": 0.0, "grad_norm": 1.0}))]
+        if isinstance(cmd, messages.Checkpoint):
+            return [(rank, messages.Checkpointed(cmd.agents))]
+        if isinstance(cmd, messages.Move):
+            return [(rank, messages.Moved(cmd.agent))]
+        if isinstance(cmd, messages.Stop):
             ranks = [rank] if role == ROLLOUT else self.layout.group_ranks(index)
-            return [(r, M.Stopped(index if role == ROLLOUT else -1)) for r in ranks]
+            return [(r, messages.Stopped(index if role == ROLLOUT else -1)) for r in ranks]
         raise AssertionError(f"unexpected command {cmd.kind}")
 
-    def answer(self, req: M.Request) -> tuple[list[int], list[float]]:
+    def answer(self, req: messages.Request) -> tuple[list[int], list[float]]:
         sample_id, prompt, seed, max_new, turn = req
         mask = self.task.allowed_tokens(turn)
         ids = np.arange(len(self.task.vocab)) if mask is None else np.nonzero(mask.numpy())[0]
@@ -89,7 +89,7 @@ def test_every_sample_is_trained_once_per_step_in_order(tmp_path, mode):
     sent = transport.sent
     batch = orch.exp.batch_size
     for agent in orch.agents:
-        trains = [c for _, c in sent if isinstance(c, M.Train) and c.agent == agent]
+        trains = [c for _, c in sent if isinstance(c, messages.Train) and c.agent == agent]
         for step in range(STEPS):
             mine = [c for c in trains if c.step == step]
             assert sum(len(c.arrays["input_ids"]) for c in mine) == batch[agent]
@@ -99,16 +99,16 @@ def test_every_sample_is_trained_once_per_step_in_order(tmp_path, mode):
     # a version is generated with only after it was pushed to that replica
     synced = set()
     for rank, c in sent:
-        if isinstance(c, M.Sync):
+        if isinstance(c, messages.Sync):
             synced.add((rank, c.agent, c.version))
-        elif isinstance(c, M.Generate):
+        elif isinstance(c, messages.Generate):
             assert (rank, c.agent, c.version) in synced
     # it ends with a checkpoint of every agent, then a stop to each replica and group leader
     kinds = [c.kind for _, c in sent]
     leaders, workers = len({s.leader for s in orch.state.values()}), orch.layout.replicas + orch.layout.groups
     assert kinds[-leaders - workers:] == ["checkpoint"] * leaders + ["stop"] * workers
     assert Counter(kinds)["stop"] == workers
-    assert {a for _, c in sent if isinstance(c, M.Checkpoint) for a in c.agents} == set(orch.agents)
+    assert {a for _, c in sent if isinstance(c, messages.Checkpoint) for a in c.agents} == set(orch.agents)
     assert all(s.version == STEPS for s in orch.state.values())
 
 
@@ -123,14 +123,14 @@ def test_sync_mode_keeps_the_barriers_of_the_baseline(tmp_path, mode="sync"):
     at = {a: 0 for a in orch.agents}
     last_generate = {}
     for i, (_, c) in enumerate(transport.sent):
-        if isinstance(c, M.Train) and c.last:
+        if isinstance(c, messages.Train) and c.last:
             at[c.agent] = c.step + 1
-        elif isinstance(c, M.Generate):
+        elif isinstance(c, messages.Generate):
             assert c.version <= min(at.values()), f"{c.agent} v{c.version} generated before the barrier"
             last_generate[c.version] = i
     first_train = {}
     for i, (_, c) in enumerate(transport.sent):
-        if isinstance(c, M.Train):
+        if isinstance(c, messages.Train):
             first_train.setdefault(c.step, i)
     assert all(first_train[s] > last_generate[s] for s in range(STEPS)), "training overlapped generation"
 
@@ -154,16 +154,16 @@ def test_a_finished_step_sends_its_weight_sync_before_its_checkpoint_and_log_lin
         leader = orch.state[agent].leader
         for v in range(1, STEPS):
             stepped = next(i for i, (_, c) in enumerate(sent)
-                           if isinstance(c, M.Train) and c.agent == agent and c.step == v - 1 and c.last)
+                           if isinstance(c, messages.Train) and c.agent == agent and c.step == v - 1 and c.last)
             ckpt = next(i for i, (_, c) in enumerate(sent)
-                        if i > stepped and isinstance(c, M.Checkpoint) and agent in c.agents)
+                        if i > stepped and isinstance(c, messages.Checkpoint) and agent in c.agents)
             sync = next(i for i, (r, c) in enumerate(sent)
-                        if r == leader and isinstance(c, M.Sync) and c.agent == agent and c.version == v)
+                        if r == leader and isinstance(c, messages.Sync) and c.agent == agent and c.version == v)
             assert stepped < sync < ckpt, f"{agent} v{v}: sync at {sync}, checkpoint at {ckpt}"
     # the log line of global step s comes after the syncs of version s + 1 of every agent
     for s in range(STEPS - 1):
         at = next(n for n, line in logged if line.startswith(f"step {s + 1:4d}/"))
-        syncs = [i for i, (_, c) in enumerate(sent) if isinstance(c, M.Sync) and c.version == s + 1]
+        syncs = [i for i, (_, c) in enumerate(sent) if isinstance(c, messages.Sync) and c.version == s + 1]
         assert syncs and max(syncs) < at, f"step {s + 1} logged at {at}, its syncs at {syncs}"
 
 
@@ -179,9 +179,9 @@ class SlowTrainer(ScriptedWorkers):
 
     def __call__(self, rank, cmd):
         out = super().__call__(rank, cmd)
-        if isinstance(cmd, M.Train) and cmd.last and cmd.agent == self.slow:
+        if isinstance(cmd, messages.Train) and cmd.last and cmd.agent == self.slow:
             self.parked, out = out, []
-        elif isinstance(cmd, M.Generate) and cmd.agent != self.slow and cmd.version > self.told:
+        elif isinstance(cmd, messages.Generate) and cmd.agent != self.slow and cmd.version > self.told:
             self.ahead.append((cmd.agent, cmd.version))
         return out
 
@@ -200,7 +200,7 @@ class PatientTransport(FakeTransport):
 
     def _read(self, m):
         """The orchestrator now has this reply: a Stepped of the slow agent ends its step."""
-        if isinstance(m[1], M.Stepped) and m[1].agent == self.respond.slow:
+        if isinstance(m[1], messages.Stepped) and m[1].agent == self.respond.slow:
             self.respond.told = m[1].version
         return m
 
@@ -237,11 +237,11 @@ def test_a_generate_batch_goes_out_behind_its_replicas_weight_sync(tmp_path):
     behind the sync (a replica runs its commands in order), not a round trip after its
     Synced reply; one batch at most, and never behind a sync to another version."""
     orch, transport, store, _ = make(tmp_path, "run.mode=flex", "rollout.replicas=2")
-    at_send: list[tuple[M.Command, tuple]] = []
+    at_send: list[tuple[messages.Command, tuple]] = []
     send = transport.send
 
     def recording_send(rank, msg):
-        if isinstance(msg, M.Generate):
+        if isinstance(msg, messages.Generate):
             r = orch.replicas[rank - 1]
             at_send.append((msg, (r.busy, getattr(r, "syncing_to", None), getattr(r, "queued", False))))
         send(rank, msg)
@@ -258,7 +258,7 @@ def test_a_generate_batch_goes_out_behind_its_replicas_weight_sync(tmp_path):
 
 
 def test_a_hung_replica_ends_the_job_with_the_requeue_code(tmp_path):
-    orch, transport, store, lines = make(tmp_path, "run.worker_timeout=0.2", hang=M.Generate)
+    orch, transport, store, lines = make(tmp_path, "run.worker_timeout=0.2", hang=messages.Generate)
     try:
         with pytest.raises(Aborted) as e:
             orch.run()
@@ -267,18 +267,18 @@ def test_a_hung_replica_ends_the_job_with_the_requeue_code(tmp_path):
     assert e.value.code == EXIT_PREEMPTED
     assert any("replica 0 (rank 1): no answer to generate batch 1" in ln for ln in lines), lines
     # the trainer groups still answer: both agents are checkpointed before the exit
-    assert {a for _, c in transport.sent if isinstance(c, M.Checkpoint) for a in c.agents} == set(orch.agents)
+    assert {a for _, c in transport.sent if isinstance(c, messages.Checkpoint) for a in c.agents} == set(orch.agents)
 
 
 def test_messages_round_trip_without_copying_arrays():
     arrays = {"input_ids": np.zeros((2, 3), np.int64)}
-    for msg in (M.Train("a", 1, arrays, 0.5, True), M.Stopped(-1, intervals=[("wait", "", 0.0, 1.0)]),
-                M.Generate(3, "a", 0, [("s", [1, 2], 7, 2, 0)]), M.Intervals()):
-        back = M.decode(M.encode(msg))
+    for msg in (messages.Train("a", 1, arrays, 0.5, True), messages.Stopped(-1, intervals=[("wait", "", 0.0, 1.0)]),
+                messages.Generate(3, "a", 0, [("s", [1, 2], 7, 2, 0)]), messages.Intervals()):
+        back = messages.decode(messages.encode(msg))
         assert type(back) is type(msg) and back.kind == msg.kind
         assert all(getattr(back, k) is getattr(msg, k) for k in msg.__dataclass_fields__)
     with pytest.raises(ValueError, match="not a message"):
-        M.decode(("trained", "a"))
+        messages.decode(("trained", "a"))
 
 
 def test_evaluation_batches_carry_their_own_sampling_params(tmp_path):
@@ -289,7 +289,7 @@ def test_evaluation_batches_carry_their_own_sampling_params(tmp_path):
         assert orch.run() == 0
     finally:
         store.close()
-    gens = [c for _, c in transport.sent if isinstance(c, M.Generate)]
+    gens = [c for _, c in transport.sent if isinstance(c, messages.Generate)]
     evals = [c for c in gens if c.params is not None]
     assert evals and any(c.params.temperature == 0.0 for c in evals)
     assert len(evals) < len(gens)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.config import ConfigError, TrainerConfig, load_config
-from flexmarl_hpc.grpo import MicroBatch, grpo_loss, stat_values, token_logprobs
-from flexmarl_hpc.model import CausalLM, ModelArgs
+from flexmarl_hpc.config.schema import ConfigError, TrainerConfig, load_config
+from flexmarl_hpc.learn.grpo import MicroBatch, grpo_loss, stat_values, token_logprobs
+from flexmarl_hpc.learn.model import CausalLM, ModelArgs
 from flexmarl_hpc.trainer.base import finish_step
 from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
 from tests.conftest import ROOT, run_training
@@ -157,7 +157,7 @@ def test_run_with_two_epochs_records_the_clip_fraction(tmp_path, mpiexec):
             assert (st["n_micro"] > 1).all()            # pass 1 came in several micro-batches
             assert np.isfinite(st["clip_frac"]).all() and (st["clip_frac"] >= 0).all()
             assert (st["clip_frac"] > 0).any() and (st["ppo_kl"] != 0).any(), st[["clip_frac", "ppo_kl"]]
-    from flexmarl_hpc.analysis import load_run
+    from flexmarl_hpc.analysis.load import load_run
     run = load_run(tmp_path / "local.h5")
     assert "clip_frac" in run.steps.columns
 

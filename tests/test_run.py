@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl_hpc.store import CONSUMED, DROPPED, GENERATED, READY
+from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
 from tests.conftest import ROOT, run_training
 
 SMALL = ["run.steps=6", "run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
@@ -71,8 +71,8 @@ def check_groups_differ(path, steps):
 def final_weights(out, agent):
     """The latest checkpoint's `model.*` tensors: a torch .pt file, or a megatron
     dist_checkpointing folder read back into one CPU rank (as export does)."""
-    from flexmarl_hpc.build import build_task, model_args
-    from flexmarl_hpc.config import load_config
+    from flexmarl_hpc.runtime.build import build_task, model_args
+    from flexmarl_hpc.config.schema import load_config
     from flexmarl_hpc.export import checkpoint_file
     path = checkpoint_file(out, agent, None)
     if not path.is_dir():
@@ -367,8 +367,8 @@ def test_megatron_trainer_backend_gives_the_same_run(sync_run, tmp_path):
 def check_group_intervals(h5, cfg) -> None:
     """Per-rank intervals show each group's ranks (every TP rank of the megatron group too)
     training that group's agents, and each replica generating only for agents of its pool."""
-    from flexmarl_hpc.layout import layout_from_config
-    from flexmarl_hpc.resources import rollout_pools, trainer_groups
+    from flexmarl_hpc.config.layout import layout_from_config
+    from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
     lay = layout_from_config(cfg)
     with h5py.File(h5, "r") as f:
         iv = f["intervals"][:]
@@ -389,7 +389,7 @@ def test_hetero_cpu_runs_locally(tmp_path, mpiexec):
     """configs/hetero_cpu.yaml under mpiexec: 8 ranks, 2 pools, a megatron TP 2 group and two
     torch groups; every sample trained exactly once, each group's ranks (both TP ranks)
     train its agent, each replica generates only for its pool's agents."""
-    from flexmarl_hpc.config import load_config
+    from flexmarl_hpc.config.schema import load_config
     run_training(tmp_path, "run.steps=4", config="configs/hetero_cpu.yaml", timeout=900)
     check_exactly_once(tmp_path / "hetero_cpu.h5", 4)
     check_group_intervals(tmp_path / "hetero_cpu.h5", load_config(ROOT / "configs/hetero_cpu.yaml"))

@@ -1,7 +1,7 @@
 import torch
 
-from flexmarl_hpc.model import ModelArgs, build_model
-from flexmarl_hpc.sampling import SamplingParams, draw, generate, sample_seed
+from flexmarl_hpc.learn.model import ModelArgs, build_model
+from flexmarl_hpc.learn.sampling import SamplingParams, draw, generate, sample_seed
 
 ARGS = ModelArgs(vocab_size=30, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4,
                  intermediate_size=64, max_seq_len=32)

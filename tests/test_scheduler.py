@@ -1,5 +1,5 @@
 """Pure scheduler policy on skewed request patterns (no MPI, no clock)."""
-from flexmarl_hpc.scheduler import Scheduler, allocate, assign, disparity, route, timeshare
+from flexmarl_hpc.orchestrator.scheduler import Scheduler, allocate, assign, disparity, route, timeshare
 
 
 def test_allocate_is_proportional_and_keeps_every_busy_agent_served():
@@ -86,14 +86,14 @@ def test_gating_rules():
 
 
 # ---------------------------------------------------------------------------------------
-# level 1 over rollout pools (flexmarl_hpc/pool_binding.py)
+# level 1 over rollout pools (flexmarl_hpc/orchestrator/pool_binding.py)
 # ---------------------------------------------------------------------------------------
 def test_pools_rebind_only_their_replicas_to_their_agents():
     """Pool 0 (replicas 0, 1) serves the big agent only; pool 1 (replicas 2-4) serves two
     small agents. A huge backlog of `big` never takes a replica of pool 1, and the small
     agents' backlog moves replicas inside pool 1 only."""
-    from flexmarl_hpc.pool_binding import PoolBinding
-    from flexmarl_hpc.scheduler import Scheduler
+    from flexmarl_hpc.orchestrator.pool_binding import PoolBinding
+    from flexmarl_hpc.orchestrator.scheduler import Scheduler
     mk = lambda agents, n: Scheduler(agents, n, "flex", threshold=0.2, cooldown=0)
     pb = PoolBinding([([0, 1], ["big"], mk(["big"], 2)), ([2, 3, 4], ["s1", "s2"], mk(["s1", "s2"], 3))])
     b = pb.initial_binding()
@@ -107,8 +107,8 @@ def test_pools_rebind_only_their_replicas_to_their_agents():
 
 
 def test_replica_widths_per_pool_give_each_replica_its_own_block():
-    from flexmarl_hpc.devices import choose_device, replica_widths, role_widths
-    from flexmarl_hpc.layout import RankLayout
+    from flexmarl_hpc.runtime.devices import choose_device, replica_widths, role_widths
+    from flexmarl_hpc.config.layout import RankLayout
     lay = RankLayout.of([1, 2], [2])            # rank 1: 4-GPU replica, ranks 2, 3: 1 GPU each
     rw = replica_widths(lay, (4, 1))
     assert rw == {1: 4, 2: 1, 3: 1}

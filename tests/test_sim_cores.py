@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from flexmarl_hpc import messages as M
-from flexmarl_hpc.layout import RankLayout
+from flexmarl_hpc.runtime import messages
+from flexmarl_hpc.config.layout import RankLayout
 from flexmarl_hpc.sim.cores import CoreShare, Job, core_rate, work_at_rate
 from flexmarl_hpc.sim.transport import ConstantCost, SimTransport
 
@@ -102,7 +102,7 @@ def test_the_transport_shares_cores_among_generates_and_queues_a_busy_ranks_next
             return [([1], [0.0]) for _ in cmd.requests]
 
     sim = SimTransport(layout, ConstantCost(generate=1.0), Echo(), t0=0.0, shared_cores=2)
-    gen = lambda b: M.Generate(b, "a", 0, [("s", [1], 0, 1, 0)])               # noqa: E731
+    gen = lambda b: messages.Generate(b, "a", 0, [("s", [1], 0, 1, 0)])               # noqa: E731
     for rank in (1, 2, 3):
         sim.send(rank, gen(rank))
     sim.send(1, gen(9))

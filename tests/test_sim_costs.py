@@ -125,7 +125,7 @@ def test_qwen_params_are_derived_from_the_published_shapes():
 
 @pytest.mark.parametrize("tie, bias", [(False, True), (True, False)])
 def test_params_match_the_projects_own_model(tie, bias):
-    from flexmarl_hpc.model import ModelArgs, build_model      # torch: a hard dependency, never skipped
+    from flexmarl_hpc.learn.model import ModelArgs, build_model      # torch: a hard dependency, never skipped
     args = ModelArgs(vocab_size=37, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      intermediate_size=96, max_seq_len=16, tie_embeddings=tie, qkv_bias=bias)
     net = build_model(args, seed=0)

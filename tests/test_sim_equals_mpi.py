@@ -11,14 +11,14 @@ import torch
 import numpy as np
 
 from flexmarl_hpc import simulate as simulate_cli
-from flexmarl_hpc.build import build_task
-from flexmarl_hpc.checkpoint import load_latest
-from flexmarl_hpc.config import load_config
-from flexmarl_hpc.layout import layout_from_config
-from flexmarl_hpc.orchestrator import Orchestrator
+from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.store.checkpoint import load_latest
+from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.sim.inprocess import InProcessWorkers
 from flexmarl_hpc.sim.transport import ConstantCost, SimTransport
-from flexmarl_hpc.store import StoreFile
+from flexmarl_hpc.store.tables import StoreFile
 from tests.conftest import ROOT, run_training
 
 pytestmark = pytest.mark.realrun

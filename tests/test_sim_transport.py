@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flexmarl_hpc import messages as M
-from flexmarl_hpc.build import build_task
-from flexmarl_hpc.config import load_config
-from flexmarl_hpc.layout import RankLayout, layout_from_config
-from flexmarl_hpc.orchestrator import Orchestrator
+from flexmarl_hpc.runtime import messages
+from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.layout import RankLayout, layout_from_config
+from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.sim.transport import ConstantCost, SimTransport, SyntheticWorkers
-from flexmarl_hpc.state_swap import Location
-from flexmarl_hpc.store import StoreFile
+from flexmarl_hpc.runtime.state_swap import Location
+from flexmarl_hpc.store.tables import StoreFile
 from tests.conftest import ROOT
 
 STEPS = 3
@@ -76,14 +76,14 @@ def test_a_broadcast_starts_when_its_last_member_is_free(tmp_path):
     cfg = load_config(str(ROOT / "configs/local.yaml"), [])
     sim = SimTransport(layout, ConstantCost(generate=2.0, sync=0.5, swap=3.0), SyntheticWorkers(build_task(cfg)),
                        t0=0.0)
-    sim.send(1, M.Generate(1, "speaker", 0, [("s0", [1], 7, 2, 0)]))
-    sim.send(2, M.Sync("speaker", 1, (2, 1)))
-    sim.send(1, M.Sync("speaker", 1, (2, 1)))
+    sim.send(1, messages.Generate(1, "speaker", 0, [("s0", [1], 7, 2, 0)]))
+    sim.send(2, messages.Sync("speaker", 1, (2, 1)))
+    sim.send(1, messages.Sync("speaker", 1, (2, 1)))
     got = [sim.receive() for _ in range(3)]
     assert [(src, type(m).__name__, m.intervals[0][2:]) for src, m in got] == [
         (1, "Generated", (0.0, 2.0)), (2, "TrainerSynced", (2.0, 2.5)), (1, "Synced", (2.0, 2.5))]
     assert sim.now == 2.5 and sim.poll() is None
-    sim.send(2, M.Move("speaker", Location(0, True), Location(0, False)))   # one group: no wait
+    sim.send(2, messages.Move("speaker", Location(0, True), Location(0, False)))   # one group: no wait
     assert sim.receive()[1].intervals == [("swap", "speaker", 2.5, 5.5)]
     with pytest.raises(RuntimeError, match="no command is in flight"):
         sim.receive()
@@ -94,8 +94,8 @@ def test_a_steps_last_micro_batch_pays_the_optimizer_and_members_report_it_too()
     cfg = load_config(str(ROOT / "configs/local.yaml"), [])
     sim = SimTransport(layout, ConstantCost(train=0.5, optimizer=1.0), SyntheticWorkers(build_task(cfg)), t0=0.0)
     arrays = {"prompt_lens": np.array([3, 3]), "response_lens": np.array([2, 2])}
-    sim.send(2, M.Train("speaker", 0, arrays, 0.5, False))
-    sim.send(2, M.Train("speaker", 0, arrays, 0.5, True))
+    sim.send(2, messages.Train("speaker", 0, arrays, 0.5, False))
+    sim.send(2, messages.Train("speaker", 0, arrays, 0.5, True))
     got = [sim.receive() for _ in range(4)]
     assert [(src, m.kind, m.intervals[0][2:]) for src, m in got] == [
         (2, "trained", (0.0, 0.5)), (3, "intervals", (0.0, 0.5)),
@@ -106,7 +106,7 @@ def test_a_steps_last_micro_batch_pays_the_optimizer_and_members_report_it_too()
 def test_the_cost_models_of_sim_costs_drive_the_transport(tmp_path):
     """SimTransport's CostModel protocol is what sim.costs.CostModel implements: the tiny
     run on the CPU profile, every message priced by it (a swap too: 2 agents, 1 group)."""
-    from flexmarl_hpc.build import model_args
+    from flexmarl_hpc.runtime.build import model_args
     from flexmarl_hpc.sim.costs import AgentLayout, CostModel, shape_from_model_args
     from flexmarl_hpc.sim.hardware import load_hardware
     cfg = load_config(str(ROOT / "configs/local.yaml"), [])

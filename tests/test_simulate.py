@@ -11,8 +11,8 @@ import yaml
 
 from flexmarl_hpc import analyze
 from flexmarl_hpc import simulate
-from flexmarl_hpc.config import load_config
-from flexmarl_hpc.resources import components
+from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.resources import components
 from flexmarl_hpc.sim.plan_config import merge_fragment
 from tests.conftest import ROOT
 

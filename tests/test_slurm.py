@@ -20,8 +20,8 @@ from pathlib import Path
 import h5py
 import pytest
 
-from flexmarl_hpc.config import ConfigError, load_config
-from flexmarl_hpc.slurm import Partition, check_capacity, hetjob_script, parse_time, single_script
+from flexmarl_hpc.config.schema import ConfigError, load_config
+from flexmarl_hpc.launch.sbatch import Partition, check_capacity, hetjob_script, parse_time, single_script
 from flexmarl_hpc.submit import (HetInfoWatcher, SlurmRun, main as submit_main, parse_sinfo, prepare,
                                  submit_sweep, sweep_overrides, sweep_parameters)
 from tests.conftest import ROOT, need
@@ -76,7 +76,7 @@ def test_single_allocation_script_matches_golden():
     golden("single_local.sbatch", text)
     assert "hetjob" not in text and "--ntasks=8" in text and "--nodes=5" in text
     assert "#SBATCH --ntasks-per-node=2\n" in text and "#SBATCH --gpus-per-node=2\n" in text
-    # roles share the nodes: the tasks see the node's GPUs, flexmarl_hpc.devices splits them
+    # roles share the nodes: the tasks see the node's GPUs, flexmarl_hpc.runtime.devices splits them
     assert 'srun --mpi=pmix --ntasks=8 --cpus-per-task=8 --gpu-bind=none "${CMD[@]}"\n' in text
 
 
@@ -409,7 +409,7 @@ HETERO = str(ROOT / "configs/hetero_cpu.yaml")
 def test_hetero_cpu_runs_as_a_six_component_het_job(slurm, tmp_path):
     """configs/hetero_cpu.yaml on the local Slurm: 6 components (orchestrator, 2 pools, 3
     trainer groups, one of them megatron TP 2), every sample trained exactly once."""
-    from flexmarl_hpc.config import load_config
+    from flexmarl_hpc.config.schema import load_config
     from tests.test_run import check_exactly_once, check_group_intervals
     ov = ["run.steps=4", f"run.output_dir={tmp_path}", "run.log_every=1"]
     cfg = load_config(HETERO, ov)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexmarl_hpc.export import main as export_main
-from flexmarl_hpc.model import load_hf_checkpoint
+from flexmarl_hpc.learn.model import load_hf_checkpoint
 from tests.conftest import ROOT, need, run_training
 from tests.test_run import check_exactly_once
 

@@ -3,10 +3,10 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.config import TrainerConfig
-from flexmarl_hpc.grpo import MicroBatch
-from flexmarl_hpc.model import ModelArgs, build_model
-from flexmarl_hpc.state_swap import HostBuffers, Location, StateMover, Swappable
+from flexmarl_hpc.config.schema import TrainerConfig
+from flexmarl_hpc.learn.grpo import MicroBatch
+from flexmarl_hpc.learn.model import ModelArgs, build_model
+from flexmarl_hpc.runtime.state_swap import HostBuffers, Location, StateMover, Swappable
 from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
 from tests.conftest import run_mpi
 
@@ -66,7 +66,7 @@ def test_swap_in_keeps_module_and_optimizer_and_reads_no_checkpoint(monkeypatch)
     the parameters live in those buffers (the device copy is gone) and state() reads them."""
     def spy(*a, **k):
         raise AssertionError("swap-in read a state/checkpoint")
-    import flexmarl_hpc.checkpoint as ckpt
+    import flexmarl_hpc.store.checkpoint as ckpt
     monkeypatch.setattr(ckpt, "load_latest", spy)
     mover = StateMover(MPI.COMM_WORLD, MPI.COMM_SELF, 0, lambda g: [0], {}, no_build)
     tr = mover.trainers["a"] = make()

@@ -7,9 +7,9 @@ import h5py
 import numpy as np
 import pytest
 
-from flexmarl_hpc.analysis import load_run
-from flexmarl_hpc.h5repair import clear_open_flags, lookup3
-from flexmarl_hpc.store import CONSUMED, GENERATED, READY, StoreFile, Table
+from flexmarl_hpc.analysis.load import load_run
+from flexmarl_hpc.store.repair import clear_open_flags, lookup3
+from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY, StoreFile, Table
 
 AGENTS = ["a", "b"]
 
@@ -224,8 +224,8 @@ def test_superseded_rows_are_marked_and_readers_count_current_ones(tmp_path):
 def test_schema_1_files_are_still_read(tmp_path):
     """A version-1 file (one dataset per column, duplicate step rows after a resume): the
     reader gets the same frames, keeping the last row of a step."""
-    from flexmarl_hpc.analysis import V1_ONLY
-    from flexmarl_hpc.store import (EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS,
+    from flexmarl_hpc.analysis.load import V1_ONLY
+    from flexmarl_hpc.store.tables import (EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS,
                                     STEP_COLUMNS)
     path = tmp_path / "v1.h5"
     with h5py.File(path, "w") as f:
@@ -248,8 +248,8 @@ def test_schema_1_files_are_still_read(tmp_path):
 
 
 def test_journal_rows_tokens_and_status_changes_read_back_as_the_readme_says(tmp_path):
-    from flexmarl_hpc.experience import Journal
-    from flexmarl_hpc.tree import Node
+    from flexmarl_hpc.orchestrator.experience import Journal
+    from flexmarl_hpc.orchestrator.tree import Node
     s = StoreFile(tmp_path / "s.h5", AGENTS, {})
     j = Journal(s)
     nodes = [Node("b", 1, 0, 7, t, None, [], None, prompt=[1, 2, 3], response=[4 + t] * (t + 1),
@@ -285,7 +285,7 @@ def test_a_full_disk_is_one_line_and_the_file_reopens_at_its_last_commit(tmp_pat
     and every row's status backed by its event."""
     import json
     import subprocess
-    from flexmarl_hpc.store import StoreError
+    from flexmarl_hpc.store.tables import StoreError
     from test_checkpoint import tmpfs
     report = tmp_path / "report.json"
     with tmpfs(tmp_path, "1m") as mnt:

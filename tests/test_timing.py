@@ -1,7 +1,7 @@
 """The orchestrator's clock and command deadlines (pure, no MPI)."""
 import time
 
-from flexmarl_hpc.timing import BusyClock, Deadlines, Watchdog
+from flexmarl_hpc.runtime.timing import BusyClock, Deadlines, Watchdog
 
 
 def test_nested_activities_never_overlap_and_gaps_are_waits():

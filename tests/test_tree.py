@@ -2,10 +2,10 @@
 consumption, and what it reports to the journal."""
 import numpy as np
 
-from flexmarl_hpc.build import build_task
-from flexmarl_hpc.config import load_config
-from flexmarl_hpc.store import CONSUMED, GENERATED, READY
-from flexmarl_hpc.tree import Tree
+from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY
+from flexmarl_hpc.orchestrator.tree import Tree
 from tests.conftest import ROOT
 
 

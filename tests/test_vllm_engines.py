@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flexmarl_hpc.config import ConfigError, RolloutConfig, load_config
-from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict
+from flexmarl_hpc.config.schema import ConfigError, RolloutConfig, load_config
+from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
 from flexmarl_hpc.rollout.base import GenRequest
-from flexmarl_hpc.sampling import SamplingParams
+from flexmarl_hpc.learn.sampling import SamplingParams
 
 SMALL = ModelArgs(vocab_size=19, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
                   intermediate_size=48, max_seq_len=16)

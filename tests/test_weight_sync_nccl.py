@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from flexmarl_hpc import weight_sync as W
+from flexmarl_hpc.runtime import weight_sync as W
 
 
 class FakeNCCL:

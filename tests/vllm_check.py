@@ -15,13 +15,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flexmarl_hpc.config import RolloutConfig  # noqa: E402
-from flexmarl_hpc.grpo import MicroBatch, token_logprobs  # noqa: E402
-from flexmarl_hpc.model import ModelArgs, build_model, hf_state_dict  # noqa: E402
+from flexmarl_hpc.config.schema import RolloutConfig  # noqa: E402
+from flexmarl_hpc.learn.grpo import MicroBatch, token_logprobs  # noqa: E402
+from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict  # noqa: E402
 from flexmarl_hpc.rollout.base import GenRequest  # noqa: E402
 from flexmarl_hpc.rollout.torch_engine import TorchEngine  # noqa: E402
 from flexmarl_hpc.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from flexmarl_hpc.sampling import SamplingParams  # noqa: E402
+from flexmarl_hpc.learn.sampling import SamplingParams  # noqa: E402
 from flexmarl_hpc.workflows.base import Vocab  # noqa: E402
 
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from ..sampling import Generation, SamplingParams
+from flexmarl_hpc.learn.sampling import Generation, SamplingParams
 
 
 @dataclass

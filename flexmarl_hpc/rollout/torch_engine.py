@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..model import CausalLM, ModelArgs
-from ..sampling import Generation, SamplingParams, generate
-from ..workflows.base import Task
-from .base import GenRequest
+from flexmarl_hpc.learn.model import CausalLM, ModelArgs
+from flexmarl_hpc.learn.sampling import Generation, SamplingParams, generate
+from flexmarl_hpc.workflows.base import Task
+from flexmarl_hpc.rollout.base import GenRequest
 
 
 class TorchEngine:

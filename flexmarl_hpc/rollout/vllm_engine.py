@@ -16,7 +16,7 @@ Prefix caching stays on (a GRPO group shares its prompt) and is reset after ever
 Sampling: one vLLM SamplingParams per request with the request's own seed (the sample's
 identity decides its randomness, not the replica), `logprobs=0` to get the sampled token's
 log-prob, `logprobs_mode="processed_logprobs"` so that log-prob is the one the trainer
-computes (after temperature and the action mask, flexmarl_hpc.sampling.masked_logits; with
+computes (after temperature and the action mask, flexmarl_hpc.learn.sampling.masked_logits; with
 top_p < 1 vLLM renormalises over the nucleus, the trainer does not). The task's action mask
 becomes `allowed_token_ids`, its stop tokens `stop_token_ids` (the stop token is part of the
 response, as in the torch engine). The random streams differ from the torch engine's, so a
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from ..model import ModelArgs
-from ..sampling import Generation, SamplingParams
-from .base import GenRequest
+from flexmarl_hpc.learn.model import ModelArgs
+from flexmarl_hpc.learn.sampling import Generation, SamplingParams
+from flexmarl_hpc.rollout.base import GenRequest
 
 # before vllm is imported: keep the engine core in this process, and leave CPU threads
 # unbound (several ranks share the node's cores; the runtime sets threads per rank)

@@ -35,9 +35,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .cores import work_at_rate
-from .costs import ADAM_BYTES_PER_PARAM, ModelShape, decode_schedule, decode_step_s, prefill_s
-from .hardware import HardwareProfile, validate_hardware
+from flexmarl_hpc.sim.cores import work_at_rate
+from flexmarl_hpc.sim.costs import ADAM_BYTES_PER_PARAM, ModelShape, decode_schedule, decode_step_s, prefill_s
+from flexmarl_hpc.sim.hardware import HardwareProfile, validate_hardware
 
 BUSY = (b"generate", b"train", b"sync", b"checkpoint", b"swap")
 """Worker activities that answer a command (the rest is waiting)."""

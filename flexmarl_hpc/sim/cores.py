@@ -6,7 +6,7 @@ A local run has more MPI ranks than cores (6 ranks on 2 here), so while ranks co
     1 while w < cores (the pollers wake up on an idle core), else cores / (w + waiting_share x p)
 
 of a core, and every start or end re-times the others still running. A polling rank
-(`Iprobe` and back-off sleeps, flexmarl_hpc.comm) uses little CPU of its own, but each
+(`Iprobe` and back-off sleeps, flexmarl_hpc.runtime.comm) uses little CPU of its own, but each
 wake-up preempts a rank that computes (a context switch, caches refilled), which
 `bench/bench_cores.py --pollers` measures as a share of a core per waiting rank. Which ranks
 poll is the run's `run.idle_wait` (`waiting_pollers`): all that wait with `poll`; with

@@ -112,7 +112,7 @@ PRESETS: dict[str, ModelShape] = {"qwen2.5-32b": QWEN25_32B, "qwen2.5-14b": QWEN
 
 
 def shape_from_model_args(args, name: str = "model", bytes_per_param: int = 2) -> ModelShape:
-    """The shape of the project's own model (`flexmarl_hpc.model.ModelArgs`), for the
+    """The shape of the project's own model (`flexmarl_hpc.learn.model.ModelArgs`), for the
     small-model simulations and the calibration (CPU runs are fp32: bytes_per_param=4)."""
     return ModelShape(name, hidden=args.hidden_size, layers=args.num_layers, heads=args.num_heads,
                       kv_heads=args.num_kv_heads, intermediate=args.intermediate_size,

@@ -34,12 +34,12 @@ import h5py
 import numpy as np
 import yaml
 
-from ..config import Config, ConfigError, to_dict
-from ..layout import ROLLOUT, layout_from_config
-from ..resources import rollout_pools, trainer_groups
-from .costs import AgentLayout, CostModel, LengthDistribution, ModelShape, shape_from_model_args
-from .hardware import HardwareProfile
-from .transport import SimTransport, SyntheticWorkers
+from flexmarl_hpc.config.schema import Config, ConfigError, to_dict
+from flexmarl_hpc.config.layout import ROLLOUT, layout_from_config
+from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
+from flexmarl_hpc.sim.costs import AgentLayout, CostModel, LengthDistribution, ModelShape, shape_from_model_args
+from flexmarl_hpc.sim.hardware import HardwareProfile
+from flexmarl_hpc.sim.transport import SimTransport, SyntheticWorkers
 
 QWEN_VOCAB = 152064
 """Vocabulary the cost model prices (Qwen2.5's): the tasks' own vocabularies are tiny."""
@@ -114,7 +114,9 @@ class ModelledCost:
 @contextlib.contextmanager
 def sim_clock(sim: SimTransport):
     """The orchestrator's, the store's and BusyClock's time.time() read `sim.now` meanwhile."""
-    from .. import orchestrator, store, timing
+    from flexmarl_hpc.orchestrator import loop as orchestrator
+    from flexmarl_hpc.store import tables as store
+    from flexmarl_hpc.runtime import timing
     fake = types.SimpleNamespace(time=lambda: sim.now, monotonic=time.monotonic,
                                  perf_counter=time.perf_counter, sleep=_no_sleep)
     mods = (orchestrator, store, timing)
@@ -154,16 +156,16 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
     hardware, workers) and the transport (for its clock and counters). `workers` "real"
     runs the real engine and trainers in-process (small models; `work` must then be None:
     the real lengths are priced)."""
-    from ..build import build_task
-    from ..orchestrator import Orchestrator
-    from ..store import StoreFile
+    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.orchestrator.loop import Orchestrator
+    from flexmarl_hpc.store.tables import StoreFile
     if workers not in WORKERS:
         raise ValueError(f"workers: expected one of {', '.join(WORKERS)}, got {workers!r}")
     if workers == "real" and work is not None:
         raise ValueError("workers='real' prices the real responses: a modelled Workload does not apply")
     task, layout = build_task(cfg), layout_from_config(cfg)
     if workers == "real":
-        from .inprocess import InProcessWorkers
+        from flexmarl_hpc.sim.inprocess import InProcessWorkers
         real_workers_fit(cfg, len(task.vocab))
         content = InProcessWorkers(cfg, task)
     else:

@@ -225,6 +225,6 @@ def save_hardware(hw: HardwareProfile, path: str | Path, header: str = "") -> Pa
     p = Path(path)
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     body = yaml.safe_dump(dataclasses.asdict(hw), sort_keys=False)
-    from flexmarl_hpc.checkpoint import replace_file
+    from flexmarl_hpc.store.checkpoint import replace_file
     replace_file(p, "\n".join(lines + [body]).encode())
     return p

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .. import messages as M
-from ..build import build_engine, build_trainer
-from ..checkpoint import save_checkpoint
-from ..config import Config, ConfigError
-from ..rollout.base import GenRequest
-from ..sampling import SamplingParams
-from ..trainer.base import finish_step
-from ..workers import _group_sum, microbatch_from_arrays
+from flexmarl_hpc.runtime import messages
+from flexmarl_hpc.runtime.build import build_engine, build_trainer
+from flexmarl_hpc.store.checkpoint import save_checkpoint
+from flexmarl_hpc.config.schema import Config, ConfigError
+from flexmarl_hpc.rollout.base import GenRequest
+from flexmarl_hpc.learn.sampling import SamplingParams
+from flexmarl_hpc.trainer.base import finish_step
+from flexmarl_hpc.runtime.workers import _group_sum, microbatch_from_arrays
 
 
 class InProcessWorkers:
@@ -33,13 +33,13 @@ class InProcessWorkers:
         self.published: dict[tuple[str, int], dict] = {}
         self.acc: dict[str, dict[str, float]] = {}
 
-    def generate(self, cmd: M.Generate) -> list[tuple[list[int], list[float]]]:
+    def generate(self, cmd: messages.Generate) -> list[tuple[list[int], list[float]]]:
         if self.engine.version(cmd.agent) != cmd.version:
             self.engine.load_weights(cmd.agent, cmd.version, self.published[cmd.agent, cmd.version])
         gens = self.engine.generate(cmd.agent, [GenRequest(*r) for r in cmd.requests], cmd.params or self.params)
         return [(g.tokens, g.logprobs) for g in gens]
 
-    def sync(self, cmd: M.Sync) -> None:
+    def sync(self, cmd: messages.Sync) -> None:
         tr = self.trainers[cmd.agent]
         if tr.version != cmd.version:
             raise RuntimeError(f"sync of {cmd.agent} v{cmd.version} but its trainer is at v{tr.version}")
@@ -49,7 +49,7 @@ class InProcessWorkers:
         for key in [k for k in self.published if k[0] == cmd.agent and k[1] < cmd.version - self.keep]:
             del self.published[key]
 
-    def train(self, cmd: M.Train) -> dict[str, float]:
+    def train(self, cmd: messages.Train) -> dict[str, float]:
         """What trainer_loop does on a one-rank group: statistics summed over the step's
         micro-batches, then the optimizer step (and trainer.ppo_epochs' replays)."""
         tr = self.trainers[cmd.agent]
@@ -63,7 +63,7 @@ class InProcessWorkers:
         return finish_step(tr, tr.cfg.ppo_epochs, _group_sum(one, self.acc.pop(cmd.agent)),
                            lambda d: _group_sum(one, d))
 
-    def checkpoint(self, cmd: M.Checkpoint) -> None:
+    def checkpoint(self, cmd: messages.Checkpoint) -> None:
         for name in cmd.agents:
             state = self.trainers[name].state()
             save_checkpoint(self.ckpt_dir / name, int(state["version"]), state, self.keep_ckpt)

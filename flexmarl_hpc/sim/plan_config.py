@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import yaml
 
-from ..config import NAME_RE, Config, to_dict
-from ..resources import rollout_pools
-from .costs import ModelShape, shape_from_model_args
-from .driver import QWEN_VOCAB
-from .hardware import HardwareProfile
-from .plan import AgentClass, Plan, Workload, group_sizes, replica_widths
+from flexmarl_hpc.config.schema import NAME_RE, Config, to_dict
+from flexmarl_hpc.config.resources import rollout_pools
+from flexmarl_hpc.sim.costs import ModelShape, shape_from_model_args
+from flexmarl_hpc.sim.driver import QWEN_VOCAB
+from flexmarl_hpc.sim.hardware import HardwareProfile
+from flexmarl_hpc.sim.plan import AgentClass, Plan, Workload, group_sizes, replica_widths
 
 CPUS_PER_DEVICE = 4
 """cpus_per_task per accelerator a task holds (the paper configs' choice: 4 for a trainer

@@ -21,11 +21,11 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import Config
-from .hardware import HardwareProfile
-from .plan import Plan, Workload, rank_plans
-from .plan_config import ConfigClass, min_nodes
-from ..checkpoint import replace_file
+from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.sim.hardware import HardwareProfile
+from flexmarl_hpc.sim.plan import Plan, Workload, rank_plans
+from flexmarl_hpc.sim.plan_config import ConfigClass, min_nodes
+from flexmarl_hpc.store.checkpoint import replace_file
 
 MODES = ("sync", "flex")
 

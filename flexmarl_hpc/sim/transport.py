@@ -34,9 +34,9 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .. import messages as M
-from ..layout import ROLLOUT, RankLayout
-from .cores import CoreShare, Job
+from flexmarl_hpc.runtime import messages
+from flexmarl_hpc.config.layout import ROLLOUT, RankLayout
+from flexmarl_hpc.sim.cores import CoreShare, Job
 
 
 class CostModel(Protocol):
@@ -103,7 +103,7 @@ class SyntheticWorkers:
         self.response_len = response_len or (lambda agent, turn, budget: budget)
         self._ids: dict[int, np.ndarray] = {}
 
-    def generate(self, cmd: M.Generate) -> list[tuple[list[int], list[float]]]:
+    def generate(self, cmd: messages.Generate) -> list[tuple[list[int], list[float]]]:
         out = []
         for sample_id, prompt, seed, budget, turn in cmd.requests:
             ids = self._allowed(turn)
@@ -112,13 +112,13 @@ class SyntheticWorkers:
             out.append((toks, [-float(np.log(len(ids)))] * n))
         return out
 
-    def train(self, cmd: M.Train) -> dict[str, float]:
+    def train(self, cmd: messages.Train) -> dict[str, float]:
         return {}
 
-    def sync(self, cmd: M.Sync) -> None:
+    def sync(self, cmd: messages.Sync) -> None:
         pass
 
-    def checkpoint(self, cmd: M.Checkpoint) -> None:
+    def checkpoint(self, cmd: messages.Checkpoint) -> None:
         pass
 
     def _allowed(self, turn: int) -> np.ndarray:
@@ -134,7 +134,7 @@ class _Meeting:
     """A collective (weight broadcast, state move) waiting for its members' commands."""
     members: tuple[int, ...]
     arrived: dict[int, float] = field(default_factory=dict)    # rank -> when it is free for it
-    replies: dict[int, M.Reply] = field(default_factory=dict)  # rank -> its reply, once done
+    replies: dict[int, messages.Reply] = field(default_factory=dict)  # rank -> its reply, once done
 
 
 class SimTransport:
@@ -148,7 +148,7 @@ class SimTransport:
         self.layout, self.cost, self.workers = layout, cost, workers
         self.now = time.time() if t0 is None else t0
         self.free_at: dict[int, float] = {}          # worker rank -> end of its last command
-        self.events: list[tuple[float, int, int, M.Reply]] = []     # (t, seq, src, reply)
+        self.events: list[tuple[float, int, int, messages.Reply]] = []     # (t, seq, src, reply)
         self.seq = 0
         self.meetings: dict[tuple, _Meeting] = {}
         self.charge = charge_orchestrator
@@ -165,7 +165,7 @@ class SimTransport:
         self.deferred: dict[int, list[tuple[float, tuple]]] = {}
 
     # -- Transport ------------------------------------------------------------------------
-    def send(self, rank: int, msg: M.Command) -> None:
+    def send(self, rank: int, msg: messages.Command) -> None:
         self._tick()
         self._settle(self.now)
         self.sent += 1
@@ -179,7 +179,7 @@ class SimTransport:
             return
         self._start(rank, plan, arrival)
 
-    def receive(self, timeout: float | None = None) -> tuple[int, M.Reply]:
+    def receive(self, timeout: float | None = None) -> tuple[int, messages.Reply]:
         self._tick()
         while self.share:                            # complete the jobs that end before the next reply
             end = self.share.next_end()
@@ -195,7 +195,7 @@ class SimTransport:
         self._real = time.perf_counter()
         return src, reply
 
-    def poll(self) -> tuple[int, M.Reply] | None:
+    def poll(self) -> tuple[int, messages.Reply] | None:
         self._tick()
         self._settle(self.now)
         if self.events and self.events[0][0] <= self.now:
@@ -208,40 +208,40 @@ class SimTransport:
         raise SystemExit(code)
 
     # -- the simulated workers ---------------------------------------------------------------
-    def _plan(self, rank: int, msg: M.Command) -> tuple:
+    def _plan(self, rank: int, msg: messages.Command) -> tuple:
         """What `rank` will do for `msg`: its content (the workers' answer) and duration."""
         role, index = self.layout.role_of(rank)
-        if isinstance(msg, M.Generate):
+        if isinstance(msg, messages.Generate):
             outputs = self.workers.generate(msg)
             dt = self.cost.generate_s(msg.agent, len(msg.requests), [len(r[1]) for r in msg.requests],
                                       [len(t) for t, _ in outputs])
-            return ("run", dt, "generate", msg.agent, M.Generated(msg.batch_id, outputs))
-        if isinstance(msg, M.Train):
+            return ("run", dt, "generate", msg.agent, messages.Generated(msg.batch_id, outputs))
+        if isinstance(msg, messages.Train):
             stats = self.workers.train(msg)
             a = msg.arrays
             # a cost may price modelled rather than real tokens (sim.driver.ModelledCost)
             tokens = (self.cost.train_tokens(a) if hasattr(self.cost, "train_tokens")
                       else int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])))
             dt = self.cost.train_s(msg.agent, tokens, optimizer_step=msg.last)
-            reply = M.Stepped(msg.agent, msg.step + 1, stats) if msg.last else M.Trained(msg.agent, msg.step)
+            reply = messages.Stepped(msg.agent, msg.step + 1, stats) if msg.last else messages.Trained(msg.agent, msg.step)
             return ("run", dt, "train", msg.agent, reply)
-        if isinstance(msg, M.Sync):
+        if isinstance(msg, messages.Sync):
             if rank == msg.members[0]:
                 self.workers.sync(msg)               # the leader's weights at the broadcast
             dt = self.cost.sync_s(msg.agent, self.cost.weight_bytes(msg.agent))
-            reply = (M.Synced(index, msg.agent, msg.version) if role == ROLLOUT
-                     else M.TrainerSynced(msg.agent, msg.version))
+            reply = (messages.Synced(index, msg.agent, msg.version) if role == ROLLOUT
+                     else messages.TrainerSynced(msg.agent, msg.version))
             return ("meet", ("sync", msg.agent, msg.version, msg.members), msg.members, dt, "sync", msg.agent, reply)
-        if isinstance(msg, M.Move):
+        if isinstance(msg, messages.Move):
             leaders = tuple(sorted({self.layout.group_leader(g) for g in (msg.src.group, msg.dst.group)}))
             dt = self.cost.swap_s(msg.agent, self.cost.state_bytes(msg.agent))
-            return ("meet", ("move", msg.agent, msg.src, msg.dst), leaders, dt, "swap", msg.agent, M.Moved(msg.agent))
-        if isinstance(msg, M.Checkpoint):
+            return ("meet", ("move", msg.agent, msg.src, msg.dst), leaders, dt, "swap", msg.agent, messages.Moved(msg.agent))
+        if isinstance(msg, messages.Checkpoint):
             self.workers.checkpoint(msg)
-            return ("run", 0.0, "checkpoint", ",".join(msg.agents), M.Checkpointed(msg.agents))
-        if isinstance(msg, M.Stop):
+            return ("run", 0.0, "checkpoint", ",".join(msg.agents), messages.Checkpointed(msg.agents))
+        if isinstance(msg, messages.Stop):
             return ("stop", [rank] if role == ROLLOUT else self.layout.group_ranks(index),
-                    M.Stopped(index if role == ROLLOUT else -1))
+                    messages.Stopped(index if role == ROLLOUT else -1))
         raise ValueError(f"simulated worker {rank}: unknown command {msg.kind!r}")
 
     def _start(self, rank: int, plan: tuple, arrival: float) -> None:
@@ -257,11 +257,11 @@ class SimTransport:
             for r in plan[1]:
                 self._reply(start, r, plan[2])
 
-    def _handling(self, reply: M.Reply) -> float:
+    def _handling(self, reply: messages.Reply) -> float:
         """Modelled orchestrator seconds (at a whole core) to handle `reply`."""
-        return self.orchestrator_s + (self.orchestrator_step_s if isinstance(reply, M.Stepped) else 0.0)
+        return self.orchestrator_s + (self.orchestrator_step_s if isinstance(reply, messages.Stepped) else 0.0)
 
-    def _orchestrate(self, reply: M.Reply) -> None:
+    def _orchestrate(self, reply: messages.Reply) -> None:
         """The orchestrator handles `reply`: its modelled seconds pass on the clock. On shared
         cores it computes there like a worker (rank 0 is busy 25-30% of a referential run,
         while the workers compute): it takes its share of a core, and slows them meanwhile;
@@ -302,7 +302,7 @@ class SimTransport:
         self.computing.discard(job.key)
         self._done(job.key, job.start, at, *job.payload)
 
-    def _run(self, rank: int, start: float, dt: float, activity: str, agent: str, reply: M.Reply) -> None:
+    def _run(self, rank: int, start: float, dt: float, activity: str, agent: str, reply: messages.Reply) -> None:
         """`rank` (a replica or a group leader) runs one command from `start` for `dt`
         (on shared cores a generate or train takes as long as its share of them makes it)."""
         if self.share and activity in ("generate", "train") and dt > 0:
@@ -314,13 +314,13 @@ class SimTransport:
             return
         self._done(rank, start, start + dt, activity, agent, reply)
 
-    def _done(self, rank: int, start: float, end: float, activity: str, agent: str, reply: M.Reply) -> None:
+    def _done(self, rank: int, start: float, end: float, activity: str, agent: str, reply: messages.Reply) -> None:
         self.free_at[rank] = end
         self._reply(end, rank, _with(reply, activity, agent, start, end))
         role, index = self.layout.role_of(rank)
         if role != ROLLOUT and activity != "sync":          # the members work alongside
             for r in self.layout.group_ranks(index)[1:]:
-                self._reply(end, r, M.Intervals(intervals=[(activity, agent, start, end)]))
+                self._reply(end, r, messages.Intervals(intervals=[(activity, agent, start, end)]))
         self._resume(rank)
 
     def _resume(self, rank: int) -> None:
@@ -331,7 +331,7 @@ class SimTransport:
             self._start(rank, plan, arrival)
 
     def _meet(self, key: tuple, members: tuple[int, ...], rank: int, start: float, dt: float,
-              activity: str, agent: str, reply: M.Reply) -> None:
+              activity: str, agent: str, reply: messages.Reply) -> None:
         """A collective: each member's reply comes when all have arrived, plus `dt`."""
         m = self.meetings.setdefault(key, _Meeting(members))
         m.arrived[rank], m.replies[rank] = start, reply
@@ -343,10 +343,10 @@ class SimTransport:
         for r in m.members:
             self._run(r, begin, dt, activity, agent, m.replies[r])
 
-    def _reply(self, t: float, src: int, reply: M.Reply) -> None:
+    def _reply(self, t: float, src: int, reply: messages.Reply) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t + self.latency_s, self.seq, src, reply))
 
 
-def _with(reply: M.Reply, activity: str, agent: str, t0: float, t1: float) -> M.Reply:
+def _with(reply: messages.Reply, activity: str, agent: str, t0: float, t1: float) -> messages.Reply:
     return replace(reply, intervals=[(activity, agent, t0, t1)])

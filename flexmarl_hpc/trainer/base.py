@@ -24,8 +24,8 @@ from typing import Protocol
 
 import torch
 
-from .. import faults
-from ..grpo import MicroBatch
+from flexmarl_hpc.runtime import faults
+from flexmarl_hpc.learn.grpo import MicroBatch
 
 
 class TrainerBackend(Protocol):

@@ -2,7 +2,7 @@
 
 CPU-only: gradients are reduced through numpy buffers over MPI and the parameters live in
 one host byte buffer that the weight sync broadcasts as is. GPU runs use trainer.backend
-=megatron. Its swap interface (`offload`/`onload`, flexmarl_hpc.state_swap.Swappable) is
+=megatron. Its swap interface (`offload`/`onload`, flexmarl_hpc.runtime.state_swap.Swappable) is
 written for any device: every tensor of the state goes through `_rehome`.
 """
 from __future__ import annotations
@@ -13,13 +13,13 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import comm as C
-from ..config import TrainerConfig
-from ..grpo import MicroBatch, grpo_loss, stat_values, token_logprobs
-from ..model import CausalLM, hf_state_dict
-from ..state_swap import HostBuffers, finish_copies, release, to_device
-from ..weight_sync import _header, host_bytes
-from .base import replay
+from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.config.schema import TrainerConfig
+from flexmarl_hpc.learn.grpo import MicroBatch, grpo_loss, stat_values, token_logprobs
+from flexmarl_hpc.learn.model import CausalLM, hf_state_dict
+from flexmarl_hpc.runtime.state_swap import HostBuffers, finish_copies, release, to_device
+from flexmarl_hpc.runtime.weight_sync import _header, host_bytes
+from flexmarl_hpc.trainer.base import replay
 
 
 class TorchTrainer:
@@ -68,7 +68,7 @@ class TorchTrainer:
     def optimizer_step(self, bump: bool = True) -> dict[str, float]:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        C.allreduce_sum(self.group, flat.numpy())          # SUM: the 1/N scale is already in
+        comm.allreduce_sum(self.group, flat.numpy())          # SUM: the 1/N scale is already in
         off = 0
         for p, g in zip(self.params, grads):
             p.grad = flat[off:off + g.numel()].view_as(p).clone()
@@ -90,7 +90,7 @@ class TorchTrainer:
         so a sync broadcasts them without a packing copy."""
         return self.packed
 
-    # -- state swap (flexmarl_hpc.state_swap.Swappable) ------------------------------------
+    # -- state swap (flexmarl_hpc.runtime.state_swap.Swappable) ------------------------------------
     def offload(self, host: HostBuffers) -> None:
         """Parameters, grads, optimizer moments and the reference model into `host`'s
         reused buffers; the module and optimizer now point there and the device copies go."""

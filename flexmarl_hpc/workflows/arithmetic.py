@@ -23,7 +23,7 @@ import re
 
 import numpy as np
 
-from .base import Path, Task, TokenizerVocab
+from flexmarl_hpc.workflows.base import Path, Task, TokenizerVocab
 
 _NUMBER = re.compile(r"-?\d+")
 

@@ -174,7 +174,7 @@ class Task:
 
 def load_task(spec: str, args: dict, turns: Sequence[str]) -> Task:
     """Import `module:Class` and build it as `Class(turns=[agent of each turn], **args)`."""
-    from ..config import ConfigError
+    from flexmarl_hpc.config.schema import ConfigError
     mod_name, _, cls_name = spec.partition(":")
     try:
         cls = getattr(importlib.import_module(mod_name), cls_name)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Path, Task, Vocab
+from flexmarl_hpc.workflows.base import Path, Task, Vocab
 
 
 class ReferentialGame(Task):

@@ -16,7 +16,7 @@ import hashlib
 
 import numpy as np
 
-from .base import Path, Task, Vocab
+from flexmarl_hpc.workflows.base import Path, Task, Vocab
 
 
 class SkewedLengths(Task):

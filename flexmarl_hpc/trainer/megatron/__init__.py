@@ -7,7 +7,7 @@ RoPE with base rope_theta, GQA, tied or untied embeddings, biases only on QKV wh
 qkv_bias): megatron's local layer spec on CPU (through compat.py), the Transformer Engine
 spec where TE is installed on a GPU; bf16 (Float16Module, fp32 main params) or fp32 per
 trainer.precision (configs.py). It is wrapped in megatron's DDP with the DistributedOptimizer
-(Adam; torch's AdamW on CPU). The loss is flexmarl_hpc.grpo's, computed vocab-parallel on
+(Adam; torch's AdamW on CPU). The loss is flexmarl_hpc.learn.grpo's, computed vocab-parallel on
 the TP ranks, so both backends optimise the same function.
 
     dist.py       torch.distributed + parallel_state over one group; MPI byte helpers
@@ -32,16 +32,16 @@ Contract (same as TorchTrainer; tests/test_megatron.py checks it against TorchTr
   of TP/PP/DP. Both collective (every group rank calls them; `state()` gives each the full
   state). Meant for small models: at scale use `save_checkpoint`/`load_checkpoint`.
 - `save_checkpoint(dir, keep)` / `load_checkpoint(dir)`: megatron dist_checkpointing of model
-  and optimizer (fully reshardable format) as manifest-checked entries of flexmarl_hpc.checkpoint
+  and optimizer (fully reshardable format) as manifest-checked entries of flexmarl_hpc.store.checkpoint
   (atomic publish, newest valid on load). Collective. The job checkpoints megatron this way.
-- `offload(host)` / `onload()` (swap.py, flexmarl_hpc.state_swap.Swappable): this rank's
+- `offload(host)` / `onload()` (swap.py, flexmarl_hpc.runtime.state_swap.Swappable): this rank's
   parameter, grad and optimizer storages to preallocated host buffers and back, no rebuild.
 - `trainer.kl_coef > 0`: a frozen TP-sharded reference copy of the initial weights (PP = 1).
 
     trainer: {backend: megatron, ranks_per_group: 4, tensor_parallel: 2, pipeline_parallel: 1}
 """
-from .dist import init_group_distributed
-from .trainer import MegatronTrainer
+from flexmarl_hpc.trainer.megatron.dist import init_group_distributed
+from flexmarl_hpc.trainer.megatron.trainer import MegatronTrainer
 
 
 def hf_weights_of_entry(entry, args, cfg):

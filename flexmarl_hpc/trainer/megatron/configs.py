@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...config import TrainerConfig
-from ...model import ModelArgs
-from .dist import CUDA
+from flexmarl_hpc.config.schema import TrainerConfig
+from flexmarl_hpc.learn.model import ModelArgs
+from flexmarl_hpc.trainer.megatron.dist import CUDA
 
 
 def resolve_precision(cfg: TrainerConfig, cuda: bool = CUDA) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ... import comm as C
+from flexmarl_hpc.runtime import comm
 
 _LAYOUT: tuple[int, int, int] | None = None      # (group size, tp, pp) this process runs
 # megatron warns on every rank, at import and at each build, that Apex / Transformer Engine
@@ -34,7 +34,7 @@ def scope():
     """Where megatron runs: on CPU inside compat's device mode."""
     if CUDA:
         return contextlib.nullcontext()
-    from . import compat
+    from flexmarl_hpc.trainer.megatron import compat
     return compat.cpu_mode()
 
 
@@ -46,21 +46,21 @@ def device() -> torch.device:
 def allgather_bytes(group: MPI.Comm, data: bytes) -> list[bytes]:
     n = np.array([len(data)], dtype=np.int64)
     sizes = np.zeros(group.Get_size(), dtype=np.int64)
-    C.wait(group.Iallgather(n, sizes))
+    comm.wait(group.Iallgather(n, sizes))
     out = np.empty(int(sizes.sum()), dtype=np.uint8)
     offs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    C.wait(group.Iallgatherv(np.frombuffer(data, dtype=np.uint8), [out, sizes, offs, MPI.BYTE]))
+    comm.wait(group.Iallgatherv(np.frombuffer(data, dtype=np.uint8), [out, sizes, offs, MPI.BYTE]))
     return [out[o:o + s].tobytes() for o, s in zip(offs, sizes)]
 
 
 def gather_bytes(group: MPI.Comm, data: bytes, root: int = 0) -> list[bytes] | None:
     n = np.array([len(data)], dtype=np.int64)
     sizes = np.zeros(group.Get_size(), dtype=np.int64)
-    C.wait(group.Igather(n, sizes, root=root))
+    comm.wait(group.Igather(n, sizes, root=root))
     me = group.Get_rank() == root
     out = np.empty(int(sizes.sum()) if me else 0, dtype=np.uint8)
     offs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    C.wait(group.Igatherv(np.frombuffer(data, dtype=np.uint8),
+    comm.wait(group.Igatherv(np.frombuffer(data, dtype=np.uint8),
                           [out, sizes, offs, MPI.BYTE] if me else None, root=root))
     return [out[o:o + s].tobytes() for o, s in zip(offs, sizes)] if me else None
 
@@ -109,7 +109,7 @@ def init_group_distributed(group: MPI.Comm, tp: int, pp: int, relayout: bool = F
         raise ValueError(f"trainer.ranks_per_group={group.Get_size()} is not a multiple of "
                          f"tensor_parallel x pipeline_parallel = {tp * pp}")
     if not CUDA:       # on GPU, devices.bind_rank already chose this rank's device (by role)
-        from . import compat
+        from flexmarl_hpc.trainer.megatron import compat
         compat.apply()
     rank, size = group.Get_rank(), group.Get_size()
     timeout = timedelta(minutes=30)
@@ -121,7 +121,7 @@ def init_group_distributed(group: MPI.Comm, tp: int, pp: int, relayout: bool = F
         where = (socket.gethostname(), store.port)
     else:
         where = None
-    host, port = C.bcast_obj(group, where, 0)
+    host, port = comm.bcast_obj(group, where, 0)
     if rank != 0:
         addr = "127.0.0.1" if host == socket.gethostname() else host
         store = torch.distributed.TCPStore(addr, port, size, is_master=False, timeout=timeout)
@@ -142,7 +142,7 @@ def _shutdown_distributed(group: MPI.Comm) -> None:
     if not torch.distributed.is_initialized():
         return
     from megatron.core import parallel_state
-    C.barrier(group)
+    comm.barrier(group)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     _LAYOUT = None

@@ -3,7 +3,7 @@ checkpoint saved with one TP/PP/DP layout loads into another. Both calls are col
 over the trainer group. A mixin of MegatronTrainer; the job checkpoints megatron trainers
 this way (no full-model gather per rank, as `state()` would need).
 
-Entries go through flexmarl_hpc.checkpoint like the torch backend's files: every rank
+Entries go through flexmarl_hpc.store.checkpoint like the torch backend's files: every rank
 writes its shards into the staging folder `v<version>.tmp/`, the leader `publish`es it
 (fsync, rename to `v<version>/`, sha256 manifest, `latest`, prune), and loading takes
 `newest_valid`: a corrupted or half-written newest entry is reported and the older one
@@ -18,11 +18,11 @@ from typing import Callable
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from ... import comm as C
-from ... import faults
-from ...checkpoint import CheckpointError, newest_valid, publish, staging_path, writing
-from .dist import allgather_bytes, scope
-from .hf_state import torch_adam
+from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.runtime import faults
+from flexmarl_hpc.store.checkpoint import CheckpointError, newest_valid, publish, staging_path, writing
+from flexmarl_hpc.trainer.megatron.dist import allgather_bytes, scope
+from flexmarl_hpc.trainer.megatron.hf_state import torch_adam
 
 _META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -47,7 +47,7 @@ class DistCheckpoint:
         if self.leader:
             tmp = staging_path(folder, self.version, is_dir=True)
             tmp.mkdir()
-        tmp = Path(C.bcast_obj(self.group, str(tmp), 0))
+        tmp = Path(comm.bcast_obj(self.group, str(tmp), 0))
         err = ""
         try:
             with writing(tmp), scope():
@@ -69,7 +69,7 @@ class DistCheckpoint:
                 entry = publish(folder, self.version, tmp, keep)
             except OSError as e:
                 errs = [str(e)]
-        errs = C.bcast_obj(self.group, errs, 0)
+        errs = comm.bcast_obj(self.group, errs, 0)
         if errs:
             raise CheckpointError(errs[0])
         return entry
@@ -80,7 +80,7 @@ class DistCheckpoint:
         checkpoint may come from another TP/PP/DP layout; it restores the optimizer's fp32
         main params too (the reshardable format holds them)."""
         found = newest_valid(Path(folder), report) if self.leader else None
-        found = C.bcast_obj(self.group, None if found is None else (found[0], str(found[1])), 0)
+        found = comm.bcast_obj(self.group, None if found is None else (found[0], str(found[1])), 0)
         if found is None:
             return None
         entry = Path(found[1])

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ... import comm as C
-from ...convert import hf_to_megatron, megatron_to_hf
-from ...model import ModelArgs
-from .dist import gather_bytes, scope, tensors_from_bytes, tensors_to_bytes
+from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.learn.convert import hf_to_megatron, megatron_to_hf
+from flexmarl_hpc.learn.model import ModelArgs
+from flexmarl_hpc.trainer.megatron.dist import gather_bytes, scope, tensors_from_bytes, tensors_to_bytes
 
 # megatron's TE spec fuses the pre-attention / pre-MLP norms into the next linear
 _TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -22,7 +22,7 @@ _TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_wei
 
 def param_order(args: ModelArgs) -> list[str]:
     """HF names in CausalLM.parameters() order: TorchTrainer's optimizer indices."""
-    from ...model import CausalLM
+    from flexmarl_hpc.learn.model import CausalLM
     with torch.device("meta"):
         return [n for n, _ in CausalLM(args).named_parameters()]
 
@@ -93,7 +93,7 @@ class HFState:
                     grid[pp][tp] = tensors_from_bytes(b[24:])
             hf = megatron_to_hf(grid, self.args)
         if to_all:
-            hf = tensors_from_bytes(C.bcast_obj(self.group, tensors_to_bytes(hf) if self.leader else None, 0))
+            hf = tensors_from_bytes(comm.bcast_obj(self.group, tensors_to_bytes(hf) if self.leader else None, 0))
         return hf
 
     def _master_weights(self) -> dict[str, torch.Tensor]:
@@ -174,7 +174,7 @@ class HFState:
                 out[f"optim.{i}.exp_avg_sq"] = hf2[k]
         out["version"] = torch.tensor(self.version)
         rng = torch.get_rng_state()
-        out["rng"] = tensors_from_bytes(C.bcast_obj(self.group, tensors_to_bytes({"r": rng}), 0))["r"]
+        out["rng"] = tensors_from_bytes(comm.bcast_obj(self.group, tensors_to_bytes({"r": rng}), 0))["r"]
         return out
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:

@@ -1,4 +1,4 @@
-"""State swap of a megatron trainer (flexmarl_hpc.state_swap.Swappable): this rank's own
+"""State swap of a megatron trainer (flexmarl_hpc.runtime.state_swap.Swappable): this rank's own
 shards of parameters, grads and optimizer state go to preallocated host memory and back,
 the module, DDP wrapper and optimizer objects are kept.
 
@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from ...state_swap import HostBuffers, finish_copies, release
+from flexmarl_hpc.runtime.state_swap import HostBuffers, finish_copies, release
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -12,15 +12,15 @@ from functools import partial
 import torch
 from mpi4py import MPI
 
-from ...config import TrainerConfig
-from ...convert import padded_vocab
-from ...grpo import MicroBatch, grpo_loss, stat_values, vocab_parallel_logprobs
-from ...model import ModelArgs, build_model, hf_state_dict
-from . import configs
-from .dist import allgather_bytes, device, init_group_distributed, scope
-from .dist_ckpt import DistCheckpoint
-from .hf_state import HFState
-from .swap import Swap
+from flexmarl_hpc.config.schema import TrainerConfig
+from flexmarl_hpc.learn.convert import padded_vocab
+from flexmarl_hpc.learn.grpo import MicroBatch, grpo_loss, stat_values, vocab_parallel_logprobs
+from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
+from flexmarl_hpc.trainer.megatron import configs
+from flexmarl_hpc.trainer.megatron.dist import allgather_bytes, device, init_group_distributed, scope
+from flexmarl_hpc.trainer.megatron.dist_ckpt import DistCheckpoint
+from flexmarl_hpc.trainer.megatron.hf_state import HFState
+from flexmarl_hpc.trainer.megatron.swap import Swap
 
 
 class MegatronTrainer(HFState, DistCheckpoint, Swap):

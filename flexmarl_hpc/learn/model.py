@@ -1,0 +1,357 @@
+"""A Llama/Qwen2-family decoder (RMSNorm, SwiGLU, RoPE, GQA) with HF parameter names.
+
+The state dict keys are exactly those of HF `LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`,
+...), so the same tensors load into megatron-core (through flexmarl_hpc.learn.convert) and vLLM.
+The forward pass takes an optional KV cache for batched incremental decoding with left
+padding; without a cache it is the plain training forward.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexmarl_hpc.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    rope_llama3: tuple[float, float, float, int] | None = None
+    """Llama-3 RoPE scaling (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings); None: plain RoPE."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, vocab_size: int) -> "ModelArgs":
+        return cls(vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                   cfg.intermediate_size, cfg.max_seq_len, cfg.rope_theta, cfg.rms_eps,
+                   cfg.tie_embeddings, qkv_bias=cfg.qkv_bias)
+
+    def to_hf_config(self) -> dict:
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_llama3 is not None:
+            f, lo, hi, orig = self.rope_llama3
+            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, "factor": f,
+                    "low_freq_factor": lo, "high_freq_factor": hi,
+                    "original_max_position_embeddings": orig}
+        return {
+            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
+            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_seq_len, "rope_theta": self.rope_theta,
+            # transformers 5.x reads rope_parameters, 4.x rope_theta and rope_scaling
+            "rope_parameters": rope, **({"rope_scaling": rope} if self.rope_llama3 else {}),
+            "rms_norm_eps": self.rms_eps, "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu", "torch_dtype": "float32",
+        }
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "ModelArgs":
+        """Llama / Qwen2 config.json (transformers 4.x or 5.x). Every field that changes the
+        math is either honoured or refused by name (ValueError), never ignored."""
+        return _from_hf(cls, hf)
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def _from_hf(cls, hf: dict) -> ModelArgs:
+    def refuse(key: str, why: str):
+        raise ValueError(f"config.json: {key} = {hf.get(key)!r}: {why}")
+
+    mt = hf.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        refuse("model_type", f"expected one of {list(SUPPORTED_MODEL_TYPES)} (a Llama/Qwen2 decoder)")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "only silu (SwiGLU) is implemented")
+    for key in ("attention_bias", "mlp_bias"):          # Llama variants with extra biases
+        if hf.get(key):
+            refuse(key, "biases on these projections are not implemented")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+        refuse("use_sliding_window" if hf.get("use_sliding_window") else "layer_types",
+               "sliding-window attention is not implemented (full attention only)")
+    for key in ("attention_dropout", "hidden_dropout"):
+        if float(hf.get(key) or 0) != 0:
+            refuse(key, "dropout is not implemented; expected 0")
+    if int(hf.get("pretraining_tp") or 1) != 1:
+        refuse("pretraining_tp", "expected 1")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        refuse("head_dim", f"expected hidden_size / num_attention_heads = {hf['hidden_size'] // heads}")
+    theta, llama3 = _hf_rope(hf)
+    return cls(hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"], heads,
+               hf.get("num_key_value_heads") or heads, hf["intermediate_size"],
+               hf.get("max_position_embeddings", 2048), theta, hf.get("rms_norm_eps", 1e-6),
+               hf.get("tie_word_embeddings", False), mt == "qwen2", llama3)
+
+
+def _hf_rope(hf: dict) -> tuple[float, tuple | None]:
+    """(rope_theta, llama3 scaling or None) from transformers 5.x `rope_parameters` or 4.x
+    top-level `rope_theta` + `rope_scaling`."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rp = dict(hf.get(key) or {})
+    theta = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    partial = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor = {partial}: only full rotary embeddings "
+                         "are implemented")
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"config.json: {key}.rope_type = {kind!r}: not implemented (expected default "
+                         "or llama3)")
+    try:
+        llama3 = (float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"]),
+                  int(rp["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ValueError(f"config.json: {key}: llama3 scaling without {e.args[0]}") from None
+    if not (llama3[0] >= 1 and 0 < llama3[1] < llama3[2] and llama3[3] > 0):
+        raise ValueError(f"config.json: {key}: expected factor >= 1, 0 < low_freq_factor < "
+                         f"high_freq_factor, original_max_position_embeddings > 0; got {rp}")
+    return theta, llama3
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).type_as(x) * self.weight
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Per-pair rotation frequencies; with Llama-3 scaling, long wavelengths are slowed down by
+    `factor`, short ones kept, and the band between interpolated (as HF and megatron-core do)."""
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim))
+    if args.rope_llama3 is None:
+        return inv
+    factor, lo, hi, orig = args.rope_llama3
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > orig / lo, inv / factor, inv)
+    smooth = (orig / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= orig / hi) & (wavelen <= orig / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(args: ModelArgs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [B, T, head_dim] for integer positions [B, T] (HF rotate-half layout)."""
+    inv = rope_inv_freq(args)
+    ang = positions.float()[..., None] * inv
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+class KVCache:
+    """Preallocated per-layer keys/values [B, kv_heads, max_len, head_dim] and a key mask."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32):
+        shape = (batch, args.num_kv_heads, max_len, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
+        self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool)
+        self.length = 0
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        hd = args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * hd, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * hd, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * hd, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * hd, args.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
+        B, T, _ = x.shape
+        a = self.args
+        q = self.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            s = cache.length
+            cache.k[layer][:, :, s:s + T] = k
+            cache.v[layer][:, :, s:s + T] = v
+            k, v = cache.k[layer][:, :, :s + T], cache.v[layer][:, :, :s + T]
+        rep = a.num_heads // a.num_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_eps)
+
+
+class CausalLM(nn.Module):
+    """`LlamaForCausalLM`-compatible module: `model.*` backbone plus `lm_head`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self, std: float, generator: torch.Generator) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                nn.init.ones_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                with torch.no_grad():
+                    p.normal_(0.0, std, generator=generator)
+        # scale residual projections by depth (GPT-2 style) so deep stacks start stable
+        for layer in self.model.layers:
+            with torch.no_grad():
+                layer.self_attn.o_proj.weight.div_(math.sqrt(2 * self.args.num_layers))
+                layer.mlp.down_proj.weight.div_(math.sqrt(2 * self.args.num_layers))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [B, T, V]. `attention_mask` [B, T] marks real tokens (padding may be anywhere).
+
+        With a cache, `input_ids` are the next T tokens of every sequence; the mask then
+        covers only those tokens and is appended to the cache's key mask.
+        """
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(B, T, dtype=torch.bool)
+        attention_mask = attention_mask.bool()
+        if cache is None:
+            key_mask, start = attention_mask, 0
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        else:
+            start = cache.length
+            cache.key_mask[:, start:start + T] = attention_mask
+            key_mask = cache.key_mask[:, :start + T]
+            positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
+        Tk = key_mask.shape[1]
+        causal = torch.ones(T, Tk, dtype=torch.bool).tril(diagonal=start)
+        mask = causal[None] & key_mask[:, None, :]
+        # a fully masked row (a padding query) would give NaN; let it see itself
+        diag = torch.zeros(T, Tk, dtype=torch.bool)
+        diag[torch.arange(T), start + torch.arange(T)] = True
+        mask = mask | diag[None]
+        cos, sin = rope_tables(self.args, positions)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask[:, None], cache, i)
+        if cache is not None:
+            cache.length = start + T
+        return self.lm_head(self.model.norm(x))
+
+
+def build_model(args: ModelArgs, seed: int, std: float = 0.02) -> CausalLM:
+    model = CausalLM(args)
+    model.init_weights(std, torch.Generator().manual_seed(seed))
+    return model
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """HF-named tensors; a tied lm_head is left out, as HF does."""
+    sd = model.state_dict()
+    if model.args.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def save_hf_checkpoint(model: CausalLM, folder: str | Path) -> None:
+    from safetensors.torch import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf_state_dict(model).items()},
+              str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(model.args.to_hf_config(), indent=2))
+
+
+def load_hf_args(folder: str | Path) -> ModelArgs:
+    """The architecture of a local HF checkpoint, from its config.json alone (no weights read)."""
+    cfg_path = Path(folder) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: expected an HF config.json in the checkpoint folder")
+    return ModelArgs.from_hf_config(json.loads(cfg_path.read_text()))
+
+
+def load_hf_checkpoint(folder: str | Path) -> CausalLM:
+    """Load a local HF Llama/Qwen2 checkpoint (config.json + *.safetensors)."""
+    from safetensors.torch import load_file
+    folder = Path(folder)
+    args = load_hf_args(folder)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    sd: dict[str, torch.Tensor] = {}
+    for s in shards:
+        sd.update(load_file(str(s)))
+    model = CausalLM(args)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (args.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not match config.json: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model

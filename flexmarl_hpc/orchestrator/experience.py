@@ -1,0 +1,194 @@
+"""The experience store: the workflow trees (tree.py) written through to their HDF5 journal.
+
+Lives on the orchestrator. `Journal` turns the trees' status changes into /samples rows,
+/tokens pool entries, /events rows and in-place status patches of a `StoreFile`;
+`Experience` is a `Tree` whose every change goes through the journal, and is flushed
+(committed) before it is acted on: generated rows after each generation batch (the
+orchestrator flushes), CONSUMED before a micro-batch reaches the trainer (take_ready).
+
+On resume (`reload`), rows of uncommitted steps are reloaded instead of regenerated, and
+consumed-but-uncommitted rows go back to READY, so no sample is lost or trained twice.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from itertools import chain
+from operator import attrgetter
+
+import numpy as np
+
+from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY, StoreFile
+from flexmarl_hpc.orchestrator.tree import Changes, Node, Tree, global_batch  # noqa: F401  (re-exported)
+from flexmarl_hpc.workflows.base import Task
+
+
+def _spans(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The positions [start_i, start_i + len_i) of every i, concatenated."""
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+
+
+def _by_agent(nodes: list[Node]) -> list[tuple[str, list[Node]]]:
+    """The nodes grouped by agent, each group in the nodes' order (a batch is most often
+    of one agent: then one pass in C)."""
+    if not nodes:
+        return []
+    if all(map(nodes[0].agent.__eq__, map(attrgetter("agent"), nodes))):
+        return [(nodes[0].agent, nodes)]
+    by: dict[str, list[Node]] = defaultdict(list)
+    for n in nodes:
+        by[n.agent].append(n)
+    return list(by.items())
+
+
+class Journal:
+    """Records nodes and their status changes in the store (buffered until its flush)."""
+
+    def __init__(self, store: StoreFile):
+        self.store = store
+        self.agent_index = {a: i for i, a in enumerate(store.agents)}
+
+    def generated(self, nodes: list[Node], now: float) -> None:
+        """Append rows (+ tokens) for newly generated nodes and set their `row`."""
+        for agent, ns in _by_agent(nodes):
+            self._append(agent, ns, now)
+
+    def _append(self, agent: str, nodes: list[Node], now: float) -> None:
+        # the pool rows are one array: prompt, then response, logprob NaN on prompts (and
+        # past a response's logprobs, if it has fewer). Each column is one C-level pass over
+        # the nodes (map / chain.from_iterable into np.fromiter, no Python frame per
+        # sample), scattered to its positions by index arithmetic
+        tab, pool = self.store.samples[agent], self.store.tokens[agent]
+        k = len(nodes)
+        prompts, responses = list(map(attrgetter("prompt"), nodes)), list(map(attrgetter("response"), nodes))
+        logprobs = list(map(attrgetter("logprobs"), nodes))
+        plen, rlen, llen = (np.fromiter(map(len, xs), np.int64, k) for xs in (prompts, responses, logprobs))
+        if (llen > rlen).any():               # they would land on the next sample's tokens
+            bad = nodes[int(np.argmax(llen > rlen))]
+            raise ValueError(f"{agent} sample {bad.sample_id}: {len(bad.logprobs)} log-probs for "
+                             f"{len(bad.response)} response tokens")
+        ends = np.cumsum(plen + rlen)
+        starts, rstarts = ends - plen - rlen, ends - rlen
+        toks = np.empty(int(ends[-1]), pool.dtype)
+        toks["logprob"] = np.nan
+        for col, xs, at, lens, dt in (("token", prompts, starts, plen, np.int32),
+                                      ("token", responses, rstarts, rlen, np.int32),
+                                      ("logprob", logprobs, rstarts, llen, np.float32)):
+            toks[col][_spans(at, lens)] = np.fromiter(chain.from_iterable(xs), dt, int(lens.sum()))
+        off = pool.append(toks)
+        rows = np.empty(k, tab.dtype)
+        rows["sample_id"] = list(map(attrgetter("sample_id"), nodes))        # ASCII: numpy encodes
+        rows["parent_id"] = [p.sample_id if p else "" for p in map(attrgetter("parent"), nodes)]
+        for name, attr in (("input_id", "input_id"), ("turn", "turn"), ("traj", "traj"),
+                           ("step", "step"), ("policy_version", "version"), ("replica", "replica")):
+            rows[name] = np.fromiter(map(attrgetter(attr), nodes), np.int64, k)
+        rows["status"] = GENERATED
+        rows["trainer_step"] = -1
+        for name in ("reward", "advantage", "t_ready", "t_consumed"):
+            rows[name] = np.nan
+        rows["t_generated"] = now
+        rows["token_offset"] = off + starts
+        rows["prompt_len"], rows["response_len"] = plen, rlen
+        first = tab.append(rows)
+        for i, n in enumerate(nodes, first):
+            n.row = i
+        self._events(agent, np.arange(first, first + k), None, GENERATED, now, -1)
+
+    def status(self, nodes: list[Node], status: int, now: float, trainer_step: int = -1) -> None:
+        """Record a status change of journalled nodes: one /events append and one queued
+        patch of their rows per agent (READY also records reward and advantage)."""
+        for agent, ns in _by_agent(nodes):
+            rows = np.fromiter(map(attrgetter("row"), ns), np.int64, len(ns))
+            fields: dict = {"status": status}
+            if status == READY:
+                fields.update(reward=np.fromiter(map(attrgetter("reward"), ns), np.float32, len(ns)),
+                              advantage=np.fromiter(map(attrgetter("advantage"), ns), np.float32,
+                                                    len(ns)),
+                              t_ready=now)
+            elif status == CONSUMED:
+                fields.update(trainer_step=trainer_step, t_consumed=now)
+            else:
+                fields.update(trainer_step=-1, t_consumed=np.nan)
+            self.store.samples[agent].patch(rows, fields)
+            self._events(agent, rows, fields, status, now, trainer_step)
+
+    def _events(self, agent: str, rows: np.ndarray, fields, status: int, now: float,
+                tstep: int) -> None:
+        ev = np.empty(len(rows), self.store.events.dtype)
+        ev["agent"] = self.agent_index[agent]
+        ev["row"] = rows
+        ev["status"], ev["t"], ev["trainer_step"] = status, now, tstep
+        if status == READY:
+            ev["reward"], ev["advantage"] = fields["reward"], fields["advantage"]
+        else:
+            ev["reward"] = ev["advantage"] = np.nan
+        self.store.events.append(ev)
+
+    def load(self, first_step: int) -> list[Node]:
+        """Unlinked nodes for every row of steps >= first_step, with the status (and
+        trainer_step) the file has. One read of the rows and one of their token range."""
+        out = []
+        for agent in self.store.agents:
+            tab, pool = self.store.samples[agent], self.store.tokens[agent]
+            rows = tab.read()
+            idx = np.nonzero(rows["step"] >= first_step)[0]
+            if not len(idx):
+                continue
+            r = rows[idx]
+            lo = int(r["token_offset"].min())
+            hi = int((r["token_offset"] + r["prompt_len"] + r["response_len"]).max())
+            toks = pool.read(lo, hi)
+            tok, lps = toks["token"].tolist(), toks["logprob"].tolist()
+            for i, x in zip(idx.tolist(), r.tolist()):
+                row = dict(zip(r.dtype.names, x))
+                o, pl, rl = row["token_offset"] - lo, row["prompt_len"], row["response_len"]
+                out.append(Node(agent, row["turn"], row["step"], row["input_id"], row["traj"], None, [],
+                                None, prompt=tok[o:o + pl], response=tok[o + pl:o + pl + rl],
+                                logprobs=lps[o + pl:o + pl + rl], version=row["policy_version"],
+                                replica=row["replica"], status=row["status"], row=i,
+                                trainer_step=row["trainer_step"]))
+        return out
+
+
+class Experience(Tree):
+    """The trees of all live steps, each change written through to the store."""
+
+    def __init__(self, cfg: Config, task: Task, store: StoreFile):
+        super().__init__(cfg, task)
+        self.store = store
+        self.journal = Journal(store)
+
+    def _journal(self, ch: Changes) -> None:
+        now = self.store.now()
+        self.journal.generated(ch.generated, now)
+        self.journal.status(ch.ready, READY, now)         # a ready node may be dropped
+        self.journal.status(ch.dropped, DROPPED, now)     # by the same batch: this order
+
+    def record_generation(self, batch, version: int, replica: int) -> Changes:
+        """Record generated samples and what they made ready or dropped (the caller
+        flushes once per batch, before acting on it)."""
+        ch = super().record_generation(batch, version, replica)
+        self._journal(ch)
+        return ch
+
+    def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
+        """Mark up to k READY samples of (agent, step) CONSUMED, durably, and return them."""
+        take = super().take_ready(agent, step, k)
+        if take:
+            self.journal.status(take, CONSUMED, self.store.now(), step)
+            self.store.flush(full=False)         # durable before the trainer sees them
+        return take
+
+    def reload(self, first_step: int, versions: dict[str, int]) -> int:
+        """Bring back every row of steps >= first_step from the file and rebuild the trees
+        (Tree.restore): consumed rows the restored trainers do not contain go back to
+        GENERATED, then READY (recorded in /events). Returns the last step found
+        (first_step - 1 if none)."""
+        nodes = self.journal.load(first_step)
+        requeue, ch = self.restore(nodes, first_step, versions)
+        now = self.store.now()
+        self.journal.status(requeue, GENERATED, now)
+        self.journal.status(ch.ready, READY, now)
+        self.journal.status(ch.dropped, DROPPED, now)
+        self.store.flush()
+        return max((n.step for n in nodes), default=first_step - 1)

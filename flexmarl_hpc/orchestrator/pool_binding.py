@@ -1,0 +1,58 @@
+"""Level-1 load balancing over several rollout pools: each pool re-binds its own replicas,
+among the agents it may serve, with its own `Scheduler` (pure, like scheduler.py).
+
+A replica never leaves its pool: a pool holds replicas of one size class (a 32B pool's
+replicas have the GPUs a 32B model needs), so moving one to an agent of another pool
+would not fit. Level 2 (which replica gets a request) and weight sync need nothing
+pool-specific: they already act on the replicas bound to an agent, in whichever pool.
+
+    pb = PoolBinding([([0, 1], ["a"], s0), ([2, 3, 4], ["b", "c"], s1)])
+    binding = pb.initial_binding()          # replica -> agent, over all pools
+    new = pb.rebind(backlog, binding)       # None: keep
+"""
+from __future__ import annotations
+
+from flexmarl_hpc.orchestrator.scheduler import Scheduler
+
+
+class PoolBinding:
+    def __init__(self, pools: list[tuple[list[int], list[str], Scheduler]]) -> None:
+        """pools: (replica numbers, agents it may serve, its level-1 scheduler) per pool."""
+        self.pools = pools
+        self.size = sum(len(idx) for idx, _, _ in pools)
+
+    def initial_binding(self) -> list[str]:
+        out: list[str | None] = [None] * self.size
+        for idx, _, sched in self.pools:
+            for i, a in zip(idx, sched.initial_binding()):
+                out[i] = a
+        return out
+
+    def rebind(self, backlog: dict[str, float], binding: list[str], idle: list[bool] | None = None,
+               servable: list[set[str]] | None = None) -> list[str] | None:
+        """Each pool re-binds its replicas from its agents' backlog; None if no pool changed.
+        `idle`/`servable` (per replica, over all pools) enable the schedulers' time-sharing."""
+        new, changed = list(binding), False
+        for idx, agents, sched in self.pools:
+            sub = sched.rebind({a: backlog[a] for a in agents}, [binding[i] for i in idx],
+                               None if idle is None else [idle[i] for i in idx],
+                               None if servable is None else [servable[i] & set(agents) for i in idx])
+            if sub is not None:
+                changed = True
+                for i, a in zip(idx, sub):
+                    new[i] = a
+        return new if changed else None
+
+
+def pool_binding(cfg, layout, sched: Scheduler) -> PoolBinding:
+    """The run's pools; with one pool (every config without rollout.pools) its scheduler is
+    `sched` itself, so level 1 behaves exactly as before pools existed."""
+    from flexmarl_hpc.config.resources import rollout_pools
+    pools = rollout_pools(cfg)
+    if len(pools) == 1:
+        return PoolBinding([(layout.pool_replicas(0), list(sched.agents), sched)])
+    p = cfg.pipeline
+    return PoolBinding([(layout.pool_replicas(i), list(pool.agents),
+                         Scheduler(list(pool.agents), pool.replicas, cfg.run.mode, p.max_staleness,
+                                   p.load_balance, p.rebalance_threshold, p.rebalance_cooldown,
+                                   p.micro_batch_overlap)) for i, pool in enumerate(pools)])

@@ -1,0 +1,314 @@
+"""The workflow trees of live steps: pure bookkeeping, no I/O (experience.py journals it).
+
+Each root input of step s grows a tree: turn t's agent answers every path of turn t-1
+`samples[t]` times. A node is one sample with sample_id = {input_id}_{turn}_{trajectory_id}.
+Its life:
+
+    pending  -> (dispatched to a replica) -> GENERATED
+             -> READY     once its reward (mean of the leaves below it) and those of its
+                          siblings are known, so the group advantage can be computed
+             -> CONSUMED  when handed to its agent's trainer
+             -> DROPPED   (pipeline.overprovision only) its input was not among the first
+                          inputs_per_step of its step to finish; never trained
+
+Over-provisioning: a step admits inputs_per_step + overprovision inputs; an input joins the
+step's batch when its whole tree is generated (its READY samples wait until then), and once
+inputs_per_step have joined, the step's other inputs are dropped, whatever state they are
+in (pending, on a replica, generated). Which inputs win depends on timing, so such a run is
+not reproducible sample for sample; every generated sample is still trained once or dropped.
+
+Every method that changes statuses returns a `Changes`: what the journal must record.
+"""
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.learn.grpo import group_advantages
+from flexmarl_hpc.learn.sampling import sample_seed
+from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
+from flexmarl_hpc.workflows.base import Path, Task
+
+
+@dataclass(eq=False)
+class Node:
+    agent: str
+    turn: int
+    step: int
+    input_id: int
+    traj: int
+    parent: "Node | None"
+    group: "list[Node]"               # siblings incl. self (same parent, same prompt)
+    root_input: object
+    children: list = field(default_factory=list)
+    prompt: list[int] | None = None
+    response: list[int] | None = None
+    logprobs: list[float] | None = None
+    version: int = -1
+    replica: int = -1
+    status: int = -1                   # -1 pending, then GENERATED / READY / CONSUMED / DROPPED
+    reward: float | None = None
+    advantage: float = 0.0
+    leaf_sum: float = 0.0
+    leaf_n: int = 0
+    row: int = -1                      # its row in the journal (set by the journal)
+    trainer_step: int = -1
+
+    @cached_property                   # asked for often (journal, seeds, keys); never changes
+    def sample_id(self) -> str:
+        return f"{self.input_id}_{self.turn}_{self.traj}"
+
+    def path(self) -> Path:
+        return Path.to(self)
+
+
+@dataclass
+class Changes:
+    """Status changes for the journal, in the order to record them (a node made ready can
+    be dropped by the same batch)."""
+    generated: list[Node] = field(default_factory=list)
+    ready: list[Node] = field(default_factory=list)
+    dropped: list[Node] = field(default_factory=list)     # generated nodes now DROPPED
+
+
+class Tree:
+    """Trees of all live steps and per-agent queues (pending, ready)."""
+
+    def __init__(self, cfg: Config, task: Task):
+        self.cfg, self.task = cfg, task
+        self.turns = cfg.workflow.turns
+        self.agents = cfg.agent_names
+        self.nodes: dict[tuple[str, str], Node] = {}       # (agent, sample_id) -> node
+        self.pending: dict[str, deque[Node]] = {a: deque() for a in self.agents}
+        self.ready: dict[str, dict[int, list[Node]]] = {a: defaultdict(list) for a in self.agents}
+        self.turn_left: dict[tuple[int, int], int] = {}    # (step, turn) -> not yet generated
+        self.steps_admitted: set[int] = set()
+        self.batch_size = {a: global_batch(cfg, a) for a in self.agents}
+        # leaves below one node of each turn
+        self.leaves_below = [math.prod(t.samples for t in self.turns[i + 1:]) for i in range(len(self.turns))]
+        self.resp_len_mean = {a: float(np.mean([t.max_new_tokens for t in self.turns if t.agent == a]))
+                              for a in self.agents}
+        # over-provisioning (see the module docstring)
+        self.n_in, self.extra = cfg.workflow.inputs_per_step, cfg.pipeline.overprovision
+        self.leaves_per_input = math.prod(t.samples for t in self.turns)
+        self.leaves_left: dict[int, int] = {}                  # input -> leaves not generated
+        self.held: dict[int, list[Node]] = defaultdict(list)   # input -> READY, not in a batch
+        self.joined: dict[int, list[int]] = defaultdict(list)  # step -> inputs in its batch
+        self.dropped: set[int] = set()                         # inputs left out
+        self.dropping: list[Node] = []                         # generated, now DROPPED
+
+    # -- creating work -------------------------------------------------------------------
+    def admit_step(self, step: int) -> None:
+        """Create the roots of `step` (inputs drawn from (seed, step)) as pending turn-0 nodes."""
+        if step in self.steps_admitted:
+            return
+        self.steps_admitted.add(step)
+        n_in = self.n_in + self.extra
+        inputs = self.task.sample_inputs(np.random.default_rng([self.cfg.run.seed, step]), n_in)
+        for t, turn in enumerate(self.turns):
+            self.turn_left[(step, t)] = n_in * math.prod(x.samples for x in self.turns[:t + 1])
+        for input_id, x in zip(self.input_ids(step), inputs):
+            self.leaves_left[input_id] = self.leaves_per_input
+            self._spawn(None, step, input_id, x)
+
+    def input_ids(self, step: int) -> range:
+        """The ids of a step's inputs (over-provisioned ones included)."""
+        n = self.n_in + self.extra
+        return range(step * n, (step + 1) * n)
+
+    def _spawn(self, parent: Node | None, step: int, input_id: int, root_input) -> None:
+        t = 0 if parent is None else parent.turn + 1
+        turn = self.turns[t]
+        group: list[Node] = []
+        for b in range(turn.samples):
+            traj = b if parent is None else parent.traj * turn.samples + b
+            node = Node(turn.agent, t, step, input_id, traj, parent, group, root_input)
+            group.append(node)
+            key = (node.agent, node.sample_id)
+            existing = self.nodes.get(key)
+            if existing is not None:          # restored on resume: keep it, re-link
+                existing.parent, existing.group, existing.root_input = parent, group, root_input
+                group[-1] = existing
+                continue
+            self.nodes[key] = node
+            node.prompt = self.task.prompt(t, node.path())
+            self.pending[node.agent].append(node)
+        if parent is not None:
+            parent.children = group
+
+    def request_seed(self, node: Node, version: int) -> int:
+        return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)
+
+    def est_tokens(self, node: Node) -> float:
+        """Backlog estimate of one request: prompt + mean response length so far."""
+        return len(node.prompt) + self.resp_len_mean[node.agent]
+
+    # -- results -------------------------------------------------------------------------
+    def record_generation(self, batch: list[tuple[Node, list[int], list[float]]], version: int,
+                          replica: int) -> Changes:
+        """Generated samples: set their answers, advance their trees."""
+        ch = Changes()
+        late = [node for node, _, _ in batch if node.status == DROPPED]   # dropped on the replica
+        for node, toks, lps in batch:
+            node.response, node.logprobs = list(toks), list(lps)
+            node.version, node.replica, node.status = version, replica, GENERATED
+            ch.generated.append(node)
+            self.turn_left[(node.step, node.turn)] -= 1
+            a = self.resp_len_mean[node.agent]
+            self.resp_len_mean[node.agent] = 0.95 * a + 0.05 * len(toks)
+        self._mark_dropped(late)
+        for node, _, _ in batch:
+            if node.status == DROPPED:
+                continue
+            if node.turn == len(self.turns) - 1:
+                ch.ready += self._leaf_done(node)
+            else:
+                self._spawn(node, node.step, node.input_id, node.root_input)
+        ch.dropped, self.dropping = self.dropping, []
+        return ch
+
+    def _leaf_done(self, leaf: Node) -> list[Node]:
+        """Propagate a finished leaf's rewards up its path; returns nodes whose group became ready."""
+        path = leaf.path()
+        rewards = self.task.reward(Path(path.input, path.responses + (tuple(leaf.response),)))
+        ready: list[Node] = []
+        node = leaf
+        while node is not None:
+            node.leaf_sum += rewards[node.agent]
+            node.leaf_n += 1
+            if node.leaf_n == self.leaves_below[node.turn]:
+                node.reward = node.leaf_sum / node.leaf_n
+                ready += self._group_ready(node.group)
+            node = node.parent
+        if self.extra:
+            self.leaves_left[leaf.input_id] -= 1
+            if self.leaves_left[leaf.input_id] == 0:
+                self._input_done(leaf.step, leaf.input_id)
+        return ready
+
+    def _input_done(self, step: int, input_id: int) -> None:
+        """Over-provisioning: a whole tree is generated. It joins the step's batch; with the
+        batch full, the step's other inputs are dropped."""
+        batch = self.joined[step]
+        batch.append(input_id)
+        for n in self.held.pop(input_id, []):
+            self.ready[n.agent][n.step].append(n)
+        if len(batch) < self.n_in:
+            return
+        losers = set(self.input_ids(step)) - set(batch) - self.dropped
+        self.dropped |= losers
+        self._mark_dropped([n for n in self.nodes.values() if n.input_id in losers])
+        self._unqueue(losers)
+        for i in losers:
+            self.held.pop(i, None)
+
+    def _unqueue(self, inputs: set[int]) -> None:
+        """Take the pending nodes of these inputs out of the queues (never dispatched)."""
+        for q in self.pending.values():
+            keep = [n for n in q if n.input_id not in inputs]
+            q.clear()
+            q.extend(keep)
+
+    def _mark_dropped(self, nodes: list[Node]) -> None:
+        """Pending nodes and nodes on a replica have no row yet: a replica's answer for one
+        is recorded as generated, then dropped (record_generation)."""
+        for n in nodes:
+            if n.status != DROPPED:
+                n.status = DROPPED
+                if n.response is not None:
+                    self.dropping.append(n)
+
+    def _group_ready(self, group: list[Node]) -> list[Node]:
+        if any(n.reward is None for n in group) or group[0].status != GENERATED:
+            return []
+        adv = group_advantages(np.array([n.reward for n in group]))
+        for n, a in zip(group, adv):
+            n.advantage, n.status = float(a), READY
+        if self.extra and group[0].input_id not in self.joined[group[0].step]:
+            self.held[group[0].input_id].extend(group)     # trainable once its input joins
+        else:
+            self.ready[group[0].agent][group[0].step].extend(group)
+        return group
+
+    # -- training ------------------------------------------------------------------------
+    def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
+        """Mark up to k READY samples of (agent, step) CONSUMED and return them."""
+        q = self.ready[agent][step]
+        take, self.ready[agent][step] = q[:k], q[k:]
+        for n in take:
+            n.status, n.trainer_step = CONSUMED, step
+        return take
+
+    def ready_count(self, agent: str, step: int) -> int:
+        return len(self.ready[agent].get(step, ()))
+
+    # -- resume -------------------------------------------------------------------------
+    def restore(self, nodes: list[Node], first_step: int, versions: dict[str, int]) -> tuple[list[Node], Changes]:
+        """Rebuild the trees of steps >= first_step from journalled nodes (unlinked, with
+        the status their rows have). A node consumed by an optimizer step the trainers do
+        not have (trainer_step >= the agent's restored version) goes back to GENERATED and
+        then READY again; generated ones are reused as they are, so nothing is sampled or
+        trained twice. Returns (the requeued nodes, the changes to journal after them);
+        `Changes.ready` leaves out nodes already READY in the journal."""
+        requeue, was_ready = [], set()
+        for n in nodes:
+            if n.status == CONSUMED and n.trainer_step >= versions[n.agent]:
+                n.status, n.trainer_step = GENERATED, -1
+                requeue.append(n)
+            elif n.status == READY:
+                n.status = GENERATED
+                was_ready.add(id(n))
+            elif n.status == DROPPED:
+                self.dropped.add(n.input_id)
+            self.nodes[(n.agent, n.sample_id)] = n
+        last = max((n.step for n in nodes), default=first_step - 1)
+        for step in range(first_step, last + 1):
+            self.admit_step(step)
+        ready: list[Node] = []
+        by_turn = defaultdict(list)
+        for n in self.nodes.values():
+            if n.step >= first_step and n.response is not None:
+                by_turn[n.turn].append(n)
+        for t in range(len(self.turns)):        # replay the trees turn by turn
+            for node in by_turn[t]:
+                if node.input_id in self.dropped:
+                    self._mark_dropped([node])
+                    continue
+                self.turn_left[(node.step, t)] -= 1
+                if t == len(self.turns) - 1:
+                    ready += self._leaf_done(node)
+                else:
+                    self._spawn(node, node.step, node.input_id, node.root_input)
+        self._unqueue(self.dropped)             # roots of dropped inputs, spawned again above
+        # consumed-and-committed nodes went through _group_ready without changing status
+        ch = Changes(dropped=[n for n in self.dropping if n.status == DROPPED],
+                     ready=[n for n in ready if id(n) not in was_ready])
+        self.dropping = []
+        return requeue, ch
+
+    def forget_step(self, step: int) -> None:
+        """Drop finished trees of a fully trained step from memory (the journal keeps them)."""
+        for key in [k for k, n in self.nodes.items() if n.step == step]:
+            del self.nodes[key]
+        for a in self.agents:
+            self.ready[a].pop(step, None)
+        for i in self.input_ids(step):
+            self.leaves_left.pop(i, None)
+            self.held.pop(i, None)
+            self.dropped.discard(i)
+        self.joined.pop(step, None)
+
+
+def global_batch(cfg: Config, agent: str) -> int:
+    """Samples of `agent` per step: inputs x branching down to each of its turns."""
+    total, width = 0, cfg.workflow.inputs_per_step
+    for t in cfg.workflow.turns:
+        width *= t.samples
+        if t.agent == agent:
+            total += width
+    return total

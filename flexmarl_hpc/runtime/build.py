@@ -1,0 +1,124 @@
+"""config -> objects: the task, each agent's model, the rollout engine, the trainers.
+
+The only place that maps `backend` strings to classes; heavy backends are imported here
+lazily so a torch-only job never imports megatron or vllm.
+"""
+from __future__ import annotations
+
+import sys
+
+from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.config.schema import ConfigError
+from flexmarl_hpc.learn.model import CausalLM, ModelArgs, build_model, load_hf_args, load_hf_checkpoint
+from flexmarl_hpc.learn.sampling import sample_seed
+from flexmarl_hpc.workflows.base import Task, load_task
+
+
+def build_task(cfg: Config) -> Task:
+    return load_task(cfg.workflow.task, cfg.workflow.task_args, [t.agent for t in cfg.workflow.turns])
+
+
+def model_args(cfg: Config, task: Task, agent: str) -> ModelArgs:
+    m = cfg.model_for(agent)
+    if m.checkpoint:
+        return load_hf_args(m.checkpoint)
+    return ModelArgs.from_config(m, len(task.vocab))
+
+
+def check_models(cfg: Config, task: Task) -> None:
+    """Before any rank starts: every agent's model can read and write the task's tokens."""
+    for agent in cfg.agent_names:
+        if not cfg.model_for(agent).checkpoint:
+            continue
+        where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
+        try:
+            args = model_args(cfg, task, agent)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if args.vocab_size < len(task.vocab):
+            raise ConfigError(f"{where}: the model's vocabulary ({args.vocab_size}) is smaller than the "
+                              f"task's ({len(task.vocab)} tokens); use the model's own tokenizer in "
+                              "workflow.task_args")
+
+
+def initial_model(cfg: Config, task: Task, agent: str) -> CausalLM:
+    """Version 0 of an agent: a local HF checkpoint, or random init seeded by (seed, agent)."""
+    m = cfg.model_for(agent)
+    if m.checkpoint:
+        return load_hf_checkpoint(m.checkpoint)
+    seed = sample_seed(cfg.run.seed, agent, 0, "init")
+    return build_model(ModelArgs.from_config(m, len(task.vocab)), seed, m.init_std)
+
+
+def _cpu_only(what: str, device: str) -> None:
+    """The built-in torch engine and trainer run on the CPU (their tensors and reductions go
+    through numpy/MPI): say so once instead of idling a bound GPU silently."""
+    if device != "cpu" and what not in _WARNED:
+        _WARNED.add(what)
+        print(f"flexmarl_hpc: {what} is CPU-only; this rank's {device} stays idle "
+              "(use the vllm / megatron backend on GPUs)", file=sys.stderr, flush=True)
+
+
+_WARNED: set[str] = set()
+
+
+def build_engine(cfg: Config, task: Task, device: str = "cpu", pool: int = 0):
+    """This replica's engine, holding the models of the agents its pool may serve
+    (flexmarl_hpc.config.resources). `device` is the rank's binding (flexmarl_hpc.runtime.devices), already
+    applied: vLLM sees only the replica's GPU block as cuda:0.. through CUDA_VISIBLE_DEVICES."""
+    import dataclasses
+    from flexmarl_hpc.config.resources import rollout_pools
+    p = rollout_pools(cfg)[pool]
+    args_of = {a: model_args(cfg, task, a) for a in cfg.agent_names if a in p.agents}
+    if cfg.rollout.backend == "vllm":
+        from flexmarl_hpc.rollout.vllm_engine import VLLMEngine
+        # the pool's GPUs per replica are vLLM's tensor_parallel_size
+        return VLLMEngine(args_of, task, dataclasses.replace(cfg.rollout, gpus_per_replica=p.gpus_per_replica))
+    from flexmarl_hpc.rollout.torch_engine import TorchEngine
+    _cpu_only("rollout.backend=torch", device)
+    return TorchEngine(args_of, task, cfg.rollout.max_batch)
+
+
+def build_trainer(cfg: Config, task: Task, agent: str, group_comm, device: str = "cpu", group: int = 0):
+    """One agent's trainer backend on this rank's group (`group`: its index, whose backend
+    and TP/PP it uses), at version 0. `device`: the rank's binding, already the current CUDA
+    device (megatron allocates on current_device())."""
+    from flexmarl_hpc.config.resources import group_trainer_config, trainer_groups
+    tcfg = group_trainer_config(cfg, trainer_groups(cfg)[group])
+    model = initial_model(cfg, task, agent)
+    if tcfg.backend == "megatron":
+        from flexmarl_hpc.trainer.megatron import MegatronTrainer
+        return MegatronTrainer(model.args, tcfg, group_comm, cfg.rollout.temperature,
+                               init={k: v.clone() for k, v in model.state_dict().items()})
+    from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
+    _cpu_only("trainer.backend=torch", device)
+    return TorchTrainer(model, tcfg, group_comm, cfg.rollout.temperature)
+
+
+def initial_placement(cfg: Config):
+    """Where each agent's state starts: on its trainer group (flexmarl_hpc.config.resources; the
+    uniform case puts agent i on group i % G), resident for the group's first agent, parked
+    in that group's host memory for the others (agent-centric allocation)."""
+    from flexmarl_hpc.config.resources import trainer_groups
+    from flexmarl_hpc.runtime.state_swap import Location
+    at = {a: Location(g, resident=i == 0) for g, grp in enumerate(trainer_groups(cfg))
+          for i, a in enumerate(grp.agents)}
+    return {a: at[a] for a in cfg.agent_names}
+
+
+def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout, device: str = "cpu"):
+    """This rank's StateMover holding the group's initial agents (see initial_placement):
+    the first resident, the others built once and swapped out at once into host buffers
+    that later swaps reuse."""
+    from flexmarl_hpc.runtime.state_swap import StateMover
+    mover = StateMover(world, group_comm, group_index, layout.group_ranks, {},
+                       lambda agent: build_trainer(cfg, task, agent, group_comm, device, group_index))
+    for agent, loc in initial_placement(cfg).items():
+        if loc.group != group_index:
+            continue
+        tr = build_trainer(cfg, task, agent, group_comm, device, group_index)
+        if loc.resident:
+            mover.trainers[agent] = tr
+        else:
+            mover.park(agent, tr)
+    return mover

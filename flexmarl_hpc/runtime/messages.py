@@ -1,0 +1,201 @@
+"""Every message between the orchestrator and its workers, one frozen dataclass per kind.
+
+Commands go from the orchestrator (world rank 0) to a replica or a trainer group's
+leader; replies come back. Every reply carries the busy intervals the worker spent since
+its last reply, so the store can account for every rank's time.
+
+On the wire (`encode`/`decode`, next to each other at the end) a message is a plain tuple
+`(kind, field, ...)`: what mpi4py's lowercase send pickles cheaply. Numpy arrays stay
+arrays and nothing is copied; the classes themselves never travel, so a worker and the
+orchestrator agree on a message by its `kind` and field order alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:                   # no torch/MPI import for a module of plain data
+    from flexmarl_hpc.learn.sampling import SamplingParams
+    from flexmarl_hpc.runtime.state_swap import Location
+
+Interval = tuple[str, str, float, float]
+"""(activity, agent, t0, t1): wall-clock seconds (time.time()) a worker spent on one thing;
+"wait" for gaps."""
+
+Request = tuple[str, list[int], int, int, int]
+"""One generation request: (sample_id, prompt tokens, seed, max_new_tokens, turn), the
+fields of rollout.base.GenRequest in order."""
+
+
+class Message:
+    kind: ClassVar[str]
+    """The tag of this message kind on the wire."""
+
+
+# -- commands: orchestrator -> worker ---------------------------------------------------------
+class Command(Message):
+    pass
+
+
+@dataclass(frozen=True)
+class Generate(Command):
+    """Sample a batch of requests with `agent`'s weights (replica)."""
+    kind: ClassVar[str] = "generate"
+    batch_id: int
+    """The orchestrator's number for the batch; the `Generated` reply names it."""
+    agent: str
+    version: int
+    """The policy version the replica must hold for `agent` (it refuses otherwise)."""
+    requests: list[Request]
+    params: SamplingParams | None = None
+    """Sampling parameters of this batch (an evaluation's greedy ones); None: the run's."""
+
+
+@dataclass(frozen=True)
+class Sync(Command):
+    """Join the broadcast of `agent`'s weights at `version` (a trainer leader sends, the
+    replicas in `members` receive)."""
+    kind: ClassVar[str] = "sync"
+    agent: str
+    version: int
+    members: tuple[int, ...]
+    """World ranks of the broadcast: the trainer group's leader first, then the replicas."""
+
+
+@dataclass(frozen=True)
+class Train(Command):
+    """Forward and backward one micro-batch of `agent`'s step (trainer group)."""
+    kind: ClassVar[str] = "train"
+    agent: str
+    step: int
+    arrays: dict[str, Any]
+    """The padded micro-batch (numpy arrays, see Orchestrator.micro_arrays)."""
+    scale: float
+    """Loss scale of each sample: 1 / the step's batch size."""
+    last: bool
+    """The step's last micro-batch: take the optimizer step after it."""
+
+
+@dataclass(frozen=True)
+class Move(Command):
+    """Move `agent`'s training state from `src` to `dst` (both groups' leaders get it)."""
+    kind: ClassVar[str] = "move"
+    agent: str
+    src: Location
+    dst: Location
+
+
+@dataclass(frozen=True)
+class Checkpoint(Command):
+    """Write a checkpoint of each of these agents (all on the receiving group)."""
+    kind: ClassVar[str] = "checkpoint"
+    agents: list[str]
+
+
+@dataclass(frozen=True)
+class Stop(Command):
+    """Finish: release the sync channels, answer `Stopped`, and exit with `code`."""
+    kind: ClassVar[str] = "stop"
+    code: int
+
+
+# -- replies: worker -> orchestrator ----------------------------------------------------------
+@dataclass(frozen=True)
+class Reply(Message):
+    intervals: list[Interval] = field(default=(), kw_only=True)
+    """The worker's busy intervals since its last reply."""
+
+
+@dataclass(frozen=True)
+class Generated(Reply):
+    """The outputs of a `Generate` batch, in request order."""
+    kind: ClassVar[str] = "generated"
+    batch_id: int
+    outputs: list[tuple[list[int], list[float]]]
+    """(response tokens, their behaviour log-probs) per request."""
+
+
+@dataclass(frozen=True)
+class Synced(Reply):
+    """A replica now holds `agent` at `version`."""
+    kind: ClassVar[str] = "synced"
+    replica: int
+    """The replica's index (world rank - 1)."""
+    agent: str
+    version: int
+
+
+@dataclass(frozen=True)
+class TrainerSynced(Reply):
+    """The trainer group's leader has sent `agent`'s weights at `version`."""
+    kind: ClassVar[str] = "tsynced"
+    agent: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Trained(Reply):
+    """A micro-batch that was not its step's last has been through forward and backward."""
+    kind: ClassVar[str] = "trained"
+    agent: str
+    step: int
+
+
+@dataclass(frozen=True)
+class Stepped(Reply):
+    """The step's last micro-batch and the optimizer step are done: `agent` is now at
+    `version`."""
+    kind: ClassVar[str] = "stepped"
+    agent: str
+    version: int
+    stats: dict[str, float]
+    """Trainer statistics summed over the step's samples and the group (grad_norm: once)."""
+
+
+@dataclass(frozen=True)
+class Checkpointed(Reply):
+    kind: ClassVar[str] = "checkpointed"
+    agents: list[str]
+
+
+@dataclass(frozen=True)
+class Moved(Reply):
+    """One side (source or destination group) of a `Move` is done."""
+    kind: ClassVar[str] = "moved"
+    agent: str
+
+
+@dataclass(frozen=True)
+class Stopped(Reply):
+    """A worker rank's last message (every rank of a trainer group sends one)."""
+    kind: ClassVar[str] = "stopped"
+    replica: int
+    """The replica's index; -1 from a trainer rank."""
+
+
+@dataclass(frozen=True)
+class Intervals(Reply):
+    """A trainer group member's intervals after each command (only the leader answers
+    the command itself)."""
+    kind: ClassVar[str] = "intervals"
+
+
+COMMANDS = (Generate, Sync, Train, Move, Checkpoint, Stop)
+REPLIES = (Generated, Synced, TrainerSynced, Trained, Stepped, Checkpointed, Moved, Stopped, Intervals)
+
+
+# -- the wire ---------------------------------------------------------------------------------
+_NAMES = {c: tuple(f.name for f in fields(c)) for c in COMMANDS + REPLIES}
+_BY_KIND = {c.kind: c for c in COMMANDS + REPLIES}
+
+
+def encode(msg: Message) -> tuple:
+    """(kind, field values in declaration order): no copies, arrays stay arrays."""
+    return (msg.kind, *(getattr(msg, n) for n in _NAMES[type(msg)]))
+
+
+def decode(wire: tuple) -> Message:
+    cls = _BY_KIND.get(wire[0]) if isinstance(wire, tuple) and wire else None
+    if cls is None or len(wire) != 1 + len(_NAMES[cls]):
+        raise ValueError(f"not a message: {str(wire)[:200]}")
+    return cls(**dict(zip(_NAMES[cls], wire[1:])))

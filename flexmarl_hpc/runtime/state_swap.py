@@ -1,0 +1,235 @@
+"""Location-agnostic training-state transfer (agent-centric trainer allocation).
+
+An agent's training state (model + optimizer + RNG) lives at a `Location`: on the
+accelerator of a trainer group (`resident`, a live trainer object) or parked in the host
+memory of a group's ranks. One call moves it between any two locations, and every rank of
+the source and destination groups makes the same call:
+
+    mover.move(agent, src=Location(group=1, resident=False), dst=Location(group=0, resident=True))
+
+Same group, a trainer with the `Swappable` interface: swap-out copies this rank's own
+parameters, grads and optimizer state into preallocated host buffers (`HostBuffers`: one
+tensor per name, allocated at the first swap and reused by every later one, pinned when
+CUDA is there, filled with non-blocking copies), points the module and optimizer at those
+host copies and frees the device memory; swap-in copies them back onto the device. The
+module, the optimizer and the host buffers are kept: nothing is rebuilt, no checkpoint is
+read. Both backends have it: TorchTrainer re-points its tensors at the host copies (its
+`state()` reads them there); MegatronTrainer (trainer/megatron/swap.py) copies every storage
+of its shards out and resizes it to 0 bytes, so the many views megatron keeps stay valid,
+and brings the state in for a `state()`/checkpoint call while parked. Weight syncs of a
+parked agent read `named_weights()`, a local call on either.
+
+Different groups: rank i of the source group sends its `state()` to rank i of the
+destination group over MPI (one header + one flat byte buffer, a non-blocking send/receive
+waited for without spinning); the destination builds a trainer the first time it gets the
+agent. Trainers without the interface keep the old path everywhere: parked as a host copy
+of `state()`, rebuilt and loaded on swap-in. Bit for bit either way (tests/test_state_swap.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, MutableMapping, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.runtime.weight_sync import _header, _pack, _unpack, host_bytes
+
+
+@dataclass(frozen=True)
+class Location:
+    group: int
+    """Trainer group whose ranks hold the state."""
+    resident: bool
+    """True: live on the group's device as a trainer; False: parked in the group's host memory."""
+
+
+class HostBuffers:
+    """One agent's parked training state on one rank: a host tensor per name, allocated on
+    first use and reused by every later swap-out (no allocation per swap); pinned when CUDA
+    is available, so the copies in both directions are asynchronous."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0                # how many buffers were ever allocated (tests)
+        self.pin = torch.cuda.is_available()
+
+    def copy_in(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied (non-blocking) into the buffer `name`; returns the buffer."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            # the weight sync's host allocator: huge pages, or pinned where CUDA is there
+            raw = host_bytes(t.numel() * t.element_size(), pin=self.pin)
+            buf = raw.view(t.dtype).view(t.shape) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
+            self.buffers[name] = buf
+            self.allocations += 1
+        buf.copy_(t.detach(), non_blocking=True)
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fresh device copy of host tensor `t` (non-blocking from pinned memory). Always a
+    copy, also on CPU, so the host buffer stays the parked copy and CPU runs the same path."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def finish_copies(device: torch.device) -> None:
+    """Wait for the non-blocking copies to/from `device` (before a source is freed)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def release(device: torch.device) -> None:
+    """Hand the device memory the dropped tensors held back to the driver."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@runtime_checkable
+class Swappable(Protocol):
+    """What a trainer implements so a swap keeps its module and optimizer."""
+
+    def offload(self, host: HostBuffers) -> None:
+        """Copy this rank's own parameters, grads and optimizer state (its shards, with
+        model parallelism) into `host` and point the module and optimizer at those copies;
+        free the device memory. `state()`/`load_state()` keep working while offloaded."""
+
+    def onload(self) -> None:
+        """Inverse of `offload`: copy back onto the trainer's device, no rebuild, no reads."""
+
+
+def to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A host copy of a state (pinned when CUDA is there, so the copy back is asynchronous)."""
+    pin = torch.cuda.is_available()
+    out = {}
+    for k, v in state.items():
+        h = v.detach().to("cpu", copy=True)
+        out[k] = h.pin_memory() if pin else h
+    return out
+
+
+def send_state(world: MPI.Comm, state: dict[str, torch.Tensor], dest: int) -> None:
+    header = _header(state, 0)
+    flat = np.empty(header.total, dtype=np.uint8)
+    _pack(state, header, flat)
+    comm.wait(world.isend(header, dest=dest, tag=comm.TAG_STATE))
+    comm.wait(world.Isend(flat, dest=dest, tag=comm.TAG_STATE))
+
+
+def recv_state(world: MPI.Comm, source: int) -> dict[str, torch.Tensor]:
+    header = comm.recv(world, source=source, tag=comm.TAG_STATE)
+    flat = np.empty(header.total, dtype=np.uint8)
+    comm.wait(world.Irecv(flat, source=source, tag=comm.TAG_STATE))
+    return {k: v.clone() for k, v in _unpack(header, flat).items()}
+
+
+class Parked(MutableMapping):
+    """The agents parked on this rank, as `state()` dicts: a shelved (offloaded) trainer's
+    state read from its host buffers, or a plain host copy (trainers without `Swappable`).
+    Assigning a state to a shelved agent loads it into the host copies (resume)."""
+
+    def __init__(self) -> None:
+        self.shelf: dict[str, Swappable] = {}          # agent -> offloaded trainer
+        self.hosts: dict[str, HostBuffers] = {}        # agent -> its preallocated host memory
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
+
+    def __getitem__(self, agent: str) -> dict[str, torch.Tensor]:
+        if agent in self.shelf:
+            return self.shelf[agent].state()
+        return self.states[agent]
+
+    def __setitem__(self, agent: str, state: dict[str, torch.Tensor]) -> None:
+        if agent in self.shelf:
+            self.shelf[agent].load_state(state)
+        else:
+            self.states[agent] = state
+
+    def __delitem__(self, agent: str) -> None:
+        if agent in self.shelf:
+            del self.shelf[agent], self.hosts[agent]
+        else:
+            del self.states[agent]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.shelf
+        yield from self.states
+
+    def __len__(self) -> int:
+        return len(self.shelf) + len(self.states)
+
+
+class StateMover:
+    """Runs on one rank of a trainer group; `trainers` are its live (resident) agents."""
+
+    def __init__(self, world: MPI.Comm, group_comm: MPI.Comm, my_group: int,
+                 group_ranks: Callable[[int], list[int]], trainers: dict,
+                 build: Callable[[str], object]):
+        self.world, self.group_comm, self.my_group = world, group_comm, my_group
+        self.group_ranks = group_ranks
+        self.trainers = trainers            # agent -> live TrainerBackend
+        self.parked = Parked()
+        self.build = build                  # agent -> fresh TrainerBackend (weights overwritten)
+
+    def holds(self, agent: str) -> bool:
+        return agent in self.trainers or agent in self.parked
+
+    def state_of(self, agent: str) -> dict[str, torch.Tensor]:
+        """The state wherever it is on this rank (live or parked), without moving it."""
+        if agent in self.trainers:
+            return self.trainers[agent].state()
+        return self.parked[agent]
+
+    def park(self, agent: str, tr) -> None:
+        """Swap a live trainer out into this rank's host memory."""
+        if isinstance(tr, Swappable):
+            host = self.parked.hosts.get(agent) or HostBuffers()
+            tr.offload(host)
+            self.parked.shelf[agent], self.parked.hosts[agent] = tr, host
+        else:
+            self.parked.states[agent] = to_host(tr.state())
+
+    def unpark(self, agent: str):
+        """Swap a parked agent in: the shelved trainer copied back, else rebuilt + loaded."""
+        if agent in self.parked.shelf:
+            tr = self.parked.shelf.pop(agent)          # its HostBuffers stay for the next swap
+            tr.onload()
+            return tr
+        tr = self.build(agent)
+        tr.load_state(self.parked.states.pop(agent))
+        return tr
+
+    def move(self, agent: str, src: Location, dst: Location) -> None:
+        me = self.group_comm.Get_rank()
+        if src == dst:
+            return
+        state = None
+        if src.group == self.my_group:
+            if dst.group == self.my_group:             # device <-> host on this rank
+                if src.resident:
+                    self.park(agent, self.trainers.pop(agent))
+                else:
+                    self.trainers[agent] = self.unpark(agent)
+                return
+            if src.resident:
+                state = to_host(self.trainers.pop(agent).state())   # frees the device copy
+                self.parked.hosts.pop(agent, None)      # its host buffers are not needed here
+            else:
+                state = self.parked.pop(agent)          # drops the shelf and its host memory
+            send_state(self.world, state, self.group_ranks(dst.group)[me])
+            return
+        if dst.group == self.my_group:
+            state = recv_state(self.world, self.group_ranks(src.group)[me])
+            if dst.resident:
+                tr = self.build(agent)
+                tr.load_state(state)
+                self.trainers[agent] = tr
+            else:
+                self.parked[agent] = state

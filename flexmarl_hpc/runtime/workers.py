@@ -1,0 +1,218 @@
+"""Worker rank loops: a rollout replica, and a trainer group (leader + members).
+
+Workers are passive: they execute the orchestrator's commands in arrival order and
+report back, with the busy intervals they spent (activity, agent, t0, t1) so the store
+can account for every rank's time. Waiting is never a spin (see comm.py).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.runtime import messages
+from flexmarl_hpc.store.checkpoint import load_latest, save_checkpoint
+from flexmarl_hpc.learn.grpo import MicroBatch
+from flexmarl_hpc.rollout.base import GenRequest
+from flexmarl_hpc.learn.sampling import SamplingParams
+from flexmarl_hpc.runtime.state_swap import StateMover
+from flexmarl_hpc.trainer.base import finish_step
+from flexmarl_hpc.runtime.doorbell import Doorbell
+from flexmarl_hpc.runtime.transport import recv_command, send_reply
+from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
+
+
+class Clock:
+    """Collects (activity, agent, t0, t1) intervals; gaps of waiting are recorded as 'wait'."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, float, float]] = []
+        self.last = time.time()
+
+    def mark(self, activity: str, agent: str, t0: float) -> None:
+        t1 = time.time()
+        # a gap is waiting (for the next command); one under 0.1 ms is not worth a row, and
+        # at 1 ms (before) back-to-back micro-batches left ~5% of a trainer's time unbooked
+        if t0 - self.last > 1e-4:
+            self.items.append(("wait", "", self.last, t0))
+        self.items.append((activity, agent, t0, t1))
+        self.last = t1
+
+    def waited(self, t0: float) -> float:
+        """Book everything since the last activity as waiting (for the command that arrived at
+        t0, then for the other members of a collective); returns now."""
+        now = time.time()
+        self.items.append(("wait", "", min(self.last, t0), now))
+        self.last = now
+        return now
+
+    def drain(self) -> list[tuple[str, str, float, float]]:
+        out, self.items = self.items, []
+        return out
+
+
+def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
+                 bucket_bytes: int, sync_backend: str = "auto", bell: Doorbell | None = None) -> int:
+    channels = SyncChannels(world, sync_backend)
+    clock = Clock()
+    while True:
+        cmd = recv_command(world, orch, bell)
+        t0 = time.time()
+        if isinstance(cmd, messages.Generate):
+            agent, version = cmd.agent, cmd.version
+            if engine.version(agent) != version:
+                raise RuntimeError(f"replica {index}: asked for {agent} v{version}, holds "
+                                   f"v{engine.version(agent)}")
+            # an evaluation batch brings its own params (greedy), training uses the run's
+            gens = engine.generate(agent, [GenRequest(*r) for r in cmd.requests], cmd.params or params)
+            clock.mark("generate", agent, t0)
+            send_reply(world, orch, messages.Generated(cmd.batch_id, [(g.tokens, g.logprobs) for g in gens],
+                                                intervals=clock.drain()), bell)
+        elif isinstance(cmd, messages.Sync):
+            agent = cmd.agent
+            t = [t0]
+            v, named = broadcast_weights(channels, tuple(cmd.members), None, cmd.version, bucket_bytes,
+                                         on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
+            engine.load_weights(agent, v, named)
+            clock.mark("sync", agent, t[0])
+            send_reply(world, orch, messages.Synced(index, agent, v, intervals=clock.drain()), bell)
+        elif isinstance(cmd, messages.Stop):
+            channels.close()
+            clock.waited(t0)
+            send_reply(world, orch, messages.Stopped(index, intervals=clock.drain()), bell)
+            return cmd.code
+        else:
+            raise ValueError(f"replica {index}: unknown command {cmd.kind!r}")
+
+
+def microbatch_from_arrays(d: dict) -> MicroBatch:
+    t = lambda k, dt=None: None if d.get(k) is None else torch.as_tensor(d[k], dtype=dt)
+    return MicroBatch(t("input_ids", torch.long), t("prompt_lens", torch.long),
+                      t("response_lens", torch.long), t("behav_logprobs", torch.float32),
+                      t("advantages", torch.float32), t("stale", torch.bool), t("allowed", torch.bool))
+
+
+def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
+                 bucket_bytes: int, keep_checkpoints: int = 3, sync_backend: str = "auto",
+                 sync_wire: torch.dtype | None = None, bell: Doorbell | None = None) -> int:
+    """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
+    and forwards each command to the members (a non-spinning broadcast). `mover` holds the
+    agents whose state is on this group, live (`mover.trainers`) or parked in host memory."""
+    trainers = mover.trainers
+    leader = group.Get_rank() == 0
+    channels = SyncChannels(world, sync_backend)
+    clock = Clock()
+    step_stats: dict[str, dict[str, float]] = {}
+    while True:
+        cmd = recv_command(world, orch, bell) if leader else None
+        cmd = comm.bcast_obj(group, cmd, 0)
+        t0 = time.time()
+        reply: messages.Reply | None = None
+        if isinstance(cmd, messages.Train):
+            agent, last = cmd.agent, cmd.last
+            tr = trainers[agent]
+            mb = microbatch_from_arrays(cmd.arrays).shard(group.Get_rank(), group.Get_size())
+            stats = tr.forward_backward(mb, cmd.scale, last=last)
+            acc = step_stats.setdefault(agent, {})
+            for k, v in stats.items():
+                acc[k] = acc.get(k, 0.0) + v
+            reply = messages.Trained(agent, cmd.step)
+            if last:
+                # the optimizer step, then (trainer.ppo_epochs > 1) the replay passes with theirs
+                summed = finish_step(tr, tr.cfg.ppo_epochs, _group_sum(group, acc),
+                                     lambda d: _group_sum(group, d))
+                step_stats.pop(agent)
+                reply = messages.Stepped(agent, tr.version, summed)
+            clock.mark("train", agent, t0)
+        elif isinstance(cmd, messages.Sync):
+            agent, version, members = cmd.agent, cmd.version, cmd.members
+            t = [t0]
+            if leader:
+                held = weights_and_version(mover, agent)
+                if held[1] != version:
+                    raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held[1]}")
+                broadcast_weights(channels, tuple(members), held[0], version, bucket_bytes, packed=held[2],
+                                  wire=sync_wire,
+                                  on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
+                clock.mark("sync", agent, t[0])        # the other members take no part in it
+            reply = messages.TrainerSynced(agent, version)
+        elif isinstance(cmd, messages.Checkpoint):
+            for name in cmd.agents:
+                tr = trainer_of(mover, name)
+                if hasattr(tr, "save_checkpoint"):
+                    # megatron: every rank writes its own shards (dist_checkpointing), the
+                    # leader publishes the entry with its manifest; no full-state gather
+                    tr.save_checkpoint(ckpt_dir / name, keep_checkpoints)
+                    continue
+                # every rank gathers: a sharded trainer's state() is collective over the
+                # group (a leader gathering alone waits forever for the members)
+                state = mover.state_of(name)
+                if leader:
+                    save_checkpoint(ckpt_dir / name, int(state["version"]), state, keep_checkpoints)
+            clock.mark("checkpoint", ",".join(cmd.agents), t0)
+            reply = messages.Checkpointed(cmd.agents)
+        elif isinstance(cmd, messages.Move):
+            mover.move(cmd.agent, cmd.src, cmd.dst)
+            clock.mark("swap", cmd.agent, t0)
+            reply = messages.Moved(cmd.agent)
+        elif isinstance(cmd, messages.Stop):
+            channels.close()
+            clock.waited(t0)
+            send_reply(world, orch, messages.Stopped(-1, intervals=clock.drain()), bell)   # every rank
+            return cmd.code
+        else:
+            raise ValueError(f"trainer: unknown command {cmd.kind!r}")
+        if leader and reply is not None:
+            send_reply(world, orch, replace(reply, intervals=clock.drain()), bell)
+        elif not leader:
+            # the other members' intervals go straight to the store too (one small message
+            # per command), so utilization counts every rank of a data-parallel group
+            send_reply(world, orch, messages.Intervals(intervals=clock.drain()), bell)
+
+
+def _group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:
+    keys = sorted(stats)
+    buf = np.array([stats[k] for k in keys], dtype=np.float64)
+    comm.allreduce_sum(group, buf)
+    return dict(zip(keys, buf.tolist()))
+
+
+def trainer_of(mover: StateMover, agent: str):
+    """The agent's trainer object on this rank, live or shelved (offloaded); None when it is
+    parked as a plain state."""
+    return mover.trainers.get(agent) or mover.parked.shelf.get(agent)
+
+
+def weights_and_version(mover: StateMover, agent: str):
+    """(HF-named weights, version, packed bytes or None) of an agent, live, shelved (a local
+    call: a sharded trainer's state() would be collective, and this runs on the leader only)
+    or parked as a state (its `model.*` tensors)."""
+    tr = trainer_of(mover, agent)
+    if tr is not None:
+        return tr.named_weights(), tr.version, getattr(tr, "packed_weights", lambda: None)()
+    state = mover.parked[agent]
+    return {k[6:]: v for k, v in state.items() if k.startswith("model.")}, int(state["version"]), None
+
+
+def restore_trainers(group: MPI.Comm, mover: StateMover, ckpt_dir: Path) -> None:
+    """Load the newest valid checkpoint of each agent this group holds on the leader and hand
+    it to every member (live trainers load it, parked states are replaced by it). The
+    orchestrator picks the same version (checkpoint.newest_valid), and reports bad ones."""
+    for name in sorted(set(mover.trainers) | set(mover.parked)):
+        tr = trainer_of(mover, name)
+        if hasattr(tr, "load_checkpoint"):           # megatron: collective, newest valid entry
+            tr.load_checkpoint(ckpt_dir / name, report=lambda line: None)
+            continue
+        state = load_latest(ckpt_dir / name, report=lambda line: None) if group.Get_rank() == 0 else None
+        state = comm.bcast_obj(group, state, 0)
+        if state is None:
+            continue
+        if name in mover.trainers:
+            mover.trainers[name].load_state(state)
+        else:
+            mover.parked[name] = state

@@ -1,0 +1,1 @@
+"""Durable state of a run: the HDF5 store (schema in docs/store.md), its repair, and checkpoints."""

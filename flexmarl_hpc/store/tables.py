@@ -1,0 +1,512 @@
+"""HDF5 file of a run (schema below; README documents it too): tables, commit, repair.
+
+One writer (the orchestrator rank) owns the file. Every table is ONE chunked, resizable
+1-D dataset of a compound dtype (a row = a record), created up front so the file can
+switch to SWMR mode: `h5py.File(path, "r", swmr=True)` reads it while the run writes.
+Why compound: an append of k rows is one h5py write instead of one per column (v1 made
+~4,300 small writes per 40 bench steps); a column is still one read, `ds["status"]`.
+Variable-length data (tokens + log-probs, the sample rows of a step) live in pools
+addressed by (offset, length) fields: no pickles, no vlen types.
+
+Writes are buffered in memory and reach the file in `flush()`, which the orchestrator calls
+before it acts on a state change (once per micro-batch, before the trainer sees it; at every
+optimizer step, checkpoint and log line). A full flush writes every table's new rows and
+in-place patches, flushes HDF5, then writes /commit (the committed row count of every table)
+and flushes again; the per-micro-batch flush is one HDF5 flush that commits the previous
+flush's rows (see `StoreFile.flush`). Re-opening discards rows past the
+committed counts (a torn append: killed mid-write or a full disk; no zero-filled rows) and
+rebuilds the samples' status fields from the committed /events (the journal is the truth,
+the status fields are its cache), so a status change never survives without its event.
+A killed writer leaves the superblock's "open for write" flags set; re-opening clears them
+(`h5repair`), so any unclean exit is resumable without h5clear.
+
+Schema version 2 (version 1 had one dataset per column and no /commit; analysis reads both):
+
+    /                attrs: schema_version, program, created, config_yaml, agents, mode,
+                            world_size, t0 (epoch seconds; all times are relative to it)
+    /commit          i8 [n tables]: committed rows of each table, attr `tables` names them
+    /samples/<agent> SAMPLE rows (below), one per generated sample, appended once;
+                     the status fields (status, reward, advantage, trainer_step, t_ready,
+                     t_consumed) are patched in place as the sample advances
+    /tokens/<agent>  pool of (token i4, logprob f4): prompt then response per sample,
+                     logprob NaN on prompt positions; sample i: [token_offset, +prompt_len+response_len)
+    /steps/<agent>   STEP rows, one per optimizer step (superseded=1: rolled back by a resume)
+    /step_rows/<agent> i8 pool: the sample rows of each step ([rows_offset, +rows_len))
+    /intervals       INTERVAL rows: busy/wait time of every rank
+    /events          EVENT rows: every status change, append-only (reward, advantage set on ready)
+    /metrics         METRIC rows, one per global step (superseded=1: rolled back by a resume)
+    /eval            EVAL rows: held-out evaluation (run.eval_every), one per (step, agent,
+                     metric, mode); added within version 2 (a file without it has no eval)
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+from operator import attrgetter
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from flexmarl_hpc.runtime import faults
+from flexmarl_hpc.store.repair import clear_open_flags
+
+SCHEMA_VERSION = 2
+READS = (1, 2)                     # versions flexmarl_hpc.analysis.load reads
+GENERATED, READY, CONSUMED, DROPPED = 0, 1, 2, 3
+STATUS_NAMES = {GENERATED: "generated", READY: "ready", CONSUMED: "consumed", DROPPED: "dropped"}
+
+SAMPLE_COLUMNS = {
+    "sample_id": "S64", "parent_id": "S64", "input_id": "i8", "turn": "i4", "traj": "i8",
+    "step": "i8", "policy_version": "i8", "replica": "i4", "status": "i1", "reward": "f4",
+    "advantage": "f4", "trainer_step": "i8", "t_generated": "f8", "t_ready": "f8",
+    "t_consumed": "f8", "token_offset": "i8", "prompt_len": "i4", "response_len": "i4",
+}
+TOKEN_COLUMNS = {"token": "i4", "logprob": "f4"}
+STEP_COLUMNS = {
+    "step": "i8", "version": "i8", "t_end": "f8", "n_samples": "i4", "n_micro": "i4",
+    "loss": "f4", "reward_mean": "f4", "entropy": "f4", "kl": "f4", "grad_norm": "f4",
+    "logp_mismatch": "f4", "tis_mean": "f4", "staleness_max": "i4", "staleness_mean": "f4",
+    "rows_offset": "i8", "rows_len": "i4", "superseded": "i1", "clip_frac": "f4", "ppo_kl": "f4",
+}
+INTERVAL_COLUMNS = {"rank": "i4", "role": "S16", "activity": "S16", "agent": "S32",
+                    "t0": "f8", "t1": "f8"}
+EVENT_COLUMNS = {"agent": "i2", "row": "i8", "status": "i1", "t": "f8", "trainer_step": "i8",
+                 "reward": "f4", "advantage": "f4"}
+METRIC_COLUMNS = {
+    "step": "i8", "t": "f8", "wall": "f8", "samples": "i8", "tokens": "i8",
+    "samples_per_s": "f4", "rollout_s": "f4", "train_s": "f4", "sync_s": "f4", "swap_s": "f4",
+    "utilization": "f4", "staleness_max": "i4", "superseded": "i1",
+}
+EVAL_COLUMNS = {
+    "step": "i8", "agent": "S64", "metric": "S64", "mode": "S8", "value": "f8", "n_inputs": "i4",
+    "n_paths": "i4", "version": "i8", "t_start": "f8", "t_end": "f8",
+}
+
+
+def eval_key(agent: str, metric: str, mode: str) -> str:
+    """How an /eval row is named in logs, sinks and analyze: "agent/metric" (greedy) or
+    "agent/metric/sample"; the task's own metrics (agent "") under "task"."""
+    return f"{agent or 'task'}/{metric}" + ("" if mode == "greedy" else f"/{mode}")
+
+
+# a column an append may leave out, and its value (anything else missing is an error)
+DEFAULTS = {"superseded": 0, "logp_mismatch": np.nan, "tis_mean": np.nan,
+            "reward": np.nan, "advantage": np.nan, "clip_frac": np.nan, "ppo_kl": np.nan}
+# columns added within schema 2: a file written before lacks them, and a resume into it
+# writes its rows without them (analysis reads them as NaN)
+ADDED = {"clip_frac", "ppo_kl"}
+# what an event sets in its sample's row (the rest of the row is written once)
+STATUS_FIELDS = ("status", "reward", "advantage", "trainer_step", "t_ready", "t_consumed")
+
+
+class StoreError(OSError):
+    """The store could not be written; the message is one line naming the file."""
+
+    @classmethod
+    def of(cls, path: Path, e: Exception) -> "StoreError":
+        # h5py reports a full disk as a multi-line HDF5 error stack mentioning errno 28
+        text = str(e)
+        if getattr(e, "errno", None) == 28 or "errno = 28" in text or "No space left" in text:
+            err = cls(f"{path}: no space left on device while writing the store; rows not yet "
+                      "committed are discarded when the same command runs again")
+            err.errno = 28
+            return err
+        return cls(f"{path}: cannot write the store: {' '.join(text.split())[:300]}")
+
+
+def dtype_of(columns: dict[str, str]) -> np.dtype:
+    return np.dtype([(k, v) for k, v in columns.items()])
+
+
+class Table:
+    """One compound-dtype dataset: buffered appends and in-place patches, written by
+    `write()` (StoreFile.flush). `n` counts rows appended so far, written or not.
+
+    Writes go to the file as whole chunks (`H5Dwrite_chunk`): the table keeps an image of
+    its last few chunks, puts new rows and patches into them, and writes each touched
+    chunk's bytes as they are. That skips HDF5's per-write type-conversion path, whose
+    fixed cost grows with the number of fields (~45 us for a /samples row set of any size,
+    half that per chunk written directly), and it is the same I/O: HDF5 writes a chunk whole
+    when it flushes it anyway. Chunks past the images (old rows a patch reaches) are read
+    back first. Reads go through HDF5 as usual (a direct write evicts its chunk from the
+    chunk cache)."""
+
+    IMAGES = 4                      # chunk images kept: the live steps' rows are in the last ones
+
+    def __init__(self, ds: h5py.Dataset, columns: dict[str, str] | None, mirror: bool = False,
+                 dirty: set | None = None, created: tuple[np.dtype, int] | None = None):
+        self.ds = ds
+        self.dirty = set() if dirty is None else dirty      # the file's tables with work queued
+        # the file's own type as the memory type of reads: HDF5 then copies records as they
+        # are instead of converting a compound field by field
+        self.ftype = ds.id.get_type()
+        if created:                                         # just made from (dtype, chunk)
+            (self.dtype, self.chunk), self.disk = created, 0
+        else:                                               # a resume: check what the file has
+            self.dtype, self.chunk, self.disk = ds.dtype, ds.chunks[0], len(ds)
+            if self.ftype != h5py.h5t.py_create(self.dtype) or ds.id.get_create_plist().get_nfilters():
+                raise ValueError(f"{ds.file.filename}: {ds.name} is not stored as the packed, unfiltered "
+                                 f"{self.dtype} records this flexmarl_hpc writes (damaged file?)")
+        if columns is not None:
+            columns = {k: v for k, v in columns.items() if k not in ADDED or k in self.dtype.names}
+        self.columns = columns
+        self.n = self.disk
+        self.buf: list[np.ndarray] = []
+        self.patches: list[tuple[np.ndarray, dict]] = []
+        self.mirror = mirror                  # a status cache: its patches may wait (flush)
+        self._img: dict[int, np.ndarray] = {}                # chunk index -> its rows
+        self._queued_new = False              # a queued patch hits rows not yet written
+
+    def append(self, rows: dict | np.ndarray) -> int:
+        """Queue rows (a record array or a dict of equal-length columns); returns the first
+        new row index."""
+        arr = rows if isinstance(rows, np.ndarray) else self._records(rows)
+        first = self.n
+        self.buf.append(arr)
+        self.n += len(arr)
+        self.dirty.add(self)
+        return first
+
+    def _records(self, cols: dict) -> np.ndarray:
+        if self.columns is None:
+            raise TypeError(f"{self.ds.name}: a pool takes an array, not columns")
+        k = len(next(iter(cols.values())))
+        missing = set(self.columns) - set(cols) - set(DEFAULTS)
+        unknown = set(cols) - set(self.columns) - ADDED
+        if missing or unknown:
+            raise KeyError(f"{self.ds.name}: append is missing columns {sorted(missing)} "
+                           f"or has unknown ones {sorted(unknown)}")
+        out = np.empty(k, self.dtype)
+        for name in self.columns:
+            out[name] = cols[name] if name in cols else DEFAULTS[name]
+        return out
+
+    def patch(self, rows, fields: dict) -> None:
+        """Update some fields of existing rows (any order): at once where they are all still
+        buffered (the journal patches the rows it has just appended), else queued."""
+        rows = np.asarray(rows, np.int64)
+        if not len(rows):
+            return
+        if rows.min() >= self.disk and not self._queued_new:
+            if len(self.buf) > 1:
+                self.buf = [np.concatenate(self.buf)]
+            _set(self.buf[0], rows - self.disk, fields)
+            return
+        fields = {k: np.asarray(v) for k, v in fields.items()}
+        self._queued_new |= bool(rows.max() >= self.disk)   # then later ones must queue too
+        self.patches.append((rows, fields))
+        self.dirty.add(self)
+
+    def write(self, patch_disk: bool = True) -> None:
+        """The new rows and the queued patches, as one resize and one direct write of each
+        chunk they touch. `patch_disk=False` writes the new rows only (with the patches that
+        hit them) and keeps the patches of rows already on disk queued."""
+        if not self.buf and not self.patches:
+            return
+        pieces, self.buf = self.buf, []
+        on_disk = self.patches
+        if self._queued_new:                  # rare: patch() updates buffered rows itself
+            pieces = [np.concatenate(pieces)] if len(pieces) > 1 else pieces
+            on_disk = self._patch_new(pieces[0], on_disk) if pieces else on_disk
+            self._queued_new = False
+        self.patches = [] if patch_disk else on_disk
+        touched: dict[int, np.ndarray] = {}                  # chunk -> its image, this write
+
+        def image(c: int) -> np.ndarray:
+            if c not in touched:
+                touched[c] = self._image(c)
+            return touched[c]
+
+        for rows, fields in on_disk if patch_disk else ():
+            c_lo, c_hi = int(rows.min()) // self.chunk, int(rows.max()) // self.chunk
+            for c in range(c_lo, c_hi + 1):
+                img, lo = image(c), c * self.chunk
+                mine = slice(None) if c_lo == c_hi else (rows >= lo) & (rows < lo + self.chunk)
+                _set(img, rows[mine] - lo, fields, mine)
+        end = self.disk
+        for new in pieces:                                # each buffered array, chunk by chunk
+            start, end = end, end + len(new)
+            for c in range(start // self.chunk, -(-end // self.chunk)):
+                lo, hi = max(c * self.chunk, start), min((c + 1) * self.chunk, end)
+                image(c)[lo - c * self.chunk:hi - c * self.chunk] = new[lo - start:hi - start]
+        if end > self.disk:
+            self.ds.id.set_extent((end,))
+            self.disk = end
+        for c in sorted(touched):
+            self.ds.id.write_direct_chunk((c * self.chunk,), touched[c], 0)
+
+    def _image(self, c: int) -> np.ndarray:
+        """The image of chunk c: kept, or read back (the rows of it on disk; zeros past them)."""
+        img = self._img.get(c)
+        if img is None:
+            img = np.zeros(self.chunk, self.dtype)
+            lo = c * self.chunk
+            if lo < self.disk:
+                self._read(lo, img[:min(self.chunk, self.disk - lo)])
+            self._img[c] = img
+            while len(self._img) > self.IMAGES:               # drop the oldest chunk's
+                del self._img[min(self._img)]
+        return img
+
+    def _patch_new(self, new: np.ndarray, patches: list) -> list:
+        """Apply the patches' updates of rows not yet on disk to `new`; return the updates
+        of rows on disk, as patches of those rows only."""
+        on_disk = []
+        for rows, fields in patches:
+            mine = rows >= self.disk
+            if mine.any():
+                _set(new, rows[mine] - self.disk, fields, mine)
+            if not mine.all():
+                if mine.any():
+                    fields = {k: v[~mine] if np.ndim(v) else v for k, v in fields.items()}
+                    rows = rows[~mine]
+                on_disk.append((rows, fields))
+        return on_disk
+
+    def _read(self, lo: int, out: np.ndarray) -> None:
+        """Read rows [lo, lo + len(out)) into `out` through the low-level API."""
+        if not len(out):
+            return
+        fs = self.ds.id.get_space()
+        fs.select_hyperslab((lo,), (len(out),))
+        self.ds.id.read(h5py.h5s.create_simple((len(out),)), fs, out, mtype=self.ftype)
+
+    def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Rows [lo, hi) as a record array (written ones only: call after a flush)."""
+        hi = self.disk if hi is None else min(hi, self.disk)
+        out = np.empty(max(hi - lo, 0), self.dtype)
+        self._read(lo, out)
+        return out
+
+
+def _set(dst: np.ndarray, idx, fields: dict, pick=slice(None)) -> None:
+    """dst[name][idx] = each field's value: a scalar as it is, an array at `pick` (the
+    positions of `idx` among the patch's rows)."""
+    for name, v in fields.items():
+        dst[name][idx] = v[pick] if np.ndim(v) else v
+
+
+class StoreFile:
+    """The run's HDF5 file: creates it, or re-opens it for a resume (repairing what an
+    unclean exit left), buffers writes and commits them in `flush()`."""
+
+    def __init__(self, path: Path, agents: list[str], attrs: dict, chunk: int = 1024):
+        self.path = Path(path)
+        self.agents = list(agents)
+        fresh = not self.path.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.repaired: list[str] = []          # what re-opening fixed, for the log
+        self.dirty: set[Table] = set()
+        if not fresh and clear_open_flags(self.path):
+            self.repaired.append("cleared the open-for-write flags an unclean exit left")
+        self.f = h5py.File(self.path, "a", libver="latest")
+        if fresh:
+            self.f.attrs.update({"schema_version": SCHEMA_VERSION, "program": "flexmarl_hpc",
+                                 "created": time.time(), "t0": time.time(), "agents": self.agents,
+                                 **attrs})
+        else:
+            check_file(self.f, self.path)
+            if list(self.f.attrs["agents"]) != self.agents:
+                raise ValueError(f"{self.path}: written for agents {list(self.f.attrs['agents'])}, "
+                                 f"this run has {self.agents}")
+        self.t0 = float(self.f.attrs["t0"])
+        mk = partial(self._table, fresh)
+        self.samples = {a: mk(f"samples/{a}", SAMPLE_COLUMNS, chunk, mirror=True) for a in self.agents}
+        self.tokens = {a: mk(f"tokens/{a}", TOKEN_COLUMNS, 8 * chunk) for a in self.agents}
+        self.steps = {a: mk(f"steps/{a}", STEP_COLUMNS, 256) for a in self.agents}
+        self.step_rows = {a: mk(f"step_rows/{a}", None, 4096, "i8") for a in self.agents}
+        self.intervals = mk("intervals", INTERVAL_COLUMNS, 4096)
+        # small chunks: every flush rewrites the events table's last (dirty) chunk whole
+        self.events = mk("events", EVENT_COLUMNS, 512)
+        self.metrics = mk("metrics", METRIC_COLUMNS, 256)
+        self.eval = mk("eval", EVAL_COLUMNS, 256)
+        self.tables = {t.ds.name: t for t in self._all()}
+        self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
+        if fresh:
+            self.commit = self.f.create_dataset("commit", data=np.zeros(len(self.tables), np.int64))
+            self.commit.attrs["tables"] = list(self.tables)
+        else:
+            self._recover()
+        self.f.swmr_mode = True
+
+    def _table(self, fresh: bool, name: str, columns, chunk: int, dt=None, mirror: bool = False) -> Table:
+        if not fresh and name in self.f:      # a new file has none: skip 13 group lookups
+            return Table(self.f[name], columns, mirror, self.dirty)
+        # the low-level create: h5py's create_dataset costs ~4x as much (~170 us a table)
+        dtype = np.dtype(dt) if dt else dtype_of(columns)
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((chunk,))
+        lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+        lcpl.set_create_intermediate_group(True)
+        ds = h5py.h5d.create(self.f.id, name.encode(), h5py.h5t.py_create(dtype, logical=True),
+                             h5py.h5s.create_simple((0,), (h5py.h5s.UNLIMITED,)), dcpl=dcpl, lcpl=lcpl)
+        return Table(h5py.Dataset(ds), columns, mirror, self.dirty, created=(dtype, chunk))
+
+    def _all(self) -> list[Table]:
+        return [*self.samples.values(), *self.tokens.values(), *self.steps.values(),
+                *self.step_rows.values(), self.intervals, self.events, self.metrics, self.eval]
+
+    def _recover(self) -> None:
+        """Cut every table back to its committed rows, then rebuild the status fields of the
+        samples from the committed events."""
+        self.commit = self.f["commit"]
+        names = [str(n) for n in self.commit.attrs["tables"]]
+        counts = dict(zip(names, self.commit[:].tolist()))
+        if names != list(self.tables):
+            self._add_to_commit(names, counts)
+        for name, t in self.tables.items():
+            keep = counts.get(name)
+            if keep is None or keep > len(t.ds):
+                raise ValueError(f"{self.path}: /commit says {keep} rows of {name}, the file has "
+                                 f"{len(t.ds)} (damaged file)")
+            if len(t.ds) > keep:
+                self.repaired.append(f"discarded {len(t.ds) - keep} uncommitted rows of {name}")
+                t.ds.resize((keep,))
+            t.disk = t.n = keep
+        self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
+        for i, a in enumerate(self.agents):
+            fixed = replay_events(self.samples[a], self.events.read(), i)
+            if fixed:
+                self.repaired.append(f"restored the status of {fixed} {a} samples from /events")
+        self.flush()
+
+    def _add_to_commit(self, names: list[str], counts: dict) -> None:
+        """A file written before a table was added (/eval): the new tables are empty, so
+        /commit is rewritten with a 0 for each (it has a fixed length)."""
+        new = [n for n in self.tables if n not in counts]
+        if set(names) - set(self.tables) or any(len(self.tables[n].ds) for n in new):
+            raise ValueError(f"{self.path}: /commit names tables {names}, this flexmarl_hpc has "
+                             f"{list(self.tables)} (damaged file)")
+        counts.update({n: 0 for n in new})
+        del self.f["commit"]
+        self.commit = self.f.create_dataset("commit", data=np.array([counts[n] for n in self.tables]))
+        self.commit.attrs["tables"] = list(self.tables)
+        self.f.flush()
+        self.repaired.append(f"added {', '.join(new)} to /commit")
+
+    def append_eval(self, cols: dict) -> None:
+        """Queue /eval rows (columns as lists); committed by the next flush."""
+        self.eval.append(cols)
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def flush(self, full: bool = True) -> None:
+        """Write every buffered row and patch, then commit: data first, then /commit, each
+        made visible by an HDF5 flush, so a commit never names rows not yet written.
+
+        `full=False` is the per-micro-batch flush (the orchestrator's hot path): every new
+        row reaches the file (the CONSUMED events included) before it returns, but
+          - /commit names the rows of the PREVIOUS flush, which that flush made durable, so
+            one HDF5 flush suffices; rows of this one are committed by the next flush. A
+            crash in between loses them exactly as if this flush had not happened: the
+            micro-batch's trainer step was not committed either (on_stepped makes a full
+            flush before a checkpoint can hold it), so the resume requeues its samples all
+            the same;
+          - status patches of sample rows already on disk (the status fields are a cache of
+            /events) wait for the next full one (each log line, checkpoint and close).
+        """
+        if not self.dirty:
+            return
+        try:
+            for t in list(self.dirty):
+                if full or t.buf or not t.mirror:
+                    t.write(patch_disk=full or not t.mirror)
+                    if not t.patches:
+                        self.dirty.discard(t)
+                    faults.hit("store_append")  # test-only: no-op unless FLEXMARL_FAULT is set
+            counts = np.fromiter(map(attrgetter("disk"), self.tables.values()), np.int64, len(self.tables))
+            if full:
+                self.f.flush()
+                faults.hit("store_flush")
+                self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
+            else:
+                self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self.flushed, mtype=h5py.h5t.NATIVE_INT64)
+                faults.hit("store_flush")
+            self.f.flush()
+            self.flushed = counts
+        except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
+            raise StoreError.of(self.path, e) from None
+
+    def samples_written(self) -> bool:
+        """Whether an earlier process of this run left any sample rows."""
+        return any(t.disk for t in self.samples.values())
+
+    def supersede(self, versions: dict[str, int], first_logged: int) -> int:
+        """Mark /steps rows whose version the trainers no longer have (a resume rolled
+        them back) and /metrics rows of global steps >= first_logged as superseded; they
+        are written again as the run redoes them. Returns how many rows it marked."""
+        n = 0
+        for a, t in self.steps.items():
+            rows = t.read()
+            old = np.nonzero((rows["version"] > versions[a]) & (rows["superseded"] == 0))[0]
+            if len(old):
+                t.patch(old, {"superseded": 1})
+            n += len(old)
+        rows = self.metrics.read()
+        old = np.nonzero((rows["step"] >= first_logged) & (rows["superseded"] == 0))[0]
+        if len(old):
+            self.metrics.patch(old, {"superseded": 1})
+        self.flush()
+        return n + len(old)
+
+    def close(self) -> None:
+        if self.f.id.valid:
+            self.flush()
+            self.f.close()
+
+
+def replay_events(samples: Table, events: np.ndarray, agent_index: int) -> int:
+    """Set the status fields of `samples` to what its committed events say (last event
+    per row wins; reward/advantage/t_ready from the last READY event, trainer_step and
+    t_consumed only while consumed). Returns how many rows changed."""
+    ev = events[events["agent"] == agent_index]
+    rows = samples.read()
+    if not len(rows):
+        return 0
+    want = rows[list(STATUS_FIELDS)].copy()
+    last = _last_per_row(ev["row"], len(rows))
+    has = last >= 0
+    e = ev[last[has]]
+    want["status"][has] = e["status"]
+    consumed = has.copy()
+    consumed[has] = e["status"] == CONSUMED
+    want["trainer_step"] = -1
+    want["t_consumed"] = np.nan
+    want["trainer_step"][consumed] = ev["trainer_step"][last[consumed]]
+    want["t_consumed"][consumed] = ev["t"][last[consumed]]
+    rd = ev[ev["status"] == READY]
+    last_ready = _last_per_row(rd["row"], len(rows))
+    hr = last_ready >= 0
+    want["reward"] = np.nan
+    want["advantage"] = np.nan
+    want["t_ready"] = np.nan
+    for name, src in (("reward", "reward"), ("advantage", "advantage"), ("t_ready", "t")):
+        want[name][hr] = rd[src][last_ready[hr]]
+    cur = rows[list(STATUS_FIELDS)]
+    diff = np.zeros(len(rows), bool)
+    for name in STATUS_FIELDS:
+        a, b = cur[name], want[name]
+        diff |= ~((a == b) | (np.isnan(a) & np.isnan(b)) if a.dtype.kind == "f" else a == b)
+    idx = np.nonzero(diff)[0]
+    if len(idx):
+        samples.patch(idx, {name: want[name][idx] for name in STATUS_FIELDS})
+    return len(idx)
+
+
+def _last_per_row(rows: np.ndarray, n: int) -> np.ndarray:
+    """Index of the last entry for each row 0..n-1 (-1 where none)."""
+    last = np.full(n, -1, np.int64)
+    last[rows] = np.arange(len(rows))           # numpy assigns in order: the last one wins
+    return last
+
+
+def check_file(f: h5py.File, path) -> None:
+    """Refuse a file that is not ours or is of another schema version, saying which."""
+    if f.attrs.get("program") != "flexmarl_hpc":
+        raise ValueError(f"{path}: not a flexmarl_hpc run file (no program=flexmarl_hpc attribute)")
+    v = int(f.attrs.get("schema_version", -1))
+    if v != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema version {v}; this flexmarl_hpc writes version "
+                         f"{SCHEMA_VERSION} (resume it with the release that wrote it)")
