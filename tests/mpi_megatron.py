@@ -276,12 +276,18 @@ def check_ppo(name):
         assert abs(m[k] - r[k]) < 1e-4 * max(1.0, abs(r[k])), (name, k, m[k], r[k])
     w = meg.named_weights()
     if rank == 0:
-        d = maxdiff(w, hf_state_dict(ref.model))
+        ref_w = hf_state_dict(ref.model)
+        d = maxdiff(w, ref_w)
         # two Adam updates on one batch: a coordinate whose gradient is ~0 moves by up to
-        # ~lr either way under another reduction order (PP: 1.4e-3 at lr 1e-2, 1.4e-4 at
-        # 1e-3, and the same with ppo_epochs=1 run twice on this batch), so the bound is a
-        # fraction of lr; the replay's alignment is pinned by ppo_kl/clip_frac above
-        assert d < 0.2 * cfg.lr, f"{name}: weights after a 2-epoch step differ by {d}"
+        # ~lr either way under another reduction order (the same happens with ppo_epochs=1
+        # run twice on this batch), and which coordinates those are depends on the CPU's
+        # kernels (PP on an AMD EPYC: 1 of 19,328 past 0.2 lr, at 0.24 lr). So: every
+        # coordinate within half an lr, and at most 1 in 1,000 past a fifth of one; the
+        # replay's alignment is pinned by ppo_kl/clip_frac above
+        far = sum(int(((w[k].float() - ref_w[k].float()).abs() > 0.2 * cfg.lr).sum()) for k in w)
+        n = sum(v.numel() for v in w.values())
+        assert d < 0.5 * cfg.lr and far <= n // 1000, \
+            f"{name}: weights after a 2-epoch step differ by {d} ({far} of {n} past 0.2 lr)"
         log(f"ok ppo {name}: ppo_epochs=2 == torch (clip fraction {m['clip_frac'] / N:.3f}, ppo_kl "
             f"{m['ppo_kl'] / N:.2e} per sample), weights max |diff| {d:.1e}, version {meg.version}")
 
