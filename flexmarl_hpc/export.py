@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from flexmarl_hpc.runtime.build import build_task, model_args
-from flexmarl_hpc.config.schema import ConfigError, load_config
+from flexmarl_hpc.config.schema import ConfigError
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.learn.model import CausalLM, save_hf_checkpoint
 from flexmarl_hpc.workflows.base import TokenizerVocab
 
