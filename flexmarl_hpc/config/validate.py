@@ -218,8 +218,8 @@ def _validate_trainer_engine(t: TrainerConfig, need) -> None:
                      "overlap_grad_reduce": not t.overlap_grad_reduce,
                      "overlap_param_gather": not t.overlap_param_gather,
                      "pipeline_microbatches": t.pipeline_microbatches == 0}
-    # with trainer.named_groups each group has its own backend: the options apply to the
-    # megatron groups, so one is enough (checking the global backend refused them there)
+    # with trainer.named_groups each group has its own backend: the options apply to its
+    # megatron groups, so one megatron group is enough
     backends = {g.backend for g in t.named_groups} or {t.backend}
     for name, default in megatron_only.items():
         need("megatron" in backends or default, f"trainer.{name}",
