@@ -46,7 +46,7 @@ def worker(conn, calls: int) -> None:
     torch.set_num_threads(1)
     from flexmarl_hpc.runtime.build import build_engine, build_task, model_args
     from flexmarl_hpc.learn.model import CausalLM
-    from flexmarl_hpc.config.schema import load_config
+    from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.rollout.base import GenRequest
     from flexmarl_hpc.learn.sampling import SamplingParams
     cfg = load_config(str(ROOT / "configs/skewed.yaml"), ["run.eval_every=0"])

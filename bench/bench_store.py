@@ -46,7 +46,7 @@ import h5py
 import numpy as np
 
 from flexmarl_hpc.runtime.build import build_task
-from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.orchestrator.experience import Journal
 from flexmarl_hpc.store.tables import CONSUMED, READY, DROPPED, StoreFile, TOKEN_COLUMNS, dtype_of
 from flexmarl_hpc.orchestrator.tree import Tree

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from flexmarl_hpc.runtime.build import build_task, model_args
-from flexmarl_hpc.config.schema import ConfigError, load_config
+from flexmarl_hpc.config.schema import ConfigError
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.learn.model import CausalLM, save_hf_checkpoint
 from flexmarl_hpc.workflows.base import TokenizerVocab
 
@@ -92,14 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("agent", help="which agent to export")
     ap.add_argument("out", help="folder to write the HF checkpoint into")
     ap.add_argument("--version", type=int, default=None, help="policy version (default: latest)")
-    a = ap.parse_args(argv)
+    args = ap.parse_args(argv)
     try:
-        path = export(a.run_dir, a.agent, a.out, a.version)
+        path = export(args.run_dir, args.agent, args.out, args.version)
     except (OSError, ValueError) as e:
         print(f"export: {e}", file=sys.stderr)
         return 2
-    print(f"exported {a.agent} from {path} to {a.out}: "
-          f"{', '.join(sorted(p.name for p in Path(a.out).iterdir()))}")
+    print(f"exported {args.agent} from {path} to {args.out}: "
+          f"{', '.join(sorted(p.name for p in Path(args.out).iterdir()))}")
     return 0
 
 

@@ -22,8 +22,10 @@ from pathlib import Path
 
 from flexmarl_hpc.store.checkpoint import CheckpointError
 from flexmarl_hpc.store.tables import StoreError
-from flexmarl_hpc.config.schema import Config, ConfigError, help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
+from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
+from flexmarl_hpc.config.schema import Config, ConfigError
+from flexmarl_hpc.launch.preflight import preflight
 
 MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -69,15 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     layout = layout_from_config(cfg)
     try:
-        if not under_mpi():
-            check_local_ranks(cfg, layout)
-        check_resumable(cfg)
-        from flexmarl_hpc.runtime.build import build_task, check_models
-        task = build_task(cfg)
-        check_models(cfg, task)
-        check_eval(cfg, task)
-        check_lengths(cfg, task)
-        check_backend_math(cfg, task)
+        preflight(cfg, layout, local=not under_mpi())
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -87,135 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
     return run_rank(cfg, layout)
-
-
-# A local run starts every rank as a Python process with torch on this machine. Ranks mostly
-# wait (no busy polling), so several share a core, but each needs ~RANK_MEMORY of memory and
-# beyond LOCAL_RANKS_PER_CPU per core the job spends its time switching; a bigger layout is
-# for Slurm (srun starts the ranks there and this check does not apply).
-LOCAL_RANKS_PER_CPU = 16
-RANK_MEMORY = 256 * 2**20
-
-
-def local_rank_limit() -> int:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(4, min(LOCAL_RANKS_PER_CPU * cpus, mem // RANK_MEMORY))
-
-
-def check_local_ranks(cfg: Config, layout: RankLayout) -> None:
-    limit = local_rank_limit()
-    if layout.world_size <= limit:
-        return
-    trainer_ranks = sum(layout.group_sizes)
-    field = "rollout.replicas" if layout.replicas >= trainer_ranks else "trainer.ranks_per_group"
-    raise ConfigError(f"{field}: the layout needs {layout.world_size} ranks (1 + {layout.replicas} replicas "
-                      f"+ {trainer_ranks} trainer ranks); a local run starts at most {limit} on this "
-                      f"machine ({LOCAL_RANKS_PER_CPU} per CPU core, {RANK_MEMORY >> 20} MiB each); "
-                      "submit it to Slurm (python -m flexmarl_hpc.submit)")
-
-
-def check_eval(cfg: Config, task) -> None:
-    """run.eval_every > 0 needs the task's held-out inputs, as many as run.eval_inputs."""
-    if not cfg.run.eval_every:
-        return
-    name = cfg.workflow.task
-    try:
-        inputs = task.heldout_inputs(cfg.run.eval_inputs)
-    except NotImplementedError:
-        raise ConfigError(f"run.eval_every: {cfg.run.eval_every} asks for evaluation, but the task "
-                          f"{name} defines no heldout_inputs(n) (see flexmarl_hpc/workflows/base.py); "
-                          "add it or set run.eval_every=0") from None
-    if len(inputs) != cfg.run.eval_inputs:
-        raise ConfigError(f"run.eval_inputs: {name}.heldout_inputs({cfg.run.eval_inputs}) returned "
-                          f"{len(inputs)} inputs")
-
-
-def check_lengths(cfg: Config, task) -> None:
-    """Each turn's prompt plus its max_new_tokens fits the acting agent's max_seq_len (and
-    rollout.max_model_len): walk a few inputs down one branch, with full-length responses."""
-    import numpy as np
-    from flexmarl_hpc.runtime.build import model_args
-    from flexmarl_hpc.workflows.base import Path as TaskPath
-    turns = cfg.workflow.turns
-    inputs = task.sample_inputs(np.random.default_rng(cfg.run.seed), 4)
-    if cfg.run.eval_every:
-        inputs += list(task.heldout_inputs(cfg.run.eval_inputs)[:4])
-    for inp in inputs:
-        path = TaskPath(inp)
-        for t, turn in enumerate(turns):
-            try:
-                lp = len(task.prompt(t, path))
-            except Exception:           # a task may reject the filler responses: check what we can
-                break
-            need = lp + turn.max_new_tokens
-            where = f"agents.{turn.agent}" if turn.agent in cfg.agents else "model"
-            limit = model_args(cfg, task, turn.agent).max_seq_len
-            if need > limit:
-                raise ConfigError(f"{where}.max_seq_len: expected >= {need} (turn {t} of agent "
-                                  f"{turn.agent!r}: a prompt of {lp} tokens + max_new_tokens "
-                                  f"{turn.max_new_tokens}), got {limit}")
-            if cfg.rollout.max_model_len and need > cfg.rollout.max_model_len:
-                raise ConfigError(f"rollout.max_model_len: expected >= {need} (turn {t} of agent "
-                                  f"{turn.agent!r}), got {cfg.rollout.max_model_len}")
-            filler = tuple(task.prompt(t, path)[-1:] or [0]) * turn.max_new_tokens
-            path = TaskPath(path.input, path.responses + (filler,))
-
-
-def check_backend_math(cfg: Config, task) -> None:
-    """The megatron trainer builds its GPTModel with rotary_base only: a checkpoint with
-    Llama-3 RoPE scaling would train with other math than the replicas sample with.
-    (megatron-core's GPTModel has rope_scaling/rope_scaling_factor with low/high frequency
-    factors 1/4 and original context 8192 fixed; once the trainer passes them, only other
-    values need refusing.)"""
-    from flexmarl_hpc.config.resources import trainer_groups
-    if all(g.backend != "megatron" for g in trainer_groups(cfg)):
-        return
-    from flexmarl_hpc.runtime.build import model_args
-    for agent in cfg.agent_names:
-        if model_args(cfg, task, agent).rope_llama3 is not None:
-            where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
-            raise ConfigError(f"{where}: Llama-3 RoPE scaling (rope_type llama3) is not supported by "
-                              "trainer.backend=megatron yet; use trainer.backend=torch")
-
-
-# what a resumed run must share with the run that wrote the store and the checkpoints
-RESUME_KEYS = ("workflow", "model", "agents", "run.seed", "rollout.temperature")
-
-
-def check_resumable(cfg: Config) -> None:
-    """Refuse to resume into an output_dir written by a run with another workflow, model or
-    seed (the store and checkpoints would silently mix), naming the fields that differ."""
-    import h5py
-    import yaml
-    path = cfg.output_dir / f"{cfg.run.name}.h5"
-    if not (cfg.run.resume and path.exists()):
-        return
-    from flexmarl_hpc.store.repair import clear_open_flags
-    try:
-        try:
-            f = h5py.File(path, "r", swmr=True)
-        except OSError:
-            # a writer killed before it switched to SWMR leaves write-only "open" flags that
-            # even an SWMR reader refuses; the store clears them on reopen anyway
-            clear_open_flags(path)
-            f = h5py.File(path, "r", swmr=True)
-        with f:
-            old = yaml.safe_load(f.attrs.get("config_yaml", "")) or {}
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"run.output_dir: {path} exists but cannot be read ({e}); "
-                          "move it away or set run.resume=false and another run.output_dir") from None
-    new = to_dict(cfg)
-    changed = [k for k in RESUME_KEYS if _get(old, k) != _get(new, k)]
-    if changed:
-        raise ConfigError(f"run.output_dir: {cfg.output_dir} holds a run with different {', '.join(changed)}; "
-                          "resuming would mix two runs. Use another run.output_dir (or the old config)")
-
-
-def _get(d: dict, dotted: str):
-    for k in dotted.split("."):
-        d = d.get(k) if isinstance(d, dict) else None
-    return d
 
 
 def run_rank(cfg: Config, layout: RankLayout) -> int:

@@ -49,7 +49,8 @@ from pathlib import Path
 import yaml
 
 from flexmarl_hpc.store.checkpoint import replace_file
-from flexmarl_hpc.config.schema import ConfigError, apply_override, load_config
+from flexmarl_hpc.config.schema import ConfigError
+from flexmarl_hpc.config.load import apply_override, load_config
 from flexmarl_hpc.config.resources import components
 from flexmarl_hpc.sim.driver import WORKERS, Workload, cost_model, measure, rank_devices, simulate_run
 from flexmarl_hpc.sim.hardware import HardwareError, HardwareProfile, load_hardware

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -47,11 +46,13 @@ import submitit
 from submitit.core.utils import FailedJobError, JobPaths
 from submitit.slurm.slurm import SlurmInfoWatcher
 
-from flexmarl_hpc.config.schema import Config, ConfigError, load_config, save_config
 from flexmarl_hpc.config.layout import layout_from_config
-from flexmarl_hpc.config.resources import component_table
-from flexmarl_hpc.launch.sbatch import (EXIT_REQUEUE, Partition, check_capacity, hetjob_script, parse_time,
-                    sbatch_option_items, single_component, single_script, validate_slurm)
+from flexmarl_hpc.config.load import load_config, save_config
+from flexmarl_hpc.config.resources import component_table, single_component
+from flexmarl_hpc.config.schema import Config, ConfigError
+from flexmarl_hpc.config.validate_slurm import parse_time, validate_slurm
+from flexmarl_hpc.launch.preflight import Partition, check_capacity, cluster_partitions
+from flexmarl_hpc.launch.sbatch import EXIT_REQUEUE, hetjob_script, sbatch_option_items, single_script
 
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                       "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
@@ -63,43 +64,6 @@ TRANSIENT = frozenset({"UNKNOWN", "PREEMPTED", "REQUEUED"})
 def _slurm(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
     """A Slurm client command, bounded (a wedged slurmctld must not hang the caller)."""
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-# ---------------------------------------------------------------------------------------
-# what the cluster offers
-# ---------------------------------------------------------------------------------------
-def parse_sinfo(text: str) -> tuple[dict[str, Partition], str]:
-    """`sinfo -h -o '%P|%D|%c|%m|%G'` -> ({partition: Partition}, default partition).
-
-    sinfo prints one line per partition and node shape; a partition's capacity is its
-    largest node (never refuse what some node could run) and its total node count.
-    """
-    parts: dict[str, Partition] = {}
-    default = ""
-    for line in text.splitlines():
-        fields = line.strip().split("|")
-        if len(fields) != 5:
-            continue
-        name, nodes, cpus, mem, gres = fields
-        if name.endswith("*"):
-            name = default = name[:-1]
-        gpus = sum(int(n) for n in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres))
-        p = Partition(int(nodes), int(re.sub(r"\D.*", "", cpus) or 0), gpus,
-                      int(re.sub(r"\D.*", "", mem) or 0))
-        q = parts.get(name)
-        parts[name] = p if q is None else Partition(q.nodes + p.nodes, max(q.cpus, p.cpus),
-                                                    max(q.gpus, p.gpus), max(q.mem_mb, p.mem_mb))
-    return parts, default
-
-
-def cluster_partitions() -> tuple[dict[str, Partition], str] | None:
-    """The partitions of the cluster this host submits to; None where `sinfo` cannot tell."""
-    try:
-        p = _slurm(["sinfo", "-h", "-o", "%P|%D|%c|%m|%G"])
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    parts, default = parse_sinfo(p.stdout)
-    return (parts, default) if p.returncode == 0 and parts else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -428,7 +392,7 @@ def submit_sweep(config_path: str, overrides: list[str], sweep: str,
 # ---------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m flexmarl_hpc.submit", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
@@ -440,43 +404,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", help="key=v1,v2,...: a job array, one single-allocation run per value")
     ap.add_argument("--no-partition-check", action="store_true",
                     help="do not compare the slurm: section with what sinfo reports")
-    a = ap.parse_intermixed_args(argv)   # overrides may follow --dry-run etc.
-    check = not a.no_partition_check
+    return ap.parse_intermixed_args(argv)   # overrides may follow --dry-run etc.
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    check = not args.no_partition_check
     try:
-        if a.dry_run:
-            parts = cluster_partitions() if check else None
-            if a.sweep:
-                base = prepare(a.config, a.overrides, True, parts).cfg
-                variants = sweep_overrides(a.overrides, a.sweep, base.output_dir)
-                cfgs = [prepare(a.config, ov, True, parts).cfg for ov in variants]
-                print(f"# submitit job array of {len(variants)} tasks, logs in {base.output_dir / 'sweep_logs'}")
-                print(f"# SlurmExecutor parameters: {sweep_parameters(cfgs[0])}")
-                for ov in variants:
-                    print(f"# task: python -m flexmarl_hpc.run {shlex.quote(str(Path(a.config).resolve()))} "
-                          + " ".join(shlex.quote(o) for o in ov))
-            else:
-                prep = prepare(a.config, a.overrides, a.single, parts)
-                # the component table goes to stderr: `--dry-run > job.sbatch` stays a script
-                print(component_table(prep.cfg), file=sys.stderr)
-                print(prep.script)
-            if parts is None and check:
-                print("# (no sinfo here: partitions not checked)", file=sys.stderr)
-            return 0
-        if a.sweep:
-            tasks = submit_sweep(a.config, a.overrides, a.sweep, check)
-            for t in tasks:
-                print(f"submitted array task {t.job.job_id}\n  log:    {t.job.paths.stdout}\n"
-                      f"  output: {t.output_dir}")
-            if a.wait:
-                deadline, ok = time.monotonic() + a.timeout, True
-                for t in tasks:
-                    st = SlurmRun(t.output_dir, t.job.job_id).wait(max(1.0, deadline - time.monotonic()))
-                    ok &= st == "COMPLETED"
-                    print(f"task {t.job.job_id}: {st}: " + (str(t.job.results()[0]) if st == "COMPLETED"
-                                                            else str(t.job.paths.stderr)))
-                return 0 if ok else 1
-            return 0
-        run = submit(a.config, a.overrides, a.single, check)
+        if args.dry_run:
+            return _dry_run(args, check)
+        if args.sweep:
+            return _sweep(args, check)
+        run = submit(args.config, args.overrides, args.single, check)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -488,15 +427,54 @@ def main(argv: list[str] | None = None) -> int:
           f"  watch:  squeue -j {run.job_id}; tail -f {run.paths.stdout}\n"
           f"  cancel: scancel {run.job_id}   checkpoint+requeue: scancel --signal=USR1 {run.job_id}",
           flush=True)
-    if a.wait:
-        try:
-            st = run.wait(a.timeout)
-        except TimeoutError as e:
-            print(f"submit: {e}", file=sys.stderr)
-            return 1
-        print(f"job {run.job_id}: {st}" + (f" (requeue holds released: {run.released})" if run.released else ""))
-        return 0 if st == "COMPLETED" else 1
+    if not args.wait:
+        return 0
+    try:
+        st = run.wait(args.timeout)
+    except TimeoutError as e:
+        print(f"submit: {e}", file=sys.stderr)
+        return 1
+    print(f"job {run.job_id}: {st}" + (f" (requeue holds released: {run.released})" if run.released else ""))
+    return 0 if st == "COMPLETED" else 1
+
+
+def _dry_run(args: argparse.Namespace, check: bool) -> int:
+    """Print what would be submitted: the job script (stdout), or a sweep's array parameters."""
+    parts = cluster_partitions() if check else None
+    if args.sweep:
+        base = prepare(args.config, args.overrides, True, parts).cfg
+        variants = sweep_overrides(args.overrides, args.sweep, base.output_dir)
+        cfgs = [prepare(args.config, ov, True, parts).cfg for ov in variants]
+        print(f"# submitit job array of {len(variants)} tasks, logs in {base.output_dir / 'sweep_logs'}")
+        print(f"# SlurmExecutor parameters: {sweep_parameters(cfgs[0])}")
+        for ov in variants:
+            print(f"# task: python -m flexmarl_hpc.run {shlex.quote(str(Path(args.config).resolve()))} "
+                  + " ".join(shlex.quote(o) for o in ov))
+    else:
+        prep = prepare(args.config, args.overrides, args.single, parts)
+        # the component table goes to stderr: `--dry-run > job.sbatch` stays a script
+        print(component_table(prep.cfg), file=sys.stderr)
+        print(prep.script)
+    if parts is None and check:
+        print("# (no sinfo here: partitions not checked)", file=sys.stderr)
     return 0
+
+
+def _sweep(args: argparse.Namespace, check: bool) -> int:
+    """Submit the sweep's array; with --wait, 0 only if every task completed."""
+    tasks = submit_sweep(args.config, args.overrides, args.sweep, check)
+    for t in tasks:
+        print(f"submitted array task {t.job.job_id}\n  log:    {t.job.paths.stdout}\n"
+              f"  output: {t.output_dir}")
+    if not args.wait:
+        return 0
+    deadline, ok = time.monotonic() + args.timeout, True
+    for t in tasks:
+        st = SlurmRun(t.output_dir, t.job.job_id).wait(max(1.0, deadline - time.monotonic()))
+        ok &= st == "COMPLETED"
+        print(f"task {t.job.job_id}: {st}: " + (str(t.job.results()[0]) if st == "COMPLETED"
+                                                else str(t.job.paths.stderr)))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

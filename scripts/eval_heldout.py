@@ -27,7 +27,7 @@ import torch
 
 from flexmarl_hpc.runtime.build import build_task
 from flexmarl_hpc.store.checkpoint import committed_versions
-from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.export import checkpoint_file, load_agent
 from flexmarl_hpc.learn.model import load_hf_checkpoint
 from flexmarl_hpc.learn.sampling import SamplingParams, generate

@@ -275,7 +275,8 @@ HETERO_CASES = [
 @pytest.mark.parametrize("case", HETERO_CASES, ids=[c[0] for c in HETERO_CASES])
 def test_bad_heterogeneous_config_is_refused(case, tmp_path):
     import yaml
-    from flexmarl_hpc.config.schema import ConfigError, load_config
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.config.load import load_config
     _, edit, message = case
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(_hetero(edit)))
@@ -288,7 +289,8 @@ def test_megatron_options_follow_the_groups_backends(tmp_path):
     """trainer.precision etc. are megatron options: with named groups, one megatron group
     admits them (the global trainer.backend may stay torch); with none they are refused."""
     import yaml
-    from flexmarl_hpc.config.schema import ConfigError, load_config
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.config.load import load_config
     ok = tmp_path / "ok.yaml"
     ok.write_text(yaml.safe_dump(_hetero(lambda d: _set(d["trainer"], precision="bf16", recompute="full"))))
     cfg = load_config(ok)
@@ -304,7 +306,8 @@ def test_megatron_options_follow_the_groups_backends(tmp_path):
 def test_pool_too_small_for_its_model_class(tmp_path):
     """A 32B agent (62 GB of bf16 weights) listed in the pool of 1 x 64 GB replicas."""
     import yaml
-    from flexmarl_hpc.config.schema import ConfigError, load_config
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.config.load import load_config
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(_hetero(lambda d: d["rollout"]["pools"][1]["agents"].append("shop32_0"),
                                            "configs/paper_3x32b_7x14b.yaml")))
@@ -314,7 +317,8 @@ def test_pool_too_small_for_its_model_class(tmp_path):
 
 
 def test_uniform_tp_must_divide_every_model():
-    from flexmarl_hpc.config.schema import ConfigError, load_config
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.config.load import load_config
     with pytest.raises(ConfigError, match=r"trainer\.tensor_parallel: 8 does not divide the 4 heads / 4 KV heads of agent 'speaker'"):
         load_config(ROOT / "configs/local.yaml", ["trainer.backend=megatron", "trainer.tensor_parallel=8",
                                                   "trainer.ranks_per_group=8"])

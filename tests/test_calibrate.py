@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.runtime.build import build_task
 from flexmarl_hpc.sim.calibrate import Observations, fit, fit_columns, observe
 from flexmarl_hpc.sim.costs import CostModel, optimizer_s

@@ -1,6 +1,7 @@
 import pytest
 
-from flexmarl_hpc.config.schema import Config, ConfigError, apply_override, help_text, load_config, to_dict
+from flexmarl_hpc.config.schema import Config, ConfigError
+from flexmarl_hpc.config.load import apply_override, help_text, load_config, to_dict
 from tests.conftest import ROOT
 
 LOCAL = ROOT / "configs" / "local.yaml"

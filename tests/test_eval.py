@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl_hpc.config.schema import ConfigError, load_config
+from flexmarl_hpc.config.schema import ConfigError
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.orchestrator.evaluation import Evaluator, eval_points
 from flexmarl_hpc.learn.model import ModelArgs, build_model
 from flexmarl_hpc.run import main as run_main
@@ -114,7 +115,7 @@ def test_a_task_without_heldout_inputs_is_refused_at_start(capsys, tmp_path):
     assert "heldout_inputs" in err and not (tmp_path / "local.h5").exists()
     # without evaluation the task passes the same start-up check
     from flexmarl_hpc.runtime.build import build_task
-    from flexmarl_hpc.run import check_eval
+    from flexmarl_hpc.launch.preflight import check_eval
     cfg = load_config(ROOT / "configs/local.yaml", ["workflow.task=tests.faulty_tasks:NoHeldoutGame",
                                                     "run.eval_every=0"])
     check_eval(cfg, build_task(cfg))

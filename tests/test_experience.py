@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from flexmarl_hpc.runtime.build import build_task
-from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.orchestrator.experience import Experience
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY, StoreFile
 from tests.conftest import ROOT

@@ -9,7 +9,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.config.schema import ConfigError, TrainerConfig, load_config
+from flexmarl_hpc.config.schema import ConfigError, TrainerConfig
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.learn.grpo import MicroBatch, grpo_loss, stat_values, token_logprobs
 from flexmarl_hpc.learn.model import CausalLM, ModelArgs
 from flexmarl_hpc.trainer.base import finish_step

@@ -72,7 +72,7 @@ def final_weights(out, agent):
     """The latest checkpoint's `model.*` tensors: a torch .pt file, or a megatron
     dist_checkpointing folder read back into one CPU rank (as export does)."""
     from flexmarl_hpc.runtime.build import build_task, model_args
-    from flexmarl_hpc.config.schema import load_config
+    from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.export import checkpoint_file
     path = checkpoint_file(out, agent, None)
     if not path.is_dir():
@@ -389,7 +389,7 @@ def test_hetero_cpu_runs_locally(tmp_path, mpiexec):
     """configs/hetero_cpu.yaml under mpiexec: 8 ranks, 2 pools, a megatron TP 2 group and two
     torch groups; every sample trained exactly once, each group's ranks (both TP ranks)
     train its agent, each replica generates only for its pool's agents."""
-    from flexmarl_hpc.config.schema import load_config
+    from flexmarl_hpc.config.load import load_config
     run_training(tmp_path, "run.steps=4", config="configs/hetero_cpu.yaml", timeout=900)
     check_exactly_once(tmp_path / "hetero_cpu.h5", 4)
     check_group_intervals(tmp_path / "hetero_cpu.h5", load_config(ROOT / "configs/hetero_cpu.yaml"))

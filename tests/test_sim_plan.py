@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import yaml
 
-from flexmarl_hpc.config.schema import ConfigError, load_config
+from flexmarl_hpc.config.schema import ConfigError
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.resources import components
 from flexmarl_hpc.sim.costs import QWEN25_14B, QWEN25_32B, AgentLayout, CostModel, TRAIN_STATE_BYTES_PER_PARAM
 from flexmarl_hpc.sim.hardware import load_hardware

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from flexmarl_hpc import simulate
-from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.sim.plan import rank_plans
 from flexmarl_hpc.sim.plan_config import config_classes, plan_workload

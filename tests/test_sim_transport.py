@@ -7,7 +7,7 @@ import pytest
 
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.build import build_task
-from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.layout import RankLayout, layout_from_config
 from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.sim.transport import ConstantCost, SimTransport, SyntheticWorkers

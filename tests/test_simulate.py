@@ -11,7 +11,7 @@ import yaml
 
 from flexmarl_hpc import analyze
 from flexmarl_hpc import simulate
-from flexmarl_hpc.config.schema import load_config
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.resources import components
 from flexmarl_hpc.sim.plan_config import merge_fragment
 from tests.conftest import ROOT

@@ -12,7 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
-from flexmarl_hpc.config.schema import ConfigError, load_config
+from flexmarl_hpc.config.schema import ConfigError
+from flexmarl_hpc.config.load import load_config
 from tests.conftest import ROOT, need, run_training
 
 SMALL = ["run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",

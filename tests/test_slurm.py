@@ -20,10 +20,13 @@ from pathlib import Path
 import h5py
 import pytest
 
-from flexmarl_hpc.config.schema import ConfigError, load_config
-from flexmarl_hpc.launch.sbatch import Partition, check_capacity, hetjob_script, parse_time, single_script
-from flexmarl_hpc.submit import (HetInfoWatcher, SlurmRun, main as submit_main, parse_sinfo, prepare,
-                                 submit_sweep, sweep_overrides, sweep_parameters)
+from flexmarl_hpc.config.schema import ConfigError
+from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.validate_slurm import parse_time
+from flexmarl_hpc.launch.preflight import Partition, check_capacity, parse_sinfo
+from flexmarl_hpc.launch.sbatch import hetjob_script, single_script
+from flexmarl_hpc.submit import (HetInfoWatcher, SlurmRun, main as submit_main, prepare, submit_sweep,
+                                 sweep_overrides, sweep_parameters)
 from tests.conftest import ROOT, need
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -409,7 +412,7 @@ HETERO = str(ROOT / "configs/hetero_cpu.yaml")
 def test_hetero_cpu_runs_as_a_six_component_het_job(slurm, tmp_path):
     """configs/hetero_cpu.yaml on the local Slurm: 6 components (orchestrator, 2 pools, 3
     trainer groups, one of them megatron TP 2), every sample trained exactly once."""
-    from flexmarl_hpc.config.schema import load_config
+    from flexmarl_hpc.config.load import load_config
     from tests.test_run import check_exactly_once, check_group_intervals
     ov = ["run.steps=4", f"run.output_dir={tmp_path}", "run.log_every=1"]
     cfg = load_config(HETERO, ov)

@@ -12,7 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flexmarl_hpc.config.schema import ConfigError, RolloutConfig, load_config
+from flexmarl_hpc.config.schema import ConfigError, RolloutConfig
+from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
 from flexmarl_hpc.rollout.base import GenRequest
 from flexmarl_hpc.learn.sampling import SamplingParams

@@ -9,7 +9,7 @@ components):
     then the trainer groups     group after group (TP x PP x DP ranks each)
 
 Heterogeneous configs (flexmarl_hpc.config.resources) give pools and groups their own sizes and
-each its own het component; the uniform case is 3 components, as before.
+each its own het component; the uniform case is 3 components.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Heterogeneous resources: rollout pools and trainer groups, resolved from the config.
 
 A config either lists them (`rollout.pools`, `trainer.named_groups`: each its own het-job
-component) or describes the uniform case of earlier versions (`rollout.replicas` in one
+component) or describes the uniform case (`rollout.replicas` in one
 pool, `trainer.groups` x `trainer.ranks_per_group` in one component); both resolve to the
 same `Pool` / `Group` lists here, so the layout, the job script, the scheduler and the
 trainers read one description. Everything is pure (no MPI, no Slurm).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flexmarl_hpc.config.schema import NAME_RE, Config, ConfigError, ModelConfig, SlurmComponent, TrainerConfig
+from flexmarl_hpc.config.schema import Config, ModelConfig, SlurmComponent, TrainerConfig
 
 FIT_FRACTION = 0.9
 """Share of a replica's GPU memory its weights may take (the rest: KV cache, activations)."""
@@ -194,109 +194,24 @@ def component_table(cfg: Config) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
-# ---------------------------------------------------------------------------------------
-# validation (called by config.validate, before any rank starts)
-# ---------------------------------------------------------------------------------------
-def _need(cond: bool, where: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{where}: {msg}")
+def mem_mb(size: str) -> int:
+    """'64G' -> 65536; a bare number is MB, as in sbatch --mem."""
+    unit = size[-1] if size[-1] in "KMGT" else "M"
+    n = int(size[:-1] if size[-1] in "KMGT" else size)
+    return {"K": n // 1024, "M": n, "G": n * 1024, "T": n * 1024 ** 2}[unit]
 
 
-def _check_names(items: list, kind: str, where: str, agents: list[str]) -> None:
-    seen = set()
-    for i, it in enumerate(items):
-        if it.name:
-            _need(bool(NAME_RE.match(it.name)), f"{where}[{i}].name",
-                  f"expected letters, digits, _ . + - (it labels a het component), got {it.name!r}")
-            _need(it.name not in seen, f"{where}[{i}].name", f"{kind} name {it.name!r} is used twice")
-            seen.add(it.name)
-        for a in it.agents:
-            _need(a in agents, f"{where}[{i}].agents", f"no agent {a!r} in workflow.turns (agents are {agents})")
-
-
-def _validate_pools(cfg: Config) -> None:
-    agents = cfg.agent_names
-    _check_names(cfg.rollout.pools, "pool", "rollout.pools", agents)
-    for i, p in enumerate(cfg.rollout.pools):
-        w = f"rollout.pools[{i}]"
-        _need(p.replicas >= 1, f"{w}.replicas", f"expected >= 1, got {p.replicas}")
-        _need(p.gpus_per_replica >= 1, f"{w}.gpus_per_replica", f"expected >= 1, got {p.gpus_per_replica}")
-        _need(p.gpu_memory_gb >= 0, f"{w}.gpu_memory_gb", f"expected >= 0, got {p.gpu_memory_gb}")
-        cap = FIT_FRACTION * p.gpus_per_replica * p.gpu_memory_gb
-        for a in p.agents:
-            _need(fits(cfg, a, p.gpus_per_replica, p.gpu_memory_gb), f"{w}.gpus_per_replica",
-                  f"pool too small for agent {a!r}: its model's weights take {weight_gb(cfg, a):.1f} GB, "
-                  f"a replica of {p.gpus_per_replica} x {p.gpu_memory_gb:g} GB GPUs holds {cap:.1f} GB "
-                  f"({FIT_FRACTION:.0%}); raise gpus_per_replica or serve {a!r} from a bigger pool")
-        if cfg.rollout.backend == "vllm" and p.slurm.gpus_per_node:
-            for a in rollout_pools(cfg)[i].agents:
-                m = cfg.model_for(a)
-                _need(m.num_heads % p.gpus_per_replica == 0 and m.num_kv_heads % p.gpus_per_replica == 0,
-                      f"{w}.gpus_per_replica", f"vLLM's tensor parallelism {p.gpus_per_replica} does not "
-                      f"divide the {m.num_heads} heads / {m.num_kv_heads} KV heads of agent {a!r}")
-    served = {a for p in rollout_pools(cfg) for a in p.agents}
-    for a in agents:
-        _need(a in served, "rollout.pools", f"no pool can serve agent {a!r} (its weights take "
-              f"{weight_gb(cfg, a):.1f} GB; list it in a pool's agents, or add a pool it fits)")
-
-
-def _validate_groups(cfg: Config) -> None:
-    tr, agents = cfg.trainer, cfg.agent_names
-    named = tr.named_groups
-    if named:
-        _need(tr.groups == 0, "trainer.groups", "expected 0 with trainer.named_groups (the list sets the groups)")
-        _check_names(named, "group", "trainer.named_groups", agents)
-        owner: dict[str, int] = {}
-        for i, g in enumerate(named):
-            for a in g.agents:
-                _need(a not in owner, f"trainer.named_groups[{i}].agents",
-                      f"agent {a!r} is already on trainer.named_groups[{owner.get(a)}]")
-                owner[a] = i
-        for a in agents:
-            _need(a in owner, "trainer.named_groups", f"agent {a!r} has no trainer group; list it in "
-                  "one group's agents")
-    groups = trainer_groups(cfg)
-    for i, g in enumerate(groups):
-        w = g.where
-        for key in ("ranks", "tensor_parallel", "pipeline_parallel"):
-            _need(getattr(g, key) >= 1, f"{w}.{key}" if named else f"trainer.{_uniform(key)}",
-                  f"expected >= 1, got {getattr(g, key)}")
-        mp = g.tensor_parallel * g.pipeline_parallel
-        _need(g.ranks % mp == 0, f"{w}.ranks" if named else "trainer.ranks_per_group",
-              f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, got {g.ranks}")
-        _need(g.backend == "megatron" or mp == 1, f"{w}.tensor_parallel" if named else "trainer.tensor_parallel",
-              "tensor/pipeline parallelism needs backend megatron")
-        if named:
-            _need(bool(g.agents) or bool(g.swap), f"{w}.agents",
-                  "expected at least one agent (or a swap label, to host agents of its swap domain)")
-            _need(len(g.agents) <= 1 and not g.swap or cfg.pipeline.swap_states, "pipeline.swap_states",
-                  f"{w} holds {len(g.agents)} agents / swap label {g.swap!r}: its agents take turns, "
-                  "which needs pipeline.swap_states=true")
-        for a in _domain_agents(groups, i):
-            m = cfg.model_for(a)
-            tp_where = f"{w}.tensor_parallel" if named else "trainer.tensor_parallel"
-            pp_where = f"{w}.pipeline_parallel" if named else "trainer.pipeline_parallel"
-            _need(m.num_heads % g.tensor_parallel == 0 and m.num_kv_heads % g.tensor_parallel == 0, tp_where,
-                  f"{g.tensor_parallel} does not divide the {m.num_heads} heads / "
-                  f"{m.num_kv_heads} KV heads of agent {a!r}")
-            _need(m.num_layers % g.pipeline_parallel == 0, pp_where,
-                  f"{g.pipeline_parallel} does not divide the {m.num_layers} layers of agent {a!r}")
-    for i, g in enumerate(groups):
-        for h in swap_peers(groups, i)[1:]:
-            _need(groups[h].shape == g.shape, f"{groups[h].where}.swap",
-                  f"swap domain {g.swap!r} joins {g.name} ({g.describe()}) and {groups[h].name} "
-                  f"({groups[h].describe()}); states swap only between groups of the same shape")
-
-
-def _uniform(key: str) -> str:
-    return {"ranks": "ranks_per_group"}.get(key, key)
-
-
-def _domain_agents(groups: list[Group], g: int) -> list[str]:
-    return [a for h in swap_peers(groups, g) for a in groups[h].agents]
-
-
-def validate_resources(cfg: Config) -> None:
-    _validate_pools(cfg)
-    _validate_groups(cfg)
-
+def single_component(cfg: Config) -> SlurmComponent:
+    """All ranks in one allocation: the nodes of the rollout and trainer components (the
+    orchestrator is one CPU rank that fits beside them), the largest per-task CPUs,
+    per-node GPUs and memory of them all, the (last) trainer component's partition and
+    sbatch_options."""
+    comps = [c.slurm for c in components(cfg)]
+    mems = [c.mem for c in comps if c.mem]
+    return SlurmComponent(
+        nodes=sum(c.nodes for c in comps[1:]),
+        gpus_per_node=max(c.gpus_per_node for c in comps),
+        cpus_per_task=max(c.cpus_per_task for c in comps),
+        mem=max(mems, key=mem_mb) if mems else "",
+        partition=comps[-1].partition,
+        sbatch_options=list(comps[-1].sbatch_options))

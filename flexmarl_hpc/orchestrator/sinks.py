@@ -148,7 +148,7 @@ class Sinks:
 
 def open_sinks(cfg, store, first_step: int) -> Sinks:
     """The sinks of `cfg.run.loggers` for the run whose store is `store` (open for writing)."""
-    from flexmarl_hpc.config.schema import to_dict
+    from flexmarl_hpc.config.load import to_dict
     run_dir = Path(cfg.output_dir)
     sinks: list[Sink] = []
     for name in cfg.run.loggers:

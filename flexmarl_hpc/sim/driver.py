@@ -34,7 +34,8 @@ import h5py
 import numpy as np
 import yaml
 
-from flexmarl_hpc.config.schema import Config, ConfigError, to_dict
+from flexmarl_hpc.config.schema import Config, ConfigError
+from flexmarl_hpc.config.load import to_dict
 from flexmarl_hpc.config.layout import ROLLOUT, layout_from_config
 from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
 from flexmarl_hpc.sim.costs import AgentLayout, CostModel, LengthDistribution, ModelShape, shape_from_model_args

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import yaml
 
-from flexmarl_hpc.config.schema import NAME_RE, Config, to_dict
+from flexmarl_hpc.config.validate import NAME_RE
+from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.config.load import to_dict
 from flexmarl_hpc.config.resources import rollout_pools
 from flexmarl_hpc.sim.costs import ModelShape, shape_from_model_args
 from flexmarl_hpc.sim.driver import QWEN_VOCAB

@@ -1,0 +1,331 @@
+"""Every pure check of a config: field ranges, checks across fields, pools and trainer groups.
+
+    from flexmarl_hpc.config.validate import validate
+    validate(cfg)            # ConfigError naming the field and what was expected
+
+`load_config` runs it on every config it returns. The `slurm:` section is checked only
+when a job script is written (config/validate_slurm.py); checks that need the built
+task, the machine or the run folder are launch/preflight.py's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from flexmarl_hpc.config.resources import (FIT_FRACTION, Group, fits, rollout_pools, swap_peers,
+                                           trainer_groups, weight_gb)
+from flexmarl_hpc.config.schema import (Config, ConfigError, ModelConfig, RunConfig, TrainerConfig,
+                                        WorkflowConfig, join)
+
+
+# Field ranges (launch/preflight.py adds the checks that need the task or the machine:
+# sequence lengths, the number of ranks a local run may start)
+MAX_STEPS = 10**9
+"""run.steps above this cannot be meant (and step numbers must fit the store's int64)."""
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+"""Agent names become HDF5 group and checkpoint folder names."""
+
+
+def _need(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{where}: {msg}")
+
+
+def _int_in(value: int, where: str, lo: int, hi: int | None = None, note: str = "") -> None:
+    ok = value >= lo and (hi is None or value <= hi)
+    rng = f">= {lo}" if hi is None else f"{lo}..{hi}"
+    _need(ok, where, f"expected {rng}{note}, got {value}")
+
+
+def _float_in(value: float, where: str, lo: float, hi: float | None = None, lo_open: bool = False,
+              hi_open: bool = False) -> None:
+    ok = (value > lo if lo_open else value >= lo) and (
+        hi is None or (value < hi if hi_open else value <= hi))
+    rng = f"{'>' if lo_open else '>='} {lo:g}" if hi is None else \
+        f"{lo:g} {'<' if lo_open else '<='} x {'<' if hi_open else '<='} {hi:g}"
+    _need(ok, where, f"expected {rng}, got {value!r}")
+
+
+def check_leaves(obj: Any, where: str = "") -> None:
+    """Every float is finite and no string (nor mapping key) holds a control character: strings
+    reach file names, HDF5 attributes and the sbatch script, where a newline splits a line."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            check_leaves(getattr(obj, f.name), join(where, f.name))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_leaves(v, f"{where}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            check_leaves(k, where)
+            check_leaves(v, f"{where}.{k}")
+    elif isinstance(obj, float):
+        _need(math.isfinite(obj), where, f"expected a finite number, got {obj!r}")
+    elif isinstance(obj, str):
+        bad = next((c for c in obj if ord(c) < 32 or ord(c) == 127), None)
+        _need(bad is None, where, f"control character {bad!r} in {obj!r}; expected printable text "
+                                  "(it would reach file names and the sbatch script)")
+
+
+def _validate_run(r: RunConfig) -> None:
+    _need(bool(r.name) and "/" not in r.name and r.name not in (".", ".."), "run.name",
+          f"expected a non-empty name without '/', got {r.name!r}")
+    _need(bool(r.output_dir), "run.output_dir", "expected a folder")
+    try:
+        r.output_dir.format(name=r.name)
+    except (KeyError, IndexError, ValueError, AttributeError) as e:
+        raise ConfigError(f"run.output_dir: only {{name}} may appear in braces (double them for a "
+                          f"literal brace), got {r.output_dir!r} ({type(e).__name__}: {e})") from None
+    _int_in(r.steps, "run.steps", 1, MAX_STEPS)
+    _int_in(r.seed, "run.seed", 0, 2**63 - 1)
+    _int_in(r.threads_per_rank, "run.threads_per_rank", 1, 1024)
+    _int_in(r.checkpoint_every, "run.checkpoint_every", 0, note=" (0: by minutes only)")
+    _float_in(r.checkpoint_minutes, "run.checkpoint_minutes", 0)
+    _float_in(r.worker_timeout, "run.worker_timeout", 0, lo_open=True)
+    _int_in(r.keep_checkpoints, "run.keep_checkpoints", 1)
+    _int_in(r.log_every, "run.log_every", 1)
+    _int_in(r.eval_every, "run.eval_every", 0, MAX_STEPS, note=" (0: no evaluation)")
+    _int_in(r.eval_inputs, "run.eval_inputs", 1, 1 << 20)
+    _int_in(r.eval_samples, "run.eval_samples", 0, 1024, note=" (0: greedy only)")
+
+
+def _validate_model(m: ModelConfig, where: str) -> None:
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+        _int_in(getattr(m, key), f"{where}.{key}", 1)
+    _int_in(m.max_seq_len, f"{where}.max_seq_len", 2)
+    _float_in(m.rope_theta, f"{where}.rope_theta", 1, lo_open=True)
+    _float_in(m.rms_eps, f"{where}.rms_eps", 0, 1, lo_open=True)
+    _float_in(m.init_std, f"{where}.init_std", 0, lo_open=True)
+    _need(m.hidden_size % m.num_heads == 0, f"{where}.num_heads",
+          f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}")
+    _need(m.num_heads % m.num_kv_heads == 0, f"{where}.num_kv_heads",
+          f"num_heads {m.num_heads} is not divisible by num_kv_heads {m.num_kv_heads}")
+    _need((m.hidden_size // m.num_heads) % 2 == 0, f"{where}.hidden_size",
+          "head dim (hidden_size / num_heads) must be even for RoPE")
+    if m.checkpoint:
+        _need(Path(m.checkpoint).is_dir(), f"{where}.checkpoint",
+              f"expected a local HF checkpoint folder, {m.checkpoint!r} does not exist")
+
+
+def _validate_workflow(w: WorkflowConfig) -> None:
+    _need(len(w.turns) > 0, "workflow.turns", "expected at least one turn")
+    for i, t in enumerate(w.turns):
+        _need(bool(NAME_RE.match(t.agent)), f"workflow.turns[{i}].agent",
+              f"expected an agent name of letters, digits, _ . + - (it names HDF5 groups and "
+              f"checkpoint folders), got {t.agent!r}")
+        _int_in(t.samples, f"workflow.turns[{i}].samples", 1)
+        _int_in(t.max_new_tokens, f"workflow.turns[{i}].max_new_tokens", 1)
+    _need(":" in w.task, "workflow.task", f"expected 'module:Class', got {w.task!r}")
+    _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
+
+
+def _validate_engines(cfg: Config) -> None:
+    ro, tr, p = cfg.rollout, cfg.trainer, cfg.pipeline
+    _int_in(ro.replicas, "rollout.replicas", 1, note=" replica")
+    _int_in(ro.max_batch, "rollout.max_batch", 1)
+    _float_in(ro.temperature, "rollout.temperature", 0, lo_open=True)
+    _float_in(ro.top_p, "rollout.top_p", 0, 1, lo_open=True)
+    _int_in(ro.max_model_len, "rollout.max_model_len", 0, note=" (0: the model's max_seq_len)")
+    _int_in(tr.groups, "trainer.groups", 0, note=" (0: one per agent)")
+    for key in ("ranks_per_group", "tensor_parallel", "pipeline_parallel", "micro_batch_size"):
+        _int_in(getattr(tr, key), f"trainer.{key}", 1)
+    _float_in(tr.lr, "trainer.lr", 0, lo_open=True)
+    for i, b in enumerate(tr.betas):
+        _float_in(b, f"trainer.betas[{i}]", 0, 1, hi_open=True)
+    for key in ("weight_decay", "grad_clip", "entropy_coef", "kl_coef"):
+        _float_in(getattr(tr, key), f"trainer.{key}", 0)
+    _float_in(tr.clip_eps, "trainer.clip_eps", 0, lo_open=True)
+    _int_in(tr.ppo_epochs, "trainer.ppo_epochs", 1, 16)
+    _float_in(tr.tis_cap, "trainer.tis_cap", 0, lo_open=True)
+    _int_in(p.max_staleness, "pipeline.max_staleness", 0)
+    _float_in(p.rebalance_threshold, "pipeline.rebalance_threshold", 0, 1)
+    _int_in(p.rebalance_cooldown, "pipeline.rebalance_cooldown", 0)
+    _int_in(p.overprovision, "pipeline.overprovision", 0, note=" extra inputs per step")
+    _float_in(cfg.weight_sync.bucket_mb, "weight_sync.bucket_mb", 0, 16384, lo_open=True)
+    _int_in(cfg.store.chunk_rows, "store.chunk_rows", 1, 1 << 20)
+    s = cfg.slurm
+    _int_in(s.signal_seconds, "slurm.signal_seconds", 0)
+    for name in ("orchestrator", "rollout", "trainer"):
+        comp = getattr(s, name)
+        _int_in(comp.nodes, f"slurm.{name}.nodes", 1)
+        _int_in(comp.gpus_per_node, f"slurm.{name}.gpus_per_node", 0)
+        _int_in(comp.cpus_per_task, f"slurm.{name}.cpus_per_task", 1)
+
+
+def validate(cfg: Config) -> None:
+    """Every field's range, then checks that need more than one field. Raises ConfigError
+    naming the field and what was expected; runs before any rank starts."""
+    need = _need
+    check_leaves(cfg)
+    _validate_run(cfg.run)
+    _validate_workflow(cfg.workflow)
+    _validate_engines(cfg)
+    for name in cfg.agents:
+        need(name in cfg.agent_names, f"agents.{name}",
+             f"no such agent in workflow.turns (agents are {cfg.agent_names})")
+    for agent in cfg.agent_names:
+        where = f"agents.{agent}" if agent in cfg.agents else "model"
+        _validate_model(cfg.model_for(agent), where)
+    mp = cfg.trainer.tensor_parallel * cfg.trainer.pipeline_parallel
+    need(cfg.trainer.ranks_per_group % mp == 0, "trainer.ranks_per_group",
+         f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, "
+         f"got {cfg.trainer.ranks_per_group}")
+    need(cfg.trainer.backend == "megatron" or mp == 1, "trainer.tensor_parallel",
+         "tensor/pipeline parallelism needs trainer.backend=megatron")
+    # megatron's reference model (kl_coef > 0) runs outside the pipeline schedule
+    need(cfg.trainer.kl_coef == 0 or cfg.trainer.pipeline_parallel == 1, "trainer.kl_coef",
+         f"expected 0 with trainer.pipeline_parallel={cfg.trainer.pipeline_parallel} (the KL "
+         f"reference model runs with pipeline_parallel=1 only), got {cfg.trainer.kl_coef}")
+    n_agents = len(cfg.agent_names)
+    if cfg.num_trainer_groups < n_agents and not cfg.pipeline.swap_states and not cfg.trainer.named_groups:
+        orphan = cfg.agent_names[cfg.num_trainer_groups]
+        raise ConfigError(
+            f"trainer.groups: {cfg.num_trainer_groups} groups for {n_agents} agents leaves agent "
+            f"{orphan!r} with no trainer; set trainer.groups=0 or pipeline.swap_states=true")
+    need(cfg.num_trainer_groups <= n_agents or bool(cfg.trainer.named_groups), "trainer.groups",
+         f"expected at most {n_agents} (one per agent), got {cfg.num_trainer_groups}")
+    need(cfg.pipeline.overprovision == 0 or cfg.run.mode == "flex", "pipeline.overprovision",
+         "needs run.mode=flex (sync, the baseline, trains every input it admits)")
+
+    # --- device binding (flexmarl_hpc.runtime.devices) ---
+    need(cfg.rollout.gpus_per_replica >= 1, "rollout.gpus_per_replica", "expected >= 1")
+
+    # --- rollout engine dtype (rollout/vllm_engine.py) ---
+    need(cfg.rollout.dtype in ("auto", "fp32") or cfg.rollout.backend == "vllm", "rollout.dtype",
+         "the torch engine runs fp32; bf16/fp16 need rollout.backend=vllm")
+
+    # -- run.loggers (metric sinks, flexmarl_hpc/orchestrator/sinks.py) ---------------------------------
+    loggers = cfg.run.loggers
+    need(len(set(loggers)) == len(loggers), "run.loggers", f"a logger is listed twice: {loggers}")
+    for name in loggers:
+        need(importlib.util.find_spec(name) is not None, "run.loggers",
+             f"{name!r} needs the {name} package: pip install -r requirements-loggers.txt")
+
+    _validate_trainer_engine(cfg.trainer, need)
+    validate_resources(cfg)
+
+
+# -- trainer engine fields (megatron precision, overlap, pipeline schedule) ------------------
+def _validate_trainer_engine(t: TrainerConfig, need) -> None:
+    need(t.tis_cap > 0, "trainer.tis_cap", f"expected > 0, got {t.tis_cap}")
+    need(t.pipeline_microbatches >= 0, "trainer.pipeline_microbatches",
+         f"expected >= 0 (0: 2 x pipeline_parallel), got {t.pipeline_microbatches}")
+    megatron_only = {"precision": t.precision in ("auto", "fp32"), "recompute": t.recompute == "none",
+                     "overlap_grad_reduce": not t.overlap_grad_reduce,
+                     "overlap_param_gather": not t.overlap_param_gather,
+                     "pipeline_microbatches": t.pipeline_microbatches == 0}
+    # with trainer.named_groups each group has its own backend: the options apply to its
+    # megatron groups, so one megatron group is enough
+    backends = {g.backend for g in t.named_groups} or {t.backend}
+    for name, default in megatron_only.items():
+        need("megatron" in backends or default, f"trainer.{name}",
+             "needs a megatron trainer: trainer.backend=megatron, or a trainer.named_groups entry "
+             "with backend megatron (the option applies to those groups)")
+
+
+
+# ---------------------------------------------------------------------------------------
+# pools and trainer groups (flexmarl_hpc.config.resources)
+# ---------------------------------------------------------------------------------------
+def _check_names(items: list, kind: str, where: str, agents: list[str]) -> None:
+    seen = set()
+    for i, it in enumerate(items):
+        if it.name:
+            _need(bool(NAME_RE.match(it.name)), f"{where}[{i}].name",
+                  f"expected letters, digits, _ . + - (it labels a het component), got {it.name!r}")
+            _need(it.name not in seen, f"{where}[{i}].name", f"{kind} name {it.name!r} is used twice")
+            seen.add(it.name)
+        for a in it.agents:
+            _need(a in agents, f"{where}[{i}].agents", f"no agent {a!r} in workflow.turns (agents are {agents})")
+
+
+def _validate_pools(cfg: Config) -> None:
+    agents = cfg.agent_names
+    _check_names(cfg.rollout.pools, "pool", "rollout.pools", agents)
+    for i, p in enumerate(cfg.rollout.pools):
+        w = f"rollout.pools[{i}]"
+        _need(p.replicas >= 1, f"{w}.replicas", f"expected >= 1, got {p.replicas}")
+        _need(p.gpus_per_replica >= 1, f"{w}.gpus_per_replica", f"expected >= 1, got {p.gpus_per_replica}")
+        _need(p.gpu_memory_gb >= 0, f"{w}.gpu_memory_gb", f"expected >= 0, got {p.gpu_memory_gb}")
+        cap = FIT_FRACTION * p.gpus_per_replica * p.gpu_memory_gb
+        for a in p.agents:
+            _need(fits(cfg, a, p.gpus_per_replica, p.gpu_memory_gb), f"{w}.gpus_per_replica",
+                  f"pool too small for agent {a!r}: its model's weights take {weight_gb(cfg, a):.1f} GB, "
+                  f"a replica of {p.gpus_per_replica} x {p.gpu_memory_gb:g} GB GPUs holds {cap:.1f} GB "
+                  f"({FIT_FRACTION:.0%}); raise gpus_per_replica or serve {a!r} from a bigger pool")
+        if cfg.rollout.backend == "vllm" and p.slurm.gpus_per_node:
+            for a in rollout_pools(cfg)[i].agents:
+                m = cfg.model_for(a)
+                _need(m.num_heads % p.gpus_per_replica == 0 and m.num_kv_heads % p.gpus_per_replica == 0,
+                      f"{w}.gpus_per_replica", f"vLLM's tensor parallelism {p.gpus_per_replica} does not "
+                      f"divide the {m.num_heads} heads / {m.num_kv_heads} KV heads of agent {a!r}")
+    served = {a for p in rollout_pools(cfg) for a in p.agents}
+    for a in agents:
+        _need(a in served, "rollout.pools", f"no pool can serve agent {a!r} (its weights take "
+              f"{weight_gb(cfg, a):.1f} GB; list it in a pool's agents, or add a pool it fits)")
+
+
+def _validate_groups(cfg: Config) -> None:
+    tr, agents = cfg.trainer, cfg.agent_names
+    named = tr.named_groups
+    if named:
+        _need(tr.groups == 0, "trainer.groups", "expected 0 with trainer.named_groups (the list sets the groups)")
+        _check_names(named, "group", "trainer.named_groups", agents)
+        owner: dict[str, int] = {}
+        for i, g in enumerate(named):
+            for a in g.agents:
+                _need(a not in owner, f"trainer.named_groups[{i}].agents",
+                      f"agent {a!r} is already on trainer.named_groups[{owner.get(a)}]")
+                owner[a] = i
+        for a in agents:
+            _need(a in owner, "trainer.named_groups", f"agent {a!r} has no trainer group; list it in "
+                  "one group's agents")
+    groups = trainer_groups(cfg)
+    for i, g in enumerate(groups):
+        w = g.where
+        for key in ("ranks", "tensor_parallel", "pipeline_parallel"):
+            _need(getattr(g, key) >= 1, f"{w}.{key}" if named else f"trainer.{_uniform(key)}",
+                  f"expected >= 1, got {getattr(g, key)}")
+        mp = g.tensor_parallel * g.pipeline_parallel
+        _need(g.ranks % mp == 0, f"{w}.ranks" if named else "trainer.ranks_per_group",
+              f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, got {g.ranks}")
+        _need(g.backend == "megatron" or mp == 1, f"{w}.tensor_parallel" if named else "trainer.tensor_parallel",
+              "tensor/pipeline parallelism needs backend megatron")
+        if named:
+            _need(bool(g.agents) or bool(g.swap), f"{w}.agents",
+                  "expected at least one agent (or a swap label, to host agents of its swap domain)")
+            _need(len(g.agents) <= 1 and not g.swap or cfg.pipeline.swap_states, "pipeline.swap_states",
+                  f"{w} holds {len(g.agents)} agents / swap label {g.swap!r}: its agents take turns, "
+                  "which needs pipeline.swap_states=true")
+        for a in _domain_agents(groups, i):
+            m = cfg.model_for(a)
+            tp_where = f"{w}.tensor_parallel" if named else "trainer.tensor_parallel"
+            pp_where = f"{w}.pipeline_parallel" if named else "trainer.pipeline_parallel"
+            _need(m.num_heads % g.tensor_parallel == 0 and m.num_kv_heads % g.tensor_parallel == 0, tp_where,
+                  f"{g.tensor_parallel} does not divide the {m.num_heads} heads / "
+                  f"{m.num_kv_heads} KV heads of agent {a!r}")
+            _need(m.num_layers % g.pipeline_parallel == 0, pp_where,
+                  f"{g.pipeline_parallel} does not divide the {m.num_layers} layers of agent {a!r}")
+    for i, g in enumerate(groups):
+        for h in swap_peers(groups, i)[1:]:
+            _need(groups[h].shape == g.shape, f"{groups[h].where}.swap",
+                  f"swap domain {g.swap!r} joins {g.name} ({g.describe()}) and {groups[h].name} "
+                  f"({groups[h].describe()}); states swap only between groups of the same shape")
+
+
+def _uniform(key: str) -> str:
+    return {"ranks": "ranks_per_group"}.get(key, key)
+
+
+def _domain_agents(groups: list[Group], g: int) -> list[str]:
+    return [a for h in swap_peers(groups, g) for a in groups[h].agents]
+
+
+def validate_resources(cfg: Config) -> None:
+    _validate_pools(cfg)
+    _validate_groups(cfg)
+

@@ -1,0 +1,248 @@
+"""Checks before a launch that need more than the config: the built task, this machine,
+the run folder, or the cluster's partitions.
+
+    task = preflight(cfg, layout, local=True)     # run.py, before mpiexec: ConfigError or the task
+    check_capacity(cfg, *cluster_partitions())    # submit.py, against what `sinfo` reports
+
+The pure checks of the config (field ranges, pools and groups, the `slurm:` section) are
+flexmarl_hpc.config.validate and .validate_slurm. Importing this module is cheap: the task,
+numpy and h5py are imported inside the checks that need them.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+from flexmarl_hpc.config.layout import RankLayout, layout_from_config
+from flexmarl_hpc.config.load import to_dict
+from flexmarl_hpc.config.resources import components, mem_mb, single_component, trainer_groups
+from flexmarl_hpc.config.schema import Config, ConfigError
+
+
+def preflight(cfg: Config, layout: RankLayout, local: bool):
+    """Every check a run makes before its ranks start; returns the built task. `local`: the
+    ranks would start on this machine (mpiexec), so their number must fit it."""
+    if local:
+        check_local_ranks(cfg, layout)
+    check_resumable(cfg)
+    from flexmarl_hpc.runtime.build import build_task, check_models
+    task = build_task(cfg)
+    check_models(cfg, task)
+    check_eval(cfg, task)
+    check_lengths(cfg, task)
+    check_backend_math(cfg, task)
+    return task
+
+
+# A local run starts every rank as a Python process with torch on this machine. Ranks mostly
+# wait (no busy polling), so several share a core, but each needs ~RANK_MEMORY of memory and
+# beyond LOCAL_RANKS_PER_CPU per core the job spends its time switching; a bigger layout is
+# for Slurm (srun starts the ranks there and this check does not apply).
+LOCAL_RANKS_PER_CPU = 16
+RANK_MEMORY = 256 * 2**20
+
+
+def local_rank_limit() -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(4, min(LOCAL_RANKS_PER_CPU * cpus, mem // RANK_MEMORY))
+
+
+def check_local_ranks(cfg: Config, layout: RankLayout) -> None:
+    limit = local_rank_limit()
+    if layout.world_size <= limit:
+        return
+    trainer_ranks = sum(layout.group_sizes)
+    field = "rollout.replicas" if layout.replicas >= trainer_ranks else "trainer.ranks_per_group"
+    raise ConfigError(f"{field}: the layout needs {layout.world_size} ranks (1 + {layout.replicas} replicas "
+                      f"+ {trainer_ranks} trainer ranks); a local run starts at most {limit} on this "
+                      f"machine ({LOCAL_RANKS_PER_CPU} per CPU core, {RANK_MEMORY >> 20} MiB each); "
+                      "submit it to Slurm (python -m flexmarl_hpc.submit)")
+
+
+def check_eval(cfg: Config, task) -> None:
+    """run.eval_every > 0 needs the task's held-out inputs, as many as run.eval_inputs."""
+    if not cfg.run.eval_every:
+        return
+    name = cfg.workflow.task
+    try:
+        inputs = task.heldout_inputs(cfg.run.eval_inputs)
+    except NotImplementedError:
+        raise ConfigError(f"run.eval_every: {cfg.run.eval_every} asks for evaluation, but the task "
+                          f"{name} defines no heldout_inputs(n) (see flexmarl_hpc/workflows/base.py); "
+                          "add it or set run.eval_every=0") from None
+    if len(inputs) != cfg.run.eval_inputs:
+        raise ConfigError(f"run.eval_inputs: {name}.heldout_inputs({cfg.run.eval_inputs}) returned "
+                          f"{len(inputs)} inputs")
+
+
+def check_lengths(cfg: Config, task) -> None:
+    """Each turn's prompt plus its max_new_tokens fits the acting agent's max_seq_len (and
+    rollout.max_model_len): walk a few inputs down one branch, with full-length responses."""
+    import numpy as np
+    from flexmarl_hpc.runtime.build import model_args
+    from flexmarl_hpc.workflows.base import Path as TaskPath
+    turns = cfg.workflow.turns
+    inputs = task.sample_inputs(np.random.default_rng(cfg.run.seed), 4)
+    if cfg.run.eval_every:
+        inputs += list(task.heldout_inputs(cfg.run.eval_inputs)[:4])
+    for inp in inputs:
+        path = TaskPath(inp)
+        for t, turn in enumerate(turns):
+            try:
+                lp = len(task.prompt(t, path))
+            except Exception:           # a task may reject the filler responses: check what we can
+                break
+            need = lp + turn.max_new_tokens
+            where = f"agents.{turn.agent}" if turn.agent in cfg.agents else "model"
+            limit = model_args(cfg, task, turn.agent).max_seq_len
+            if need > limit:
+                raise ConfigError(f"{where}.max_seq_len: expected >= {need} (turn {t} of agent "
+                                  f"{turn.agent!r}: a prompt of {lp} tokens + max_new_tokens "
+                                  f"{turn.max_new_tokens}), got {limit}")
+            if cfg.rollout.max_model_len and need > cfg.rollout.max_model_len:
+                raise ConfigError(f"rollout.max_model_len: expected >= {need} (turn {t} of agent "
+                                  f"{turn.agent!r}), got {cfg.rollout.max_model_len}")
+            filler = tuple(task.prompt(t, path)[-1:] or [0]) * turn.max_new_tokens
+            path = TaskPath(path.input, path.responses + (filler,))
+
+
+def check_backend_math(cfg: Config, task) -> None:
+    """The megatron trainer builds its GPTModel with rotary_base only: a checkpoint with
+    Llama-3 RoPE scaling would train with other math than the replicas sample with.
+    (megatron-core's GPTModel has rope_scaling/rope_scaling_factor with low/high frequency
+    factors 1/4 and original context 8192 fixed; once the trainer passes them, only other
+    values need refusing.)"""
+    if all(g.backend != "megatron" for g in trainer_groups(cfg)):
+        return
+    from flexmarl_hpc.runtime.build import model_args
+    for agent in cfg.agent_names:
+        if model_args(cfg, task, agent).rope_llama3 is not None:
+            where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
+            raise ConfigError(f"{where}: Llama-3 RoPE scaling (rope_type llama3) is not supported by "
+                              "trainer.backend=megatron yet; use trainer.backend=torch")
+
+
+# what a resumed run must share with the run that wrote the store and the checkpoints
+RESUME_KEYS = ("workflow", "model", "agents", "run.seed", "rollout.temperature")
+
+
+def check_resumable(cfg: Config) -> None:
+    """Refuse to resume into an output_dir written by a run with another workflow, model or
+    seed (the store and checkpoints would silently mix), naming the fields that differ."""
+    import h5py
+    import yaml
+    path = cfg.output_dir / f"{cfg.run.name}.h5"
+    if not (cfg.run.resume and path.exists()):
+        return
+    from flexmarl_hpc.store.repair import clear_open_flags
+    try:
+        try:
+            f = h5py.File(path, "r", swmr=True)
+        except OSError:
+            # a writer killed before it switched to SWMR leaves write-only "open" flags that
+            # even an SWMR reader refuses; the store clears them on reopen anyway
+            clear_open_flags(path)
+            f = h5py.File(path, "r", swmr=True)
+        with f:
+            old = yaml.safe_load(f.attrs.get("config_yaml", "")) or {}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"run.output_dir: {path} exists but cannot be read ({e}); "
+                          "move it away or set run.resume=false and another run.output_dir") from None
+    new = to_dict(cfg)
+    changed = [k for k in RESUME_KEYS if _get(old, k) != _get(new, k)]
+    if changed:
+        raise ConfigError(f"run.output_dir: {cfg.output_dir} holds a run with different {', '.join(changed)}; "
+                          "resuming would mix two runs. Use another run.output_dir (or the old config)")
+
+
+def _get(d: dict, dotted: str):
+    for k in dotted.split("."):
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
+# ---------------------------------------------------------------------------------------
+# what the cluster offers (sinfo) and whether the job fits it
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Partition:
+    """What one partition offers, per node (the largest node when nodes differ)."""
+    nodes: int
+    cpus: int
+    gpus: int = 0
+    mem_mb: int = 0                           # 0: unknown
+
+
+def parse_sinfo(text: str) -> tuple[dict[str, Partition], str]:
+    """`sinfo -h -o '%P|%D|%c|%m|%G'` -> ({partition: Partition}, default partition).
+
+    sinfo prints one line per partition and node shape; a partition's capacity is its
+    largest node (never refuse what some node could run) and its total node count.
+    """
+    parts: dict[str, Partition] = {}
+    default = ""
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 5:
+            continue
+        name, nodes, cpus, mem, gres = fields
+        if name.endswith("*"):
+            name = default = name[:-1]
+        gpus = sum(int(n) for n in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres))
+        p = Partition(int(nodes), int(re.sub(r"\D.*", "", cpus) or 0), gpus,
+                      int(re.sub(r"\D.*", "", mem) or 0))
+        q = parts.get(name)
+        parts[name] = p if q is None else Partition(q.nodes + p.nodes, max(q.cpus, p.cpus),
+                                                    max(q.gpus, p.gpus), max(q.mem_mb, p.mem_mb))
+    return parts, default
+
+
+def cluster_partitions() -> tuple[dict[str, Partition], str] | None:
+    """The partitions of the cluster this host submits to; None where `sinfo` cannot tell."""
+    try:
+        # bounded: a wedged slurmctld must not hang the submit
+        p = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%c|%m|%G"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    parts, default = parse_sinfo(p.stdout)
+    return (parts, default) if p.returncode == 0 and parts else None
+
+
+def check_capacity(cfg: Config, partitions: dict[str, Partition], default: str, single: bool = False) -> None:
+    """Refuse components that no node of their partition can hold, naming the field.
+
+    `partitions` maps partition name -> Partition (from `sinfo`), `default` is the
+    cluster's default partition. Tasks are spread evenly over a component's nodes, so a
+    node needs ceil(tasks / nodes) x cpus_per_task CPUs. `single`: the one allocation of
+    `single_script` (its errors name the trainer fields, whose partition it uses).
+    """
+    layout = layout_from_config(cfg)
+    if single:
+        todo = [(components(cfg)[-1].where, single_component(cfg), layout.world_size)]
+    else:
+        todo = [(c.where, c.slurm, c.ntasks) for c in components(cfg)]
+    for where, comp, ntasks in todo:
+        pname = comp.partition or cfg.slurm.partition or default
+        pfield = f"{where}.partition" if comp.partition else "slurm.partition"
+        if pname not in partitions:
+            raise ConfigError(f"{pfield}: no partition {pname!r} on this cluster "
+                              f"(sinfo lists {sorted(partitions)})")
+        p = partitions[pname]
+        if comp.nodes > p.nodes:
+            raise ConfigError(f"{where}.nodes: {comp.nodes} nodes, partition {pname} has {p.nodes}")
+        per_node = math.ceil(ntasks / comp.nodes)
+        if per_node * comp.cpus_per_task > p.cpus:
+            raise ConfigError(f"{where}.cpus_per_task: {ntasks} tasks on {comp.nodes} node(s) put "
+                              f"{per_node} x {comp.cpus_per_task} CPUs on a node; partition {pname} "
+                              f"nodes have {p.cpus} (raise {where}.nodes or lower cpus_per_task)")
+        if comp.gpus_per_node > p.gpus:
+            raise ConfigError(f"{where}.gpus_per_node: {comp.gpus_per_node} GPUs per node, partition "
+                              f"{pname} nodes have {p.gpus}")
+        if comp.mem and p.mem_mb and mem_mb(comp.mem) > p.mem_mb:
+            raise ConfigError(f"{where}.mem: {comp.mem} per node, partition {pname} nodes have "
+                              f"{p.mem_mb} MB")
