@@ -96,7 +96,7 @@ def help_fails(cli: str, sub: str) -> str | None:
     usage = p.stdout.split("\n\n", 1)[0]
     if sub and not re.search(rf"flexmarl_hpc\.{re.escape(cli)} {re.escape(sub)}\b", usage):
         # argparse would take an unknown word for a positional argument and still print help
-        return f"'{sub}' is not a subcommand (usage: {' '.join(usage.split())[:200]})"
+        return f"'{sub}' is not a subcommand ({' '.join(usage.split())[:200]})"
     return None
 
 
