@@ -1,42 +1,17 @@
-"""HDF5 file of a run (schema below; README documents it too): tables, commit, repair.
+"""The HDF5 store of a run: one writer (the orchestrator rank), SWMR readers.
 
-One writer (the orchestrator rank) owns the file. Every table is ONE chunked, resizable
-1-D dataset of a compound dtype (a row = a record), created up front so the file can
-switch to SWMR mode: `h5py.File(path, "r", swmr=True)` reads it while the run writes.
-Why compound: an append of k rows is one h5py write instead of one per column (v1 made
-~4,300 small writes per 40 bench steps); a column is still one read, `ds["status"]`.
-Variable-length data (tokens + log-probs, the sample rows of a step) live in pools
-addressed by (offset, length) fields: no pickles, no vlen types.
+    store = StoreFile(path, agents, attrs)    # created, or re-opened and repaired on resume
+    store.samples[agent].append(rows)         # buffered
+    store.flush(full=True)                    # written, committed, readable
 
-Writes are buffered in memory and reach the file in `flush()`, which the orchestrator calls
-before it acts on a state change (once per micro-batch, before the trainer sees it; at every
-optimizer step, checkpoint and log line). A full flush writes every table's new rows and
-in-place patches, flushes HDF5, then writes /commit (the committed row count of every table)
-and flushes again; the per-micro-batch flush is one HDF5 flush that commits the previous
-flush's rows (see `StoreFile.flush`). Re-opening discards rows past the
-committed counts (a torn append: killed mid-write or a full disk; no zero-filled rows) and
-rebuilds the samples' status fields from the committed /events (the journal is the truth,
-the status fields are its cache), so a status change never survives without its event.
-A killed writer leaves the superblock's "open for write" flags set; re-opening clears them
-(`h5repair`), so any unclean exit is resumable without h5clear.
-
-Schema version 2 (version 1 had one dataset per column and no /commit; analysis reads both):
-
-    /                attrs: schema_version, program, created, config_yaml, agents, mode,
-                            world_size, t0 (epoch seconds; all times are relative to it)
-    /commit          i8 [n tables]: committed rows of each table, attr `tables` names them
-    /samples/<agent> SAMPLE rows (below), one per generated sample, appended once;
-                     the status fields (status, reward, advantage, trainer_step, t_ready,
-                     t_consumed) are patched in place as the sample advances
-    /tokens/<agent>  pool of (token i4, logprob f4): prompt then response per sample,
-                     logprob NaN on prompt positions; sample i: [token_offset, +prompt_len+response_len)
-    /steps/<agent>   STEP rows, one per optimizer step (superseded=1: rolled back by a resume)
-    /step_rows/<agent> i8 pool: the sample rows of each step ([rows_offset, +rows_len))
-    /intervals       INTERVAL rows: busy/wait time of every rank
-    /events          EVENT rows: every status change, append-only (reward, advantage set on ready)
-    /metrics         METRIC rows, one per global step (superseded=1: rolled back by a resume)
-    /eval            EVAL rows: held-out evaluation (run.eval_every), one per (step, agent,
-                     metric, mode); added within version 2 (a file without it has no eval)
+The schema, the commit protocol and what a resume repairs are documented once, in
+docs/store.md. This module defines the tables (one chunked 1-D dataset of a compound dtype
+each, created up front so the file can switch to SWMR mode), buffers rows and in-place
+patches in memory and writes them in `flush()`: a light flush per micro-batch before the
+trainer sees it, a full flush (every table, HDF5 flush, /commit, flush again) at every
+optimizer step, checkpoint and log line. Re-opening cuts every table back to its committed
+rows, rebuilds the status fields from the committed /events and clears a killed writer's
+open-for-write flags (`store.repair`).
 """
 from __future__ import annotations
 
