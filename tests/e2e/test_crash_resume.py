@@ -12,7 +12,7 @@ import psutil
 
 from flexmarl_hpc.analysis.load import load_run, summary
 from tests.conftest import ROOT, run_training
-from tests.test_run import SMALL, check_exactly_once
+from tests.helpers import SMALL, check_exactly_once
 
 STEPS = 12
 

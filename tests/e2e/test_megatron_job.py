@@ -18,7 +18,7 @@ import pytest
 
 from flexmarl_hpc.store.checkpoint import newest_valid
 from tests.conftest import need, run_training
-from tests.test_run import check_exactly_once
+from tests.helpers import check_exactly_once
 
 pytestmark = pytest.mark.megatron
 

@@ -10,45 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
+from flexmarl_hpc.store.tables import CONSUMED, DROPPED
 from tests.conftest import ROOT, run_training
-
-SMALL = ["run.steps=6", "run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
-         "model.hidden_size=32", "model.intermediate_size=64"]
-
-
-def check_exactly_once(path, steps, dropped_ok=False):
-    """Every generated sample trained exactly once, by the step it belongs to (or, with
-    `dropped_ok`, dropped by over-provisioning and never trained); statuses and the event
-    log agree; each step's row list is exactly that step's trained samples."""
-    with h5py.File(path, "r") as f:
-        for agent in f.attrs["agents"]:
-            g = f[f"samples/{agent}"]
-            ids = g["sample_id"][:]
-            assert len(ids) == len(set(ids)), "a sample was generated twice"
-            status = g["status"][:]
-            trained = status == CONSUMED
-            assert (trained | (dropped_ok & (status == DROPPED))).all()
-            assert (g["trainer_step"][:][trained] == g["step"][:][trained]).all()
-            assert (g["trainer_step"][:][~trained] == -1).all()
-            st = f[f"steps/{agent}"][:]
-            st = st[st["superseded"] == 0]                     # rows a resume rolled back
-            assert st["step"].tolist() == list(range(steps))
-            pool = f[f"step_rows/{agent}"][:]
-            rows = np.concatenate([pool[o:o + n] for o, n in zip(st["rows_offset"], st["rows_len"])])
-            assert sorted(rows.tolist()) == np.nonzero(trained)[0].tolist(), "a sample was lost or trained twice"
-            for s, off, n in zip(st["step"], st["rows_offset"], st["rows_len"]):
-                assert (g["step"][:][pool[off:off + n]] == s).all()
-            ev = f["events"]
-            mine = ev["agent"][:] == list(f.attrs["agents"]).index(agent)
-            last = {}
-            for row, s in zip(ev["row"][:][mine], ev["status"][:][mine]):
-                prev = last.get(row, -1)
-                assert s == prev + 1 and s != DROPPED or (s == GENERATED and prev in (CONSUMED, READY)) \
-                    or (dropped_ok and s == DROPPED and prev in (GENERATED, READY)), f"row {row}: {prev} -> {s}"
-                last[row] = s
-            assert len(last) == len(ids) and [last[r] for r in range(len(ids))] == status.tolist()
-
+from tests.helpers import SMALL, assert_same_run, check_exactly_once, check_group_intervals, final_weights
 
 def check_groups_differ(path, steps):
     """A GRPO group (the samples of one prompt) must not be copies of one sample: in the first
@@ -66,21 +30,6 @@ def check_groups_differ(path, steps):
             assert groups and all(len(v) >= 1 for v in groups.values())
             same = np.mean([len(v) == 1 for v in groups.values()])
             assert same < 0.5, f"{agent}: {same:.0%} of the GRPO groups of steps {steps} are all identical"
-
-
-def final_weights(out, agent):
-    """The latest checkpoint's `model.*` tensors: a torch .pt file, or a megatron
-    dist_checkpointing folder read back into one CPU rank (as export does)."""
-    from flexmarl_hpc.runtime.build import build_task, model_args
-    from flexmarl_hpc.config.schema import load_config
-    from flexmarl_hpc.export import checkpoint_file
-    path = checkpoint_file(out, agent, None)
-    if not path.is_dir():
-        return torch.load(path, weights_only=True)
-    from flexmarl_hpc.trainer.megatron import hf_weights_of_entry
-    cfg = load_config(out / "config.yaml")
-    weights = hf_weights_of_entry(path, model_args(cfg, build_task(cfg), agent), cfg.trainer)
-    return {"model." + k: v for k, v in weights.items()}
 
 
 @pytest.fixture(scope="module")
@@ -186,27 +135,6 @@ def test_store_is_readable_while_the_run_writes(tmp_path, mpiexec):
     assert p.returncode == 0, out
     growing = [n for n in seen if n > 0]
     assert len(set(growing)) >= 2, f"never saw the file grow while live: {seen}"
-
-
-def samples_by_id(path, agent):
-    with h5py.File(path, "r") as f:
-        g = f[f"samples/{agent}"]
-        off, pl, rl = g["token_offset"][:], g["prompt_len"][:], g["response_len"][:]
-        tok, ver = f[f"tokens/{agent}"]["token"], g["policy_version"][:]
-        return {sid: (tuple(tok[o:o + p + r]), v) for sid, o, p, r, v in
-                zip(g["sample_id"][:], off, pl, rl, ver)}
-
-
-def assert_same_run(ref, out, rel_tol=1e-5):
-    """Same trajectories (tokens and versions per sample_id) and final weights within rel_tol."""
-    for agent in ("speaker", "listener"):
-        assert samples_by_id(ref / "local.h5", agent) == samples_by_id(out / "local.h5", agent)
-        a, b = final_weights(ref, agent), final_weights(out, agent)
-        assert {k for k in a if k.startswith("model.")} <= set(b) | {"model.lm_head.weight"}
-        for k in a:
-            if k.startswith("model.") and k in b:
-                rel = (a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)
-                assert rel < rel_tol, (agent, k, float(rel))
 
 
 def test_flex_equals_sync_with_zero_staleness(sync_run, tmp_path):
@@ -362,27 +290,6 @@ def test_megatron_trainer_backend_gives_the_same_run(sync_run, tmp_path):
     run_training(tmp_path, *SMALL, "run.mode=sync", "trainer.backend=megatron")
     check_exactly_once(tmp_path / "local.h5", 6)
     assert_same_run(ref, tmp_path, rel_tol=1e-4)
-
-
-def check_group_intervals(h5, cfg) -> None:
-    """Per-rank intervals show each group's ranks (every TP rank of the megatron group too)
-    training that group's agents, and each replica generating only for agents of its pool."""
-    from flexmarl_hpc.config.layout import layout_from_config
-    from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
-    lay = layout_from_config(cfg)
-    with h5py.File(h5, "r") as f:
-        iv = f["intervals"][:]
-    seen: dict[int, set] = {}
-    for rank, act, agent in zip(iv["rank"], iv["activity"], iv["agent"]):
-        seen.setdefault(int(rank), set()).add((bytes(act).decode(), bytes(agent).decode()))
-    for g, grp in enumerate(trainer_groups(cfg)):
-        for r in lay.group_ranks(g):
-            trained = {a for act, a in seen.get(r, ()) if act == "train"}
-            assert trained == set(grp.agents), f"group {grp.name} rank {r} trained {trained}"
-    pools = rollout_pools(cfg)
-    for i, r in enumerate(lay.replica_ranks):
-        made = {a for act, a in seen.get(r, ()) if act == "generate"}
-        assert made and made <= set(pools[lay.pool_of(i)].agents), f"replica rank {r} generated for {made}"
 
 
 def test_hetero_cpu_runs_locally(tmp_path, mpiexec):

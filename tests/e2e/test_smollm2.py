@@ -12,7 +12,7 @@ import torch
 from flexmarl_hpc.export import main as export_main
 from flexmarl_hpc.learn.model import load_hf_checkpoint
 from tests.conftest import ROOT, need, run_training
-from tests.test_run import check_exactly_once
+from tests.helpers import check_exactly_once
 
 CKPT = ROOT / "models" / "smollm2-135m-instruct"
 

@@ -59,7 +59,7 @@ def check_store(out, steps: int) -> None:
     weight and the bf16 vLLM-vs-megatron log-prob mismatch are recorded per step and small."""
     import h5py
 
-    from tests.test_run import check_exactly_once
+    from tests.helpers import check_exactly_once
     check_exactly_once(out / "local.h5", steps)
     with h5py.File(out / "local.h5", "r") as f:
         for agent in f.attrs["agents"]:

@@ -5,7 +5,7 @@ import torch
 from mpi4py import MPI
 
 from flexmarl_hpc.runtime.state_swap import Location, StateMover
-from tests.test_state_swap import make, step
+from tests.helpers import make, step
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()

@@ -76,7 +76,7 @@ def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
     from flexmarl_hpc.store.checkpoint import newest_valid
     assert newest_valid(tmp_path / "ckpt") == (1, tmp_path / "ckpt" / "v000001")
     # export's reader: the TP2 entry resharded into one CPU rank gives the saved HF weights
-    code = ("import sys, torch; sys.argv = ['x']; import tests.mpi_megatron as m; "
+    code = ("import sys, torch; sys.argv = ['x']; import tests.mpi.mpi_megatron as m; "
             "from flexmarl_hpc.trainer.megatron import hf_weights_of_entry; "
             f"got = hf_weights_of_entry({str(tmp_path / 'ckpt' / 'v000001')!r}, m.ARGS['tp'], m.cfg_for(2, 1)); "
             f"want = torch.load({str(tmp_path / 'ckpt.weights.pt')!r}); "

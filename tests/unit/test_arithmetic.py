@@ -9,7 +9,7 @@ from flexmarl_hpc.run import main as run_main
 from flexmarl_hpc.workflows.arithmetic import SolverVerifier
 from flexmarl_hpc.workflows.base import Path, TokenizerVocab, load_task
 from tests.conftest import run_training
-from tests.test_run import check_exactly_once
+from tests.helpers import check_exactly_once
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ("<unk> 0 1 2 3 4 5 6 7 8 9 - + * = ? . : , You are a careful assistant Answer briefly What is "

@@ -168,7 +168,7 @@ def test_disk_full_during_a_run_checkpoint(tmp_path, mpiexec, backend):
     abort may cut the other agent's save short (a kill at any instant); once there is room
     again, the same command resumes, drops that unfinished entry and trains every sample
     exactly once."""
-    from tests.test_run import check_exactly_once
+    from tests.helpers import check_exactly_once
     args = ("run.steps=30", "run.checkpoint_every=10", "run.checkpoint_minutes=0",
             # the 8-object game (the default config before issue 15): its store stays small
             # enough that the checkpoints, not the store, fill the 3 MiB

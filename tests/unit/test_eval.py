@@ -17,7 +17,7 @@ from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.workflows.base import Path
 from flexmarl_hpc.workflows.referential import ReferentialGame
 from tests.conftest import ROOT, run_training
-from tests.test_run import SMALL, assert_same_run
+from tests.helpers import SMALL, assert_same_run
 
 
 def test_eval_points_cover_start_every_n_and_end():

@@ -145,7 +145,7 @@ def test_run_with_two_epochs_records_the_clip_fraction(tmp_path, mpiexec):
     """A real flex run (micro-batch overlap on) with ppo_epochs=2: completes, one /steps row
     per step and version, clip_frac / ppo_kl recorded (non-zero somewhere: the second pass
     moves the ratio), every sample trained exactly once."""
-    from tests.test_run import SMALL, check_exactly_once
+    from tests.helpers import SMALL, check_exactly_once
     run_training(tmp_path, *SMALL, "run.mode=flex", "trainer.ppo_epochs=2", "trainer.lr=3e-3",
                  "trainer.clip_eps=0.02", "trainer.micro_batch_size=4")
     check_exactly_once(tmp_path / "local.h5", 6)
@@ -167,7 +167,7 @@ def test_kill_during_the_replay_redoes_the_step_from_the_checkpoint(tmp_path, mp
     the checkpoint at version 2): the step was never reported, so resuming from the
     checkpoint redoes it; every sample is trained exactly once and the result is bit for
     bit the uninterrupted run (sync mode is deterministic)."""
-    from tests.test_run import SMALL, check_exactly_once, final_weights
+    from tests.helpers import SMALL, check_exactly_once, final_weights
     common = [*SMALL, "run.mode=sync", "trainer.ppo_epochs=2", "run.checkpoint_every=2"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     run_training(ref, *common)

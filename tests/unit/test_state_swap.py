@@ -1,32 +1,11 @@
-"""Location-agnostic state transfer: device <-> host on one rank, and rank -> rank."""
-import pytest
+"""Location-agnostic state transfer: device <-> host on one rank (rank -> rank over real MPI:
+tests/mpi/test_state_swap_mpi.py)."""
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.config.schema import TrainerConfig
-from flexmarl_hpc.learn.grpo import MicroBatch
-from flexmarl_hpc.learn.model import ModelArgs, build_model
 from flexmarl_hpc.runtime.state_swap import HostBuffers, Location, StateMover, Swappable
 from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
-from tests.conftest import run_mpi
-
-ARGS = ModelArgs(vocab_size=12, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
-                 intermediate_size=32, max_seq_len=8)
-
-
-def make(seed=0):
-    return TorchTrainer(build_model(ARGS, seed), TrainerConfig(lr=1e-2), MPI.COMM_SELF, 1.0)
-
-
-def batch(seed):
-    g = torch.Generator().manual_seed(seed)
-    return MicroBatch(torch.randint(3, 12, (4, 6), generator=g), torch.full((4,), 2), torch.full((4,), 4),
-                      torch.zeros(4, 6), torch.randn(4, generator=g), torch.zeros(4, dtype=torch.bool), None)
-
-
-def step(tr, seed):
-    tr.forward_backward(batch(seed), 0.25)
-    tr.optimizer_step()
+from tests.helpers import make, step
 
 
 def test_swap_out_and_in_is_bit_identical_and_continues_the_same():
@@ -126,8 +105,3 @@ def test_resume_into_a_parked_agent_and_trainers_without_the_interface():
     mover.move("b", Location(0, False), Location(0, True))
     assert built == ["b"]
     same(other.state(), mover.trainers["b"].state())
-
-
-def test_state_moves_between_ranks(mpiexec):
-    p = run_mpi(mpiexec, 2, ["tests/mpi_state_swap.py"], timeout=120)
-    assert "rank 1 received bit-identical state, next step identical" in p.stdout
