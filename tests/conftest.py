@@ -38,6 +38,8 @@ def mpiexec_path() -> str | None:
 
 
 @pytest.fixture(scope="session")
+
+
 def mpiexec() -> str:
     path = mpiexec_path()
     need(path is not None, "mpiexec (pip mpich)")
@@ -73,6 +75,28 @@ def run_training(tmp: Path, *overrides: str, config: str = "configs/local.yaml",
     return p
 
 
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ("<unk> 0 1 2 3 4 5 6 7 8 9 - + * = ? . : , You are a careful assistant Answer briefly What is "
+         "Question Proposed answer Is the proposed correct yes or no Yes No system user").split()
+
+
+@pytest.fixture(scope="module")
+
+
+def tokenizer(tmp_path_factory):
+    """A word-level tokenizer.json with SmolLM2's special tokens at ids 0-2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
 def pytest_report_header(config):
     return f"CI={IN_CI}: missing MPI/Slurm/HDF5 {'fails' if IN_CI else 'skips'}; GPU tests skip without a GPU"
 
@@ -85,6 +109,8 @@ def _sinfo_ok() -> bool:
 
 
 @pytest.fixture(scope="session")
+
+
 def slurm() -> set[str]:
     """A working Slurm; returns its partition names. Brings up (or re-checks, ~1 s) the
     local cluster of scripts/slurm_up.sh; a site's own Slurm is used as it is."""

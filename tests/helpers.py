@@ -6,10 +6,12 @@ state-swap tests (also used by the MPI driver tests/mpi/mpi_state_swap.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import h5py
@@ -22,7 +24,7 @@ from flexmarl_hpc.learn.grpo import MicroBatch
 from flexmarl_hpc.learn.model import ModelArgs, build_model
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
-from tests.conftest import ROOT
+from tests.conftest import IN_CI, ROOT
 
 SMALL = ["run.steps=6", "run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
          "model.hidden_size=32", "model.intermediate_size=64"]
@@ -137,6 +139,24 @@ def wait_for(cond, timeout: float, what: str, poll: float = 0.5):
 def status_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flexmarl_hpc.status", *args], cwd=ROOT, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+
+
+def tmpfs(tmp_path: Path, size: str):
+    """A small tmpfs: needs root (mount); CI runs the tests as root."""
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("the disk-full test needs root (mount -t tmpfs) and CI runs as root")
+        pytest.skip("the disk-full test needs root to mount a small tmpfs")
+    mnt = tmp_path / f"full-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 ARGS = ModelArgs(vocab_size=12, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2,

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from flexmarl_hpc.analysis.load import AnalysisError, distinct_names, load_run, summary, utilization
+from flexmarl_hpc.analysis.load import AnalysisError, load_run, summary, utilization
 from flexmarl_hpc.analyze import main as analyze_main
 from tests.conftest import ROOT, run_training
 
@@ -19,6 +19,8 @@ SMALL = ["run.steps=5", "workflow.inputs_per_step=4", "trainer.micro_batch_size=
 
 
 @pytest.fixture(scope="module")
+
+
 def two_runs(tmp_path_factory, mpiexec):
     out = tmp_path_factory.mktemp("runs")
     run_training(out / "sync", *SMALL, "run.mode=sync")
@@ -62,12 +64,6 @@ def test_figures_and_side_by_side(two_runs, tmp_path, capsys):
     for n in names:
         data = (tmp_path / n).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, n
-
-
-def test_runs_of_one_name_are_told_apart_by_their_folders():
-    assert distinct_names(["/r/a/local.h5", "/r/b/local.h5", "/r/b/other.h5"]) == ["a/local", "b/local", "other"]
-    assert distinct_names(["/x/run/a/local.h5", "/y/run/a/local.h5"]) == ["x/run/a/local", "y/run/a/local"]
-    assert distinct_names(["/r/a/local.h5", "/r/a/local.h5"]) == ["local", "local"]     # the same file twice
 
 
 def test_json_summary(two_runs, capsys):

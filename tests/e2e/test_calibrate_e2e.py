@@ -19,14 +19,11 @@ would fail on the machine's load alone."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from flexmarl_hpc.sim.driver import measure
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.simulate import calibrate, predict_variants
 from tests.conftest import ROOT, run_training
-
-pytestmark = pytest.mark.realrun
 
 CONFIG = str(ROOT / "configs/local.yaml")
 STEPS = 16

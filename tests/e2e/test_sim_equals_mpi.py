@@ -21,7 +21,6 @@ from flexmarl_hpc.sim.transport import ConstantCost, SimTransport
 from flexmarl_hpc.store.tables import StoreFile
 from tests.conftest import ROOT, run_training
 
-pytestmark = pytest.mark.realrun
 TINY = ("run.steps=4", "workflow.inputs_per_step=2", "trainer.micro_batch_size=8", "rollout.replicas=2",
         "run.resume=false")
 

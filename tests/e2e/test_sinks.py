@@ -12,7 +12,6 @@ import h5py
 import numpy as np
 import pytest
 
-from flexmarl_hpc.config.schema import ConfigError, load_config
 from tests.conftest import ROOT, need, run_training
 
 SMALL = ["run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
@@ -21,16 +20,6 @@ SMALL = ["run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_s
 PER_AGENT = ("reward", "loss", "entropy", "kl", "grad_norm", "staleness_max", "staleness_mean",
              "logp_mismatch", "tis_mean", "clip_frac", "ppo_kl")
 RUN = ("samples_per_s", "tokens_per_s", "utilization", "staleness_max", "rollout_s", "train_s", "sync_s")
-
-
-def test_loggers_field_is_checked():
-    assert load_config("configs/local.yaml").run.loggers == []
-    cfg = load_config("configs/local.yaml", ["run.loggers=[tensorboard]"])
-    assert cfg.run.loggers == ["tensorboard"]
-    with pytest.raises(ConfigError, match=r"run.loggers\[0\]: expected one of \['tensorboard', 'wandb'\]"):
-        load_config("configs/local.yaml", ["run.loggers=[mlflow]"])
-    with pytest.raises(ConfigError, match="run.loggers: a logger is listed twice"):
-        load_config("configs/local.yaml", ["run.loggers=[wandb, wandb]"])
 
 
 def read_tensorboard(folder: Path) -> dict[str, list[tuple[int, float]]]:

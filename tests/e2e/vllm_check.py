@@ -1,8 +1,8 @@
 """Checks of the vLLM rollout engine against our model; run with the vLLM venv's python:
 
-    .venv-vllm/bin/python tests/vllm_check.py [--bench]
+    .venv-vllm/bin/python tests/e2e/vllm_check.py [--bench]
 
-(tests/test_vllm.py runs it.) Exits non-zero on the first failed check; prints one line per
+(tests/e2e/test_vllm.py runs it.) Exits non-zero on the first failed check; prints one line per
 check and, with --bench, tokens/s of the vLLM and torch engines on the same batch.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ mpiexec) -> devices.bind_rank -> megatron-core trainers in bf16 -> weight_sync o
 vLLM replicas in bf16; then the run's HDF5 store and checkpoints are checked. No side path:
 the same command a user runs, with GPU overrides.
 
-    .venv-vllm/bin/python -m pytest tests/gpu_megatron_vllm.py      (collected by scripts/test.sh)
+    .venv-vllm/bin/python -m pytest tests/gpu/gpu_megatron_vllm.py      (collected by scripts/test.sh)
     FLEXMARL_GPU_PYTHON=/path/to/python ...   # the python the job runs on: vllm (GPU wheel),
                                               # megatron-core, mpi4py; default: this one
 

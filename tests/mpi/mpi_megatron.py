@@ -1,4 +1,4 @@
-"""mpiexec -n N python -m mpi4py tests/mpi_megatron.py LAYOUT... [ckpt DIR]
+"""mpiexec -n N python -m mpi4py tests/mpi/mpi_megatron.py LAYOUT... [ckpt DIR]
 
 One megatron trainer group of all N ranks per LAYOUT (dp: TP1 PP1, tp: TP2, pp: PP2,
 tppp: TP2 x PP2; the rest of the ranks is data parallel; dp and tp are Qwen2-style with
@@ -300,7 +300,7 @@ def check_reshard(folder):
     t_save = time.time() - t0
     check_lean_save(a, folder)
     want = a.state()
-    if rank == 0:                  # for the export check (tests/test_megatron.py)
+    if rank == 0:                  # for the export check (tests/mpi/test_megatron.py)
         torch.save({k[6:]: v for k, v in want.items() if k.startswith("model.")}, f"{folder}.weights.pt")
     for tp, pp in ((1, 1), (1, 2)):
         init_group_distributed(world, tp, pp, relayout=True)

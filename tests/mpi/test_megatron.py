@@ -1,6 +1,6 @@
 """megatron-core backend on CPU (gloo): real 2- and 4-rank trainer groups under mpiexec.
 
-Each case runs tests/mpi_megatron.py, which checks a megatron trainer group against the torch
+Each case runs tests/mpi/mpi_megatron.py, which checks a megatron trainer group against the torch
 reference trainer on the same init weights and batches: logits, GRPO losses and grad norms
 over 2 steps of 2 accumulated micro-batches, weights after the steps, the training state
 (TorchTrainer's format, Adam moments included) and loading a TorchTrainer state (the DP/TP
@@ -9,7 +9,7 @@ TP2 dist_checkpointing save loaded into TP1xDP2 and PP2 (resharding, odd vocab s
 Needs megatron-core (requirements-megatron.txt): under CI=true a missing megatron fails,
 elsewhere the tests skip with that reason.
 
-    .venv/bin/python -m pytest tests/test_megatron.py
+    .venv/bin/python -m pytest tests/mpi/test_megatron.py
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def megatron(mpiexec) -> str:
 
 
 def _run(mpiexec: str, n: int, *args: str) -> str:
-    p = run_mpi(mpiexec, n, ["tests/mpi_megatron.py", *args], timeout=240,
+    p = run_mpi(mpiexec, n, ["tests/mpi/mpi_megatron.py", *args], timeout=240,
                 env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert "all megatron checks passed" in p.stdout, p.stdout[-3000:]
     print("\n".join(line for line in p.stdout.splitlines() if line.startswith("ok")))

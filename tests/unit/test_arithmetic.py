@@ -1,5 +1,6 @@
 """The solver/verifier arithmetic workflow on a real `tokenizers` tokenizer (a small word-level
-one built here, so no model is needed), its error messages, and a real run of it."""
+one, the `tokenizer` fixture of tests/conftest.py, so no model is needed) and its error messages
+(a real run of it: tests/e2e/test_arithmetic_e2e.py)."""
 import numpy as np
 import pytest
 import torch
@@ -8,27 +9,7 @@ from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.run import main as run_main
 from flexmarl_hpc.workflows.arithmetic import SolverVerifier
 from flexmarl_hpc.workflows.base import Path, TokenizerVocab, load_task
-from tests.conftest import run_training
-from tests.helpers import check_exactly_once
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-WORDS = ("<unk> 0 1 2 3 4 5 6 7 8 9 - + * = ? . : , You are a careful assistant Answer briefly What is "
-         "Question Proposed answer Is the proposed correct yes or no Yes No system user").split()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """A word-level tokenizer.json with SmolLM2's special tokens at ids 0-2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
-                                                 pre_tokenizers.Digits(individual_digits=True)])
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+from tests.conftest import SPECIALS, WORDS
 
 
 def task(tokenizer, **kw):
@@ -113,14 +94,3 @@ def test_checkpoint_with_a_smaller_vocabulary_is_refused_before_launch(tokenizer
     err = capsys.readouterr().err
     assert code == 2 and "model.checkpoint" in err and "vocabulary (10)" in err
     assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.realrun
-def test_text_workflow_trains_end_to_end(tokenizer, tmp_path, mpiexec):
-    """The tokenizer-backed workflow through the whole job (random-init model, torch backends)."""
-    p = run_training(tmp_path, "run.steps=3", f"workflow.task_args.tokenizer={tokenizer}", "model.checkpoint=",
-                     "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
-                     "model.intermediate_size=64", "model.max_seq_len=96", "trainer.backend=torch",
-                     "trainer.lr=1e-3", config="configs/smollm2_arith.yaml")
-    assert "step    3/3" in p.stdout
-    check_exactly_once(tmp_path / "smollm2_arith.h5", 3)

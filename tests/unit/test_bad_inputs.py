@@ -3,7 +3,7 @@ line, exit code 2, no traceback, no rank started (mpiexec is never exec'd) and n
 run.output_dir created or overwritten. The first 42 rows are issue 12's list (the ones that
 crashed or were accepted, then the ones that already gave a clean error); the rest are ours.
 
-`python -m pytest tests/test_bad_inputs.py -q -rA` prints the table (input -> message)."""
+`python -m pytest tests/unit/test_bad_inputs.py -q -rA` prints the table (input -> message)."""
 from __future__ import annotations
 
 import os

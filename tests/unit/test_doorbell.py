@@ -1,6 +1,6 @@
 """Doorbell wake-ups (flexmarl_hpc/runtime/doorbell.py) and the wait loop that sleeps in them
-(comm.until): unit tests on socket pairs, no MPI job. The MPI test (tests/mpi_doorbell.py)
-runs the orchestrator's star under mpiexec."""
+(comm.until): unit tests on socket pairs, no MPI job. The MPI test
+(tests/mpi/test_doorbell_mpi.py) runs the orchestrator's star under mpiexec."""
 from __future__ import annotations
 
 import socket
@@ -11,7 +11,6 @@ import pytest
 
 from flexmarl_hpc.runtime import comm
 from flexmarl_hpc.runtime.doorbell import Doorbell
-from tests.conftest import run_mpi
 
 
 def pair() -> tuple[Doorbell, Doorbell]:
@@ -76,9 +75,3 @@ def test_until_polls_while_may_sleep_says_no_and_times_out_naming_what():
         comm.until(lambda: looks.append(1) is not None, timeout=0.05, bell=worker,
                 may_sleep=lambda: False, what="no reply from rank 3")
     assert len(looks) > 20                             # polled with back-off, never slept
-
-
-def test_the_orchestrator_star_over_mpi(mpiexec):
-    p = run_mpi(mpiexec, 3, ["tests/mpi_doorbell.py"], timeout=180)
-    assert "ok: star of 2 workers; commands and an 8 MB micro-batch delivered; idle waits asleep" \
-        in p.stdout, p.stdout

@@ -115,11 +115,3 @@ def test_cpu_nodes_and_the_mpi_node_split():
     assert _node_bindings(lay, [0, 1, 2], [{"CUDA_VISIBLE_DEVICES": ""}] * 3) == {0: CPU, 1: CPU, 2: CPU}
     from mpi4py import MPI
     assert node_peers(MPI.COMM_SELF, lay) == [(0, ORCHESTRATOR)]
-
-
-def test_bind_rank_over_a_real_mpi_node_split(mpiexec):
-    """The wiring run.py uses: MPI's shared-memory split finds the node's ranks, replicas get
-    CUDA_VISIBLE_DEVICES narrowed to their GPU, trainers torch.cuda.set_device."""
-    from tests.conftest import run_mpi
-    p = run_mpi(mpiexec, 5, ["tests/mpi_devices.py"], timeout=120)
-    assert "replicas GPUs 4 and 5" in p.stdout

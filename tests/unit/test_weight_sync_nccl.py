@@ -1,6 +1,6 @@
 """Structural test of the NCCL branch of the weight broadcast (the CPU torch build has no
 ProcessGroupNCCL): a fake records how the group is built and what is broadcast, in a
-one-rank member set; the same branch runs over gloo for real in tests/mpi_weight_sync.py."""
+one-rank member set; the same branch runs over gloo for real in tests/mpi/mpi_weight_sync.py."""
 from __future__ import annotations
 
 import torch
