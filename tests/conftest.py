@@ -38,8 +38,6 @@ def mpiexec_path() -> str | None:
 
 
 @pytest.fixture(scope="session")
-
-
 def mpiexec() -> str:
     path = mpiexec_path()
     need(path is not None, "mpiexec (pip mpich)")
@@ -81,8 +79,6 @@ WORDS = ("<unk> 0 1 2 3 4 5 6 7 8 9 - + * = ? . : , You are a careful assistant 
 
 
 @pytest.fixture(scope="module")
-
-
 def tokenizer(tmp_path_factory):
     """A word-level tokenizer.json with SmolLM2's special tokens at ids 0-2."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -109,8 +105,6 @@ def _sinfo_ok() -> bool:
 
 
 @pytest.fixture(scope="session")
-
-
 def slurm() -> set[str]:
     """A working Slurm; returns its partition names. Brings up (or re-checks, ~1 s) the
     local cluster of scripts/slurm_up.sh; a site's own Slurm is used as it is."""
@@ -146,6 +140,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker("realrun")
 
 
+@pytest.hookimpl(trylast=True)                  # after --durations, next to the skip reasons
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line that GPU tests did not run here, so a green run without a GPU is not read as
     a GPU-tested one."""

@@ -142,8 +142,6 @@ def status_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-
-
 def tmpfs(tmp_path: Path, size: str):
     """A small tmpfs: needs root (mount); CI runs the tests as root."""
     if os.geteuid() != 0:

@@ -19,8 +19,6 @@ SMALL = ["run.steps=5", "workflow.inputs_per_step=4", "trainer.micro_batch_size=
 
 
 @pytest.fixture(scope="module")
-
-
 def two_runs(tmp_path_factory, mpiexec):
     out = tmp_path_factory.mktemp("runs")
     run_training(out / "sync", *SMALL, "run.mode=sync")

@@ -13,8 +13,6 @@ from tests.helpers import tmpfs
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("megatron", marks=pytest.mark.megatron)])
-
-
 def test_disk_full_during_a_run_checkpoint(tmp_path, mpiexec, backend):
     """A real run whose output_dir (a 3 MiB tmpfs) fills up at the step-10 checkpoints
     (~1 MB per agent; megatron's dist checkpoint folders are written by the rank's threads):

@@ -15,8 +15,6 @@ FLEX = [*SMALL, "run.mode=flex", "rollout.replicas=2", "rollout.max_batch=8"]
 
 
 @pytest.fixture(scope="module")
-
-
 def runs(tmp_path_factory, mpiexec):
     off, on = tmp_path_factory.mktemp("eval_off"), tmp_path_factory.mktemp("eval_on")
     run_training(off, *FLEX)

@@ -64,8 +64,6 @@ def _garble_header(p: Path) -> None:
     (lambda p: p.unlink(), "missing"),
     (lambda p: (p.parent / "v000003.manifest.json").write_text("{not json"), "unreadable manifest"),
 ])
-
-
 def test_bad_newest_falls_back_to_previous(tmp_path, damage, expect):
     folder = saved(tmp_path)
     damage(folder / "v000003.pt")
@@ -124,8 +122,6 @@ def test_resaving_a_version_replaces_it(tmp_path):
 
 
 @pytest.fixture
-
-
 def small_tmpfs(tmp_path):
     with tmpfs(tmp_path, "2m") as mnt:
         yield mnt

@@ -99,8 +99,6 @@ def test_greedy_generation_is_the_masked_argmax_whatever_the_seed():
 @pytest.mark.parametrize("override,field", [("run.eval_every=-1", "run.eval_every"),
                                             ("run.eval_inputs=0", "run.eval_inputs"),
                                             ("run.eval_samples=-2", "run.eval_samples")])
-
-
 def test_eval_fields_are_range_checked(override, field):
     with pytest.raises(ConfigError, match=field):
         load_config(ROOT / "configs/local.yaml", [override])

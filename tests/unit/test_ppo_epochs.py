@@ -26,8 +26,6 @@ def _two_samples():
 
 
 @pytest.mark.parametrize("eps", [0.1, 0.3])
-
-
 def test_clip_changes_the_loss_by_hand(eps):
     """Ratios (current / old) 1.25 and 0.8 on the A=+1 sample, 1.25 and 0.8 on the A=-1 one:
     PPO's min keeps 1.25 -> 1+eps (A>0: capped gain) and 0.8 (A>0: full loss) on the first;
@@ -136,8 +134,6 @@ def test_one_epoch_keeps_nothing_and_steps_once():
 
 
 @pytest.mark.parametrize("value", ["0", "17"])
-
-
 def test_ppo_epochs_out_of_range_is_named(value):
     with pytest.raises(ConfigError, match=r"trainer\.ppo_epochs.*1\.\.16"):
         load_config(ROOT / "configs/local.yaml", [f"trainer.ppo_epochs={value}"])
