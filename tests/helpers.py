@@ -23,7 +23,6 @@ from flexmarl_hpc.config.schema import TrainerConfig
 from flexmarl_hpc.learn.grpo import MicroBatch
 from flexmarl_hpc.learn.model import ModelArgs, build_model
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
-from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
 from tests.conftest import IN_CI, ROOT
 
 SMALL = ["run.steps=6", "run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
@@ -126,6 +125,7 @@ def check_group_intervals(h5, cfg) -> None:
 
 
 def wait_for(cond, timeout: float, what: str, poll: float = 0.5):
+    """cond()'s first truthy value, polled every `poll` s; an AssertionError naming `what` after `timeout` s."""
     t0 = time.monotonic()
     while True:
         got = cond()
@@ -137,6 +137,7 @@ def wait_for(cond, timeout: float, what: str, poll: float = 0.5):
 
 
 def status_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m flexmarl_hpc.status ARGS` from the repo root, output captured."""
     return subprocess.run([sys.executable, "-m", "flexmarl_hpc.status", *args], cwd=ROOT, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
 
@@ -162,7 +163,9 @@ ARGS = ModelArgs(vocab_size=12, hidden_size=16, num_layers=1, num_heads=2, num_k
 
 
 def make(seed=0):
-    from mpi4py import MPI
+    from mpi4py import MPI        # here, not at import: importing helpers must not start MPI
+
+    from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
     return TorchTrainer(build_model(ARGS, seed), TrainerConfig(lr=1e-2), MPI.COMM_SELF, 1.0)
 
 
