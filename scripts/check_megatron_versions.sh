@@ -7,8 +7,8 @@
 #       (where the pyenv shim python3.12 is not activated)
 #
 # For each VERSION: pip install megatron-core==VERSION into the side venv, then run under
-# CI=true tests/test_megatron.py (dp/tp/pp/ckpt on 2 ranks, tp+tppp on 4; the `ok ...` lines
-# are printed), tests/test_convert.py and tests/test_run.py's megatron run. Stops at the first
+# CI=true tests/mpi/test_megatron.py (dp/tp/pp/ckpt on 2 ranks, tp+tppp on 4; the `ok ...` lines
+# are printed), tests/unit/test_convert.py and tests/e2e/test_run.py's megatron run. Stops at the first
 # failure. megatron-core >= 0.17 needs Python >= 3.12, 0.16 runs on 3.11; the venv is
 # $VENV (default /tmp/venv-mcore-pyX.Y), built with $PYTHON (default: python3.12, or
 # python3.11 when every VERSION is 0.16.x). torch is pinned to 2.13.0: for 3.11 pip takes the
@@ -38,6 +38,6 @@ for v in "$@"; do
   "$VENV/bin/python" -m pip install -q "megatron-core==$v" torch==2.13.0 psutil
   "$VENV/bin/python" -c 'import megatron.core as m, torch; print(f"[check] megatron-core {m.__version__}, torch {torch.__version__}")'
   CI=true PYTHONPATH=$ROOT "$VENV/bin/python" -m pytest -q -s -p no:cacheprovider \
-    tests/test_megatron.py tests/test_convert.py tests/test_run.py -k "megatron or convert"
+    tests/mpi/test_megatron.py tests/unit/test_convert.py tests/e2e/test_run.py -k "megatron or convert"
   echo "[check] megatron-core $v: all checks passed"
 done

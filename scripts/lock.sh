@@ -6,7 +6,7 @@
 # pip-compile resolves with pip and pip's own configuration, so torch==2.13.0 resolves to the
 # CPU wheel this machine installs (2.13.0+cpu, from pip's find-links), and its hash is that
 # wheel's. A lock is for Linux x86_64, CPython 3.11 (the CPU set-up); GPU sites use
-# environment.yml, whose pins follow requirements.lock (tests/test_env.py checks them).
+# environment.yml, whose pins follow requirements.lock (tests/unit/test_env.py checks them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

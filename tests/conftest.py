@@ -1,4 +1,8 @@
-"""Shared test fixtures.
+"""Shared test fixtures, and the tiers: each test gets the marker of its folder.
+
+    tests/unit   pure, in-process (seconds)          tests/mpi   mpiexec jobs of a few ranks
+    tests/e2e    real training runs (+ `realrun`)    tests/slurm the local Slurm cluster
+    tests/gpu    CUDA GPUs; skip without one, with the reason, counted at the end
 
 Under CI (CI=true) a test that needs MPI, Slurm or HDF5 FAILS when they are missing,
 never skips; only GPU tests skip, with a visible reason.
@@ -9,12 +13,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+TIERS = ("unit", "mpi", "e2e", "slurm", "gpu")
 
 
 def need(condition: bool, what: str) -> None:
@@ -67,5 +73,77 @@ def run_training(tmp: Path, *overrides: str, config: str = "configs/local.yaml",
     return p
 
 
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ("<unk> 0 1 2 3 4 5 6 7 8 9 - + * = ? . : , You are a careful assistant Answer briefly What is "
+         "Question Proposed answer Is the proposed correct yes or no Yes No system user").split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A word-level tokenizer.json with SmolLM2's special tokens at ids 0-2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
 def pytest_report_header(config):
     return f"CI={IN_CI}: missing MPI/Slurm/HDF5 {'fails' if IN_CI else 'skips'}; GPU tests skip without a GPU"
+
+
+def _sinfo_ok() -> bool:
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def slurm() -> set[str]:
+    """A working Slurm; returns its partition names. Brings up (or re-checks, ~1 s) the
+    local cluster of scripts/slurm_up.sh; a site's own Slurm is used as it is."""
+    from flexmarl_hpc.launch.preflight import parse_sinfo
+    ours = (ROOT / ".slurm-local" / "slurmctld.pid").exists()
+    if ours or not _sinfo_ok():
+        # slurm_up.sh checks a running cluster without root; only a bring-up needs root + apt
+        need(ours or os.geteuid() == 0, "a local Slurm cluster (scripts/slurm_up.sh needs root)")
+        need(ours or shutil.which("apt-get") is not None or shutil.which("slurmctld") is not None,
+             "a local Slurm cluster (scripts/slurm_up.sh needs apt-get)")
+        t0 = time.time()
+        p = subprocess.run(["bash", "scripts/slurm_up.sh"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+        need(p.returncode == 0, f"a local Slurm cluster: scripts/slurm_up.sh exited {p.returncode}\n"
+                                f"{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+        print(f"[slurm] scripts/slurm_up.sh: {time.time() - t0:.1f} s")
+    need(_sinfo_ok(), "sinfo (Slurm controller reachable)")
+    return set(parse_sinfo(subprocess.run(["sinfo", "-h", "-o", "%P|%D|%c|%m|%G"], capture_output=True,
+                                          text=True, timeout=20).stdout)[0])
+
+
+def pytest_collection_modifyitems(config, items):
+    """The folder is the tier: tests/<tier>/... gets marker <tier>; every e2e test is a `realrun`."""
+    tests = ROOT / "tests"
+    for item in items:
+        try:
+            tier = Path(item.path).resolve().relative_to(tests).parts[0]
+        except ValueError:
+            continue
+        if tier in TIERS:
+            item.add_marker(tier)
+            if tier == "e2e":
+                item.add_marker("realrun")
+
+
+@pytest.hookimpl(trylast=True)                  # after --durations, next to the skip reasons
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line that GPU tests did not run here, so a green run without a GPU is not read as
+    a GPU-tested one."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "gpu" in getattr(r, "keywords", {})]
+    if skipped:
+        terminalreporter.write_line(f"GPU tests skipped (no CUDA): {len(skipped)}")

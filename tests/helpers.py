@@ -1,0 +1,192 @@
+"""Helpers shared by test modules of several tiers (no test imports another test module):
+store checks of a finished run, the small-run overrides, and the tiny trainer of the
+state-swap tests (also used by the MPI driver tests/mpi/mpi_state_swap.py).
+
+    from tests.helpers import SMALL, check_exactly_once, assert_same_run
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from flexmarl_hpc.config.schema import TrainerConfig
+from flexmarl_hpc.learn.grpo import MicroBatch
+from flexmarl_hpc.learn.model import ModelArgs, build_model
+from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
+from tests.conftest import IN_CI, ROOT
+
+SMALL = ["run.steps=6", "run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
+         "model.hidden_size=32", "model.intermediate_size=64"]
+
+# the smallest real run (2 agents, 4 ranks, a few seconds per step on 2 cores) of the status and
+# Slurm tests, which set run.steps themselves
+SMALL_ANY_STEPS = ["workflow.inputs_per_step=4", "trainer.micro_batch_size=8", "model.hidden_size=32",
+                   "model.intermediate_size=64", "run.log_every=1"]
+
+
+def check_exactly_once(path, steps, dropped_ok=False):
+    """Every generated sample trained exactly once, by the step it belongs to (or, with
+    `dropped_ok`, dropped by over-provisioning and never trained); statuses and the event
+    log agree; each step's row list is exactly that step's trained samples."""
+    with h5py.File(path, "r") as f:
+        for agent in f.attrs["agents"]:
+            g = f[f"samples/{agent}"]
+            ids = g["sample_id"][:]
+            assert len(ids) == len(set(ids)), "a sample was generated twice"
+            status = g["status"][:]
+            trained = status == CONSUMED
+            assert (trained | (dropped_ok & (status == DROPPED))).all()
+            assert (g["trainer_step"][:][trained] == g["step"][:][trained]).all()
+            assert (g["trainer_step"][:][~trained] == -1).all()
+            st = f[f"steps/{agent}"][:]
+            st = st[st["superseded"] == 0]                     # rows a resume rolled back
+            assert st["step"].tolist() == list(range(steps))
+            pool = f[f"step_rows/{agent}"][:]
+            rows = np.concatenate([pool[o:o + n] for o, n in zip(st["rows_offset"], st["rows_len"])])
+            assert sorted(rows.tolist()) == np.nonzero(trained)[0].tolist(), "a sample was lost or trained twice"
+            for s, off, n in zip(st["step"], st["rows_offset"], st["rows_len"]):
+                assert (g["step"][:][pool[off:off + n]] == s).all()
+            ev = f["events"]
+            mine = ev["agent"][:] == list(f.attrs["agents"]).index(agent)
+            last = {}
+            for row, s in zip(ev["row"][:][mine], ev["status"][:][mine]):
+                prev = last.get(row, -1)
+                assert s == prev + 1 and s != DROPPED or (s == GENERATED and prev in (CONSUMED, READY)) \
+                    or (dropped_ok and s == DROPPED and prev in (GENERATED, READY)), f"row {row}: {prev} -> {s}"
+                last[row] = s
+            assert len(last) == len(ids) and [last[r] for r in range(len(ids))] == status.tolist()
+
+
+def final_weights(out, agent):
+    """The latest checkpoint's `model.*` tensors: a torch .pt file, or a megatron
+    dist_checkpointing folder read back into one CPU rank (as export does)."""
+    from flexmarl_hpc.runtime.build import build_task, model_args
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.export import checkpoint_file
+    path = checkpoint_file(out, agent, None)
+    if not path.is_dir():
+        return torch.load(path, weights_only=True)
+    from flexmarl_hpc.trainer.megatron import hf_weights_of_entry
+    cfg = load_config(out / "config.yaml")
+    weights = hf_weights_of_entry(path, model_args(cfg, build_task(cfg), agent), cfg.trainer)
+    return {"model." + k: v for k, v in weights.items()}
+
+
+def samples_by_id(path, agent):
+    with h5py.File(path, "r") as f:
+        g = f[f"samples/{agent}"]
+        off, pl, rl = g["token_offset"][:], g["prompt_len"][:], g["response_len"][:]
+        tok, ver = f[f"tokens/{agent}"]["token"], g["policy_version"][:]
+        return {sid: (tuple(tok[o:o + p + r]), v) for sid, o, p, r, v in
+                zip(g["sample_id"][:], off, pl, rl, ver)}
+
+
+def assert_same_run(ref, out, rel_tol=1e-5):
+    """Same trajectories (tokens and versions per sample_id) and final weights within rel_tol."""
+    for agent in ("speaker", "listener"):
+        assert samples_by_id(ref / "local.h5", agent) == samples_by_id(out / "local.h5", agent)
+        a, b = final_weights(ref, agent), final_weights(out, agent)
+        assert {k for k in a if k.startswith("model.")} <= set(b) | {"model.lm_head.weight"}
+        for k in a:
+            if k.startswith("model.") and k in b:
+                rel = (a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)
+                assert rel < rel_tol, (agent, k, float(rel))
+
+
+def check_group_intervals(h5, cfg) -> None:
+    """Per-rank intervals show each group's ranks (every TP rank of the megatron group too)
+    training that group's agents, and each replica generating only for agents of its pool."""
+    from flexmarl_hpc.config.layout import layout_from_config
+    from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
+    lay = layout_from_config(cfg)
+    with h5py.File(h5, "r") as f:
+        iv = f["intervals"][:]
+    seen: dict[int, set] = {}
+    for rank, act, agent in zip(iv["rank"], iv["activity"], iv["agent"]):
+        seen.setdefault(int(rank), set()).add((bytes(act).decode(), bytes(agent).decode()))
+    for g, grp in enumerate(trainer_groups(cfg)):
+        for r in lay.group_ranks(g):
+            trained = {a for act, a in seen.get(r, ()) if act == "train"}
+            assert trained == set(grp.agents), f"group {grp.name} rank {r} trained {trained}"
+    pools = rollout_pools(cfg)
+    for i, r in enumerate(lay.replica_ranks):
+        made = {a for act, a in seen.get(r, ()) if act == "generate"}
+        assert made and made <= set(pools[lay.pool_of(i)].agents), f"replica rank {r} generated for {made}"
+
+
+def wait_for(cond, timeout: float, what: str, poll: float = 0.5):
+    """cond()'s first truthy value, polled every `poll` s; an AssertionError naming `what` after `timeout` s."""
+    t0 = time.monotonic()
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def status_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m flexmarl_hpc.status ARGS` from the repo root, output captured."""
+    return subprocess.run([sys.executable, "-m", "flexmarl_hpc.status", *args], cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def tmpfs(tmp_path: Path, size: str):
+    """A small tmpfs: needs root (mount); CI runs the tests as root."""
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("the disk-full test needs root (mount -t tmpfs) and CI runs as root")
+        pytest.skip("the disk-full test needs root to mount a small tmpfs")
+    mnt = tmp_path / f"full-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+ARGS = ModelArgs(vocab_size=12, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                 intermediate_size=32, max_seq_len=8)
+
+
+def make(seed=0):
+    from mpi4py import MPI        # here, not at import: importing helpers must not start MPI
+
+    from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
+    return TorchTrainer(build_model(ARGS, seed), TrainerConfig(lr=1e-2), MPI.COMM_SELF, 1.0)
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return MicroBatch(torch.randint(3, 12, (4, 6), generator=g), torch.full((4,), 2), torch.full((4,), 4),
+                      torch.zeros(4, 6), torch.randn(4, generator=g), torch.zeros(4, dtype=torch.bool), None)
+
+
+def step(tr, seed):
+    tr.forward_backward(batch(seed), 0.25)
+    tr.optimizer_step()
+
+
+VLLM_PY = Path(os.environ.get("FLEXMARL_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+DEMANDED = os.environ.get("FLEXMARL_VLLM", "") == "1"
+
+
+def vllm_python() -> str:
+    if VLLM_PY.exists():
+        return str(VLLM_PY)
+    if DEMANDED:
+        pytest.fail(f"FLEXMARL_VLLM=1 but {VLLM_PY} is missing (bash scripts/setup_vllm_cpu.sh)")
+    pytest.skip(f"vLLM venv {VLLM_PY} missing: bash scripts/setup_vllm_cpu.sh (or FLEXMARL_VLLM_PYTHON=...)")
