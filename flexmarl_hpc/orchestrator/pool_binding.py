@@ -51,8 +51,5 @@ def pool_binding(cfg, layout, sched: Scheduler) -> PoolBinding:
     pools = rollout_pools(cfg)
     if len(pools) == 1:
         return PoolBinding([(layout.pool_replicas(0), list(sched.agents), sched)])
-    p = cfg.pipeline
-    return PoolBinding([(layout.pool_replicas(i), list(pool.agents),
-                         Scheduler(list(pool.agents), pool.replicas, cfg.run.mode, p.max_staleness,
-                                   p.load_balance, p.rebalance_threshold, p.rebalance_cooldown,
-                                   p.micro_batch_overlap)) for i, pool in enumerate(pools)])
+    return PoolBinding([(layout.pool_replicas(i), list(pool.agents), Scheduler.for_run(cfg, pool.agents, pool.replicas))
+                        for i, pool in enumerate(pools)])

@@ -125,6 +125,14 @@ class Scheduler:
     overlap: bool = True
     rounds_since_rebind: int = 1 << 30
 
+    @classmethod
+    def for_run(cls, cfg, agents: list[str], replicas: int) -> "Scheduler":
+        """The scheduler of `replicas` replicas serving `agents`, with the run's mode and
+        pipeline settings (`cfg`: a config.schema.Config)."""
+        p = cfg.pipeline
+        return cls(list(agents), replicas, cfg.run.mode, p.max_staleness, p.load_balance,
+                   p.rebalance_threshold, p.rebalance_cooldown, p.micro_batch_overlap)
+
     def initial_binding(self) -> list[str]:
         return assign(allocate({a: 0.0 for a in self.agents}, self.num_replicas),
                       [None] * self.num_replicas)

@@ -144,6 +144,18 @@ class Tree:
     def request_seed(self, node: Node, version: int) -> int:
         return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)
 
+    def request(self, node: Node, version: int) -> tuple:
+        """(sample_id, prompt, seed, max_new_tokens, turn): a replica's GenRequest."""
+        budget = self.task.response_budget(node.turn, node.sample_id, self.turns[node.turn].max_new_tokens)
+        return node.sample_id, node.prompt, self.request_seed(node, version), budget, node.turn
+
+    def take_pending(self, agent: str, sent: set[int]) -> None:
+        """Drop the nodes sent to replicas (`id()`s) from `agent`'s pending queue, in place."""
+        q = self.pending[agent]
+        keep = [n for n in q if id(n) not in sent]
+        q.clear()
+        q.extend(keep)
+
     def est_tokens(self, node: Node) -> float:
         """Backlog estimate of one request: prompt + mean response length so far."""
         return len(node.prompt) + self.resp_len_mean[node.agent]

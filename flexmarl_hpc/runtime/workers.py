@@ -17,12 +17,12 @@ from mpi4py import MPI
 from flexmarl_hpc.runtime import comm
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.store.checkpoint import load_latest, save_checkpoint
-from flexmarl_hpc.learn.grpo import MicroBatch
 from flexmarl_hpc.rollout.base import GenRequest
 from flexmarl_hpc.learn.sampling import SamplingParams
 from flexmarl_hpc.runtime.state_swap import StateMover
 from flexmarl_hpc.trainer.base import finish_step
 from flexmarl_hpc.runtime.doorbell import Doorbell
+from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
 from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
 
@@ -88,13 +88,6 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
             return cmd.code
         else:
             raise ValueError(f"replica {index}: unknown command {cmd.kind!r}")
-
-
-def microbatch_from_arrays(d: dict) -> MicroBatch:
-    t = lambda k, dt=None: None if d.get(k) is None else torch.as_tensor(d[k], dtype=dt)
-    return MicroBatch(t("input_ids", torch.long), t("prompt_lens", torch.long),
-                      t("response_lens", torch.long), t("behav_logprobs", torch.float32),
-                      t("advantages", torch.float32), t("stale", torch.bool), t("allowed", torch.bool))
 
 
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,

@@ -113,13 +113,14 @@ class ModelledCost:
 
 @contextlib.contextmanager
 def sim_clock(sim: SimTransport):
-    """The orchestrator's, the store's and BusyClock's time.time() read `sim.now` meanwhile."""
-    from flexmarl_hpc.orchestrator import loop as orchestrator
+    """The run recorder's, the store's and BusyClock's time.time() read `sim.now` meanwhile (the
+    orchestrator's other modules take their time from the store: `store.now()`)."""
+    from flexmarl_hpc.orchestrator import recorder
     from flexmarl_hpc.store import tables as store
     from flexmarl_hpc.runtime import timing
     fake = types.SimpleNamespace(time=lambda: sim.now, monotonic=time.monotonic,
                                  perf_counter=time.perf_counter, sleep=_no_sleep)
-    mods = (orchestrator, store, timing)
+    mods = (recorder, store, timing)
     saved = [m.time for m in mods]
     for m in mods:
         m.time = fake

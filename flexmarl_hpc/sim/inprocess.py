@@ -17,7 +17,8 @@ from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.rollout.base import GenRequest
 from flexmarl_hpc.learn.sampling import SamplingParams
 from flexmarl_hpc.trainer.base import finish_step
-from flexmarl_hpc.runtime.workers import _group_sum, microbatch_from_arrays
+from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
+from flexmarl_hpc.runtime.workers import _group_sum
 
 
 class InProcessWorkers:
