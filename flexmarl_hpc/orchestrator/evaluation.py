@@ -95,9 +95,9 @@ class Evaluator:
         self.todo = [p for p in all_points if p not in done and p >= max(versions.values())]
         self.skipped = [p for p in all_points if p not in done and p not in self.todo]
         self.rounds: dict[int, Round] = {}
-        per_agent = {a: sum(t.agent == a for t in self.turns) for a in self.agents}
+        per_agent = {agent: sum(t.agent == agent for t in self.turns) for agent in self.agents}
         chains = sum(k for _, k in self.modes) * len(self.inputs)
-        self.size = {a: chains * per_agent[a] for a in self.agents}
+        self.size = {agent: chains * per_agent[agent] for agent in self.agents}
 
     # -- gating ----------------------------------------------------------------------------
     def hold(self, agent: str) -> int | None:
@@ -179,7 +179,7 @@ class Evaluator:
     def _result(self, r: Round, now: float) -> EvalResult:
         rows: dict[str, list] = defaultdict(list)
         summary = {}
-        order = {a: i for i, a in enumerate(self.agents)}
+        order = {agent: i for i, agent in enumerate(self.agents)}
         keyed = sorted(((mode != GREEDY, order.get(self._split(key)[0], len(order)), key), (mode, key, total))
                        for (mode, key), total in r.sums.items())       # workflow order, greedy first
         for _, (mode, key, total) in keyed:

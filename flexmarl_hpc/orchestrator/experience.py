@@ -46,7 +46,7 @@ class Journal:
 
     def __init__(self, store: StoreFile):
         self.store = store
-        self.agent_index = {a: i for i, a in enumerate(store.agents)}
+        self.agent_index = {agent: i for i, agent in enumerate(store.agents)}
 
     def generated(self, nodes: list[Node], now: float) -> None:
         """Append rows (+ tokens) for newly generated nodes and set their `row`."""

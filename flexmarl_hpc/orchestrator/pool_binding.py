@@ -24,8 +24,8 @@ class PoolBinding:
     def initial_binding(self) -> list[str]:
         out: list[str | None] = [None] * self.size
         for idx, _, sched in self.pools:
-            for i, a in zip(idx, sched.initial_binding()):
-                out[i] = a
+            for i, agent in zip(idx, sched.initial_binding()):
+                out[i] = agent
         return out
 
     def rebind(self, backlog: dict[str, float], binding: list[str], idle: list[bool] | None = None,
@@ -34,25 +34,22 @@ class PoolBinding:
         `idle`/`servable` (per replica, over all pools) enable the schedulers' time-sharing."""
         new, changed = list(binding), False
         for idx, agents, sched in self.pools:
-            sub = sched.rebind({a: backlog[a] for a in agents}, [binding[i] for i in idx],
+            sub = sched.rebind({agent: backlog[agent] for agent in agents}, [binding[i] for i in idx],
                                None if idle is None else [idle[i] for i in idx],
                                None if servable is None else [servable[i] & set(agents) for i in idx])
             if sub is not None:
                 changed = True
-                for i, a in zip(idx, sub):
-                    new[i] = a
+                for i, agent in zip(idx, sub):
+                    new[i] = agent
         return new if changed else None
 
 
 def pool_binding(cfg, layout, sched: Scheduler) -> PoolBinding:
     """The run's pools; with one pool (every config without rollout.pools) its scheduler is
-    `sched` itself, so level 1 behaves exactly as before pools existed."""
+    `sched` itself: level 1 is then that one scheduler's binding."""
     from flexmarl_hpc.config.resources import rollout_pools
     pools = rollout_pools(cfg)
     if len(pools) == 1:
         return PoolBinding([(layout.pool_replicas(0), list(sched.agents), sched)])
-    p = cfg.pipeline
-    return PoolBinding([(layout.pool_replicas(i), list(pool.agents),
-                         Scheduler(list(pool.agents), pool.replicas, cfg.run.mode, p.max_staleness,
-                                   p.load_balance, p.rebalance_threshold, p.rebalance_cooldown,
-                                   p.micro_batch_overlap)) for i, pool in enumerate(pools)])
+    return PoolBinding([(layout.pool_replicas(i), list(pool.agents), Scheduler.for_run(cfg, pool.agents, pool.replicas))
+                        for i, pool in enumerate(pools)])

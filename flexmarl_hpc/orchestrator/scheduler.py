@@ -28,24 +28,24 @@ def allocate(backlog: dict[str, float], n: int) -> dict[str, int]:
     first); agents without work get none unless there is no work at all (even split).
     """
     agents = list(backlog)
-    active = sorted((a for a in agents if backlog[a] > 0), key=lambda a: -backlog[a])
+    active = sorted((agent for agent in agents if backlog[agent] > 0), key=lambda agent: -backlog[agent])
     if not active:
-        return {a: n // len(agents) + (i < n % len(agents)) for i, a in enumerate(agents)}
-    counts = {a: 0 for a in agents}
+        return {agent: n // len(agents) + (i < n % len(agents)) for i, agent in enumerate(agents)}
+    counts = {agent: 0 for agent in agents}
     if n <= len(active):
-        for a in active[:n]:
-            counts[a] = 1
+        for agent in active[:n]:
+            counts[agent] = 1
         return counts
-    for a in active:
-        counts[a] = 1
+    for agent in active:
+        counts[agent] = 1
     spare = n - len(active)
-    total = sum(backlog[a] for a in active)
-    quota = {a: spare * backlog[a] / total for a in active}
-    for a in active:
-        counts[a] += int(quota[a])
+    total = sum(backlog[agent] for agent in active)
+    quota = {agent: spare * backlog[agent] / total for agent in active}
+    for agent in active:
+        counts[agent] += int(quota[agent])
     left = n - sum(counts.values())
-    for a in sorted(active, key=lambda a: -(quota[a] - int(quota[a])))[:left]:
-        counts[a] += 1
+    for agent in sorted(active, key=lambda agent: -(quota[agent] - int(quota[agent])))[:left]:
+        counts[agent] += 1
     return counts
 
 
@@ -54,11 +54,11 @@ def assign(counts: dict[str, int], current: list[str | None]) -> list[str]:
     n = len(current)
     out: list[str | None] = [None] * n
     need = dict(counts)
-    for r, a in enumerate(current):
-        if a is not None and need.get(a, 0) > 0:
-            out[r] = a
-            need[a] -= 1
-    todo = [a for a, k in need.items() for _ in range(k)]
+    for r, agent in enumerate(current):
+        if agent is not None and need.get(agent, 0) > 0:
+            out[r] = agent
+            need[agent] -= 1
+    todo = [agent for agent, k in need.items() for _ in range(k)]
     for r in range(n):
         if out[r] is None:
             out[r] = todo.pop(0)
@@ -71,7 +71,7 @@ def disparity(backlog: dict[str, float], binding: list[str]) -> float:
     if total <= 0:
         return 0.0
     n = len(binding)
-    return max(abs(backlog[a] / total - binding.count(a) / n) for a in backlog)
+    return max(abs(backlog[agent] / total - binding.count(agent) / n) for agent in backlog)
 
 
 def timeshare(backlog: dict[str, float], binding: list[str], idle: list[bool],
@@ -85,15 +85,15 @@ def timeshare(backlog: dict[str, float], binding: list[str], idle: list[bool],
     backlog and no replica bids its whole backlog, and a served agent's bid falls as its
     backlog is dispatched, so it wins a replica within finitely many batches."""
     out = list(binding)
-    serving = {a: 0 for a in backlog}
-    for a, i in zip(binding, idle):
+    serving = {agent: 0 for agent in backlog}
+    for agent, i in zip(binding, idle):
         if not i:
-            serving[a] = serving.get(a, 0) + 1
+            serving[agent] = serving.get(agent, 0) + 1
     for r in (r for r, i in enumerate(idle) if i):
-        bids = [a for a in servable[r] if backlog.get(a, 0) > 0]
+        bids = [agent for agent in servable[r] if backlog.get(agent, 0) > 0]
         if not bids:
             continue
-        best = max(bids, key=lambda a: (backlog[a] / (serving[a] + 1), a == binding[r], a))
+        best = max(bids, key=lambda agent: (backlog[agent] / (serving[agent] + 1), agent == binding[r], agent))
         out[r] = best
         serving[best] += 1
     return out
@@ -125,8 +125,16 @@ class Scheduler:
     overlap: bool = True
     rounds_since_rebind: int = 1 << 30
 
+    @classmethod
+    def for_run(cls, cfg, agents: list[str], replicas: int) -> "Scheduler":
+        """The scheduler of `replicas` replicas serving `agents`, with the run's mode and
+        pipeline settings (`cfg`: a config.schema.Config)."""
+        p = cfg.pipeline
+        return cls(list(agents), replicas, cfg.run.mode, p.max_staleness, p.load_balance,
+                   p.rebalance_threshold, p.rebalance_cooldown, p.micro_batch_overlap)
+
     def initial_binding(self) -> list[str]:
-        return assign(allocate({a: 0.0 for a in self.agents}, self.num_replicas),
+        return assign(allocate({agent: 0.0 for agent in self.agents}, self.num_replicas),
                       [None] * self.num_replicas)
 
     def rebind(self, backlog: dict[str, float], binding: list[str], idle: list[bool] | None = None,
@@ -138,7 +146,7 @@ class Scheduler:
         every replica, on the trainer leader's critical path (bench_modes, referential: flex
         fell to 0.92x of sync with it, from 1.27x without)."""
         self.rounds_since_rebind += 1
-        starving = any(backlog[a] > 0 and a not in binding for a in self.agents)
+        starving = any(backlog[agent] > 0 and agent not in binding for agent in self.agents)
         if (self.mode == "flex" and self.load_balance and idle is not None and servable is not None
                 and len(self.agents) > self.num_replicas):
             new = timeshare(backlog, binding, idle, servable)
@@ -146,7 +154,7 @@ class Scheduler:
             if not starving:
                 return None
             static = self.initial_binding()
-            if not any(backlog[a] > 0 and a not in static for a in self.agents):
+            if not any(backlog[agent] > 0 and agent not in static for agent in self.agents):
                 new = static
             else:                          # fewer replicas than agents: serve who has work
                 new = assign(allocate(backlog, self.num_replicas), binding)

@@ -5,7 +5,7 @@
 
 The HDF5 store stays the source of truth; a sink is a copy of one row per global step, for
 the tools people already watch. Only the orchestrator (world rank 0) writes them, once a
-step is committed to the store (`Orchestrator.maybe_log`). Every value is plotted against
+step is committed to the store (`recorder.RunRecorder.log_steps`). Every value is plotted against
 the global step, so a resumed run continues its curves instead of starting new ones:
 
 - TensorBoard: `<run_dir>/tensorboard/events.out.tfevents.*`. A resumed process opens the

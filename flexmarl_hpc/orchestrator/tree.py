@@ -84,15 +84,15 @@ class Tree:
         self.turns = cfg.workflow.turns
         self.agents = cfg.agent_names
         self.nodes: dict[tuple[str, str], Node] = {}       # (agent, sample_id) -> node
-        self.pending: dict[str, deque[Node]] = {a: deque() for a in self.agents}
-        self.ready: dict[str, dict[int, list[Node]]] = {a: defaultdict(list) for a in self.agents}
+        self.pending: dict[str, deque[Node]] = {agent: deque() for agent in self.agents}
+        self.ready: dict[str, dict[int, list[Node]]] = {agent: defaultdict(list) for agent in self.agents}
         self.turn_left: dict[tuple[int, int], int] = {}    # (step, turn) -> not yet generated
         self.steps_admitted: set[int] = set()
-        self.batch_size = {a: global_batch(cfg, a) for a in self.agents}
+        self.batch_size = {agent: global_batch(cfg, agent) for agent in self.agents}
         # leaves below one node of each turn
         self.leaves_below = [math.prod(t.samples for t in self.turns[i + 1:]) for i in range(len(self.turns))]
-        self.resp_len_mean = {a: float(np.mean([t.max_new_tokens for t in self.turns if t.agent == a]))
-                              for a in self.agents}
+        self.resp_len_mean = {agent: float(np.mean([t.max_new_tokens for t in self.turns if t.agent == agent]))
+                              for agent in self.agents}
         # over-provisioning (see the module docstring)
         self.n_in, self.extra = cfg.workflow.inputs_per_step, cfg.pipeline.overprovision
         self.leaves_per_input = math.prod(t.samples for t in self.turns)
@@ -144,6 +144,18 @@ class Tree:
     def request_seed(self, node: Node, version: int) -> int:
         return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)
 
+    def request(self, node: Node, version: int) -> tuple:
+        """(sample_id, prompt, seed, max_new_tokens, turn): a replica's GenRequest."""
+        budget = self.task.response_budget(node.turn, node.sample_id, self.turns[node.turn].max_new_tokens)
+        return node.sample_id, node.prompt, self.request_seed(node, version), budget, node.turn
+
+    def take_pending(self, agent: str, sent: set[int]) -> None:
+        """Drop the nodes sent to replicas (`id()`s) from `agent`'s pending queue, in place."""
+        q = self.pending[agent]
+        keep = [n for n in q if id(n) not in sent]
+        q.clear()
+        q.extend(keep)
+
     def est_tokens(self, node: Node) -> float:
         """Backlog estimate of one request: prompt + mean response length so far."""
         return len(node.prompt) + self.resp_len_mean[node.agent]
@@ -159,8 +171,8 @@ class Tree:
             node.version, node.replica, node.status = version, replica, GENERATED
             ch.generated.append(node)
             self.turn_left[(node.step, node.turn)] -= 1
-            a = self.resp_len_mean[node.agent]
-            self.resp_len_mean[node.agent] = 0.95 * a + 0.05 * len(toks)
+            mean = self.resp_len_mean[node.agent]
+            self.resp_len_mean[node.agent] = 0.95 * mean + 0.05 * len(toks)
         self._mark_dropped(late)
         for node, _, _ in batch:
             if node.status == DROPPED:
@@ -227,8 +239,8 @@ class Tree:
         if any(n.reward is None for n in group) or group[0].status != GENERATED:
             return []
         adv = group_advantages(np.array([n.reward for n in group]))
-        for n, a in zip(group, adv):
-            n.advantage, n.status = float(a), READY
+        for n, advantage in zip(group, adv):
+            n.advantage, n.status = float(advantage), READY
         if self.extra and group[0].input_id not in self.joined[group[0].step]:
             self.held[group[0].input_id].extend(group)     # trainable once its input joins
         else:
@@ -295,8 +307,8 @@ class Tree:
         """Drop finished trees of a fully trained step from memory (the journal keeps them)."""
         for key in [k for k, n in self.nodes.items() if n.step == step]:
             del self.nodes[key]
-        for a in self.agents:
-            self.ready[a].pop(step, None)
+        for agent in self.agents:
+            self.ready[agent].pop(step, None)
         for i in self.input_ids(step):
             self.leaves_left.pop(i, None)
             self.held.pop(i, None)

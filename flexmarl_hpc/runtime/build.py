@@ -69,7 +69,7 @@ def build_engine(cfg: Config, task: Task, device: str = "cpu", pool: int = 0):
     import dataclasses
     from flexmarl_hpc.config.resources import rollout_pools
     p = rollout_pools(cfg)[pool]
-    args_of = {a: model_args(cfg, task, a) for a in cfg.agent_names if a in p.agents}
+    args_of = {agent: model_args(cfg, task, agent) for agent in cfg.agent_names if agent in p.agents}
     if cfg.rollout.backend == "vllm":
         from flexmarl_hpc.rollout.vllm_engine import VLLMEngine
         # the pool's GPUs per replica are vLLM's tensor_parallel_size
@@ -101,9 +101,9 @@ def initial_placement(cfg: Config):
     in that group's host memory for the others (agent-centric allocation)."""
     from flexmarl_hpc.config.resources import trainer_groups
     from flexmarl_hpc.runtime.state_swap import Location
-    at = {a: Location(g, resident=i == 0) for g, grp in enumerate(trainer_groups(cfg))
-          for i, a in enumerate(grp.agents)}
-    return {a: at[a] for a in cfg.agent_names}
+    at = {agent: Location(g, resident=i == 0) for g, grp in enumerate(trainer_groups(cfg))
+          for i, agent in enumerate(grp.agents)}
+    return {agent: at[agent] for agent in cfg.agent_names}
 
 
 def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout, device: str = "cpu"):

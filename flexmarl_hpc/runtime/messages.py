@@ -69,7 +69,7 @@ class Train(Command):
     agent: str
     step: int
     arrays: dict[str, Any]
-    """The padded micro-batch (numpy arrays, see Orchestrator.micro_arrays)."""
+    """The padded micro-batch (numpy arrays, see microbatch.pack_microbatch)."""
     scale: float
     """Loss scale of each sample: 1 / the step's batch size."""
     last: bool

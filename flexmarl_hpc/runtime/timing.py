@@ -34,16 +34,16 @@ class BusyClock:
             self._book(self.stack.pop(), time.time())
 
     def _book(self, activity: str, now: float) -> None:
-        a, self.t = self.t, now
-        if now <= a:
+        start, self.t = self.t, now
+        if now <= start:
             return
         last = self.items[-1] if self.items else None
-        if last is not None and last[0] == activity and a - last[3] < 1e-4:
+        if last is not None and last[0] == activity and start - last[3] < 1e-4:
             self.items[-1] = (activity, "", last[2], now)      # continue the same bar
         else:
-            self.items.append((activity, "", a, now))
+            self.items.append((activity, "", start, now))
         if activity != "wait":
-            self.busy[activity] += now - a
+            self.busy[activity] += now - start
 
     def drain(self) -> list[tuple[str, str, float, float]]:
         out, self.items = self.items, []

@@ -17,12 +17,12 @@ from mpi4py import MPI
 from flexmarl_hpc.runtime import comm
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.store.checkpoint import load_latest, save_checkpoint
-from flexmarl_hpc.learn.grpo import MicroBatch
 from flexmarl_hpc.rollout.base import GenRequest
 from flexmarl_hpc.learn.sampling import SamplingParams
 from flexmarl_hpc.runtime.state_swap import StateMover
-from flexmarl_hpc.trainer.base import finish_step
+from flexmarl_hpc.trainer.base import train_micro
 from flexmarl_hpc.runtime.doorbell import Doorbell
+from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
 from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
 
@@ -36,8 +36,8 @@ class Clock:
 
     def mark(self, activity: str, agent: str, t0: float) -> None:
         t1 = time.time()
-        # a gap is waiting (for the next command); one under 0.1 ms is not worth a row, and
-        # at 1 ms (before) back-to-back micro-batches left ~5% of a trainer's time unbooked
+        # a gap is waiting (for the next command); one under 0.1 ms is not worth a row: a
+        # coarser cut leaves back-to-back micro-batches' gaps unbooked
         if t0 - self.last > 1e-4:
             self.items.append(("wait", "", self.last, t0))
         self.items.append((activity, agent, t0, t1))
@@ -90,11 +90,80 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
             raise ValueError(f"replica {index}: unknown command {cmd.kind!r}")
 
 
-def microbatch_from_arrays(d: dict) -> MicroBatch:
-    t = lambda k, dt=None: None if d.get(k) is None else torch.as_tensor(d[k], dtype=dt)
-    return MicroBatch(t("input_ids", torch.long), t("prompt_lens", torch.long),
-                      t("response_lens", torch.long), t("behav_logprobs", torch.float32),
-                      t("advantages", torch.float32), t("stale", torch.bool), t("allowed", torch.bool))
+class TrainerRank:
+    """One rank of a trainer group: a handler per command kind, each returning the reply
+    (the leader sends it; the other members send their intervals only)."""
+
+    def __init__(self, world: MPI.Comm, group: MPI.Comm, mover: StateMover, ckpt_dir: Path,
+                 bucket_bytes: int, keep_checkpoints: int, channels: SyncChannels,
+                 sync_wire: torch.dtype | None) -> None:
+        self.world, self.group, self.mover, self.ckpt_dir = world, group, mover, ckpt_dir
+        self.bucket_bytes, self.keep_checkpoints = bucket_bytes, keep_checkpoints
+        self.channels, self.sync_wire = channels, sync_wire
+        self.leader = group.Get_rank() == 0
+        self.clock = Clock()
+        self.step_stats: dict[str, dict[str, float]] = {}     # per agent, summed over micro-batches
+        self.handlers = {messages.Train: self.train, messages.Sync: self.sync,
+                         messages.Checkpoint: self.checkpoint, messages.Move: self.move}
+
+    def handle(self, cmd: messages.Command, t0: float) -> messages.Reply:
+        handler = self.handlers.get(type(cmd))
+        if handler is None:
+            raise ValueError(f"trainer: unknown command {cmd.kind!r}")
+        return handler(cmd, t0)
+
+    def train(self, cmd: messages.Train, t0: float) -> messages.Reply:
+        agent, group = cmd.agent, self.group
+        tr = self.mover.trainers[agent]
+        mb = microbatch_from_arrays(cmd.arrays).shard(group.Get_rank(), group.Get_size())
+        # at the step's last micro-batch: the optimizer step, then (trainer.ppo_epochs > 1)
+        # the replay passes with theirs
+        summed = train_micro(tr, mb, cmd.scale, cmd.last, self.step_stats.setdefault(agent, {}),
+                             lambda d: group_sum(group, d))
+        self.clock.mark("train", agent, t0)
+        return messages.Trained(agent, cmd.step) if summed is None else messages.Stepped(agent, tr.version, summed)
+
+    def sync(self, cmd: messages.Sync, t0: float) -> messages.Reply:
+        agent, version = cmd.agent, cmd.version
+        if self.leader:                          # the other members take no part in it
+            t = [t0]
+            weights, held, packed = weights_and_version(self.mover, agent)
+            if held != version:
+                raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held}")
+            broadcast_weights(self.channels, tuple(cmd.members), weights, version, self.bucket_bytes,
+                              packed=packed, wire=self.sync_wire,
+                              on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
+            self.clock.mark("sync", agent, t[0])
+        return messages.TrainerSynced(agent, version)
+
+    def checkpoint(self, cmd: messages.Checkpoint, t0: float) -> messages.Reply:
+        for name in cmd.agents:
+            tr = trainer_of(self.mover, name)
+            if hasattr(tr, "save_checkpoint"):
+                # megatron: every rank writes its own shards (dist_checkpointing), the
+                # leader publishes the entry with its manifest; no full-state gather
+                tr.save_checkpoint(self.ckpt_dir / name, self.keep_checkpoints)
+                continue
+            # every rank gathers: a sharded trainer's state() is collective over the
+            # group (a leader gathering alone waits forever for the members)
+            state = self.mover.state_of(name)
+            if self.leader:
+                save_checkpoint(self.ckpt_dir / name, int(state["version"]), state, self.keep_checkpoints)
+        self.clock.mark("checkpoint", ",".join(cmd.agents), t0)
+        return messages.Checkpointed(cmd.agents)
+
+    def move(self, cmd: messages.Move, t0: float) -> messages.Reply:
+        self.mover.move(cmd.agent, cmd.src, cmd.dst)
+        self.clock.mark("swap", cmd.agent, t0)
+        return messages.Moved(cmd.agent)
+
+    def answer(self, reply: messages.Reply, orch: int, bell: Doorbell | None) -> None:
+        if self.leader:
+            send_reply(self.world, orch, replace(reply, intervals=self.clock.drain()), bell)
+        else:
+            # the other members' intervals go straight to the store too (one small message
+            # per command), so utilization counts every rank of a data-parallel group
+            send_reply(self.world, orch, messages.Intervals(intervals=self.clock.drain()), bell)
 
 
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
@@ -103,79 +172,22 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
     and forwards each command to the members (a non-spinning broadcast). `mover` holds the
     agents whose state is on this group, live (`mover.trainers`) or parked in host memory."""
-    trainers = mover.trainers
-    leader = group.Get_rank() == 0
     channels = SyncChannels(world, sync_backend)
-    clock = Clock()
-    step_stats: dict[str, dict[str, float]] = {}
+    rank = TrainerRank(world, group, mover, ckpt_dir, bucket_bytes, keep_checkpoints, channels, sync_wire)
     while True:
-        cmd = recv_command(world, orch, bell) if leader else None
+        cmd = recv_command(world, orch, bell) if rank.leader else None
         cmd = comm.bcast_obj(group, cmd, 0)
         t0 = time.time()
-        reply: messages.Reply | None = None
-        if isinstance(cmd, messages.Train):
-            agent, last = cmd.agent, cmd.last
-            tr = trainers[agent]
-            mb = microbatch_from_arrays(cmd.arrays).shard(group.Get_rank(), group.Get_size())
-            stats = tr.forward_backward(mb, cmd.scale, last=last)
-            acc = step_stats.setdefault(agent, {})
-            for k, v in stats.items():
-                acc[k] = acc.get(k, 0.0) + v
-            reply = messages.Trained(agent, cmd.step)
-            if last:
-                # the optimizer step, then (trainer.ppo_epochs > 1) the replay passes with theirs
-                summed = finish_step(tr, tr.cfg.ppo_epochs, _group_sum(group, acc),
-                                     lambda d: _group_sum(group, d))
-                step_stats.pop(agent)
-                reply = messages.Stepped(agent, tr.version, summed)
-            clock.mark("train", agent, t0)
-        elif isinstance(cmd, messages.Sync):
-            agent, version, members = cmd.agent, cmd.version, cmd.members
-            t = [t0]
-            if leader:
-                held = weights_and_version(mover, agent)
-                if held[1] != version:
-                    raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held[1]}")
-                broadcast_weights(channels, tuple(members), held[0], version, bucket_bytes, packed=held[2],
-                                  wire=sync_wire,
-                                  on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
-                clock.mark("sync", agent, t[0])        # the other members take no part in it
-            reply = messages.TrainerSynced(agent, version)
-        elif isinstance(cmd, messages.Checkpoint):
-            for name in cmd.agents:
-                tr = trainer_of(mover, name)
-                if hasattr(tr, "save_checkpoint"):
-                    # megatron: every rank writes its own shards (dist_checkpointing), the
-                    # leader publishes the entry with its manifest; no full-state gather
-                    tr.save_checkpoint(ckpt_dir / name, keep_checkpoints)
-                    continue
-                # every rank gathers: a sharded trainer's state() is collective over the
-                # group (a leader gathering alone waits forever for the members)
-                state = mover.state_of(name)
-                if leader:
-                    save_checkpoint(ckpt_dir / name, int(state["version"]), state, keep_checkpoints)
-            clock.mark("checkpoint", ",".join(cmd.agents), t0)
-            reply = messages.Checkpointed(cmd.agents)
-        elif isinstance(cmd, messages.Move):
-            mover.move(cmd.agent, cmd.src, cmd.dst)
-            clock.mark("swap", cmd.agent, t0)
-            reply = messages.Moved(cmd.agent)
-        elif isinstance(cmd, messages.Stop):
+        if isinstance(cmd, messages.Stop):
             channels.close()
-            clock.waited(t0)
-            send_reply(world, orch, messages.Stopped(-1, intervals=clock.drain()), bell)   # every rank
+            rank.clock.waited(t0)
+            send_reply(world, orch, messages.Stopped(-1, intervals=rank.clock.drain()), bell)   # every rank
             return cmd.code
-        else:
-            raise ValueError(f"trainer: unknown command {cmd.kind!r}")
-        if leader and reply is not None:
-            send_reply(world, orch, replace(reply, intervals=clock.drain()), bell)
-        elif not leader:
-            # the other members' intervals go straight to the store too (one small message
-            # per command), so utilization counts every rank of a data-parallel group
-            send_reply(world, orch, messages.Intervals(intervals=clock.drain()), bell)
+        rank.answer(rank.handle(cmd, t0), orch, bell)
 
 
-def _group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:
+def group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:
+    """`stats` summed over the ranks of `group` (the same keys on every rank)."""
     keys = sorted(stats)
     buf = np.array([stats[k] for k in keys], dtype=np.float64)
     comm.allreduce_sum(group, buf)

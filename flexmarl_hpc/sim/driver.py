@@ -70,11 +70,11 @@ def cost_model(cfg: Config, hw: HardwareProfile, vocab: int = QWEN_VOCAB, bytes_
     bytes_per_param 4 for the CPU runs' fp32 models."""
     pools, groups = rollout_pools(cfg), trainer_groups(cfg)
     agents = {}
-    for a in cfg.agent_names:
-        shape = agent_shape(cfg, a, vocab, bytes_per_param)
-        pool = next(p for p in pools if a in p.agents)
-        group = next((g for g in groups if a in g.agents), groups[0])
-        agents[a] = AgentLayout(shape, gpus_per_replica=pool.gpus_per_replica, trainer_devices=group.ranks,
+    for agent in cfg.agent_names:
+        shape = agent_shape(cfg, agent, vocab, bytes_per_param)
+        pool = next(p for p in pools if agent in p.agents)
+        group = next((g for g in groups if agent in g.agents), groups[0])
+        agents[agent] = AgentLayout(shape, gpus_per_replica=pool.gpus_per_replica, trainer_devices=group.ranks,
                                 trainer_tp=group.tensor_parallel, trainer_pp=group.pipeline_parallel,
                                 max_num_seqs=max(cfg.rollout.max_batch, 1))
     return CostModel(hw, agents)
@@ -114,13 +114,14 @@ class ModelledCost:
 
 @contextlib.contextmanager
 def sim_clock(sim: SimTransport):
-    """The orchestrator's, the store's and BusyClock's time.time() read `sim.now` meanwhile."""
-    from flexmarl_hpc.orchestrator import loop as orchestrator
+    """The run recorder's, the store's and BusyClock's time.time() read `sim.now` meanwhile (the
+    orchestrator's other modules take their time from the store: `store.now()`)."""
+    from flexmarl_hpc.orchestrator import recorder
     from flexmarl_hpc.store import tables as store
     from flexmarl_hpc.runtime import timing
     fake = types.SimpleNamespace(time=lambda: sim.now, monotonic=time.monotonic,
                                  perf_counter=time.perf_counter, sleep=_no_sleep)
-    mods = (orchestrator, store, timing)
+    mods = (recorder, store, timing)
     saved = [m.time for m in mods]
     for m in mods:
         m.time = fake
@@ -144,7 +145,7 @@ this many parameters in all, a config is refused (it would not fit, or run for h
 
 def real_workers_fit(cfg: Config, vocab: int) -> None:
     """Raises ConfigError unless `cfg`'s models may run in-process (sim.inprocess)."""
-    total = sum(agent_shape(cfg, a, vocab).params for a in cfg.agent_names)
+    total = sum(agent_shape(cfg, agent, vocab).params for agent in cfg.agent_names)
     if total > REAL_WORKERS_MAX_PARAMS:
         raise ConfigError(f"--workers real: builds every agent's model in this process, {total / 1e9:.1f}B "
                           f"parameters in all for {len(cfg.agent_names)} agents, expected at most "

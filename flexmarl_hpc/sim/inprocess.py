@@ -16,8 +16,9 @@ from flexmarl_hpc.store.checkpoint import save_checkpoint
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.rollout.base import GenRequest
 from flexmarl_hpc.learn.sampling import SamplingParams
-from flexmarl_hpc.trainer.base import finish_step
-from flexmarl_hpc.runtime.workers import _group_sum, microbatch_from_arrays
+from flexmarl_hpc.trainer.base import train_micro
+from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
+from flexmarl_hpc.runtime.workers import group_sum
 
 
 class InProcessWorkers:
@@ -26,7 +27,7 @@ class InProcessWorkers:
             raise ConfigError("trainer.ranks_per_group: the in-process simulation runs one trainer "
                               f"rank per agent, expected 1, got {cfg.trainer.ranks_per_group}")
         self.engine = build_engine(cfg, task)
-        self.trainers = {a: build_trainer(cfg, task, a, MPI.COMM_SELF) for a in cfg.agent_names}
+        self.trainers = {agent: build_trainer(cfg, task, agent, MPI.COMM_SELF) for agent in cfg.agent_names}
         self.params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
         self.keep = cfg.pipeline.max_staleness + 1      # versions a request may still ask for
         self.ckpt_dir, self.keep_ckpt = cfg.output_dir / "checkpoints", cfg.run.keep_checkpoints
@@ -52,16 +53,10 @@ class InProcessWorkers:
     def train(self, cmd: messages.Train) -> dict[str, float]:
         """What trainer_loop does on a one-rank group: statistics summed over the step's
         micro-batches, then the optimizer step (and trainer.ppo_epochs' replays)."""
-        tr = self.trainers[cmd.agent]
-        stats = tr.forward_backward(microbatch_from_arrays(cmd.arrays).shard(0, 1), cmd.scale, last=cmd.last)
-        acc = self.acc.setdefault(cmd.agent, {})
-        for k, v in stats.items():
-            acc[k] = acc.get(k, 0.0) + v
-        if not cmd.last:
-            return {}
-        one = MPI.COMM_SELF
-        return finish_step(tr, tr.cfg.ppo_epochs, _group_sum(one, self.acc.pop(cmd.agent)),
-                           lambda d: _group_sum(one, d))
+        mb = microbatch_from_arrays(cmd.arrays).shard(0, 1)
+        summed = train_micro(self.trainers[cmd.agent], mb, cmd.scale, cmd.last, self.acc.setdefault(cmd.agent, {}),
+                             lambda d: group_sum(MPI.COMM_SELF, d))
+        return {} if summed is None else summed
 
     def checkpoint(self, cmd: messages.Checkpoint) -> None:
         for name in cmd.agents:

@@ -218,10 +218,10 @@ class SimTransport:
             return ("run", dt, "generate", msg.agent, messages.Generated(msg.batch_id, outputs))
         if isinstance(msg, messages.Train):
             stats = self.workers.train(msg)
-            a = msg.arrays
+            arrays = msg.arrays
             # a cost may price modelled rather than real tokens (sim.driver.ModelledCost)
-            tokens = (self.cost.train_tokens(a) if hasattr(self.cost, "train_tokens")
-                      else int(np.sum(a["prompt_lens"]) + np.sum(a["response_lens"])))
+            tokens = (self.cost.train_tokens(arrays) if hasattr(self.cost, "train_tokens")
+                      else int(np.sum(arrays["prompt_lens"]) + np.sum(arrays["response_lens"])))
             dt = self.cost.train_s(msg.agent, tokens, optimizer_step=msg.last)
             reply = messages.Stepped(msg.agent, msg.step + 1, stats) if msg.last else messages.Trained(msg.agent, msg.step)
             return ("run", dt, "train", msg.agent, reply)

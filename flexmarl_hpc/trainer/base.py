@@ -89,3 +89,17 @@ def finish_step(tr: TrainerBackend, epochs: int, stats: dict[str, float], group_
         tr.kept.clear()
     out.update(rep)
     return out
+
+
+def train_micro(tr: TrainerBackend, mb, scale: float, last: bool, acc: dict[str, float],
+                group_sum) -> dict[str, float] | None:
+    """Forward and backward one micro-batch (`mb`: this rank's share), its stats added to
+    `acc` (the step's so far); after the step's last one, `finish_step` on their sum over the
+    group: returns the step's stats and clears `acc` (None before the last one)."""
+    for k, v in tr.forward_backward(mb, scale, last=last).items():
+        acc[k] = acc.get(k, 0.0) + v
+    if not last:
+        return None
+    summed = finish_step(tr, tr.cfg.ppo_epochs, group_sum(acc), group_sum)
+    acc.clear()
+    return summed
