@@ -1,4 +1,6 @@
-"""The orchestrator's own clock, and the deadlines of the commands it waits on.
+"""The ranks' clocks (the orchestrator's and a worker's), and the deadlines of the commands it waits on.
+
+`WorkerClock` books a worker's commands and the waits between them.
 
 `BusyClock` books rank 0's time by activity (schedule, handle, store, log; the gaps are
 `wait`) as the same (activity, agent, t0, t1) intervals the workers report, so the
@@ -16,7 +18,40 @@ from collections import defaultdict, deque
 from contextlib import contextmanager
 
 
+class WorkerClock:
+    """A worker rank's clock: collects the (activity, agent, t0, t1) intervals of the commands it
+    runs, the gaps between them booked as 'wait'; they travel to the orchestrator with each reply.
+    Flat, unlike BusyClock: a worker does one command at a time."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, float, float]] = []
+        self.last = time.time()
+
+    def mark(self, activity: str, agent: str, t0: float) -> None:
+        t1 = time.time()
+        # a gap is waiting (for the next command); one under 0.1 ms is not worth a row: a
+        # coarser cut leaves back-to-back micro-batches' gaps unbooked
+        if t0 - self.last > 1e-4:
+            self.items.append(("wait", "", self.last, t0))
+        self.items.append((activity, agent, t0, t1))
+        self.last = t1
+
+    def waited(self, t0: float) -> float:
+        """Book everything since the last activity as waiting (for the command that arrived at
+        t0, then for the other members of a collective); returns now."""
+        now = time.time()
+        self.items.append(("wait", "", min(self.last, t0), now))
+        self.last = now
+        return now
+
+    def drain(self) -> list[tuple[str, str, float, float]]:
+        out, self.items = self.items, []
+        return out
+
+
 class BusyClock:
+    """The orchestrator's clock: `with clock("handle"):` books nested activities (see above)."""
+
     def __init__(self) -> None:
         self.items: list[tuple[str, str, float, float]] = []
         self.busy: dict[str, float] = defaultdict(float)     # seconds by activity, since reset

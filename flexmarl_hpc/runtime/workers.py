@@ -23,43 +23,15 @@ from flexmarl_hpc.runtime.state_swap import StateMover
 from flexmarl_hpc.trainer.base import train_micro
 from flexmarl_hpc.runtime.doorbell import Doorbell
 from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
+from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
 from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
-
-
-class Clock:
-    """Collects (activity, agent, t0, t1) intervals; gaps of waiting are recorded as 'wait'."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, str, float, float]] = []
-        self.last = time.time()
-
-    def mark(self, activity: str, agent: str, t0: float) -> None:
-        t1 = time.time()
-        # a gap is waiting (for the next command); one under 0.1 ms is not worth a row: a
-        # coarser cut leaves back-to-back micro-batches' gaps unbooked
-        if t0 - self.last > 1e-4:
-            self.items.append(("wait", "", self.last, t0))
-        self.items.append((activity, agent, t0, t1))
-        self.last = t1
-
-    def waited(self, t0: float) -> float:
-        """Book everything since the last activity as waiting (for the command that arrived at
-        t0, then for the other members of a collective); returns now."""
-        now = time.time()
-        self.items.append(("wait", "", min(self.last, t0), now))
-        self.last = now
-        return now
-
-    def drain(self) -> list[tuple[str, str, float, float]]:
-        out, self.items = self.items, []
-        return out
 
 
 def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
                  bucket_bytes: int, sync_backend: str = "auto", bell: Doorbell | None = None) -> int:
     channels = SyncChannels(world, sync_backend)
-    clock = Clock()
+    clock = WorkerClock()
     while True:
         cmd = recv_command(world, orch, bell)
         t0 = time.time()
@@ -101,7 +73,7 @@ class TrainerRank:
         self.bucket_bytes, self.keep_checkpoints = bucket_bytes, keep_checkpoints
         self.channels, self.sync_wire = channels, sync_wire
         self.leader = group.Get_rank() == 0
-        self.clock = Clock()
+        self.clock = WorkerClock()
         self.step_stats: dict[str, dict[str, float]] = {}     # per agent, summed over micro-batches
         self.handlers = {messages.Train: self.train, messages.Sync: self.sync,
                          messages.Checkpoint: self.checkpoint, messages.Move: self.move}
