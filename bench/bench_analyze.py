@@ -59,15 +59,15 @@ def synth(path: Path, n: int, agents=("speaker", "listener"), ranks=6) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=1_000_000)
-    a = ap.parse_args()
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "big.h5"
         t = time.perf_counter()
-        synth(path, a.samples)
-        print(f"wrote {a.samples} samples in {time.perf_counter() - t:.1f} s")
+        synth(path, args.samples)
+        print(f"wrote {args.samples} samples in {time.perf_counter() - t:.1f} s")
         t = time.perf_counter()
         rc = analyze([str(path), "--out", str(Path(tmp) / "figs")])
-        print(f"analyze ({a.samples} samples, 100k intervals, all figures): {time.perf_counter() - t:.1f} s, exit {rc}")
+        print(f"analyze ({args.samples} samples, 100k intervals, all figures): {time.perf_counter() - t:.1f} s, exit {rc}")
 
 
 if __name__ == "__main__":

@@ -86,15 +86,15 @@ def main() -> int:
     ap.add_argument("--size", default="smollm2", help="smollm2, or MiB of an fp32 Llama-shaped model")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.child:
-        child(a.size, a.child)
+    args = ap.parse_args()
+    if args.child:
+        child(args.size, args.child)
         return 0
     root = Path(__file__).resolve().parents[1]
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for rep in range(a.reps):
+    for rep in range(args.reps):
         for v in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
-            p = subprocess.run([sys.executable, __file__, "--size", a.size, "--child", v], cwd=root,
+            p = subprocess.run([sys.executable, __file__, "--size", args.size, "--child", v], cwd=root,
                                capture_output=True, text=True, env={"PYTHONWARNINGS": "ignore", **os.environ})
             lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
             if p.returncode != 0 or not lines:
@@ -103,7 +103,7 @@ def main() -> int:
             runs[v].append(json.loads(lines[-1]))
     gb = 1e9
     model = runs["ours"][0]["model_bytes"]
-    print(f"megatron checkpoint save, {a.size} ({model / gb:.2f} GB fp32 weights), one rank, {a.reps} reps")
+    print(f"megatron checkpoint save, {args.size} ({model / gb:.2f} GB fp32 weights), one rank, {args.reps} reps")
     for v in VARIANTS:
         r = runs[v]
         print(f"  {v:9s} steady {spread([x['steady'] / gb for x in r])} GB   "

@@ -95,38 +95,38 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--pollers", type=int, default=0,
                     help="measure the waiting share of this many idle (polling) ranks instead")
-    a = ap.parse_args()
+    args = ap.parse_args()
     ctx = mp.get_context("spawn")
     pipes = []
-    for _ in range(a.procs):
+    for _ in range(args.procs):
         mine, theirs = ctx.Pipe()
-        ctx.Process(target=worker, args=(theirs, a.calls), daemon=True).start()
+        ctx.Process(target=worker, args=(theirs, args.calls), daemon=True).start()
         pipes.append(mine)
     for p in pipes:
         assert p.recv() == "ready"
-    if a.pollers:
-        return waiting_share(ctx, pipes, a)
+    if args.pollers:
+        return waiting_share(ctx, pipes, args)
     alone, together, cores = [], [], []
-    for rep in range(a.reps):
+    for rep in range(args.reps):
         for side in (("alone", "together") if rep % 2 == 0 else ("together", "alone")):
             (alone if side == "alone" else together).append(timed(pipes[:1] if side == "alone" else pipes))
-        cores.append(a.procs * alone[-1] / together[-1])
+        cores.append(args.procs * alone[-1] / together[-1])
     for p in pipes:
         p.send("stop")
-    print(f"torch engine, skewed writer batch x {a.calls} calls per process, {a.reps} interleaved reps")
+    print(f"torch engine, skewed writer batch x {args.calls} calls per process, {args.reps} interleaved reps")
     print(f"  1 process alone            : {spread(alone)} s")
-    print(f"  each of {a.procs} processes at once: {spread(together)} s")
-    print(f"  effective cores ({a.procs} x alone / at once): {spread(cores)}")
+    print(f"  each of {args.procs} processes at once: {spread(together)} s")
+    print(f"  effective cores ({args.procs} x alone / at once): {spread(cores)}")
 
 
 
-def waiting_share(ctx, pipes, a) -> None:
+def waiting_share(ctx, pipes, args) -> None:
     without, with_, share = [], [], []
-    for rep in range(a.reps):
+    for rep in range(args.reps):
         for side in (("without", "with") if rep % 2 == 0 else ("with", "without")):
             stop, polling = ctx.Event(), []
             if side == "with":
-                polling = [ctx.Process(target=poller, args=(stop,), daemon=True) for _ in range(a.pollers)]
+                polling = [ctx.Process(target=poller, args=(stop,), daemon=True) for _ in range(args.pollers)]
                 for q in polling:
                     q.start()
                 time.sleep(2.0)                 # imported and polling before the timing starts
@@ -134,12 +134,12 @@ def waiting_share(ctx, pipes, a) -> None:
             stop.set()
             for q in polling:
                 q.join()
-        share.append(a.procs * (with_[-1] / without[-1] - 1) / a.pollers)
+        share.append(args.procs * (with_[-1] / without[-1] - 1) / args.pollers)
     for p in pipes:
         p.send("stop")
-    print(f"torch engine, skewed writer batch x {a.calls} calls, {a.procs} processes at once, {a.reps} interleaved reps")
+    print(f"torch engine, skewed writer batch x {args.calls} calls, {args.procs} processes at once, {args.reps} interleaved reps")
     print(f"  without pollers            : {spread(without)} s")
-    print(f"  with {a.pollers} polling ranks      : {spread(with_)} s")
+    print(f"  with {args.pollers} polling ranks      : {spread(with_)} s")
     print(f"  waiting share per rank (procs x (with / without - 1) / pollers): {spread(share)}")
 
 

@@ -149,36 +149,36 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="keep every run's directory here (for "
                     "python -m flexmarl_hpc.analyze: timeline.png) instead of a temporary one")
     ap.add_argument("--against", metavar="REV", help="also run every variant on git revision REV's code")
-    a = ap.parse_args()
+    args = ap.parse_args()
     cores = os.cpu_count() or 1
     # a kill (SIGTERM) unwinds like Ctrl-C, so the --against worktree is removed, not left registered
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with tempfile.TemporaryDirectory() as tmp:
         roots = {"": ROOT}
-        if a.against:
+        if args.against:
             other = Path(tmp) / "against"
-            subprocess.run(["git", "worktree", "add", "--detach", str(other), a.against], cwd=ROOT, check=True,
+            subprocess.run(["git", "worktree", "add", "--detach", str(other), args.against], cwd=ROOT, check=True,
                            capture_output=True)
-            roots[f"@{a.against}"] = other
+            roots[f"@{args.against}"] = other
         try:
-            _bench(a, a.keep or Path(tmp), roots, cores)
+            _bench(args, args.keep or Path(tmp), roots, cores)
         finally:
-            if a.against:
-                subprocess.run(["git", "worktree", "remove", "--force", str(roots[f"@{a.against}"])], cwd=ROOT)
+            if args.against:
+                subprocess.run(["git", "worktree", "remove", "--force", str(roots[f"@{args.against}"])], cwd=ROOT)
 
 
-def _bench(a, tmp: Path, roots: dict[str, Path], cores: int) -> None:
-    for wl in a.workloads:
+def _bench(args, tmp: Path, roots: dict[str, Path], cores: int) -> None:
+    for wl in args.workloads:
         config, base = WORKLOADS[wl]
-        if a.steps:
-            base = [o for o in base if not o.startswith("run.steps=")] + [f"run.steps={a.steps}"]
-        runs = [(v + tag, v, root) for v in a.variants for tag, root in roots.items()]
+        if args.steps:
+            base = [o for o in base if not o.startswith("run.steps=")] + [f"run.steps={args.steps}"]
+        runs = [(v + tag, v, root) for v in args.variants for tag, root in roots.items()]
         res: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
         n = len(runs)
-        for rep in range(a.reps):                    # A B C .., B C .. A, ..: drift hits all alike
+        for rep in range(args.reps):                    # A B C .., B C .. A, ..: drift hits all alike
             for name, v, root in runs[rep % n:] + runs[:rep % n]:
                 res[name].append(run(config, base + VARIANTS[v], tmp / f"{wl}-{name}-{rep}", root))
-                print(f"  {wl} rep {rep + 1}/{a.reps} {name}: step {res[name][-1]['step_s']:.3f} s",
+                print(f"  {wl} rep {rep + 1}/{args.reps} {name}: step {res[name][-1]['step_s']:.3f} s",
                       file=sys.stderr, flush=True)
         report(wl, config, base, res, cores)
 

@@ -62,19 +62,19 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
-    a = ap.parse_args()
+    args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    task = FreeText(a.checkpoint)
-    model = load_hf_checkpoint(a.checkpoint)
+    task = FreeText(args.checkpoint)
+    model = load_hf_checkpoint(args.checkpoint)
     named = hf_state_dict(model)
     mib = sum(v.numel() * v.element_size() for v in named.values()) / 2**20
-    inputs = task.sample_inputs(np.random.default_rng(0), a.prompts)
-    reqs = [GenRequest(f"p{i}", task.prompt(0, TaskPath(x)), 1000 + i, a.new_tokens, turn=0)
+    inputs = task.sample_inputs(np.random.default_rng(0), args.prompts)
+    reqs = [GenRequest(f"p{i}", task.prompt(0, TaskPath(x)), 1000 + i, args.new_tokens, turn=0)
             for i, x in enumerate(inputs)]
     params = SamplingParams(temperature=1.0)
-    cfg = RolloutConfig(max_batch=a.prompts, max_model_len=256)
-    print(f"model {a.checkpoint}: {mib:.0f} MiB fp32; {a.prompts} prompts of "
-          f"{np.mean([len(r.prompt) for r in reqs]):.0f} tokens, {a.new_tokens} new tokens each; "
+    cfg = RolloutConfig(max_batch=args.prompts, max_model_len=256)
+    print(f"model {args.checkpoint}: {mib:.0f} MiB fp32; {args.prompts} prompts of "
+          f"{np.mean([len(r.prompt) for r in reqs]):.0f} tokens, {args.new_tokens} new tokens each; "
           f"torch threads {torch.get_num_threads()}", flush=True)
 
     results = {}
@@ -85,9 +85,9 @@ def main() -> None:
         engine.load_weights("solver", 0, named)            # first load (vLLM: engine start)
         start = time.perf_counter() - t0
         engine.generate("solver", reqs[:2], params)        # warm-up
-        dt, gens = timed(lambda: engine.generate("solver", reqs, params), a.reps)
+        dt, gens = timed(lambda: engine.generate("solver", reqs, params), args.reps)
         ntok = sum(len(g.tokens) for g in gens)
-        upd, _ = timed(lambda: engine.load_weights("solver", 1, named), a.reps)
+        upd, _ = timed(lambda: engine.load_weights("solver", 1, named), args.reps)
         results[name] = (ntok / dt, upd)
         print(f"{name:5s}: start {start:5.1f} s | generate {ntok} tokens in {dt:.2f} s = {ntok / dt:7.1f} tokens/s | "
               f"in-place weight update {upd * 1e3:.0f} ms ({mib / upd:.0f} MiB/s)", flush=True)

@@ -47,10 +47,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
-    a = ap.parse_args()
+    args = ap.parse_args()
     torch.set_num_threads(1)
-    args = ModelArgs(vocab_size=1024, hidden_size=a.hidden, num_layers=a.layers, num_heads=8,
-                     num_kv_heads=8, intermediate_size=4 * a.hidden, max_seq_len=64)
+    args = ModelArgs(vocab_size=1024, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
+                     num_kv_heads=8, intermediate_size=4 * args.hidden, max_seq_len=64)
     make = lambda: TorchTrainer(build_model(args, 0), TrainerConfig(lr=1e-3), MPI.COMM_SELF, 1.0)
     tr = make()
     g = torch.Generator().manual_seed(0)
@@ -72,11 +72,11 @@ def main() -> None:
 
     round_trip(fast)                                     # first swap allocates the host buffers
     times = {"offload": [], "rebuild": []}
-    for _ in range(a.reps):
+    for _ in range(args.reps):
         times["offload"].append(round_trip(fast))
         times["rebuild"].append(round_trip(slow))
     ratios = [r / o for r, o in zip(times["rebuild"], times["offload"])]
-    print(f"state {nbytes / 2**20:.1f} MiB (params + Adam), {a.reps} interleaved reps")
+    print(f"state {nbytes / 2**20:.1f} MiB (params + Adam), {args.reps} interleaved reps")
     for k, v in times.items():
         print(f"  {k:8s} round trip {statistics.median(v):.3f} s [{min(v):.3f}, {max(v):.3f}]")
     print(f"  rebuild / offload: {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]")

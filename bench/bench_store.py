@@ -208,13 +208,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds of every side first")
-    a = ap.parse_args()
+    args = ap.parse_args()
     # the workload the README's store figures were measured on (the default config's game then)
     cfg = load_config(ROOT / "configs" / "local.yaml", ["workflow.task_args.num_objects=8",
                                                         "workflow.inputs_per_step=8", "run.eval_every=0"])
     task = build_task(cfg)
     t = time.perf_counter()
-    ops = trace(cfg, task, a.steps)
+    ops = trace(cfg, task, args.steps)
     t_tree = time.perf_counter() - t
     rate = {"store": [], "raw-col": [], "raw-rec": [], "raw-recf": [], "raw-all": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,7 +225,7 @@ def main() -> None:
                  "raw-rec": lambda p: run_raw(cfg, ops, batches, p, False, False),
                  "raw-recf": lambda p: run_raw(cfg, ops, batches, p, False, True),
                  "raw-all": lambda p: run_raw_all(ops, appends, p)}
-        for rep in range(-a.warmup, a.reps):             # rep < 0: warm-up (first-call costs)
+        for rep in range(-args.warmup, args.reps):             # rep < 0: warm-up (first-call costs)
             for name, fn in sides.items():                # interleaved: drift hits every side
                 p = Path(tmp) / f"{name}{rep}.h5"
                 t = time.perf_counter()
@@ -235,9 +235,9 @@ def main() -> None:
                 p.unlink()
     n_gen, n_micro = sum(o[0] == "gen" for o in ops), sum(o[0] == "take" for o in ops)
     n_step, n_log = sum(o[0] == "stepped" for o in ops), sum(o[0] == "logged" for o in ops)
-    print(f"experience store, referential game, {a.steps} steps ({n} samples, {n_gen} generation "
+    print(f"experience store, referential game, {args.steps} steps ({n} samples, {n_gen} generation "
           f"batches; store flushes: {n_micro} per micro-batch + {n_step} per agent step + "
-          f"{n_log} full per global step), {a.reps} interleaved reps after {a.warmup} untimed")
+          f"{n_log} full per global step), {args.reps} interleaved reps after {args.warmup} untimed")
     print(f"  (the workflow tree itself, untimed below: {n / t_tree:.0f} samples/s)")
     for name, xs in rate.items():
         print(f"  {name:8s}: {statistics.median(xs):9.0f} samples/s  [{min(xs):.0f}, {max(xs):.0f}]")

@@ -104,18 +104,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)   # 3 ranks on 2 cores: 5 left medians to chance
     from flexmarl_hpc.config.schema import WeightSyncConfig
     ap.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb)
-    a = ap.parse_args()
+    args = ap.parse_args()
     if "PMI_RANK" not in os.environ:
         mpiexec = Path(sys.executable).parent / "mpiexec"
         rc = 0
-        for n in a.replicas.split(","):
+        for n in args.replicas.split(","):
             rc |= subprocess.call([str(mpiexec), "-n", str(int(n) + 1), sys.executable, *sys.argv])
         sys.exit(rc)
     import torch
     from mpi4py import MPI
     torch.set_num_threads(1)
-    for size in a.sizes.split(","):
-        run_size(MPI.COMM_WORLD, size, a.backends.split(","), a.reps, int(a.bucket_mb * 2**20))
+    for size in args.sizes.split(","):
+        run_size(MPI.COMM_WORLD, size, args.backends.split(","), args.reps, int(args.bucket_mb * 2**20))
 
 
 if __name__ == "__main__":
