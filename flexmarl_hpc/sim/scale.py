@@ -55,16 +55,16 @@ class ScalePoint:
         return not self.reason
 
 
-def parse_sizes(text: str) -> list[int]:
+def parse_sizes(text: str, flag: str = "--scale") -> list[int]:
     """`1,2,4` -> [1, 2, 4]: positive integers, no repeats, sorted ascending.
-    ValueError with a one-line message naming --scale otherwise."""
+    ValueError with a one-line message naming `flag` otherwise."""
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p.isdigit() or int(p) < 1 for p in parts):
-        raise ValueError(f"--scale: expected comma-separated accelerator counts >= 1 (e.g. 1,2,4,3072), "
+        raise ValueError(f"{flag}: expected comma-separated accelerator counts >= 1 (e.g. 1,2,4,3072), "
                          f"got {text!r}")
     sizes = [int(p) for p in parts]
     if len(set(sizes)) != len(sizes):
-        raise ValueError(f"--scale: a count is repeated in {text!r}")
+        raise ValueError(f"{flag}: a count is repeated in {text!r}")
     return sorted(sizes)
 
 
