@@ -702,7 +702,8 @@ def legacy_argv(argv: list[str]) -> tuple[list[str], str]:
     if a.scale is not None and (a.plan or a.capacity):
         raise ValueError("--scale: not with --plan or --capacity")
     name, flag = next((n, f) for n, f, on in (
-        ("scale", "--scale", a.scale is not None), ("plan", "--plan", a.plan), ("calibrate", "--calibrate", a.calibrate),
+        ("scale", "--scale", a.scale is not None), ("plan", "--plan", a.plan),
+        ("calibrate", "--calibrate", a.calibrate),
         ("capacity", "--capacity", a.capacity), ("compare", "--compare", a.compare is not None),
         ("compare", "", True)) if on)
     new = [name, a.config, *a.overrides]

@@ -192,7 +192,8 @@ def test_plan_exits_1_and_writes_nothing_when_every_simulated_plan_fails(tmp_pat
     ([], "compare", []),
     (["--plan", "--nodes", "48", "--top", "2"], "plan", ["--nodes", "48", "--top", "2"]),
     (["--scale", "1,768", "--compare", "flex"], "scale", ["--variants", "flex", "--counts", "1,768"]),
-    (["--calibrate", "RUN.h5", "--measured", "a.h5", "b.h5"], "calibrate", ["--run", "RUN.h5", "--measured", "a.h5", "b.h5"]),
+    (["--calibrate", "RUN.h5", "--measured", "a.h5", "b.h5"], "calibrate",
+     ["--run", "RUN.h5", "--measured", "a.h5", "b.h5"]),
     (["--capacity", "--steps", "3"], "capacity", ["--steps", "3"]),
 ])
 def test_each_old_flag_form_runs_its_subcommand_with_a_one_line_notice(tmp_path, capsys, monkeypatch, old, sub, tail):
