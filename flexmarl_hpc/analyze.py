@@ -27,8 +27,8 @@ ACTIVITY_COLORS = {"generate": "tab:blue", "train": "tab:orange", "sync": "tab:g
                    # the orchestrator's own row (rank 0)
                    "schedule": "tab:red", "handle": "tab:olive", "store": "tab:cyan", "log": "tab:pink"}
 ZOOM_STEPS = 3                    # timeline: the right panel shows this many mid-run steps
-MAX_BARS_PER_RANK = 4000
-MAX_TIMELINE_RANKS = 64           # beyond: one timeline row per role and pool/group, not per rank          # Gantt: merge bars beyond this (keeps 1e6-sample files fast)
+MAX_BARS_PER_RANK = 4000          # Gantt: merge bars beyond this (keeps 1e6-sample files fast)
+MAX_TIMELINE_RANKS = 64           # beyond: one timeline row per role and pool/group, not per rank
 
 
 def print_summary(runs: list[Run], sums: list[dict]) -> None:
@@ -62,44 +62,63 @@ def print_summary(runs: list[Run], sums: list[dict]) -> None:
             print(f"   {run.label:32s} {s['samples_per_s']:10.1f} {x:6.2f} {s['wall_s']:8.1f} {u:9.0%}")
 
 
+STYLES = ["-", "--", ":", "-."]   # line style per run, when several are drawn side by side
+
+
 def plot_all(runs: list[Run], out: Path) -> list[Path]:
+    """Every figure of the runs, one PNG each in `out` (eval.png only when a run has /eval)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     out.mkdir(parents=True, exist_ok=True)
+    figures = [("rewards.png", _rewards_figure), ("entropy_kl.png", _entropy_kl_figure),
+               ("timeline.png", _timeline_figure), ("utilization.png", _utilization_figure),
+               ("staleness.png", _staleness_figure), ("response_lengths.png", _lengths_figure),
+               ("replica_load.png", _replica_load_figure)]
+    if any(not run.evals.empty for run in runs):
+        figures.append(("eval.png", _eval_figure))
     files = []
-    styles = ["-", "--", ":", "-."]
-
-    def save(fig, name):
+    for name, draw in figures:
+        fig = draw(plt, runs)
         fig.tight_layout()
-        p = out / name
-        fig.savefig(p, dpi=110)
+        fig.savefig(out / name, dpi=110)
         plt.close(fig)
-        files.append(p)
+        files.append(out / name)
+    return files
 
+
+def _rewards_figure(plt, runs: list[Run]):
+    """Mean reward of each step's samples per agent and run."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, run in enumerate(runs):
         for a in run.agents:
             st = run.steps[run.steps["agent"] == a].sort_values("step")
-            ax.plot(st["step"], st["reward_mean"], styles[i % 4], label=f"{a} - {run.label}")
+            ax.plot(st["step"], st["reward_mean"], STYLES[i % 4], label=f"{a} - {run.label}")
     ax.set(xlabel="optimizer step", ylabel="mean reward of the step's samples", title="Reward per agent")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    save(fig, "rewards.png")
+    return fig
 
+
+def _entropy_kl_figure(plt, runs: list[Run]):
+    """Policy entropy and KL to the initial policy per step, agent and run."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, run in enumerate(runs):
         for a in run.agents:
             st = run.steps[run.steps["agent"] == a].sort_values("step")
-            axes[0].plot(st["step"], st["entropy"], styles[i % 4], label=f"{a} - {run.label}")
-            axes[1].plot(st["step"], st["kl"], styles[i % 4], label=f"{a} - {run.label}")
+            axes[0].plot(st["step"], st["entropy"], STYLES[i % 4], label=f"{a} - {run.label}")
+            axes[1].plot(st["step"], st["kl"], STYLES[i % 4], label=f"{a} - {run.label}")
     axes[0].set(xlabel="optimizer step", ylabel="mean token entropy (nats)", title="Policy entropy")
     axes[1].set(xlabel="optimizer step", ylabel="KL to initial policy (nats, k3)", title="KL")
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    save(fig, "entropy_kl.png")
+    return fig
 
+
+def _timeline_figure(plt, runs: list[Run]):
+    """Per run, the whole timeline (per rank, or per role and pool/group beyond
+    MAX_TIMELINE_RANKS) and ZOOM_STEPS mid-run steps zoomed."""
     rows = max(len(_rows(r)) if _aggregated(r) else r.attrs.get("world_size", 4) for r in runs)
     fig, axes = plt.subplots(len(runs), 2, figsize=(14, 1.4 + 0.5 * min(rows, MAX_TIMELINE_RANKS) * len(runs)),
                              squeeze=False, gridspec_kw={"width_ratios": [3, 2]})
@@ -118,8 +137,11 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ACTIVITY_COLORS.values()]
     axes[0, 0].legend(handles, ACTIVITY_COLORS.keys(), ncol=10, fontsize=7, loc="lower left",
                       bbox_to_anchor=(0.0, 1.12))
-    save(fig, "timeline.png")
+    return fig
 
+
+def _utilization_figure(plt, runs: list[Run]):
+    """Busy share of each role's ranks over time, one panel per run."""
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
     for ax, run in zip(axes[0], runs):
         u = utilization(run, by="role", bins=60)
@@ -129,8 +151,11 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
                title=f"Utilization by role - {run.label}")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    save(fig, "utilization.png")
+    return fig
 
+
+def _staleness_figure(plt, runs: list[Run]):
+    """How many policy versions behind the trainer the trained samples were."""
     fig, ax = plt.subplots(figsize=(6, 4))
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
@@ -139,20 +164,26 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
     ax.set(xlabel="staleness (policy versions behind the trainer)", ylabel="consumed samples",
            title="Staleness of trained samples")
     ax.legend(fontsize=8)
-    save(fig, "staleness.png")
+    return fig
 
+
+def _lengths_figure(plt, runs: list[Run]):
+    """Histogram of response lengths per agent, a line per run."""
     agents = sorted({a for r in runs for a in r.agents})
     fig, axes = plt.subplots(1, len(agents), figsize=(4.5 * len(agents), 3.8), squeeze=False)
     for ax, a in zip(axes[0], agents):
-        for i, run in enumerate(runs):
+        for run in runs:
             L = run.samples.loc[run.samples["agent"] == a, "response_len"].to_numpy()
             if len(L):
                 ax.hist(L, bins=np.arange(0, L.max() + 2) - 0.5 if L.max() < 60 else 40,
                         histtype="step", lw=1.5, label=run.label)
         ax.set(xlabel="response length (tokens)", ylabel="samples", title=f"Response lengths - {a}")
         ax.legend(fontsize=7)
-    save(fig, "response_lengths.png")
+    return fig
 
+
+def _replica_load_figure(plt, runs: list[Run]):
+    """Per rollout replica, when it generated and for which agent."""
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.5 + 0.6 * max(
         r.attrs.get("world_size", 4) for r in runs) * len(runs)), squeeze=False)
     cmap = plt.get_cmap("tab10")
@@ -168,18 +199,15 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
         ax.set(xlabel="time since start (s)", title=f"Rollout replica load (agent served) - {run.label}")
         ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], colors.keys(),
                   fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(colors))
-    save(fig, "replica_load.png")
-    if any(not run.evals.empty for run in runs):
-        save(_eval_figure(plt, runs, styles), "eval.png")
-    return files
+    return fig
 
 
-def _eval_figure(plt, runs: list[Run], styles: list[str]):
+def _eval_figure(plt, runs: list[Run]):
     """Held-out evaluation per step: one line per (agent, metric, mode) and run."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, run in enumerate(runs):
         for key, e in eval_curves(run).items():
-            ax.plot(e["step"], e["value"], styles[i % 4], marker="o", ms=3, label=f"{key} - {run.label}")
+            ax.plot(e["step"], e["value"], STYLES[i % 4], marker="o", ms=3, label=f"{key} - {run.label}")
     ax.set(xlabel="optimizer step (policy version evaluated)", ylabel="mean over held-out inputs",
            title="Held-out evaluation")
     ax.legend(fontsize=8)

@@ -1,39 +1,46 @@
 """Simulate a config at cluster scale: the real orchestrator on a discrete-event clock.
 
-    python -m flexmarl_hpc.simulate configs/paper_3x32b_7x14b.yaml --compare sync,flex
-    python -m flexmarl_hpc.simulate configs/paper_5x32b.yaml --hardware h100_ndr --steps 10 --json
-    python -m flexmarl_hpc.simulate configs/local.yaml --capacity          # the orchestrator's own limit
-    python -m flexmarl_hpc.simulate configs/skewed.yaml --workers real --calibrate runs/skewed/skewed.h5
+    python -m flexmarl_hpc.simulate compare configs/paper_3x32b_7x14b.yaml --variants sync,flex
+    python -m flexmarl_hpc.simulate compare configs/paper_5x32b.yaml --hardware h100_ndr --steps 10 --json
+    python -m flexmarl_hpc.simulate plan configs/paper_3x32b_7x14b.yaml --nodes 48 --top 3 --write plan48.yaml
+    python -m flexmarl_hpc.simulate scale configs/paper_3x32b_7x14b.yaml --counts 1,2,4,768 --png scale.png
+    python -m flexmarl_hpc.simulate calibrate configs/skewed.yaml --run runs/skewed/skewed.h5 --workers real
+    python -m flexmarl_hpc.simulate capacity configs/local.yaml        # the orchestrator's own limit
 
-Each variant of --compare runs the real Orchestrator, Scheduler, Experience, workflow and
-rewards over sim.transport.SimTransport. Its workers (--workers) are synthetic (responses of
-modelled length, training skipped: any model size) or real (the real engine and trainers in
-this process, for small models: the run trains what an MPI run of the config trains, and
-only the clock is modelled, from the lengths the policy really generates).
+Each subcommand takes CONFIG, key=value overrides, --hardware, --steps, --json and --out;
+`python -m flexmarl_hpc.simulate SUBCOMMAND --help` lists the rest. The flag forms before
+subcommands (`simulate CONFIG --compare ...`, `--plan`, `--scale`, `--calibrate`,
+`--capacity`) still run, with a one-line notice naming the subcommand's command line.
+
+compare: each variant (--variants) runs the real Orchestrator, Scheduler, Experience,
+workflow and rewards over sim.transport.SimTransport. Its workers (--workers) are synthetic
+(responses of modelled length, training skipped: any model size) or real (the real engine
+and trainers in this process, for small models: the run trains what an MPI run of the config
+trains, and only the clock is modelled, from the lengths the policy really generates).
 Both are priced by sim.costs (see sim/driver.py for what is modelled and README "Scale"). Each writes
 `<out>/<variant>/<run>.h5` (the run schema, attrs simulated=True and hardware), which
 `python -m flexmarl_hpc.analyze` reads unchanged. Printed per variant: step_s (median gap
 between global steps after the first 2), accelerator utilization, samples/s and the ratio of
 sync's step time to the variant's.
 
---plan --nodes N ranks splits of N nodes among the config's rollout pools and trainer groups
+plan --nodes N ranks splits of N nodes among the config's rollout pools and trainer groups
 (one pool per agent class = agents of one model shape; replicas, group sizes, group counts)
 with the closed-form planner (sim/plan.py), simulates the best --top of distinct shapes in
 flex mode, prints both estimates, and prints (and with --write, writes) the best simulated
 plan's rollout.pools / trainer.named_groups with their slurm: components, ready to paste.
 
---calibrate RUN.h5 fits --hardware (default cpu_local) to a real run's intervals
-(sim/calibrate.py), prints the fitted figures, simulates --compare on the fitted profile with
+calibrate --run RUN.h5 fits --hardware (default cpu_local) to a real run's intervals
+(sim/calibrate.py), prints the fitted figures, simulates --variants on the fitted profile with
 the task's own response lengths, and with --measured H5... prints predicted vs measured
 step_s per variant and the flex/sync ratio error; --write-profile saves the fitted profile.
 
---scale 1,2,4,...,3072 [--png PATH] asks the same closed-form planner, per accelerator count
-(whole nodes of the profile; below one node, one node with only that many devices) and per
-variant mode, for the best split, simulates it for each variant (default 4 steps), prints
+scale --counts 1,2,4,...,3072 [--png PATH] asks the same closed-form planner, per accelerator
+count (whole nodes of the profile; below one node, one node with only that many devices) and
+per variant mode, for the best split, simulates it for each variant (default 4 steps), prints
 step_s and utilization per count and variant (sizes that cannot hold the models: "does not
 fit") and draws both against the count (sim/scale.py).
 
---capacity runs flex with zero-cost workers and the orchestrator's real compute charged to
+capacity runs flex with zero-cost workers and the orchestrator's real compute charged to
 the clock: samples/s is then what the single orchestrator rank can drive on this CPU.
 """
 from __future__ import annotations
@@ -41,10 +48,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -167,22 +176,22 @@ def variant_of(cfg) -> str:
             else "flex-stale1" if p.max_staleness == 1 else "flex")
 
 
-def calibrate_main(a: argparse.Namespace, variants: list[str], out: Path) -> int:
-    """The --calibrate shell: fit, print the figures, predict the variants (and compare)."""
+def calibrate_main(a: argparse.Namespace, out: Path) -> int:
+    """`simulate calibrate`: fit, print the figures, predict the variants (and compare)."""
     import numpy as np
     from flexmarl_hpc.sim.hardware import save_hardware
     try:
-        hw = calibrate(a.calibrate, a.hardware)
-        pred = predict_variants(a.config, variants, hw, a.steps, out, a.overrides, a.workers)
+        hw = calibrate(a.run, a.hardware)
+        pred = predict_variants(a.config, variant_list(a.variants), hw, a.steps, out, a.overrides, a.workers)
         measured: dict[str, list[float]] = {}
         for h5 in a.measured:
             measured.setdefault(variant_of(run_config(h5)), []).append(measure(Path(h5))["step_s"])
     except (ConfigError, HardwareError, ValueError, OSError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
-    print(f"fitted from {a.calibrate}: {fitted_summary(hw)}")
+    print(f"fitted from {a.run}: {fitted_summary(hw)}")
     if a.write_profile is not None:
-        save_hardware(hw, a.write_profile, f"fitted by simulate --calibrate {a.calibrate}\n"
+        save_hardware(hw, a.write_profile, f"fitted by simulate --calibrate {a.run}\n"
                       f"from the base profile {a.hardware}")
     res = {}
     for v, r in pred.items():
@@ -339,16 +348,9 @@ def scale_table(rows: list[dict], variants: list[str]) -> str:
     return "\n".join(lines)
 
 
-def scale_main(a: argparse.Namespace, variants: list[str], out: Path) -> int:
-    """The --scale shell: checks the flags, runs scale(), prints, writes --png."""
-    try:
-        sizes = parse_sizes(a.scale)
-    except ValueError as e:
-        print(f"simulate: {e}", file=sys.stderr)
-        return 2
-    if a.png is not None and (a.png.suffix.lower() != ".png" or not a.png.parent.is_dir()):
-        print(f"simulate: --png: expected a .png path in an existing folder, got {a.png}", file=sys.stderr)
-        return 2
+def scale_main(a: argparse.Namespace, out: Path) -> int:
+    """`simulate scale`: runs scale(), prints, writes --png."""
+    sizes, variants = parse_sizes(a.counts), variant_list(a.variants)
     wall = time.perf_counter()
     try:
         rows = scale(a.config, sizes, variants, a.hardware, a.steps, out, a.overrides,
@@ -370,7 +372,7 @@ def scale_main(a: argparse.Namespace, variants: list[str], out: Path) -> int:
         if a.png is not None and fitting:
             print(f"wrote {a.png}")
     if not fitting:
-        print("simulate: --scale: no accelerator count fits the config's models", file=sys.stderr)
+        print("simulate: scale: no accelerator count fits the config's models", file=sys.stderr)
         return 1
     return 1 if any("error" in x for r in fitting for x in r["variants"].values()) else 0
 
@@ -388,18 +390,19 @@ def _raw_config(config: str, overrides: list[str]) -> dict:
     return data
 
 
-def plan_table(rows: list[dict], hw: HardwareProfile, current: dict | None = None) -> str:
+def plan_table(rows: list[dict], hw: HardwareProfile, current: dict | None = None, wall: bool = True) -> str:
     """Closed-form and simulated flex step time and utilization per plan (best first), then
-    the config's own allocation (simulated only) when given."""
+    the config's own allocation (simulated only) when given; the wall seconds each took unless
+    `wall` is off (a figure that must not drift)."""
     head = (f"{'plan':5s} {'closed-form step_s':>18s} {'util':>6s} {'simulated step_s':>17s} {'util':>6s} "
-            f"{'nodes':>5s} {'wall_s':>7s}")
+            f"{'nodes':>5s}" + (f" {'wall_s':>7s}" if wall else ""))
     lines = [head]
     for r in rows:
         p, sim = r["plan"], r["sim"]
         simulated = (f"{sim['step_s']:17.1f} {sim['util']:6.1%}" if "step_s" in sim
                      else f"{'failed':>17s} {'-':>6s}")
         lines.append(f"#{r['rank']:<4d} {p.step_s['flex']:18.1f} {p.utilization['flex']:6.1%} {simulated} "
-                     f"{fragment_nodes(r['fragment']):5d} {sim['wall_s']:7.1f}")
+                     f"{fragment_nodes(r['fragment']):5d}" + (f" {sim['wall_s']:7.1f}" if wall else ""))
         lines += [f"      {line}" for line in describe_alloc(p, hw)]
         if "error" in sim:
             lines.append(f"      failed: {sim['error']}")
@@ -407,7 +410,8 @@ def plan_table(rows: list[dict], hw: HardwareProfile, current: dict | None = Non
         sim = current["sim"]
         simulated = (f"{sim['step_s']:17.1f} {sim['util']:6.1%}" if "step_s" in sim
                      else f"{'failed':>17s} {'-':>6s}")
-        lines.append(f"{'config':6s}{'-':>18s} {'-':>6s} {simulated} {current['nodes']:5d} {sim['wall_s']:7.1f}")
+        lines.append(f"{'config':6s}{'-':>18s} {'-':>6s} {simulated} {current['nodes']:5d}"
+                     + (f" {sim['wall_s']:7.1f}" if wall else ""))
         lines.append("      the config's own pools and groups")
     return "\n".join(lines)
 
@@ -426,16 +430,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def plan_main(a: argparse.Namespace, out: Path) -> int:
-    """The --plan shell: checks the flags, runs plan(), prints, writes --write."""
-    if a.nodes is None:
-        print("simulate: --nodes: required with --plan (the nodes to split, orchestrator included)", file=sys.stderr)
-        return 2
-    if a.top < 1:
-        print(f"simulate: --top: expected >= 1, got {a.top}", file=sys.stderr)
-        return 2
-    if a.write is not None and not a.write.parent.is_dir():
-        print(f"simulate: --write: folder {a.write.parent} does not exist", file=sys.stderr)
-        return 2
+    """`simulate plan`: runs plan(), prints, writes --write."""
     try:
         rows, current = plan(a.config, a.nodes, a.hardware, a.top, a.steps, out, a.overrides, a.baseline)
         hw = load_hardware(a.hardware)
@@ -447,11 +442,7 @@ def plan_main(a: argparse.Namespace, out: Path) -> int:
         print(plan_table(rows, hw, current))
         print("simulate: every simulated plan failed", file=sys.stderr)
         return 1
-    header = [f"simulate --plan: {a.config}, {a.nodes} nodes of {hw.name} ({fragment_nodes(best['fragment'])} "
-              f"for pools and groups + the orchestrator's), plan #{best['rank']} of the closed form",
-              f"predicted flex step {best['sim']['step_s']:.1f} s simulated ({a.steps} steps), "
-              f"{best['plan'].step_s['flex']:.1f} s closed form; utilization {best['sim']['util']:.1%}"]
-    text = fragment_yaml(best["fragment"], header)
+    text = best_fragment(a.config, a.nodes, a.steps, hw, best)
     if a.write is not None:
         write_atomic(a.write, text)
     if a.json:
@@ -461,102 +452,292 @@ def plan_main(a: argparse.Namespace, out: Path) -> int:
                                      "fragment": r["fragment"]} for r in rows],
                           "config_allocation": current}, indent=1))
         return 0
-    classes = describe_classes(config_classes(load_config(a.config, a.overrides)))
-    print(f"{a.config} on {hw.name}, {a.nodes} nodes; agent classes {classes}")
-    print(f"the closed form's best {len(rows)} plans of distinct shapes, simulated (flex, {a.steps} steps), "
-          f"best simulated first:")
-    print(plan_table(rows, hw, current))
-    print(f"\nbest: plan #{best['rank']}; paste into the config{f' (written to {a.write})' if a.write else ''}:")
-    print(text, end="")
+    print(plan_report(a.config, a.overrides, a.nodes, a.steps, hw, rows, current, a.write), end="")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flexmarl_hpc.simulate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config")
+def best_fragment(config: str, nodes: int, steps: int, hw: HardwareProfile, best: dict) -> str:
+    """The best plan's rollout.pools / trainer.named_groups as YAML, under a comment saying
+    what was predicted for it."""
+    header = [f"simulate --plan: {config}, {nodes} nodes of {hw.name} ({fragment_nodes(best['fragment'])} "
+              f"for pools and groups + the orchestrator's), plan #{best['rank']} of the closed form",
+              f"predicted flex step {best['sim']['step_s']:.1f} s simulated ({steps} steps), "
+              f"{best['plan'].step_s['flex']:.1f} s closed form; utilization {best['sim']['util']:.1%}"]
+    return fragment_yaml(best["fragment"], header)
+
+
+def plan_report(config: str, overrides: list[str], nodes: int, steps: int, hw: HardwareProfile, rows: list[dict],
+                current: dict | None, written: Path | None = None, wall: bool = True) -> str:
+    """What `simulate plan` prints: the classes, the plans' table, the best plan's fragment."""
+    classes = describe_classes(config_classes(load_config(config, overrides)))
+    best = rows[0]
+    return "\n".join([
+        f"{config} on {hw.name}, {nodes} nodes; agent classes {classes}",
+        f"the closed form's best {len(rows)} plans of distinct shapes, simulated (flex, {steps} steps), "
+        f"best simulated first:",
+        plan_table(rows, hw, current, wall),
+        f"\nbest: plan #{best['rank']}; paste into the config{f' (written to {written})' if written else ''}:",
+        best_fragment(config, nodes, steps, hw, best)])
+
+
+def compare_table(config: str, hardware: str, steps: int, res: dict[str, dict], wall: bool = True) -> str:
+    """Per variant: step_s, utilization, samples/s, sync's step time over the variant's (and
+    the wall seconds the simulation took, unless `wall` is off: a figure that must not drift)."""
+    lines = [f"{config} on {hardware}, {steps} steps (simulated)",
+             f"{'variant':12s} {'step_s':>9s} {'util':>6s} {'samples/s':>10s} {'vs sync':>8s}"
+             + (f" {'wall_s':>7s}" if wall else "")]
+    for v, r in res.items():
+        if "error" in r:
+            lines.append(f"{v:12s} failed: {r['error']}")
+            continue
+        ratio = f"{r['speedup_vs_sync']:.2f}x" if "speedup_vs_sync" in r else "-"
+        lines.append(f"{v:12s} {_secs(r['step_s']):>9s} {r['util']:6.1%} {r['samples_per_s']:10.2f} "
+                     f"{ratio:>8s}" + (f" {r['wall_s']:7.1f}" if wall else ""))
+    return "\n".join(lines)
+
+
+def compare_main(a: argparse.Namespace, out: Path) -> int:
+    """`simulate compare`: each variant simulated, a table (or JSON); exit 1 if one failed."""
+    try:
+        res = run_variants(a.config, variant_list(a.variants), a.hardware, a.steps, out, a.overrides, a.workers)
+    except (ConfigError, HardwareError, ValueError) as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"config": a.config, "hardware": a.hardware, "steps": a.steps, "variants": res}, indent=1)
+          if a.json else compare_table(a.config, a.hardware, a.steps, res))
+    return 1 if any("error" in r for r in res.values()) else 0
+
+
+def capacity_main(a: argparse.Namespace, out: Path) -> int:
+    """`simulate capacity`: the orchestrator's own samples/s on this CPU."""
+    try:
+        res = capacity(a.config, a.steps, out / "capacity", a.overrides)
+    except (ConfigError, HardwareError, ValueError) as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(res, indent=1) if a.json else
+          f"orchestrator capacity: {res['samples_per_s']:.0f} samples/s, {res['commands_per_s']:.0f} "
+          f"commands/s ({res['commands']} commands, wall {res['wall_s']:.1f} s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# the command line: one subcommand per question, checked before anything runs
+
+
+def variant_list(text: str) -> list[str]:
+    """`sync, flex` -> ["sync", "flex"]."""
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _flag(a: argparse.Namespace, new: str, old: str) -> str:
+    """The flag as the user typed it: the subcommand's, or the deprecated form's."""
+    return old if a.legacy else new
+
+
+def check_common(a: argparse.Namespace) -> str | None:
+    if a.steps < 3:
+        return f"--steps: expected >= 3 (the first 2 steps are start-up), got {a.steps}"
+    if "variants" in a:
+        bad = [v for v in variant_list(a.variants) if v not in VARIANTS]
+        if bad or not variant_list(a.variants):
+            return (f"{_flag(a, '--variants', '--compare')}: unknown variant(s) {bad}; "
+                    f"expected some of {', '.join(VARIANTS)}")
+    return None
+
+
+def check_plan(a: argparse.Namespace) -> str | None:
+    if a.nodes is None:
+        return "--nodes: required (the nodes to split, orchestrator included)"
+    if a.top < 1:
+        return f"--top: expected >= 1, got {a.top}"
+    if a.write is not None and not a.write.parent.is_dir():
+        return f"--write: folder {a.write.parent} does not exist"
+    return None
+
+
+def check_scale(a: argparse.Namespace) -> str | None:
+    try:
+        parse_sizes(a.counts, _flag(a, "--counts", "--scale"))
+    except ValueError as e:
+        return str(e)
+    if a.png is not None and (a.png.suffix.lower() != ".png" or not a.png.parent.is_dir()):
+        return f"--png: expected a .png path in an existing folder, got {a.png}"
+    return None
+
+
+def check_calibrate(a: argparse.Namespace) -> str | None:
+    if not Path(a.run).is_file():
+        return f"{_flag(a, '--run', '--calibrate')}: no such file {a.run}"
+    return None
+
+
+def _common_options(p: argparse.ArgumentParser, hardware: str, steps: int) -> None:
+    p.add_argument("config", help="the run's config (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    p.add_argument("--hardware", default=None,
-                   help="configs/hardware/<name>.yaml or a path (default npu64_a3; cpu_local with --calibrate)")
-    p.add_argument("--steps", type=int, default=None, help="simulated steps (default 10; 4 with --plan)")
-    p.add_argument("--compare", default="sync,flex", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--hardware", default=hardware, help=f"configs/hardware/<name>.yaml or a path (default {hardware})")
+    p.add_argument("--steps", type=int, default=steps, help=f"simulated steps (default {steps}; >= 3)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--out", type=Path, default=None, help="folder of the variants' HDF5 files (default: a temp dir)")
-    p.add_argument("--capacity", action="store_true", help="measure the orchestrator's own samples/s")
-    p.add_argument("--plan", action="store_true", help="search the split of --nodes among pools and groups")
-    p.add_argument("--nodes", type=int, default=None, help="with --plan: nodes to split (orchestrator included)")
-    p.add_argument("--top", type=int, default=3, help="with --plan: closed-form plans to simulate")
-    p.add_argument("--baseline", action="store_true", help="with --plan: also simulate the config's own allocation")
-    p.add_argument("--write", type=Path, default=None, help="with --plan: write the best plan's YAML here")
-    p.add_argument("--calibrate", default=None, metavar="RUN.h5",
-                   help="fit --hardware (default cpu_local) to this real run, then predict the variants")
-    p.add_argument("--measured", nargs="*", default=[], metavar="H5",
-                   help="with --calibrate: real runs of the variants, to print predicted vs measured")
-    p.add_argument("--write-profile", type=Path, default=None, help="with --calibrate: write the fitted profile")
+    p.add_argument("--out", type=Path, default=None, help="folder of the simulated HDF5 files (default: a temp dir)")
+
+
+def _variants_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variants", default="sync,flex", help=f"comma-separated, of {', '.join(VARIANTS)}")
+
+
+def _workers_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", choices=WORKERS, default="synthetic",
                    help="synthetic: modelled responses, training skipped (any model size); real: the "
                    "real engine and trainers in this process (small models: the run trains what an MPI "
-                   "run trains, only the clock is modelled; with --compare and --calibrate)")
-    p.add_argument("--scale", default=None, help="accelerator counts, e.g. 1,2,4,...,3072: per count the "
-                   "planner's allocation per variant, simulated (default 4 steps)")
-    p.add_argument("--png", type=Path, default=None,
-                   help="with --scale: write the step time / utilization curve here")
-    a = p.parse_args(argv)
-    a.hardware = a.hardware or ("cpu_local" if a.calibrate else "npu64_a3")
-    if a.steps is None:
-        a.steps = 4 if a.plan or a.scale is not None else 10
-    variants = [v.strip() for v in a.compare.split(",") if v.strip()]
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad or not variants:
-        print(f"--compare: unknown variant(s) {bad}; expected some of {', '.join(VARIANTS)}", file=sys.stderr)
-        return 2
-    if a.steps < 3:
-        print(f"--steps: expected >= 3 (the first 2 steps are start-up), got {a.steps}", file=sys.stderr)
-        return 2
+                   "run trains, only the clock is modelled)")
+
+
+def compare_options(p: argparse.ArgumentParser) -> None:
+    _common_options(p, "npu64_a3", 10)
+    _variants_option(p)
+    _workers_option(p)
+
+
+def plan_options(p: argparse.ArgumentParser) -> None:
+    _common_options(p, "npu64_a3", 4)
+    p.add_argument("--nodes", type=int, default=None, help="nodes to split (orchestrator included); required")
+    p.add_argument("--top", type=int, default=3, help="closed-form plans to simulate (default 3)")
+    p.add_argument("--baseline", action="store_true", help="also simulate the config's own allocation")
+    p.add_argument("--write", type=Path, default=None, help="write the best plan's YAML here")
+
+
+def scale_options(p: argparse.ArgumentParser) -> None:
+    _common_options(p, "npu64_a3", 4)
+    p.add_argument("--counts", required=True, help="accelerator counts, e.g. 1,2,4,...,3072")
+    _variants_option(p)
+    p.add_argument("--png", type=Path, default=None, help="write the step time / utilization curve here")
+
+
+def calibrate_options(p: argparse.ArgumentParser) -> None:
+    _common_options(p, "cpu_local", 10)
+    p.add_argument("--run", required=True, metavar="RUN.h5", help="the real run to fit --hardware to")
+    _variants_option(p)
+    p.add_argument("--measured", nargs="*", default=[], metavar="H5",
+                   help="real runs of the variants, to print predicted vs measured")
+    p.add_argument("--write-profile", type=Path, default=None, help="write the fitted profile here")
+    _workers_option(p)
+
+
+def capacity_options(p: argparse.ArgumentParser) -> None:
+    _common_options(p, "npu64_a3", 10)
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A subcommand: its options, the checks of its flags (a one-line error or None) and its shell."""
+    help: str
+    options: Callable[[argparse.ArgumentParser], None]
+    check: Callable[[argparse.Namespace], str | None]
+    run: Callable[[argparse.Namespace, Path], int]
+
+
+COMMANDS = {
+    "compare": Command("simulate the variants of a config and compare their step times",
+                       compare_options, lambda a: None, compare_main),
+    "plan": Command("rank splits of --nodes among pools and groups; simulate the best --top",
+                    plan_options, check_plan, plan_main),
+    "scale": Command("the planner's best split per accelerator count, simulated per variant",
+                     scale_options, check_scale, scale_main),
+    "calibrate": Command("fit --hardware to a real run, predict the variants (and compare to --measured)",
+                         calibrate_options, check_calibrate, calibrate_main),
+    "capacity": Command("the samples/s the orchestrator alone drives on this CPU (zero-cost workers)",
+                        capacity_options, lambda a: None, capacity_main),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flexmarl_hpc.simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, c in COMMANDS.items():
+        sp = sub.add_parser(name, help=c.help, description=c.help)
+        c.options(sp)
+        sp.set_defaults(legacy=False)
+    return p
+
+
+def legacy_parser() -> argparse.ArgumentParser:
+    """The flag forms before subcommands (`simulate CONFIG --plan --nodes 48`); every default
+    None, so that only what was given is carried over to the subcommand."""
+    p = argparse.ArgumentParser(prog="python -m flexmarl_hpc.simulate")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    for flag in ("--hardware", "--compare", "--calibrate", "--scale"):
+        p.add_argument(flag)
+    for flag in ("--steps", "--nodes", "--top"):
+        p.add_argument(flag, type=int)
+    for flag in ("--out", "--write", "--write-profile", "--png"):
+        p.add_argument(flag, type=Path)
+    for flag in ("--json", "--capacity", "--plan", "--baseline"):
+        p.add_argument(flag, action="store_true")
+    p.add_argument("--measured", nargs="*", default=[])
+    p.add_argument("--workers", choices=WORKERS)
+    return p
+
+
+LEGACY_OPTIONS = [  # (dest, the subcommand's flag, subcommands that take it)
+    ("hardware", "--hardware", tuple(COMMANDS)), ("steps", "--steps", tuple(COMMANDS)),
+    ("json", "--json", tuple(COMMANDS)), ("out", "--out", tuple(COMMANDS)),
+    ("compare", "--variants", ("compare", "scale", "calibrate")), ("workers", "--workers", ("compare", "calibrate")),
+    ("nodes", "--nodes", ("plan",)), ("top", "--top", ("plan",)), ("baseline", "--baseline", ("plan",)),
+    ("write", "--write", ("plan",)), ("scale", "--counts", ("scale",)), ("png", "--png", ("scale",)),
+    ("calibrate", "--run", ("calibrate",)), ("measured", "--measured", ("calibrate",)),
+    ("write_profile", "--write-profile", ("calibrate",)),
+]
+
+
+def legacy_argv(argv: list[str]) -> tuple[list[str], str]:
+    """The subcommand's command line for a deprecated flag form, and the form's mode flag;
+    ValueError (one line) for flags the old form refused together."""
+    a = legacy_parser().parse_args(argv)
     if a.workers == "real" and (a.plan or a.capacity or a.scale is not None):
-        print("simulate: --workers real: only with --compare or --calibrate (plans and scales are for "
-              "models too large to run here)", file=sys.stderr)
-        return 2
+        raise ValueError("--workers real: only with --compare or --calibrate (plans and scales are for "
+                         "models too large to run here)")
     if a.png is not None and a.scale is None:
-        print("simulate: --png: only with --scale", file=sys.stderr)
-        return 2
+        raise ValueError("--png: only with --scale")
     if a.scale is not None and (a.plan or a.capacity):
-        print("simulate: --scale: not with --plan or --capacity", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        out = a.out or Path(tmp)
-        if a.scale is not None:
-            return scale_main(a, variants, out)
-        if a.plan:
-            return plan_main(a, out)
-        if a.calibrate:
-            return calibrate_main(a, variants, out)
+        raise ValueError("--scale: not with --plan or --capacity")
+    name, flag = next((n, f) for n, f, on in (
+        ("scale", "--scale", a.scale is not None), ("plan", "--plan", a.plan),
+        ("calibrate", "--calibrate", a.calibrate),
+        ("capacity", "--capacity", a.capacity), ("compare", "--compare", a.compare is not None),
+        ("compare", "", True)) if on)
+    new = [name, a.config, *a.overrides]
+    for dest, opt, takers in LEGACY_OPTIONS:
+        value = getattr(a, dest)
+        if name not in takers or value is None or value is False or value == []:
+            continue
+        new += [opt] if value is True else [opt, *map(str, value)] if isinstance(value, list) else [opt, str(value)]
+    return new, flag
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    notice = None
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         try:
-            if a.capacity:
-                res = capacity(a.config, a.steps, out / "capacity", a.overrides)
-                print(json.dumps(res, indent=1) if a.json else
-                      f"orchestrator capacity: {res['samples_per_s']:.0f} samples/s, "
-                      f"{res['commands_per_s']:.0f} commands/s ({res['commands']} commands, wall {res['wall_s']:.1f} s)")
-                return 0
-            res = run_variants(a.config, variants, a.hardware, a.steps, out, a.overrides, a.workers)
-            failed = any("error" in r for r in res.values())
-        except (ConfigError, HardwareError, ValueError) as e:
+            argv, flag = legacy_argv(argv)
+        except ValueError as e:
             print(f"simulate: {e}", file=sys.stderr)
             return 2
-        if a.json:
-            print(json.dumps({"config": a.config, "hardware": a.hardware, "steps": a.steps,
-                              "variants": res}, indent=1))
-        else:
-            print(f"{a.config} on {a.hardware}, {a.steps} steps (simulated)")
-            print(f"{'variant':12s} {'step_s':>9s} {'util':>6s} {'samples/s':>10s} {'vs sync':>8s} {'wall_s':>7s}")
-            for v, r in res.items():
-                if "error" in r:
-                    print(f"{v:12s} failed: {r['error']}")
-                    continue
-                ratio = f"{r['speedup_vs_sync']:.2f}x" if "speedup_vs_sync" in r else "-"
-                print(f"{v:12s} {_secs(r['step_s']):>9s} {r['util']:6.1%} {r['samples_per_s']:10.2f} "
-                      f"{ratio:>8s} {r['wall_s']:7.1f}")
-    return 1 if failed else 0
+        notice = (f"simulate: 'simulate CONFIG{' ' + flag if flag else ''}' is deprecated; "
+                  f"use 'simulate {shlex.join(argv)}'")
+    a = parser().parse_args(argv)
+    a.legacy = notice is not None
+    command = COMMANDS[a.command]
+    error = check_common(a) or command.check(a)
+    if error:
+        print(f"simulate: {error}", file=sys.stderr)
+        return 2
+    if notice:
+        print(notice, file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        return command.run(a, a.out or Path(tmp))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Fit a CPU hardware profile from a real run's busy intervals (`simulate --calibrate RUN.h5`).
+"""Fit a CPU hardware profile from a real run's busy intervals (`simulate calibrate CONFIG --run RUN.h5`).
 
 Pure core: `observe(h5)` reads a run's file into `Observations` (each generate interval with
 its batch's prompt and response lengths, each train interval with its micro-batch's tokens

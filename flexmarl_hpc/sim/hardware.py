@@ -51,7 +51,7 @@ class Efficiency:
     """Fraction of device memory a replica may use for weights plus KV cache (vLLM's knob)."""
     orchestrator_s: float = 0.0
     """The orchestrator's own seconds per reply it handles (schedule, store, log): 0 models
-    an orchestrator that costs nothing; `simulate --calibrate` fits it on CPU runs."""
+    an orchestrator that costs nothing; `simulate calibrate` fits it on CPU runs."""
     optimizer_overhead_s: float = 0.0
     """Fixed seconds of one optimizer step beyond its memory-bound update (on CPU: torch's
     per-tensor dispatch of Adam, which no bandwidth explains); 0 by default; fitted on CPU runs."""

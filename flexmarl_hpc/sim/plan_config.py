@@ -1,6 +1,6 @@
 """Allocation plans in a config's own terms (pure: no orchestrator, no files).
 
-`simulate CONFIG --plan --nodes N` reads the agent classes from the config (agents grouped by
+`simulate plan CONFIG --nodes N` reads the agent classes from the config (agents grouped by
 model shape), ranks splits with the closed-form planner (sim/plan.py), and turns a plan back
 into the config's `rollout.pools` / `trainer.named_groups`, each with its own `slurm:`
 component, naming the config's real agents:

@@ -1,7 +1,7 @@
 """The scaling sweep's pure part: accelerator counts -> node counts -> the planner's allocation.
 
-`simulate CONFIG --scale 1,2,...,3072` asks, per accelerator count, the same closed-form
-planner as `--plan` (sim/plan.py `rank_plans`, per mode: sync's best split for the sync
+`simulate scale CONFIG --counts 1,2,...,3072` asks, per accelerator count, the same closed-form
+planner as `simulate plan` (sim/plan.py `rank_plans`, per mode: sync's best split for the sync
 variant, flex's for the flex variants) for the best split of that many devices among the
 config's pools and trainer groups, then simulates it (simulate.py). This module decides the
 sizes and allocations; it runs nothing and writes only the PNG (`plot_scale`).
@@ -55,16 +55,16 @@ class ScalePoint:
         return not self.reason
 
 
-def parse_sizes(text: str) -> list[int]:
+def parse_sizes(text: str, flag: str = "--scale") -> list[int]:
     """`1,2,4` -> [1, 2, 4]: positive integers, no repeats, sorted ascending.
-    ValueError with a one-line message naming --scale otherwise."""
+    ValueError with a one-line message naming `flag` otherwise."""
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p.isdigit() or int(p) < 1 for p in parts):
-        raise ValueError(f"--scale: expected comma-separated accelerator counts >= 1 (e.g. 1,2,4,3072), "
+        raise ValueError(f"{flag}: expected comma-separated accelerator counts >= 1 (e.g. 1,2,4,3072), "
                          f"got {text!r}")
     sizes = [int(p) for p in parts]
     if len(set(sizes)) != len(sizes):
-        raise ValueError(f"--scale: a count is repeated in {text!r}")
+        raise ValueError(f"{flag}: a count is repeated in {text!r}")
     return sorted(sizes)
 
 
@@ -111,7 +111,7 @@ def scale_points(sizes: list[int], hw: HardwareProfile, classes: list[ConfigClas
 
 def plot_scale(rows: list[dict], variants: list[str], path: Path, title: str) -> None:
     """Two panels against accelerators (log x): step time (log y) and utilization, one line per
-    variant; sizes that do not fit or failed are left out. `rows`: simulate's --scale rows
+    variant; sizes that do not fit or failed are left out. `rows`: the rows of `simulate scale`
     (`devices_used`, `variants` -> {step_s, util}). Written atomically (tmp + rename)."""
     import matplotlib
     matplotlib.use("Agg")

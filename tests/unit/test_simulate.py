@@ -2,6 +2,7 @@
 that `analyze` reads unchanged, and a clock that never sleeps (unit: one process, no MPI)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -152,17 +153,17 @@ def test_plan_json_gives_both_estimates_per_plan_and_the_configs_own_allocation(
 
 
 @pytest.mark.parametrize("args, flag", [
-    (["--plan"], "--nodes: required"),
-    (["--plan", "--nodes", "3"], "--nodes: expected >= "),
-    (["--plan", "--nodes", "48", "--hardware", "nope"], "--hardware: "),
-    (["--plan", "--nodes", "48", "--top", "0"], "--top: expected >= 1"),
-    (["--plan", "--nodes", "48", "--write", "/no/such/dir/plan.yaml"], "--write: folder"),
+    ([], "--nodes: required"),
+    (["--nodes", "3"], "--nodes: expected >= "),
+    (["--nodes", "48", "--hardware", "nope"], "--hardware: "),
+    (["--nodes", "48", "--top", "0"], "--top: expected >= 1"),
+    (["--nodes", "48", "--write", "/no/such/dir/plan.yaml"], "--write: folder"),
 ])
 def test_plan_refuses_bad_flags_in_one_line_and_keeps_the_old_file(tmp_path, capsys, args, flag):
     old = tmp_path / "plan.yaml"
     old.write_text("old\n")
     write = [] if "--write" in args else ["--write", str(old)]
-    code = simulate.main([str(PAPER), *args, *write, "--out", str(tmp_path / "out")])
+    code = simulate.main(["plan", str(PAPER), *args, *write, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
     assert old.read_text() == "old\n"
@@ -180,3 +181,62 @@ def test_plan_exits_1_and_writes_nothing_when_every_simulated_plan_fails(tmp_pat
     assert code == 1 and "every simulated plan failed" in captured.err
     assert captured.out.count("failed: waits with nothing in flight") == 2 and "rollout:" not in captured.out
     assert not frag.exists()
+
+
+# ---------------------------------------------------------------------------------------
+# subcommands, and the flag forms before them
+
+
+@pytest.mark.parametrize("old, sub, tail", [
+    (["--compare", "sync,flex"], "compare", ["--variants", "sync,flex"]),
+    ([], "compare", []),
+    (["--plan", "--nodes", "48", "--top", "2"], "plan", ["--nodes", "48", "--top", "2"]),
+    (["--scale", "1,768", "--compare", "flex"], "scale", ["--variants", "flex", "--counts", "1,768"]),
+    (["--calibrate", "RUN.h5", "--measured", "a.h5", "b.h5"], "calibrate",
+     ["--run", "RUN.h5", "--measured", "a.h5", "b.h5"]),
+    (["--capacity", "--steps", "3"], "capacity", ["--steps", "3"]),
+])
+def test_each_old_flag_form_runs_its_subcommand_with_a_one_line_notice(tmp_path, capsys, monkeypatch, old, sub, tail):
+    """The old form reaches the same shell as the subcommand (stubbed here: the shells are
+    tested above), and stderr says, in one line, which command line to use instead."""
+    seen = []
+    fake = dataclasses.replace(simulate.COMMANDS[sub], check=lambda a: None,
+                               run=lambda a, out: seen.append(a) or 0)
+    monkeypatch.setitem(simulate.COMMANDS, sub, fake)
+    assert simulate.main([CONFIG, "a.b=1", *old]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is deprecated" in err[0], err
+    assert err[0].endswith(f"use 'simulate {sub} {CONFIG} a.b=1{''.join(' ' + t for t in tail)}'"), err[0]
+    (a,) = seen
+    assert a.command == sub and a.config == CONFIG and a.overrides == ["a.b=1"]
+    new = simulate.parser().parse_args([sub, CONFIG, "a.b=1", *tail])
+    assert a.legacy and not new.legacy and {**vars(a), "legacy": False} == vars(new)
+
+
+def test_an_old_form_really_runs_and_the_new_form_prints_no_notice(tmp_path, capsys):
+    assert simulate.main([CONFIG, *TINY, "--capacity", "--steps", "3", "--out", str(tmp_path)]) == 0
+    old = capsys.readouterr()
+    assert "orchestrator capacity:" in old.out and "'simulate CONFIG --capacity' is deprecated" in old.err
+    assert simulate.main(["compare", CONFIG, *TINY, "--steps", "3", "--variants", "flex", "--out", str(tmp_path)]) == 0
+    new = capsys.readouterr()
+    assert "flex" in new.out and new.err == ""
+
+
+@pytest.mark.parametrize("argv", [["--help"], *([s, "--help"] for s in simulate.COMMANDS)])
+def test_help_of_the_cli_and_of_each_subcommand(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        simulate.main(argv)
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: python -m flexmarl_hpc.simulate")
+    assert all(s in out for s in simulate.COMMANDS) if len(argv) == 1 else "config" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["scale", CONFIG, "--counts", "0"], "--counts: expected"),
+    (["calibrate", CONFIG, "--run", "/no/such.h5"], "--run: no such file"),
+    (["compare", CONFIG, "--steps", "2"], "--steps: expected >= 3"),
+])
+def test_subcommands_refuse_bad_flags_in_one_line_naming_their_own_flag(capsys, argv, says):
+    assert simulate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,253 @@
+"""Regenerate every generated figure in docs/*.md from the code at HEAD.
+
+    python scripts/figures.py --check      # recompute the deterministic figures; exit 1 naming each drifted block
+    python scripts/figures.py --write      # rewrite the deterministic blocks (and their PNGs) in place
+    python scripts/figures.py --full       # also run the benchmarks and rewrite their blocks
+    python scripts/figures.py --list       # the figure names, their kind and where they are used
+
+A generated block in any docs/*.md is
+
+    <!-- figure: NAME -->
+    ...markdown made by FIGURES[NAME]: a table, a code block of command output, an image link...
+    <!-- /figure: NAME -->
+
+and everything between the two markers belongs to this script. Two kinds of figure:
+deterministic ones (the simulator: the same code gives the same text on any machine, so CI
+runs --check) and bench ones (measured on this machine: each block says when, on how many
+cores of which CPU, and gives median [min, max]; only --full runs them).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import difflib
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from flexmarl_hpc import simulate  # noqa: E402
+from flexmarl_hpc.sim.hardware import load_hardware  # noqa: E402
+from flexmarl_hpc.sim.scale import plot_scale  # noqa: E402
+
+BLOCK = re.compile(r"<!-- figure: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /figure: (?P=name) -->", re.S)
+PAPER_MIX = "configs/paper_3x32b_7x14b.yaml"
+SCALE_COUNTS = "1,16,64,128,256,512,768,1024,3072"     # few: --check makes them all
+SCALE_VARIANTS = ["sync", "flex"]
+SCALE_PNG = "scale_paper_3x32b_7x14b.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Where the figures go: `docs` (the folder of the markdown files, where PNGs are drawn
+    when `draw`) and a scratch folder for simulated runs."""
+    docs: Path
+    scratch: Path
+    draw: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    make: Callable[[Context], str]
+    bench: bool = False                # measured on this machine: only --full makes it
+
+
+def command_block(command: str, output: str, note: str = "") -> str:
+    """A code block of a command and what it printed (and a line under it, if any)."""
+    return f"```\n$ {command}\n{output.rstrip()}\n```" + (f"\n{note}" if note else "")
+
+
+def sim_compare_paper_mix(ctx: Context) -> str:
+    """sync vs flex on the paper's 3 x 32B + 7 x 14B mix, 48 nodes of 64 GB accelerators."""
+    args = [PAPER_MIX, "--hardware", "npu64_a3", "--steps", "10"]
+    res = simulate.run_variants(PAPER_MIX, ["sync", "flex"], "npu64_a3", 10, ctx.scratch / "compare")
+    return command_block(f"python -m flexmarl_hpc.simulate compare {' '.join(args)}",
+                         simulate.compare_table(PAPER_MIX, "npu64_a3", 10, res, wall=False),
+                         "(the wall_s column, seconds this machine took, is left out)")
+
+
+def sim_plan_48(ctx: Context) -> str:
+    """The closed-form planner's best 3 splits of 48 nodes for the paper's mix, simulated."""
+    hw = load_hardware("npu64_a3")
+    rows, current = simulate.plan(PAPER_MIX, 48, "npu64_a3", 3, 4, ctx.scratch / "plan")
+    return command_block(f"python -m flexmarl_hpc.simulate plan {PAPER_MIX} --nodes 48 --top 3 --steps 4",
+                         simulate.plan_report(PAPER_MIX, [], 48, 4, hw, rows, current, wall=False),
+                         "(the wall_s column, seconds this machine took, is left out)")
+
+
+def sim_scale(ctx: Context) -> str:
+    """Step time and utilization of every variant against the accelerator count, each count
+    on the planner's split for it; the table, and the curve drawn from it."""
+    variants = SCALE_VARIANTS
+    rows = simulate.scale(PAPER_MIX, simulate.parse_sizes(SCALE_COUNTS), variants, "npu64_a3", 4,
+                          ctx.scratch / "scale")
+    if ctx.draw:
+        plot_scale(rows, variants, ctx.docs / SCALE_PNG, f"{Path(PAPER_MIX).name} on npu64_a3: simulated, "
+                                                        f"4 steps, closed-form planner's allocation per size")
+    command = (f"python -m flexmarl_hpc.simulate scale {PAPER_MIX} --counts {SCALE_COUNTS} "
+               f"--variants {','.join(variants)} --steps 4 --png docs/{SCALE_PNG}")
+    return f"![simulated step time and utilization against accelerators]({SCALE_PNG})\n\n" + command_block(
+        command, simulate.scale_table(rows, variants))
+
+
+def machine() -> str:
+    """When and where a benchmark ran: the date, the cores and the CPU model."""
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores, {model}, Python {platform.python_version()}"
+
+
+def spread(xs: list[float], fmt: str = ".0f") -> str:
+    return f"{statistics.median(xs):{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]"
+
+
+def sim_capacity(ctx: Context, reps: int = 5) -> str:
+    """The orchestrator's own samples/s (zero-cost workers, its real compute on the clock):
+    a property of this CPU, so a bench figure."""
+    runs = [simulate.capacity("configs/local.yaml", 10, ctx.scratch / f"capacity{i}") for i in range(reps)]
+    out = (f"orchestrator capacity, configs/local.yaml, flex, 10 steps, {reps} runs: median [min, max]\n"
+           f"  samples/s   {spread([r['samples_per_s'] for r in runs])}\n"
+           f"  commands/s  {spread([r['commands_per_s'] for r in runs])}")
+    return command_block("python -m flexmarl_hpc.simulate capacity configs/local.yaml", out, f"measured {machine()}")
+
+
+def bench(script: str, *args: str, timeout: int = 3600) -> Callable[[Context], str]:
+    """A bench figure: `bench/<script> args` run here, its output (which gives median [min,
+    max] per figure) under the date and the machine."""
+    def make(ctx: Context) -> str:
+        command = [sys.executable, f"bench/{script}", *args]
+        p = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"bench/{script} exited {p.returncode}: {p.stderr.strip()[-2000:]}")
+        return command_block(" ".join(["python", *command[1:]]), p.stdout, f"measured {machine()}")
+    return make
+
+
+FIGURES: dict[str, Figure] = {
+    "sim_compare_paper_mix": Figure(sim_compare_paper_mix),
+    "sim_plan_48": Figure(sim_plan_48),
+    "sim_scale": Figure(sim_scale),
+    "sim_capacity": Figure(sim_capacity, bench=True),
+    "bench_store": Figure(bench("bench_store.py"), bench=True),
+    "bench_weight_sync": Figure(bench("bench_weight_sync.py"), bench=True),
+    "bench_modes": Figure(bench("bench_modes.py", "--workloads", "referential", "--variants", "sync", "flex",
+                                "--reps", "3"), bench=True),
+}
+"""Block name -> its generator. Names are stable: the docs refer to them."""
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(name, body) of each generated block of a markdown text, in order."""
+    return [(m["name"], m["body"]) for m in BLOCK.finditer(text)]
+
+
+def replace_blocks(text: str, made: dict[str, str]) -> str:
+    """`text` with the body of each block named in `made` replaced by it."""
+    def sub(m: re.Match) -> str:
+        name = m["name"]
+        return m[0] if name not in made else f"<!-- figure: {name} -->\n{made[name].rstrip()}\n<!-- /figure: {name} -->"
+    return BLOCK.sub(sub, text)
+
+
+def wanted(docs: Path, full: bool) -> tuple[dict[Path, list[tuple[str, str]]], list[str]]:
+    """Per markdown file its blocks, and the errors: an unknown name, or a block the mode
+    does not make (bench blocks are only made by --full)."""
+    found = blocks_of(docs)
+    errors = [f"{p}: unknown figure {name!r} (known: {', '.join(FIGURES)})"
+              for p, bs in found.items() for name, _ in bs if name not in FIGURES]
+    return {p: [(n, b) for n, b in bs if n in FIGURES and (full or not FIGURES[n].bench)]
+            for p, bs in found.items()}, errors
+
+
+def make_all(names: list[str], ctx: Context) -> dict[str, str]:
+    made = {}
+    for name in dict.fromkeys(names):
+        print(f"figures: making {name}", file=sys.stderr, flush=True)
+        made[name] = FIGURES[name].make(ctx).rstrip() + "\n"
+    return made
+
+
+def check(found: dict[Path, list[tuple[str, str]]], made: dict[str, str]) -> list[str]:
+    """The blocks whose text differs from what the code makes now, each with its diff."""
+    drifted = []
+    for path, bs in found.items():
+        for name, body in bs:
+            if body != made[name]:
+                diff = difflib.unified_diff(body.splitlines(), made[name].splitlines(), f"{path}: {name} (in the doc)",
+                                            f"{name} (made now)", lineterm="")
+                drifted.append(f"{path}: figure {name} drifted\n" + "\n".join(diff))
+    return drifted
+
+
+def blocks_of(docs: Path) -> dict[Path, list[tuple[str, str]]]:
+    """Per markdown file of `docs`, its blocks."""
+    return {p: blocks(p.read_text()) for p in sorted(docs.glob("*.md"))}
+
+
+@contextlib.contextmanager
+def at_root():
+    """The repository as the working folder (the config paths as the figures print them),
+    then back to where it was."""
+    cwd = Path.cwd()
+    os.chdir(ROOT)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python scripts/figures.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    for flag in ("--check", "--write", "--full", "--list"):
+        mode.add_argument(flag, action="store_true")
+    ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="the folder of the markdown files")
+    a = ap.parse_args(argv)
+    a.docs = a.docs.resolve()
+    with at_root():
+        return run(a)
+
+
+def run(a: argparse.Namespace) -> int:
+    """--list, --check, --write or --full on the blocks of `a.docs`."""
+    found, errors = wanted(a.docs, a.full)
+    if a.list:
+        used = {n: [p.name for p, bs in blocks_of(a.docs).items() if n in dict(bs)] for n in FIGURES}
+        print(json.dumps({n: {"bench": f.bench, "in": used[n]} for n, f in FIGURES.items()}, indent=1))
+        return 0
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        made = make_all([n for bs in found.values() for n, _ in bs], Context(a.docs, Path(tmp), draw=not a.check))
+    if a.check:
+        drifted = check(found, made)
+        print("\n\n".join(drifted) if drifted else f"figures: {len(made)} deterministic figure(s) as in the docs")
+        return 1 if drifted else 0
+    for path in found:
+        text = path.read_text()
+        new = replace_blocks(text, made)
+        if new != text:
+            simulate.write_atomic(path, new)
+            print(f"figures: rewrote {path}", file=sys.stderr)
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
