@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import datetime
 import difflib
+import io
 import json
 import os
 import platform
@@ -39,6 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from flexmarl_hpc import simulate  # noqa: E402
+from flexmarl_hpc.sim import plan as sim_plan  # noqa: E402
 from flexmarl_hpc.sim.hardware import load_hardware  # noqa: E402
 from flexmarl_hpc.sim.scale import plot_scale  # noqa: E402
 
@@ -47,6 +49,8 @@ PAPER_MIX = "configs/paper_3x32b_7x14b.yaml"
 SCALE_COUNTS = "1,16,64,128,256,512,768,1024,3072"     # few: --check makes them all
 SCALE_VARIANTS = ["sync", "flex"]
 SCALE_PNG = "scale_paper_3x32b_7x14b.png"
+PAPER_CLASSES = "32b:3,14b:7"
+CLOSED_FORM_NODES = (6, 8, 12, 16, 24, 32, 48, 96, 192)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +106,33 @@ def sim_scale(ctx: Context) -> str:
         command, simulate.scale_table(rows, variants))
 
 
+def sim_plan_closed_form_48(ctx: Context) -> str:
+    """The closed-form planner alone (no simulation): its best 3 splits of 48 nodes on each
+    profile, for the paper's classes."""
+    outs = []
+    for hw in ("npu64_a3", "h100_ndr"):
+        command = f"python -m flexmarl_hpc.sim.plan --hardware {hw} --nodes 48 --classes {PAPER_CLASSES}"
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            sim_plan.main(command.split()[3:])
+        outs.append(command_block(command, out.getvalue()))
+    return "\n\n".join(outs)
+
+
+def sim_plan_closed_form_scaling(ctx: Context) -> str:
+    """Closed-form step time of each mode on its own best split, against the node count."""
+    hw, classes = load_hardware("npu64_a3"), sim_plan.parse_classes(PAPER_CLASSES)
+    best = {(mode, n): sim_plan.rank_plans(hw, classes, sim_plan.Workload(), n, mode, 1)[0]
+            for mode in ("flex", "sync") for n in CLOSED_FORM_NODES}
+    cells = {"flex": [best["flex", n].step_s["flex"] for n in CLOSED_FORM_NODES],
+             "sync": [best["sync", n].step_s["sync"] for n in CLOSED_FORM_NODES]}
+    head = " | ".join(f"{n} ({n * hw.devices_per_node})" for n in CLOSED_FORM_NODES)
+    rows = [f"| nodes (devices) | {head} |", "|---" * (len(CLOSED_FORM_NODES) + 1) + "|"]
+    rows += [f"| {mode} step, s | " + " | ".join(f"{x:.1f}" for x in xs) + " |" for mode, xs in cells.items()]
+    rows.append("| sync / flex | " + " | ".join(f"{s / f:.2f}" for s, f in zip(cells["sync"], cells["flex"])) + " |")
+    return (f"`sim.plan.rank_plans` on `npu64_a3`, classes {PAPER_CLASSES}, each mode on its own best split:\n\n"
+            + "\n".join(rows))
+
+
 def machine() -> str:
     """When and where a benchmark ran: the date, the cores and the CPU model."""
     model = platform.processor() or platform.machine()
@@ -127,15 +158,16 @@ def sim_capacity(ctx: Context, reps: int = 5) -> str:
     return command_block("python -m flexmarl_hpc.simulate capacity configs/local.yaml", out, f"measured {machine()}")
 
 
-def bench(script: str, *args: str, timeout: int = 3600) -> Callable[[Context], str]:
-    """A bench figure: `bench/<script> args` run here, its output (which gives median [min,
-    max] per figure) under the date and the machine."""
+def bench(script: str, *args: str, python: str | None = None, timeout: int = 3600) -> Callable[[Context], str]:
+    """A bench figure: `bench/<script> args` run here (by `python`, a venv's relative path,
+    or this interpreter), its output (which gives median [min, max] per figure) under the
+    date and the machine."""
     def make(ctx: Context) -> str:
-        command = [sys.executable, f"bench/{script}", *args]
+        command = [python or sys.executable, f"bench/{script}", *args]
         p = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
             raise RuntimeError(f"bench/{script} exited {p.returncode}: {p.stderr.strip()[-2000:]}")
-        return command_block(" ".join(["python", *command[1:]]), p.stdout, f"measured {machine()}")
+        return command_block(" ".join([python or "python", *command[1:]]), p.stdout, f"measured {machine()}")
     return make
 
 
@@ -143,9 +175,14 @@ FIGURES: dict[str, Figure] = {
     "sim_compare_paper_mix": Figure(sim_compare_paper_mix),
     "sim_plan_48": Figure(sim_plan_48),
     "sim_scale": Figure(sim_scale),
+    "sim_plan_closed_form_48": Figure(sim_plan_closed_form_48),
+    "sim_plan_closed_form_scaling": Figure(sim_plan_closed_form_scaling),
     "sim_capacity": Figure(sim_capacity, bench=True),
     "bench_store": Figure(bench("bench_store.py"), bench=True),
     "bench_weight_sync": Figure(bench("bench_weight_sync.py"), bench=True),
+    "bench_rollout": Figure(bench("bench_rollout.py", python=".venv-vllm/bin/python"), bench=True),
+    "bench_ckpt_memory": Figure(bench("bench_ckpt_memory.py"), bench=True),
+    "bench_cores": Figure(bench("bench_cores.py", "--pollers", "2"), bench=True),
     "bench_modes": Figure(bench("bench_modes.py", "--workloads", "referential", "--variants", "sync", "flex",
                                 "--reps", "3"), bench=True),
 }
@@ -219,25 +256,25 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--check", "--write", "--full", "--list"):
         mode.add_argument(flag, action="store_true")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="the folder of the markdown files")
-    a = ap.parse_args(argv)
-    a.docs = a.docs.resolve()
+    args = ap.parse_args(argv)
+    args.docs = args.docs.resolve()
     with at_root():
-        return run(a)
+        return run(args)
 
 
-def run(a: argparse.Namespace) -> int:
-    """--list, --check, --write or --full on the blocks of `a.docs`."""
-    found, errors = wanted(a.docs, a.full)
-    if a.list:
-        used = {n: [p.name for p, bs in blocks_of(a.docs).items() if n in dict(bs)] for n in FIGURES}
+def run(args: argparse.Namespace) -> int:
+    """--list, --check, --write or --full on the blocks of `args.docs`."""
+    found, errors = wanted(args.docs, args.full)
+    if args.list:
+        used = {n: [p.name for p, bs in blocks_of(args.docs).items() if n in dict(bs)] for n in FIGURES}
         print(json.dumps({n: {"bench": f.bench, "in": used[n]} for n, f in FIGURES.items()}, indent=1))
         return 0
     if errors:
         print("\n".join(errors), file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory() as tmp:
-        made = make_all([n for bs in found.values() for n, _ in bs], Context(a.docs, Path(tmp), draw=not a.check))
-    if a.check:
+        made = make_all([n for bs in found.values() for n, _ in bs], Context(args.docs, Path(tmp), draw=not args.check))
+    if args.check:
         drifted = check(found, made)
         print("\n\n".join(drifted) if drifted else f"figures: {len(made)} deterministic figure(s) as in the docs")
         return 1 if drifted else 0

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-while not (ROOT / "flexmarl_hpc").is_dir() and ROOT != ROOT.parent:   # tests/<tier>/test_docs.py
-    ROOT = ROOT.parent
+from tests.conftest import ROOT
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
 LOCAL = str(ROOT / "configs" / "local.yaml")
 LIGHT = ["flexmarl_hpc.config.schema", "flexmarl_hpc.config.load", "flexmarl_hpc.config.validate",
          "flexmarl_hpc.config.validate_slurm", "flexmarl_hpc.config.resources",
