@@ -51,7 +51,7 @@ from flexmarl_hpc.config.load import load_config, save_config
 from flexmarl_hpc.config.resources import component_table, single_component
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.config.validate_slurm import parse_time, validate_slurm
-from flexmarl_hpc.launch.preflight import Partition, check_capacity, cluster_partitions
+from flexmarl_hpc.launch.preflight import Partition, check_capacity, check_output_dir, cluster_partitions
 from flexmarl_hpc.launch.sbatch import EXIT_REQUEUE, hetjob_script, sbatch_option_items, single_script
 
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
@@ -88,6 +88,7 @@ def prepare(config_path: str, overrides: list[str], single: bool = False,
     overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={out}"]
     cfg = load_config(config_path, overrides)
     validate_slurm(cfg)
+    check_output_dir(cfg)           # submit writes job.sbatch there before any job starts
     if partitions is not None:
         check_capacity(cfg, *partitions, single=single)
     make = single_script if single else hetjob_script

@@ -63,3 +63,11 @@ class NoHeldoutGame(ReferentialGame):
     """The referential game without held-out inputs (run.eval_every must refuse it)."""
     from flexmarl_hpc.workflows.base import Task as _Task
     heldout_inputs = _Task.heldout_inputs
+
+
+class DividingGame(ReferentialGame):
+    """A user task with a bug in its constructor (it divides by zero)."""
+
+    def __init__(self, turns, **kw):
+        super().__init__(turns, **kw)
+        self.ratio = len(self.objects) / 0

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from flexmarl_hpc.config.schema import Config, ConfigError, join
+from flexmarl_hpc.config.strict_yaml import YAMLLimitError, strict_load
 from flexmarl_hpc.config.validate import validate
 
 
@@ -34,7 +35,7 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)     # keys may mix ints and strings
     if unknown:
         raise ConfigError(
             f"{join(where, unknown[0])}: unknown key; expected one of {sorted(names)}")
@@ -115,7 +116,7 @@ def apply_override(data: dict, override: str) -> None:
             raise ConfigError(f"override {key}: {p} is not a section")
     # `key=` means the empty string (e.g. `model.checkpoint=` for random init), not YAML's null
     try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[parts[-1]] = strict_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"{key.strip()}: the value {raw!r} is not valid YAML "
                           f"({_one_line(e)}); quote it in the shell") from None
@@ -136,12 +137,14 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if not p.is_file():
             raise ConfigError(f"{p}: config file not found")
         try:
-            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+            data = strict_load(p.read_bytes().decode("utf-8")) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"{p}: expected UTF-8 text, byte {e.object[e.start]:#04x} at offset "
                               f"{e.start} is not ({e.reason})") from None
         except OSError as e:
             raise ConfigError(f"{p}: cannot read the config file ({e.strerror})") from None
+        except YAMLLimitError as e:
+            raise ConfigError(f"{p}: refused: {_one_line(e)}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {_one_line(e)}") from None
         if not isinstance(data, dict):

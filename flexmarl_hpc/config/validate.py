@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import math
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,20 @@ def _float_in(value: float, where: str, lo: float, hi: float | None = None, lo_o
     _need(ok, where, f"expected {rng}, got {value!r}")
 
 
+UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp", "Zs"})
+"""Unicode categories refused in config strings: controls (incl. C1 such as U+0085 NEL, a
+line break to some tools), format characters (bidi overrides, zero-width joiners: text
+that displays otherwise than it reads) and line/paragraph/space separators other than ' '."""
+
+
+def _unprintable(text: str) -> str | None:
+    return next((c for c in text if c != " " and unicodedata.category(c) in UNPRINTABLE), None)
+
+
 def check_leaves(obj: Any, where: str = "") -> None:
-    """Every float is finite and no string (nor mapping key) holds a control character: strings
-    reach file names, HDF5 attributes and the sbatch script, where a newline splits a line."""
+    """Every float is finite and no string (nor mapping key) holds a control, format or
+    separator character other than ' ': strings reach file names, HDF5 attributes and the
+    sbatch script, where a newline splits a line."""
     if dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
             check_leaves(getattr(obj, f.name), join(where, f.name))
@@ -66,9 +78,11 @@ def check_leaves(obj: Any, where: str = "") -> None:
     elif isinstance(obj, float):
         _need(math.isfinite(obj), where, f"expected a finite number, got {obj!r}")
     elif isinstance(obj, str):
-        bad = next((c for c in obj if ord(c) < 32 or ord(c) == 127), None)
-        _need(bad is None, where, f"control character {bad!r} in {obj!r}; expected printable text "
-                                  "(it would reach file names and the sbatch script)")
+        bad = _unprintable(obj)
+        if bad is not None:
+            raise ConfigError(f"{where}: unprintable character {bad!r} (U+{ord(bad):04X}, category "
+                              f"{unicodedata.category(bad)}) in {obj!r}; expected printable text, ' ' "
+                              "the only space (it would reach file names and the sbatch script)")
 
 
 def _validate_run(r: RunConfig) -> None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from flexmarl_hpc.config.layout import RankLayout, layout_from_config
 from flexmarl_hpc.config.load import to_dict
-from flexmarl_hpc.config.resources import components, mem_mb, single_component, trainer_groups
+from flexmarl_hpc.config.resources import (components, mem_mb, param_count, rollout_pools, single_component,
+                                           trainer_groups)
 from flexmarl_hpc.config.schema import Config, ConfigError
 
 
@@ -27,10 +28,13 @@ def preflight(cfg: Config, layout: RankLayout, local: bool):
     ranks would start on this machine (mpiexec), so their number must fit it."""
     if local:
         check_local_ranks(cfg, layout)
+    check_output_dir(cfg)
     check_resumable(cfg)
     from flexmarl_hpc.runtime.build import build_task, check_models
     task = build_task(cfg)
     check_models(cfg, task)
+    if local:
+        check_local_memory(cfg, task)
     check_eval(cfg, task)
     check_lengths(cfg, task)
     check_backend_math(cfg, task)
@@ -61,6 +65,97 @@ def check_local_ranks(cfg: Config, layout: RankLayout) -> None:
                       f"+ {trainer_ranks} trainer ranks); a local run starts at most {limit} on this "
                       f"machine ({LOCAL_RANKS_PER_CPU} per CPU core, {RANK_MEMORY >> 20} MiB each); "
                       "submit it to Slurm (python -m flexmarl_hpc.submit)")
+
+
+# ---------------------------------------------------------------------------------------
+# memory of a local run (issue 28 extends it to the GPU shapes)
+# ---------------------------------------------------------------------------------------
+SAMPLE_BYTES = 4096
+"""Orchestrator bytes per tree node (a Python dataclass, its group/children lists, the
+journal row and the request/result messages), besides its tokens."""
+TOKEN_BYTES = 64
+"""Bytes per token held for a sample (prompt, response and logprob as Python ints/floats in
+lists, and the trainer's tensors of its batch)."""
+TRAIN_BYTES_PER_PARAM = 16
+"""fp32 weights, gradients and Adam's two moments (the torch trainer)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a run needs, by part (their sum is `total`)."""
+    ranks: int                   # world_size x RANK_MEMORY: each rank's Python + torch
+    trainer: int                 # weights, grads, Adam of each trainer rank's agents
+    replicas: int                # each replica's weights, KV cache and logits of a rollout batch
+    samples: int                 # the orchestrator's tree nodes of the steps in flight
+
+    @property
+    def total(self) -> int:
+        return self.ranks + self.trainer + self.replicas + self.samples
+
+
+def estimate_memory(cfg: Config, models: dict) -> MemoryEstimate:
+    """Memory (bytes) a run of `cfg` needs, over all its ranks: a pure function of the config
+    and each agent's model shape (`models`: agent -> ModelArgs, as runtime.build.model_args
+    gives, vocabulary included). A sequence is at most min(max_seq_len, rollout.max_model_len).
+    Per trainer rank: its agents' params x 16 bytes / (TP x PP), plus a micro-batch's logits
+    and their gradient; per replica: its pool's agents' weights (4 bytes on the torch engine,
+    else rollout.dtype) plus a full rollout batch's KV cache and logits; the orchestrator:
+    SAMPLE_BYTES + TOKEN_BYTES x sequence per tree node of the steps in flight (max_staleness
+    + 2 steps of inputs_per_step + overprovision inputs, each a tree of samples); each rank
+    RANK_MEMORY besides. Meant as an upper estimate, for refusing what cannot fit (measured on
+    configs/local.yaml: docs/LOG.md)."""
+    width = 4 if cfg.rollout.dtype == "fp32" or cfg.rollout.backend == "torch" else 2
+    params = {a: param_count(m, m.vocab_size) for a, m in models.items()}
+    seq = {a: min(m.max_seq_len, cfg.rollout.max_model_len or m.max_seq_len) for a, m in models.items()}
+    logits = {a: cfg.trainer.micro_batch_size * seq[a] * m.vocab_size * 4 * 2 for a, m in models.items()}
+    trainer = sum(g.ranks * sum(params[a] * TRAIN_BYTES_PER_PARAM // (g.tensor_parallel * g.pipeline_parallel)
+                                + logits[a] for a in g.agents) for g in trainer_groups(cfg))
+    replicas = 0
+    for pool in rollout_pools(cfg):
+        per = 0
+        for a in pool.agents:
+            m = models[a]
+            kv = 2 * m.num_layers * m.num_kv_heads * (m.hidden_size // m.num_heads) * seq[a]
+            per += params[a] * width + cfg.rollout.max_batch * (kv * width + m.vocab_size * 4)
+        replicas += pool.replicas * per
+    w = cfg.workflow
+    nodes_per_input = sum(math.prod(t.samples for t in w.turns[:i + 1]) for i in range(len(w.turns)))
+    steps = cfg.pipeline.max_staleness + 2
+    samples = steps * (w.inputs_per_step + cfg.pipeline.overprovision) * nodes_per_input * (
+        SAMPLE_BYTES + TOKEN_BYTES * max(seq.values()))
+    world = 1 + sum(p.replicas for p in rollout_pools(cfg)) + sum(g.ranks for g in trainer_groups(cfg))
+    return MemoryEstimate(world * RANK_MEMORY, trainer, replicas, samples)
+
+
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_local_memory(cfg: Config, task) -> None:
+    """A local run's estimate (estimate_memory) fits this machine's available memory."""
+    from flexmarl_hpc.runtime.build import model_args
+    avail = mem_available()
+    if avail is None:
+        return
+    est = estimate_memory(cfg, {a: model_args(cfg, task, a) for a in cfg.agent_names})
+    if est.total <= avail:
+        return
+    parts = {"workflow.inputs_per_step": est.samples, "rollout.max_batch": est.replicas,
+             "trainer.ranks_per_group": est.trainer, "rollout.replicas": est.ranks}
+    field = max(parts, key=parts.get)
+    gib = lambda b: f"{b / 2**30:.1f} GiB"         # noqa: E731
+    raise ConfigError(f"{field}: the run needs about {gib(est.total)} of memory (samples in flight "
+                      f"{gib(est.samples)}, replicas {gib(est.replicas)}, trainers {gib(est.trainer)}, "
+                      f"{est.ranks // RANK_MEMORY} ranks {gib(est.ranks)}), this machine has "
+                      f"{gib(avail)} available; make it smaller or submit it to Slurm")
 
 
 def check_eval(cfg: Config, task) -> None:
@@ -124,6 +219,51 @@ def check_backend_math(cfg: Config, task) -> None:
             where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
             raise ConfigError(f"{where}: Llama-3 RoPE scaling (rope_type llama3) is not supported by "
                               "trainer.backend=megatron yet; use trainer.backend=torch")
+
+
+def _files_written(cfg: Config) -> list[str]:
+    """Paths (relative to run.output_dir) of the longest names a run writes there."""
+    ckpt = [f"checkpoints/{a}/v000000.pt.tmp" for a in cfg.agent_names]
+    return [f"{cfg.run.name}.h5", "config.yaml", "train.log", *ckpt]
+
+
+def _exists(path) -> bool:
+    """lstat succeeds; a name too long, or a file where a folder should be, is 'not there'
+    (Path.exists raises on ENAMETOOLONG; the walk up then finds what is wrong)."""
+    try:
+        os.lstat(path)
+        return True
+    except OSError:
+        return False
+
+
+def check_output_dir(cfg: Config) -> None:
+    """run.output_dir is a writable folder, or can be created as one, and the files a run
+    writes there have names within NAME_MAX and PATH_MAX. Nothing is written: the nearest
+    existing folder is judged by stat, statvfs (a read-only mount) and access (permissions)."""
+    out = cfg.output_dir.absolute()
+    base = out
+    while not _exists(base) and base != base.parent:
+        base = base.parent
+    where = "run.output_dir"
+    if not base.is_dir():
+        raise ConfigError(f"{where}: {base} exists and is not a folder (expected a folder for the run, "
+                          f"{out})")
+    name_max = os.pathconf(base, "PC_NAME_MAX")
+    path_max = os.pathconf(base, "PC_PATH_MAX")
+    for rel in [*out.relative_to(base).parts, *_files_written(cfg)]:
+        for part in rel.split("/"):
+            if len(os.fsencode(part)) > name_max:
+                field = "run.name" if cfg.run.name in part else where
+                raise ConfigError(f"{field}: the name {part[:40]!r}... is {len(os.fsencode(part))} bytes, "
+                                  f"the file system allows {name_max} (NAME_MAX)")
+        if len(os.fsencode(str(out / rel))) >= path_max:
+            raise ConfigError(f"{where}: the path {str(out / rel)[:40]!r}... is longer than the file "
+                              f"system's PATH_MAX ({path_max})")
+    if os.statvfs(base).f_flag & os.ST_RDONLY:
+        raise ConfigError(f"{where}: {base} is on a read-only file system (the run writes {out})")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: {base} is not writable by this user (the run writes {out})")
 
 
 # what a resumed run must share with the run that wrote the store and the checkpoints

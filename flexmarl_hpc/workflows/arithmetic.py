@@ -23,7 +23,10 @@ import re
 
 import numpy as np
 
-from flexmarl_hpc.workflows.base import Path, Task, TokenizerVocab
+from flexmarl_hpc.workflows.base import Path, Task, TaskArgError, TokenizerVocab, int_arg
+
+MAX_OPERAND = 300
+"""Largest max_operand: the constructor lists every problem (3 x 301^2 with ops '+-*')."""
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -40,10 +43,9 @@ class SolverVerifier(Task):
                  system: str = "You are a careful assistant. Answer briefly.", heldout: int = 0):
         if len(turns) != 2:
             raise TypeError(f"SolverVerifier needs exactly 2 turns (solver, verifier), got {len(turns)}")
-        if max_operand < 1:
-            raise TypeError(f"max_operand must be >= 1, got {max_operand}")
-        if not ops or set(ops) - set("+-*"):
-            raise TypeError(f"ops must be a non-empty string over '+-*', got {ops!r}")
+        max_operand = int_arg(max_operand, "max_operand", 1, MAX_OPERAND)
+        if not isinstance(ops, str) or not ops or set(ops) - set("+-*"):
+            raise TaskArgError("ops", f"expected a non-empty string over '+-*', got {ops!r}")
         self.turns, self.max_operand, self.ops, self.system = turns, max_operand, ops, system
         space = self._all_problems()
         if not 0 <= heldout <= len(space) // 2:

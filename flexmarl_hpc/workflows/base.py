@@ -14,7 +14,11 @@ grows a tree. The task class supplies the pieces that depend on the problem:
         def eval_metrics(self, path): ...             # optional: {metric: value} of an eval leaf
 
 and is referenced from YAML as `workflow.task: my_pkg.my_module:MyTask`; it is built as
-`MyTask(turns=[agent of each turn], **workflow.task_args)`. `path` is a `Path`: the root input plus the responses
+`MyTask(turns=[agent of each turn], **workflow.task_args)`. The constructor checks its
+arguments: `raise TaskArgError("num_objects", "expected >= 1, got 0")` (or `int_arg(...)`)
+refuses the config with `config error: workflow.task_args.num_objects: expected >= 1, got 0`
+before any rank starts; any other exception it raises is reported on one line under
+`workflow.task_args` (with its type and the line that raised it). `path` is a `Path`: the root input plus the responses
 (token id lists) of the turns so far. A turn's sample is rewarded with the mean reward of
 the leaves below it, and its advantage is normalised among its siblings (the GRPO group).
 
@@ -27,6 +31,8 @@ metric `name`, any other key is the task's (e.g. "solver_correct").
 from __future__ import annotations
 
 import importlib
+import math
+import traceback
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path as FsPath
@@ -113,6 +119,35 @@ class TokenizerVocab:
         return m
 
 
+class TaskArgError(ValueError):
+    """A task argument out of range, raised by a task's constructor; the run reports it as
+    `workflow.task_args.<arg>: <expected>` (load_task)."""
+
+    def __init__(self, arg: str, expected: str):
+        super().__init__(f"{arg}: {expected}")
+        self.arg, self.expected = arg, expected
+
+
+def int_arg(value: Any, arg: str, lo: int, hi: int) -> int:
+    """`value` if it is an int in lo..hi, else TaskArgError naming `arg`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise TaskArgError(arg, f"expected an integer in {lo}..{hi}, got {value!r}")
+    return value
+
+
+def float_arg(value: Any, arg: str, lo: float, hi: float) -> float:
+    """`value` as a float if it is a finite number in lo..hi, else TaskArgError naming `arg`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and lo <= value <= hi):
+        raise TaskArgError(arg, f"expected a number in {lo:g}..{hi:g}, got {value!r}")
+    return float(value)
+
+
+MAX_TASK_TOKENS = 1 << 16
+"""Most objects/symbols a built-in task takes: each becomes a vocabulary token (and an
+embedding row), so a typo like 10**9 is refused instead of filling memory."""
+
+
 @dataclass(frozen=True)
 class Path:
     """One path from a root input down the workflow tree."""
@@ -184,7 +219,13 @@ def load_task(spec: str, args: dict, turns: Sequence[str]) -> Task:
         raise ConfigError(f"workflow.task: {spec!r} is not a flexmarl_hpc Task subclass")
     try:
         return cls(turns=list(turns), **args)
+    except TaskArgError as e:
+        raise ConfigError(f"workflow.task_args.{e.arg}: {e.expected}") from None
     except TypeError as e:
         raise ConfigError(f"workflow.task_args: {spec} rejected them: {e}") from None
     except (OSError, ValueError, KeyError) as e:       # e.g. a tokenizer file that is not there
         raise ConfigError(f"workflow.task_args: {spec} could not be built from them: {e}") from None
+    except Exception as e:          # a user task's bug: still one line, with where it raised
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise ConfigError(f"workflow.task_args: {spec}(**{args!r}) raised {type(e).__name__}: {e} "
+                          f"({where.filename}:{where.lineno})") from None

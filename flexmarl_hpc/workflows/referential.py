@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flexmarl_hpc.workflows.base import Path, Task, Vocab
+from flexmarl_hpc.workflows.base import MAX_TASK_TOKENS, Path, Task, Vocab, int_arg
 
 
 class ReferentialGame(Task):
@@ -25,8 +25,8 @@ class ReferentialGame(Task):
         if len(turns) < 2:
             raise TypeError("the referential game needs at least 2 turns (speaker, listener)")
         self.turns = turns
-        self.objects = [f"obj{i}" for i in range(num_objects)]
-        self.symbols = [f"sym{i}" for i in range(num_symbols)]
+        self.objects = [f"obj{i}" for i in range(int_arg(num_objects, "num_objects", 1, MAX_TASK_TOKENS))]
+        self.symbols = [f"sym{i}" for i in range(int_arg(num_symbols, "num_symbols", 1, MAX_TASK_TOKENS))]
         self.vocab = Vocab(self.objects + self.symbols)
         self._sym_mask = self.vocab.mask(self.symbols)
         self._obj_mask = self.vocab.mask(self.objects)

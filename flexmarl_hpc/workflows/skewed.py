@@ -16,7 +16,7 @@ import hashlib
 
 import numpy as np
 
-from flexmarl_hpc.workflows.base import Path, Task, Vocab
+from flexmarl_hpc.workflows.base import MAX_TASK_TOKENS, Path, Task, TaskArgError, Vocab, float_arg, int_arg
 
 
 class SkewedLengths(Task):
@@ -24,10 +24,14 @@ class SkewedLengths(Task):
 
     def __init__(self, turns: list[str], base_lengths: list[int], sigma: float = 0.8,
                  num_symbols: int = 8, max_length: int = 160):
-        if len(base_lengths) != len(turns):
-            raise TypeError(f"base_lengths needs one entry per turn ({len(turns)})")
-        self.turns, self.base, self.sigma, self.cap = turns, base_lengths, sigma, max_length
-        self.symbols = [f"s{i}" for i in range(num_symbols)]
+        if not isinstance(base_lengths, list) or len(base_lengths) != len(turns):
+            raise TaskArgError("base_lengths", f"expected a list of one length per turn ({len(turns)}), "
+                                               f"got {base_lengths!r}")
+        max_length = int_arg(max_length, "max_length", 1, MAX_TASK_TOKENS)
+        base = [int_arg(b, f"base_lengths[{i}]", 1, max_length) for i, b in enumerate(base_lengths)]
+        self.turns, self.base, self.cap = turns, base, max_length
+        self.sigma = float_arg(sigma, "sigma", 0.0, 10.0)
+        self.symbols = [f"s{i}" for i in range(int_arg(num_symbols, "num_symbols", 1, MAX_TASK_TOKENS))]
         self.vocab = Vocab(self.symbols + ["q"])
         self._mask = self.vocab.mask(self.symbols)
 

@@ -18,6 +18,18 @@ from tests.conftest import ROOT
 LOCAL = str(ROOT / "configs" / "local.yaml")
 NON_UTF8 = b"run:\n  name: caf\xe9\n"
 
+
+def _alias_bomb(levels: int = 9) -> bytes:
+    """The "billion laughs": level k is a list of 9 aliases of level k-1 (9^9 leaves)."""
+    lines = ["    l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    l{k}: &l{k} [" + ", ".join([f"*l{k - 1}"] * 9) + "]" for k in range(1, levels)]
+    return ("workflow:\n  task_args:\n" + "\n".join(lines) + "\n").encode()
+
+
+ALIAS_BOMB = _alias_bomb()
+DEEP = b"run:\n  name: " + b"[" * 5000 + b"]" * 5000 + b"\n"
+DUPLICATE_RUN = Path(LOCAL).read_bytes() + b"run:\n  steps: 3\n"     # replaced the first run: whole
+
 # (case id, overrides or a config file's bytes, field the message must start with)
 CASES = [
     # -- issue 12: crashed with a traceback (most after every rank had launched)
@@ -120,6 +132,42 @@ CASES = [
     ("slurm-nodes=0", ["slurm.rollout.nodes=0"], "slurm.rollout.nodes"),
     ("signal_seconds=-1", ["slurm.signal_seconds=-1"], "slurm.signal_seconds"),
     ("override-no-equals", ["run.steps"], "override 'run.steps'"),
+    # -- issue 27: YAML that hung (alias bomb) or tracebacked (RecursionError), or was silently merged
+    ("yaml-alias-bomb", ALIAS_BOMB, "{file}: refused: aliases expand to more than 200000 nodes"),
+    ("yaml-recursive-alias", b"run: &a {name: [*a]}\n", "{file}: refused: an alias refers to a node"),
+    ("yaml-nested-5000", DEEP, "{file}: refused: nested deeper than 100 levels"),
+    ("yaml-duplicate-top-level", DUPLICATE_RUN, "{file}: not valid YAML: duplicate key 'run' (first at line 7) at line"),
+    ("yaml-duplicate-nested", b"trainer:\n  lr: 1.0e-3\n  lr: 2.0e-3\n",
+     "{file}: not valid YAML: duplicate key 'lr' (first at line 2) at line 3"),
+    ("override-duplicate-key", ["workflow.task_args={num_objects: 8, num_objects: 9}"],
+     "workflow.task_args: the value"),
+    ("unknown-keys-int-and-str", b"run:\n  1: a\n  zz: b\n", "run.1: unknown key"),
+    # -- issue 27: a task's own arguments (ZeroDivisionError at launch, or accepted)
+    ("num_objects=0", ["workflow.task_args={num_objects: 0, num_symbols: 8}"],
+     "workflow.task_args.num_objects: expected an integer in 1..65536, got 0"),
+    ("num_symbols=0", ["workflow.task_args.num_symbols=0"], "workflow.task_args.num_symbols"),
+    ("num_objects=10**9", [f"workflow.task_args.num_objects={10**9}"], "workflow.task_args.num_objects"),
+    ("num_objects-str", ['workflow.task_args.num_objects="8"'], "workflow.task_args.num_objects"),
+    ("skewed-base_lengths-short", ["workflow.task=flexmarl_hpc.workflows.skewed:SkewedLengths",
+                                   "workflow.task_args={base_lengths: [4]}"], "workflow.task_args.base_lengths"),
+    ("user-task-raises", ["workflow.task=tests.faulty_tasks:DividingGame"],
+     "workflow.task_args: tests.faulty_tasks:DividingGame(**{'num_objects': 32, 'num_symbols': 8}) raised "
+     "ZeroDivisionError: division by zero ("),
+    # -- issue 27: run.output_dir and names the file system refuses (ranks launched, then a traceback)
+    ("name-300-chars", ["run.name=" + "n" * 300], "run.name: the name 'nnnn"),
+    ("output_dir-component-300", ["run.output_dir={tmp}/" + "d" * 300 + "/x"], "run.output_dir: the name 'dddd"),
+    ("output_dir-PATH_MAX", ["run.output_dir={tmp}/" + "/".join(["d" * 200] * 21)], "run.output_dir: the path"),
+    # -- issue 27: the memory a local run needs (10**8 inputs grew to 6 GB before it was killed)
+    ("inputs_per_step=10**8", [f"workflow.inputs_per_step={10**8}"],
+     "workflow.inputs_per_step: the run needs about"),
+    # -- issue 27: invisible characters beyond ASCII controls (U+0085 NEL got through)
+    ("name-NEL", ['run.name="a\\u0085b"'], "run.name: unprintable character '\\x85' (U+0085, category Cc)"),
+    ("name-RLO", ['run.name="a\\u202eb"'], "run.name: unprintable character '\\u202e' (U+202E, category Cf)"),
+    ("name-ZWSP", ['run.name="a\\u200bb"'], "run.name"),
+    ("name-NBSP", ['run.name="a\\u00a0b"'], "run.name: unprintable character '\\xa0' (U+00A0, category Zs)"),
+    ("setup-LINE-SEPARATOR", ['slurm.setup=["module load x\\u2028rm -rf /"]'], "slurm.setup[0]"),
+    ("task_args-PARAGRAPH-SEP", ['workflow.task_args={num_objects: 8, note: "a\\u2029b"}'],
+     "workflow.task_args.note"),
 ]
 
 
@@ -141,25 +189,67 @@ def _nothing_launched_or_written(tmp: Path, before: set[Path]) -> None:
     assert after == before, f"the refused run wrote {sorted(map(str, after - before))}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_refused_before_launch(case, tmp_path, capsys, monkeypatch):
+def _refused(name: str, argv: list[str], field: str, tmp: Path, capsys, monkeypatch) -> None:
+    """run.main(argv) in-process: rc 2, one line starting `config error: {field}`, no rank
+    launched, nothing written under tmp."""
     from flexmarl_hpc import run
-    argv, field = _args(case, tmp_path)
 
     def launched(*a, **k):
         raise AssertionError(f"ranks were launched: {a}")
 
     monkeypatch.setattr(os, "execv", launched)
     monkeypatch.setattr(run, "run_rank", launched)
-    before = set(tmp_path.rglob("*"))
+    before = set(tmp.rglob("*"))
     rc = run.main(argv)
     out, err = capsys.readouterr()
-    print(f"{case[0]:26s} -> {err.strip()}")
+    print(f"{name:26s} -> {err.strip()}")
     assert rc == 2, (rc, out, err)
     assert err.startswith(f"config error: {field}"), err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "launching" not in out
-    _nothing_launched_or_written(tmp_path, before)
+    _nothing_launched_or_written(tmp, before)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_refused_before_launch(case, tmp_path, capsys, monkeypatch):
+    argv, field = _args(case, tmp_path)
+    _refused(case[0], argv, field, tmp_path, capsys, monkeypatch)
+
+
+def test_output_dir_that_is_a_file(tmp_path, capsys, monkeypatch):
+    """An existing regular file as run.output_dir (FileExistsError after launch): refused,
+    the file untouched."""
+    f = tmp_path / "afile"
+    f.write_bytes(b"keep me\n")
+    for out in (f, f / "sub"):
+        _refused(f"output_dir={out.name}", [LOCAL, f"run.output_dir={out}"],
+                 f"run.output_dir: {f} exists and is not a folder", tmp_path, capsys, monkeypatch)
+    assert f.read_bytes() == b"keep me\n"
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A tmpfs mounted read-only at tmp_path/ro (needs root and mount); unmounted after."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        yield ro
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+@pytest.mark.parametrize("sub", ["", "run"])
+def test_output_dir_on_a_read_only_mount(read_only_mount, sub, tmp_path, capsys, monkeypatch):
+    """EROFS after every rank had started; now refused before, for the mount itself and for a
+    folder to be created in it."""
+    out = read_only_mount / sub if sub else read_only_mount
+    _refused(f"output_dir=ro/{sub}", [LOCAL, f"run.output_dir={out}"],
+             f"run.output_dir: {read_only_mount} is on a read-only file system", tmp_path, capsys, monkeypatch)
 
 
 def test_existing_run_is_not_touched(tmp_path, capsys):
@@ -178,7 +268,8 @@ def test_existing_run_is_not_touched(tmp_path, capsys):
     assert sorted(out.rglob("*")) == sorted({*files, out / "checkpoints", out / "checkpoints" / "speaker"})
 
 
-SUBPROCESS_CASES = ["non-utf8-file", "num_heads=0", "lr=nan", "replicas=100000-local", "name-newline"]
+SUBPROCESS_CASES = ["non-utf8-file", "num_heads=0", "lr=nan", "replicas=100000-local", "name-newline",
+                    "yaml-alias-bomb", "yaml-nested-5000", "num_objects=0", "inputs_per_step=10**8"]
 
 
 @pytest.mark.parametrize("name", SUBPROCESS_CASES)

@@ -1,0 +1,46 @@
+"""launch/preflight.py's estimate_memory: the shipped local configs fit a laptop, and what
+grows with the config (inputs_per_step) grows the estimate. Refusals are in test_bad_inputs.py."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import ROOT
+
+GiB = 2**30
+
+
+def _estimate(config: str, overrides=(), models=None):
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.launch.preflight import estimate_memory
+    from flexmarl_hpc.runtime.build import build_task, model_args
+    cfg = load_config(ROOT / "configs" / config, list(overrides))
+    if models is None:
+        task = build_task(cfg)
+        models = {a: model_args(cfg, task, a) for a in cfg.agent_names}
+    return estimate_memory(cfg, models(cfg) if callable(models) else models)
+
+
+@pytest.mark.parametrize("config", ["local.yaml", "relay3.yaml", "skewed.yaml", "hetero_cpu.yaml"])
+def test_shipped_local_configs_fit_a_laptop(config):
+    est = _estimate(config)
+    print(f"{config}: {est.total / 2**20:.0f} MiB ({est})")
+    assert est.total < 4 * GiB
+
+
+@pytest.mark.parametrize("config", ["smollm2_arith.yaml", "smollm2_learn.yaml"])
+def test_smollm2_configs_fit_a_workstation(config):
+    """Their checkpoint is not in the repository: SmolLM2-135M's shape (its config.json)."""
+    from flexmarl_hpc.learn.model import ModelArgs
+    smollm2 = ModelArgs(49152, 576, 30, 9, 3, 1536, 8192)
+    est = _estimate(config, ["model.checkpoint=", "workflow.task=x:Y", "workflow.task_args={}", "run.eval_every=0"],
+                    lambda cfg: {a: smollm2 for a in cfg.agent_names})
+    print(f"{config}: {est.total / 2**20:.0f} MiB ({est})")
+    assert 2 * GiB < est.total < 16 * GiB       # 135M params x 16 bytes of trainer state alone: 2 GiB
+
+
+def test_estimate_grows_with_the_samples_in_flight():
+    small, big = _estimate("local.yaml"), _estimate("local.yaml", ["workflow.inputs_per_step=1600"])
+    assert big.samples == 100 * small.samples
+    assert (big.ranks, big.trainer, big.replicas) == (small.ranks, small.trainer, small.replicas)
+    stale = _estimate("local.yaml", ["pipeline.max_staleness=2"])
+    assert stale.samples == 2 * small.samples          # 4 steps in flight instead of 2
