@@ -7,8 +7,9 @@
     python -m flexmarl_hpc.run --help-config                       # every field, with help
 
 Started outside MPI it checks the config, then re-executes itself under the venv's
-`mpiexec` with the number of ranks the layout needs. Exit codes: 0 done, 2 bad config,
-75 preempted after a clean checkpoint (the Slurm script requeues on it).
+`mpiexec` with the number of ranks the layout needs. Exit codes: 0 done, 2 bad config or
+run.output_dir in use by another run (flexmarl_hpc.store.lock), 75 preempted after a clean
+checkpoint (the Slurm script requeues on it).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.launch.preflight import preflight
+from flexmarl_hpc.store.lock import RunLock, acquire, check_free
 
 MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -71,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     layout = layout_from_config(cfg)
     try:
+        # one run per folder, checked before anything in it is read, repaired or written (the
+        # store's open-flag repair in preflight's check_resumable, config.yaml, train.log)
+        if under_mpi():
+            if not hold_run_lock(cfg):
+                return 2
+        else:
+            check_free(cfg.output_dir)
         preflight(cfg, layout, local=not under_mpi())
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -81,6 +90,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
     return run_rank(cfg, layout)
+
+
+_LOCK: RunLock | None = None          # rank 0's lock on run.output_dir, held until the process ends
+
+
+def hold_run_lock(cfg: Config) -> bool:
+    """Every rank (collective): rank 0 takes run.output_dir's lock; False on every rank if
+    another run holds it (rank 0 says who, in one line; the others stay silent). Under
+    Slurm nothing checked before srun started the ranks, so this is the check there."""
+    global _LOCK
+    import atexit
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    refused = None
+    if world.Get_rank() == 0:
+        try:
+            _LOCK = acquire(cfg.output_dir, lambda line: print(line, file=sys.stderr, flush=True))
+            atexit.register(_LOCK.release)
+        except ConfigError as e:
+            refused = str(e)
+    refused = world.bcast(refused, root=0)
+    if refused and world.Get_rank() == 0:
+        print(f"config error: {refused}", file=sys.stderr, flush=True)
+    return refused is None
 
 
 def run_rank(cfg: Config, layout: RankLayout) -> int:

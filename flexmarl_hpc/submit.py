@@ -53,6 +53,7 @@ from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.config.validate_slurm import parse_time, validate_slurm
 from flexmarl_hpc.launch.preflight import Partition, check_capacity, check_output_dir, cluster_partitions
 from flexmarl_hpc.launch.sbatch import EXIT_REQUEUE, hetjob_script, sbatch_option_items, single_script
+from flexmarl_hpc.store.lock import check_free
 
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                       "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
@@ -105,6 +106,7 @@ def submit(config_path: str, overrides: list[str] = (), single: bool = False,
     parts = cluster_partitions() if check_partitions else None
     cfg, script, _ = prepare(config_path, list(overrides), single, parts)
     out = cfg.output_dir
+    check_free(out)               # a resubmission while the first job runs: refused, config.yaml kept
     (out / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     path = out / "job.sbatch"
