@@ -26,7 +26,7 @@ from flexmarl_hpc.store.tables import StoreError
 from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
-from flexmarl_hpc.launch.preflight import preflight
+from flexmarl_hpc.launch.preflight import check_output_dir, preflight
 from flexmarl_hpc.store.lock import RunLock, acquire, check_free
 
 MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -73,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     layout = layout_from_config(cfg)
     try:
-        # one run per folder, checked before anything in it is read, repaired or written (the
-        # store's open-flag repair in preflight's check_resumable, config.yaml, train.log)
+        # a folder the run can write (judged without writing), then one run per folder, checked
+        # before anything in it is read, repaired or written (the store's open-flag repair in
+        # preflight's check_resumable, config.yaml, train.log)
+        check_output_dir(cfg)
         if under_mpi():
             if not hold_run_lock(cfg):
                 return 2

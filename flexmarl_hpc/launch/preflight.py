@@ -25,10 +25,10 @@ from flexmarl_hpc.config.schema import Config, ConfigError
 
 def preflight(cfg: Config, layout: RankLayout, local: bool):
     """Every check a run makes before its ranks start; returns the built task. `local`: the
-    ranks would start on this machine (mpiexec), so their number must fit it."""
+    ranks would start on this machine (mpiexec), so their number must fit it. The caller has
+    checked the output folder (`check_output_dir`) and its lock (`store.lock`) first."""
     if local:
         check_local_ranks(cfg, layout)
-    check_output_dir(cfg)
     check_resumable(cfg)
     from flexmarl_hpc.runtime.build import build_task, check_models
     task = build_task(cfg)
