@@ -20,11 +20,12 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from flexmarl_hpc.config.layout import ROLLOUT, RankLayout
+from flexmarl_hpc.config.layout import RankLayout
 from flexmarl_hpc.config.resources import swap_peers, trainer_groups
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.orchestrator.eval_dispatch import eval_dispatch
 from flexmarl_hpc.orchestrator.experience import Experience, Node
+from flexmarl_hpc.orchestrator.failures import EXIT_PREEMPTED, WorkerFailures
 from flexmarl_hpc.orchestrator.pool_binding import pool_binding
 from flexmarl_hpc.orchestrator.recorder import RunRecorder
 from flexmarl_hpc.orchestrator.scheduler import Scheduler, route
@@ -33,12 +34,11 @@ from flexmarl_hpc.runtime.build import initial_placement
 from flexmarl_hpc.runtime.microbatch import pack_microbatch
 from flexmarl_hpc.runtime.state_swap import Location
 from flexmarl_hpc.runtime.timing import BusyClock, Deadlines, Watchdog, WatchedTask
-from flexmarl_hpc.runtime.transport import Transport
+from flexmarl_hpc.runtime.transport import Transport, WorkerLost
 from flexmarl_hpc.store.checkpoint import latest_version
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.workflows.base import Task
 
-EXIT_PREEMPTED = 75
 
 
 @dataclass
@@ -115,7 +115,7 @@ def booked(activity: str):
     return wrap
 
 
-class Orchestrator:
+class Orchestrator(WorkerFailures):
     def __init__(self, cfg: Config, task: Task, transport: Transport, layout: RankLayout,
                  store: StoreFile, preempted=lambda: False, log=print):
         self.cfg, self.task, self.transport, self.layout = cfg, task, transport, layout
@@ -361,11 +361,13 @@ class Orchestrator:
 
     def receive(self) -> tuple[int, messages.Reply]:
         """The next reply as (source rank, message), waiting without a spin; a rank that
-        leaves its command unanswered for run.worker_timeout seconds ends the job with the
-        requeue code."""
+        leaves its command unanswered for run.worker_timeout seconds, or whose process ends
+        (runtime/liveness.py), ends the job with the requeue code."""
         while True:
             try:
                 return self.transport.receive(self.deadlines.next_deadline())
+            except WorkerLost as e:
+                self.stop_lost(e.rank)
             except TimeoutError:
                 late = self.deadlines.overdue()
                 if late is not None:
@@ -479,37 +481,3 @@ class Orchestrator:
         self.maybe_log()
         self.recorder.flush()
         self.recorder.close()
-
-    # -- hung workers ----------------------------------------------------------------------
-    def stop_hung(self, rank: int, what: str, secs: float) -> None:
-        """A worker left a command unanswered for run.worker_timeout: say who and what,
-        checkpoint the agents whose trainer groups still answer, flush the store, and end
-        the whole job with the requeue code (a hung rank cannot be stopped by a message)."""
-        role, index = self.layout.role_of(rank)
-        who = f"replica {index}" if role == ROLLOUT else f"trainer group {index} (leader)"
-        self.log(f"{who} (rank {rank}): no answer to {what} for {secs:.0f} s "
-                 f"(run.worker_timeout={self.cfg.run.worker_timeout:g})")
-        if not self.aborting:
-            self.aborting = True
-            self.deadlines.forget(rank)
-            alive = [agent for agent, s in self.state.items()
-                     if s.leader != rank and not self.moving[s.location.group]]
-            if alive:
-                self.log(f"checkpointing {', '.join(alive)}, flushing the store, exiting {EXIT_PREEMPTED} to requeue")
-                self.checkpoint(alive)
-        self.abort(EXIT_PREEMPTED)
-
-    def reward_hung(self, what: str, secs: float) -> None:
-        """The watchdog thread: rank 0 itself is stuck in a reward function. The main thread
-        cannot checkpoint, so flush what the store has and end the job for a requeue."""
-        self.log(f"reward function (orchestrator, rank 0): no return from {what} for {secs:.0f} s "
-                 f"(run.worker_timeout={self.cfg.run.worker_timeout:g}); flushing the store, "
-                 f"exiting {EXIT_PREEMPTED} to requeue")
-        self.abort(EXIT_PREEMPTED)
-
-    def abort(self, code: int) -> None:
-        try:
-            self.record_steps(checkpoints=False)
-            self.recorder.flush()
-        finally:
-            self.transport.abort(code)
