@@ -65,7 +65,7 @@ class WorkerFailures:
             self.log(f"checkpointing {', '.join(alive) or 'no agent'}, flushing the store, "
                      f"exiting {EXIT_PREEMPTED} to requeue")
             if alive:
-                self.checkpoint(alive)
+                self.checkpoint(alive, only=True)
         self.abort(EXIT_PREEMPTED)
 
     def reward_hung(self, what: str, secs: float) -> None:

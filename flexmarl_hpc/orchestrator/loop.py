@@ -136,7 +136,7 @@ class Orchestrator(WorkerFailures):
         self.batches: dict[int, tuple[int, str, int, list[Node]]] = {}
         self.next_batch = 0
         self.next_step = min(s.version for s in self.state.values())
-        self.ckpt_pending = 0
+        self.ckpt_pending: dict[int, int] = defaultdict(int)     # leader -> checkpoints unanswered
         self.recorder = RunRecorder(cfg, layout, store, self.clock, self.next_step, self.exp.forget_step)
         self.evals = eval_dispatch(cfg, WatchedTask(task, self.watchdog), store, self.versions(),
                                    self.clock, self.recorder.sinks)
@@ -394,7 +394,7 @@ class Orchestrator(WorkerFailures):
         elif isinstance(msg, messages.Stepped):
             self.on_stepped(msg.agent, msg.version, msg.stats)
         elif isinstance(msg, messages.Checkpointed):
-            self.ckpt_pending -= 1
+            self.ckpt_pending[src] -= 1
         elif isinstance(msg, messages.Moved):
             self.moving[self.layout.role_of(src)[1]] -= 1
         elif not isinstance(msg, (messages.Stopped, messages.Intervals)):
@@ -435,7 +435,9 @@ class Orchestrator(WorkerFailures):
                     self.log(line)
 
     # -- checkpoints and shutdown ----------------------------------------------------------
-    def checkpoint(self, agents: list[str], wait: bool = True) -> None:
+    def checkpoint(self, agents: list[str], wait: bool = True, only: bool = False) -> None:
+        """Checkpoint `agents`; `wait` until every group asked (`only`: these agents' groups
+        alone; a failed worker may hold the others forever) has answered."""
         self.record_steps(checkpoints=False)
         self.maybe_log()                # a resume starts logging at the checkpoint's steps
         with self.clock("store"):
@@ -445,15 +447,15 @@ class Orchestrator(WorkerFailures):
             by_group[self.state[agent].leader].append(agent)
         for leader, names in by_group.items():
             self.cmd(leader, messages.Checkpoint(names), f"checkpoint of {', '.join(names)}")
-            self.ckpt_pending += 1
-        while wait and self.ckpt_pending > 0:
+            self.ckpt_pending[leader] += 1
+        while wait and any(n for lead, n in self.ckpt_pending.items() if not only or lead in by_group):
             self.handle(*self.receive())
         self.store.flush()
 
     def drain(self) -> None:
         """Wait until no generation, training or sync is in flight."""
         while (self.batches or self.evals.batches or any(r.busy for r in self.replicas)
-               or any(s.inflight or s.syncing for s in self.state.values()) or self.ckpt_pending
+               or any(s.inflight or s.syncing for s in self.state.values()) or any(self.ckpt_pending.values())
                or any(self.moving.values())):
             self.handle(*self.receive())
 

@@ -87,4 +87,3 @@ def test_the_orchestrator_requeues_in_seconds_when_a_replica_is_killed(mpiexec, 
     assert secs < BOUND_S, f"the job outlived the replica by {secs:.1f} s\n{log[-2000:]}"
     assert "replica 0 (rank 1): its process has ended (liveness socket closed)" in log, (log[-2000:], err[-3000:])
     assert "flushing the store, exiting 75 to requeue" in log, log[-2000:]
-    assert "MPI_Abort(MPI_COMM_WORLD, 75)" in err, err[-3000:]       # mpiexec then ends the rest
