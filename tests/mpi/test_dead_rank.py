@@ -47,9 +47,10 @@ def start(mpiexec: str, tmp, tag: str, *overrides: str) -> subprocess.Popen:
     return p
 
 
-def kill_and_time(p: subprocess.Popen, tag: str, rank: int) -> tuple[float, str, str, int]:
-    """SIGKILL `rank`; seconds until every rank is gone, then mpiexec's output and code
-    (mpiexec and what is left are killed past BOUND_S: a test that fails must not hang)."""
+def kill_and_time(p: subprocess.Popen, tag: str, rank: int) -> tuple[float, str, str, dict[str, str]]:
+    """SIGKILL `rank`; (seconds until every rank is gone, mpiexec's stdout and stderr, each
+    rank's exit code as its shell reported it). mpiexec, its shells and any rank left are
+    then killed: a test that fails must not hang."""
     pids = faults.rank_pids(tag, RANK_CMD)
     assert rank in pids and len(pids) >= 4, pids
     os.kill(pids[rank], signal.SIGKILL)
