@@ -171,14 +171,15 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     out = cfg.output_dir
     bucket = int(cfg.weight_sync.bucket_mb * 2**20)
     bell = _doorbell(cfg, world)
+    live = _liveness(world)
     if role == ORCHESTRATOR:
-        return _orchestrate(cfg, layout, world, task, bell)
+        return _orchestrate(cfg, layout, world, task, bell, live)
     if role == ROLLOUT:
         from flexmarl_hpc.learn.sampling import SamplingParams
         from flexmarl_hpc.runtime.workers import replica_loop
         engine = build_engine(cfg, task, device, layout.pool_of(index))
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
-        return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell)
+        return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell, live)
     from flexmarl_hpc.runtime.workers import restore_trainers, trainer_loop
     mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
@@ -186,7 +187,7 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     from flexmarl_hpc.runtime.weight_sync import wire_dtype
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
-                        cfg.weight_sync.backend, wire, bell)
+                        cfg.weight_sync.backend, wire, bell, live)
 
 
 def _doorbell(cfg: Config, world):
@@ -201,7 +202,23 @@ def _doorbell(cfg: Config, world):
     return bell
 
 
-def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None) -> int:
+def _liveness(world):
+    """Every rank (collective): the liveness star (runtime/liveness.py), watched from now
+    on. A worker exits 75 when the orchestrator ends; the orchestrator's transport reports
+    a worker that ends. None (a line on rank 0) when its sockets cannot be opened."""
+    from flexmarl_hpc.runtime.liveness import connect, exit_on_lost
+    live = connect(world, 0)
+    rank = world.Get_rank()
+    if live is None:
+        if rank == 0:
+            print("liveness sockets could not be opened: a rank that dies is found only after "
+                  "run.worker_timeout", file=sys.stderr, flush=True)
+        return None
+    live.watch(None if rank == 0 else exit_on_lost(rank))
+    return live
+
+
+def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=None) -> int:
     import yaml
     from flexmarl_hpc.orchestrator.loop import Orchestrator
     from flexmarl_hpc.store.tables import StoreFile
@@ -224,7 +241,7 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None) -> int
         f"({layout.replicas} replicas, {layout.groups} trainer groups x "
         f"{layout.ranks_per_group or '+'.join(map(str, layout.group_sizes))}); "
         f"store {store.path}")
-    transport = MpiTransport(world, bell)
+    transport = MpiTransport(world, bell, live)
     try:
         code = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log).run()
         transport.close()

@@ -6,7 +6,7 @@
 
 Shows the Slurm state of the job and of each het component (PENDING with its reason,
 RUNNING, requeued with the restart count, COMPLETED, FAILED with the log tail), a progress
-bar of steps with ETA, per-agent reward (and eval, when the store has /eval), samples/s,
+bar of steps with ETA (or "stalled" when no step came for long: STALL_FACTOR), per-agent reward (and eval, when the store has /eval), samples/s,
 utilization, the last checkpoint of each agent and the last warning/error lines of the log.
 
 The store is read with plain h5py in SWMR mode (`h5py.File(p, "r", swmr=True)`), so this
@@ -129,7 +129,9 @@ class Progress:
     total: int
     done: int = 0
     t_run: float = 0.0                   # seconds from the store's t0 to the last step
+    t_last: float = 0.0                  # when the last step was committed (epoch seconds)
     s_per_step: float = 0.0
+    median_step_s: float = 0.0           # median wall time of the last 10 steps
     samples_per_s: float = 0.0
     utilization: float = 0.0
     reward: dict[str, float] = field(default_factory=dict)
@@ -153,6 +155,8 @@ def read_store(path: Path, total: int) -> Progress:
                 pr.samples_per_s = float(np.mean(m["samples_per_s"][last]))
                 pr.utilization = float(np.mean(m["utilization"][last]))
                 pr.s_per_step = float(np.mean(m["wall"][last]))
+                pr.median_step_s = float(np.median(m["wall"][last]))
+                pr.t_last = float(f.attrs["t0"]) + pr.t_run
             for agent in f.attrs["agents"]:        # at the last global step: agents run apart
                 s = f[f"steps/{agent}"]
                 rows = np.nonzero(s["step"][:] == pr.done - 1)[0]
@@ -212,6 +216,38 @@ def bar(done: int, total: int, width: int = 30) -> str:
     return "[" + "#" * k + "-" * (width - k) + "]"
 
 
+STALL_FACTOR, STALL_MIN_S = 10.0, 120.0
+"""A run is stalled when no step was committed for max(STALL_FACTOR x the median of the
+last 10 step times, STALL_MIN_S) seconds: ten steps' time is far past a slow step (an
+evaluation, a checkpoint), and the floor covers runs of sub-second steps."""
+
+
+def stalled_for(pr: Progress, now: float) -> float | None:
+    """Seconds since the last committed step when that is past the stall bound, else None
+    (also before the first step and once every step is done)."""
+    if not pr.done or pr.done >= pr.total:
+        return None
+    idle = now - pr.t_last
+    return idle if idle > max(STALL_FACTOR * pr.median_step_s, STALL_MIN_S) else None
+
+
+def progress_line(pr: Progress, now: float, running: bool = True) -> str:
+    """The steps line: bar, elapsed, then done / ETA, or STALLED (`running`: the job is
+    not known to be pending or over, so a silent store means a stuck run)."""
+    head = (f"steps  {bar(pr.done, pr.total)} {pr.done}/{pr.total} "
+            f"({100 * pr.done / max(pr.total, 1):.0f}%)  elapsed {hms(pr.t_run)}  ")
+    if pr.done >= pr.total:
+        return head + "done"
+    if not pr.done:
+        return head + "ETA after the first step"
+    idle = stalled_for(pr, now) if running else None
+    if idle is not None:
+        return head + (f"stalled: no step committed for {hms(idle)} (median step "
+                       f"{pr.median_step_s:.2f} s); a rank may have died or hung, see the logs")
+    eta = (pr.total - pr.done) * pr.s_per_step
+    return head + f"ETA {hms(eta)} ({pr.s_per_step:.2f} s/step)"
+
+
 def hms(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -246,11 +282,7 @@ def render(run_dir: Path, job: Job | None, job_id: str | None, stale: float = 30
     if pr.error:
         out.append(pr.error)
     else:
-        eta = (pr.total - pr.done) * pr.s_per_step if pr.done else float("nan")
-        out.append(f"steps  {bar(pr.done, pr.total)} {pr.done}/{pr.total} "
-                   f"({100 * pr.done / max(pr.total, 1):.0f}%)  elapsed {hms(pr.t_run)}  "
-                   + ("done" if pr.done >= pr.total else "ETA after the first step" if not pr.done
-                      else f"ETA {hms(eta)} ({pr.s_per_step:.2f} s/step)"))
+        out.append(progress_line(pr, time.time(), job is None or job.state == "RUNNING"))
         out.append("reward " + "  ".join(f"{a} {r:.3f}" for a, r in pr.reward.items())
                    + (f"  (step {pr.done})" if pr.reward else ""))
         for agent, ev in pr.eval.items():

@@ -56,8 +56,9 @@ def command(out: Path) -> list[str]:
     return [sys.executable, "-m", "flexmarl_hpc.run", *TRAIN_ARGS, f"run.output_dir={out}"]
 
 
-def rank_pids(tag: str) -> dict[int, int]:
-    """World rank -> pid of this trial's live ranks (their environ carries our tag)."""
+def rank_pids(tag: str, cmd_has: str = "") -> dict[int, int]:
+    """World rank -> pid of this trial's live ranks (their environ carries our tag; their
+    command line `cmd_has`, where a shell wraps them: tests/mpi/test_dead_rank.py)."""
     found = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -65,9 +66,10 @@ def rank_pids(tag: str) -> dict[int, int]:
         try:
             env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
             state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = (d / "cmdline").read_text()
         except (OSError, ValueError):
             continue
-        if env.get("FLEXMARL_FAULT_TAG") == tag and "PMI_RANK" in env and state != "Z":
+        if env.get("FLEXMARL_FAULT_TAG") == tag and "PMI_RANK" in env and state != "Z" and cmd_has in cmd:
             found[int(env["PMI_RANK"])] = int(d.name)
     return found
 

@@ -20,11 +20,12 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from flexmarl_hpc.config.layout import ROLLOUT, RankLayout
+from flexmarl_hpc.config.layout import RankLayout
 from flexmarl_hpc.config.resources import swap_peers, trainer_groups
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.orchestrator.eval_dispatch import eval_dispatch
 from flexmarl_hpc.orchestrator.experience import Experience, Node
+from flexmarl_hpc.orchestrator.failures import EXIT_PREEMPTED, WorkerFailures
 from flexmarl_hpc.orchestrator.pool_binding import pool_binding
 from flexmarl_hpc.orchestrator.recorder import RunRecorder
 from flexmarl_hpc.orchestrator.scheduler import Scheduler, route
@@ -33,12 +34,11 @@ from flexmarl_hpc.runtime.build import initial_placement
 from flexmarl_hpc.runtime.microbatch import pack_microbatch
 from flexmarl_hpc.runtime.state_swap import Location
 from flexmarl_hpc.runtime.timing import BusyClock, Deadlines, Watchdog, WatchedTask
-from flexmarl_hpc.runtime.transport import Transport
+from flexmarl_hpc.runtime.transport import Transport, WorkerLost
 from flexmarl_hpc.store.checkpoint import latest_version
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.workflows.base import Task
 
-EXIT_PREEMPTED = 75
 
 
 @dataclass
@@ -115,7 +115,7 @@ def booked(activity: str):
     return wrap
 
 
-class Orchestrator:
+class Orchestrator(WorkerFailures):
     def __init__(self, cfg: Config, task: Task, transport: Transport, layout: RankLayout,
                  store: StoreFile, preempted=lambda: False, log=print):
         self.cfg, self.task, self.transport, self.layout = cfg, task, transport, layout
@@ -136,7 +136,7 @@ class Orchestrator:
         self.batches: dict[int, tuple[int, str, int, list[Node]]] = {}
         self.next_batch = 0
         self.next_step = min(s.version for s in self.state.values())
-        self.ckpt_pending = 0
+        self.ckpt_pending: dict[int, int] = defaultdict(int)     # leader -> checkpoints unanswered
         self.recorder = RunRecorder(cfg, layout, store, self.clock, self.next_step, self.exp.forget_step)
         self.evals = eval_dispatch(cfg, WatchedTask(task, self.watchdog), store, self.versions(),
                                    self.clock, self.recorder.sinks)
@@ -361,11 +361,13 @@ class Orchestrator:
 
     def receive(self) -> tuple[int, messages.Reply]:
         """The next reply as (source rank, message), waiting without a spin; a rank that
-        leaves its command unanswered for run.worker_timeout seconds ends the job with the
-        requeue code."""
+        leaves its command unanswered for run.worker_timeout seconds, or whose process ends
+        (runtime/liveness.py), ends the job with the requeue code."""
         while True:
             try:
                 return self.transport.receive(self.deadlines.next_deadline())
+            except WorkerLost as e:
+                self.stop_lost(e.rank)
             except TimeoutError:
                 late = self.deadlines.overdue()
                 if late is not None:
@@ -392,7 +394,7 @@ class Orchestrator:
         elif isinstance(msg, messages.Stepped):
             self.on_stepped(msg.agent, msg.version, msg.stats)
         elif isinstance(msg, messages.Checkpointed):
-            self.ckpt_pending -= 1
+            self.ckpt_pending[src] -= 1
         elif isinstance(msg, messages.Moved):
             self.moving[self.layout.role_of(src)[1]] -= 1
         elif not isinstance(msg, (messages.Stopped, messages.Intervals)):
@@ -433,7 +435,9 @@ class Orchestrator:
                     self.log(line)
 
     # -- checkpoints and shutdown ----------------------------------------------------------
-    def checkpoint(self, agents: list[str], wait: bool = True) -> None:
+    def checkpoint(self, agents: list[str], wait: bool = True, only: bool = False) -> None:
+        """Checkpoint `agents`; `wait` until every group asked (`only`: these agents' groups
+        alone; a failed worker may hold the others forever) has answered."""
         self.record_steps(checkpoints=False)
         self.maybe_log()                # a resume starts logging at the checkpoint's steps
         with self.clock("store"):
@@ -443,15 +447,15 @@ class Orchestrator:
             by_group[self.state[agent].leader].append(agent)
         for leader, names in by_group.items():
             self.cmd(leader, messages.Checkpoint(names), f"checkpoint of {', '.join(names)}")
-            self.ckpt_pending += 1
-        while wait and self.ckpt_pending > 0:
+            self.ckpt_pending[leader] += 1
+        while wait and any(n for lead, n in self.ckpt_pending.items() if not only or lead in by_group):
             self.handle(*self.receive())
         self.store.flush()
 
     def drain(self) -> None:
         """Wait until no generation, training or sync is in flight."""
         while (self.batches or self.evals.batches or any(r.busy for r in self.replicas)
-               or any(s.inflight or s.syncing for s in self.state.values()) or self.ckpt_pending
+               or any(s.inflight or s.syncing for s in self.state.values()) or any(self.ckpt_pending.values())
                or any(self.moving.values())):
             self.handle(*self.receive())
 
@@ -479,37 +483,3 @@ class Orchestrator:
         self.maybe_log()
         self.recorder.flush()
         self.recorder.close()
-
-    # -- hung workers ----------------------------------------------------------------------
-    def stop_hung(self, rank: int, what: str, secs: float) -> None:
-        """A worker left a command unanswered for run.worker_timeout: say who and what,
-        checkpoint the agents whose trainer groups still answer, flush the store, and end
-        the whole job with the requeue code (a hung rank cannot be stopped by a message)."""
-        role, index = self.layout.role_of(rank)
-        who = f"replica {index}" if role == ROLLOUT else f"trainer group {index} (leader)"
-        self.log(f"{who} (rank {rank}): no answer to {what} for {secs:.0f} s "
-                 f"(run.worker_timeout={self.cfg.run.worker_timeout:g})")
-        if not self.aborting:
-            self.aborting = True
-            self.deadlines.forget(rank)
-            alive = [agent for agent, s in self.state.items()
-                     if s.leader != rank and not self.moving[s.location.group]]
-            if alive:
-                self.log(f"checkpointing {', '.join(alive)}, flushing the store, exiting {EXIT_PREEMPTED} to requeue")
-                self.checkpoint(alive)
-        self.abort(EXIT_PREEMPTED)
-
-    def reward_hung(self, what: str, secs: float) -> None:
-        """The watchdog thread: rank 0 itself is stuck in a reward function. The main thread
-        cannot checkpoint, so flush what the store has and end the job for a requeue."""
-        self.log(f"reward function (orchestrator, rank 0): no return from {what} for {secs:.0f} s "
-                 f"(run.worker_timeout={self.cfg.run.worker_timeout:g}); flushing the store, "
-                 f"exiting {EXIT_PREEMPTED} to requeue")
-        self.abort(EXIT_PREEMPTED)
-
-    def abort(self, code: int) -> None:
-        try:
-            self.record_steps(checkpoints=False)
-            self.recorder.flush()
-        finally:
-            self.transport.abort(code)

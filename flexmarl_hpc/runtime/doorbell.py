@@ -95,9 +95,17 @@ class Doorbell:
 
 
 def connect(world: MPI.Comm, root: int = 0) -> Doorbell | None:
+    """Collective over `world`: this rank's Doorbell on a star of its own (`connect_star`),
+    or None on every rank if any connection failed (the run then polls)."""
+    peers = connect_star(world, root)
+    return None if peers is None else Doorbell(peers)
+
+
+def connect_star(world: MPI.Comm, root: int = 0) -> dict[int, socket.socket] | None:
     """Collective over `world`: connect every rank to `root` by TCP. Returns this rank's
-    Doorbell, or None on every rank if any connection failed (the run then polls). On one
-    node the sockets use the loopback; across nodes `root`'s host name."""
+    sockets by peer rank (root: one per other rank; the others: one to root), or None on
+    every rank if any connection failed. On one node the sockets use the loopback; across
+    nodes `root`'s host name. Also the liveness star (flexmarl_hpc.runtime.liveness)."""
     rank, size = world.Get_rank(), world.Get_size()
     names = world.allgather(MPI.Get_processor_name())
     host = "127.0.0.1" if len(set(names)) == 1 else socket.gethostname()
@@ -138,7 +146,7 @@ def connect(world: MPI.Comm, root: int = 0) -> Doorbell | None:
         for s in peers.values():
             s.close()
         return None
-    return Doorbell(peers)
+    return peers
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes:

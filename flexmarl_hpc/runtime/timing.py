@@ -113,6 +113,11 @@ class Deadlines:
         """Stop timing a rank already reported as hung."""
         self.asked.pop(rank, None)
 
+    def running(self, rank: int) -> str | None:
+        """The command `rank` is running (the oldest unanswered), or None."""
+        q = self.asked.get(rank)
+        return q[0] if q else None
+
     def next_deadline(self) -> float | None:
         """Seconds until the first running command is overdue (None: nothing outstanding)."""
         starts = [self.since[r] for r, q in self.asked.items() if q]

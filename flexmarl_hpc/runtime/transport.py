@@ -18,6 +18,18 @@ from mpi4py import MPI
 from flexmarl_hpc.runtime.comm import TAG_CMD, TAG_REPLY, abort, poll, recv, recv_from, wait, waitall
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.doorbell import Doorbell
+from flexmarl_hpc.runtime.liveness import Liveness
+
+LIVENESS_CHECK_S = 0.5
+"""How often a waiting orchestrator looks whether a worker has ended (runtime/liveness.py)."""
+
+
+class WorkerLost(Exception):
+    """`receive`: worker `rank` has ended (its liveness socket closed) without stopping."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"rank {rank} has ended")
+        self.rank = rank
 
 
 class Transport(Protocol):
@@ -26,7 +38,8 @@ class Transport(Protocol):
 
     def receive(self, timeout: float | None = None) -> tuple[int, messages.Reply]:
         """The next reply as (source rank, message), waiting without a spin. Raises
-        TimeoutError after `timeout` seconds (None: wait as long as it takes)."""
+        TimeoutError after `timeout` seconds (None: wait as long as it takes), WorkerLost
+        when a worker has ended while nothing arrives."""
 
     def poll(self) -> tuple[int, messages.Reply] | None:
         """A reply that has already arrived, or None; never waits."""
@@ -44,9 +57,10 @@ class MpiTransport:
     queued behind it). MPI keeps commands to one rank in order; each request is kept until
     it completes (checked at every send and receive; `close` waits for the rest)."""
 
-    def __init__(self, comm: MPI.Comm, bell: Doorbell | None = None) -> None:
+    def __init__(self, comm: MPI.Comm, bell: Doorbell | None = None, live: Liveness | None = None) -> None:
         self.comm = comm
         self.bell = bell
+        self.live = live
         self.sending: list[MPI.Request] = []
 
     def send(self, rank: int, msg: messages.Command) -> None:
@@ -56,16 +70,39 @@ class MpiTransport:
             self.bell.ring(rank)
 
     def receive(self, timeout: float | None = None) -> tuple[int, messages.Reply]:
+        if self.live is None:
+            return self._receive(timeout)
+        # in slices: between them, a worker that has ended is reported. Only when nothing
+        # arrived for a slice, so a worker's last replies (its Stopped) are read before its end
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if end is None else max(end - time.monotonic(), 0.0)
+            try:
+                return self._receive(LIVENESS_CHECK_S if left is None else min(left, LIVENESS_CHECK_S))
+            except TimeoutError:
+                lost = self.live.take_lost()
+                if lost is not None:
+                    raise WorkerLost(lost) from None
+                if end is not None and time.monotonic() >= end:
+                    raise
+
+    def _receive(self, timeout: float | None) -> tuple[int, messages.Reply]:
         self._reap()
         # asleep in the doorbell only with no send in flight: a large command moves while
         # both ends drive MPI's progress, and the worker receiving it does not ring
         wire, src = recv_from(self.comm, tag=TAG_REPLY, timeout=timeout, bell=self.bell,
                                 may_sleep=self._idle)
-        return src, messages.decode(wire)
+        return self._decoded(src, wire)
 
     def poll(self) -> tuple[int, messages.Reply] | None:
         m = poll(self.comm, tag=TAG_REPLY)
-        return None if m is None else (m[1], messages.decode(m[0]))
+        return None if m is None else self._decoded(m[1], m[0])
+
+    def _decoded(self, src: int, wire) -> tuple[int, messages.Reply]:
+        msg = messages.decode(wire)
+        if self.live is not None and isinstance(msg, messages.Stopped):
+            self.live.expect(src)           # its process ends next: no loss
+        return src, msg
 
     def abort(self, code: int) -> None:
         abort(self.comm, code)

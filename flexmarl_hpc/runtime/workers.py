@@ -22,6 +22,7 @@ from flexmarl_hpc.learn.sampling import SamplingParams
 from flexmarl_hpc.runtime.state_swap import StateMover
 from flexmarl_hpc.trainer.base import train_micro
 from flexmarl_hpc.runtime.doorbell import Doorbell
+from flexmarl_hpc.runtime.liveness import Liveness
 from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
@@ -29,7 +30,9 @@ from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
 
 
 def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
-                 bucket_bytes: int, sync_backend: str = "auto", bell: Doorbell | None = None) -> int:
+                 bucket_bytes: int, sync_backend: str = "auto", bell: Doorbell | None = None,
+                 live: Liveness | None = None) -> int:
+    """`live`: disarmed at the Stop, so the orchestrator's end that follows is no loss."""
     channels = SyncChannels(world, sync_backend)
     clock = WorkerClock()
     while True:
@@ -54,6 +57,8 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
             clock.mark("sync", agent, t[0])
             send_reply(world, orch, messages.Synced(index, agent, v, intervals=clock.drain()), bell)
         elif isinstance(cmd, messages.Stop):
+            if live is not None:
+                live.disarm()
             channels.close()
             clock.waited(t0)
             send_reply(world, orch, messages.Stopped(index, intervals=clock.drain()), bell)
@@ -140,10 +145,12 @@ class TrainerRank:
 
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
                  bucket_bytes: int, keep_checkpoints: int = 3, sync_backend: str = "auto",
-                 sync_wire: torch.dtype | None = None, bell: Doorbell | None = None) -> int:
+                 sync_wire: torch.dtype | None = None, bell: Doorbell | None = None,
+                 live: Liveness | None = None) -> int:
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
     and forwards each command to the members (a non-spinning broadcast). `mover` holds the
-    agents whose state is on this group, live (`mover.trainers`) or parked in host memory."""
+    agents whose state is on this group, live (`mover.trainers`) or parked in host memory.
+    `live`: disarmed at the Stop, so the orchestrator's end that follows is no loss."""
     channels = SyncChannels(world, sync_backend)
     rank = TrainerRank(world, group, mover, ckpt_dir, bucket_bytes, keep_checkpoints, channels, sync_wire)
     while True:
@@ -151,6 +158,8 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
         cmd = comm.bcast_obj(group, cmd, 0)
         t0 = time.time()
         if isinstance(cmd, messages.Stop):
+            if live is not None:
+                live.disarm()
             channels.close()
             rank.clock.waited(t0)
             send_reply(world, orch, messages.Stopped(-1, intervals=rank.clock.drain()), bell)   # every rank

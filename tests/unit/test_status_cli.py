@@ -24,3 +24,42 @@ def test_parsers_read_het_components_restarts_and_the_run_folder():
 def test_status_refuses_what_it_cannot_find(tmp_path):
     q = status_cli(str(tmp_path / "nope"))
     assert q.returncode == 2 and "no such run folder, and not a Slurm job id" in q.stderr
+
+
+def _store_with_steps(path, walls: list[float], age_s: float) -> None:
+    """A real store (StoreFile) whose /metrics holds one row per step of `walls` seconds,
+    the last committed `age_s` seconds ago."""
+    import time
+
+    import h5py
+    from flexmarl_hpc.store.tables import StoreFile
+    st = StoreFile(path, ["a"], {"config_yaml": "", "mode": "flex", "world_size": 4})
+    t = 0.0
+    for step, wall in enumerate(walls):
+        t += wall
+        row = {k: [0] for k in ("samples", "tokens", "rollout_s", "train_s", "sync_s", "swap_s", "staleness_max")}
+        st.metrics.append({**row, "step": [step], "t": [t], "wall": [wall], "samples_per_s": [1.0],
+                           "utilization": [0.5]})
+    st.flush()
+    st.close()
+    with h5py.File(path, "r+") as f:
+        f.attrs["t0"] = time.time() - age_s - t
+
+
+def test_status_says_stalled_when_no_step_came_for_much_longer_than_a_step(tmp_path):
+    """A store whose last step is older than max(10 x the median recent step, 120 s) is
+    'stalled', not given an ETA; a younger one keeps its ETA (both sides of each bound)."""
+    import time
+    cases = [([2.0] * 12, 100.0, False), ([2.0] * 12, 130.0, True),     # the 120 s floor
+             ([30.0] * 12, 250.0, False), ([30.0] * 12, 320.0, True)]   # 10 x the median step
+    for walls, age, stalled in cases:
+        path = tmp_path / f"s{walls[0]}_{age}.h5"
+        _store_with_steps(path, walls, age)
+        pr = status.read_store(path, 100)
+        line = status.progress_line(pr, time.time())
+        assert ("stalled: no step committed for" in line) == stalled, (walls[0], age, line)
+        assert ("ETA" in line) == (not stalled), line
+        # a job that is not running (pending, requeued) is not called stalled
+        assert "stalled" not in status.progress_line(pr, time.time(), running=False)
+    pr = status.read_store(path, 12)                                     # every step done
+    assert status.progress_line(pr, time.time()).endswith("done")

@@ -1,0 +1,84 @@
+"""What the orchestrator does when a worker fails: hangs (a command unanswered for
+run.worker_timeout), dies (its liveness socket closes: runtime/liveness.py), or rank 0's own
+reward function hangs (timing.Watchdog).
+
+    class Orchestrator(WorkerFailures): ...      # orchestrator/loop.py
+    self.stop_hung(rank, what, secs) / self.stop_lost(rank) / self.reward_hung(what, secs)
+
+Each says who and what in one line, checkpoints the agents whose trainer groups still
+answer, flushes the store and ends the whole job with EXIT_PREEMPTED (75: the sbatch
+script requeues, and the run resumes from the checkpoints and the store).
+"""
+from __future__ import annotations
+
+from flexmarl_hpc.config.layout import ROLLOUT, RankLayout
+
+EXIT_PREEMPTED = 75
+
+
+def who(layout: RankLayout, rank: int) -> str:
+    """A worker rank by its role, for the log."""
+    role, index = layout.role_of(rank)
+    if role == ROLLOUT:
+        return f"replica {index}"
+    return f"trainer group {index} ({'leader' if layout.group_leader(index) == rank else 'member'})"
+
+
+def checkpointable(state: dict, moving: dict[int, int], layout: RankLayout,
+                   rank: int) -> list[str]:
+    """Agents whose group can still checkpoint without `rank` (hung or dead): not on its
+    trainer group, not on a group moving a state, and (`rank` a replica) not on a group
+    with a weight sync in flight: that broadcast may wait for `rank` forever."""
+    role, index = layout.role_of(rank)
+    blocked = {s.location.group for s in state.values() if s.syncing} if role == ROLLOUT else {index}
+    return [agent for agent, s in state.items()
+            if s.leader != rank and s.location.group not in blocked and not moving[s.location.group]]
+
+
+class WorkerFailures:
+    """Mixin of Orchestrator (uses its cfg, layout, state, moving, deadlines, aborting,
+    checkpoint, record_steps, recorder, transport and log)."""
+
+    def stop_hung(self, rank: int, what: str, secs: float) -> None:
+        """A worker left a command unanswered for run.worker_timeout: say who and what,
+        then `requeue_without`."""
+        self.log(f"{who(self.layout, rank)} (rank {rank}): no answer to {what} for {secs:.0f} s "
+                 f"(run.worker_timeout={self.cfg.run.worker_timeout:g})")
+        self.requeue_without(rank)
+
+    def stop_lost(self, rank: int) -> None:
+        """A worker's process has ended (its liveness socket closed: killed, out of memory,
+        its node gone) without being stopped: the same as a hung worker, seconds after."""
+        running = self.deadlines.running(rank)
+        self.log(f"{who(self.layout, rank)} (rank {rank}): its process has ended (liveness socket closed)"
+                 + (f" during {running}" if running else ""))
+        self.requeue_without(rank)
+
+    def requeue_without(self, rank: int) -> None:
+        """Checkpoint the agents whose trainer groups still answer, flush the store, and end
+        the whole job with the requeue code (a hung or dead rank cannot be stopped by a
+        message). A second failure meanwhile ends the job at once."""
+        if not self.aborting:
+            self.aborting = True
+            self.deadlines.forget(rank)
+            alive = checkpointable(self.state, self.moving, self.layout, rank)
+            self.log(f"checkpointing {', '.join(alive) or 'no agent'}, flushing the store, "
+                     f"exiting {EXIT_PREEMPTED} to requeue")
+            if alive:
+                self.checkpoint(alive, only=True)
+        self.abort(EXIT_PREEMPTED)
+
+    def reward_hung(self, what: str, secs: float) -> None:
+        """The watchdog thread: rank 0 itself is stuck in a reward function. The main thread
+        cannot checkpoint, so flush what the store has and end the job for a requeue."""
+        self.log(f"reward function (orchestrator, rank 0): no return from {what} for {secs:.0f} s "
+                 f"(run.worker_timeout={self.cfg.run.worker_timeout:g}); flushing the store, "
+                 f"exiting {EXIT_PREEMPTED} to requeue")
+        self.abort(EXIT_PREEMPTED)
+
+    def abort(self, code: int) -> None:
+        try:
+            self.record_steps(checkpoints=False)
+            self.recorder.flush()
+        finally:
+            self.transport.abort(code)
