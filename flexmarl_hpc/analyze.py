@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             runs.append(load_run(p))
             runs[-1].name = name
+            if runs[-1].notice:
+                print(f"analyze: {runs[-1].notice}", file=sys.stderr)
             sums.append(summary(runs[-1]))
         except AnalysisError as e:
             print(f"analyze: {e}", file=sys.stderr)

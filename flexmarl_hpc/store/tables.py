@@ -24,10 +24,11 @@ import h5py
 import numpy as np
 
 from flexmarl_hpc.runtime import faults
+from flexmarl_hpc.store.checksum import has_checksums, verify_path, with_checksum
 from flexmarl_hpc.store.repair import clear_open_flags
 
-SCHEMA_VERSION = 2
-READS = (1, 2)                     # versions flexmarl_hpc.analysis.load reads
+SCHEMA_VERSION = 3                 # 3: every chunk carries HDF5's Fletcher-32 checksum
+READS = (1, 2, 3)                     # versions flexmarl_hpc.analysis.load reads
 GENERATED, READY, CONSUMED, DROPPED = 0, 1, 2, 3
 STATUS_NAMES = {GENERATED: "generated", READY: "ready", CONSUMED: "consumed", DROPPED: "dropped"}
 
@@ -100,7 +101,8 @@ class Table:
 
     Writes go to the file as whole chunks (`H5Dwrite_chunk`): the table keeps an image of
     its last few chunks, puts new rows and patches into them, and writes each touched
-    chunk's bytes as they are. That skips HDF5's per-write type-conversion path, whose
+    chunk's bytes as they are, with the Fletcher-32 checksum the dataset's filter expects
+    appended (`store.checksum`). That skips HDF5's per-write type-conversion path, whose
     fixed cost grows with the number of fields (~45 us for a /samples row set of any size,
     half that per chunk written directly), and it is the same I/O: HDF5 writes a chunk whole
     when it flushes it anyway. Chunks past the images (old rows a patch reaches) are read
@@ -120,9 +122,11 @@ class Table:
             (self.dtype, self.chunk), self.disk = created, 0
         else:                                               # a resume: check what the file has
             self.dtype, self.chunk, self.disk = ds.dtype, ds.chunks[0], len(ds)
-            if self.ftype != h5py.h5t.py_create(self.dtype) or ds.id.get_create_plist().get_nfilters():
-                raise ValueError(f"{ds.file.filename}: {ds.name} is not stored as the packed, unfiltered "
-                                 f"{self.dtype} records this flexmarl_hpc writes (damaged file?)")
+            if self.ftype != h5py.h5t.py_create(self.dtype) or not has_checksums(ds) or \
+                    ds.id.get_create_plist().get_nfilters() != 1:
+                raise ValueError(f"{ds.file.filename}: {ds.name} is not stored as the packed, "
+                                 f"Fletcher-32-checksummed {self.dtype} records this flexmarl_hpc "
+                                 "writes (damaged file?)")
         if columns is not None:
             columns = {k: v for k, v in columns.items() if k not in ADDED or k in self.dtype.names}
         self.columns = columns
@@ -209,7 +213,8 @@ class Table:
             self.ds.id.set_extent((end,))
             self.disk = end
         for c in sorted(touched):
-            self.ds.id.write_direct_chunk((c * self.chunk,), touched[c], 0)
+            # filter mask 0: the chunk went through the Fletcher-32 filter (we appended it)
+            self.ds.id.write_direct_chunk((c * self.chunk,), with_checksum(touched[c]), 0)
 
     def _image(self, c: int) -> np.ndarray:
         """The image of chunk c: kept, or read back (the rows of it on disk; zeros past them)."""
@@ -273,6 +278,8 @@ class StoreFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.repaired: list[str] = []          # what re-opening fixed, for the log
         self.dirty: set[Table] = set()
+        if not fresh:                 # verified before anything of it is used or changed
+            verify_path(self.path)
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
         self.f = h5py.File(self.path, "a", libver="latest")
@@ -312,6 +319,7 @@ class StoreFile:
         dtype = np.dtype(dt) if dt else dtype_of(columns)
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_chunk((chunk,))
+        dcpl.set_fletcher32()           # every reader verifies a chunk it reads (docs/store.md)
         lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
         ds = h5py.h5d.create(self.f.id, name.encode(), h5py.h5t.py_create(dtype, logical=True),

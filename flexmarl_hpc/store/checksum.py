@@ -1,0 +1,219 @@
+"""Chunk checksums of the store: HDF5's Fletcher-32 filter, computed here for direct writes.
+
+    raw = with_checksum(chunk_array)              # bytes + 4-byte Fletcher-32, as H5Z_filter_fletcher32
+    bad = damaged_chunks(f)                        # every committed chunk verified: [Damage]
+    verify_store(f, path)                          # raises StoreDamaged (one line) or returns a notice
+
+Every table of a schema-3 store carries the Fletcher-32 filter, so every HDF5 reader (h5py
+included) verifies a chunk when it reads it. The store writes whole chunks directly
+(`write_direct_chunk`), which skips the filter pipeline: `with_checksum` appends the
+checksum exactly as `H5_checksum_fletcher32` (src/H5checksum.c) computes it and
+`H5Z_filter_fletcher32` stores it (UINT32ENCODE: little-endian). `damaged_chunks` reads each
+committed chunk raw and checks it here, so a bad one is named by table, rows and file
+offset instead of surfacing as an HDF5 error stack at whatever read touches it first.
+docs/store.md says why the filter and what it cannot catch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+FLETCHER32 = h5py.h5z.FILTER_FLETCHER32
+SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_M = 65535
+
+
+def fletcher32(data) -> int:
+    """H5_checksum_fletcher32 of `data` (bytes or an array), vectorised.
+
+    HDF5 sums big-endian 16-bit words (an odd last byte is a word with a zero low byte),
+    folding each sum ((s & 0xffff) + (s >> 16)) every 360 words and twice at the end. A
+    fold keeps the value mod 65535 and never turns a positive sum into 0, so the result is
+    the sum's residue mod 65535 in 1..65535 (0 only for a zero sum): computed here from the
+    exact sums sum1 = sum(w_i) and sum2 = sum((n - i) * w_i)."""
+    b = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+    if len(b) % 2:
+        b = np.append(b, np.uint8(0))
+    w = b.view(">u2").astype(np.float64)
+    # float64 products summed by einsum (no BLAS threads) are exact here: every partial sum stays below 2**53
+    # (BLOCK words of at most 65535 x 65535 each)
+    s1 = s2 = 0
+    n = len(w)
+    for lo in range(0, n, BLOCK):
+        blk = w[lo:lo + BLOCK]
+        s1 += int(blk.sum())
+        s2 += int(np.einsum("i,i", blk, _weights(len(blk)))) + int(n - lo - len(blk)) * int(blk.sum()) % _M
+    nonzero = s1 > 0                    # then both sums are positive (every prefix after it)
+    return (_fold(s2 % _M, nonzero) << 16) | _fold(s1 % _M, nonzero)
+
+
+BLOCK = 1 << 20
+_W: dict[int, np.ndarray] = {}
+
+
+def _weights(n: int) -> np.ndarray:
+    """(n - i) mod 65535 for word i of n, as float64 (cached: chunks have a few sizes)."""
+    w = _W.get(n)
+    if w is None:
+        w = _W[n] = (np.arange(n, 0, -1, dtype=np.int64) % _M).astype(np.float64)
+    return w
+
+
+def _fold(residue: int, positive: bool) -> int:
+    """The representative HDF5's folding ends with: 0 for a zero sum, else 1..65535."""
+    return (residue or _M) if positive else 0
+
+
+def with_checksum(chunk: np.ndarray) -> bytes:
+    """The bytes a direct write stores for `chunk` under the Fletcher-32 filter."""
+    raw = chunk.tobytes()
+    return raw + fletcher32(raw).to_bytes(4, "little")
+
+
+def has_checksums(ds: h5py.Dataset) -> bool:
+    plist = ds.id.get_create_plist()
+    return any(plist.get_filter(i)[0] == FLETCHER32 for i in range(plist.get_nfilters()))
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One chunk whose stored checksum does not match its bytes (or that cannot be read)."""
+    table: str
+    lo: int                   # its first row
+    hi: int                   # one past its last committed row
+    offset: int               # its byte offset in the file
+
+    def line(self) -> str:
+        return f"{self.table} rows {self.lo}-{self.hi - 1} (chunk at file offset {self.offset})"
+
+
+class StoreDamaged(ValueError):
+    """A store whose committed data fail their checksums; the message is one line."""
+
+    def __init__(self, path, damage: list[Damage]):
+        self.damage = damage
+        more = f" and {len(damage) - 1} more chunk(s)" if len(damage) > 1 else ""
+        super().__init__(f"{path}: damaged store: checksum mismatch in {damage[0].line()}{more}; "
+                         "nothing was changed. `python -m flexmarl_hpc.analyze salvage "
+                         f"{path}` copies every verifiable row into a new store (docs/store.md)")
+
+
+def committed(f: h5py.File) -> dict[str, int]:
+    """Committed rows of each table (/commit), or the whole length where the file has none."""
+    if "commit" in f:
+        return {str(k): int(v) for k, v in zip(f["commit"].attrs["tables"], f["commit"][:])}
+    out: dict[str, int] = {}
+    f.visititems(lambda name, o: out.setdefault("/" + name, len(o))
+                 if isinstance(o, h5py.Dataset) and o.chunks else None)
+    return out
+
+
+def chunk_damage(ds: h5py.Dataset, rows: int) -> list[Damage]:
+    """The chunks of ds's first `rows` rows that fail their Fletcher-32 (or cannot be read)."""
+    if not rows:
+        return []
+    step, bad = ds.chunks[0], []
+    for c in range(-(-rows // step)):
+        lo = c * step
+        for attempt in range(RETRIES):
+            off = _chunk_ok(ds, lo)
+            if off is None:
+                break
+            time.sleep(0.05 * (attempt + 1))
+        else:
+            bad.append(Damage(ds.name, lo, min(lo + step, rows), off))
+    return bad
+
+
+RETRIES = 3     # a live writer may be rewriting the chunk an SWMR reader reads: read it again
+
+
+def _chunk_ok(ds: h5py.Dataset, lo: int) -> int | None:
+    """None if the chunk at row lo verifies, else its file offset (-1: not allocated)."""
+    try:
+        off = ds.id.get_chunk_info_by_coord((lo,)).byte_offset
+        mask, raw = ds.id.read_direct_chunk((lo,))
+        if off is not None and mask == 0 and len(raw) > 4 and \
+                fletcher32(raw[:-4]) == int.from_bytes(raw[-4:], "little"):
+            return None
+    except (OSError, ValueError, RuntimeError, KeyError):
+        off = None
+    return -1 if off is None else int(off)
+
+
+def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",)) -> list[Damage]:
+    """Every committed chunk of every checksummed table (whose name starts with one of
+    `only`), verified; the bad ones."""
+    bad: list[Damage] = []
+    for name, rows in committed(f).items():
+        ds = f.get(name) if name.startswith(only) else None
+        if ds is None or not has_checksums(ds):
+            continue
+        bad += chunk_damage(ds, min(rows, len(ds)))
+    return bad
+
+
+def verify_store(f: h5py.File, path, only: tuple[str, ...] = ("/",)) -> str | None:
+    """Raise StoreDamaged if a committed chunk (of the tables `only` names, by prefix) fails
+    its checksum; return a one-line notice
+    for a store written without checksums (schema <= 2), None for a verified one."""
+    if not any(has_checksums(f[n]) for n in committed(f) if n in f):
+        return (f"{path}: written without chunk checksums (schema version "
+                f"{int(f.attrs.get('schema_version', 0))}); its data cannot be verified")
+    bad = damaged_chunks(f, only)
+    if bad:
+        raise StoreDamaged(path, bad)
+    return None
+
+
+class StoreUnreadable(ValueError):
+    """A file that is not a whole HDF5 store (truncated, foreign); the message is one line."""
+
+
+def check_not_truncated(path: Path) -> None:
+    """Compare the file's size with the end-of-file address in its HDF5 superblock (v2/v3,
+    what our writer makes): the check a plain open makes and an SWMR reader skips (which
+    then retries metadata reads for a long time, or reads zeros, instead of failing)."""
+    with open(path, "rb") as fh:
+        head = fh.read(48)
+    if head[:8] != SIGNATURE:
+        raise StoreUnreadable(f"{path}: not an HDF5 file (no signature at offset 0)")
+    if len(head) < 10:
+        raise StoreUnreadable(f"{path}: truncated HDF5 file ({len(head)} bytes, cut inside the superblock)")
+    if head[8] not in (2, 3):
+        return                          # an old superblock: h5py will say
+    size_of_offsets = head[9]
+    end = 12 + 3 * size_of_offsets
+    if size_of_offsets not in (2, 4, 8) or len(head) < end:
+        raise StoreUnreadable(f"{path}: truncated or damaged HDF5 superblock ({len(head)} bytes read)")
+    eof = int.from_bytes(head[12 + 2 * size_of_offsets:end], "little")
+    actual = Path(path).stat().st_size
+    if actual < eof:
+        raise StoreUnreadable(f"{path}: truncated HDF5 file ({actual} bytes, the file says {eof})")
+
+
+def open_read(path: Path) -> h5py.File:
+    """The store opened read-only without changing it: after the size check, in SWMR mode
+    (a killed writer's open-for-write flags keep a plain open out; clearing them would
+    modify the file), or plainly for a file never switched to SWMR."""
+    check_not_truncated(path)
+    try:
+        return h5py.File(path, "r", swmr=True)
+    except OSError:
+        try:
+            return h5py.File(path, "r")
+        except OSError as e:
+            raise StoreUnreadable(f"{path}: not a readable HDF5 file "
+                                  f"({' '.join(str(e).split())[:200]})") from None
+
+
+def verify_path(path: Path) -> str | None:
+    """verify_store of the file at `path`, opened by open_read; the file is not modified."""
+    with open_read(Path(path)) as f:
+        if f.attrs.get("program") != "flexmarl_hpc":
+            raise StoreUnreadable(f"{path}: not a flexmarl_hpc run file (no program=flexmarl_hpc attribute)")
+        return verify_store(f, path)
