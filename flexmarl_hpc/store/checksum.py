@@ -1,12 +1,13 @@
 """Chunk checksums of the store: HDF5's Fletcher-32 filter, computed here for direct writes.
 
-    raw = with_checksum(chunk_array)              # bytes + 4-byte Fletcher-32, as H5Z_filter_fletcher32
+    raw, rows = chunk_buffer(256, dtype)           # a chunk image with room for its checksum
+    stamp(raw, used_bytes)                         # + its 4-byte Fletcher-32, as H5Z_filter_fletcher32
     bad = damaged_chunks(f)                        # every committed chunk verified: [Damage]
     verify_store(f, path)                          # raises StoreDamaged (one line) or returns a notice
 
 Every table of a schema-3 store carries the Fletcher-32 filter, so every HDF5 reader (h5py
 included) verifies a chunk when it reads it. The store writes whole chunks directly
-(`write_direct_chunk`), which skips the filter pipeline: `with_checksum` appends the
+(`write_direct_chunk`), which skips the filter pipeline: `stamp` appends the
 checksum exactly as `H5_checksum_fletcher32` (src/H5checksum.c) computes it and
 `H5Z_filter_fletcher32` stores it (UINT32ENCODE: little-endian). `damaged_chunks` reads each
 committed chunk raw and checks it here, so a bad one is named by table, rows and file
@@ -27,26 +28,31 @@ SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _M = 65535
 
 
-def fletcher32(data) -> int:
-    """H5_checksum_fletcher32 of `data` (bytes or an array), vectorised.
+def fletcher32(data, length: int | None = None) -> int:
+    """H5_checksum_fletcher32 of `data` (bytes or an array) followed by zeros up to `length`
+    bytes (default: none), vectorised.
 
     HDF5 sums big-endian 16-bit words (an odd last byte is a word with a zero low byte),
     folding each sum ((s & 0xffff) + (s >> 16)) every 360 words and twice at the end. A
     fold keeps the value mod 65535 and never turns a positive sum into 0, so the result is
     the sum's residue mod 65535 in 1..65535 (0 only for a zero sum): computed here from the
-    exact sums sum1 = sum(w_i) and sum2 = sum((n - i) * w_i)."""
-    b = np.frombuffer(memoryview(data).cast("B"), np.uint8)
-    if len(b) % 2:
-        b = np.append(b, np.uint8(0))
-    w = b.view(">u2").astype(np.float64)
-    # float64 products summed by einsum (no BLAS threads) are exact here: every partial sum stays below 2**53
-    # (BLOCK words of at most 65535 x 65535 each)
+    exact sums sum1 = sum(w_i) and sum2 = sum((n - i) * w_i) over the n words. Zero words
+    add nothing to either, so a chunk's zero tail (the rows past its last one) is skipped."""
+    b = data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    n = (max(len(b), length or 0) + 1) // 2
+    odd = len(b) % 2                    # the last byte: the high byte of a word, low byte 0
+    w = b[:len(b) - odd].view(">u2").astype(np.float64)
+    weights = _weights(n)
+    # float64 products summed by einsum (no BLAS threads) are exact: every partial sum of a
+    # block stays below 2**53 (BLOCK words of at most 65535 x 65534 each)
     s1 = s2 = 0
-    n = len(w)
-    for lo in range(0, n, BLOCK):
+    for lo in range(0, len(w), BLOCK):
         blk = w[lo:lo + BLOCK]
         s1 += int(blk.sum())
-        s2 += int(np.einsum("i,i", blk, _weights(len(blk)))) + int(n - lo - len(blk)) * int(blk.sum()) % _M
+        s2 += int(np.einsum("i,i", blk, weights[lo:lo + len(blk)]))
+    if odd:
+        s1 += int(b[-1]) << 8
+        s2 += (int(b[-1]) << 8) * int(weights[len(w)])
     nonzero = s1 > 0                    # then both sums are positive (every prefix after it)
     return (_fold(s2 % _M, nonzero) << 16) | _fold(s1 % _M, nonzero)
 
@@ -68,10 +74,18 @@ def _fold(residue: int, positive: bool) -> int:
     return (residue or _M) if positive else 0
 
 
-def with_checksum(chunk: np.ndarray) -> bytes:
-    """The bytes a direct write stores for `chunk` under the Fletcher-32 filter."""
-    raw = chunk.tobytes()
-    return raw + fletcher32(raw).to_bytes(4, "little")
+def chunk_buffer(rows: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's bytes with room for its checksum, and its rows as a view of them: the
+    direct write then sends the buffer as it is (no copy to append 4 bytes)."""
+    raw = np.zeros(rows * dtype.itemsize + 4, np.uint8)
+    return raw, raw[:-4].view(dtype)
+
+
+def stamp(raw: np.ndarray, used: int) -> np.ndarray:
+    """Write the Fletcher-32 of raw[:-4] into its last 4 bytes (little-endian, as
+    H5Z_filter_fletcher32's UINT32ENCODE); bytes from `used` on are known to be zero."""
+    raw[-4:] = np.frombuffer(fletcher32(raw[:used], len(raw) - 4).to_bytes(4, "little"), np.uint8)
+    return raw
 
 
 def has_checksums(ds: h5py.Dataset) -> bool:

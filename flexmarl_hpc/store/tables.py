@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 
 from flexmarl_hpc.runtime import faults
-from flexmarl_hpc.store.checksum import has_checksums, verify_path, with_checksum
+from flexmarl_hpc.store.checksum import chunk_buffer, has_checksums, stamp, verify_path
 from flexmarl_hpc.store.repair import clear_open_flags
 
 SCHEMA_VERSION = 3                 # 3: every chunk carries HDF5's Fletcher-32 checksum
@@ -134,7 +134,8 @@ class Table:
         self.buf: list[np.ndarray] = []
         self.patches: list[tuple[np.ndarray, dict]] = []
         self.mirror = mirror                  # a status cache: its patches may wait (flush)
-        self._img: dict[int, np.ndarray] = {}                # chunk index -> its rows
+        self._img: dict[int, np.ndarray] = {}                # chunk index -> its rows,
+        self._raw: dict[int, np.ndarray] = {}                # viewing these bytes (+ checksum)
         self._queued_new = False              # a queued patch hits rows not yet written
 
     def append(self, rows: dict | np.ndarray) -> int:
@@ -191,10 +192,11 @@ class Table:
             self._queued_new = False
         self.patches = [] if patch_disk else on_disk
         touched: dict[int, np.ndarray] = {}                  # chunk -> its image, this write
+        raws: dict[int, np.ndarray] = {}                     # chunk -> the bytes the image views
 
         def image(c: int) -> np.ndarray:
-            if c not in touched:
-                touched[c] = self._image(c)
+            if c not in touched:              # kept here: a long write may evict the image
+                raws[c], touched[c] = self._image(c)
             return touched[c]
 
         for rows, fields in on_disk if patch_disk else ():
@@ -213,21 +215,25 @@ class Table:
             self.ds.id.set_extent((end,))
             self.disk = end
         for c in sorted(touched):
-            # filter mask 0: the chunk went through the Fletcher-32 filter (we appended it)
-            self.ds.id.write_direct_chunk((c * self.chunk,), with_checksum(touched[c]), 0)
+            # filter mask 0: the chunk went through the Fletcher-32 filter (stamp appends it;
+            # rows past the table's end are zeros, which the checksum skips)
+            used = min(self.chunk, self.disk - c * self.chunk) * self.dtype.itemsize
+            self.ds.id.write_direct_chunk((c * self.chunk,), stamp(raws[c], used), 0)
 
-    def _image(self, c: int) -> np.ndarray:
-        """The image of chunk c: kept, or read back (the rows of it on disk; zeros past them)."""
+    def _image(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """The image of chunk c (its bytes, its rows viewing them): kept, or read back (the
+        rows of it on disk; zeros past them)."""
         img = self._img.get(c)
-        if img is None:
-            img = np.zeros(self.chunk, self.dtype)
-            lo = c * self.chunk
-            if lo < self.disk:
-                self._read(lo, img[:min(self.chunk, self.disk - lo)])
-            self._img[c] = img
-            while len(self._img) > self.IMAGES:               # drop the oldest chunk's
-                del self._img[min(self._img)]
-        return img
+        if img is not None:
+            return self._raw[c], img
+        raw, img = chunk_buffer(self.chunk, self.dtype)         # zeros + room for the checksum
+        lo = c * self.chunk
+        if lo < self.disk:
+            self._read(lo, img[:min(self.chunk, self.disk - lo)])
+        self._raw[c], self._img[c] = raw, img
+        while len(self._img) > self.IMAGES:                   # drop the oldest chunk's
+            del self._raw[min(self._img)], self._img[min(self._img)]
+        return raw, img
 
     def _patch_new(self, new: np.ndarray, patches: list) -> list:
         """Apply the patches' updates of rows not yet on disk to `new`; return the updates
