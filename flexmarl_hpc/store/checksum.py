@@ -1,7 +1,7 @@
 """Chunk checksums of the store: HDF5's Fletcher-32 filter, computed here for direct writes.
 
     raw, rows = chunk_buffer(256, dtype)           # a chunk image with room for its checksum
-    stamp(raw, used_bytes)                         # + its 4-byte Fletcher-32, as H5Z_filter_fletcher32
+    stamp(raw, *span_sums(raw, len(raw) - 4, 0, len(raw) - 4))   # its Fletcher-32, as HDF5 stores it
     bad = damaged_chunks(f)                        # every committed chunk verified: [Damage]
     verify_store(f, path)                          # raises StoreDamaged (one line) or returns a notice
 
@@ -82,10 +82,42 @@ def chunk_buffer(rows: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     return raw, raw[:-4].view(dtype)
 
 
-def stamp(raw: np.ndarray, used: int) -> np.ndarray:
-    """Write the Fletcher-32 of raw[:-4] into its last 4 bytes (little-endian, as
-    H5Z_filter_fletcher32's UINT32ENCODE); bytes from `used` on are known to be zero."""
-    raw[-4:] = np.frombuffer(fletcher32(raw[:used], len(raw) - 4).to_bytes(4, "little"), np.uint8)
+def span_sums(raw: np.ndarray, nbytes: int, lo: int, hi: int) -> tuple[int, int]:
+    """The exact (sum1, sum2) of fletcher32 over the 16-bit words of raw[:nbytes] that
+    bytes [lo, hi) fall in, word i weighing (n - i). The sums are linear in the words, so a
+    chunk's checksum follows a change of some of its bytes from the sums of those words
+    before and after (and bytes appended over zeros add their own sums)."""
+    n = (nbytes + 1) // 2
+    wlo, whi = lo // 2, min((hi + 1) // 2, nbytes // 2)
+    both = _both(n)                         # rows: 1, (n - i): both sums in one product
+    s1 = s2 = 0
+    for a in range(wlo, whi, BLOCK):
+        w = raw[2 * a:2 * min(a + BLOCK, whi)].view(">u2").astype(np.float64)
+        r = both[:, a:a + len(w)] @ w       # exact: see fletcher32
+        s1, s2 = s1 + int(r[0]), s2 + int(r[1])
+    if nbytes % 2 and hi >= nbytes:         # an odd last byte: the high byte of the last word
+        s1 += int(raw[nbytes - 1]) << 8
+        s2 += int(raw[nbytes - 1]) << 8     # the last word weighs 1
+    return s1, s2
+
+
+_BOTH: dict[int, np.ndarray] = {}
+
+
+def _both(n: int) -> np.ndarray:
+    """[[1] * n, (n - i) mod 65535]: the weights of sum1 and sum2 as one matrix (cached)."""
+    m = _BOTH.get(n)
+    if m is None:
+        m = _BOTH[n] = np.stack([np.ones(n), _weights(n)])
+    return m
+
+
+def stamp(raw: np.ndarray, s1: int, s2: int) -> np.ndarray:
+    """Write the Fletcher-32 of raw[:-4], whose exact sums are (s1, s2) (span_sums), into its
+    last 4 bytes (little-endian, as H5Z_filter_fletcher32's UINT32ENCODE)."""
+    nonzero = s1 > 0                        # exact sums: zero only for all-zero bytes
+    value = (_fold(s2 % _M, nonzero) << 16) | _fold(s1 % _M, nonzero)
+    raw[-4:] = np.frombuffer(value.to_bytes(4, "little"), np.uint8)
     return raw
 
 

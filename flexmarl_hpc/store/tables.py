@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 
 from flexmarl_hpc.runtime import faults
-from flexmarl_hpc.store.checksum import chunk_buffer, has_checksums, stamp, verify_path
+from flexmarl_hpc.store.checksum import chunk_buffer, has_checksums, span_sums, stamp, verify_path
 from flexmarl_hpc.store.repair import clear_open_flags
 
 SCHEMA_VERSION = 3                 # 3: every chunk carries HDF5's Fletcher-32 checksum
@@ -134,8 +134,8 @@ class Table:
         self.buf: list[np.ndarray] = []
         self.patches: list[tuple[np.ndarray, dict]] = []
         self.mirror = mirror                  # a status cache: its patches may wait (flush)
-        self._img: dict[int, np.ndarray] = {}                # chunk index -> its rows,
-        self._raw: dict[int, np.ndarray] = {}                # viewing these bytes (+ checksum)
+        self._img: dict[int, tuple] = {}                     # chunk index -> _image()
+        self._nbytes = self.chunk * self.dtype.itemsize       # a chunk's bytes (no checksum)
         self._queued_new = False              # a queued patch hits rows not yet written
 
     def append(self, rows: dict | np.ndarray) -> int:
@@ -191,18 +191,16 @@ class Table:
             on_disk = self._patch_new(pieces[0], on_disk) if pieces else on_disk
             self._queued_new = False
         self.patches = [] if patch_disk else on_disk
-        touched: dict[int, np.ndarray] = {}                  # chunk -> its image, this write
-        raws: dict[int, np.ndarray] = {}                     # chunk -> the bytes the image views
-
-        def image(c: int) -> np.ndarray:
-            if c not in touched:              # kept here: a long write may evict the image
-                raws[c], touched[c] = self._image(c)
-            return touched[c]
-
-        for rows, fields in on_disk if patch_disk else ():
+        patches = on_disk if patch_disk else []
+        # the bytes of each chunk that patches and new rows change; the images (bytes, rows,
+        # checksum sums) are held here: a long write may evict them from the cache
+        spans = self._spans(patches, self.disk, self.disk + sum(map(len, pieces)))
+        imgs = {c: self._image(c) for c in spans}
+        before = {c: self._sums_before(imgs[c][0], c, *spans[c]) for c in spans}
+        for rows, fields in patches:
             c_lo, c_hi = int(rows.min()) // self.chunk, int(rows.max()) // self.chunk
             for c in range(c_lo, c_hi + 1):
-                img, lo = image(c), c * self.chunk
+                img, lo = imgs[c][1], c * self.chunk
                 mine = slice(None) if c_lo == c_hi else (rows >= lo) & (rows < lo + self.chunk)
                 _set(img, rows[mine] - lo, fields, mine)
         end = self.disk
@@ -210,30 +208,58 @@ class Table:
             start, end = end, end + len(new)
             for c in range(start // self.chunk, -(-end // self.chunk)):
                 lo, hi = max(c * self.chunk, start), min((c + 1) * self.chunk, end)
-                image(c)[lo - c * self.chunk:hi - c * self.chunk] = new[lo - start:hi - start]
+                imgs[c][1][lo - c * self.chunk:hi - c * self.chunk] = new[lo - start:hi - start]
         if end > self.disk:
             self.ds.id.set_extent((end,))
             self.disk = end
-        for c in sorted(touched):
-            # filter mask 0: the chunk went through the Fletcher-32 filter (stamp appends it;
-            # rows past the table's end are zeros, which the checksum skips)
-            used = min(self.chunk, self.disk - c * self.chunk) * self.dtype.itemsize
-            self.ds.id.write_direct_chunk((c * self.chunk,), stamp(raws[c], used), 0)
+        for c in sorted(spans):
+            # filter mask 0: the chunk went through the Fletcher-32 filter (stamp appends it),
+            # its sums updated by what changed instead of recomputed over the whole chunk
+            raw, _, sums = imgs[c]
+            (s1, s2), (b1, b2) = span_sums(raw, self._nbytes, *spans[c]), before[c]
+            sums[0] += s1 - b1
+            sums[1] += s2 - b2
+            self.ds.id.write_direct_chunk((c * self.chunk,), stamp(raw, *sums), 0)
 
-    def _image(self, c: int) -> tuple[np.ndarray, np.ndarray]:
-        """The image of chunk c (its bytes, its rows viewing them): kept, or read back (the
-        rows of it on disk; zeros past them)."""
-        img = self._img.get(c)
-        if img is not None:
-            return self._raw[c], img
+    def _sums_before(self, raw: np.ndarray, c: int, lo: int, hi: int) -> tuple[int, int]:
+        """The sums of bytes [lo, hi) of chunk c before this write: only the words that
+        reach a row already on disk hold anything (the rest of an image is zeros)."""
+        used = max(0, min(self.chunk, self.disk - c * self.chunk)) * self.dtype.itemsize
+        if lo // 2 * 2 >= used:                           # all in the zeros: new rows only
+            return 0, 0
+        return span_sums(raw, self._nbytes, lo, min(hi, used))
+
+    def _spans(self, patches: list, lo: int, hi: int) -> dict[int, tuple[int, int]]:
+        """The byte range [lo, hi) within each chunk that the patches and the new rows
+        [lo, hi) of the table change."""
+        isz, k = self.dtype.itemsize, self.chunk
+        out: dict[int, tuple[int, int]] = {}
+
+        def add(r0: int, r1: int) -> None:                # rows [r0, r1) of the table
+            for c in range(r0 // k, (r1 - 1) // k + 1):
+                a, b = (max(r0, c * k) - c * k) * isz, (min(r1, (c + 1) * k) - c * k) * isz
+                o = out.get(c)
+                out[c] = (a, b) if o is None else (min(o[0], a), max(o[1], b))
+
+        for rows, _ in patches:
+            add(int(rows.min()), int(rows.max()) + 1)
+        if hi > lo:
+            add(lo, hi)
+        return out
+
+    def _image(self, c: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """The image of chunk c (its bytes, its rows viewing them, the exact Fletcher sums of
+        its bytes): kept, or read back (the rows of it on disk; zeros past them)."""
+        if c in self._img:
+            return self._img[c]
         raw, img = chunk_buffer(self.chunk, self.dtype)         # zeros + room for the checksum
         lo = c * self.chunk
         if lo < self.disk:
             self._read(lo, img[:min(self.chunk, self.disk - lo)])
-        self._raw[c], self._img[c] = raw, img
+        self._img[c] = out = raw, img, list(span_sums(raw, self._nbytes, 0, self._nbytes))
         while len(self._img) > self.IMAGES:                   # drop the oldest chunk's
-            del self._raw[min(self._img)], self._img[min(self._img)]
-        return raw, img
+            del self._img[min(self._img)]
+        return out
 
     def _patch_new(self, new: np.ndarray, patches: list) -> list:
         """Apply the patches' updates of rows not yet on disk to `new`; return the updates
