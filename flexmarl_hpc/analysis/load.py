@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable, open_read, verify_store
+from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable, open_read, read_rows, verify_store
 from flexmarl_hpc.store.tables import (ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS,
                     METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, eval_key)
 
@@ -94,8 +94,9 @@ def _columns_v1(f, group: str, columns: dict, path: Path) -> dict:
     return {k: v[:n] for k, v in data.items()}
 
 
-def _columns_v2(f, name: str, columns: dict, path: Path, committed: dict) -> dict:
-    """Schema 2: one compound dataset; only its committed rows (see /commit)."""
+def _columns_v2(f, name: str, columns: dict, path: Path, committed: dict, torn: list = ()) -> dict:
+    """Schema 2: one compound dataset; only its committed rows (see /commit), a torn last
+    chunk's from its bytes (read_rows)."""
     if name not in f:
         raise AnalysisError(f"{path}: missing dataset /{name} (truncated or foreign file?)")
     ds = f[name]
@@ -104,7 +105,8 @@ def _columns_v2(f, name: str, columns: dict, path: Path, committed: dict) -> dic
     missing = [c for c in columns if c not in have and c not in ADDED]
     if missing:
         raise AnalysisError(f"{path}: /{name} has no column {missing[0]}")
-    rows = ds[:min(len(ds), committed.get("/" + name, len(ds)))]
+    rows = read_rows(ds, min(len(ds), committed.get("/" + name, len(ds))),
+                     next((d for d in torn if d.table == "/" + name), None))
     # a column added within schema 2 reads as NaN from a file written before it
     return {c: rows[c] if c in have else np.full(len(rows), np.nan, np.float32) for c in columns}
 
@@ -140,7 +142,7 @@ def load_run(path: str | Path) -> Run:
             raise AnalysisError(f"{path}: schema version {version}; this flexmarl_hpc reads schema "
                                 f"versions {', '.join(map(str, READS))} (use the flexmarl_hpc release that wrote it)")
         try:                        # every committed chunk, before a row of it is used
-            notice = verify_store(f, path)
+            notice = verify_store(f, path, torn=(torn := []))
         except StoreDamaged as e:
             raise AnalysisError(str(e)) from None
         attrs = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in f.attrs.items()}
@@ -156,7 +158,7 @@ def load_run(path: str | Path) -> Run:
                 committed = dict(zip((str(x) for x in c.attrs["tables"]), c[:].tolist()))
 
                 def table(name, columns):
-                    return _frame(_columns_v2(f, name, columns, path, committed))
+                    return _frame(_columns_v2(f, name, columns, path, committed, torn))
             samples = [_samples(table(f"samples/{a}", SAMPLE_COLUMNS), a) for a in agents]
             steps = [_current(table(f"steps/{a}", STEP_COLUMNS), ["step"]).assign(agent=a) for a in agents]
             intervals = table("intervals", INTERVAL_COLUMNS)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +134,7 @@ class Damage:
     lo: int                   # its first row
     hi: int                   # one past its last committed row
     offset: int               # its byte offset in the file
+    torn: bool = False        # a boundary chunk whose committed rows verify (torn_append)
 
     def line(self) -> str:
         return f"{self.table} rows {self.lo}-{self.hi - 1} (chunk at file offset {self.offset})"
@@ -149,6 +151,44 @@ class StoreDamaged(ValueError):
                          f"{path}` copies every verifiable row into a new store (docs/store.md)")
 
 
+# the columns a flush rewrites in rows already committed (in-place patches): status fields
+# (a cache of /events, rebuilt by every resume) and `superseded` (set again by every resume);
+# the prefix checksum leaves them out, so it is fixed once a row is committed
+MUTABLE = {"/samples/": ("status", "reward", "advantage", "trainer_step", "t_ready", "t_consumed"),
+           "/steps/": ("superseded",), "/metrics": ("superseded",)}
+
+
+def prefix_crc(rows: np.ndarray, table: str, crc: int = 0) -> int:
+    """zlib.crc32 of the committed rows of a chunk (a record array) with the table's MUTABLE
+    columns zeroed, continuing `crc` (the crc of the rows before them in the chunk)."""
+    mutable = next((m for p, m in MUTABLE.items() if table.startswith(p)), ())
+    if mutable and rows.dtype.names:
+        rows = rows.copy()
+        for name in mutable:
+            if name in rows.dtype.names:
+                rows[name] = 0
+    return zlib.crc32(np.ascontiguousarray(rows).view(np.uint8), crc)
+
+
+def prefix_crcs(f: h5py.File) -> dict[str, int]:
+    """The recorded prefix checksum of each table's boundary chunk (/commit_crc; {} without)."""
+    if "commit_crc" not in f or "commit" not in f:
+        return {}
+    return {str(k): int(v) for k, v in zip(f["commit"].attrs["tables"], f["commit_crc"][:])}
+
+
+def read_rows(ds: h5py.Dataset, rows: int, torn: Damage | None = None) -> np.ndarray:
+    """ds[:rows], or where its last chunk is a torn append (verify_store's `torn`) the rows
+    before it through HDF5 and its committed rows from the chunk's raw bytes (HDF5 would
+    refuse the chunk: its checksum no longer matches; torn_append verified these rows)."""
+    if torn is None:
+        return ds[:rows]
+    head = ds[:torn.lo]
+    raw = ds.id.read_direct_chunk((torn.lo,))[1]
+    tail = np.frombuffer(raw, ds.dtype, rows - torn.lo)
+    return np.concatenate([head, tail])
+
+
 def committed(f: h5py.File) -> dict[str, int]:
     """Committed rows of each table (/commit), or the whole length where the file has none."""
     if "commit" in f:
@@ -159,7 +199,7 @@ def committed(f: h5py.File) -> dict[str, int]:
     return out
 
 
-def chunk_damage(ds: h5py.Dataset, rows: int, fd: int) -> list[Damage]:
+def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None = None) -> list[Damage]:
     """The chunks of ds's first `rows` rows that fail their Fletcher-32 (or are missing or
     of the wrong size). One pass over the chunk index (H5Dchunk_iter), then each chunk's
     bytes read from `fd` (the file, opened by the caller) and checked here: a per-chunk
@@ -178,8 +218,20 @@ def chunk_damage(ds: h5py.Dataset, rows: int, fd: int) -> list[Damage]:
             info = _lookup(ds, lo)
         else:
             off = -1 if info is None or info.byte_offset is None else int(info.byte_offset)
-            bad.append(Damage(ds.name, lo, min(lo + step, rows), off))
+            torn = lo + step > rows and crc is not None and torn_append(ds, info, rows - lo, fd, crc)
+            bad.append(Damage(ds.name, lo, min(lo + step, rows), off, torn))
     return bad
+
+
+def torn_append(ds: h5py.Dataset, info, rows: int, fd: int, crc: int) -> bool:
+    """Whether the boundary chunk `info` (its first `rows` rows committed) failed its
+    Fletcher-32 only because a kill cut a rewrite of it: its committed rows still match the
+    prefix checksum /commit_crc recorded for them (docs/store.md, "Torn appends")."""
+    if info is None or info.byte_offset is None:
+        return False
+    raw = os.pread(fd, rows * ds.dtype.itemsize, info.byte_offset)
+    return len(raw) == rows * ds.dtype.itemsize and \
+        prefix_crc(np.frombuffer(raw, ds.dtype), ds.name) == crc
 
 
 RETRIES = 3     # a live writer may be rewriting the chunk an SWMR reader reads: read it again
@@ -204,26 +256,30 @@ def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",)) -> list[Damage]
     """Every committed chunk of every checksummed table (whose name starts with one of
     `only`), verified; the bad ones."""
     bad: list[Damage] = []
+    crcs = prefix_crcs(f)
     fd = os.open(f.filename, os.O_RDONLY)
     try:
         for name, rows in committed(f).items():
             ds = f.get(name) if name.startswith(only) else None
             if ds is None or not has_checksums(ds):
                 continue
-            bad += chunk_damage(ds, min(rows, len(ds)), fd)
+            bad += chunk_damage(ds, min(rows, len(ds)), fd, crcs.get(name))
     finally:
         os.close(fd)
     return bad
 
 
-def verify_store(f: h5py.File, path, only: tuple[str, ...] = ("/",)) -> str | None:
+def verify_store(f: h5py.File, path, only: tuple[str, ...] = ("/",), torn: list | None = None) -> str | None:
     """Raise StoreDamaged if a committed chunk (of the tables `only` names, by prefix) fails
     its checksum; return a one-line notice
     for a store written without checksums (schema <= 2), None for a verified one."""
     if not any(has_checksums(f[n]) for n in committed(f) if n in f):
         return (f"{path}: written without chunk checksums (schema version "
                 f"{int(f.attrs.get('schema_version', 0))}); its data cannot be verified")
-    bad = damaged_chunks(f, only)
+    found = damaged_chunks(f, only)
+    bad = [d for d in found if not d.torn]
+    if torn is not None:                # a torn append is no damage: the caller may mend it
+        torn += [d for d in found if d.torn]
     if bad:
         raise StoreDamaged(path, bad)
     return None
@@ -270,9 +326,12 @@ def open_read(path: Path) -> h5py.File:
                                   f"({' '.join(str(e).split())[:200]})") from None
 
 
-def verify_path(path: Path) -> str | None:
-    """verify_store of the file at `path`, opened by open_read; the file is not modified."""
+def verify_path(path: Path) -> list[Damage]:
+    """verify_store of the file at `path`, opened by open_read; the file is not modified.
+    Returns the torn boundary chunks (torn_append), which the writer's re-open mends."""
     with open_read(Path(path)) as f:
         if f.attrs.get("program") != "flexmarl_hpc":
             raise StoreUnreadable(f"{path}: not a flexmarl_hpc run file (no program=flexmarl_hpc attribute)")
-        return verify_store(f, path)
+        if verify_store(f, path, torn=(torn := [])) is not None:
+            return []
+        return torn

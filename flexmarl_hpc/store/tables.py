@@ -24,7 +24,8 @@ import h5py
 import numpy as np
 
 from flexmarl_hpc.runtime import faults
-from flexmarl_hpc.store.checksum import chunk_buffer, has_checksums, span_sums, stamp, verify_path
+from flexmarl_hpc.store.checksum import (MUTABLE, chunk_buffer, has_checksums, prefix_crc, span_sums,
+                                         stamp, verify_path)
 from flexmarl_hpc.store.repair import clear_open_flags
 
 SCHEMA_VERSION = 3                 # 3: every chunk carries HDF5's Fletcher-32 checksum
@@ -74,6 +75,7 @@ DEFAULTS = {"superseded": 0, "logp_mismatch": np.nan, "tis_mean": np.nan,
 ADDED = {"clip_frac", "ppo_kl"}
 # what an event sets in its sample's row (the rest of the row is written once)
 STATUS_FIELDS = ("status", "reward", "advantage", "trainer_step", "t_ready", "t_consumed")
+assert MUTABLE["/samples/"] == STATUS_FIELDS        # the prefix checksum leaves them out
 
 
 class StoreError(OSError):
@@ -137,6 +139,7 @@ class Table:
         self._img: dict[int, tuple] = {}                     # chunk index -> _image()
         self._nbytes = self.chunk * self.dtype.itemsize       # a chunk's bytes (no checksum)
         self._queued_new = False              # a queued patch hits rows not yet written
+        self._crc = (0, 0)                    # (count, prefix_crc of its boundary chunk's rows)
 
     def append(self, rows: dict | np.ndarray) -> int:
         """Queue rows (a record array or a dict of equal-length columns); returns the first
@@ -219,7 +222,43 @@ class Table:
             (s1, s2), (b1, b2) = span_sums(raw, self._nbytes, *spans[c]), before[c]
             sums[0] += s1 - b1
             sums[1] += s2 - b2
+            old = raw[-4:].copy() if faults.ARMED else None
             self.ds.id.write_direct_chunk((c * self.chunk,), stamp(raw, *sums), 0)
+            if faults.ARMED:
+                faults.hit("store_torn", partial(self._tear, c, raw, old))
+
+    def _tear(self, c: int, raw: np.ndarray, old: np.ndarray) -> None:
+        """Test-only (the store_torn fault): chunk c as a kill inside its rewrite leaves it,
+        the new bytes with the old checksum (HDF5 rewrites a same-size chunk in place)."""
+        torn = raw.copy()
+        torn[-4:] = old
+        self.ds.id.write_direct_chunk((c * self.chunk,), torn, 0)
+
+    def boundary_crc(self, count: int) -> int:
+        """prefix_crc of rows [c * chunk, count) of the chunk c holding row `count` (0 where
+        count starts a chunk): what /commit_crc records with the count (docs/store.md).
+        Extended by the rows committed since the last call (their masked bytes never change)."""
+        have, crc = self._crc
+        if have == count:
+            return crc
+        lo = count - count % self.chunk
+        if not lo <= have <= count:
+            have, crc = lo, 0
+        if have < count:
+            img = self._image(count // self.chunk)[1]
+            crc = prefix_crc(img[have - lo:count - lo], self.ds.name, crc)
+        self._crc = (count, crc)
+        return crc
+
+    def mend(self, rows: int) -> None:
+        """Rewrite the chunk holding row `rows` (a torn append that verify_path found, its
+        committed rows matching /commit_crc): its committed rows, zeros, a fresh Fletcher-32."""
+        lo = rows - rows % self.chunk
+        raw, _ = chunk_buffer(self.chunk, self.dtype)
+        n = (rows - lo) * self.dtype.itemsize
+        raw[:n] = np.frombuffer(self.ds.id.read_direct_chunk((lo,))[1], np.uint8, n)
+        self.ds.id.write_direct_chunk((lo,), stamp(raw, *span_sums(raw, self._nbytes, 0, self._nbytes)), 0)
+        self._img.pop(lo // self.chunk, None)
 
     def _sums_before(self, raw: np.ndarray, c: int, lo: int, hi: int) -> tuple[int, int]:
         """The sums of bytes [lo, hi) of chunk c before this write: only the words that
@@ -310,8 +349,7 @@ class StoreFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.repaired: list[str] = []          # what re-opening fixed, for the log
         self.dirty: set[Table] = set()
-        if not fresh:                 # verified before anything of it is used or changed
-            verify_path(self.path)
+        torn = verify_path(self.path) if not fresh else []    # before anything is used or changed
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
         self.f = h5py.File(self.path, "a", libver="latest")
@@ -340,8 +378,9 @@ class StoreFile:
         if fresh:
             self.commit = self.f.create_dataset("commit", data=np.zeros(len(self.tables), np.int64))
             self.commit.attrs["tables"] = list(self.tables)
+            self.commit_crc = self.f.create_dataset("commit_crc", data=np.zeros(len(self.tables), np.int64))
         else:
-            self._recover()
+            self._recover(torn)
         self.f.swmr_mode = True
 
     def _table(self, fresh: bool, name: str, columns, chunk: int, dt=None, mirror: bool = False) -> Table:
@@ -362,10 +401,14 @@ class StoreFile:
         return [*self.samples.values(), *self.tokens.values(), *self.steps.values(),
                 *self.step_rows.values(), self.intervals, self.events, self.metrics, self.eval]
 
-    def _recover(self) -> None:
-        """Cut every table back to its committed rows, then rebuild the status fields of the
-        samples from the committed events."""
+    def _recover(self, torn: list) -> None:
+        """Cut every table back to its committed rows, mend the torn appends (boundary chunks
+        a kill cut mid-write, their committed rows verified), then rebuild the status fields
+        of the samples from the committed events."""
         self.commit = self.f["commit"]
+        if "commit_crc" not in self.f:
+            self.f.create_dataset("commit_crc", data=np.zeros(len(self.commit), np.int64))
+        self.commit_crc = self.f["commit_crc"]
         names = [str(n) for n in self.commit.attrs["tables"]]
         counts = dict(zip(names, self.commit[:].tolist()))
         if names != list(self.tables):
@@ -379,6 +422,10 @@ class StoreFile:
                 self.repaired.append(f"discarded {len(t.ds) - keep} uncommitted rows of {name}")
                 t.ds.resize((keep,))
             t.disk = t.n = keep
+        for d in torn:
+            self.tables[d.table].mend(d.hi)
+            self.repaired.append(f"rewrote the torn last chunk of {d.table} (a kill cut its write; "
+                                 f"committed rows {d.lo}-{d.hi - 1} verified)")
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         for i, a in enumerate(self.agents):
             fixed = replay_events(self.samples[a], self.events.read(), i)
@@ -394,9 +441,10 @@ class StoreFile:
             raise ValueError(f"{self.path}: /commit names tables {names}, this flexmarl_hpc has "
                              f"{list(self.tables)} (damaged file)")
         counts.update({n: 0 for n in new})
-        del self.f["commit"]
+        del self.f["commit"], self.f["commit_crc"]
         self.commit = self.f.create_dataset("commit", data=np.array([counts[n] for n in self.tables]))
         self.commit.attrs["tables"] = list(self.tables)
+        self.commit_crc = self.f.create_dataset("commit_crc", data=np.zeros(len(self.tables), np.int64))
         self.f.flush()
         self.repaired.append(f"added {', '.join(new)} to /commit")
 
@@ -435,14 +483,21 @@ class StoreFile:
             if full:
                 self.f.flush()
                 faults.hit("store_flush")
-                self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
-            else:
-                self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self.flushed, mtype=h5py.h5t.NATIVE_INT64)
+            self._commit(counts if full else self.flushed)
+            if not full:
                 faults.hit("store_flush")
             self.f.flush()
             self.flushed = counts
         except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
             raise StoreError.of(self.path, e) from None
+
+    def _commit(self, counts: np.ndarray) -> None:
+        """Write /commit_crc (the boundary chunks' prefix checksums at these counts), then
+        /commit: both reach the file with the HDF5 flush that follows."""
+        crcs = np.fromiter((t.boundary_crc(int(k)) for t, k in zip(self.tables.values(), counts)),
+                           np.int64, len(counts))
+        self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, crcs, mtype=h5py.h5t.NATIVE_INT64)
+        self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
 
     def samples_written(self) -> bool:
         """Whether an earlier process of this run left any sample rows."""

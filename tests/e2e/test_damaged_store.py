@@ -102,3 +102,50 @@ def test_salvage_then_resume_trains_every_sample_once_or_reports_it_lost(finishe
             new = {x.decode() for x in f[f"samples/{a}"]["sample_id"][:]}
             assert old[a] - new == set(ids) and not new & set(ids)     # the rest: reported lost
     assert analyze(path, "--no-plots").returncode == 0
+
+
+def boundary(path):
+    """A table whose last committed chunk is partly filled: (table, committed rows in that
+    chunk, rows per chunk, itemsize, the chunk's file offset and size)."""
+    with h5py.File(path, "r") as f:
+        counts = dict(zip(f["commit"].attrs["tables"], f["commit"][:]))
+        for t in ("/events", "/tokens/speaker", "/samples/speaker", "/intervals"):
+            k, step = int(counts[t]), f[t].chunks[0]
+            if k % step:
+                info = f[t].id.get_chunk_info_by_coord((k - k % step,))
+                return t, k % step, step, f[t].dtype.itemsize, info.byte_offset, info.size
+    raise AssertionError("no partly filled last chunk")
+
+
+def test_a_torn_last_chunk_resumes_and_damage_in_its_committed_rows_is_refused(finished, tmp_path):
+    """A kill inside a rewrite of a table's last chunk (HDF5 rewrites it in place) leaves
+    bytes past the committed rows changed and the old checksum: the resume mends it (the
+    committed rows match /commit_crc); the same bytes in the committed rows are refused."""
+    for where in ("tail", "checksum", "committed"):
+        run = tmp_path / where
+        path = copy(finished, run)
+        table, rows, step, isz, off, size = boundary(path)
+        rng = np.random.default_rng(3)
+        with open(path, "r+b") as fh:
+            if where == "tail":             # garbage in the uncommitted rows
+                fh.seek(off + rows * isz)
+                fh.write(rng.bytes(size - 4 - rows * isz))
+            elif where == "checksum":       # the new rows' bytes, the old checksum
+                fh.seek(off + size - 4)
+                fh.write(b"\x01\x02\x03\x04")
+            else:                           # the same damage inside a committed row
+                fh.seek(off + (rows - 1) * isz)
+                fh.write(rng.bytes(isz))
+        if where == "committed":
+            h = sha(path)
+            refused_before_launch(run, table)
+            assert sha(path) == h
+            continue
+        h = sha(path)
+        a = analyze(path, "--no-plots")     # read-only: the committed rows, the file unchanged
+        assert a.returncode == 0 and sha(path) == h, (where, a.stderr)
+        p = run_training(run, f"run.steps={STEPS}", check=False)
+        assert p.returncode == 0, (where, p.stdout[-2000:], p.stderr[-2000:])
+        assert f"rewrote the torn last chunk of {table}" in p.stdout, p.stdout
+        check_exactly_once(path, STEPS)
+        assert analyze(path, "--no-plots").returncode == 0
