@@ -106,7 +106,7 @@ def _columns_v2(f, name: str, columns: dict, path: Path, committed: dict, torn: 
     if missing:
         raise AnalysisError(f"{path}: /{name} has no column {missing[0]}")
     rows = read_rows(ds, min(len(ds), committed.get("/" + name, len(ds))),
-                     next((d for d in torn if d.table == "/" + name), None))
+                     [d for d in torn if d.table == "/" + name])
     # a column added within schema 2 reads as NaN from a file written before it
     return {c: rows[c] if c in have else np.full(len(rows), np.nan, np.float32) for c in columns}
 

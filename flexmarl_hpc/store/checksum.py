@@ -159,15 +159,30 @@ MUTABLE = {"/samples/": ("status", "reward", "advantage", "trainer_step", "t_rea
 
 
 def prefix_crc(rows: np.ndarray, table: str, crc: int = 0) -> int:
-    """zlib.crc32 of the committed rows of a chunk (a record array) with the table's MUTABLE
-    columns zeroed, continuing `crc` (the crc of the rows before them in the chunk)."""
-    mutable = next((m for p, m in MUTABLE.items() if table.startswith(p)), ())
-    if mutable and rows.dtype.names:
-        rows = rows.copy()
-        for name in mutable:
-            if name in rows.dtype.names:
-                rows[name] = 0
-    return zlib.crc32(np.ascontiguousarray(rows).view(np.uint8), crc)
+    """zlib.crc32 of committed rows (a contiguous record array) without the table's MUTABLE
+    columns, continuing `crc` (the crc of the rows before them in the chunk)."""
+    keep = _keep(rows.dtype, table)
+    if keep is None:
+        return zlib.crc32(rows, crc)
+    records = rows.view(np.uint8).reshape(len(rows), rows.dtype.itemsize)
+    return zlib.crc32(np.take(records, keep, axis=1), crc)         # take: a C-contiguous copy
+
+
+_KEEPS: dict = {}
+
+
+def _keep(dtype: np.dtype, table: str) -> np.ndarray | None:
+    """The byte positions within a record of its columns that are not MUTABLE (None: all)."""
+    key = (dtype, table.split("/")[1])
+    if key not in _KEEPS:
+        mutable = next((m for p, m in MUTABLE.items() if table.startswith(p)), ())
+        skip = {i for name in mutable if dtype.names and name in dtype.names
+                for i in range(dtype.fields[name][1], dtype.fields[name][1] + dtype[name].itemsize)}
+        _KEEPS[key] = np.array([i for i in range(dtype.itemsize) if i not in skip]) if skip else None
+    return _KEEPS[key]
+
+
+CRC_DTYPE = np.dtype([("table", "i2"), ("chunk", "i8"), ("crc", "i8")])
 
 
 def prefix_crcs(f: h5py.File) -> dict[str, int]:
@@ -177,16 +192,30 @@ def prefix_crcs(f: h5py.File) -> dict[str, int]:
     return {str(k): int(v) for k, v in zip(f["commit"].attrs["tables"], f["commit_crc"][:])}
 
 
-def read_rows(ds: h5py.Dataset, rows: int, torn: Damage | None = None) -> np.ndarray:
-    """ds[:rows], or where its last chunk is a torn append (verify_store's `torn`) the rows
-    before it through HDF5 and its committed rows from the chunk's raw bytes (HDF5 would
-    refuse the chunk: its checksum no longer matches; torn_append verified these rows)."""
-    if torn is None:
+def chunk_crcs(f: h5py.File) -> dict[str, dict[int, int]]:
+    """The prefix_crc of each full committed chunk of the patched tables (/chunk_crc, a log:
+    the last entry of a chunk counts), by table name and chunk index."""
+    out: dict[str, dict[int, int]] = {}
+    if "chunk_crc" not in f or "commit" not in f:
+        return out
+    names = [str(n) for n in f["commit"].attrs["tables"]]
+    for t, c, crc in f["chunk_crc"][:].tolist():
+        if 0 <= t < len(names):
+            out.setdefault(names[t], {})[c] = crc
+    return out
+
+
+def read_rows(ds: h5py.Dataset, rows: int, torn: list[Damage] = ()) -> np.ndarray:
+    """ds[:rows], the rows of its torn chunks (verify_store's `torn`) from the chunks' raw
+    bytes: HDF5 would refuse them (their Fletcher-32 no longer matches) and torn_chunk
+    verified their committed rows."""
+    if not torn:
         return ds[:rows]
-    head = ds[:torn.lo]
-    raw = ds.id.read_direct_chunk((torn.lo,))[1]
-    tail = np.frombuffer(raw, ds.dtype, rows - torn.lo)
-    return np.concatenate([head, tail])
+    parts, pos = [], 0
+    for d in sorted(torn, key=lambda d: d.lo):
+        parts += [ds[pos:d.lo], np.frombuffer(ds.id.read_direct_chunk((d.lo,))[1], ds.dtype, d.hi - d.lo)]
+        pos = d.hi
+    return np.concatenate([*parts, ds[pos:rows]])
 
 
 def committed(f: h5py.File) -> dict[str, int]:
@@ -199,7 +228,8 @@ def committed(f: h5py.File) -> dict[str, int]:
     return out
 
 
-def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None = None) -> list[Damage]:
+def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None = None,
+                 full: dict[int, int] | None = None) -> list[Damage]:
     """The chunks of ds's first `rows` rows that fail their Fletcher-32 (or are missing or
     of the wrong size). One pass over the chunk index (H5Dchunk_iter), then each chunk's
     bytes read from `fd` (the file, opened by the caller) and checked here: a per-chunk
@@ -218,16 +248,18 @@ def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None = None) -
             info = _lookup(ds, lo)
         else:
             off = -1 if info is None or info.byte_offset is None else int(info.byte_offset)
-            torn = lo + step > rows and crc is not None and torn_append(ds, info, rows - lo, fd, crc)
+            want = crc if lo + step > rows else (full or {}).get(lo // step)
+            torn = want is not None and torn_chunk(ds, info, min(step, rows - lo), fd, want)
             bad.append(Damage(ds.name, lo, min(lo + step, rows), off, torn))
     return bad
 
 
-def torn_append(ds: h5py.Dataset, info, rows: int, fd: int, crc: int) -> bool:
-    """Whether the boundary chunk `info` (its first `rows` rows committed) failed its
-    Fletcher-32 only because a kill cut a rewrite of it: its committed rows still match the
-    prefix checksum /commit_crc recorded for them (docs/store.md, "Torn appends")."""
-    if info is None or info.byte_offset is None:
+def torn_chunk(ds: h5py.Dataset, info, rows: int, fd: int, crc: int) -> bool:
+    """Whether the chunk `info` (its first `rows` rows committed) failed its Fletcher-32
+    only because a kill cut an in-place rewrite of it: its committed rows, their MUTABLE
+    columns left out, still match the crc recorded for them (/commit_crc for a table's
+    boundary chunk, /chunk_crc for a full chunk of a patched table; docs/store.md)."""
+    if info is None or info.byte_offset is None or info.size != ds.chunks[0] * ds.dtype.itemsize + 4:
         return False
     raw = os.pread(fd, rows * ds.dtype.itemsize, info.byte_offset)
     return len(raw) == rows * ds.dtype.itemsize and \
@@ -256,14 +288,14 @@ def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",)) -> list[Damage]
     """Every committed chunk of every checksummed table (whose name starts with one of
     `only`), verified; the bad ones."""
     bad: list[Damage] = []
-    crcs = prefix_crcs(f)
+    crcs, full = prefix_crcs(f), chunk_crcs(f)
     fd = os.open(f.filename, os.O_RDONLY)
     try:
         for name, rows in committed(f).items():
             ds = f.get(name) if name.startswith(only) else None
             if ds is None or not has_checksums(ds):
                 continue
-            bad += chunk_damage(ds, min(rows, len(ds)), fd, crcs.get(name))
+            bad += chunk_damage(ds, min(rows, len(ds)), fd, crcs.get(name), full.get(name))
     finally:
         os.close(fd)
     return bad

@@ -24,8 +24,8 @@ import h5py
 import numpy as np
 
 from flexmarl_hpc.runtime import faults
-from flexmarl_hpc.store.checksum import (MUTABLE, chunk_buffer, has_checksums, prefix_crc, span_sums,
-                                         stamp, verify_path)
+from flexmarl_hpc.store.checksum import (CRC_DTYPE, MUTABLE, chunk_buffer, has_checksums, prefix_crc,
+                                         span_sums, stamp, verify_path)
 from flexmarl_hpc.store.repair import clear_open_flags
 
 SCHEMA_VERSION = 3                 # 3: every chunk carries HDF5's Fletcher-32 checksum
@@ -140,6 +140,8 @@ class Table:
         self._nbytes = self.chunk * self.dtype.itemsize       # a chunk's bytes (no checksum)
         self._queued_new = False              # a queued patch hits rows not yet written
         self._crc = (0, 0)                    # (count, prefix_crc of its boundary chunk's rows)
+        self.name = ds.name
+        self.patched = self.name.startswith(tuple(MUTABLE))   # full chunks rewritten in place
 
     def append(self, rows: dict | np.ndarray) -> int:
         """Queue rows (a record array or a dict of equal-length columns); returns the first
@@ -246,16 +248,20 @@ class Table:
             have, crc = lo, 0
         if have < count:
             img = self._image(count // self.chunk)[1]
-            crc = prefix_crc(img[have - lo:count - lo], self.ds.name, crc)
+            crc = prefix_crc(img[have - lo:count - lo], self.name, crc)
         self._crc = (count, crc)
         return crc
 
-    def mend(self, rows: int) -> None:
-        """Rewrite the chunk holding row `rows` (a torn append that verify_path found, its
-        committed rows matching /commit_crc): its committed rows, zeros, a fresh Fletcher-32."""
-        lo = rows - rows % self.chunk
+    def chunk_crc(self, c: int) -> int:
+        """prefix_crc of the whole chunk c (written): what /chunk_crc records for it."""
+        return prefix_crc(self._image(c)[1], self.name)
+
+    def mend(self, lo: int, hi: int) -> None:
+        """Rewrite the chunk of rows [lo, hi) (a torn one that verify_path found, its committed
+        rows verified): those rows as they are, zeros, a fresh Fletcher-32. A patched chunk's
+        MUTABLE columns are then set again by the resume (replay_events, supersede)."""
         raw, _ = chunk_buffer(self.chunk, self.dtype)
-        n = (rows - lo) * self.dtype.itemsize
+        n = (hi - lo) * self.dtype.itemsize
         raw[:n] = np.frombuffer(self.ds.id.read_direct_chunk((lo,))[1], np.uint8, n)
         self.ds.id.write_direct_chunk((lo,), stamp(raw, *span_sums(raw, self._nbytes, 0, self._nbytes)), 0)
         self._img.pop(lo // self.chunk, None)
@@ -374,11 +380,16 @@ class StoreFile:
         self.metrics = mk("metrics", METRIC_COLUMNS, 256)
         self.eval = mk("eval", EVAL_COLUMNS, 256)
         self.tables = {t.ds.name: t for t in self._all()}
+        self._table_list = list(self.tables.values())
+        self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
+        self._crcs = np.zeros(len(self.tables), np.int64)
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
+        self._full_at = self.flushed.copy()          # rows whose full chunks /chunk_crc has
         if fresh:
             self.commit = self.f.create_dataset("commit", data=np.zeros(len(self.tables), np.int64))
             self.commit.attrs["tables"] = list(self.tables)
             self.commit_crc = self.f.create_dataset("commit_crc", data=np.zeros(len(self.tables), np.int64))
+            self.chunk_crc = self._chunk_log()
         else:
             self._recover(torn)
         self.f.swmr_mode = True
@@ -409,6 +420,7 @@ class StoreFile:
         if "commit_crc" not in self.f:
             self.f.create_dataset("commit_crc", data=np.zeros(len(self.commit), np.int64))
         self.commit_crc = self.f["commit_crc"]
+        self.chunk_crc = self.f["chunk_crc"] if "chunk_crc" in self.f else self._chunk_log()
         names = [str(n) for n in self.commit.attrs["tables"]]
         counts = dict(zip(names, self.commit[:].tolist()))
         if names != list(self.tables):
@@ -423,15 +435,36 @@ class StoreFile:
                 t.ds.resize((keep,))
             t.disk = t.n = keep
         for d in torn:
-            self.tables[d.table].mend(d.hi)
-            self.repaired.append(f"rewrote the torn last chunk of {d.table} (a kill cut its write; "
-                                 f"committed rows {d.lo}-{d.hi - 1} verified)")
+            self.tables[d.table].mend(d.lo, d.hi)
+            self.repaired.append(f"rewrote the torn chunk of {d.table} rows {d.lo}-{d.hi - 1} (a kill "
+                                 "cut its in-place write; its committed rows verified)")
+        self._log_full_chunks()
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
+        self._full_at = self.flushed.copy()
         for i, a in enumerate(self.agents):
             fixed = replay_events(self.samples[a], self.events.read(), i)
             if fixed:
                 self.repaired.append(f"restored the status of {fixed} {a} samples from /events")
         self.flush()
+
+    def _chunk_log(self) -> h5py.Dataset:
+        """/chunk_crc: (table, chunk, crc) of each full committed chunk of a patched table."""
+        return self.f.create_dataset("chunk_crc", shape=(0,), maxshape=(None,), chunks=(512,),
+                                     dtype=CRC_DTYPE)
+
+    def _log_full_chunks(self) -> None:
+        """Add to /chunk_crc the full committed chunks of the patched tables it lacks (a kill
+        inside the HDF5 flush that wrote /commit may have left it behind /commit)."""
+        have = {(t, c) for t, c, _ in self.chunk_crc[:].tolist()}
+        new = [(i, c, t.chunk_crc(c)) for i, t in enumerate(self.tables.values()) if t.patched
+               for c in range(t.disk // t.chunk) if (i, c) not in have]
+        self._append_crcs(new)
+
+    def _append_crcs(self, entries: list) -> None:
+        if entries:
+            n = len(self.chunk_crc)
+            self.chunk_crc.resize((n + len(entries),))
+            self.chunk_crc[n:] = np.array(entries, CRC_DTYPE)
 
     def _add_to_commit(self, names: list[str], counts: dict) -> None:
         """A file written before a table was added (/eval): the new tables are empty, so
@@ -494,9 +527,18 @@ class StoreFile:
     def _commit(self, counts: np.ndarray) -> None:
         """Write /commit_crc (the boundary chunks' prefix checksums at these counts), then
         /commit: both reach the file with the HDF5 flush that follows."""
-        crcs = np.fromiter((t.boundary_crc(int(k)) for t, k in zip(self.tables.values(), counts)),
-                           np.int64, len(counts))
-        self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, crcs, mtype=h5py.h5t.NATIVE_INT64)
+        changed = np.flatnonzero(counts != self._crc_at)        # most flushes: a few tables
+        if len(changed):
+            tables, full = self._table_list, []
+            for i in changed.tolist():
+                t, k, was = tables[i], int(counts[i]), int(self._full_at[i])
+                self._crcs[i] = t.boundary_crc(k)
+                if t.patched and k // t.chunk > was // t.chunk:     # chunks this commit fills
+                    full += [(i, c, t.chunk_crc(c)) for c in range(was // t.chunk, k // t.chunk)]
+                    self._full_at[i] = k
+            self._append_crcs(full)
+            self._crc_at = counts.copy()
+            self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self._crcs, mtype=h5py.h5t.NATIVE_INT64)
         self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
 
     def samples_written(self) -> bool:

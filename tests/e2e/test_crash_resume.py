@@ -58,5 +58,5 @@ def test_a_kill_inside_a_chunk_rewrite_resumes_with_nothing_lost(tmp_path, mpiex
     monkeypatch.delenv("FLEXMARL_FAULT")
     q = run_training(tmp_path, *SMALL, f"run.steps={STEPS}", "run.checkpoint_every=0", check=False)
     assert q.returncode == 0, (q.stdout[-3000:], q.stderr[-3000:])
-    assert "rewrote the torn last chunk of" in q.stdout, q.stdout[-3000:]
+    assert "rewrote the torn chunk of" in q.stdout, q.stdout[-3000:]
     check_exactly_once(tmp_path / "local.h5", STEPS)

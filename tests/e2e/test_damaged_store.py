@@ -146,6 +146,36 @@ def test_a_torn_last_chunk_resumes_and_damage_in_its_committed_rows_is_refused(f
         assert a.returncode == 0 and sha(path) == h, (where, a.stderr)
         p = run_training(run, f"run.steps={STEPS}", check=False)
         assert p.returncode == 0, (where, p.stdout[-2000:], p.stderr[-2000:])
-        assert f"rewrote the torn last chunk of {table}" in p.stdout, p.stdout
+        assert f"rewrote the torn chunk of {table}" in p.stdout, p.stdout
         check_exactly_once(path, STEPS)
         assert analyze(path, "--no-plots").returncode == 0
+
+
+def test_a_torn_status_patch_of_a_full_chunk_resumes_and_damage_in_its_other_columns_is_refused(finished, tmp_path):
+    """A full flush rewrites a full, committed /samples chunk in place to patch status
+    fields: a kill inside that write leaves those fields torn. Its other columns match
+    /chunk_crc, so the resume mends it and replays the statuses from /events; the same
+    damage in a column written once (sample_id) is refused."""
+    for column in ("status", "sample_id"):
+        run = tmp_path / column
+        path = copy(finished, run)
+        with h5py.File(path, "r") as f:
+            ds = f["samples/speaker"]
+            assert dict(zip(f["commit"].attrs["tables"], f["commit"][:]))["/samples/speaker"] > ds.chunks[0]
+            info = ds.id.get_chunk_info_by_coord((0,))
+            at = info.byte_offset + 3 * ds.dtype.itemsize + ds.dtype.fields[column][1]
+            width = ds.dtype[column].itemsize
+        with open(path, "r+b") as fh:                   # row 3 of chunk 0
+            fh.seek(at)
+            fh.write(bytes([0x5a] * width))
+        if column == "sample_id":
+            h = sha(path)
+            refused_before_launch(run, "/samples/speaker rows 0-")
+            assert sha(path) == h
+            continue
+        assert analyze(path, "--no-plots").returncode == 0
+        p = run_training(run, f"run.steps={STEPS}", check=False)
+        assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+        assert "rewrote the torn chunk of /samples/speaker rows 0-" in p.stdout, p.stdout
+        assert "restored the status of" in p.stdout, p.stdout
+        check_exactly_once(path, STEPS)
