@@ -446,6 +446,10 @@ class StoreFile:
             if fixed:
                 self.repaired.append(f"restored the status of {fixed} {a} samples from /events")
         self.flush()
+        # /commit_crc anew at the counts kept: a kill inside the HDF5 flush that last wrote
+        # /commit may have left it behind, and this run's first chunk write may be torn
+        self._commit(self.flushed)
+        self.f.flush()
 
     def _chunk_log(self) -> h5py.Dataset:
         """/chunk_crc: (table, chunk, crc) of each full committed chunk of a patched table."""
