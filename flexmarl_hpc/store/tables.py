@@ -465,10 +465,14 @@ class StoreFile:
         self._append_crcs(new)
 
     def _append_crcs(self, entries: list) -> None:
+        """Append to /chunk_crc through the low-level API (h5py's slice write: ~130 us)."""
         if entries:
-            n = len(self.chunk_crc)
-            self.chunk_crc.resize((n + len(entries),))
-            self.chunk_crc[n:] = np.array(entries, CRC_DTYPE)
+            ds, k = self.chunk_crc.id, len(entries)
+            n = ds.get_space().shape[0]
+            ds.set_extent((n + k,))
+            fs = ds.get_space()
+            fs.select_hyperslab((n,), (k,))
+            ds.write(h5py.h5s.create_simple((k,)), fs, np.array(entries, CRC_DTYPE))
 
     def _add_to_commit(self, names: list[str], counts: dict) -> None:
         """A file written before a table was added (/eval): the new tables are empty, so
