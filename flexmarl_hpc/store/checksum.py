@@ -159,27 +159,35 @@ MUTABLE = {"/samples/": ("status", "reward", "advantage", "trainer_step", "t_rea
 
 
 def prefix_crc(rows: np.ndarray, table: str, crc: int = 0) -> int:
-    """zlib.crc32 of committed rows (a contiguous record array) without the table's MUTABLE
-    columns, continuing `crc` (the crc of the rows before them in the chunk)."""
-    keep = _keep(rows.dtype, table)
-    if keep is None:
+    """zlib.crc32 of committed rows (a contiguous record array) with the bytes of the table's
+    MUTABLE columns zeroed, continuing `crc` (the crc of the rows before them in the chunk)."""
+    runs = _mutable_runs(rows.dtype, table)
+    if not runs:
         return zlib.crc32(rows, crc)
-    records = rows.view(np.uint8).reshape(len(rows), rows.dtype.itemsize)
-    return zlib.crc32(np.take(records, keep, axis=1), crc)         # take: a C-contiguous copy
+    records = rows.view(np.uint8).reshape(len(rows), rows.dtype.itemsize).copy()
+    for lo, hi in runs:                   # slices, not a fancy index: ~2 us for 64 rows, not 9
+        records[:, lo:hi] = 0
+    return zlib.crc32(records, crc)
 
 
-_KEEPS: dict = {}
+_RUNS: dict = {}
 
 
-def _keep(dtype: np.dtype, table: str) -> np.ndarray | None:
-    """The byte positions within a record of its columns that are not MUTABLE (None: all)."""
+def _mutable_runs(dtype: np.dtype, table: str) -> list[tuple[int, int]]:
+    """The byte ranges within a record of its MUTABLE columns, adjacent ones merged."""
     key = (dtype, table.split("/")[1])
-    if key not in _KEEPS:
+    if key not in _RUNS:
         mutable = next((m for p, m in MUTABLE.items() if table.startswith(p)), ())
-        skip = {i for name in mutable if dtype.names and name in dtype.names
-                for i in range(dtype.fields[name][1], dtype.fields[name][1] + dtype[name].itemsize)}
-        _KEEPS[key] = np.array([i for i in range(dtype.itemsize) if i not in skip]) if skip else None
-    return _KEEPS[key]
+        spans = sorted((dtype.fields[n][1], dtype.fields[n][1] + dtype[n].itemsize)
+                       for n in mutable if dtype.names and n in dtype.names)
+        runs: list[tuple[int, int]] = []
+        for lo, hi in spans:
+            if runs and runs[-1][1] == lo:
+                runs[-1] = (runs[-1][0], hi)
+            else:
+                runs.append((lo, hi))
+        _RUNS[key] = runs
+    return _RUNS[key]
 
 
 CRC_DTYPE = np.dtype([("table", "i2"), ("chunk", "i8"), ("crc", "i8")])
