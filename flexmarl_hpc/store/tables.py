@@ -425,6 +425,12 @@ class StoreFile:
         counts = dict(zip(names, self.commit[:].tolist()))
         if names != list(self.tables):
             self._add_to_commit(names, counts)
+        # mended first: cutting the rows past a chunk's committed ones reads the chunk (HDF5
+        # fills the cut part), and a torn chunk's checksum would fail that read
+        for d in torn:
+            self.tables[d.table].mend(d.lo, d.hi)
+            self.repaired.append(f"rewrote the torn chunk of {d.table} rows {d.lo}-{d.hi - 1} (a kill "
+                                 "cut its in-place write; its committed rows verified)")
         for name, t in self.tables.items():
             keep = counts.get(name)
             if keep is None or keep > len(t.ds):
@@ -434,10 +440,6 @@ class StoreFile:
                 self.repaired.append(f"discarded {len(t.ds) - keep} uncommitted rows of {name}")
                 t.ds.resize((keep,))
             t.disk = t.n = keep
-        for d in torn:
-            self.tables[d.table].mend(d.lo, d.hi)
-            self.repaired.append(f"rewrote the torn chunk of {d.table} rows {d.lo}-{d.hi - 1} (a kill "
-                                 "cut its in-place write; its committed rows verified)")
         self._log_full_chunks()
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         self._full_at = self.flushed.copy()
