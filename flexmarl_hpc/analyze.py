@@ -3,6 +3,7 @@
     python -m flexmarl_hpc.analyze runs/local/local.h5                     # summary + figures
     python -m flexmarl_hpc.analyze runs/sync/local.h5 runs/flex/local.h5 --out figs/
     python -m flexmarl_hpc.analyze runs/local/local.h5 --json              # machine-readable
+    python -m flexmarl_hpc.analyze salvage runs/local/local.h5 [--out NEW.h5]   # a damaged store
 
 Figures (PNG, into --out, default `<first run's folder>/figures`): rewards.png,
 entropy_kl.png, timeline.png (per-rank Gantt; per role and pool/group beyond 64 ranks), utilization.png, staleness.png,
@@ -301,7 +302,30 @@ def _merge(t0: np.ndarray, t1: np.ndarray) -> list[tuple[float, float]]:
     return list(zip(t0.tolist(), (t1 - t0).tolist()))
 
 
+def salvage_main(argv: list[str]) -> int:
+    """`analyze salvage RUN.h5 [--out NEW.h5]`: flexmarl_hpc.store.salvage, one line each of
+    what was lost; rc 2 (one line) where it cannot."""
+    from flexmarl_hpc.store.salvage import salvage
+    ap = argparse.ArgumentParser(prog="python -m flexmarl_hpc.analyze salvage",
+                                 description="copy every verifiable committed row of a damaged "
+                                             "store into a new one (docs/store.md)")
+    ap.add_argument("file", type=Path, help="the damaged run HDF5 file (only read)")
+    ap.add_argument("--out", type=Path, help="the new store (default: RUN.salvaged.h5 beside it)")
+    a = ap.parse_args(argv)
+    out = a.out or a.file.with_suffix(".salvaged.h5")
+    try:
+        rep = salvage(a.file, out)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"analyze salvage: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print("\n".join(rep.lines()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["salvage"]:
+        return salvage_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m flexmarl_hpc.analyze", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path, help="run HDF5 files")
@@ -315,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             runs.append(load_run(p))
             runs[-1].name = name
+            if runs[-1].notice:
+                print(f"analyze: {runs[-1].notice}", file=sys.stderr)
             sums.append(summary(runs[-1]))
         except AnalysisError as e:
             print(f"analyze: {e}", file=sys.stderr)

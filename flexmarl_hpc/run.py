@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 
 from flexmarl_hpc.store.checkpoint import CheckpointError
+from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable
 from flexmarl_hpc.store.tables import StoreError
 from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
@@ -134,7 +135,9 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
     # end the job before its proxy forwarded the rank's last line (seen in CI). Ranks still
     # running meanwhile may fail too (a second checkpoint writer on the same full disk); each
     # reports its own error
-    except (CheckpointError, StoreError) as e:   # a full disk: one line naming the path, not a traceback
+    # a full disk, or a store found damaged when the orchestrator re-opens it (damaged after
+    # the pre-launch check): one line naming the path, not a traceback
+    except (CheckpointError, StoreError, StoreDamaged, StoreUnreadable) as e:
         what = "checkpoint" if isinstance(e, CheckpointError) else "store"
         sys.stderr.write(f"[rank {world.Get_rank()}] {what} error: {e}\n")
         abort(world, 1)

@@ -30,6 +30,8 @@ import h5py
 import numpy as np
 import yaml
 
+from flexmarl_hpc.store.checksum import StoreDamaged, verify_store
+
 FAILED = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                     "DEADLINE", "REVOKED"})
 """Slurm states in which the run did not finish: the log tail is shown."""
@@ -147,6 +149,7 @@ def read_store(path: Path, total: int) -> Progress:
         return pr
     try:
         with h5py.File(path, "r", swmr=True) as f:
+            verify_store(f, path, ("/metrics", "/steps/", "/eval"))      # the tables it reads
             m = f["metrics"]
             step, t = m["step"][:], m["t"][:]
             if len(step):
@@ -163,6 +166,8 @@ def read_store(path: Path, total: int) -> Progress:
                 if len(rows):
                     pr.reward[agent] = float(s["reward_mean"][rows[-1]])
             pr.eval = read_eval(f)
+    except StoreDamaged as e:
+        pr.error = f"store  {e}"
     except (OSError, KeyError) as e:                   # not created / not in SWMR mode yet
         pr.error = f"store  {path.name} not readable yet ({e.__class__.__name__}: {e})"
     return pr

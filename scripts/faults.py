@@ -14,7 +14,8 @@ member) into `<out>/fault_<n>` and kills ONE rank with SIGKILL:
 - or precisely, through the test-only hook `flexmarl_hpc/runtime/faults.py` (env FLEXMARL_FAULT):
   mid checkpoint file (`checkpoint_write`), between its rename and its manifest
   (`checkpoint_latest`), after a table's rows are written but before /commit
-  (`store_append`), after the HDF5 flush but before /commit (`store_flush`).
+  (`store_append`), after the HDF5 flush but before /commit (`store_flush`), or with a
+  chunk rewritten as a kill inside its in-place write leaves it (`store_torn`).
 
 It measures the seconds until mpiexec has taken every rank down (past `--bound` it kills the
 process group and records a hang), re-runs the SAME command (no extra flags, no hook) until
@@ -48,7 +49,7 @@ TRAIN_ARGS = ["configs/local.yaml", f"run.steps={STEPS}", f"run.checkpoint_every
               "trainer.micro_batch_size=8", "model.hidden_size=32", "model.intermediate_size=64"]
 ROLES = {"orchestrator": [0], "replica": [1], "trainer leader": [2, 4], "trainer member": [3, 5]}
 HOOKS = {"checkpoint_write": ROLES["trainer leader"], "checkpoint_latest": ROLES["trainer leader"],
-         "store_append": [0], "store_flush": [0]}
+         "store_append": [0], "store_flush": [0], "store_torn": [0]}
 CONSUMED = 2
 
 
@@ -204,7 +205,8 @@ def plan(kills: int, seed: int, run_s: float, hooked_max: int = 8, at_step: bool
     from `seed`. Counts stay below what a run reaches (5 checkpoints per leader, ~400 flushes)."""
     rng = random.Random(seed)
     hooked = [("trainer leader", "checkpoint_write", 5), ("trainer leader", "checkpoint_latest", 5),
-              ("orchestrator", "store_append", 400), ("orchestrator", "store_flush", 200)]
+              ("orchestrator", "store_append", 400), ("orchestrator", "store_flush", 200),
+              ("orchestrator", "store_torn", 400)]
     out = [(role, rng.choice(HOOKS[hook]), hook, rng.randint(1, most), 0)
            for _ in range(2) for role, hook, most in hooked][:min(hooked_max, max(4, kills // 3))]
     roles = list(ROLES)

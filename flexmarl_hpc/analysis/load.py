@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable, open_read, read_rows, verify_store
 from flexmarl_hpc.store.tables import (ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS,
                     METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, eval_key)
 
@@ -55,6 +56,8 @@ class Run:
     evals: pd.DataFrame = field(default_factory=pd.DataFrame)
     name: str = ""
     """How plots and tables name the run (`distinct_names`); default: the file's stem."""
+    notice: str = ""
+    """One line when its data cannot be verified (a store written without checksums)."""
 
     @property
     def label(self) -> str:
@@ -91,8 +94,9 @@ def _columns_v1(f, group: str, columns: dict, path: Path) -> dict:
     return {k: v[:n] for k, v in data.items()}
 
 
-def _columns_v2(f, name: str, columns: dict, path: Path, committed: dict) -> dict:
-    """Schema 2: one compound dataset; only its committed rows (see /commit)."""
+def _columns_v2(f, name: str, columns: dict, path: Path, committed: dict, torn: list = ()) -> dict:
+    """Schema 2: one compound dataset; only its committed rows (see /commit), a torn last
+    chunk's from its bytes (read_rows)."""
     if name not in f:
         raise AnalysisError(f"{path}: missing dataset /{name} (truncated or foreign file?)")
     ds = f[name]
@@ -101,7 +105,8 @@ def _columns_v2(f, name: str, columns: dict, path: Path, committed: dict) -> dic
     missing = [c for c in columns if c not in have and c not in ADDED]
     if missing:
         raise AnalysisError(f"{path}: /{name} has no column {missing[0]}")
-    rows = ds[:min(len(ds), committed.get("/" + name, len(ds)))]
+    rows = read_rows(ds, min(len(ds), committed.get("/" + name, len(ds))),
+                     [d for d in torn if d.table == "/" + name])
     # a column added within schema 2 reads as NaN from a file written before it
     return {c: rows[c] if c in have else np.full(len(rows), np.nan, np.float32) for c in columns}
 
@@ -119,42 +124,16 @@ def _current(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return df.drop_duplicates(keys, keep="last").reset_index(drop=True)
 
 
-def check_not_truncated(path: Path) -> None:
-    """Compare the file's size with the end-of-file address in its HDF5 superblock (v2/v3,
-    what our writer makes). A truncated file would otherwise make SWMR readers retry
-    metadata reads for a long time instead of failing."""
-    with open(path, "rb") as fh:
-        head = fh.read(48)
-    if head[:8] != b"\x89HDF\r\n\x1a\n":
-        return                          # not HDF5: h5py will say
-    if len(head) < 10:
-        raise AnalysisError(f"{path}: truncated HDF5 file ({len(head)} bytes, cut inside the superblock)")
-    if head[8] not in (2, 3):
-        return                          # an old superblock: h5py will say
-    size_of_offsets = head[9]
-    end = 12 + 3 * size_of_offsets
-    if size_of_offsets not in (2, 4, 8) or len(head) < end:
-        raise AnalysisError(f"{path}: truncated or damaged HDF5 superblock ({len(head)} bytes read)")
-    eof = int.from_bytes(head[12 + 2 * size_of_offsets:end], "little")
-    actual = path.stat().st_size
-    if actual < eof:
-        raise AnalysisError(f"{path}: truncated HDF5 file ({actual} bytes, the file says {eof})")
-
-
 def load_run(path: str | Path) -> Run:
     """Read one run file (a finished run or one still being written)."""
     import h5py
     path = Path(path)
     if not path.is_file():
         raise AnalysisError(f"{path}: no such file")
-    check_not_truncated(path)
     try:
-        f = h5py.File(path, "r", swmr=True)
-    except OSError:
-        try:
-            f = h5py.File(path, "r")
-        except OSError as e:
-            raise AnalysisError(f"{path}: not a readable HDF5 file ({e})") from None
+        f = open_read(path)
+    except StoreUnreadable as e:
+        raise AnalysisError(str(e)) from None
     with f:
         if f.attrs.get("program") != "flexmarl_hpc":
             raise AnalysisError(f"{path}: not a flexmarl_hpc run file (no program=flexmarl_hpc attribute)")
@@ -162,6 +141,10 @@ def load_run(path: str | Path) -> Run:
         if version not in READS:
             raise AnalysisError(f"{path}: schema version {version}; this flexmarl_hpc reads schema "
                                 f"versions {', '.join(map(str, READS))} (use the flexmarl_hpc release that wrote it)")
+        try:                        # every committed chunk, before a row of it is used
+            notice = verify_store(f, path, torn=(torn := []))
+        except StoreDamaged as e:
+            raise AnalysisError(str(e)) from None
         attrs = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in f.attrs.items()}
         agents = [str(a) for a in attrs.get("agents", [])]
         try:
@@ -175,14 +158,14 @@ def load_run(path: str | Path) -> Run:
                 committed = dict(zip((str(x) for x in c.attrs["tables"]), c[:].tolist()))
 
                 def table(name, columns):
-                    return _frame(_columns_v2(f, name, columns, path, committed))
+                    return _frame(_columns_v2(f, name, columns, path, committed, torn))
             samples = [_samples(table(f"samples/{a}", SAMPLE_COLUMNS), a) for a in agents]
             steps = [_current(table(f"steps/{a}", STEP_COLUMNS), ["step"]).assign(agent=a) for a in agents]
             intervals = table("intervals", INTERVAL_COLUMNS)
             metrics = _current(table("metrics", METRIC_COLUMNS), ["step"])
             events = table("events", EVENT_COLUMNS)
             # /eval came later within schema 2: a file without it has no evaluation
-            evals = table("eval", EVAL_COLUMNS) if version == 2 and "eval" in f else pd.DataFrame()
+            evals = table("eval", EVAL_COLUMNS) if version >= 2 and "eval" in f else pd.DataFrame()
         except (KeyError, OSError, ValueError, RuntimeError) as e:
             raise AnalysisError(f"{path}: damaged file ({e})") from None
     try:
@@ -192,7 +175,7 @@ def load_run(path: str | Path) -> Run:
     events["agent"] = [agents[i] if 0 <= i < len(agents) else "?" for i in events["agent"]]
     return Run(path, attrs, config, pd.concat(samples, ignore_index=True) if samples else pd.DataFrame(),
                pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(), intervals, metrics,
-               events, agents, evals)
+               events, agents, evals, notice=notice or "")
 
 
 def _samples(df: pd.DataFrame, agent: str) -> pd.DataFrame:

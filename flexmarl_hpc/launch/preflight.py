@@ -29,7 +29,7 @@ def preflight(cfg: Config, layout: RankLayout, local: bool):
     checked the output folder (`check_output_dir`) and its lock (`store.lock`) first."""
     if local:
         check_local_ranks(cfg, layout)
-    check_resumable(cfg)
+    check_resumable(cfg, chunks=local)
     from flexmarl_hpc.runtime.build import build_task, check_models
     task = build_task(cfg)
     check_models(cfg, task)
@@ -270,28 +270,29 @@ def check_output_dir(cfg: Config) -> None:
 RESUME_KEYS = ("workflow", "model", "agents", "run.seed", "rollout.temperature")
 
 
-def check_resumable(cfg: Config) -> None:
-    """Refuse to resume into an output_dir written by a run with another workflow, model or
-    seed (the store and checkpoints would silently mix), naming the fields that differ."""
-    import h5py
+def check_resumable(cfg: Config, chunks: bool = True) -> None:
+    """Refuse to resume into an output_dir whose store is truncated, damaged, foreign or of
+    another schema version, or was written by a run with another workflow, model or seed
+    (the store and checkpoints would silently mix), naming what is wrong. The store is only
+    read: its size against its superblock, every committed chunk against its checksum
+    (store.checksum); nothing in it changes, and no rank has started. `chunks=False` (every
+    rank of an MPI job runs this: N reads of a big store) leaves the chunks to rank 0's
+    StoreFile, which verifies them before it changes the file."""
     import yaml
+    from flexmarl_hpc.store.checksum import open_read, verify_store
+    from flexmarl_hpc.store.tables import check_file
     path = cfg.output_dir / f"{cfg.run.name}.h5"
     if not (cfg.run.resume and path.exists()):
         return
-    from flexmarl_hpc.store.repair import clear_open_flags
     try:
-        try:
-            f = h5py.File(path, "r", swmr=True)
-        except OSError:
-            # a writer killed before it switched to SWMR leaves write-only "open" flags that
-            # even an SWMR reader refuses; the store clears them on reopen anyway
-            clear_open_flags(path)
-            f = h5py.File(path, "r", swmr=True)
-        with f:
+        with open_read(path) as f:
+            check_file(f, path)
+            if chunks:
+                verify_store(f, path)
             old = yaml.safe_load(f.attrs.get("config_yaml", "")) or {}
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"run.output_dir: {path} exists but cannot be read ({e}); "
-                          "move it away or set run.resume=false and another run.output_dir") from None
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"run.output_dir: cannot resume: {' '.join(str(e).split())}; move the file "
+                          "away (or salvage it) or set run.resume=false and another run.output_dir") from None
     new = to_dict(cfg)
     changed = [k for k in RESUME_KEYS if _get(old, k) != _get(new, k)]
     if changed:

@@ -3,7 +3,8 @@
 `FLEXMARL_FAULT="point:count:rank"` makes world rank `rank` SIGKILL itself the `count`-th
 time it reaches `hit(point)` (points: `checkpoint_write`, mid checkpoint file, before fsync
 and rename; `checkpoint_latest`, file renamed, `latest` not yet updated; `store_append`,
-a table's rows written, /commit not yet; `store_flush`, data flushed, /commit not yet; `ppo_replay`, a trainer rank between a replay
+a table's rows written, /commit not yet; `store_flush`, data flushed, /commit not yet; `store_torn`, a chunk rewritten
+with its new bytes but its old checksum, as a kill inside the write leaves it, /commit not yet; `ppo_replay`, a trainer rank between a replay
 pass of trainer.ppo_epochs and its optimizer step).
 Unset (every real run), `hit` is a function that returns at once.
 """
@@ -16,17 +17,20 @@ _SPEC = os.environ.get("FLEXMARL_FAULT", "")
 _seen: dict[str, int] = {}
 
 
-def _hit(point: str) -> None:
+def _hit(point: str, before=None) -> None:
     want, count, rank = _SPEC.split(":")
     if point != want or os.environ.get("PMI_RANK", "0") != rank:
         return
     _seen[point] = _seen.get(point, 0) + 1
     if _seen[point] == int(count):
+        if before is not None:                    # the state a kill mid-write leaves (store_torn)
+            before()
         os.kill(os.getpid(), signal.SIGKILL)      # no handler, no cleanup: a node failure
 
 
-def _off(point: str) -> None:
+def _off(point: str, before=None) -> None:
     pass
 
 
+ARMED = bool(_SPEC)                               # callers skip building `before` when False
 hit = _hit if _SPEC else _off

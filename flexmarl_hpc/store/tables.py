@@ -24,10 +24,12 @@ import h5py
 import numpy as np
 
 from flexmarl_hpc.runtime import faults
+from flexmarl_hpc.store.checksum import (CRC_DTYPE, MUTABLE, chunk_buffer, has_checksums, prefix_crc,
+                                         span_sums, stamp, verify_path)
 from flexmarl_hpc.store.repair import clear_open_flags
 
-SCHEMA_VERSION = 2
-READS = (1, 2)                     # versions flexmarl_hpc.analysis.load reads
+SCHEMA_VERSION = 3                 # 3: every chunk carries HDF5's Fletcher-32 checksum
+READS = (1, 2, 3)                     # versions flexmarl_hpc.analysis.load reads
 GENERATED, READY, CONSUMED, DROPPED = 0, 1, 2, 3
 STATUS_NAMES = {GENERATED: "generated", READY: "ready", CONSUMED: "consumed", DROPPED: "dropped"}
 
@@ -73,6 +75,7 @@ DEFAULTS = {"superseded": 0, "logp_mismatch": np.nan, "tis_mean": np.nan,
 ADDED = {"clip_frac", "ppo_kl"}
 # what an event sets in its sample's row (the rest of the row is written once)
 STATUS_FIELDS = ("status", "reward", "advantage", "trainer_step", "t_ready", "t_consumed")
+assert MUTABLE["/samples/"] == STATUS_FIELDS        # the prefix checksum leaves them out
 
 
 class StoreError(OSError):
@@ -100,7 +103,8 @@ class Table:
 
     Writes go to the file as whole chunks (`H5Dwrite_chunk`): the table keeps an image of
     its last few chunks, puts new rows and patches into them, and writes each touched
-    chunk's bytes as they are. That skips HDF5's per-write type-conversion path, whose
+    chunk's bytes as they are, with the Fletcher-32 checksum the dataset's filter expects
+    appended (`store.checksum`). That skips HDF5's per-write type-conversion path, whose
     fixed cost grows with the number of fields (~45 us for a /samples row set of any size,
     half that per chunk written directly), and it is the same I/O: HDF5 writes a chunk whole
     when it flushes it anyway. Chunks past the images (old rows a patch reaches) are read
@@ -120,9 +124,11 @@ class Table:
             (self.dtype, self.chunk), self.disk = created, 0
         else:                                               # a resume: check what the file has
             self.dtype, self.chunk, self.disk = ds.dtype, ds.chunks[0], len(ds)
-            if self.ftype != h5py.h5t.py_create(self.dtype) or ds.id.get_create_plist().get_nfilters():
-                raise ValueError(f"{ds.file.filename}: {ds.name} is not stored as the packed, unfiltered "
-                                 f"{self.dtype} records this flexmarl_hpc writes (damaged file?)")
+            if self.ftype != h5py.h5t.py_create(self.dtype) or not has_checksums(ds) or \
+                    ds.id.get_create_plist().get_nfilters() != 1:
+                raise ValueError(f"{ds.file.filename}: {ds.name} is not stored as the packed, "
+                                 f"Fletcher-32-checksummed {self.dtype} records this flexmarl_hpc "
+                                 "writes (damaged file?)")
         if columns is not None:
             columns = {k: v for k, v in columns.items() if k not in ADDED or k in self.dtype.names}
         self.columns = columns
@@ -130,8 +136,12 @@ class Table:
         self.buf: list[np.ndarray] = []
         self.patches: list[tuple[np.ndarray, dict]] = []
         self.mirror = mirror                  # a status cache: its patches may wait (flush)
-        self._img: dict[int, np.ndarray] = {}                # chunk index -> its rows
+        self._img: dict[int, tuple] = {}                     # chunk index -> _image()
+        self._nbytes = self.chunk * self.dtype.itemsize       # a chunk's bytes (no checksum)
         self._queued_new = False              # a queued patch hits rows not yet written
+        self._crc = (0, 0)                    # (count, prefix_crc of its boundary chunk's rows)
+        self.name = ds.name
+        self.patched = self.name.startswith(tuple(MUTABLE))   # full chunks rewritten in place
 
     def append(self, rows: dict | np.ndarray) -> int:
         """Queue rows (a record array or a dict of equal-length columns); returns the first
@@ -186,17 +196,16 @@ class Table:
             on_disk = self._patch_new(pieces[0], on_disk) if pieces else on_disk
             self._queued_new = False
         self.patches = [] if patch_disk else on_disk
-        touched: dict[int, np.ndarray] = {}                  # chunk -> its image, this write
-
-        def image(c: int) -> np.ndarray:
-            if c not in touched:
-                touched[c] = self._image(c)
-            return touched[c]
-
-        for rows, fields in on_disk if patch_disk else ():
+        patches = on_disk if patch_disk else []
+        # the bytes of each chunk that patches and new rows change; the images (bytes, rows,
+        # checksum sums) are held here: a long write may evict them from the cache
+        spans = self._spans(patches, self.disk, self.disk + sum(map(len, pieces)))
+        imgs = {c: self._image(c) for c in spans}
+        before = {c: self._sums_before(imgs[c][0], c, *spans[c]) for c in spans}
+        for rows, fields in patches:
             c_lo, c_hi = int(rows.min()) // self.chunk, int(rows.max()) // self.chunk
             for c in range(c_lo, c_hi + 1):
-                img, lo = image(c), c * self.chunk
+                img, lo = imgs[c][1], c * self.chunk
                 mine = slice(None) if c_lo == c_hi else (rows >= lo) & (rows < lo + self.chunk)
                 _set(img, rows[mine] - lo, fields, mine)
         end = self.disk
@@ -204,25 +213,98 @@ class Table:
             start, end = end, end + len(new)
             for c in range(start // self.chunk, -(-end // self.chunk)):
                 lo, hi = max(c * self.chunk, start), min((c + 1) * self.chunk, end)
-                image(c)[lo - c * self.chunk:hi - c * self.chunk] = new[lo - start:hi - start]
+                imgs[c][1][lo - c * self.chunk:hi - c * self.chunk] = new[lo - start:hi - start]
         if end > self.disk:
             self.ds.id.set_extent((end,))
             self.disk = end
-        for c in sorted(touched):
-            self.ds.id.write_direct_chunk((c * self.chunk,), touched[c], 0)
+        for c in sorted(spans):
+            # filter mask 0: the chunk went through the Fletcher-32 filter (stamp appends it),
+            # its sums updated by what changed instead of recomputed over the whole chunk
+            raw, _, sums = imgs[c]
+            (s1, s2), (b1, b2) = span_sums(raw, self._nbytes, *spans[c]), before[c]
+            sums[0] += s1 - b1
+            sums[1] += s2 - b2
+            old = raw[-4:].copy() if faults.ARMED else None
+            self.ds.id.write_direct_chunk((c * self.chunk,), stamp(raw, *sums), 0)
+            if faults.ARMED:
+                faults.hit("store_torn", partial(self._tear, c, raw, old))
 
-    def _image(self, c: int) -> np.ndarray:
-        """The image of chunk c: kept, or read back (the rows of it on disk; zeros past them)."""
-        img = self._img.get(c)
-        if img is None:
-            img = np.zeros(self.chunk, self.dtype)
-            lo = c * self.chunk
-            if lo < self.disk:
-                self._read(lo, img[:min(self.chunk, self.disk - lo)])
-            self._img[c] = img
-            while len(self._img) > self.IMAGES:               # drop the oldest chunk's
-                del self._img[min(self._img)]
-        return img
+    def _tear(self, c: int, raw: np.ndarray, old: np.ndarray) -> None:
+        """Test-only (the store_torn fault): chunk c as a kill inside its rewrite leaves it,
+        the new bytes with the old checksum (HDF5 rewrites a same-size chunk in place)."""
+        torn = raw.copy()
+        torn[-4:] = old
+        self.ds.id.write_direct_chunk((c * self.chunk,), torn, 0)
+
+    def boundary_crc(self, count: int) -> int:
+        """prefix_crc of rows [c * chunk, count) of the chunk c holding row `count` (0 where
+        count starts a chunk): what /commit_crc records with the count (docs/store.md).
+        Extended by the rows committed since the last call (their masked bytes never change)."""
+        have, crc = self._crc
+        if have == count:
+            return crc
+        lo = count - count % self.chunk
+        if not lo <= have <= count:
+            have, crc = lo, 0
+        if have < count:
+            img = self._image(count // self.chunk)[1]
+            crc = prefix_crc(img[have - lo:count - lo], self.name, crc)
+        self._crc = (count, crc)
+        return crc
+
+    def chunk_crc(self, c: int) -> int:
+        """prefix_crc of the whole chunk c (written): what /chunk_crc records for it."""
+        return prefix_crc(self._image(c)[1], self.name)
+
+    def mend(self, lo: int, hi: int) -> None:
+        """Rewrite the chunk of rows [lo, hi) (a torn one that verify_path found, its committed
+        rows verified): those rows as they are, zeros, a fresh Fletcher-32. A patched chunk's
+        MUTABLE columns are then set again by the resume (replay_events, supersede)."""
+        raw, _ = chunk_buffer(self.chunk, self.dtype)
+        n = (hi - lo) * self.dtype.itemsize
+        raw[:n] = np.frombuffer(self.ds.id.read_direct_chunk((lo,))[1], np.uint8, n)
+        self.ds.id.write_direct_chunk((lo,), stamp(raw, *span_sums(raw, self._nbytes, 0, self._nbytes)), 0)
+        self._img.pop(lo // self.chunk, None)
+
+    def _sums_before(self, raw: np.ndarray, c: int, lo: int, hi: int) -> tuple[int, int]:
+        """The sums of bytes [lo, hi) of chunk c before this write: only the words that
+        reach a row already on disk hold anything (the rest of an image is zeros)."""
+        used = max(0, min(self.chunk, self.disk - c * self.chunk)) * self.dtype.itemsize
+        if lo // 2 * 2 >= used:                           # all in the zeros: new rows only
+            return 0, 0
+        return span_sums(raw, self._nbytes, lo, min(hi, used))
+
+    def _spans(self, patches: list, lo: int, hi: int) -> dict[int, tuple[int, int]]:
+        """The byte range [lo, hi) within each chunk that the patches and the new rows
+        [lo, hi) of the table change."""
+        isz, k = self.dtype.itemsize, self.chunk
+        out: dict[int, tuple[int, int]] = {}
+
+        def add(r0: int, r1: int) -> None:                # rows [r0, r1) of the table
+            for c in range(r0 // k, (r1 - 1) // k + 1):
+                a, b = (max(r0, c * k) - c * k) * isz, (min(r1, (c + 1) * k) - c * k) * isz
+                o = out.get(c)
+                out[c] = (a, b) if o is None else (min(o[0], a), max(o[1], b))
+
+        for rows, _ in patches:
+            add(int(rows.min()), int(rows.max()) + 1)
+        if hi > lo:
+            add(lo, hi)
+        return out
+
+    def _image(self, c: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """The image of chunk c (its bytes, its rows viewing them, the exact Fletcher sums of
+        its bytes): kept, or read back (the rows of it on disk; zeros past them)."""
+        if c in self._img:
+            return self._img[c]
+        raw, img = chunk_buffer(self.chunk, self.dtype)         # zeros + room for the checksum
+        lo = c * self.chunk
+        if lo < self.disk:
+            self._read(lo, img[:min(self.chunk, self.disk - lo)])
+        self._img[c] = out = raw, img, list(span_sums(raw, self._nbytes, 0, self._nbytes))
+        while len(self._img) > self.IMAGES:                   # drop the oldest chunk's
+            del self._img[min(self._img)]
+        return out
 
     def _patch_new(self, new: np.ndarray, patches: list) -> list:
         """Apply the patches' updates of rows not yet on disk to `new`; return the updates
@@ -273,6 +355,7 @@ class StoreFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.repaired: list[str] = []          # what re-opening fixed, for the log
         self.dirty: set[Table] = set()
+        torn = verify_path(self.path) if not fresh else []    # before anything is used or changed
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
         self.f = h5py.File(self.path, "a", libver="latest")
@@ -297,12 +380,18 @@ class StoreFile:
         self.metrics = mk("metrics", METRIC_COLUMNS, 256)
         self.eval = mk("eval", EVAL_COLUMNS, 256)
         self.tables = {t.ds.name: t for t in self._all()}
+        self._table_list = list(self.tables.values())
+        self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
+        self._crcs = np.zeros(len(self.tables), np.int64)
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
+        self._full_at = self.flushed.copy()          # rows whose full chunks /chunk_crc has
         if fresh:
             self.commit = self.f.create_dataset("commit", data=np.zeros(len(self.tables), np.int64))
             self.commit.attrs["tables"] = list(self.tables)
+            self.commit_crc = self.f.create_dataset("commit_crc", data=np.zeros(len(self.tables), np.int64))
+            self.chunk_crc = self._chunk_log()
         else:
-            self._recover()
+            self._recover(torn)
         self.f.swmr_mode = True
 
     def _table(self, fresh: bool, name: str, columns, chunk: int, dt=None, mirror: bool = False) -> Table:
@@ -312,6 +401,7 @@ class StoreFile:
         dtype = np.dtype(dt) if dt else dtype_of(columns)
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_chunk((chunk,))
+        dcpl.set_fletcher32()           # every reader verifies a chunk it reads (docs/store.md)
         lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
         ds = h5py.h5d.create(self.f.id, name.encode(), h5py.h5t.py_create(dtype, logical=True),
@@ -322,14 +412,25 @@ class StoreFile:
         return [*self.samples.values(), *self.tokens.values(), *self.steps.values(),
                 *self.step_rows.values(), self.intervals, self.events, self.metrics, self.eval]
 
-    def _recover(self) -> None:
-        """Cut every table back to its committed rows, then rebuild the status fields of the
-        samples from the committed events."""
+    def _recover(self, torn: list) -> None:
+        """Cut every table back to its committed rows, mend the torn appends (boundary chunks
+        a kill cut mid-write, their committed rows verified), then rebuild the status fields
+        of the samples from the committed events."""
         self.commit = self.f["commit"]
+        if "commit_crc" not in self.f:
+            self.f.create_dataset("commit_crc", data=np.zeros(len(self.commit), np.int64))
+        self.commit_crc = self.f["commit_crc"]
+        self.chunk_crc = self.f["chunk_crc"] if "chunk_crc" in self.f else self._chunk_log()
         names = [str(n) for n in self.commit.attrs["tables"]]
         counts = dict(zip(names, self.commit[:].tolist()))
         if names != list(self.tables):
             self._add_to_commit(names, counts)
+        # mended first: cutting the rows past a chunk's committed ones reads the chunk (HDF5
+        # fills the cut part), and a torn chunk's checksum would fail that read
+        for d in torn:
+            self.tables[d.table].mend(d.lo, d.hi)
+            self.repaired.append(f"rewrote the torn chunk of {d.table} rows {d.lo}-{d.hi - 1} (a kill "
+                                 "cut its in-place write; its committed rows verified)")
         for name, t in self.tables.items():
             keep = counts.get(name)
             if keep is None or keep > len(t.ds):
@@ -339,12 +440,41 @@ class StoreFile:
                 self.repaired.append(f"discarded {len(t.ds) - keep} uncommitted rows of {name}")
                 t.ds.resize((keep,))
             t.disk = t.n = keep
+        self._log_full_chunks()
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
+        self._full_at = self.flushed.copy()
         for i, a in enumerate(self.agents):
             fixed = replay_events(self.samples[a], self.events.read(), i)
             if fixed:
                 self.repaired.append(f"restored the status of {fixed} {a} samples from /events")
         self.flush()
+        # /commit_crc anew at the counts kept: a kill inside the HDF5 flush that last wrote
+        # /commit may have left it behind, and this run's first chunk write may be torn
+        self._commit(self.flushed)
+        self.f.flush()
+
+    def _chunk_log(self) -> h5py.Dataset:
+        """/chunk_crc: (table, chunk, crc) of each full committed chunk of a patched table."""
+        return self.f.create_dataset("chunk_crc", shape=(0,), maxshape=(None,), chunks=(512,),
+                                     dtype=CRC_DTYPE)
+
+    def _log_full_chunks(self) -> None:
+        """Add to /chunk_crc the full committed chunks of the patched tables it lacks (a kill
+        inside the HDF5 flush that wrote /commit may have left it behind /commit)."""
+        have = {(t, c) for t, c, _ in self.chunk_crc[:].tolist()}
+        new = [(i, c, t.chunk_crc(c)) for i, t in enumerate(self.tables.values()) if t.patched
+               for c in range(t.disk // t.chunk) if (i, c) not in have]
+        self._append_crcs(new)
+
+    def _append_crcs(self, entries: list) -> None:
+        """Append to /chunk_crc through the low-level API (h5py's slice write: ~130 us)."""
+        if entries:
+            ds, k = self.chunk_crc.id, len(entries)
+            n = ds.get_space().shape[0]
+            ds.set_extent((n + k,))
+            fs = ds.get_space()
+            fs.select_hyperslab((n,), (k,))
+            ds.write(h5py.h5s.create_simple((k,)), fs, np.array(entries, CRC_DTYPE))
 
     def _add_to_commit(self, names: list[str], counts: dict) -> None:
         """A file written before a table was added (/eval): the new tables are empty, so
@@ -354,9 +484,10 @@ class StoreFile:
             raise ValueError(f"{self.path}: /commit names tables {names}, this flexmarl_hpc has "
                              f"{list(self.tables)} (damaged file)")
         counts.update({n: 0 for n in new})
-        del self.f["commit"]
+        del self.f["commit"], self.f["commit_crc"]
         self.commit = self.f.create_dataset("commit", data=np.array([counts[n] for n in self.tables]))
         self.commit.attrs["tables"] = list(self.tables)
+        self.commit_crc = self.f.create_dataset("commit_crc", data=np.zeros(len(self.tables), np.int64))
         self.f.flush()
         self.repaired.append(f"added {', '.join(new)} to /commit")
 
@@ -395,14 +526,30 @@ class StoreFile:
             if full:
                 self.f.flush()
                 faults.hit("store_flush")
-                self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
-            else:
-                self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self.flushed, mtype=h5py.h5t.NATIVE_INT64)
+            self._commit(counts if full else self.flushed)
+            if not full:
                 faults.hit("store_flush")
             self.f.flush()
             self.flushed = counts
         except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
             raise StoreError.of(self.path, e) from None
+
+    def _commit(self, counts: np.ndarray) -> None:
+        """Write /commit_crc (the boundary chunks' prefix checksums at these counts), then
+        /commit: both reach the file with the HDF5 flush that follows."""
+        changed = np.flatnonzero(counts != self._crc_at)        # most flushes: a few tables
+        if len(changed):
+            tables, full = self._table_list, []
+            for i in changed.tolist():
+                t, k, was = tables[i], int(counts[i]), int(self._full_at[i])
+                self._crcs[i] = t.boundary_crc(k)
+                if t.patched and k // t.chunk > was // t.chunk:     # chunks this commit fills
+                    full += [(i, c, t.chunk_crc(c)) for c in range(was // t.chunk, k // t.chunk)]
+                    self._full_at[i] = k
+            self._append_crcs(full)
+            self._crc_at = counts.copy()
+            self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self._crcs, mtype=h5py.h5t.NATIVE_INT64)
+        self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
 
     def samples_written(self) -> bool:
         """Whether an earlier process of this run left any sample rows."""

@@ -46,3 +46,17 @@ def test_sigkill_without_a_checkpoint_resumes_with_nothing_lost(tmp_path, mpiexe
         assert (st["superseded"] == 1).sum() == before          # the first attempt's rows
     s = summary(load_run(tmp_path / "local.h5"))
     assert s["steps_done"] == STEPS and s["per_agent"]["speaker"]["steps"] == STEPS
+
+
+def test_a_kill_inside_a_chunk_rewrite_resumes_with_nothing_lost(tmp_path, mpiexec, monkeypatch):
+    """The store_torn fault: the orchestrator dies with a table's last chunk rewritten (new
+    rows, old checksum: a kill inside the write) and /commit not yet written. The same
+    command mends the chunk (its committed rows match /commit_crc) and loses nothing."""
+    monkeypatch.setenv("FLEXMARL_FAULT", "store_torn:80:0")
+    p = run_training(tmp_path, *SMALL, f"run.steps={STEPS}", "run.checkpoint_every=0", check=False)
+    assert p.returncode != 0, p.stdout[-2000:]
+    monkeypatch.delenv("FLEXMARL_FAULT")
+    q = run_training(tmp_path, *SMALL, f"run.steps={STEPS}", "run.checkpoint_every=0", check=False)
+    assert q.returncode == 0, (q.stdout[-3000:], q.stderr[-3000:])
+    assert "rewrote the torn chunk of" in q.stdout, q.stdout[-3000:]
+    check_exactly_once(tmp_path / "local.h5", STEPS)

@@ -1,0 +1,377 @@
+"""Chunk checksums of the store: HDF5's Fletcher-32 filter, computed here for direct writes.
+
+    raw, rows = chunk_buffer(256, dtype)           # a chunk image with room for its checksum
+    stamp(raw, *span_sums(raw, len(raw) - 4, 0, len(raw) - 4))   # its Fletcher-32, as HDF5 stores it
+    bad = damaged_chunks(f)                        # every committed chunk verified: [Damage]
+    verify_store(f, path)                          # raises StoreDamaged (one line) or returns a notice
+
+Every table of a schema-3 store carries the Fletcher-32 filter, so every HDF5 reader (h5py
+included) verifies a chunk when it reads it. The store writes whole chunks directly
+(`write_direct_chunk`), which skips the filter pipeline: `stamp` appends the
+checksum exactly as `H5_checksum_fletcher32` (src/H5checksum.c) computes it and
+`H5Z_filter_fletcher32` stores it (UINT32ENCODE: little-endian). `damaged_chunks` reads each
+committed chunk raw and checks it here, so a bad one is named by table, rows and file
+offset instead of surfacing as an HDF5 error stack at whatever read touches it first.
+docs/store.md says why the filter and what it cannot catch.
+"""
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+FLETCHER32 = h5py.h5z.FILTER_FLETCHER32
+SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_M = 65535
+
+
+def fletcher32(data, length: int | None = None) -> int:
+    """H5_checksum_fletcher32 of `data` (bytes or an array) followed by zeros up to `length`
+    bytes (default: none), vectorised.
+
+    HDF5 sums big-endian 16-bit words (an odd last byte is a word with a zero low byte),
+    folding each sum ((s & 0xffff) + (s >> 16)) every 360 words and twice at the end. A
+    fold keeps the value mod 65535 and never turns a positive sum into 0, so the result is
+    the sum's residue mod 65535 in 1..65535 (0 only for a zero sum): computed here from the
+    exact sums sum1 = sum(w_i) and sum2 = sum((n - i) * w_i) over the n words. Zero words
+    add nothing to either, so a chunk's zero tail (the rows past its last one) is skipped."""
+    b = data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    n = (max(len(b), length or 0) + 1) // 2
+    odd = len(b) % 2                    # the last byte: the high byte of a word, low byte 0
+    w = b[:len(b) - odd].view(">u2").astype(np.float64)
+    weights = _weights(n)
+    # float64 products summed by einsum (no BLAS threads) are exact: every partial sum of a
+    # block stays below 2**53 (BLOCK words of at most 65535 x 65534 each)
+    s1 = s2 = 0
+    for lo in range(0, len(w), BLOCK):
+        blk = w[lo:lo + BLOCK]
+        s1 += int(blk.sum())
+        s2 += int(np.einsum("i,i", blk, weights[lo:lo + len(blk)]))
+    if odd:
+        s1 += int(b[-1]) << 8
+        s2 += (int(b[-1]) << 8) * int(weights[len(w)])
+    nonzero = s1 > 0                    # then both sums are positive (every prefix after it)
+    return (_fold(s2 % _M, nonzero) << 16) | _fold(s1 % _M, nonzero)
+
+
+BLOCK = 1 << 20
+_W: dict[int, np.ndarray] = {}
+
+
+def _weights(n: int) -> np.ndarray:
+    """(n - i) mod 65535 for word i of n, as float64 (cached: chunks have a few sizes)."""
+    w = _W.get(n)
+    if w is None:
+        w = _W[n] = (np.arange(n, 0, -1, dtype=np.int64) % _M).astype(np.float64)
+    return w
+
+
+def _fold(residue: int, positive: bool) -> int:
+    """The representative HDF5's folding ends with: 0 for a zero sum, else 1..65535."""
+    return (residue or _M) if positive else 0
+
+
+def chunk_buffer(rows: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's bytes with room for its checksum, and its rows as a view of them: the
+    direct write then sends the buffer as it is (no copy to append 4 bytes)."""
+    raw = np.zeros(rows * dtype.itemsize + 4, np.uint8)
+    return raw, raw[:-4].view(dtype)
+
+
+def span_sums(raw: np.ndarray, nbytes: int, lo: int, hi: int) -> tuple[int, int]:
+    """The exact (sum1, sum2) of fletcher32 over the 16-bit words of raw[:nbytes] that
+    bytes [lo, hi) fall in, word i weighing (n - i). The sums are linear in the words, so a
+    chunk's checksum follows a change of some of its bytes from the sums of those words
+    before and after (and bytes appended over zeros add their own sums)."""
+    n = (nbytes + 1) // 2
+    wlo, whi = lo // 2, min((hi + 1) // 2, nbytes // 2)
+    both = _both(n)                         # rows: 1, (n - i): both sums in one product
+    s1 = s2 = 0
+    for a in range(wlo, whi, BLOCK):
+        w = raw[2 * a:2 * min(a + BLOCK, whi)].view(">u2").astype(np.float64)
+        r = both[:, a:a + len(w)] @ w       # exact: see fletcher32
+        s1, s2 = s1 + int(r[0]), s2 + int(r[1])
+    if nbytes % 2 and hi >= nbytes:         # an odd last byte: the high byte of the last word
+        s1 += int(raw[nbytes - 1]) << 8
+        s2 += int(raw[nbytes - 1]) << 8     # the last word weighs 1
+    return s1, s2
+
+
+_BOTH: dict[int, np.ndarray] = {}
+
+
+def _both(n: int) -> np.ndarray:
+    """[[1] * n, (n - i) mod 65535]: the weights of sum1 and sum2 as one matrix (cached)."""
+    m = _BOTH.get(n)
+    if m is None:
+        m = _BOTH[n] = np.stack([np.ones(n), _weights(n)])
+    return m
+
+
+def stamp(raw: np.ndarray, s1: int, s2: int) -> np.ndarray:
+    """Write the Fletcher-32 of raw[:-4], whose exact sums are (s1, s2) (span_sums), into its
+    last 4 bytes (little-endian, as H5Z_filter_fletcher32's UINT32ENCODE)."""
+    nonzero = s1 > 0                        # exact sums: zero only for all-zero bytes
+    value = (_fold(s2 % _M, nonzero) << 16) | _fold(s1 % _M, nonzero)
+    raw[-4:] = np.frombuffer(value.to_bytes(4, "little"), np.uint8)
+    return raw
+
+
+def has_checksums(ds: h5py.Dataset) -> bool:
+    plist = ds.id.get_create_plist()
+    return any(plist.get_filter(i)[0] == FLETCHER32 for i in range(plist.get_nfilters()))
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One chunk whose stored checksum does not match its bytes (or that cannot be read)."""
+    table: str
+    lo: int                   # its first row
+    hi: int                   # one past its last committed row
+    offset: int               # its byte offset in the file
+    torn: bool = False        # a boundary chunk whose committed rows verify (torn_append)
+
+    def line(self) -> str:
+        return f"{self.table} rows {self.lo}-{self.hi - 1} (chunk at file offset {self.offset})"
+
+
+class StoreDamaged(ValueError):
+    """A store whose committed data fail their checksums; the message is one line."""
+
+    def __init__(self, path, damage: list[Damage]):
+        self.damage = damage
+        more = f" and {len(damage) - 1} more chunk(s)" if len(damage) > 1 else ""
+        super().__init__(f"{path}: damaged store: checksum mismatch in {damage[0].line()}{more}; "
+                         "nothing was changed. `python -m flexmarl_hpc.analyze salvage "
+                         f"{path}` copies every verifiable row into a new store (docs/store.md)")
+
+
+# the columns a flush rewrites in rows already committed (in-place patches): status fields
+# (a cache of /events, rebuilt by every resume) and `superseded` (set again by every resume);
+# the prefix checksum leaves them out, so it is fixed once a row is committed
+MUTABLE = {"/samples/": ("status", "reward", "advantage", "trainer_step", "t_ready", "t_consumed"),
+           "/steps/": ("superseded",), "/metrics": ("superseded",)}
+
+
+def prefix_crc(rows: np.ndarray, table: str, crc: int = 0) -> int:
+    """zlib.crc32 of committed rows (a contiguous record array) with the bytes of the table's
+    MUTABLE columns zeroed, continuing `crc` (the crc of the rows before them in the chunk)."""
+    runs = _mutable_runs(rows.dtype, table)
+    if not runs:
+        return zlib.crc32(rows, crc)
+    records = rows.view(np.uint8).reshape(len(rows), rows.dtype.itemsize).copy()
+    for lo, hi in runs:                   # slices, not a fancy index: ~2 us for 64 rows, not 9
+        records[:, lo:hi] = 0
+    return zlib.crc32(records, crc)
+
+
+_RUNS: dict = {}
+
+
+def _mutable_runs(dtype: np.dtype, table: str) -> list[tuple[int, int]]:
+    """The byte ranges within a record of its MUTABLE columns, adjacent ones merged."""
+    key = (dtype, table.split("/")[1])
+    if key not in _RUNS:
+        mutable = next((m for p, m in MUTABLE.items() if table.startswith(p)), ())
+        spans = sorted((dtype.fields[n][1], dtype.fields[n][1] + dtype[n].itemsize)
+                       for n in mutable if dtype.names and n in dtype.names)
+        runs: list[tuple[int, int]] = []
+        for lo, hi in spans:
+            if runs and runs[-1][1] == lo:
+                runs[-1] = (runs[-1][0], hi)
+            else:
+                runs.append((lo, hi))
+        _RUNS[key] = runs
+    return _RUNS[key]
+
+
+CRC_DTYPE = np.dtype([("table", "i2"), ("chunk", "i8"), ("crc", "i8")])
+
+
+def prefix_crcs(f: h5py.File) -> dict[str, int]:
+    """The recorded prefix checksum of each table's boundary chunk (/commit_crc; {} without)."""
+    if "commit_crc" not in f or "commit" not in f:
+        return {}
+    return {str(k): int(v) for k, v in zip(f["commit"].attrs["tables"], f["commit_crc"][:])}
+
+
+def chunk_crcs(f: h5py.File) -> dict[str, dict[int, int]]:
+    """The prefix_crc of each full committed chunk of the patched tables (/chunk_crc, a log:
+    the last entry of a chunk counts), by table name and chunk index."""
+    out: dict[str, dict[int, int]] = {}
+    if "chunk_crc" not in f or "commit" not in f:
+        return out
+    names = [str(n) for n in f["commit"].attrs["tables"]]
+    for t, c, crc in f["chunk_crc"][:].tolist():
+        if 0 <= t < len(names):
+            out.setdefault(names[t], {})[c] = crc
+    return out
+
+
+def read_rows(ds: h5py.Dataset, rows: int, torn: list[Damage] = ()) -> np.ndarray:
+    """ds[:rows], the rows of its torn chunks (verify_store's `torn`) from the chunks' raw
+    bytes: HDF5 would refuse them (their Fletcher-32 no longer matches) and torn_chunk
+    verified their committed rows."""
+    if not torn:
+        return ds[:rows]
+    parts, pos = [], 0
+    for d in sorted(torn, key=lambda d: d.lo):
+        parts += [ds[pos:d.lo], np.frombuffer(ds.id.read_direct_chunk((d.lo,))[1], ds.dtype, d.hi - d.lo)]
+        pos = d.hi
+    return np.concatenate([*parts, ds[pos:rows]])
+
+
+def committed(f: h5py.File) -> dict[str, int]:
+    """Committed rows of each table (/commit), or the whole length where the file has none."""
+    if "commit" in f:
+        return {str(k): int(v) for k, v in zip(f["commit"].attrs["tables"], f["commit"][:])}
+    out: dict[str, int] = {}
+    f.visititems(lambda name, o: out.setdefault("/" + name, len(o))
+                 if isinstance(o, h5py.Dataset) and o.chunks else None)
+    return out
+
+
+def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None = None,
+                 full: dict[int, int] | None = None) -> list[Damage]:
+    """The chunks of ds's first `rows` rows that fail their Fletcher-32 (or are missing or
+    of the wrong size). One pass over the chunk index (H5Dchunk_iter), then each chunk's
+    bytes read from `fd` (the file, opened by the caller) and checked here: a per-chunk
+    HDF5 look-up costs ~0.5 ms on a big file, this ~10 us plus the read."""
+    if not rows:
+        return []
+    step, bad, where = ds.chunks[0], [], {}
+    ds.id.chunk_iter(lambda info: where.__setitem__(info.chunk_offset[0], info))
+    size = step * ds.dtype.itemsize + 4
+    for lo in range(0, rows, step):
+        info = where.get(lo)
+        for attempt in range(RETRIES):
+            if _chunk_ok(info, size, fd):
+                break
+            time.sleep(0.05 * (attempt + 1))           # the writer may be rewriting it: look again
+            info = _lookup(ds, lo)
+        else:
+            off = -1 if info is None or info.byte_offset is None else int(info.byte_offset)
+            want = crc if lo + step > rows else (full or {}).get(lo // step)
+            torn = want is not None and torn_chunk(ds, info, min(step, rows - lo), fd, want)
+            bad.append(Damage(ds.name, lo, min(lo + step, rows), off, torn))
+    return bad
+
+
+def torn_chunk(ds: h5py.Dataset, info, rows: int, fd: int, crc: int) -> bool:
+    """Whether the chunk `info` (its first `rows` rows committed) failed its Fletcher-32
+    only because a kill cut an in-place rewrite of it: its committed rows, their MUTABLE
+    columns left out, still match the crc recorded for them (/commit_crc for a table's
+    boundary chunk, /chunk_crc for a full chunk of a patched table; docs/store.md)."""
+    if info is None or info.byte_offset is None or info.size != ds.chunks[0] * ds.dtype.itemsize + 4:
+        return False
+    raw = os.pread(fd, rows * ds.dtype.itemsize, info.byte_offset)
+    return len(raw) == rows * ds.dtype.itemsize and \
+        prefix_crc(np.frombuffer(raw, ds.dtype), ds.name) == crc
+
+
+RETRIES = 3     # a live writer may be rewriting the chunk an SWMR reader reads: read it again
+
+
+def _lookup(ds: h5py.Dataset, lo: int):
+    try:
+        return ds.id.get_chunk_info_by_coord((lo,))
+    except (OSError, ValueError, RuntimeError, KeyError):
+        return None
+
+
+def _chunk_ok(info, size: int, fd: int) -> bool:
+    """Whether the chunk `info` locates is whole and its stored Fletcher-32 matches."""
+    if info is None or info.byte_offset is None or info.filter_mask != 0 or info.size != size:
+        return False
+    raw = os.pread(fd, size, info.byte_offset)
+    return len(raw) == size and fletcher32(raw[:-4]) == int.from_bytes(raw[-4:], "little")
+
+
+def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",)) -> list[Damage]:
+    """Every committed chunk of every checksummed table (whose name starts with one of
+    `only`), verified; the bad ones."""
+    bad: list[Damage] = []
+    crcs, full = prefix_crcs(f), chunk_crcs(f)
+    fd = os.open(f.filename, os.O_RDONLY)
+    try:
+        for name, rows in committed(f).items():
+            ds = f.get(name) if name.startswith(only) else None
+            if ds is None or not has_checksums(ds):
+                continue
+            bad += chunk_damage(ds, min(rows, len(ds)), fd, crcs.get(name), full.get(name))
+    finally:
+        os.close(fd)
+    return bad
+
+
+def verify_store(f: h5py.File, path, only: tuple[str, ...] = ("/",), torn: list | None = None) -> str | None:
+    """Raise StoreDamaged if a committed chunk (of the tables `only` names, by prefix) fails
+    its checksum; return a one-line notice
+    for a store written without checksums (schema <= 2), None for a verified one."""
+    if not any(has_checksums(f[n]) for n in committed(f) if n in f):
+        return (f"{path}: written without chunk checksums (schema version "
+                f"{int(f.attrs.get('schema_version', 0))}); its data cannot be verified")
+    found = damaged_chunks(f, only)
+    bad = [d for d in found if not d.torn]
+    if torn is not None:                # a torn append is no damage: the caller may mend it
+        torn += [d for d in found if d.torn]
+    if bad:
+        raise StoreDamaged(path, bad)
+    return None
+
+
+class StoreUnreadable(ValueError):
+    """A file that is not a whole HDF5 store (truncated, foreign); the message is one line."""
+
+
+def check_not_truncated(path: Path) -> None:
+    """Compare the file's size with the end-of-file address in its HDF5 superblock (v2/v3,
+    what our writer makes): the check a plain open makes and an SWMR reader skips (which
+    then retries metadata reads for a long time, or reads zeros, instead of failing)."""
+    with open(path, "rb") as fh:
+        head = fh.read(48)
+    if head[:8] != SIGNATURE:
+        return                          # not HDF5: the open says so
+    if len(head) < 10:
+        raise StoreUnreadable(f"{path}: truncated HDF5 file ({len(head)} bytes, cut inside the superblock)")
+    if head[8] not in (2, 3):
+        return                          # an old superblock: h5py will say
+    size_of_offsets = head[9]
+    end = 12 + 3 * size_of_offsets
+    if size_of_offsets not in (2, 4, 8) or len(head) < end:
+        raise StoreUnreadable(f"{path}: truncated or damaged HDF5 superblock ({len(head)} bytes read)")
+    eof = int.from_bytes(head[12 + 2 * size_of_offsets:end], "little")
+    actual = Path(path).stat().st_size
+    if actual < eof:
+        raise StoreUnreadable(f"{path}: truncated HDF5 file ({actual} bytes, the file says {eof})")
+
+
+def open_read(path: Path) -> h5py.File:
+    """The store opened read-only without changing it: after the size check, in SWMR mode
+    (a killed writer's open-for-write flags keep a plain open out; clearing them would
+    modify the file), or plainly for a file never switched to SWMR."""
+    check_not_truncated(path)
+    try:
+        return h5py.File(path, "r", swmr=True)
+    except OSError:
+        try:
+            return h5py.File(path, "r")
+        except OSError as e:
+            raise StoreUnreadable(f"{path}: not a readable HDF5 file "
+                                  f"({' '.join(str(e).split())[:200]})") from None
+
+
+def verify_path(path: Path) -> list[Damage]:
+    """verify_store of the file at `path`, opened by open_read; the file is not modified.
+    Returns the torn boundary chunks (torn_append), which the writer's re-open mends."""
+    with open_read(Path(path)) as f:
+        if f.attrs.get("program") != "flexmarl_hpc":
+            raise StoreUnreadable(f"{path}: not a flexmarl_hpc run file (no program=flexmarl_hpc attribute)")
+        if verify_store(f, path, torn=(torn := [])) is not None:
+            return []
+        return torn

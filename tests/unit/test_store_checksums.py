@@ -1,0 +1,138 @@
+"""Chunk checksums of the store (real HDF5 files): our Fletcher-32 is HDF5's, h5py verifies
+the chunks we write directly, a damaged chunk is named in one line by every reader and
+refused by a re-open that leaves the file as it was, a truncated file is refused, a store
+written without checksums still reads with a notice, and salvage copies what verifies."""
+import hashlib
+
+import h5py
+import numpy as np
+import pytest
+
+from flexmarl_hpc.analysis.load import AnalysisError, load_run
+from flexmarl_hpc.store.checksum import (StoreDamaged, StoreUnreadable, damaged_chunks, fletcher32,
+                                         verify_path, verify_store)
+from flexmarl_hpc.store.tables import GENERATED, StoreFile
+from tests.unit.test_store import AGENTS, event_rows, in_child_then_kill, sample_rows
+
+
+def sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 359, 360, 361, 720, 721, 4097, 200001])
+@pytest.mark.parametrize("fill", ["random", "zeros", "ones"])
+def test_our_fletcher32_is_the_one_hdf5_stores(tmp_path, n, fill):
+    data = {"random": np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8),
+            "zeros": np.zeros(n, np.uint8), "ones": np.full(n, 255, np.uint8)}[fill]
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        ds = f.create_dataset("x", data=data, chunks=(n,), fletcher32=True)    # HDF5's own filter
+        _, raw = ds.id.read_direct_chunk((0,))
+    assert raw[:-4] == data.tobytes()
+    assert fletcher32(raw[:-4]) == int.from_bytes(raw[-4:], "little")
+
+
+def written(path, rows=300):
+    s = StoreFile(path, AGENTS, {}, chunk=64)
+    first = s.samples["a"].append(sample_rows(s, "a", rows))
+    s.events.append(event_rows(s, "a", np.arange(first, first + rows), GENERATED))
+    s.flush()
+    return s
+
+
+def corrupt(path, table, chunk=1, nbytes=64):
+    """Overwrite nbytes in the middle of chunk `chunk` of `table` with random bytes."""
+    with h5py.File(path, "r", swmr=True) as f:                # a killed writer's file too
+        info = f[table].id.get_chunk_info(chunk)
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + (info.size - nbytes) // 2)
+        fh.write(np.random.default_rng(0).bytes(nbytes))
+    return info.byte_offset
+
+
+def test_h5py_verifies_the_chunks_we_write_and_refuses_a_corrupted_one(tmp_path):
+    path = tmp_path / "s.h5"
+    written(path).close()
+    with h5py.File(path, "r") as f:
+        assert len(f["samples/a"][:]) == 300 and not damaged_chunks(f)     # HDF5 checked every one
+    offset = corrupt(path, "/samples/a", chunk=1)
+    with h5py.File(path, "r") as f:
+        f["samples/a"][:64]                                                  # chunk 0 still reads
+        with pytest.raises(OSError, match="filter returned failure"):   # HDF5 2.0 words it so
+            f["samples/a"][64:128]
+        assert [(d.table, d.lo, d.hi, d.offset) for d in damaged_chunks(f)] == [("/samples/a", 64, 128, offset)]
+
+
+@pytest.mark.parametrize("table", ["/samples/a", "/tokens/a", "/events"])
+def test_a_damaged_store_is_refused_by_a_reopen_in_one_line_and_left_as_it_was(tmp_path, table):
+    path = tmp_path / "s.h5"
+    s = written(path)
+    s.tokens["a"].append(np.zeros(3000, s.tokens["a"].dtype))
+    s.flush()
+    s.close()
+    corrupt(path, table, chunk=0)
+    before = sha(path)
+    with pytest.raises(StoreDamaged) as e:
+        StoreFile(path, AGENTS, {})
+    msg = str(e.value)
+    assert "\n" not in msg and f"checksum mismatch in {table} rows 0-" in msg and "file offset" in msg
+    assert sha(path) == before
+    with pytest.raises(AnalysisError, match=f"damaged store: checksum mismatch in {table}"):
+        load_run(path)
+
+
+def test_a_killed_writers_damaged_store_is_refused_without_clearing_its_flags(tmp_path):
+    path = tmp_path / "s.h5"
+    in_child_then_kill(lambda: written(path))
+    corrupt(path, "/events", chunk=0)
+    before = sha(path)
+    with pytest.raises(StoreDamaged, match="/events"):
+        StoreFile(path, AGENTS, {})
+    assert sha(path) == before                                   # the flags are still set
+
+
+def test_a_truncated_store_is_refused_and_left_as_it_was(tmp_path):
+    path = tmp_path / "s.h5"
+    written(path).close()
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 5000])
+    before = sha(path)
+    with pytest.raises(StoreUnreadable, match="truncated HDF5 file"):
+        verify_path(path)
+    with pytest.raises(StoreUnreadable, match="truncated"):
+        StoreFile(path, AGENTS, {})
+    assert sha(path) == before
+
+
+def test_a_store_without_checksums_reads_with_a_one_line_notice(tmp_path):
+    path = tmp_path / "old.h5"
+    with h5py.File(path, "w", libver="latest") as f:         # what schema 2 wrote: no filter
+        f.attrs.update(program="flexmarl_hpc", schema_version=2)
+        f.create_dataset("events", data=np.zeros(5, "i8"), chunks=(4,), maxshape=(None,))
+        c = f.create_dataset("commit", data=np.array([5]))
+        c.attrs["tables"] = ["/events"]
+    with h5py.File(path, "r") as f:
+        notice = verify_store(f, path)
+    assert "cannot be verified" in notice and "schema version 2" in notice and "\n" not in notice
+
+
+def test_checksums_follow_random_appends_and_patches_of_odd_sized_rows(tmp_path):
+    """The store updates a chunk's checksum from the bytes a write changes (store.checksum
+    span_sums): after random appends, patches of old and new rows, light and full flushes
+    and a re-open, every chunk still verifies (/events rows are 35 bytes: words straddle rows)."""
+    path, rng = tmp_path / "s.h5", np.random.default_rng(3)
+    s = StoreFile(path, AGENTS, {}, chunk=16)
+    for i in range(60):
+        if i == 30:
+            s.close()
+            s = StoreFile(path, AGENTS, {}, chunk=16)
+        k = int(rng.integers(1, 40))
+        ev = event_rows(s, "a", np.arange(k) + s.events.n, GENERATED)
+        ev["t"] = rng.random(k)
+        s.events.append(ev)
+        if s.events.n > 3:
+            rows = rng.choice(s.events.n, size=min(5, s.events.n), replace=False)
+            s.events.patch(rows, {"t": rng.random(len(rows)), "status": int(rng.integers(0, 4))})
+        s.flush(full=bool(i % 3 == 0))
+    s.close()
+    with h5py.File(path, "r") as f:
+        assert not damaged_chunks(f) and len(f["events"][:]) == s.events.n
