@@ -134,14 +134,16 @@ def sim_plan_closed_form_scaling(ctx: Context) -> str:
 
 
 def machine() -> str:
-    """When and where a benchmark ran: the date, the cores and the CPU model."""
+    """When and where a benchmark ran: the date, the cores, the CPU model and the load average
+    as it started (other work on the cores widens the spread)."""
     model = platform.processor() or platform.machine()
     try:
         model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores, {model}, Python {platform.python_version()}"
+    return (f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores, {model}, Python "
+            f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f}")
 
 
 def spread(xs: list[float], fmt: str = ".0f") -> str:
