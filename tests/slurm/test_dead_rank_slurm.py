@@ -68,6 +68,9 @@ def test_a_killed_rank_ends_the_job_and_the_run_resumes_exactly_once(slurm, tmp_
             # not requeued by the script (srun reports the killed rank's signal): requeueable
             p = subprocess.run(["scontrol", "requeue", run.job_id], capture_output=True, text=True, timeout=30)
             assert p.returncode == 0, p.stderr
+            # sacct keeps the ended record's FAILED until the requeued job starts: wait for
+            # slurmctld to count the restart, or result() reads the old record as the end
+            wait_for(lambda: int(run.scontrol().get("Restarts", "0")) >= 1, 60, "slurmctld to count the requeue")
         h5 = run.result(timeout=300)                      # wait() releases the requeue hold
         text = run.stdout()
         assert f"job {run.job_id} restart 1" in text and "resumed at versions" in text, text[-3000:]
