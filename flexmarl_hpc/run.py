@@ -104,6 +104,8 @@ def hold_run_lock(cfg: Config) -> bool:
     Slurm nothing checked before srun started the ranks, so this is the check there."""
     global _LOCK
     import atexit
+    from flexmarl_hpc.runtime import faults
+    faults.hit("mpi_start")                        # test-only: a rank hung before MPI_Init
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     refused = None
@@ -116,7 +118,10 @@ def hold_run_lock(cfg: Config) -> bool:
     refused = world.bcast(refused, root=0)
     if refused and world.Get_rank() == 0:
         print(f"config error: {refused}", file=sys.stderr, flush=True)
-    return refused is None
+    started = os.environ.get("FLEXMARL_STARTED_FILE")
+    if started and world.Get_rank() == 0 and refused is None:
+        Path(started).touch()                      # every rank is through MPI start-up: the
+    return refused is None                         # batch script's watchdog stands down
 
 
 def run_rank(cfg: Config, layout: RankLayout) -> int:

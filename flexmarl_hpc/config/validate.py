@@ -163,6 +163,7 @@ def _validate_engines(cfg: Config) -> None:
     _int_in(cfg.store.chunk_rows, "store.chunk_rows", 1, 1 << 20)
     s = cfg.slurm
     _int_in(s.signal_seconds, "slurm.signal_seconds", 0)
+    _int_in(s.start_timeout, "slurm.start_timeout", 0)
     for name in ("orchestrator", "rollout", "trainer"):
         comp = getattr(s, name)
         _int_in(comp.nodes, f"slurm.{name}.nodes", 1)

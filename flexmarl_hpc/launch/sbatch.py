@@ -107,8 +107,11 @@ def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list
              # before the workers and srun would turn that into 143; a failing rank calls
              # MPI_Abort, which ends the whole step anyway
              f"CMD=({cmd})",
-             srun.format(cmd='"${CMD[@]}"'),
-             "rc=$?",
+             *_started_file(cfg),
+             srun.format(cmd='"${CMD[@]}"') + " &",
+             "SRUN=$!",
+             *_start_watchdog(cfg.slurm.start_timeout),
+             *_wait_srun(),
              'echo "flexmarl_hpc: ranks exited $rc at $(date -Is)"',
              f"if [ $rc -eq {EXIT_REQUEUE} ]; then"]
     if cfg.slurm.requeue:
@@ -116,12 +119,51 @@ def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list
             "  # The requeue ends this script. Slurm then holds the job for the credential lifetime",
             "  # (cred_expire, 120 s by default) from the moment it has ended, so only a client can",
             "  # release it early: `submit --wait` does, or scontrol update jobid=J StartTime=now.",
-            '  echo "flexmarl_hpc: checkpointed after a preemption signal; requeueing"',
+            '  echo "flexmarl_hpc: exit 75 (checkpointed after a preemption signal or a lost rank, or the '
+            'start-up watchdog): requeueing"',
             '  scontrol requeue "$SLURM_JOB_ID" || echo "flexmarl_hpc: requeue refused '
             '(a preempted job is requeued by Slurm itself)"']
     else:
         lines.append('  echo "flexmarl_hpc: checkpointed; slurm.requeue is off: submit again to resume"')
     return lines + ["fi", "exit $rc", ""]
+
+
+def _started_file(cfg: Config) -> list[str]:
+    logs = shlex.quote(str(cfg.output_dir / "logs"))
+    return ["# rank 0 creates it once every rank is through MPI start-up (MPI_Init, the run lock)",
+            f'export FLEXMARL_STARTED_FILE={logs}/"$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.started"',
+            'rm -f "$FLEXMARL_STARTED_FILE" "$FLEXMARL_STARTED_FILE.timeout"']
+
+
+def _start_watchdog(seconds: int) -> list[str]:
+    """A rank stuck in MPI_Init (a PMI exchange that hangs: docs/slurm.md, 'MPI start-up')
+    holds the allocation to its time limit: after `seconds` without the started file the
+    step is ended and the job requeued (Slurm's MaxBatchRequeue bounds the retries). It
+    looks once a second and leaves as soon as the file is there or srun has ended."""
+    if not seconds:
+        return []
+    return ["# MPI start-up watchdog (slurm.start_timeout)",
+            f"( for _ in $(seq {seconds}); do",
+            '    [ -e "$FLEXMARL_STARTED_FILE" ] && exit 0; kill -0 $SRUN 2>/dev/null || exit 0; sleep 1',
+            "  done",
+            f'  echo "flexmarl_hpc: the ranks were not through MPI start-up after {seconds} s '
+            '(slurm.start_timeout): ending the step to requeue"',
+            '  touch "$FLEXMARL_STARTED_FILE.timeout"; kill -TERM $SRUN ) &']
+
+
+def _wait_srun() -> list[str]:
+    """Wait for srun in the background: a trapped USR1/TERM ends `wait` early (status >
+    128) while srun runs on; the status of srun is the one kept."""
+    return ["rc=",
+            'while [ -z "$rc" ]; do',
+            "  wait $SRUN; s=$?",
+            "  if [ $s -gt 128 ]; then",
+            "    kill -0 $SRUN 2>/dev/null && continue              # a trapped signal: srun runs on",
+            "    wait $SRUN 2>/dev/null; t=$?; [ $t -eq 127 ] || s=$t  # srun ended meanwhile",
+            "  fi",
+            "  rc=$s",
+            "done",
+            f'[ ! -e "$FLEXMARL_STARTED_FILE.timeout" ] || rc={EXIT_REQUEUE}']
 
 
 def hetjob_script(cfg: Config, config_path: str, overrides: list[str] = (), python: str = "python") -> str:

@@ -61,7 +61,7 @@ def test_hetjob_script_matches_golden():
     # one step over the 3 components, each with its --cpus-per-task (srun does not inherit it)
     assert "CMD=(python -m flexmarl_hpc.run configs/local.yaml " in body
     assert ('srun --mpi=pmix --het-group=0 --cpus-per-task=1 "${CMD[@]}" : --het-group=1 --cpus-per-task=8 '
-            '"${CMD[@]}" : --het-group=2 --cpus-per-task=8 "${CMD[@]}"\n') in body
+            '"${CMD[@]}" : --het-group=2 --cpus-per-task=8 "${CMD[@]}" &\n') in body
     assert "--signal=USR1@120" in comps[0] and "--open-mode=append" in comps[0]
 
 
@@ -73,7 +73,7 @@ def test_single_allocation_script_matches_golden():
     assert "hetjob" not in text and "--ntasks=8" in text and "--nodes=5" in text
     assert "#SBATCH --ntasks-per-node=2\n" in text and "#SBATCH --gpus-per-node=2\n" in text
     # roles share the nodes: the tasks see the node's GPUs, flexmarl_hpc.runtime.devices splits them
-    assert 'srun --mpi=pmix --ntasks=8 --cpus-per-task=8 --gpu-bind=none "${CMD[@]}"\n' in text
+    assert 'srun --mpi=pmix --ntasks=8 --cpus-per-task=8 --gpu-bind=none "${CMD[@]}" &\n' in text
 
 
 
