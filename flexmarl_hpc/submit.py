@@ -51,7 +51,8 @@ from flexmarl_hpc.config.load import load_config, save_config
 from flexmarl_hpc.config.resources import component_table, single_component
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.config.validate_slurm import parse_time, validate_slurm
-from flexmarl_hpc.launch.preflight import Partition, check_capacity, check_output_dir, cluster_partitions
+from flexmarl_hpc.launch.preflight import (Partition, check_capacity, check_output_dir, check_resumable,
+                                          cluster_partitions)
 from flexmarl_hpc.launch.sbatch import EXIT_REQUEUE, hetjob_script, sbatch_option_items, single_script
 from flexmarl_hpc.store.lock import check_free
 
@@ -107,6 +108,7 @@ def submit(config_path: str, overrides: list[str] = (), single: bool = False,
     cfg, script, _ = prepare(config_path, list(overrides), single, parts)
     out = cfg.output_dir
     check_free(out)               # a resubmission while the first job runs: refused, config.yaml kept
+    check_resumable(cfg)          # a truncated, damaged or foreign store: refused before sbatch, untouched
     (out / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     path = out / "job.sbatch"

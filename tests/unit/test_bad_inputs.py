@@ -252,6 +252,19 @@ def test_output_dir_on_a_read_only_mount(read_only_mount, sub, tmp_path, capsys,
              f"run.output_dir: {read_only_mount} is on a read-only file system", tmp_path, capsys, monkeypatch)
 
 
+def test_output_dir_not_writable_by_this_user(tmp_path, capsys, monkeypatch):
+    """A folder the user may not write (mode 555). Root writes anywhere, and CI runs as root,
+    so os.access answers for this folder as a user's kernel would."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: (not mode & os.W_OK and real(p, mode, **k))
+                        if Path(p) == locked else real(p, mode, **k))
+    _refused("output_dir=locked/run", [LOCAL, f"run.output_dir={locked / 'run'}"],
+             f"run.output_dir: {locked} is not writable by this user", tmp_path, capsys, monkeypatch)
+
+
 def test_existing_run_is_not_touched(tmp_path, capsys):
     """A refused command pointed at a finished run's folder leaves every byte as it was."""
     from flexmarl_hpc.run import main

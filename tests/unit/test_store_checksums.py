@@ -136,3 +136,18 @@ def test_checksums_follow_random_appends_and_patches_of_odd_sized_rows(tmp_path)
     s.close()
     with h5py.File(path, "r") as f:
         assert not damaged_chunks(f) and len(f["events"][:]) == s.events.n
+
+
+def test_submit_refuses_a_damaged_store_before_sbatch_and_writes_nothing(tmp_path, monkeypatch):
+    """Under Slurm the ranks start on compute nodes, so `submit` reads the store first (on
+    the login node): a damaged one is refused before sbatch, the folder left as it was."""
+    import flexmarl_hpc.submit as sub
+    from flexmarl_hpc.config.schema import ConfigError
+    path = tmp_path / "local.h5"
+    written(path).close()
+    corrupt(path, "/events", chunk=0)
+    before = sha(path)
+    monkeypatch.setattr(sub, "_slurm", lambda *a, **k: pytest.fail("sbatch was called"))
+    with pytest.raises(ConfigError, match="cannot resume: .*checksum mismatch in /events"):
+        sub.submit("configs/local.yaml", [f"run.output_dir={tmp_path}"], check_partitions=False)
+    assert sha(path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["local.h5"]
