@@ -129,6 +129,8 @@ def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list
 
 
 def _started_file(cfg: Config) -> list[str]:
+    """The file through which rank 0 tells the batch script that start-up is over (run.py,
+    hold_run_lock), one per incarnation of the job."""
     logs = shlex.quote(str(cfg.output_dir / "logs"))
     return ["# rank 0 creates it once every rank is through MPI start-up (MPI_Init, the run lock)",
             f'export FLEXMARL_STARTED_FILE={logs}/"$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.started"',

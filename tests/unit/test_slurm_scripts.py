@@ -211,3 +211,15 @@ def test_dry_run_prints_the_component_table_on_stderr(tmp_path, capsys):
     assert [(r[1], r[2]) for r in rows] == [("orchestrator", "0"), ("pool:big", "1"), ("pool:small", "2-3"),
                                             ("group:speaker", "4-5"), ("group:relay", "6"), ("group:listener", "7")]
     assert rows[3][-1] == "speaker" and rows[2][-1] == "relay,listener" and "megatron" in rows[3]
+
+
+def test_the_start_up_watchdog_follows_slurm_start_timeout():
+    """The watchdog's wait is slurm.start_timeout; 0 leaves it out, the started file stays
+    (rank 0 creates it either way) and srun's status is still waited for in the background."""
+    cfg = load_config(ROOT / "configs/local.yaml", ["slurm.start_timeout=45"])
+    text = hetjob_script(cfg, "configs/local.yaml")
+    assert "$(seq 45)" in text and "after 45 s (slurm.start_timeout)" in text
+    off = hetjob_script(load_config(ROOT / "configs/local.yaml", ["slurm.start_timeout=0"]), "configs/local.yaml")
+    assert "seq" not in off and "FLEXMARL_STARTED_FILE=" in off and "wait $SRUN" in off
+    with pytest.raises(ConfigError, match="slurm.start_timeout"):
+        load_config(ROOT / "configs/local.yaml", ["slurm.start_timeout=-1"])
