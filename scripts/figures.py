@@ -4,6 +4,7 @@
     python scripts/figures.py --write      # rewrite the deterministic blocks (and their PNGs) in place
     python scripts/figures.py --full       # also run the benchmarks and rewrite their blocks
     python scripts/figures.py --list       # the figure names, their kind and where they are used
+    python scripts/figures.py --full --only bench_store   # one figure (any mode)
 
 A generated block in any docs/*.md is
 
@@ -258,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--check", "--write", "--full", "--list"):
         mode.add_argument(flag, action="store_true")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="the folder of the markdown files")
+    ap.add_argument("--only", nargs="+", metavar="NAME", default=None,
+                    help="only these figures (e.g. --full --only bench_store: one benchmark's block)")
     args = ap.parse_args(argv)
     args.docs = args.docs.resolve()
     with at_root():
@@ -267,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """--list, --check, --write or --full on the blocks of `args.docs`."""
     found, errors = wanted(args.docs, args.full)
+    if args.only:
+        errors += [f"--only {n}: no such figure (--list shows them)" for n in args.only if n not in FIGURES]
+        found = {p: kept for p, bs in found.items() if (kept := [(n, b) for n, b in bs if n in args.only])}
     if args.list:
         used = {n: [p.name for p, bs in blocks_of(args.docs).items() if n in dict(bs)] for n in FIGURES}
         print(json.dumps({n: {"bench": f.bench, "in": used[n]} for n, f in FIGURES.items()}, indent=1))
