@@ -260,12 +260,17 @@ class SlurmComponent:
     nodes: int = 1
     """Nodes of this het component."""
     gpus_per_node: int = 0
-    """GPUs per node. Het rollout/trainer components: the job asks `--gpus-per-task` (one block
-    per rank) and a node's tasks x GPUs must fit here; `--single`: `--gpus-per-node`."""
+    """GPUs per node; a node's tasks x their GPUs must fit here. Rollout components: each
+    replica gets its own block (`--gpus-per-task`). Trainer components and `--single`:
+    `--gpus-per-node`, every rank sees its node's GPUs (NCCL's peer-to-peer paths need
+    them) and takes its own (flexmarl_hpc/runtime/devices.py)."""
     cpus_per_task: int = 1
     """CPUs per rank."""
-    mem: str = ""
-    """Memory per node (`--mem`), e.g. 64G; empty: site default."""
+    mem: str = "auto"
+    """Memory per node (`--mem`): a size like 400G or 64000M, 0 (all of each node's memory),
+    or auto: 0 for a component with GPUs (its ranks hold the node's GPUs; pinned staging,
+    vLLM's swap space and parked training states grow with them), else its CPUs on a node x
+    slurm.mem_per_cpu."""
     partition: str = ""
     """Partition of this component; empty: slurm.partition."""
     sbatch_options: list[str] = field(default_factory=list)
@@ -333,7 +338,14 @@ class SlurmConfig:
     requeue: bool = True
     """Requeue on preemption/time limit and resume."""
     setup: list[str] = field(default_factory=list)
-    """Shell lines run before srun (module loads, venv activation, NCCL/UCX env)."""
+    """Shell lines run before srun (module loads, venv activation)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of every rank, exported before srun, e.g. {NCCL_SOCKET_IFNAME: ib0,
+    GLOO_SOCKET_IFNAME: ib0, UCX_NET_DEVICES: 'mlx5_0:1'} (docs/slurm.md: which interface
+    each transport reads). Names are shell variable names; values are written quoted."""
+    mem_per_cpu: str = "1000M"
+    """Memory per CPU of the components without GPUs whose `mem` is auto (their `--mem` is
+    their CPUs on a node x this), e.g. 4G."""
     sbatch_options: list[str] = field(default_factory=list)
     """Extra job-wide `#SBATCH` options, e.g. ['--mail-type=END', '--reservation=res1']."""
     orchestrator: SlurmComponent = field(default_factory=SlurmComponent)
