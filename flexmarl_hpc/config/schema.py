@@ -200,7 +200,16 @@ class TrainerConfig:
     with fp32 main params and gradient reduction in the DistributedOptimizer, or fp32
     throughout. auto: bf16 on GPU, fp32 on CPU. The torch backend trains fp32."""
     recompute: Literal["none", "selective", "full"] = "none"
-    """megatron activation recompute: selective (attention core) or full (every layer)."""
+    """megatron activation recompute, for long sequences: selective recomputes the core
+    attention (its seq x seq scores) in backward; full keeps only each layer's input and
+    recomputes the layer (recompute_method, recompute_num_layers); none keeps everything."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """recompute=full: uniform splits each pipeline stage's layers into chunks of
+    recompute_num_layers and keeps one input per chunk; block recomputes only the first
+    recompute_num_layers layers of each stage (the others keep their activations)."""
+    recompute_num_layers: int = 1
+    """recompute=full: layers per chunk (uniform) or layers recomputed per stage (block); at
+    least 1 and at most the layers of a pipeline stage."""
     overlap_grad_reduce: bool = False
     """megatron: overlap the data-parallel gradient reduce-scatter with the last micro-batch's
     backward (GPU)."""
