@@ -182,7 +182,8 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
         from flexmarl_hpc.runtime.workers import replica_loop
         engine = build_engine(cfg, task, device, layout.pool_of(index))
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
-        return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell, live)
+        return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell, live,
+                            cfg.weight_sync.timeout_s)
     from flexmarl_hpc.runtime.workers import restore_trainers, trainer_loop
     mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
@@ -190,7 +191,7 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     from flexmarl_hpc.runtime.weight_sync import wire_dtype
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
-                        cfg.weight_sync.backend, wire, bell, live)
+                        cfg.weight_sync.backend, wire, bell, live, cfg.weight_sync.timeout_s)
 
 
 def _doorbell(cfg: Config, world):

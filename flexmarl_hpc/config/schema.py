@@ -249,11 +249,17 @@ class WeightSyncConfig:
     """Largest single collective of the trainer -> replica weight broadcast over a
     torch.distributed group (gloo/nccl; several in flight at once), in MiB. The whole model
     sits in one staging buffer anyway, and one large broadcast measured faster than 4 MiB
-    buckets (gloo pipelines inside it, as NCCL does). The mpi backend sends one Bcast."""
+    buckets (gloo pipelines inside it, as NCCL does). The mpi backend sends one broadcast."""
     backend: Literal["auto", "mpi", "gloo", "nccl"] = "auto"
     """Transport of the weight broadcast: nccl (GPU to GPU, bf16-ready), gloo or mpi on CPU
     (the same code, weight_sync.py). auto: nccl where CUDA is available, else the CPU
     backend measured faster here (bench/bench_weight_sync.py)."""
+    timeout_s: float = 600.0
+    """Most seconds one weight sync may take on a member, from its start (waiting for the
+    other members to join, then the transfer). Past it the member gives up (a member never
+    arrived, or the transfer stalled: a hung collective) and reports it; the job checkpoints
+    what still answers and exits 75, to be requeued, instead of waiting for run.worker_timeout
+    or the wall-clock limit. Also the timeout of the NCCL/gloo sync groups. 0: no deadline."""
 
 
 @dataclass

@@ -160,6 +160,7 @@ def _validate_engines(cfg: Config) -> None:
     _int_in(p.rebalance_cooldown, "pipeline.rebalance_cooldown", 0)
     _int_in(p.overprovision, "pipeline.overprovision", 0, note=" extra inputs per step")
     _float_in(cfg.weight_sync.bucket_mb, "weight_sync.bucket_mb", 0, 16384, lo_open=True)
+    _float_in(cfg.weight_sync.timeout_s, "weight_sync.timeout_s", 0)
     _int_in(cfg.store.chunk_rows, "store.chunk_rows", 1, 1 << 20)
     s = cfg.slurm
     _int_in(s.signal_seconds, "slurm.signal_seconds", 0)

@@ -5,26 +5,31 @@ time it reaches `hit(point)` (points: `checkpoint_write`, mid checkpoint file, b
 and rename; `checkpoint_latest`, file renamed, `latest` not yet updated; `store_append`,
 a table's rows written, /commit not yet; `store_flush`, data flushed, /commit not yet; `store_torn`, a chunk rewritten
 with its new bytes but its old checksum, as a kill inside the write leaves it, /commit not yet; `ppo_replay`, a trainer rank between a replay
-pass of trainer.ppo_epochs and its optimizer step).
+pass of trainer.ppo_epochs and its optimizer step; `sync_join`, a replica given a weight sync,
+before it joins). `point:count:rank:stall` stalls there instead (asleep for good, its process
+and sockets alive: a hung rank, not a dead one).
 Unset (every real run), `hit` is a function that returns at once.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 _SPEC = os.environ.get("FLEXMARL_FAULT", "")
 _seen: dict[str, int] = {}
 
 
 def _hit(point: str, before=None) -> None:
-    want, count, rank = _SPEC.split(":")
+    want, count, rank, *how = _SPEC.split(":")
     if point != want or os.environ.get("PMI_RANK", "0") != rank:
         return
     _seen[point] = _seen.get(point, 0) + 1
     if _seen[point] == int(count):
         if before is not None:                    # the state a kill mid-write leaves (store_torn)
             before()
+        while how == ["stall"]:                   # hung: no CPU, never back
+            time.sleep(3600)
         os.kill(os.getpid(), signal.SIGKILL)      # no handler, no cleanup: a node failure
 
 
