@@ -38,9 +38,12 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
     `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut)."""
     channels = SyncChannels(world, sync_backend, timeout_s=sync_timeout_s)
     clock = WorkerClock()
+    failed: set[str] = set()                 # agents whose sync this replica gave up on
     while True:
         cmd = recv_command(world, orch, bell)
         t0 = time.time()
+        if isinstance(cmd, messages.Generate) and cmd.agent in failed:
+            continue      # queued behind that sync; the orchestrator is ending the job (SyncTimedOut)
         if isinstance(cmd, messages.Generate):
             agent, version = cmd.agent, cmd.version
             if engine.version(agent) != version:
@@ -59,6 +62,7 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
                 v, named = broadcast_weights(channels, tuple(cmd.members), None, cmd.version, bucket_bytes,
                                              on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
             except CollectiveTimeout as e:
+                failed.add(agent)
                 clock.mark("sync", agent, t[0])
                 reply = sync_timed_out(world.Get_rank(), cmd, e)
                 send_reply(world, orch, replace(reply, intervals=clock.drain()), bell)
