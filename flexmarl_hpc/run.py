@@ -187,15 +187,42 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
         from flexmarl_hpc.runtime.workers import replica_loop
         engine = build_engine(cfg, task, device, layout.pool_of(index))
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
-        return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell, live)
+        _started(world, live)
+        return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell, live,
+                            cfg.weight_sync.timeout_s)
     from flexmarl_hpc.runtime.workers import restore_trainers, trainer_loop
     mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
     from flexmarl_hpc.runtime.weight_sync import wire_dtype
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
+    _started(world, live)
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
-                        cfg.weight_sync.backend, wire, bell, live)
+                        cfg.weight_sync.backend, wire, bell, live, cfg.weight_sync.timeout_s)
+
+
+def _started(world, live, log=None) -> None:
+    """Every rank (collective), once built: the orchestrator sends its first command when
+    every worker is in its loop, so neither run.worker_timeout nor a weight sync's deadline
+    (weight_sync.timeout_s: the first sync's members would wait for a trainer still
+    building) counts another rank's start-up, which takes minutes for a large model. Waits
+    without a spin; rank 0 (`log`) watches the liveness star meanwhile: a worker that ends
+    while building ends the job with 75 instead of leaving rank 0 in the barrier."""
+    from flexmarl_hpc.runtime.comm import abort, until
+    req, lost = world.Ibarrier(), []
+
+    def ready() -> bool:
+        if req.Test():
+            return True
+        if log is not None and live is not None:
+            lost.extend(r for r in [live.take_lost()] if r is not None)
+        return bool(lost)
+
+    until(ready)
+    if lost:
+        log(f"rank {lost[0]}: its process ended before the run started (liveness socket closed); "
+            "exiting 75 to requeue")
+        abort(world, 75)
 
 
 def _doorbell(cfg: Config, world):
@@ -251,7 +278,9 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=N
         f"store {store.path}")
     transport = MpiTransport(world, bell, live)
     try:
-        code = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log).run()
+        orch = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log)
+        _started(world, live, log)
+        code = orch.run()
         transport.close()
     finally:
         store.close()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TRAINER
 from flexmarl_hpc.config.schema import Config, ModelConfig, SlurmComponent, TrainerConfig
+
 
 FIT_FRACTION = 0.9
 """Share of a replica's GPU memory its weights may take (the rest: KV cache, activations)."""
@@ -139,6 +141,13 @@ class Component:
     """GPUs of one task (0: the orchestrator)."""
     first_rank: int
     agents: tuple[str, ...]
+    role: str = ORCHESTRATOR
+    """orchestrator, rollout or trainer: replicas get their GPU blocks from Slurm
+    (`--gpus-per-task`), trainer ranks see their node's GPUs (`--gpus-per-node`)."""
+
+    @property
+    def tasks_per_node(self) -> int:
+        return -(-self.ntasks // self.slurm.nodes)
 
 
 def components(cfg: Config) -> list[Component]:
@@ -150,20 +159,21 @@ def components(cfg: Config) -> list[Component]:
     if cfg.rollout.pools:
         for p in pools:
             out.append(Component(f"pool {p.name}", f"{p.where}.slurm", p.slurm, p.replicas,
-                                 p.gpus_per_replica, rank, p.agents))
+                                 p.gpus_per_replica, rank, p.agents, ROLLOUT))
             rank += p.replicas
     else:
         out.append(Component("rollout", "slurm.rollout", s.rollout, pools[0].replicas,
-                             pools[0].gpus_per_replica, rank, pools[0].agents))
+                             pools[0].gpus_per_replica, rank, pools[0].agents, ROLLOUT))
         rank += pools[0].replicas
     groups = trainer_groups(cfg)
     if cfg.trainer.named_groups:
         for g in groups:
-            out.append(Component(f"group {g.name}", f"{g.where}.slurm", g.slurm, g.ranks, 1, rank, g.agents))
+            out.append(Component(f"group {g.name}", f"{g.where}.slurm", g.slurm, g.ranks, 1, rank, g.agents,
+                                 TRAINER))
             rank += g.ranks
     else:
         out.append(Component("trainer", "slurm.trainer", s.trainer, sum(g.ranks for g in groups), 1,
-                             rank, tuple(cfg.agent_names)))
+                             rank, tuple(cfg.agent_names), TRAINER))
     return out
 
 
@@ -195,23 +205,50 @@ def component_table(cfg: Config) -> str:
 
 
 def mem_mb(size: str) -> int:
-    """'64G' -> 65536; a bare number is MB, as in sbatch --mem."""
+    """'64G' -> 65536; a bare number is MB, as in sbatch --mem ('0', all of a node: 0)."""
     unit = size[-1] if size[-1] in "KMGT" else "M"
     n = int(size[:-1] if size[-1] in "KMGT" else size)
     return {"K": n // 1024, "M": n, "G": n * 1024, "T": n * 1024 ** 2}[unit]
 
 
+WHOLE_NODE = "0"
+"""`--mem=0`: every byte of memory of each node of the component (Slurm's meaning)."""
+
+
+def auto_mem(gpus_per_node: int, tasks_per_node: int, cpus_per_task: int, mem_per_cpu: str) -> str:
+    """The `--mem` of a component whose `mem` is auto. With GPUs: the whole node: its ranks
+    hold the node's GPUs, and what they keep in host memory (pinned staging, vLLM's swap
+    space, parked training states) grows with the GPUs, not the CPUs. Without: its CPUs on
+    a node x `slurm.mem_per_cpu`, so CPU ranks share nodes as their CPUs allow."""
+    if gpus_per_node:
+        return WHOLE_NODE
+    unit = mem_per_cpu[-1] if mem_per_cpu[-1] in "KMGT" else ""
+    n = int(mem_per_cpu[:-1] if unit else mem_per_cpu)
+    return f"{n * tasks_per_node * cpus_per_task}{unit or 'M'}"
+
+
+def component_mem(cfg: Config, c: Component) -> str:
+    """The `--mem` (per node) of het component `c`: its `mem`, or `auto_mem`."""
+    if c.slurm.mem != "auto":
+        return c.slurm.mem
+    return auto_mem(c.slurm.gpus_per_node, c.tasks_per_node, c.slurm.cpus_per_task, cfg.slurm.mem_per_cpu)
+
+
 def single_component(cfg: Config) -> SlurmComponent:
     """All ranks in one allocation: the nodes of the rollout and trainer components (the
     orchestrator is one CPU rank that fits beside them), the largest per-task CPUs,
-    per-node GPUs and memory of them all, the (last) trainer component's partition and
-    sbatch_options."""
-    comps = [c.slurm for c in components(cfg)]
-    mems = [c.mem for c in comps if c.mem]
+    per-node GPUs and set memory of them all (none set: `auto_mem` of the allocation), the (last)
+    trainer component's partition and sbatch_options."""
+    comps = components(cfg)
+    nodes = sum(c.slurm.nodes for c in comps[1:])
+    gpus, cpus = max(c.slurm.gpus_per_node for c in comps), max(c.slurm.cpus_per_task for c in comps)
+    per_node = -(-sum(c.ntasks for c in comps) // nodes)
+    mems = [c.slurm.mem for c in comps if c.slurm.mem != "auto"]
+    if not mems:
+        mem = auto_mem(gpus, per_node, cpus, cfg.slurm.mem_per_cpu)
+    else:
+        mem = WHOLE_NODE if WHOLE_NODE in mems else max(mems, key=mem_mb)
     return SlurmComponent(
-        nodes=sum(c.nodes for c in comps[1:]),
-        gpus_per_node=max(c.gpus_per_node for c in comps),
-        cpus_per_task=max(c.cpus_per_task for c in comps),
-        mem=max(mems, key=mem_mb) if mems else "",
-        partition=comps[-1].partition,
-        sbatch_options=list(comps[-1].sbatch_options))
+        nodes=nodes, gpus_per_node=gpus, cpus_per_task=cpus, mem=mem,
+        partition=comps[-1].slurm.partition,
+        sbatch_options=list(comps[-1].slurm.sbatch_options))

@@ -200,7 +200,16 @@ class TrainerConfig:
     with fp32 main params and gradient reduction in the DistributedOptimizer, or fp32
     throughout. auto: bf16 on GPU, fp32 on CPU. The torch backend trains fp32."""
     recompute: Literal["none", "selective", "full"] = "none"
-    """megatron activation recompute: selective (attention core) or full (every layer)."""
+    """megatron activation recompute, for long sequences: selective recomputes the core
+    attention (its seq x seq scores) in backward; full keeps only each layer's input and
+    recomputes the layer (recompute_method, recompute_num_layers); none keeps everything."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """recompute=full: uniform splits each pipeline stage's layers into chunks of
+    recompute_num_layers and keeps one input per chunk; block recomputes only the first
+    recompute_num_layers layers of each stage (the others keep their activations)."""
+    recompute_num_layers: int = 1
+    """recompute=full: layers per chunk (uniform) or layers recomputed per stage (block); at
+    least 1 and at most the layers of a pipeline stage."""
     overlap_grad_reduce: bool = False
     """megatron: overlap the data-parallel gradient reduce-scatter with the last micro-batch's
     backward (GPU)."""
@@ -240,11 +249,17 @@ class WeightSyncConfig:
     """Largest single collective of the trainer -> replica weight broadcast over a
     torch.distributed group (gloo/nccl; several in flight at once), in MiB. The whole model
     sits in one staging buffer anyway, and one large broadcast measured faster than 4 MiB
-    buckets (gloo pipelines inside it, as NCCL does). The mpi backend sends one Bcast."""
+    buckets (gloo pipelines inside it, as NCCL does). The mpi backend sends one broadcast."""
     backend: Literal["auto", "mpi", "gloo", "nccl"] = "auto"
     """Transport of the weight broadcast: nccl (GPU to GPU, bf16-ready), gloo or mpi on CPU
     (the same code, weight_sync.py). auto: nccl where CUDA is available, else the CPU
     backend measured faster here (bench/bench_weight_sync.py)."""
+    timeout_s: float = 600.0
+    """Most seconds one weight sync may take on a member, from its start (waiting for the
+    other members to join, then the transfer). Past it the member gives up (a member never
+    arrived, or the transfer stalled: a hung collective) and reports it; the job checkpoints
+    what still answers and exits 75, to be requeued, instead of waiting for run.worker_timeout
+    or the wall-clock limit. Also the timeout of the NCCL/gloo sync groups. 0: no deadline."""
 
 
 @dataclass
@@ -260,12 +275,17 @@ class SlurmComponent:
     nodes: int = 1
     """Nodes of this het component."""
     gpus_per_node: int = 0
-    """GPUs per node. Het rollout/trainer components: the job asks `--gpus-per-task` (one block
-    per rank) and a node's tasks x GPUs must fit here; `--single`: `--gpus-per-node`."""
+    """GPUs per node; a node's tasks x their GPUs must fit here. Rollout components: each
+    replica gets its own block (`--gpus-per-task`). Trainer components and `--single`:
+    `--gpus-per-node`, every rank sees its node's GPUs (NCCL's peer-to-peer paths need
+    them) and takes its own (flexmarl_hpc/runtime/devices.py)."""
     cpus_per_task: int = 1
     """CPUs per rank."""
-    mem: str = ""
-    """Memory per node (`--mem`), e.g. 64G; empty: site default."""
+    mem: str = "auto"
+    """Memory per node (`--mem`): a size like 400G or 64000M, 0 (all of each node's memory),
+    or auto: 0 for a component with GPUs (its ranks hold the node's GPUs; pinned staging,
+    vLLM's swap space and parked training states grow with them), else its CPUs on a node x
+    slurm.mem_per_cpu."""
     partition: str = ""
     """Partition of this component; empty: slurm.partition."""
     sbatch_options: list[str] = field(default_factory=list)
@@ -338,7 +358,14 @@ class SlurmConfig:
     stuck in MPI_Init would otherwise hold to its time limit (docs/slurm.md, 'MPI
     start-up'). 0: no watchdog."""
     setup: list[str] = field(default_factory=list)
-    """Shell lines run before srun (module loads, venv activation, NCCL/UCX env)."""
+    """Shell lines run before srun (module loads, venv activation)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of every rank, exported before srun, e.g. {NCCL_SOCKET_IFNAME: ib0,
+    GLOO_SOCKET_IFNAME: ib0, UCX_NET_DEVICES: 'mlx5_0:1'} (docs/slurm.md: which interface
+    each transport reads). Names are shell variable names; values are written quoted."""
+    mem_per_cpu: str = "1000M"
+    """Memory per CPU of the components without GPUs whose `mem` is auto (their `--mem` is
+    their CPUs on a node x this), e.g. 4G."""
     sbatch_options: list[str] = field(default_factory=list)
     """Extra job-wide `#SBATCH` options, e.g. ['--mail-type=END', '--reservation=res1']."""
     orchestrator: SlurmComponent = field(default_factory=SlurmComponent)

@@ -160,6 +160,7 @@ def _validate_engines(cfg: Config) -> None:
     _int_in(p.rebalance_cooldown, "pipeline.rebalance_cooldown", 0)
     _int_in(p.overprovision, "pipeline.overprovision", 0, note=" extra inputs per step")
     _float_in(cfg.weight_sync.bucket_mb, "weight_sync.bucket_mb", 0, 16384, lo_open=True)
+    _float_in(cfg.weight_sync.timeout_s, "weight_sync.timeout_s", 0)
     _int_in(cfg.store.chunk_rows, "store.chunk_rows", 1, 1 << 20)
     s = cfg.slurm
     _int_in(s.signal_seconds, "slurm.signal_seconds", 0)
@@ -343,4 +344,27 @@ def _domain_agents(groups: list[Group], g: int) -> list[str]:
 def validate_resources(cfg: Config) -> None:
     _validate_pools(cfg)
     _validate_groups(cfg)
+    _validate_recompute(cfg)
+
+
+def _validate_recompute(cfg: Config) -> None:
+    """recompute_method / _num_layers shape recompute=full only (megatron refuses them with
+    selective); the count is 1 .. the layers of a pipeline stage of each megatron group."""
+    t = cfg.trainer
+    if t.recompute != "full":
+        for key, default in (("recompute_method", "uniform"), ("recompute_num_layers", 1)):
+            _need(getattr(t, key) == default, f"trainer.{key}",
+                  f"applies to trainer.recompute=full only (recompute is {t.recompute!r}); leave it at {default!r}")
+        return
+    n = t.recompute_num_layers
+    _need(n >= 1, "trainer.recompute_num_layers", f"expected >= 1, got {n}")
+    groups = trainer_groups(cfg)
+    for i, g in enumerate(groups):
+        if g.backend != "megatron":
+            continue
+        for a in _domain_agents(groups, i):
+            per_stage = cfg.model_for(a).num_layers // g.pipeline_parallel
+            _need(n <= per_stage, "trainer.recompute_num_layers",
+                  f"{n} is more than the {per_stage} layers per pipeline stage of agent {a!r} on "
+                  f"{g.where} ({cfg.model_for(a).num_layers} layers / pipeline_parallel {g.pipeline_parallel})")
 

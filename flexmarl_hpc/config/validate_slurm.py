@@ -20,6 +20,7 @@ SIGNAL_MAX_S = 65535                       # sbatch --signal=SIG@N: N is at most
 MEM_RE = re.compile(r"^[1-9]\d*[KMGT]?$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 SLURM_NAME_RE = re.compile(r"^[A-Za-z0-9_.,+@:-]*$")   # partition lists, accounts, QOS names
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 OPTION_RE = re.compile(r"^--([a-z][a-z0-9-]*)(?:=(\S+))?$")
 OWNED_OPTIONS = {                         # sbatch options the config sets itself -> the field
     "job-name": "run.name", "output": "run.output_dir", "error": "run.output_dir",
@@ -30,7 +31,7 @@ OWNED_OPTIONS = {                         # sbatch options the config sets itsel
     "cpus-per-task": "{where}.cpus_per_task", "gpus-per-node": "{where}.gpus_per_node",
     "mem": "{where}.mem", "het-group": "nothing (submit writes the het job)",
     "ntasks-per-node": "the layout and {where}.nodes", "gpus-per-task": "rollout.gpus_per_replica "
-    "(trainer ranks: 1)", "gpu-bind": "nothing (flexmarl_hpc.runtime.devices binds by role)"}
+    "(trainer ranks see their node's GPUs)", "gpu-bind": "nothing (flexmarl_hpc.runtime.devices binds by role)"}
 
 
 def parse_time(text: str) -> int | None:
@@ -100,12 +101,26 @@ def validate_slurm(cfg: Config) -> None:
             raise ConfigError(f"{where}.gpus_per_node: expected >= 0, got {comp.gpus_per_node}")
         if comp.cpus_per_task < 1:
             raise ConfigError(f"{where}.cpus_per_task: expected >= 1, got {comp.cpus_per_task}")
-        if comp.mem and not MEM_RE.match(comp.mem):
-            raise ConfigError(f"{where}.mem: expected a size per node like 64G or 4000M, got {comp.mem!r}")
+        if comp.mem not in ("auto", "0") and not MEM_RE.match(comp.mem):
+            raise ConfigError(f"{where}.mem: expected a size per node like 400G or 64000M, 0 (all of "
+                              f"each node's memory) or auto, got {comp.mem!r}")
         if not SLURM_NAME_RE.match(comp.partition):
             raise ConfigError(f"{where}.partition: {comp.partition!r} is not a Slurm name")
         check_sbatch_options(comp.sbatch_options, f"{where}.sbatch_options", where)
     check_sbatch_options(s.sbatch_options, "slurm.sbatch_options", "slurm.<component>")
+    if not MEM_RE.match(s.mem_per_cpu):
+        raise ConfigError(f"slurm.mem_per_cpu: expected a size like 4G or 1000M, got {s.mem_per_cpu!r}")
+    check_env(s.env)
+
+
+def check_env(env: dict[str, str]) -> None:
+    """slurm.env: shell variable names; values are quoted when written, any text but a newline."""
+    for name, value in env.items():
+        if not ENV_NAME_RE.match(name):
+            raise ConfigError(f"slurm.env.{name}: not a shell variable name (letters, digits, _; "
+                              "not starting with a digit)")
+        if not isinstance(value, str) or "\n" in value:
+            raise ConfigError(f"slurm.env.{name}: expected one line of text, got {value!r}")
 
 
 def check_sbatch_options(options: list[str], field: str, where: str) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from flexmarl_hpc.config.layout import RankLayout, layout_from_config
 from flexmarl_hpc.config.load import to_dict
-from flexmarl_hpc.config.resources import (components, mem_mb, param_count, rollout_pools, single_component,
-                                           trainer_groups)
+from flexmarl_hpc.config.resources import (component_mem, components, mem_mb, param_count, rollout_pools,
+                                           single_component, trainer_groups)
 from flexmarl_hpc.config.schema import Config, ConfigError
 
 
@@ -364,10 +364,11 @@ def check_capacity(cfg: Config, partitions: dict[str, Partition], default: str, 
     """
     layout = layout_from_config(cfg)
     if single:
-        todo = [(components(cfg)[-1].where, single_component(cfg), layout.world_size)]
+        comp = single_component(cfg)
+        todo = [(components(cfg)[-1].where, comp, layout.world_size, comp.mem)]
     else:
-        todo = [(c.where, c.slurm, c.ntasks) for c in components(cfg)]
-    for where, comp, ntasks in todo:
+        todo = [(c.where, c.slurm, c.ntasks, component_mem(cfg, c)) for c in components(cfg)]
+    for where, comp, ntasks, mem in todo:
         pname = comp.partition or cfg.slurm.partition or default
         pfield = f"{where}.partition" if comp.partition else "slurm.partition"
         if pname not in partitions:
@@ -384,6 +385,8 @@ def check_capacity(cfg: Config, partitions: dict[str, Partition], default: str, 
         if comp.gpus_per_node > p.gpus:
             raise ConfigError(f"{where}.gpus_per_node: {comp.gpus_per_node} GPUs per node, partition "
                               f"{pname} nodes have {p.gpus}")
-        if comp.mem and p.mem_mb and mem_mb(comp.mem) > p.mem_mb:
-            raise ConfigError(f"{where}.mem: {comp.mem} per node, partition {pname} nodes have "
-                              f"{p.mem_mb} MB")
+        if p.mem_mb and mem_mb(mem) > p.mem_mb:        # --mem=0 (all of a node) always fits
+            field = f"{where}.mem" if comp.mem != "auto" else (
+                "slurm.mem_per_cpu" if not comp.gpus_per_node else f"{where}.mem")
+            raise ConfigError(f"{field}: {mem} per node ({where}.mem is {comp.mem!r}), partition "
+                              f"{pname} nodes have {p.mem_mb} MB")

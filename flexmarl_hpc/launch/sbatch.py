@@ -9,9 +9,11 @@ ranks_per_group tasks); with `rollout.pools` / `trainer.named_groups` one compon
 pool and per group, in that order (flexmarl_hpc.config.resources.components). One het step (`srun --het-group=0 ... : --het-group=1 ... :
 --het-group=2 ...`, each component with its own --cpus-per-task) starts every rank in one
 MPI_COMM_WORLD; SLURM_PROCID counts across components in that order, which is the rank
-order of flexmarl_hpc.config.layout. GPU components bind one block of GPUs per task
-(--gpus-per-task); `single_script` leaves that to flexmarl_hpc.runtime.devices (roles share nodes). submitit cannot write het jobs (its issue 1741), so the text
-is ours; `single_script` is the one-allocation variant for sites without het jobs.
+order of flexmarl_hpc.config.layout. Replica components bind one block of GPUs per task
+(--gpus-per-task); trainer components ask --gpus-per-node and leave every GPU of the node
+visible to each rank, as does `single_script` (roles share nodes): flexmarl_hpc.runtime.devices
+gives each rank its own. Every component gets a --mem (resources.component_mem). submitit
+cannot write het jobs (its issue 1741), so the text is ours; `single_script` is the one-allocation variant for sites without het jobs.
 
 Preemption and resume. `--signal=USR1@N` makes Slurm send SIGUSR1 to every task of every
 component N seconds before the time limit; preemption (PreemptMode=REQUEUE with a
@@ -31,8 +33,8 @@ from __future__ import annotations
 import math
 import shlex
 
-from flexmarl_hpc.config.layout import layout_from_config
-from flexmarl_hpc.config.resources import components, single_component
+from flexmarl_hpc.config.layout import ROLLOUT, TRAINER, layout_from_config
+from flexmarl_hpc.config.resources import component_mem, components, single_component
 from flexmarl_hpc.config.schema import Config, SlurmComponent
 from flexmarl_hpc.config.validate_slurm import OPTION_RE, check_gpus, validate_slurm
 
@@ -73,11 +75,12 @@ def _job_wide(cfg: Config) -> list[str]:
     return lines + [f"#SBATCH {opt}" for opt in s.sbatch_options]
 
 
-def _component(comp: SlurmComponent, ntasks: int, default_partition: str, label: str,
+def _component(comp: SlurmComponent, ntasks: int, default_partition: str, label: str, mem: str,
                gpus_per_task: int = 0) -> list[str]:
-    """One component's options. `gpus_per_task` > 0 (a het component of GPU ranks): Slurm
-    gives each task its own GPUs (--gpus-per-task binds them to the task); 0: the node's
-    GPUs (--gpus-per-node) are shared out by flexmarl_hpc.runtime.devices by role."""
+    """One component's options. `gpus_per_task` > 0 (a replica component): Slurm gives each
+    task its own block (--gpus-per-task binds it to the task); 0 (trainer ranks, --single):
+    --gpus-per-node, every task sees its node's GPUs and flexmarl_hpc.runtime.devices gives
+    each rank its own. `mem`: the resolved --mem (resources.component_mem)."""
     lines = [f"#SBATCH --nodes={comp.nodes}".ljust(36) + f"# {label}",
              f"#SBATCH --ntasks={ntasks}", f"#SBATCH --ntasks-per-node={math.ceil(ntasks / comp.nodes)}",
              f"#SBATCH --cpus-per-task={comp.cpus_per_task}"]
@@ -85,8 +88,7 @@ def _component(comp: SlurmComponent, ntasks: int, default_partition: str, label:
         lines.append(f"#SBATCH --gpus-per-task={gpus_per_task}")
     elif comp.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={comp.gpus_per_node}")
-    if comp.mem:
-        lines.append(f"#SBATCH --mem={comp.mem}")
+    lines.append(f"#SBATCH --mem={mem}")
     if comp.partition or default_partition:
         lines.append(f"#SBATCH --partition={comp.partition or default_partition}")
     return lines + [f"#SBATCH {opt}" for opt in comp.sbatch_options]
@@ -95,7 +97,9 @@ def _component(comp: SlurmComponent, ntasks: int, default_partition: str, label:
 def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list[str]) -> list[str]:
     """`srun` contains {cmd} where the rank command goes ("${CMD[@]}")."""
     cmd = " ".join(shlex.quote(a) for a in [python, "-m", "flexmarl_hpc.run", config_path, *overrides])
+    env = [f"export {k}={shlex.quote(v)}" for k, v in cfg.slurm.env.items()]
     lines = ["", "# site set-up (slurm.setup)", *(cfg.slurm.setup or [":"]), "",
+             *(["# every rank's environment (slurm.env)", *env] if env else []),
              "export PYTHONUNBUFFERED=1",
              "# SIGUSR1 (--signal, or `scancel --signal=USR1 --full`) and SIGTERM (preemption) are",
              "# for the ranks: they checkpoint and exit 75. bash would die of them; trapped, it waits",
@@ -185,11 +189,15 @@ def hetjob_script(cfg: Config, config_path: str, overrides: list[str] = (), pyth
         if i:
             lines.append("#SBATCH hetjob")
         lines += _component(c.slurm, c.ntasks, cfg.slurm.partition, f"component {i}: {c.name}",
-                            c.gpus_per_task)
+                            component_mem(cfg, c), c.gpus_per_task if c.role == ROLLOUT else 0)
     # one step over every component (one MPI_COMM_WORLD, ranks in component order), each with
-    # its own --cpus-per-task: since Slurm 22.05 srun does not take it from the allocation
+    # its own --cpus-per-task: since Slurm 22.05 srun does not take it from the allocation.
+    # Trainer ranks see every GPU of their node (--gpu-bind=none: no per-task binding, which
+    # would hide the TP peers NCCL's NVLink paths need); devices.py sets each one's device
     srun = f"srun --mpi={cfg.slurm.mpi} " + " : ".join(
-        f"--het-group={i} --cpus-per-task={c.slurm.cpus_per_task} {{cmd}}" for i, c in enumerate(comps))
+        f"--het-group={i} --cpus-per-task={c.slurm.cpus_per_task}"
+        f"{' --gpu-bind=none' if c.role == TRAINER and c.slurm.gpus_per_node else ''} {{cmd}}"
+        for i, c in enumerate(comps))
     return "\n".join(lines + _body(cfg, srun, python, config_path, list(overrides)))
 
 
@@ -202,7 +210,8 @@ def single_script(cfg: Config, config_path: str, overrides: list[str] = (), pyth
              f"# flexmarl_hpc run {cfg.run.name}: one allocation of {world} tasks "
              "(rank 0 orchestrator, then rollout replicas, then trainer ranks)",
              *_job_wide(cfg),
-             *_component(single_component(cfg), world, cfg.slurm.partition, "all ranks")]
+             *_component(single_component(cfg), world, cfg.slurm.partition, "all ranks",
+                         single_component(cfg).mem)]
     comp = single_component(cfg)
     # every role shares the nodes: Slurm cannot tell a replica from the orchestrator, so the
     # tasks see their node's GPUs and flexmarl_hpc.runtime.devices gives each GPU rank its own

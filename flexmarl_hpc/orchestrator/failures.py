@@ -1,9 +1,11 @@
 """What the orchestrator does when a worker fails: hangs (a command unanswered for
-run.worker_timeout), dies (its liveness socket closes: runtime/liveness.py), or rank 0's own
+run.worker_timeout), dies (its liveness socket closes: runtime/liveness.py), a weight sync
+passes its deadline (weight_sync.timeout_s: a member reports SyncTimedOut), or rank 0's own
 reward function hangs (timing.Watchdog).
 
     class Orchestrator(WorkerFailures): ...      # orchestrator/loop.py
-    self.stop_hung(rank, what, secs) / self.stop_lost(rank) / self.reward_hung(what, secs)
+    self.stop_hung(rank, what, secs) / self.stop_lost(rank) / self.sync_timed_out(rank, msg)
+    self.reward_hung(what, secs)
 
 Each says who and what in one line, checkpoints the agents whose trainer groups still
 answer, flushes the store and ends the whole job with EXIT_PREEMPTED (75: the sbatch
@@ -12,6 +14,7 @@ script requeues, and the run resumes from the checkpoints and the store).
 from __future__ import annotations
 
 from flexmarl_hpc.config.layout import ROLLOUT, RankLayout
+from flexmarl_hpc.runtime import messages
 
 EXIT_PREEMPTED = 75
 
@@ -53,6 +56,22 @@ class WorkerFailures:
         self.log(f"{who(self.layout, rank)} (rank {rank}): its process has ended (liveness socket closed)"
                  + (f" during {running}" if running else ""))
         self.requeue_without(rank)
+
+    def sync_timed_out(self, rank: int, msg: messages.SyncTimedOut) -> None:
+        """A member of a weight sync gave up on it at its deadline: a hung collective. The
+        reporter is out of it and answers again, so a leader's agent can be checkpointed
+        still; another member is the suspect (it never arrived, or stalled the transfer),
+        and the job ends as for a hung worker. The other members' reports of the same sync,
+        arriving meanwhile, add their line only."""
+        self.log(f"{who(self.layout, rank)} (rank {rank}): gave up on the weight sync of agent "
+                 f"{msg.agent} v{msg.version} over ranks {list(msg.members)}: {msg.reason}")
+        if self.aborting:
+            return
+        st = self.state[msg.agent]
+        if rank == st.leader:
+            st.syncing = False                     # the sender is free: checkpointable
+        suspects = [m for m in msg.members if m not in (rank, st.leader)] or [m for m in msg.members if m != rank]
+        self.requeue_without(suspects[0])
 
     def requeue_without(self, rank: int) -> None:
         """Checkpoint the agents whose trainer groups still answer, flush the store, and end

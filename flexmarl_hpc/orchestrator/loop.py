@@ -389,6 +389,8 @@ class Orchestrator(WorkerFailures):
             self.replicas[msg.replica].synced(msg.agent, msg.version)
         elif isinstance(msg, messages.TrainerSynced):
             self.state[msg.agent].syncing = False
+        elif isinstance(msg, messages.SyncTimedOut):
+            self.sync_timed_out(src, msg)
         elif isinstance(msg, messages.Trained):
             self.state[msg.agent].inflight -= 1
         elif isinstance(msg, messages.Stepped):

@@ -2,23 +2,30 @@
 
 On a GPU node every rollout replica and every trainer rank needs GPUs of its own; the
 orchestrator needs none. Nothing else decides that: vLLM's single-process executor takes
-device 0 and SLURM_LOCALID counts every task of the node (under `--single` the
-orchestrator and the replicas too), so left alone every replica of a node lands on GPU 0
-and trainer ranks share GPUs.
+device 0, and Slurm's SLURM_LOCALID numbers the tasks of one het component on a node (two
+components sharing a node both have a task 0; under `--single` it counts the orchestrator
+and the replicas too), so left alone every replica of a node lands on GPU 0 and trainer
+ranks share GPUs.
 
     peers = node_peers(world, layout)        # (world rank, role) of every rank on this node
     b = choose_device(rank, peers, {ROLLOUT: gpus_per_replica, TRAINER: 1}, visible_gpus(env))
     apply_binding(b)                         # before any engine or trainer is built
 
 `choose_device` is pure: the GPU ranks of a node take consecutive blocks of the GPUs the
-node shows (`width` GPUs each, in world-rank order), so no two ranks share one. When Slurm
-already bound each task to its own GPUs (`--gpus-per-task`, `--gpu-bind`), a rank sees
-exactly its `width` GPUs and takes them. Anything else (fewer GPUs than the node's ranks
-need) is an error naming the numbers, never a silent share.
+node shows (`width` GPUs each, in world-rank order), so no two ranks share one. A rank's
+block is its local rank: its index among the node's GPU ranks, from MPI's shared-memory
+split, which sees every rank of the node whatever its component (for a node of trainer
+ranks only, with Slurm's block distribution, it equals SLURM_LOCALID).
 
-Applying it: a replica narrows CUDA_VISIBLE_DEVICES to its block (vLLM then uses cuda:0 ..
-cuda:width-1, and tensor parallelism stays inside the block); a trainer keeps every GPU
-visible (NCCL's peer-to-peer paths need them) and calls `torch.cuda.set_device`.
+What the job script asks for (flexmarl_hpc.launch.sbatch): trainer components get
+`--gpus-per-node` and srun `--gpu-bind=none`, so each trainer rank sees every GPU of its
+node and keeps them visible: NCCL's peer-to-peer (NVLink) paths between the tensor-parallel
+ranks of a node need the peers' devices; the rank only sets its own (`torch.cuda.set_device`
+to cuda:<its local rank's GPU>). Replica components get `--gpus-per-task` = their width:
+Slurm binds each replica to its block, the rank sees exactly `width` GPUs and takes them;
+it narrows CUDA_VISIBLE_DEVICES to the block (vLLM then uses cuda:0 .. cuda:width-1, and its
+tensor parallelism stays inside the block). Anything else (fewer GPUs than the node's
+ranks need) is an error naming the numbers, never a silent share.
 """
 from __future__ import annotations
 

@@ -134,6 +134,19 @@ class TrainerSynced(Reply):
 
 
 @dataclass(frozen=True)
+class SyncTimedOut(Reply):
+    """A member (the leader or a replica) gave up on the weight sync of `agent` at `version`
+    at its deadline (weight_sync.timeout_s, runtime/deadline.py): another member never
+    arrived, or the transfer stalled. The member is out of the collective and answers again."""
+    kind: ClassVar[str] = "synctimeout"
+    agent: str
+    version: int
+    members: tuple[int, ...]
+    reason: str
+    """What was not done in time, and after how long (CollectiveTimeout's message)."""
+
+
+@dataclass(frozen=True)
 class Trained(Reply):
     """A micro-batch that was not its step's last has been through forward and backward."""
     kind: ClassVar[str] = "trained"
@@ -181,7 +194,7 @@ class Intervals(Reply):
 
 
 COMMANDS = (Generate, Sync, Train, Move, Checkpoint, Stop)
-REPLIES = (Generated, Synced, TrainerSynced, Trained, Stepped, Checkpointed, Moved, Stopped, Intervals)
+REPLIES = (Generated, Synced, TrainerSynced, SyncTimedOut, Trained, Stepped, Checkpointed, Moved, Stopped, Intervals)
 
 
 # -- the wire ---------------------------------------------------------------------------------

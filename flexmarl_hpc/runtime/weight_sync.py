@@ -7,14 +7,24 @@ arrive at different times, and it is waited for without spinning, comm.py); a la
 member set already carried is not sent again (24 bytes per sync). The bytes then go over
 the member set's data group (`weight_sync.backend`, see bench/bench_weight_sync.py):
 
-- `mpi`: the same MPI communicator, one blocking `Bcast` (MPICH progresses a non-blocking
-  collective only inside Test/Wait, so a sleeping poll would stall it; once the header is
-  through every member is here, so the blocking call waits for nobody).
+- `mpi`: the same MPI communicator, one `Ibcast` waited for with `Test` and back-off sleeps
+  under the sync's deadline (runtime/deadline.py). MPICH progresses a non-blocking
+  collective only inside Test, yet measured against a blocking `Bcast` of the same bytes it
+  was as fast or faster (docs/LOG.md, 2026-11-25: hung collectives), and a blocking call
+  could not be given up at a deadline.
 - `gloo` / `nccl`: a torch.distributed backend group (`ProcessGroupGloo` / `ProcessGroupNCCL`)
   over the same members, in collectives of at most `bucket_bytes`, all issued at once.
   On GPUs this is the production path: staging lives on the device, NCCL moves it GPU to
   GPU (GPUDirect RDMA where the fabric has it) and the engine loads device tensors. On CPU
   the same code runs over gloo, whose waits block in the kernel instead of spinning.
+
+Every wait of a sync has one deadline, `weight_sync.timeout_s` from the start
+(runtime/deadline.py): the header's rendezvous (an allreduce, complete only once every
+member has joined), the layout and the bytes. Past it the rank raises CollectiveTimeout,
+forgets the member set's communicator and group (an abandoned collective stays pending in
+them) and its worker reports the failure; NCCL and gloo groups also get it as their own
+timeout, with TORCH_NCCL_ASYNC_ERROR_HANDLING set, so NCCL's watchdog ends what no wait of
+ours watches.
 
 Groups are built once per member set and cached. A torch group needs a store: the member
 set's root hosts a `TCPStore` (one per rank, port chosen by the OS, host from
@@ -45,7 +55,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.runtime.comm import bcast_buffer, bcast_obj
+from flexmarl_hpc.runtime import deadline
+from flexmarl_hpc.runtime.comm import bcast_obj
+from flexmarl_hpc.runtime.deadline import Deadline
 
 Backend = Literal["mpi", "gloo", "nccl"]
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -126,13 +138,18 @@ class SyncChannels:
     """One rank's side of the weight broadcast: cached MPI communicators and torch groups per
     member set (world ranks, root first), the rank's store, and its one staging buffer."""
 
-    def __init__(self, world: MPI.Comm, backend: str = "auto", device: str | torch.device | None = None):
+    def __init__(self, world: MPI.Comm, backend: str = "auto", device: str | torch.device | None = None,
+                 timeout_s: float = 0.0):
         backend = resolve_backend(backend)
         if backend not in ("mpi", "gloo", "nccl"):
             raise ValueError(f"weight_sync.backend: {backend!r}, expected auto, mpi, gloo or nccl")
         if device is None:        # NCCL moves device memory: stage on this rank's current GPU
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         self.world, self.backend, self.device = world, backend, torch.device(device)
+        self.timeout_s = timeout_s                            # weight_sync.timeout_s; 0: none
+        self.group_timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else GROUP_TIMEOUT
+        if backend == "nccl":       # NCCL's watchdog tears a rank down after a timed-out collective
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         self.cache: dict[tuple[int, ...], MPI.Comm] = {}
         self.groups: dict[tuple[int, ...], object] = {}
         self.stores: dict[tuple[str, int], object] = {}      # (host, port) -> TCPStore
@@ -144,9 +161,13 @@ class SyncChannels:
         _open.add(self)
 
     # -- MPI communicator: the header rendezvous, and the data path of backend "mpi" -------
-    def get(self, members: tuple[int, ...]) -> MPI.Comm:
+    def get(self, members: tuple[int, ...], dl: Deadline | None = None) -> MPI.Comm:
+        """The member set's communicator, made on its first sync (after every member has
+        joined by `dl`: making it blocks until they all have)."""
         comm = self.cache.get(members)
         if comm is None:
+            if dl is not None:
+                deadline.join(self.world, members, dl, "joining (every member arriving)")
             group = self.world.Get_group().Incl(list(members))
             # tag: a stable function of the member set so concurrent creations don't mix
             comm = self.world.Create_group(group, hash(members) & 0x7FFF)
@@ -181,10 +202,10 @@ class SyncChannels:
             prefixed = torch.distributed.PrefixStore("wsync_" + "_".join(map(str, members)) + "/", store)
             if self.backend == "gloo":
                 pg = torch.distributed.ProcessGroupGloo(prefixed, comm.Get_rank(), comm.Get_size(),
-                                                        GROUP_TIMEOUT)
+                                                        self.group_timeout)
             else:
                 opts = torch.distributed.ProcessGroupNCCL.Options()
-                opts._timeout = GROUP_TIMEOUT
+                opts._timeout = self.group_timeout
                 pg = torch.distributed.ProcessGroupNCCL(prefixed, comm.Get_rank(), comm.Get_size(), opts)
             self.groups[members] = pg
         return pg
@@ -205,6 +226,17 @@ class SyncChannels:
                                                                timeout=GROUP_TIMEOUT)
         return store
 
+    def forget(self, members: tuple[int, ...]) -> None:
+        """Drop the member set's communicator, group and layout after a collective on them
+        was abandoned at its deadline (still pending: they must not carry another sync). The
+        torch group is aborted, which releases a transfer stuck in it; the MPI communicator
+        is left unfreed (freeing one with a pending request is erroneous)."""
+        self.cache.pop(members, None)
+        self.layouts.pop(members, None)
+        pg = self.groups.pop(members, None)
+        if pg is not None and hasattr(pg, "abort"):
+            pg.abort()
+
     def close(self) -> None:
         """Tear the torch groups down before the stores (a group alive at interpreter exit
         aborts the process)."""
@@ -224,14 +256,14 @@ def _close_all() -> None:
 
 
 def _bcast_bytes(channels: SyncChannels, members: tuple[int, ...], comm: MPI.Comm, flat: torch.Tensor,
-                 bucket_bytes: int, root: int) -> None:
+                 bucket_bytes: int, root: int, dl: Deadline) -> None:
     if channels.backend == "mpi":
-        # one Bcast of the whole stream (in < 2 GiB pieces: MPI counts are ints): MPICH
+        # one broadcast of the whole stream (in < 2 GiB pieces: MPI counts are ints): MPICH
         # pipelines a large broadcast itself (scatter + ring allgather), while each blocking
         # bucket is a synchronising collective of its own, measured 1.25-1.5x a single Bcast
         arr = flat.numpy()
         for start in range(0, arr.size, MPI_CHUNK):
-            comm.Bcast(arr[start:start + MPI_CHUNK], root)
+            deadline.bcast(comm, arr[start:start + MPI_CHUNK], root, dl, "the transfer")
         return
     pg = channels.group(members)
     works = []
@@ -239,8 +271,13 @@ def _bcast_bytes(channels: SyncChannels, members: tuple[int, ...], comm: MPI.Com
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = root
         works.append(pg.broadcast([flat[start:start + bucket_bytes]], opts))
-    for w in works:
-        w.wait()
+    deadline.wait_works(works, dl, "the transfer")
+
+
+def receiver_grace(timeout_s: float) -> float:
+    """Receivers wait this much longer than the sender, so that where the sender is alive it
+    gives up first: its report frees its trainer group for the checkpoint that follows."""
+    return min(0.25 * timeout_s, 30.0) if timeout_s > 0 else 0.0
 
 
 def broadcast_weights(channels: SyncChannels, members: tuple[int, ...],
@@ -254,11 +291,25 @@ def broadcast_weights(channels: SyncChannels, members: tuple[int, ...],
     into the engine before that). `packed` (root only): `named` already laid out in header
     order, broadcast in place. `wire`: dtype floating tensors travel in (e.g. bfloat16 on
     GPUs); None keeps theirs. `on_rendezvous()` runs once every member is there
-    (accounting: waiting vs transferring).
+    (accounting: waiting vs transferring). CollectiveTimeout when the sync is not done
+    `channels.timeout_s` after it began (receivers: plus `receiver_grace`); the member set is
+    then forgotten.
     """
-    comm = channels.get(members)
+    dl = Deadline(channels.timeout_s + (0 if channels.world.Get_rank() == members[0] else
+                                        receiver_grace(channels.timeout_s)),
+                  f"weight sync over ranks {list(members)}")
+    try:
+        return _broadcast(channels, members, named, bucket_bytes, packed, wire, on_rendezvous, version, dl)
+    except deadline.CollectiveTimeout:
+        channels.forget(members)
+        raise
+
+
+def _broadcast(channels, members, named, bucket_bytes, packed, wire, on_rendezvous, version,
+               dl: Deadline) -> tuple[int, dict[str, torch.Tensor]]:
+    comm = channels.get(members, dl)
     is_root = comm.Get_rank() == 0
-    header = _rendezvous(channels, members, comm, _header(named, version, wire) if is_root else None)
+    header = _rendezvous(channels, members, comm, _header(named, version, wire) if is_root else None, dl)
     on_rendezvous()
     if is_root and packed is not None and wire is None and packed.nbytes == header.total:
         flat = torch.as_tensor(packed).to(channels.device)    # no copy where it already lives
@@ -266,18 +317,20 @@ def broadcast_weights(channels: SyncChannels, members: tuple[int, ...],
         flat = channels.staging(header.total)
         if is_root:
             _pack(named, header, flat)
-    _bcast_bytes(channels, members, comm, flat, bucket_bytes, 0)
+    _bcast_bytes(channels, members, comm, flat, bucket_bytes, 0, dl)
     if is_root:
         return header.version, named
     return header.version, channels.views(header, flat)
 
 
 def _rendezvous(channels: SyncChannels, members: tuple[int, ...], comm: MPI.Comm,
-                header: Header | None) -> Header:
+                header: Header | None, dl: Deadline) -> Header:
     """The header from the root, waited for without spinning. A member set that already
-    carried this layout (same names, dtypes, shapes) gets one 24-byte broadcast (version, a
-    changed flag, the pickled layout's length), not the pickled layout: one round of back-off
-    wake-ups, not two, on every sync after the first."""
+    carried this layout (same names, dtypes, shapes) gets one 24-byte allreduce (version, a
+    changed flag, the pickled layout's length: the root's values, zeros from the others), not
+    the pickled layout: one round of back-off wake-ups, not two, on every sync after the
+    first. An allreduce, not a broadcast, so that it completes on no member, the root
+    included, before every member has joined."""
     layout = None if header is None else replace(header, version=0)
     meta = np.zeros(3, dtype=np.int64)
     payload = None
@@ -285,10 +338,10 @@ def _rendezvous(channels: SyncChannels, members: tuple[int, ...], comm: MPI.Comm
         changed = channels.layouts.get(members) != layout
         payload = np.frombuffer(pickle.dumps(layout), dtype=np.uint8) if changed else None
         meta[:] = (header.version, changed, 0 if payload is None else payload.size)
-    bcast_buffer(comm, meta, 0)
+    deadline.allreduce_sum(comm, meta, dl, "the rendezvous (every member joining)")
     if meta[1]:
         if payload is None:
             payload = np.empty(int(meta[2]), dtype=np.uint8)
-        bcast_buffer(comm, payload, 0)
+        deadline.bcast(comm, payload, 0, dl, "the layout")
         channels.layouts[members] = layout if header is not None else pickle.loads(payload.tobytes())
     return replace(channels.layouts[members], version=int(meta[0]))

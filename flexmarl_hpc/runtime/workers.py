@@ -6,6 +6,7 @@ can account for every rank's time. Waiting is never a spin (see comm.py).
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.runtime import comm, faults
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.store.checkpoint import load_latest, save_checkpoint
 from flexmarl_hpc.rollout.base import GenRequest
@@ -26,18 +27,23 @@ from flexmarl_hpc.runtime.liveness import Liveness
 from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
+from flexmarl_hpc.runtime.deadline import CollectiveTimeout
 from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
 
 
 def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
                  bucket_bytes: int, sync_backend: str = "auto", bell: Doorbell | None = None,
-                 live: Liveness | None = None) -> int:
-    """`live`: disarmed at the Stop, so the orchestrator's end that follows is no loss."""
-    channels = SyncChannels(world, sync_backend)
+                 live: Liveness | None = None, sync_timeout_s: float = 0.0) -> int:
+    """`live`: disarmed at the Stop, so the orchestrator's end that follows is no loss.
+    `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut)."""
+    channels = SyncChannels(world, sync_backend, timeout_s=sync_timeout_s)
     clock = WorkerClock()
+    failed: set[str] = set()                 # agents whose sync this replica gave up on
     while True:
         cmd = recv_command(world, orch, bell)
         t0 = time.time()
+        if isinstance(cmd, messages.Generate) and cmd.agent in failed:
+            continue      # queued behind that sync; the orchestrator is ending the job (SyncTimedOut)
         if isinstance(cmd, messages.Generate):
             agent, version = cmd.agent, cmd.version
             if engine.version(agent) != version:
@@ -51,8 +57,16 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
         elif isinstance(cmd, messages.Sync):
             agent = cmd.agent
             t = [t0]
-            v, named = broadcast_weights(channels, tuple(cmd.members), None, cmd.version, bucket_bytes,
-                                         on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
+            faults.hit("sync_join")
+            try:
+                v, named = broadcast_weights(channels, tuple(cmd.members), None, cmd.version, bucket_bytes,
+                                             on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
+            except CollectiveTimeout as e:
+                failed.add(agent)
+                clock.mark("sync", agent, t[0])
+                reply = sync_timed_out(world.Get_rank(), cmd, e)
+                send_reply(world, orch, replace(reply, intervals=clock.drain()), bell)
+                continue
             engine.load_weights(agent, v, named)
             clock.mark("sync", agent, t[0])
             send_reply(world, orch, messages.Synced(index, agent, v, intervals=clock.drain()), bell)
@@ -107,9 +121,13 @@ class TrainerRank:
             weights, held, packed = weights_and_version(self.mover, agent)
             if held != version:
                 raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held}")
-            broadcast_weights(self.channels, tuple(cmd.members), weights, version, self.bucket_bytes,
-                              packed=packed, wire=self.sync_wire,
-                              on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
+            try:
+                broadcast_weights(self.channels, tuple(cmd.members), weights, version, self.bucket_bytes,
+                                  packed=packed, wire=self.sync_wire,
+                                  on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
+            except CollectiveTimeout as e:
+                self.clock.mark("sync", agent, t[0])
+                return sync_timed_out(self.world.Get_rank(), cmd, e)
             self.clock.mark("sync", agent, t[0])
         return messages.TrainerSynced(agent, version)
 
@@ -146,12 +164,13 @@ class TrainerRank:
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
                  bucket_bytes: int, keep_checkpoints: int = 3, sync_backend: str = "auto",
                  sync_wire: torch.dtype | None = None, bell: Doorbell | None = None,
-                 live: Liveness | None = None) -> int:
+                 live: Liveness | None = None, sync_timeout_s: float = 0.0) -> int:
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
     and forwards each command to the members (a non-spinning broadcast). `mover` holds the
     agents whose state is on this group, live (`mover.trainers`) or parked in host memory.
-    `live`: disarmed at the Stop, so the orchestrator's end that follows is no loss."""
-    channels = SyncChannels(world, sync_backend)
+    `live`: disarmed at the Stop, so the orchestrator's end that follows is no loss.
+    `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut)."""
+    channels = SyncChannels(world, sync_backend, timeout_s=sync_timeout_s)
     rank = TrainerRank(world, group, mover, ckpt_dir, bucket_bytes, keep_checkpoints, channels, sync_wire)
     while True:
         cmd = recv_command(world, orch, bell) if rank.leader else None
@@ -165,6 +184,16 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             send_reply(world, orch, messages.Stopped(-1, intervals=rank.clock.drain()), bell)   # every rank
             return cmd.code
         rank.answer(rank.handle(cmd, t0), orch, bell)
+
+
+def sync_timed_out(rank: int, cmd: messages.Sync, e: CollectiveTimeout) -> messages.SyncTimedOut:
+    """The reply of a member whose sync passed its deadline (one line on stderr too): it is
+    out of the collective (the member set is forgotten) and answers again, so the
+    orchestrator can still checkpoint through it before it ends the job
+    (orchestrator/failures.py: sync_timed_out)."""
+    sys.stderr.write(f"[rank {rank}] weight sync of {cmd.agent} v{cmd.version}: {e}\n")
+    sys.stderr.flush()
+    return messages.SyncTimedOut(cmd.agent, cmd.version, tuple(cmd.members), str(e))
 
 
 def group_sum(group: MPI.Comm, stats: dict[str, float]) -> dict[str, float]:

@@ -215,6 +215,32 @@ def test_hung_worker_ends_the_job_with_the_requeue_code(tmp_path, mpiexec, where
         assert b"orchestrator" in set(f["intervals"]["role"].tolist())
 
 
+def test_a_sync_member_that_never_joins_ends_the_job_at_weight_sync_timeout(tmp_path, mpiexec, monkeypatch):
+    """Replica 1 (rank 2) stalls when given its third weight sync (a test-only fault: asleep,
+    its process alive, so no liveness socket closes). The sync's other members give up after
+    weight_sync.timeout_s and say so; the job checkpoints every agent, the one whose sync
+    hung included (its leader answers again), and exits 75, long before run.worker_timeout
+    (1800 s); run again, it resumes with every sample trained once."""
+    monkeypatch.setenv("FLEXMARL_FAULT", "sync_join:3:2:stall")
+    t0 = time.time()
+    p = run_training(tmp_path, *SMALL, "run.steps=40", "rollout.replicas=2", "weight_sync.timeout_s=8",
+                     check=False, timeout=240)
+    monkeypatch.delenv("FLEXMARL_FAULT")
+    out = p.stdout + p.stderr
+    assert p.returncode == 75, out
+    gave_up = [ln for ln in out.splitlines() if "gave up on the weight sync of agent" in ln]
+    assert gave_up and "(weight_sync.timeout_s=8)" in gave_up[0], out
+    assert "weight sync over ranks" in out and "not done" in out, out     # the member's own line
+    assert "checkpointing listener, speaker, flushing the store, exiting 75" in out or \
+        "checkpointing speaker, listener, flushing the store, exiting 75" in out, out
+    for agent in ("speaker", "listener"):
+        assert list((tmp_path / "checkpoints" / agent).glob("v*")), agent
+    assert time.time() - t0 < 150, "the hang was not bounded by weight_sync.timeout_s"
+    # what the requeue does: the same command resumes from those checkpoints, nothing lost
+    run_training(tmp_path, *SMALL, "run.steps=5", "rollout.replicas=2", "weight_sync.timeout_s=8", timeout=240)
+    check_exactly_once(tmp_path / "local.h5", 5)
+
+
 def test_fewer_trainer_groups_than_agents_swaps_states_losslessly(sync_run, tmp_path):
     """One trainer group for two agents: states are parked and swapped in on demand; the
     result is the same run as with one group per agent."""

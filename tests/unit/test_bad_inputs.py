@@ -80,6 +80,8 @@ CASES = [
     ("top_p=0", ["rollout.top_p=0"], "rollout.top_p"),
     ("backend=tpu", ["rollout.backend=tpu"], "rollout.backend"),
     ("bucket_mb=0", ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb"),
+    ("sync timeout<0", ["weight_sync.timeout_s=-1"], "weight_sync.timeout_s"),
+    ("sync timeout=nan", ["weight_sync.timeout_s=.nan"], "weight_sync.timeout_s"),
     ("micro_batch_size=0", ["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
     ("max_staleness=-1", ["pipeline.max_staleness=-1"], "pipeline.max_staleness"),
     # -- ours: control characters in any string (they reach file names and the sbatch script)

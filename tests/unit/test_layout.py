@@ -78,6 +78,24 @@ def test_het_job_every_replica_and_trainer_rank_gets_its_own_gpu():
     assert orch == {0: CPU}
 
 
+def test_trainer_ranks_see_their_node_and_take_their_local_gpu():
+    """The het job's trainer components (--gpus-per-node=16, srun --gpu-bind=none): each of a
+    node's 16 ranks (2 TP-8 groups' worth) sees all 16 GPUs, keeps them visible (NCCL's
+    peer-to-peer paths to its TP peers) and sets cuda:<local rank>, which is SLURM_LOCALID
+    here. A replica component sharing the node (Slurm may place two components together;
+    their SLURM_LOCALIDs both start at 0) does not make two ranks take one GPU."""
+    lay = RankLayout(replicas=4, groups=1, ranks_per_group=32)
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(16)))}
+    ranks = list(range(5, 21))                                   # trainer ranks 0-15 of the group
+    got = _node_bindings(lay, ranks, [env] * 16)
+    assert [got[r].device for r in ranks] == [f"cuda:{i}" for i in range(16)]
+    assert all(got[r].visible is None and got[r].gpus == (str(i),) for i, r in enumerate(ranks))
+    shared = _node_bindings(lay, [1, 2, 5, 6], [env] * 4, gpus_per_replica=2)   # 2 replicas + 2 trainer ranks
+    _assert_distinct(shared)
+    assert [shared[r].gpus for r in (1, 2, 5, 6)] == [("0", "1"), ("2", "3"), ("4",), ("5",)]
+    assert shared[5].device == "cuda:4" and shared[1].visible == "0,1"
+
+
 def test_single_job_does_not_count_the_orchestrator_or_other_roles():
     """--single: 1 orchestrator + 2 replicas + 2 groups x 2 trainer ranks on 2 nodes of 4 GPUs,
     4 tasks per node. Before, vLLM put both replicas on GPU 0 and a trainer took GPU

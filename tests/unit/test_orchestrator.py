@@ -270,6 +270,44 @@ def test_a_hung_replica_ends_the_job_with_the_requeue_code(tmp_path):
     assert {a for _, c in transport.sent if isinstance(c, messages.Checkpoint) for a in c.agents} == set(orch.agents)
 
 
+class TimedOutSync(ScriptedWorkers):
+    """The sync of `agent` v1: its leader reports SyncTimedOut (weight_sync.timeout_s passed,
+    runtime/deadline.py), the replicas it went to never answer (the member that never came)."""
+
+    def __init__(self, cfg, task, layout, agent):
+        super().__init__(cfg, task, layout)
+        self.agent, self.hung = agent, set()
+
+    def __call__(self, rank, cmd):
+        if rank in self.hung:
+            return []
+        if isinstance(cmd, messages.Sync) and cmd.agent == self.agent and cmd.version == 1:
+            if self.layout.role_of(rank)[0] == ROLLOUT:
+                self.hung.add(rank)
+                return []
+            return [(rank, messages.SyncTimedOut(cmd.agent, 1, tuple(cmd.members), "the rendezvous not done"))]
+        return super().__call__(rank, cmd)
+
+
+def test_a_sync_timeout_checkpoints_and_ends_the_job_with_the_requeue_code(tmp_path):
+    """Long before run.worker_timeout: the leader that gave up is free again, so every agent,
+    the one whose sync hung included, is checkpointed; then exit 75."""
+    orch, transport, store, lines = make(tmp_path)
+    assert orch.cfg.run.worker_timeout == 1800
+    agent = orch.agents[0]
+    transport.respond = TimedOutSync(orch.cfg, orch.task, orch.layout, agent)
+    try:
+        with pytest.raises(Aborted) as e:
+            orch.run()
+    finally:
+        store.close()
+    assert e.value.code == EXIT_PREEMPTED
+    leader = orch.state[agent].leader
+    assert any(f"(rank {leader}): gave up on the weight sync of agent {agent} v1 over ranks [{leader}, " in ln
+               and "the rendezvous not done" in ln for ln in lines), lines
+    assert {a for _, c in transport.sent if isinstance(c, messages.Checkpoint) for a in c.agents} == set(orch.agents)
+
+
 def test_messages_round_trip_without_copying_arrays():
     arrays = {"input_ids": np.zeros((2, 3), np.int64)}
     for msg in (messages.Train("a", 1, arrays, 0.5, True), messages.Stopped(-1, intervals=[("wait", "", 0.0, 1.0)]),

@@ -30,7 +30,8 @@ SITE = ["run.output_dir=/scratch/flexmarl/{name}", "rollout.replicas=3", "traine
         "slurm.partition=gpu", "slurm.account=proj42", "slurm.qos=normal", "slurm.time=02:00:00",
         "slurm.mpi=pmix", "slurm.rollout={nodes: 3, gpus_per_node: 1, cpus_per_task: 8, mem: 64G}",
         "slurm.trainer={nodes: 2, gpus_per_node: 2, cpus_per_task: 8, mem: 128G, partition: gpu-large}",
-        "slurm.setup=['module load cuda/12.4', 'source /opt/flexmarl/venv/bin/activate']"]
+        "slurm.setup=['module load cuda/12.4', 'source /opt/flexmarl/venv/bin/activate']",
+        "slurm.env={NCCL_SOCKET_IFNAME: ib0, GLOO_SOCKET_IFNAME: ib0, UCX_NET_DEVICES: 'mlx5_0:1'}"]
 
 
 
@@ -54,14 +55,21 @@ def test_hetjob_script_matches_golden():
     assert len(comps) == 3
     assert [re.search(r"--ntasks=(\d+)", c).group(1) for c in comps] == ["1", "3", "4"]
     assert "--partition=gpu-large" in comps[2]
-    # per-task GPU binding: each replica and trainer task gets its own GPU from Slurm
+    # a replica gets its own GPU block from Slurm; trainer ranks see every GPU of their node
+    # (NCCL's peer-to-peer paths between TP ranks) and devices.py picks each one's
     assert [re.findall(r"--(?:gpus-per-task|gpus-per-node)=\d+", c) for c in comps] == [
-        [], ["--gpus-per-task=1"], ["--gpus-per-task=1"]]
+        [], ["--gpus-per-task=1"], ["--gpus-per-node=2"]]
     assert [re.search(r"--ntasks-per-node=(\d+)", c).group(1) for c in comps] == ["1", "1", "2"]
-    # one step over the 3 components, each with its --cpus-per-task (srun does not inherit it)
+    # every component has a --mem: the orchestrator's from slurm.mem_per_cpu (auto, no GPUs)
+    assert [re.findall(r"--mem=(\S+)", c) for c in comps] == [["1000M"], ["64G"], ["128G"]]
+    # one step over the 3 components, each with its --cpus-per-task (srun does not inherit it);
+    # no per-task GPU binding for the trainer ranks
     assert "CMD=(python -m flexmarl_hpc.run configs/local.yaml " in body
     assert ('srun --mpi=pmix --het-group=0 --cpus-per-task=1 "${CMD[@]}" : --het-group=1 --cpus-per-task=8 '
-            '"${CMD[@]}" : --het-group=2 --cpus-per-task=8 "${CMD[@]}" &\n') in body
+            '"${CMD[@]}" : --het-group=2 --cpus-per-task=8 --gpu-bind=none "${CMD[@]}" &\n') in body
+    # slurm.env reaches every rank, exported before srun
+    assert "export NCCL_SOCKET_IFNAME=ib0\nexport GLOO_SOCKET_IFNAME=ib0\nexport UCX_NET_DEVICES=mlx5_0:1\n" in body
+    assert body.index("export UCX_NET_DEVICES") < body.index("srun ")
     assert "--signal=USR1@120" in comps[0] and "--open-mode=append" in comps[0]
 
 
@@ -93,6 +101,34 @@ def test_gpu_ranks_that_would_share_gpus_are_refused():
     with pytest.raises(ConfigError, match=r"^rollout.gpus_per_replica"):
         load_config(CONFIG, ["rollout.gpus_per_replica=0"])
 
+
+
+def test_every_component_asks_for_memory():
+    """--mem on every component: GPU components take their nodes' memory (--mem=0), CPU ones
+    slurm.mem_per_cpu per CPU they hold on a node; a set `mem` wins; --single takes the largest
+    set one, else the auto value of its own nodes."""
+    paper = load_config(ROOT / "configs/paper_3x32b_7x14b.yaml", ["run.output_dir=/scratch/{name}"])
+    comps = hetjob_script(paper, "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
+    mems = [re.findall(r"#SBATCH --mem=(\S+)", c) for c in comps]
+    assert mems == [["16000M"]] + [["0"]] * 12               # orchestrator: 16 CPUs x 1000M
+    # group components: every GPU of the node, no per-task binding; pools: one block per replica
+    assert [re.findall(r"--gpus-per-(?:task|node)=\d+", c) for c in comps[1:]] == [
+        ["--gpus-per-task=4"], ["--gpus-per-task=1"]] + [["--gpus-per-node=16"]] * 10
+    ov = ["slurm.mem_per_cpu=4G", "slurm.orchestrator={cpus_per_task: 2}", "trainer.ranks_per_group=2",
+          "slurm.trainer={nodes: 1, cpus_per_task: 3, mem: 0}"]
+    comps = hetjob_script(load_config(CONFIG, ov), "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
+    assert [re.findall(r"--mem=(\S+)", c) for c in comps] == [["8G"], ["4G"], ["0"]]
+    single = single_script(load_config(CONFIG, ov), "c.yaml")
+    assert re.findall(r"--mem=(\S+)", single) == ["0"]
+    auto = single_script(load_config(CONFIG, ["slurm.trainer={nodes: 1, cpus_per_task: 2}"]), "c.yaml")
+    assert "#SBATCH --nodes=2 " in auto and re.findall(r"--mem=(\S+)", auto) == ["4000M"]   # 2 ranks x 2 CPUs a node
+
+
+def test_slurm_env_values_are_quoted_for_the_shell():
+    cfg = load_config(CONFIG, ["slurm.env={NCCL_DEBUG: WARN, X_ODD: \"a b'c\"}"])
+    body = hetjob_script(cfg, "c.yaml")
+    assert "export NCCL_DEBUG=WARN\nexport X_ODD='a b'\"'\"'c'\n" in body
+    assert "slurm.env" not in hetjob_script(load_config(CONFIG), "c.yaml")     # none: no section
 
 
 def test_dry_run_prints_the_script_with_absolute_paths(tmp_path, capsys):
@@ -135,6 +171,10 @@ def test_sbatch_options_go_to_their_component():
     ("slurm.trainer={gpus_per_node: -1}", "slurm.trainer.gpus_per_node"),
     ("slurm.trainer={cpus_per_task: 0}", "slurm.trainer.cpus_per_task"),
     ("slurm.trainer={mem: lots}", "slurm.trainer.mem"),
+    ("slurm.trainer={mem: ''}", "slurm.trainer.mem"),
+    ("slurm.mem_per_cpu=4GB", "slurm.mem_per_cpu"),
+    ("slurm.env={1X: a}", "slurm.env.1X"),
+    ("slurm.env={A-B: a}", "slurm.env.A-B"),
     ("slurm.trainer={gpus: 4}", "slurm.trainer.gpus"),
     ("run.name=my run", "run.name"),
     ("slurm.trainer.sbatch_options=['-C a100']", "slurm.trainer.sbatch_options"),
@@ -165,6 +205,7 @@ PARTS = {"cpu": Partition(nodes=4, cpus=4, gpus=0, mem_mb=4000),
     ("slurm.trainer={cpus_per_task: 3}", "slurm.trainer.cpus_per_task"),     # 2 ranks x 3 > 4
     ("slurm.rollout={gpus_per_node: 1}", "slurm.rollout.gpus_per_node"),     # cpu nodes have none
     ("slurm.trainer={mem: 8G}", "slurm.trainer.mem"),
+    ("slurm.mem_per_cpu=3000M", "slurm.mem_per_cpu"),          # auto: 2 ranks x 1 CPU x 3000M > 4000 MB
     ("slurm.trainer={nodes: 2, partition: gpu, gpus_per_node: 8}", "slurm.trainer.gpus_per_node"),
 ])
 def test_components_that_no_node_can_hold_are_refused(override, field):

@@ -22,7 +22,7 @@ class FakeNCCL:
 
     def broadcast(self, tensors, opts):
         self.sent.append((tensors[0].clone(), opts.rootRank))
-        return type("Work", (), {"wait": lambda self: True})()
+        return type("Work", (), {"wait": lambda self: True, "is_completed": lambda self: True})()
 
 
 def test_nccl_branch_builds_one_group_per_member_set_and_sends_bf16(monkeypatch):
@@ -49,3 +49,19 @@ def test_nccl_branch_builds_one_group_per_member_set_and_sends_bf16(monkeypatch)
     assert ch.staging_allocations == 1
     ch.close()
     assert W.wire_dtype("auto", "torch", "mpi") is None and W.wire_dtype("fp16", "vllm", "gloo") is torch.float16
+
+
+def test_nccl_sync_groups_time_out_with_weight_sync_timeout_s(monkeypatch):
+    """weight_sync.timeout_s is the NCCL group's own timeout, and NCCL's async error handling
+    is on, so its watchdog ends a collective none of our waits watches."""
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    FakeNCCL.built = []
+    world = MPI.COMM_WORLD
+    ch = W.SyncChannels(world, "nccl", device="cpu", timeout_s=42)
+    W.broadcast_weights(ch, (world.Get_rank(),), {"w": torch.ones(4)}, 1, bucket_bytes=1 << 20)
+    assert FakeNCCL.built[0].opts._timeout.total_seconds() == 42
+    import os
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    ch.close()

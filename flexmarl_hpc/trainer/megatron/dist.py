@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import socket
 import warnings
 from datetime import timedelta
@@ -125,6 +126,9 @@ def init_group_distributed(group: MPI.Comm, tp: int, pp: int, relayout: bool = F
     if rank != 0:
         addr = "127.0.0.1" if host == socket.gethostname() else host
         store = torch.distributed.TCPStore(addr, port, size, is_master=False, timeout=timeout)
+    if CUDA:    # a collective past `timeout` makes NCCL's watchdog tear the rank down (the
+        # liveness star then ends the job, exit 75) instead of leaving it hung
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     torch.distributed.init_process_group("nccl" if CUDA else "gloo", store=store, rank=rank,
                                          world_size=size, timeout=timeout)
     atexit.register(_shutdown_distributed, group)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import sys
 import time
 from dataclasses import replace
 from functools import partial
@@ -40,7 +41,9 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
         self.tp, self.pp = cfg.tensor_parallel, cfg.pipeline_parallel
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.te, self.bf16 = configs.use_te(), configs.resolve_precision(cfg) == "bf16"
+        # the group's first rank says it when a GPU run falls back to the local layer spec
+        notify = (lambda line: print(line, file=sys.stderr, flush=True)) if group.Get_rank() == 0 else None
+        self.te, self.bf16 = configs.use_te(notify=notify), configs.resolve_precision(cfg) == "bf16"
         self.microbatches = configs.pipeline_microbatches(cfg)
         self.version, self.opt = 0, None
         self.kept: list[tuple[list[MicroBatch], int, float]] = []   # this batch (ppo_epochs > 1)
@@ -51,7 +54,7 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
             self.tconfig = configs.transformer_config(args, cfg)
 
             def gpt():
-                m = GPTModel(config=self.tconfig, transformer_layer_spec=configs.layer_spec(),
+                m = GPTModel(config=self.tconfig, transformer_layer_spec=configs.layer_spec(self.te),
                              vocab_size=padded_vocab(args), max_sequence_length=args.max_seq_len,
                              pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                              share_embeddings_and_output_weights=args.tie_embeddings,

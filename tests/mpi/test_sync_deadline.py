@@ -1,0 +1,32 @@
+"""A hung weight sync becomes an error within weight_sync.timeout_s (runtime/deadline.py),
+on real MPI ranks: a member that never joins leaves the others with CollectiveTimeout, not
+waiting until the job's wall-clock limit; they answer again afterwards. What the
+orchestrator then does (checkpoint, exit 75) is tests/unit/test_orchestrator.py's
+test_a_sync_timeout_checkpoints_and_ends_the_job_with_the_requeue_code."""
+import re
+
+import pytest
+
+from flexmarl_hpc.runtime.weight_sync import receiver_grace
+from tests.conftest import run_mpi
+
+TIMEOUT_S = 2.0
+GRACE_S = receiver_grace(TIMEOUT_S)
+SLACK_S = 8.0
+"""Beyond the timeout: the back-off's last sleep, a loaded 2-core machine's scheduling."""
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_member_that_never_joins_ends_the_sync_in_a_timeout(mpiexec, backend):
+    p = run_mpi(mpiexec, 3, ["tests/mpi/mpi_sync_deadline.py", backend, str(TIMEOUT_S)], timeout=120)
+    out = p.stdout
+    assert "rank 1 bit-identical v1" in out and "rank 2 bit-identical v1" in out, out
+    waits = {(int(r), int(v)): (phase, float(s)) for r, v, phase, s in re.findall(
+        r"rank (\d) v(\d) CollectiveTimeout in '([^']*)' after ([\d.]+) s", out)}
+    assert set(waits) == {(0, 2), (1, 2), (0, 3)}, out
+    assert waits[0, 2][0] == waits[1, 2][0] == "the rendezvous (every member joining)"
+    assert waits[0, 3][0] == "joining (every member arriving)"
+    # the sender gives up at the timeout, a receiver a grace later (so a live sender reports first)
+    assert TIMEOUT_S <= waits[0, 2][1] <= waits[1, 2][1] <= TIMEOUT_S + GRACE_S + SLACK_S, waits
+    assert waits[1, 2][1] >= TIMEOUT_S + GRACE_S and TIMEOUT_S <= waits[0, 3][1] <= TIMEOUT_S + SLACK_S, waits
+    assert "rank 1 bit-identical v4" in out and "rank 2 stayed away" in out, out
