@@ -66,7 +66,8 @@ def test_the_limits_and_the_uid_are_in_force_in_the_child(isolation):
 
 def test_a_fork_bomb_is_contained_and_leaves_no_process(isolation):
     need_root(isolation, "pid")
-    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    # each child also leaves the process group, as if to escape a kill of the group
+    bomb = "import os\nwhile True:\n    try:\n        os.fork() or os.setsid()\n    except OSError:\n        pass\n"
     r = run_code_sync(bomb, ToolsConfig(cpu_s=1, wall_s=6, nproc=16))
     assert r.outcome in ("killed_cpu", "timeout"), r
     assert sandbox_processes(CFG.uid) == []
