@@ -123,7 +123,10 @@ async def _launch(spec: dict, cfg: ToolsConfig, out: _Capped, err: _Capped) -> b
         timed_out = True
     finally:                        # also on cancellation: the process group never outlives us
         _kill_group(proc.pid)
-        await proc.wait()
+        try:                        # asyncio's wait() also waits for the pipes to close, which
+            await asyncio.wait_for(proc.wait(), 2.0)     # an escaped process (below) can delay
+        except asyncio.TimeoutError:
+            pass
     try:                            # without a pid namespace an escaped child may hold the pipes
         await asyncio.wait_for(readers, 1.0)
     except asyncio.TimeoutError:
@@ -148,7 +151,10 @@ async def run_code(code: str, cfg: ToolsConfig) -> SandboxResult:
     isolation = json.loads(lines[0]) if lines else {}
     end = json.loads(lines[1]) if len(lines) > 1 else {}
     status, cpu_s = end.get("status"), end.get("cpu_s")
-    outcome = "timeout" if timed_out else classify(status, cpu_s, err.tail.decode("utf-8", "replace"), cfg)
+    # the code ended by itself if the launcher reported its status, even when something it
+    # started held the pipes open past the limit (possible only without a pid namespace)
+    err_tail = err.tail.decode("utf-8", "replace")
+    outcome = "timeout" if timed_out and status is None else classify(status, cpu_s, err_tail, cfg)
     return SandboxResult(
         outcome, out.text(), err.text(),
         exit_code=os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None,
