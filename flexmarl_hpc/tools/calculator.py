@@ -35,9 +35,12 @@ def _power(base, exp, max_digits: int):
             raise CalculatorError(f"power too large: about {exp * math.log10(abs(base)):.3g} digits "
                                   f"(at most {max_digits})")
     try:
-        return base ** exp
+        value = base ** exp
     except (OverflowError, ZeroDivisionError) as e:
         raise CalculatorError(f"{type(e).__name__}: {e}") from None
+    if isinstance(value, complex):                  # (-8) ** (1/3)
+        raise CalculatorError("the result is not a real number")
+    return value
 
 
 def _eval(node: ast.AST, max_digits: int):
@@ -63,6 +66,9 @@ def _eval(node: ast.AST, max_digits: int):
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS
             and not node.keywords and len(node.args) <= 2):
         args = [_eval(a, max_digits) for a in node.args]
+        if node.func.id == "round" and len(args) == 2 and not (isinstance(args[1], int) and abs(args[1]) <= 100):
+            # int.__round__ computes 10 ** -ndigits: round(5, -10**9) would run for hours
+            raise CalculatorError(f"round: ndigits must be an integer in [-100, 100], got {args[1]!r}")
         try:
             return FUNCTIONS[node.func.id](*args)
         except (ArithmeticError, ValueError, TypeError) as e:

@@ -48,30 +48,39 @@ async def in_order_of_completion(calls: dict) -> tuple[list[str], dict]:
 def test_a_slow_and_a_crashing_tool_call_do_not_delay_a_fast_one():
     cfg = ToolsConfig(wall_s=4, workers=3)
     pool = WorkerPool(Tools.from_config(cfg), cfg)
-    calls = {"slow": pool.tool("python", "import time\ntime.sleep(60)"),
-             "crash": pool.tool("python", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)"),
-             "fast": pool.tool("python", "print(6 * 7)"), "calc": pool.tool("calculator", "2 ** 10")}
-    order, r = asyncio.run(in_order_of_completion(calls))
+
+    async def scenario():
+        order, r = await in_order_of_completion({
+            "slow": pool.tool("python", "import time\ntime.sleep(60)"),
+            "crash": pool.tool("python", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)"),
+            "fast": pool.tool("python", "print(6 * 7)"), "calc": pool.tool("calculator", "2 ** 10")})
+        return order, r, await pool.tool("shell", "ls")
+
+    order, r, unknown = asyncio.run(scenario())
     assert order[-1] == "slow", order            # run one at a time, fast would wait for slow
     assert [(r[k].outcome, r[k].output) for k in ("fast", "calc")] == [("ok", "42\n"), ("ok", "1024")]
     assert (r["slow"].outcome, r["crash"].outcome) == ("timeout", "crashed")
     assert r["slow"].output.endswith("[timeout]") and r["fast"].latency_s < r["slow"].latency_s
-    assert asyncio.run(pool.tool("shell", "ls")).outcome == "refused"
+    assert unknown.outcome == "refused"
 
 
 def test_reward_functions_run_off_the_loop_and_a_lost_worker_is_replaced():
     cfg = ToolsConfig(wall_s=30, workers=3)
     pool = WorkerPool(Tools.from_config(cfg), cfg)
+
+    async def scenario():
+        first = await in_order_of_completion({
+            "slow": pool.call(slow_reward, 1.0, timeout_s=4), "crash": pool.call(crashing_reward, 1.0),
+            "fast": pool.call(fast_reward, 21.0)})
+        again = await in_order_of_completion({str(i): pool.call(fast_reward, i) for i in range(4)})
+        return first, again[1], await pool.call(raising_reward, 3)
+
     try:
-        calls = {"slow": pool.call(slow_reward, 1.0, timeout_s=4), "crash": pool.call(crashing_reward, 1.0),
-                 "fast": pool.call(fast_reward, 21.0)}
-        order, r = asyncio.run(in_order_of_completion(calls))
-        assert order[-1] == "slow", order
-        assert (r["fast"].outcome, r["fast"].value) == ("ok", 42.0)
-        assert (r["slow"].outcome, r["crash"].outcome) == ("timeout", "crashed")
-        again = asyncio.run(in_order_of_completion({str(i): pool.call(fast_reward, i) for i in range(4)}))[1]
-        assert [again[str(i)].value for i in range(4)] == [0, 2, 4, 6]
-        err = asyncio.run(pool.call(raising_reward, 3))
-        assert (err.outcome, err.error) == ("error", "ValueError: bad answer 3")
+        (order, r), again, err = asyncio.run(scenario())
     finally:
         pool.close()
+    assert order[-1] == "slow", order
+    assert (r["fast"].outcome, r["fast"].value) == ("ok", 42.0)
+    assert (r["slow"].outcome, r["crash"].outcome) == ("timeout", "crashed")
+    assert [again[str(i)].value for i in range(4)] == [0, 2, 4, 6]       # 4 calls on 3 workers
+    assert (err.outcome, err.error) == ("error", "ValueError: bad answer 3")
