@@ -123,8 +123,9 @@ def main(argv: list[str]) -> int:
     report = open(spec["report"], "w")              # opened before /tmp is hidden
     os.chdir(spec["workdir"])                       # likewise: the cwd survives the tmpfs mount
     root = os.geteuid() == 0
+    uid = spec["uid"] if root else os.geteuid()     # before a user namespace shows it as 65534
     iso = namespaces(root)
-    iso.update(uid=spec["uid"] if root else os.geteuid(), private_tmp=False, private_proc=False)
+    iso.update(uid=uid, private_tmp=False, private_proc=False)
     if iso["pid"]:
         init = os.fork()                            # the first child is pid 1 of the namespace
         if init:
