@@ -9,10 +9,12 @@ user namespace) skip with the reason outside CI and fail under CI=true, which ru
 """
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -166,3 +168,47 @@ def test_a_crash_and_long_output_give_defined_results():
     assert (r.outcome, r.signal, r.exit_code) == ("crashed", signal.SIGSEGV, None), r
     r = run_code_sync("print('x' * 100000)\nraise SystemExit(3)", ToolsConfig(output_bytes=100))
     assert (r.outcome, r.exit_code, r.stdout, r.truncated) == ("error", 3, "x" * 100, True)
+
+
+def test_an_interpreter_the_sandbox_uid_cannot_run_is_a_launch_failure(isolation, tmp_path):
+    need_root(isolation)
+    private = tmp_path / "private"                       # 0700 root, like a venv under /root
+    private.mkdir(mode=0o700)
+    (private / "python").symlink_to(os.path.realpath("/usr/bin/python3"))
+    r = run_code_sync("print(1)", ToolsConfig(python=str(private / "python")))
+    assert (r.outcome, r.exit_code, r.stdout) == ("launch_failed", 125, ""), r
+    # PermissionError, or FileNotFoundError where the private /tmp hides tmp_path
+    assert r.stderr.startswith("sandbox launcher: ") and "Error" in r.stderr, r.stderr
+
+
+NOT_ROOT = """
+import json, sys
+sys.path.insert(0, {root!r})
+from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.tools.sandbox import run_code_sync
+code = "import os, socket\\nprint(os.getuid())\\ntry:\\n    socket.create_connection(('127.0.0.1', 9), 2)\\nexcept OSError as e:\\n    print('refused', e.errno)"
+r = run_code_sync(code, ToolsConfig(cpu_s=2, wall_s=20))
+print(json.dumps([r.outcome, r.stdout, r.isolation]))
+"""
+
+
+def test_without_root_the_result_says_which_isolation_was_in_force(isolation):
+    """The caller as uid 1000 (stdlib-only /usr/bin/python3, as the package imports no more):
+    no uid drop, no mount or pid namespace; a network namespace only through a user
+    namespace, and then the loopback of the host is out of reach."""
+    need_root(isolation)
+    from flexmarl_hpc.tools.config import others_can_run
+    from tests.conftest import ROOT
+    if not (others_can_run("/usr/bin/python3") and others_can_run(str(ROOT / "flexmarl_hpc" / "tools"))):
+        pytest.skip("the checkout or /usr/bin/python3 is not reachable by uid 1000")
+    p = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "/usr/bin/python3", "-I",
+                        "-c", NOT_ROOT.format(root=str(ROOT))], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    assert p.returncode == 0, p.stderr
+    outcome, stdout, iso = json.loads(p.stdout.splitlines()[-1])
+    # in a user namespace without a uid map the code sees itself as the overflow uid 65534
+    assert outcome == "ok" and stdout.splitlines()[0] in ("1000", "65534"), stdout
+    assert (iso["uid"], iso["mount"], iso["pid"], iso["private_tmp"]) == (1000, False, False, False)
+    assert iso["network"] in ("userns+netns", "host")
+    if iso["network"] == "userns+netns":
+        assert stdout.splitlines()[1].startswith("refused"), stdout
