@@ -58,8 +58,8 @@ def namespaces(root: bool) -> dict:
 
 def private_mounts(iso: dict) -> None:
     """In the new mount namespace: nothing propagates back to the host, the shared scratch
-    directories are empty tmpfs (the working directory appears as /tmp/work), and /proc shows only this pid namespace (no other process's
-    environ or cmdline)."""
+    directories are empty tmpfs (the working directory appears as /tmp/work), and /proc
+    shows only this pid namespace (no other process's environ or cmdline)."""
     if not _mount("none", "/", "", MS_REC | MS_PRIVATE):
         iso["mount"] = False
         return

@@ -25,9 +25,10 @@ def test_arithmetic(expr, value):
 @pytest.mark.parametrize("expr,why", [
     ("__import__('os').system('touch /tmp/pwned')", "not allowed"), ("(1).__class__.__bases__", "not allowed"),
     ("open('/etc/passwd')", "not allowed"), ("[x for x in range(10)]", "not allowed"), ("lambda: 1", "not allowed"),
-    ("'a' * 10", "not allowed"), ("x = 1", "not an expression"), ("sqrt(-1)", "sqrt"), ("1 / 0", "ZeroDivisionError"),
-    ("9 ** 9 ** 9", "power too large"), ("(10 ** 999) ** 2", "power too large"), ("10 ** 600 * 10 ** 600", "too large"),
-    ("2 ** 1e10", "OverflowError"), ("round(5, -10 ** 9)", "ndigits"), ("(-8) ** (1 / 3)", "not a real number"), ("1" + " + 1" * 600, "too long")])
+    ("'a' * 10", "not allowed"), ("x = 1", "not an expression"), ("sqrt(-1)", "sqrt"),
+    ("1 / 0", "ZeroDivisionError"), ("9 ** 9 ** 9", "power too large"), ("(10 ** 999) ** 2", "power too large"),
+    ("10 ** 600 * 10 ** 600", "too large"), ("2 ** 1e10", "OverflowError"), ("round(5, -10 ** 9)", "ndigits"),
+    ("(-8) ** (1 / 3)", "not a real number"), ("1" + " + 1" * 600, "too long")])
 def test_refused(expr, why):
     with pytest.raises(CalculatorError, match=why):
         evaluate(expr)

@@ -90,7 +90,8 @@ def test_the_limits_and_the_uid_are_in_force_in_the_child(isolation):
 def test_a_fork_bomb_is_contained_and_leaves_no_process(isolation):
     need_root(isolation, "pid")
     # each child also leaves the process group, as if to escape a kill of the group
-    bomb = "import os\nwhile True:\n    try:\n        os.fork() or os.setsid()\n    except OSError:\n        pass\n"
+    bomb = ("import os\nwhile True:\n    try:\n        os.fork() or os.setsid()\n"
+            "    except OSError:\n        pass\n")
     r = run_code_sync(bomb, ToolsConfig(cpu_s=1, wall_s=6, nproc=16))
     assert r.outcome in ("killed_cpu", "timeout"), r
     assert reap(CFG.uid) == []
@@ -186,7 +187,8 @@ import json, sys
 sys.path.insert(0, {root!r})
 from flexmarl_hpc.tools.config import ToolsConfig
 from flexmarl_hpc.tools.sandbox import run_code_sync
-code = "import os, socket\\nprint(os.getuid())\\ntry:\\n    socket.create_connection(('127.0.0.1', 9), 2)\\nexcept OSError as e:\\n    print('refused', e.errno)"
+code = ("import os, socket\\nprint(os.getuid())\\ntry:\\n    socket.create_connection(('127.0.0.1', 9), 2)\\n"
+        "except OSError as e:\\n    print('refused', e.errno)")
 r = run_code_sync(code, ToolsConfig(cpu_s=2, wall_s=20))
 print(json.dumps([r.outcome, r.stdout, r.isolation]))
 """
