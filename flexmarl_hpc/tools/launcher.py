@@ -64,9 +64,11 @@ def private_mounts(iso: dict) -> None:
         iso["mount"] = False
         return
     flags = MS_NOSUID | MS_NODEV
-    iso["private_tmp"] = all([_mount("tmpfs", d, "tmpfs", flags, "size=64m,mode=1777")
-                              for d in ("/tmp", "/dev/shm", "/var/tmp") if os.path.isdir(d)])
-    if iso["private_tmp"]:
+    tmp = _mount("tmpfs", "/tmp", "tmpfs", flags, "size=64m,mode=1777")
+    others = [_mount("tmpfs", d, "tmpfs", flags, "size=64m,mode=1777")
+              for d in ("/dev/shm", "/var/tmp") if os.path.isdir(d)]
+    iso["private_tmp"] = tmp and all(others)
+    if tmp:
         # the working directory, hidden under the new /tmp, is bound back in as /tmp/work (the
         # source "." is still the old directory); Python resolves its script's path by name
         os.mkdir("/tmp/work")
