@@ -1,0 +1,4 @@
+"""Tools and rewards off the orchestrator's loop: a process sandbox for model-written code
+(`sandbox.py`, set up by `launcher.py`), the bundled tools (`calculator.py`, `registry.py`)
+and a bounded worker pool (`pool.py`). docs/tools.md says what the sandbox guarantees.
+"""

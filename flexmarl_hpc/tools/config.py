@@ -1,0 +1,61 @@
+"""The tools' config. Not yet a section of config/schema.py (that wiring is left for the
+episode functions of issue 25); field docstrings are the help text, as there.
+
+Kept free of torch and mpi4py, like config/.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+NOBODY = 65534
+
+
+@dataclass(frozen=True)
+class ToolsConfig:
+    cpu_s: int = 5
+    """CPU seconds of the sandboxed code (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later)."""
+    wall_s: float = 10.0
+    """Wall-clock seconds of one sandboxed call; then its whole process group is killed."""
+    memory_mb: int = 512
+    """Address space of the sandboxed code in MiB (RLIMIT_AS); a bigger allocation fails."""
+    file_mb: int = 16
+    """Largest file the sandboxed code may write, in MiB (RLIMIT_FSIZE)."""
+    nproc: int = 32
+    """Processes of the sandbox uid (RLIMIT_NPROC); counted over every sandbox of that uid
+    running on the machine at once, so it must cover `workers` calls."""
+    output_bytes: int = 8192
+    """stdout and stderr of a call are each cut to this many bytes."""
+    workers: int = 4
+    """Tool calls and reward functions running at once; more wait for a free slot."""
+    uid: int = NOBODY
+    """The uid (and gid) the code runs as when the caller is root (65534: nobody/nogroup)."""
+    python: str = ""
+    """Interpreter of the sandboxed code, run with -I -S (stdlib only). Empty: this one
+    (sys.executable) if the sandbox uid can reach it, else /usr/bin/python3."""
+    calc_max_digits: int = 1000
+    """The calculator refuses results (and powers) with more digits than this."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "python" and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"tools.{f.name}: expected a positive number, got {v!r}")
+        if self.python and not os.access(self.python, os.X_OK):
+            raise ValueError(f"tools.python: expected an executable interpreter, got {self.python!r}")
+
+    def interpreter(self) -> str:
+        if self.python:
+            return self.python
+        here = os.path.realpath(sys.executable)
+        return here if others_can_run(here) else "/usr/bin/python3"
+
+
+def others_can_run(path: str) -> bool:
+    """Whether a uid with no special rights can execute `path`: o+x on the file and on every
+    directory above it (a venv's python often points into /root, which is 0700)."""
+    p = Path(path)
+    return all(q.stat().st_mode & stat.S_IXOTH for q in [p, *p.parents])

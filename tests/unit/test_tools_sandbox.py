@@ -1,0 +1,216 @@
+"""The sandbox refuses what model-written code must not do, with a recorded outcome, and the
+caller goes on: a fork bomb, a 10 GB allocation, an infinite loop, writing outside its
+directory, reading the run's environment, opening a socket.
+
+    pytest tests/unit/test_tools_sandbox.py
+
+Tests that need a namespace (network, mount, pid: root, or for the network an unprivileged
+user namespace) skip with the reason outside CI and fail under CI=true, which runs as root.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.tools.sandbox import run_code_sync
+from tests.conftest import need
+
+CFG = ToolsConfig(cpu_s=2, wall_s=20, memory_mb=256, nproc=16)
+
+
+@pytest.fixture(scope="module")
+def isolation() -> dict:
+    r = run_code_sync("print('up')", CFG)
+    assert (r.outcome, r.stdout) == ("ok", "up\n"), r
+    return r.isolation
+
+
+def need_root(isolation: dict, *keys: str) -> None:
+    need(os.geteuid() == 0, "root (the sandbox drops to another uid only as root)")
+    missing = [k for k in keys if not isolation.get(k) or isolation.get(k) == "host"]
+    need(not missing, f"sandbox isolation {missing} (namespaces as root)")
+
+
+def sandbox_processes(uid: int) -> list[int]:
+    """Pids of processes owned by `uid` now, on the host."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            status = (d / "status").read_text() if d.name.isdigit() else ""
+            if f"Uid:\t{uid}\t" in status and "State:\tZ" not in status:     # zombies are dead
+                found.append(int(d.name))
+        except OSError:
+            pass
+    return found
+
+
+def reap(uid: int) -> list[int]:
+    """Stop, then kill, every process of `uid` (only the sandbox's uid, 65534, which nothing
+    else here runs as): a regression must not leave a fork bomb behind. Returns what it found."""
+    found: set[int] = set()
+    for _ in range(200):
+        pids = sandbox_processes(uid)
+        if not pids:
+            break
+        found.update(pids)
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.05)
+    return sorted(found)
+
+
+def test_the_limits_and_the_uid_are_in_force_in_the_child(isolation):
+    need_root(isolation, "pid")
+    code = ("import os, resource as r\n"
+            "print(os.getuid(), os.getgid(), os.getgroups(), os.getcwd())\n"
+            "for n in ('RLIMIT_CPU', 'RLIMIT_AS', 'RLIMIT_FSIZE', 'RLIMIT_NPROC'):\n"
+            "    print(n, *r.getrlimit(getattr(r, n)))\n")
+    r = run_code_sync(code, CFG)
+    assert r.outcome == "ok", r
+    assert r.stdout.splitlines() == [f"{CFG.uid} {CFG.uid} [] /tmp/work", "RLIMIT_CPU 2 3",
+                                     f"RLIMIT_AS {256 << 20} {256 << 20}", f"RLIMIT_FSIZE {16 << 20} {16 << 20}",
+                                     "RLIMIT_NPROC 16 16"]
+    assert resource.getrlimit(resource.RLIMIT_CPU)[0] == resource.RLIM_INFINITY   # not the caller's
+
+
+def test_a_fork_bomb_is_contained_and_leaves_no_process(isolation):
+    need_root(isolation, "pid")
+    # each child also leaves the process group, as if to escape a kill of the group
+    bomb = ("import os\nwhile True:\n    try:\n        os.fork() or os.setsid()\n"
+            "    except OSError:\n        pass\n")
+    r = run_code_sync(bomb, ToolsConfig(cpu_s=1, wall_s=6, nproc=16))
+    assert r.outcome in ("killed_cpu", "timeout"), r
+    assert reap(CFG.uid) == []
+    assert run_code_sync("print(2)", CFG).stdout == "2\n"               # the caller goes on
+
+
+def test_a_10_gb_allocation_fails_as_memory():
+    r = run_code_sync("x = bytearray(10 * 2**30)\nprint('allocated')", CFG)
+    assert (r.outcome, r.exit_code, r.stdout) == ("memory", 1, ""), r
+    assert r.stderr.rstrip().endswith("MemoryError")
+
+
+def test_an_infinite_loop_is_killed_at_its_cpu_limit():
+    r = run_code_sync("while True:\n    pass\n", ToolsConfig(cpu_s=1, wall_s=60))
+    assert r.outcome == "killed_cpu", r
+    assert r.cpu_s > 0.5 and r.signal in (signal.SIGXCPU, signal.SIGKILL)   # rusage counts in ticks
+
+
+def test_a_sleeping_loop_is_killed_at_the_wall_clock_limit():
+    r = run_code_sync("import time\nwhile True:\n    time.sleep(1)\n", ToolsConfig(cpu_s=5, wall_s=1.5))
+    assert (r.outcome, r.exit_code) == ("timeout", None), r
+    assert r.wall_s >= 1.5 and reap(CFG.uid) == []                  # killed, not abandoned
+
+
+def test_writing_outside_its_directory_is_refused(isolation, tmp_path):
+    need_root(isolation, "private_tmp")
+    shared = Path(tempfile.mkdtemp(prefix="flexmarl-shared-", dir="/tmp"))   # world-writable, on the host
+    shared.chmod(0o1777)
+    targets = [shared / "escape", tmp_path / "escape", Path.cwd() / "escape-from-sandbox", Path("/etc/escape")]
+    code = ("import sys\nopen('inside.txt', 'w').write('fine')\nprint('inside', open('inside.txt').read())\n"
+            f"for t in {[str(t) for t in targets]!r}:\n"
+            "    try:\n        open(t, 'w').write('x')\n        print('WROTE', t)\n"
+            "    except OSError as e:\n        print('refused', type(e).__name__)\n")
+    try:
+        r = run_code_sync(code, CFG)
+        assert r.outcome == "ok", r
+        assert r.stdout.splitlines()[0] == "inside fine" and "WROTE" not in r.stdout, r.stdout
+        assert [t for t in targets if t.exists()] == []
+    finally:
+        for t in targets:
+            t.unlink(missing_ok=True)
+        shared.rmdir()
+
+
+def test_the_runs_environment_cannot_be_read(isolation, monkeypatch):
+    need_root(isolation, "pid")
+    secret = "s3cret-" + os.urandom(8).hex()
+    monkeypatch.setenv("FLEXMARL_TEST_SECRET", secret)
+    code = (f"import os\nprint(dict(os.environ))\n"
+            f"for pid in ({os.getpid()}, {os.getppid()}, 1, 'self'):\n"
+            "    try:\n        print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
+            "    except OSError as e:\n        print(pid, 'refused', type(e).__name__)\n")
+    r = run_code_sync(code, CFG)
+    assert r.outcome == "ok", r
+    assert secret not in r.stdout + r.stderr and "FLEXMARL_TEST_SECRET" not in r.stdout
+    assert f"{os.getpid()} refused" in r.stdout
+
+
+def test_opening_a_socket_to_a_local_listener_fails(isolation):
+    need(isolation.get("network", "host") != "host", "a network namespace (root or user namespaces)")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = ("import socket\ns = socket.socket()\ns.settimeout(3)\n"
+                f"try:\n    s.connect(('127.0.0.1', {port}))\n    print('connected')\n"
+                "except OSError as e:\n    print('refused', e)\n")
+        r = run_code_sync(code, CFG)
+        server.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            server.accept()
+    assert r.outcome == "ok" and r.stdout.startswith("refused"), r
+
+
+def test_a_crash_and_long_output_give_defined_results():
+    r = run_code_sync("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", CFG)
+    assert (r.outcome, r.signal, r.exit_code) == ("crashed", signal.SIGSEGV, None), r
+    r = run_code_sync("print('x' * 100000)\nraise SystemExit(3)", ToolsConfig(output_bytes=100))
+    assert (r.outcome, r.exit_code, r.stdout, r.truncated) == ("error", 3, "x" * 100, True)
+
+
+def test_an_interpreter_the_sandbox_uid_cannot_run_is_a_launch_failure(isolation, tmp_path):
+    need_root(isolation)
+    private = tmp_path / "private"                       # 0700 root, like a venv under /root
+    private.mkdir(mode=0o700)
+    (private / "python").symlink_to(os.path.realpath("/usr/bin/python3"))
+    r = run_code_sync("print(1)", ToolsConfig(python=str(private / "python")))
+    assert (r.outcome, r.exit_code, r.stdout) == ("launch_failed", 125, ""), r
+    # PermissionError, or FileNotFoundError where the private /tmp hides tmp_path
+    assert r.stderr.startswith("sandbox launcher: ") and "Error" in r.stderr, r.stderr
+
+
+NOT_ROOT = """
+import json, sys
+sys.path.insert(0, {root!r})
+from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.tools.sandbox import run_code_sync
+code = ("import os, socket\\nprint(os.getuid())\\ntry:\\n    socket.create_connection(('127.0.0.1', 9), 2)\\n"
+        "except OSError as e:\\n    print('refused', e.errno)")
+r = run_code_sync(code, ToolsConfig(cpu_s=2, wall_s=20))
+print(json.dumps([r.outcome, r.stdout, r.isolation]))
+"""
+
+
+def test_without_root_the_result_says_which_isolation_was_in_force(isolation):
+    """The caller as uid 1000 (stdlib-only /usr/bin/python3, as the package imports no more):
+    no uid drop, no mount or pid namespace; a network namespace only through a user
+    namespace, and then the loopback of the host is out of reach."""
+    need_root(isolation)
+    from flexmarl_hpc.tools.config import others_can_run
+    from tests.conftest import ROOT
+    if not (others_can_run("/usr/bin/python3") and others_can_run(str(ROOT / "flexmarl_hpc" / "tools"))):
+        pytest.skip("the checkout or /usr/bin/python3 is not reachable by uid 1000")
+    p = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "/usr/bin/python3", "-I",
+                        "-c", NOT_ROOT.format(root=str(ROOT))], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    assert p.returncode == 0, p.stderr
+    outcome, stdout, iso = json.loads(p.stdout.splitlines()[-1])
+    # in a user namespace without a uid map the code sees itself as the overflow uid 65534
+    assert outcome == "ok" and stdout.splitlines()[0] in ("1000", "65534"), stdout
+    assert (iso["uid"], iso["mount"], iso["pid"], iso["private_tmp"]) == (1000, False, False, False)
+    assert iso["network"] in ("userns+netns", "host")
+    if iso["network"] == "userns+netns":
+        assert stdout.splitlines()[1].startswith("refused"), stdout
