@@ -158,12 +158,12 @@ class _Estimator:
             rounds = 1
         mine = lengths[::per_agent]             # longest-first round-robin: replica 0's share
         prompts = math.ceil(len(mine) / wl.samples_per_prompt)
-        t = rounds * generate_s(self.hw, lay, prompts * wl.prompt_tokens, wl.prompt_tokens, mine)
+        t = rounds * generate_s(self.hw, lay, prompts * wl.prompt_tokens, wl.prompt_tokens, mine, closed_form=True)
         busy = 0.0
         for r in range(min(per_agent, len(lengths))):
             share = lengths[r::per_agent]
             busy += generate_s(self.hw, lay, math.ceil(len(share) / wl.samples_per_prompt) * wl.prompt_tokens,
-                               wl.prompt_tokens, share)
+                               wl.prompt_tokens, share, closed_form=True)
         return t, busy * g * cls.count
 
     def _train(self, name: str, groups: int, group_nodes: int) -> tuple[float, float, float, float]:
