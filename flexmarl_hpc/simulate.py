@@ -250,8 +250,11 @@ def capacity(config: str, steps: int, out: Path, overrides: list[str] = ()) -> d
     path, sim = simulate_run(cfg, ConstantCost(), out, "zero-cost", charge_orchestrator=True)
     wall = time.perf_counter() - wall
     r = measure(path, rank_devices(cfg), skip=1)
+    from flexmarl_hpc.sim.msgcost import byte_cost_s
+    per_s = sim.sent / max(sim.now - sim_t0(path), 1e-9)
     return {"samples_per_s": r["samples_per_s"], "step_s": r["step_s"], "wall_s": wall,
-            "commands": sim.sent, "commands_per_s": sim.sent / max(sim.now - sim_t0(path), 1e-9)}
+            "commands": sim.sent, "commands_per_s": per_s, "s_per_command": 1.0 / max(per_s, 1e-12),
+            "s_per_byte": byte_cost_s()}
 
 
 def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path,
@@ -517,7 +520,8 @@ def capacity_main(a: argparse.Namespace, out: Path) -> int:
         return 2
     print(json.dumps(res, indent=1) if a.json else
           f"orchestrator capacity: {res['samples_per_s']:.0f} samples/s, {res['commands_per_s']:.0f} "
-          f"commands/s ({res['commands']} commands, wall {res['wall_s']:.1f} s)")
+          f"commands/s ({res['commands']} commands, wall {res['wall_s']:.1f} s); per command "
+          f"{res['s_per_command'] * 1e3:.3f} ms, per message byte {res['s_per_byte'] * 1e9:.2f} ns")
     return 0
 
 

@@ -40,6 +40,8 @@ from flexmarl_hpc.config.layout import ROLLOUT, layout_from_config
 from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
 from flexmarl_hpc.sim.costs import AgentLayout, CostModel, LengthDistribution, ModelShape, shape_from_model_args
 from flexmarl_hpc.sim.hardware import HardwareProfile
+from flexmarl_hpc.sim.perturb import Perturbation, Perturber
+from flexmarl_hpc.sim.placement import sync_network
 from flexmarl_hpc.sim.transport import SimTransport, SyntheticWorkers
 
 QWEN_VOCAB = 152064
@@ -90,6 +92,7 @@ class ModelledCost:
 
     def generate_s(self, agent, n_prompts, prompt_tokens, response_tokens) -> float:
         lengths = self.work.lengths.sample(self.rng, len(response_tokens))
+        self.last_tokens = (n_prompts * self.work.prompt_tokens, int(lengths.sum()))   # message sizes
         return self.cost.generate_s(agent, n_prompts, self.work.prompt_tokens, lengths)
 
     def train_tokens(self, arrays: dict) -> int:
@@ -153,7 +156,8 @@ def real_workers_fit(cfg: Config, vocab: int) -> None:
 
 
 def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | None = None,
-                 charge_orchestrator: bool = False, workers: str = "synthetic") -> tuple[Path, SimTransport]:
+                 charge_orchestrator: bool = False, workers: str = "synthetic",
+                 perturb: Perturbation | None = None) -> tuple[Path, SimTransport]:
     """Run `cfg` on the simulated clock; returns its HDF5 file (attrs simulated=True,
     hardware, workers) and the transport (for its clock and counters). `workers` "real"
     runs the real engine and trainers in-process (small models; `work` must then be None:
@@ -180,9 +184,10 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        "world_size": layout.world_size, "simulated": True, "hardware": hardware,
                        "sim_workers": workers},
                       chunk=cfg.store.chunk_rows)
+    hw = getattr(cost, "hw", None)                  # a CostModel's profile
+    eff = getattr(hw, "efficiency", None)
     if work is not None:
         cost = ModelledCost(cost, work)
-    eff = getattr(getattr(cost, "hw", None), "efficiency", None)   # a CostModel's profile
     sim = SimTransport(layout, cost, content, t0=store.t0,
                        charge_orchestrator=charge_orchestrator,
                        orchestrator_s=eff.orchestrator_s if eff else 0.0,
@@ -190,7 +195,11 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        latency_s=eff.message_latency_s if eff else 0.0,
                        shared_cores=eff.shared_cores if eff else 0,
                        waiting_share=eff.waiting_share if eff else 0.0,
-                       workers_poll=cfg.run.idle_wait == "poll")
+                       workers_poll=cfg.run.idle_wait == "poll",
+                       orchestrator_byte_s=eff.orchestrator_byte_s if eff else 0.0,
+                       # a fabric for the syncs where there is one: not on shared cores (one machine)
+                       network=(sync_network(cfg, layout, hw) if eff and not eff.shared_cores else None),
+                       perturb=Perturber(perturb, layout.world_size) if perturb and perturb.active else None)
     try:
         with sim_clock(sim):
             code = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None).run()
