@@ -27,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 from pathlib import Path
 
 import h5py
@@ -59,6 +60,17 @@ class Workload:
     """Vocabulary of the priced models (embedding and LM head parameters)."""
     seed: int = 0
     """Seed of the modelled lengths (the simulation is deterministic given it)."""
+    prompts: Mapping[str, int] = field(default_factory=dict)
+    """Per agent its prompt, where it differs from `prompt_tokens` (context grown along a
+    chain: sim.workload.TaskSpec.prompts)."""
+    agent_lengths: Mapping[str, LengthDistribution] = field(default_factory=dict)
+    """Per agent its lengths, where they differ from `lengths` (sim.workload.TaskSpec.lengths)."""
+
+    def prompt_for(self, agent: str) -> int:
+        return self.prompts.get(agent, self.prompt_tokens)
+
+    def lengths_for(self, agent: str) -> LengthDistribution:
+        return self.agent_lengths.get(agent, self.lengths)
 
 
 def agent_shape(cfg: Config, agent: str, vocab: int, bytes_per_param: int = 2) -> ModelShape:
@@ -87,17 +99,27 @@ class ModelledCost:
 
     def __init__(self, cost: CostModel, work: Workload) -> None:
         self.cost, self.work = cost, work
+        self.hw = getattr(cost, "hw", None)
         self.rng = np.random.default_rng(work.seed)
-        self.mean_len = float(work.lengths.sample(np.random.default_rng(12345), 100_000).mean())
+        self._means: dict[str, float] = {}
+
+    def mean_len(self, agent: str) -> float:
+        """The agent's mean modelled length (of a fixed-seed sample: the same in every run)."""
+        if agent not in self._means:
+            self._means[agent] = float(self.work.lengths_for(agent).sample(np.random.default_rng(12345), 100_000).mean())
+        return self._means[agent]
 
     def generate_s(self, agent, n_prompts, prompt_tokens, response_tokens) -> float:
-        lengths = self.work.lengths.sample(self.rng, len(response_tokens))
-        self.last_tokens = (n_prompts * self.work.prompt_tokens, int(lengths.sum()))   # message sizes
-        return self.cost.generate_s(agent, n_prompts, self.work.prompt_tokens, lengths)
+        lengths = self.work.lengths_for(agent).sample(self.rng, len(response_tokens))
+        prompt = self.work.prompt_for(agent)
+        self.last_tokens = (n_prompts * prompt, int(lengths.sum()))   # message sizes
+        return self.cost.generate_s(agent, n_prompts, prompt, lengths)
 
-    def train_tokens(self, arrays: dict) -> int:
+    def train_tokens(self, arrays: dict, agent: str | None = None) -> int:
         rows = int(np.count_nonzero(np.asarray(arrays["response_lens"])))
-        return int(rows * (self.work.prompt_tokens + self.mean_len))
+        if agent is None:
+            return int(rows * (self.work.prompt_tokens + self.mean_len("")))
+        return int(rows * (self.work.prompt_for(agent) + self.mean_len(agent)))
 
     def train_s(self, agent, tokens, optimizer_step=True) -> float:
         return self.cost.train_s(agent, tokens, optimizer_step)

@@ -163,17 +163,22 @@ class FlowShare:
     t: float
     jobs: list[Flow] = field(default_factory=list)
 
+    _cache: tuple = ((), {})
+    """(the live flows, their rates): rates change only when that set does."""
+
     def add(self, flow: Flow) -> None:
         flow.start = max(flow.start, self.t)
         self.jobs.append(flow)
 
     def rates(self) -> dict[Flow, float]:
-        live = [f for f in self.jobs if f.start <= self.t]
+        live = tuple(f for f in self.jobs if f.start <= self.t)
         if not live:
             return {}
-        cap = {l: self.fabric.capacity(l) for f in live for l in f.links}
-        r = maxmin_rates([f.links for f in live], cap, [f.cap for f in live])
-        return dict(zip(live, r))
+        if live != self._cache[0]:             # identity: a Flow compares as itself
+            cap = {l: self.fabric.capacity(l) for f in live for l in f.links}
+            r = maxmin_rates([f.links for f in live], cap, [f.cap for f in live])
+            self._cache = (live, dict(zip(live, r)))
+        return self._cache[1]
 
     def _next(self, rates: dict[Flow, float]) -> tuple[float, Flow | None]:
         end, first = math.inf, None

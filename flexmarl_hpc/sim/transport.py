@@ -243,7 +243,7 @@ class SimTransport:
             arrays = msg.arrays
             # a cost may price modelled rather than real tokens (sim.driver.ModelledCost)
             real = int(np.sum(arrays["prompt_lens"]) + np.sum(arrays["response_lens"]))
-            tokens = self.cost.train_tokens(arrays) if hasattr(self.cost, "train_tokens") else real
+            tokens = self.cost.train_tokens(arrays, msg.agent) if hasattr(self.cost, "train_tokens") else real
             dt = self.cost.train_s(msg.agent, tokens, optimizer_step=msg.last) * self._factor(rank)
             # the micro-batch's arrays, scaled from the real tokens to the modelled ones
             self.cmd_bytes = sum(np.asarray(a).nbytes for a in arrays.values()) * tokens / max(real, 1)
