@@ -68,6 +68,7 @@ from flexmarl_hpc.sim.plan_config import (config_classes, describe_alloc, descri
                               fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
                               plan_workload)
 from flexmarl_hpc.sim.scale import parse_sizes, plot_scale, scale_points
+from flexmarl_hpc.sim.paper_cli import check_paper, paper_main, paper_options
 from flexmarl_hpc.sim.transport import ConstantCost
 
 VARIANTS = {
@@ -651,6 +652,8 @@ COMMANDS = {
                          calibrate_options, check_calibrate, calibrate_main),
     "capacity": Command("the samples/s the orchestrator alone drives on this CPU (zero-cost workers)",
                         capacity_options, lambda a: None, capacity_main),
+    "paper": Command("the paper's Tables 2-3 (MA, CA) against the simulator; --fit, --sweep",
+                     paper_options, check_paper, paper_main),
 }
 
 

@@ -179,7 +179,8 @@ def real_workers_fit(cfg: Config, vocab: int) -> None:
 
 def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | None = None,
                  charge_orchestrator: bool = False, workers: str = "synthetic",
-                 perturb: Perturbation | None = None) -> tuple[Path, SimTransport]:
+                 perturb: Perturbation | None = None, wrap=None,
+                 colocate: list[tuple[int, int]] = ()) -> tuple[Path, SimTransport]:
     """Run `cfg` on the simulated clock; returns its HDF5 file (attrs simulated=True,
     hardware, workers) and the transport (for its clock and counters). `workers` "real"
     runs the real engine and trainers in-process (small models; `work` must then be None:
@@ -210,6 +211,8 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
     eff = getattr(hw, "efficiency", None)
     if work is not None:
         cost = ModelledCost(cost, work)
+    if wrap is not None:                            # a baseline's own costs (sim.baselines.Colocated)
+        cost = wrap(cost)
     sim = SimTransport(layout, cost, content, t0=store.t0,
                        charge_orchestrator=charge_orchestrator,
                        orchestrator_s=eff.orchestrator_s if eff else 0.0,
@@ -220,7 +223,7 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        workers_poll=cfg.run.idle_wait == "poll",
                        orchestrator_byte_s=eff.orchestrator_byte_s if eff else 0.0,
                        # a fabric for the syncs where there is one: not on shared cores (one machine)
-                       network=(sync_network(cfg, layout, hw) if eff and not eff.shared_cores else None),
+                       network=(sync_network(cfg, layout, hw, colocate) if eff and not eff.shared_cores else None),
                        perturb=Perturber(perturb, layout.world_size) if perturb and perturb.active else None)
     try:
         with sim_clock(sim):
@@ -232,9 +235,10 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
     return path, sim
 
 
-def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2) -> dict:
+def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2, devices: int = 0) -> dict:
     """step_s (median gap between global steps after `skip`), samples/s, and accelerator
-    utilization (busy accelerator-seconds / (accelerators x window); `gpus`: rank -> devices)."""
+    utilization (busy accelerator-seconds / (accelerators x window); `gpus`: rank -> devices;
+    `devices`: the physical count, where ranks share devices (a colocated baseline))."""
     with h5py.File(path, "r") as f:
         m, iv = f["metrics"][:], f["intervals"][:]
         world = int(f.attrs["world_size"])
@@ -252,7 +256,7 @@ def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2) -> di
     span = max(hi - lo, 1e-12)
     return {"step_s": float(np.median(np.diff(t[max(skip - 1, 0):]))) if len(t) > 1 else float(hi),
             "samples_per_s": float(m["samples"][skip:].sum() / span),
-            "util": float((per_rank * weight).sum() / (weight.sum() * span)),
+            "util": float((per_rank * weight).sum() / ((devices or weight.sum()) * span)),
             "steps": int(len(t))}
 
 

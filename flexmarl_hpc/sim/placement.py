@@ -17,19 +17,29 @@ from flexmarl_hpc.sim.hardware import HardwareProfile
 from flexmarl_hpc.sim.network import Fabric, Flow, FlowShare, broadcast_flow, broadcast_work
 
 
-def placement(cfg, layout: RankLayout, hw: HardwareProfile) -> dict[int, tuple[int, int]]:
-    """World rank -> (node, device) of every worker rank (a replica: its first device)."""
-    dpn, node, out = hw.devices_per_node, 0, {}
+def placement(cfg, layout: RankLayout, hw: HardwareProfile,
+              colocate: list[tuple[int, int]] = ()) -> dict[int, tuple[int, int]]:
+    """World rank -> (node, device) of every worker rank (a replica: its first device).
+    `colocate`: (pool, group) pairs whose group sits on its pool's nodes (a colocated
+    baseline: sim.baselines), one group after another there."""
+    dpn, node, out, offset = hw.devices_per_node, 0, {}, []
     for p, pool in enumerate(rollout_pools(cfg)):
+        offset.append(node)
         for i, replica in enumerate(layout.pool_replicas(p)):
             slot = i * pool.gpus_per_replica
             out[replica + 1] = (node + slot // dpn, (node + slot // dpn) * dpn + slot % dpn)
         node += math.ceil(pool.replicas * pool.gpus_per_replica / dpn)
+    home, used = dict((g, p) for p, g in colocate), {}
     for g, _ in enumerate(trainer_groups(cfg)):
         ranks = layout.group_ranks(g)
+        first = node
+        if g in home:
+            first = offset[home[g]] + used.get(home[g], 0)
+            used[home[g]] = used.get(home[g], 0) + math.ceil(len(ranks) / dpn)
         for j, r in enumerate(ranks):
-            out[r] = (node + j // dpn, (node + j // dpn) * dpn + j % dpn)
-        node += math.ceil(len(ranks) / dpn)
+            out[r] = (first + j // dpn, (first + j // dpn) * dpn + j % dpn)
+        if g not in home:
+            node += math.ceil(len(ranks) / dpn)
     return out
 
 
@@ -70,8 +80,9 @@ class SyncNetwork:
         return flow
 
 
-def sync_network(cfg, layout: RankLayout, hw: HardwareProfile) -> SyncNetwork:
-    """The shared network of `cfg`'s weight syncs on `hw` (ring broadcast, 1 GiB buckets)."""
-    return SyncNetwork(fabric_of(hw), placement(cfg, layout, hw), hw.efficiency.broadcast,
+def sync_network(cfg, layout: RankLayout, hw: HardwareProfile, colocate: list[tuple[int, int]] = ()) -> SyncNetwork:
+    """The shared network of `cfg`'s weight syncs on `hw` (the profile's broadcast algorithm,
+    the config's buckets); `colocate` as for `placement`."""
+    return SyncNetwork(fabric_of(hw), placement(cfg, layout, hw, colocate), hw.efficiency.broadcast,
                        int(cfg.weight_sync.bucket_mb * 2**20),
                        hw.efficiency.bucket_latency_s)

@@ -3,8 +3,7 @@ parameter (`UNKNOWNS`) that `simulate paper --sweep` varies.
 
 A spec drives the simulator through the existing workflow/Task mechanism: the task's config
 (its agents, their models, the relay chain of turns in `workflow.turns`) gets the paper's
-batch shape as overrides (`overrides`: queries per step, branches of the first turn,
-micro-batch), and `workload` gives the modelled lengths the synthetic workers are priced
+batch shape (`apply`: queries per step, branches of the first turn, micro-batch), and `workload` gives the modelled lengths the synthetic workers are priced
 with (sim.driver.Workload): per agent its prompt, which grows along the chain with the
 context the earlier turns added, and its response-length distribution, a lognormal whose
 median differs per agent (the paper's "skewed inter-agent request patterns"). The Python
@@ -19,6 +18,7 @@ the relay chain here. Sources (docs/simulator.md, "The paper's tasks"):
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -36,6 +36,9 @@ class TaskSpec:
     """MA or CA."""
     config: str
     """The config of its agents and allocation (the relay chain of their turns)."""
+    agents: tuple[str, ...] = ()
+    """UNKNOWN (how many agents the paper's MA and CA chain): the config's agents the task
+    keeps, in chain order."""
     queries: int = 4
     """Queries per step (paper: 4)."""
     branches: int = 16
@@ -57,10 +60,40 @@ class TaskSpec:
     seed: int = 0
     """Seed of the agents' medians and of the lengths."""
 
-    def overrides(self) -> list[str]:
-        """Config overrides giving the paper's batch shape (global batch = queries x branches)."""
-        return [f"workflow.inputs_per_step={self.queries}", f"workflow.turns.0.samples={self.branches}",
-                f"trainer.micro_batch_size={self.micro_batch}"]
+    def apply(self, raw: dict, nodes: int = 47) -> dict:
+        """A copy of the config dict `raw` as the task: only the turns of `agents` (the
+        chain keeps its order), their pools and trainer groups, the pools grown to fill
+        `nodes` (the paper's 48 less the orchestrator's) in proportion to their nodes; the
+        paper's batch shape: `queries` inputs per step, `branches` samples at the first turn
+        (global batch = queries x branches), micro-batch `micro_batch`."""
+        out = copy.deepcopy(raw)
+        keep = set(self.agents)
+        wf = out["workflow"]
+        wf["turns"] = [t for t in wf["turns"] if t["agent"] in keep]
+        missing = keep - {t["agent"] for t in wf["turns"]}
+        if missing:
+            raise ValueError(f"task {self.name}: field 'agents': {sorted(missing)} have no turn in {self.config}")
+        wf["inputs_per_step"], wf["turns"][0]["samples"] = self.queries, self.branches
+        for t in wf["turns"][1:]:
+            t["samples"] = 1
+        out.setdefault("trainer", {})["micro_batch_size"] = self.micro_batch
+        out["agents"] = {a: m for a, m in (out.get("agents") or {}).items() if a in keep}
+        groups = [g for g in out["trainer"]["named_groups"] if set(g["agents"]) <= keep]
+        out["trainer"]["named_groups"] = groups
+        pools = []
+        for p in out["rollout"]["pools"]:
+            p["agents"] = [a for a in p["agents"] if a in keep]
+            if p["agents"]:
+                pools.append(p)
+        free = nodes - sum(g["slurm"]["nodes"] for g in groups)
+        was = sum(p["slurm"]["nodes"] for p in pools)
+        for i, p in enumerate(pools):
+            n = free - sum(q["slurm"]["nodes"] for q in pools[:i]) if i == len(pools) - 1 else \
+                max(1, round(free * p["slurm"]["nodes"] / was))
+            per_node = p["slurm"]["gpus_per_node"] // p["gpus_per_replica"]
+            p["slurm"]["nodes"], p["replicas"] = n, n * per_node
+        out["rollout"]["pools"] = pools
+        return out
 
     def medians(self, agents: list[str]) -> dict[str, float]:
         """Each agent's median response length: the seeded skew around `length_median`."""
@@ -83,8 +116,8 @@ class TaskSpec:
                 for a, m in self.medians(agents).items()}
 
 
-MA = TaskSpec("MA", "configs/paper_15x14b.yaml")
-CA = TaskSpec("CA", "configs/paper_3x32b_7x14b.yaml")
+MA = TaskSpec("MA", "configs/paper_15x14b.yaml", agents=("shop14_0", "shop14_1", "shop14_2"))
+CA = TaskSpec("CA", "configs/paper_3x32b_7x14b.yaml", agents=("shop32_0", "shop14_0", "shop14_1"))
 TASKS = {"MA": MA, "CA": CA}
 
 UNKNOWNS: dict[str, tuple[float, ...]] = {
