@@ -68,6 +68,7 @@ from flexmarl_hpc.sim.plan_config import (config_classes, describe_alloc, descri
                               fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
                               plan_workload)
 from flexmarl_hpc.sim.scale import parse_sizes, plot_scale, scale_points
+from flexmarl_hpc.sim.baselines import FRAGMENTS, SYNC_NO_LB, colocated_run, system_config
 from flexmarl_hpc.sim.paper_cli import check_paper, paper_main, paper_options
 from flexmarl_hpc.sim.transport import ConstantCost
 
@@ -77,15 +78,24 @@ VARIANTS = {
     "flex-nolb": ["run.mode=flex", "pipeline.load_balance=false"],
     "flex": ["run.mode=flex"],
     "flex-stale1": ["run.mode=flex", "pipeline.max_staleness=1"],
+    "verl": SYNC_NO_LB,          # baselines (sim/baselines.py, docs/baselines.md)
+    "marti": ["run.mode=sync"],  # + their own allocation (sim.baselines.FRAGMENTS)
+    "mas-rl": ["run.mode=sync"],
 }
 """Variant -> config overrides (as bench/bench_modes.py expresses the ablations)."""
 
 
-def variant_config(config: str, variant: str, steps: int, out: Path, overrides: list[str] = ()):
-    """The config of one --compare variant, writing under `out`/<variant>, no checkpoints."""
-    return load_config(config, [*overrides, *VARIANTS[variant], f"run.steps={steps}", "run.resume=false",
-                                f"run.output_dir={out / variant}", "run.checkpoint_every=0",
-                                "run.checkpoint_minutes=0"])
+def variant_config(config: str, variant: str, steps: int, out: Path, overrides: list[str] = (),
+                   hw: HardwareProfile | None = None):
+    """(config, colocated (pool, group) pairs) of one --compare variant, writing under
+    `out`/<variant>, no checkpoints; a baseline with its own allocation (marti, mas-rl) gets
+    it on the config's nodes of `hw` (sim/baselines.py)."""
+    common = [*overrides, *VARIANTS[variant], f"run.steps={steps}", "run.resume=false",
+              f"run.output_dir={out / variant}", "run.checkpoint_every=0", "run.checkpoint_minutes=0"]
+    if variant not in FRAGMENTS:
+        return load_config(config, common), []
+    raw = yaml.safe_load(Path(config).read_text())
+    return system_config(raw, variant, hw or load_hardware("npu64_a3"), common, out / variant / "config")
 
 
 def priced(cfg, hw: HardwareProfile, workers: str):
@@ -108,15 +118,16 @@ def run_variants(config: str, variants: list[str], hardware: str | HardwareProfi
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
     results = {}
     for v in variants:
-        cfg = variant_config(config, v, steps, out, overrides)
+        cfg, pairs = variant_config(config, v, steps, out, overrides, hw)
         wall = time.perf_counter()
         try:
             cost, work = priced(cfg, hw, workers)
-            path, sim = simulate_run(cfg, cost, out / v, hw.name, work, workers=workers)
+            wrap, devices = colocated_run(cfg, cost, hw, pairs)
+            path, sim = simulate_run(cfg, cost, out / v, hw.name, work, workers=workers, wrap=wrap, colocate=pairs)
         except RuntimeError as e:      # e.g. the orchestrator waits with nothing in flight
             results[v] = {"error": str(e), "wall_s": time.perf_counter() - wall}
             continue
-        r = measure(path, rank_devices(cfg))
+        r = measure(path, rank_devices(cfg), devices=devices)
         r.update(wall_s=time.perf_counter() - wall, sim_s=sim.now - sim_t0(path), h5=str(path))
         results[v] = r
     if "step_s" in results.get("sync", {}):
@@ -162,7 +173,7 @@ def predict_variants(config: str, variants: list[str], hw: HardwareProfile, step
     whose lengths come from the policy (configs/skewed.yaml) is priced as it runs."""
     results = {}
     for v in variants:
-        cfg = variant_config(config, v, steps, out, overrides)
+        cfg, _ = variant_config(config, v, steps, out, overrides, hw)
         path, _ = simulate_run(cfg, local_cost(cfg, hw), out / v, hw.name, workers=workers)
         results[v] = measure(path)
     return results

@@ -21,7 +21,10 @@ code and paper describe (docs/baselines.md has the sources).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Callable
+
+import yaml
 
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.sim.hardware import HardwareProfile
@@ -124,3 +127,42 @@ class Colocated:
         if optimizer_step:
             t += self.cost.swap_s(agent, self.cost.state_bytes(agent)) + self.engine_move_s(agent)
         return t
+
+
+def system_config(raw: dict, system: str, hw: HardwareProfile, overrides: list[str], folder: Path,
+                  nodes: int = 0):
+    """(Config, colocated pairs) of `system` from the config dict `raw` (written to
+    folder/config.yaml): a baseline's allocation of the config's nodes (or `nodes`) pasted
+    in, then `overrides` and the system's own (a baseline's, or a FlexMARL variant's
+    `extra` as the caller gives them in `overrides`)."""
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.sim.plan_config import merge_fragment
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    pairs: list = []
+    if system in FRAGMENTS:
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        base = load_config(str(path), list(overrides))
+        have = nodes or _config_nodes(base)
+        frag = FRAGMENTS[system](base, hw, have)
+        raw, pairs = merge_fragment(raw, frag), colocated_pairs(frag)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    extra = SYNC_NO_LB if system == "verl" else []
+    return load_config(str(path), [*overrides, *extra]), pairs
+
+
+def _config_nodes(cfg: Config) -> int:
+    """Nodes of the config's pools and groups (the orchestrator's not counted)."""
+    from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
+    return (sum(p.slurm.nodes for p in rollout_pools(cfg)) + sum(g.slurm.nodes for g in trainer_groups(cfg)))
+
+
+def colocated_run(cfg: Config, cost, hw: HardwareProfile, pairs: list[tuple[int, int]]):
+    """(cost wrap, physical devices) of a colocated baseline: its per-step moves, and the pool
+    devices only (its trainers run on them); (None, 0) when nothing is colocated."""
+    if not pairs:
+        return None, 0
+    from flexmarl_hpc.config.resources import rollout_pools
+    widths = {a: cost.layout(a).gpus_per_replica for a in cfg.agent_names}
+    devices = sum(p.replicas * p.gpus_per_replica for p in rollout_pools(cfg))
+    return (lambda c: Colocated(c, hw, widths.__getitem__)), devices

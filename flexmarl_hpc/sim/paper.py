@@ -18,11 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.sim.baselines import FRAGMENTS, SYNC_NO_LB, Colocated, colocated_pairs
+from flexmarl_hpc.sim.baselines import colocated_run, system_config
 from flexmarl_hpc.sim.driver import QWEN_VOCAB, Workload, cost_model, measure, rank_devices, simulate_run
 from flexmarl_hpc.sim.hardware import HardwareProfile
-from flexmarl_hpc.sim.plan_config import merge_fragment, plan_nodes
 from flexmarl_hpc.sim.workload import TASKS, TaskSpec
 
 PAPER = {
@@ -32,7 +30,7 @@ PAPER = {
 """Tables 2-3 and the busy time as the issue reports them (a reading note, not verified)."""
 SYSTEMS = ("mas-rl", "marti", "flex", "no-lb", "no-pipeline")
 VARIANT_OVERRIDES = {"flex": ["run.mode=flex"], "no-lb": ["run.mode=flex", "pipeline.load_balance=false"],
-                     "no-pipeline": ["run.mode=flex", "pipeline.micro_batch_overlap=false"], "verl": SYNC_NO_LB}
+                     "no-pipeline": ["run.mode=flex", "pipeline.micro_batch_overlap=false"]}
 RATIOS = {"vs MAS-RL": "mas-rl", "vs MARTI": "marti", "without LB": "no-lb", "without pipeline": "no-pipeline"}
 """Each ratio is that system's step over flex's."""
 GOAL = {"MA": 0.25, "CA": 0.35}
@@ -43,45 +41,22 @@ def ratios(row: dict) -> dict[str, float]:
     return {name: row[sys] / row["flex"] for name, sys in RATIOS.items()}
 
 
-def system_config(spec: TaskSpec, system: str, hw: HardwareProfile, steps: int, out: Path):
-    """(config, colocated (pool, group) pairs) of `system` on the task: the task's config with
-    the spec's batch shape, a baseline's allocation pasted in, written to out/<system>/."""
-    common = [f"run.steps={steps}", "run.resume=false", f"run.output_dir={out / system}",
-              "run.checkpoint_every=0", "run.checkpoint_minutes=0", "run.eval_every=0"]
-    raw = spec.apply(yaml.safe_load(Path(spec.config).read_text()))
-    (out / system).mkdir(parents=True, exist_ok=True)
-    path = out / system / "config.yaml"
-    pairs: list = []
-    if system in FRAGMENTS:
-        path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        base = load_config(str(path), common)
-        frag = FRAGMENTS[system](base, hw, plan_nodes(base, 48))
-        raw, pairs = merge_fragment(raw, frag), colocated_pairs(frag)
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return load_config(str(path), [*common, *VARIANT_OVERRIDES.get(system, [])]), pairs
-
-
 def run_system(spec: TaskSpec, system: str, hw: HardwareProfile, steps: int, out: Path) -> dict:
-    """step_s and busy fraction of one system on one task."""
-    cfg, pairs = system_config(spec, system, hw, steps, out)
+    """step_s and busy fraction of one system on one task (the task's config with the spec's
+    agents and batch shape, on the paper's 48 nodes)."""
+    common = [f"run.steps={steps}", "run.resume=false", f"run.output_dir={out / system}",
+              "run.checkpoint_every=0", "run.checkpoint_minutes=0", "run.eval_every=0",
+              *VARIANT_OVERRIDES.get(system, [])]
+    raw = spec.apply(yaml.safe_load(Path(spec.config).read_text()))
+    cfg, pairs = system_config(raw, system, hw, common, out / system, nodes=47)
     agents = list(cfg.agent_names)
     work = Workload(prompt_tokens=spec.prompt_tokens, vocab=QWEN_VOCAB, seed=spec.seed,
                     prompts=spec.prompts(agents), agent_lengths=spec.lengths(agents))
     cost = cost_model(cfg, hw)
-    wrap = None
-    if pairs:
-        widths = {a: cost.layout(a).gpus_per_replica for a in agents}
-        wrap = lambda c: Colocated(c, hw, widths.__getitem__)          # noqa: E731
+    wrap, devices = colocated_run(cfg, cost, hw, pairs)
     path, _ = simulate_run(cfg, cost, out / system, hw.name, work, wrap=wrap, colocate=pairs)
-    gpus = rank_devices(cfg)
-    devices = sum(p.replicas * p.gpus_per_replica for p in _pools(cfg)) if pairs else 0
-    r = measure(path, gpus, skip=1, devices=devices)
+    r = measure(path, rank_devices(cfg), skip=1, devices=devices)
     return {"step_s": r["step_s"], "busy": r["util"]}
-
-
-def _pools(cfg):
-    from flexmarl_hpc.config.resources import rollout_pools
-    return rollout_pools(cfg)
 
 
 def run_task(spec: TaskSpec, hw: HardwareProfile, steps: int, out: Path, systems=SYSTEMS) -> dict:
