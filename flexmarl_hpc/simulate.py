@@ -69,6 +69,7 @@ from flexmarl_hpc.sim.plan_config import (config_classes, describe_alloc, descri
                               plan_workload)
 from flexmarl_hpc.sim.scale import parse_sizes, plot_scale, scale_points
 from flexmarl_hpc.sim.baselines import FRAGMENTS, SYNC_NO_LB, colocated_run, system_config
+from flexmarl_hpc.sim.perturb import Failure, Perturbation, checkpoint_load_s, with_failure
 from flexmarl_hpc.sim.paper_cli import check_paper, paper_main, paper_options
 from flexmarl_hpc.sim.transport import ConstantCost
 
@@ -114,7 +115,8 @@ def local_cost(cfg, hw: HardwareProfile):
 
 
 def run_variants(config: str, variants: list[str], hardware: str | HardwareProfile, steps: int, out: Path,
-                 overrides: list[str] = (), workers: str = "synthetic") -> dict[str, dict]:
+                 overrides: list[str] = (), workers: str = "synthetic",
+                 perturb: Perturbation | None = None) -> dict[str, dict]:
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
     results = {}
     for v in variants:
@@ -123,7 +125,8 @@ def run_variants(config: str, variants: list[str], hardware: str | HardwareProfi
         try:
             cost, work = priced(cfg, hw, workers)
             wrap, devices = colocated_run(cfg, cost, hw, pairs)
-            path, sim = simulate_run(cfg, cost, out / v, hw.name, work, workers=workers, wrap=wrap, colocate=pairs)
+            path, sim = simulate_run(cfg, cost, out / v, hw.name, work, workers=workers, wrap=wrap, colocate=pairs,
+                                     perturb=perturb)
         except RuntimeError as e:      # e.g. the orchestrator waits with nothing in flight
             results[v] = {"error": str(e), "wall_s": time.perf_counter() - wall}
             continue
@@ -514,13 +517,40 @@ def compare_table(config: str, hardware: str, steps: int, res: dict[str, dict], 
 def compare_main(a: argparse.Namespace, out: Path) -> int:
     """`simulate compare`: each variant simulated, a table (or JSON); exit 1 if one failed."""
     try:
-        res = run_variants(a.config, variant_list(a.variants), a.hardware, a.steps, out, a.overrides, a.workers)
+        prob, factor = (float(x) for x in a.stragglers.split(":")) if a.stragglers else (0.0, 1.0)
+        perturb = Perturbation(a.seed, a.jitter, prob, factor)
+        res = run_variants(a.config, variant_list(a.variants), a.hardware, a.steps, out, a.overrides, a.workers,
+                           perturb=perturb)
+        if a.fail_at is not None:
+            add_failure(res, a)
     except (ConfigError, HardwareError, ValueError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"config": a.config, "hardware": a.hardware, "steps": a.steps, "variants": res}, indent=1)
           if a.json else compare_table(a.config, a.hardware, a.steps, res))
+    if a.fail_at is not None and not a.json:
+        for v, r in res.items():
+            if "done_with_failure_s" in r:
+                print(f"{v}: {a.steps} steps done at {r['done_s']:.0f} s; with a node failure at {a.fail_at:g} s, "
+                      f"at {r['done_with_failure_s']:.0f} s (+{r['failure_lost_s']:.0f} s)")
     return 1 if any("error" in r for r in res.values()) else 0
+
+
+def add_failure(res: dict[str, dict], a: argparse.Namespace) -> None:
+    """Each variant's time to finish its steps when a node fails at --fail-at (sim.perturb):
+    the steps since the last checkpoint redone after --restart-s and the checkpoint's read."""
+    import h5py
+    for v, r in res.items():
+        if "h5" not in r:
+            continue
+        with h5py.File(r["h5"], "r") as f:
+            m = f["metrics"][:]
+            cfg = run_config(r["h5"])
+        t = m[m["superseded"] == 0]["t"]                 # seconds since the run's start
+        cost = cost_model(cfg, load_hardware(a.hardware))
+        load = checkpoint_load_s(sum(cost.state_bytes(x) for x in cfg.agent_names), a.fs_gb_s)
+        ends = with_failure(t, a.checkpoint_every, Failure(a.fail_at, a.restart_s, load))
+        r.update(done_s=float(t[-1]), done_with_failure_s=float(ends[-1]), failure_lost_s=float(ends[-1] - t[-1]))
 
 
 def capacity_main(a: argparse.Namespace, out: Path) -> int:
@@ -612,6 +642,15 @@ def compare_options(p: argparse.ArgumentParser) -> None:
     _common_options(p, "npu64_a3", 10)
     _variants_option(p)
     _workers_option(p)
+    p.add_argument("--jitter", type=float, default=0.0, help="lognormal sigma of every operation's duration (mean 1)")
+    p.add_argument("--stragglers", default="", metavar="PROB:FACTOR",
+                   help="each operation is FACTOR times slower with probability PROB (e.g. 0.01:5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the jitter and stragglers")
+    p.add_argument("--fail-at", type=float, default=None, metavar="S",
+                   help="a node fails S simulated seconds in: the run restarts from its last checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (for --fail-at)")
+    p.add_argument("--restart-s", type=float, default=300.0, help="seconds from a failure to the restarted run")
+    p.add_argument("--fs-gb-s", type=float, default=10.0, help="file system GB/s reading the checkpoint back")
 
 
 def plan_options(p: argparse.ArgumentParser) -> None:
