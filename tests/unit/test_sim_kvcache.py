@@ -30,6 +30,14 @@ def test_a_full_cache_preempts_the_latest_admitted_which_re_prefills_later():
     assert again == 4
 
 
+def test_the_latest_admitted_is_the_one_preempted():
+    """A (6 tokens) then B (4), 1-token prompts, 8 of cache: 3 steps together (2, 4, 6), then
+    B (1 + 3 held) goes; A runs its last 3 alone (4, 5, 6); B re-prefills 4 and ends (4).
+    Preempting A instead would give B's step (held 4) before A's three."""
+    active, held, again = kv_schedule([6, 4], 1, 2, 8)
+    assert active.tolist() == [2, 2, 2, 1, 1, 1, 1] and held.tolist() == [2, 4, 6, 4, 5, 6, 4] and again == 4
+
+
 def test_admission_waits_for_room_before_the_slots_run_out():
     """Cache of 6, prompts of 2, responses of 2, 8 slots: A (2 + 1 + 1 <= 6) and B (2 + 2 + 2
     <= 6) are admitted, C (4 + 2 + 3 > 6) waits. One step (held 4 -> 6); the next needs 8:
