@@ -131,7 +131,8 @@ def run_variants(config: str, variants: list[str], hardware: str | HardwareProfi
             results[v] = {"error": str(e), "wall_s": time.perf_counter() - wall}
             continue
         r = measure(path, rank_devices(cfg), devices=devices)
-        r.update(wall_s=time.perf_counter() - wall, sim_s=sim.now - sim_t0(path), h5=str(path))
+        r.update(wall_s=time.perf_counter() - wall, sim_s=sim.now - sim_t0(path), h5=str(path),
+                 orchestrator_share=sim.orchestrator_charged / max(sim.now - sim_t0(path), 1e-12))
         results[v] = r
     if "step_s" in results.get("sync", {}):
         for r in results.values():

@@ -179,6 +179,7 @@ class SimTransport:
             network.share.t = self.now
         self.reply_bytes: dict[int, float] = {}      # batch_id -> bytes of its Generated reply
         self.cmd_bytes = 0.0                         # bytes of the command being planned
+        self.orchestrator_charged = 0.0              # modelled seconds of the orchestrator's own work
 
     # -- Transport ------------------------------------------------------------------------
     def send(self, rank: int, msg: messages.Command) -> None:
@@ -188,6 +189,7 @@ class SimTransport:
         self.cmd_bytes = SMALL_MESSAGE_BYTES
         plan = self._plan(rank, msg)                 # the reply's content is made now, in send order
         self.now += self.byte_s * self.cmd_bytes     # the orchestrator serializes it before it goes
+        self.orchestrator_charged += self.byte_s * self.cmd_bytes
         arrival = self.now + self.latency_s
         # a command to a rank still held in a collective (a generate queued behind its
         # weight sync) waits for it, as it does behind a computing rank on shared cores
@@ -299,6 +301,7 @@ class SimTransport:
         while the workers compute): it takes its share of a core, and slows them meanwhile;
         the jobs that end while it works send their replies then."""
         h = self._handling(reply)
+        self.orchestrator_charged += h
         if not (self.share and h > 0):
             self.now += h
             return
