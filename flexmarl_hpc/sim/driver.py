@@ -18,9 +18,11 @@ prompt plus the distribution's mean length: a micro-batch of 16 averages the tai
 
 Clock: everything the orchestrator timestamps (its busy intervals schedule/handle/store/log,
 /metrics t, /steps, the store's elapsed time) reads the simulated clock (`sim_clock`), so the
-HDF5 file is one coherent simulated timeline. The orchestrator's own work then costs zero
-simulated seconds unless `charge_orchestrator` adds its real compute to the clock (the
-capacity measurement does). Hang detection (time.monotonic) stays on the real clock.
+HDF5 file is one coherent simulated timeline. The orchestrator's own work costs the
+profile's modelled seconds (per reply, per optimizer step, per message byte), or its real
+compute when `charge_orchestrator` adds it to the clock (the capacity measurement does).
+Weight syncs are flows on the profile's fabric (sim.placement), except on shared cores (one
+machine). Hang detection (time.monotonic) stays on the real clock.
 """
 from __future__ import annotations
 
