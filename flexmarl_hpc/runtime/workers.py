@@ -6,6 +6,7 @@ can account for every rank's time. Waiting is never a spin (see comm.py).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,8 @@ from flexmarl_hpc.runtime.liveness import Liveness
 from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
-from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
+from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, layout_of, plan_buckets,
+                                              receive_weights, send_weights)
 
 
 def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
@@ -51,9 +53,11 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
         elif isinstance(cmd, messages.Sync):
             agent = cmd.agent
             t = [t0]
-            v, named = broadcast_weights(channels, tuple(cmd.members), None, cmd.version, bucket_bytes,
-                                         on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
-            engine.load_weights(agent, v, named)
+            v, _, buckets = receive_weights(channels, tuple(cmd.members))
+            t[0] = clock.waited(t0)
+            engine.load_weights(agent, v, buckets)            # bucket by bucket, as they arrive
+            for _ in buckets:                                 # every bucket is a collective
+                raise RuntimeError(f"replica {index}: the engine left buckets of {agent} v{v} unread")
             clock.mark("sync", agent, t[0])
             send_reply(world, orch, messages.Synced(index, agent, v, intervals=clock.drain()), bell)
         elif isinstance(cmd, messages.Stop):
@@ -78,6 +82,7 @@ class TrainerRank:
         self.bucket_bytes, self.keep_checkpoints = bucket_bytes, keep_checkpoints
         self.channels, self.sync_wire = channels, sync_wire
         self.leader = group.Get_rank() == 0
+        self.group_ids = GroupIds()          # the same on every rank of the group
         self.clock = WorkerClock()
         self.step_stats: dict[str, dict[str, float]] = {}     # per agent, summed over micro-batches
         self.handlers = {messages.Train: self.train, messages.Sync: self.sync,
@@ -101,17 +106,29 @@ class TrainerRank:
         return messages.Trained(agent, cmd.step) if summed is None else messages.Stepped(agent, tr.version, summed)
 
     def sync(self, cmd: messages.Sync, t0: float) -> messages.Reply:
+        """Every rank of the group: the stage senders stream, the others run the TP gathers."""
         agent, version = cmd.agent, cmd.version
-        if self.leader:                          # the other members take no part in it
-            t = [t0]
-            weights, held, packed = weights_and_version(self.mover, agent)
-            if held != version:
-                raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held}")
-            broadcast_weights(self.channels, tuple(cmd.members), weights, version, self.bucket_bytes,
-                              packed=packed, wire=self.sync_wire,
-                              on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
-            self.clock.mark("sync", agent, t[0])
+        src = sync_source(self.mover, agent, self.group)
+        if src.version != version:
+            raise RuntimeError(f"sync of {agent} v{version} but its state is at v{src.version}")
+        targets = tuple(cmd.members[1:])
+        t = [t0]
+        with src.ready():
+            plan = self.plan(src, targets)
+            stage = next((s for s, r in enumerate(src.sync_senders()) if r == self.group.Get_rank()), None)
+            send_weights(self.channels, targets, plan, version, stage, src.sync_stream(), self.leader,
+                         on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
+        self.clock.mark("sync", agent, t[0])
         return messages.TrainerSynced(agent, version)
+
+    def plan(self, src, targets: tuple[int, ...]) -> Plan:
+        """The sync's plan: stages, buckets, senders as world ranks, the data groups' ids."""
+        senders = MPI.Group.Translate_ranks(self.group.Get_group(), src.sync_senders(), self.world.Get_group())
+        layouts = src.sync_layouts()
+        gids = tuple(self.group_ids.use(s, targets) for s in range(len(layouts)))
+        return Plan(tuple(int(r) for r in senders),
+                    tuple(plan_buckets(lay, self.bucket_bytes, self.sync_wire) for lay in layouts),
+                    gids, tuple(self.group_ids.live(s) for s in range(len(layouts))))
 
     def checkpoint(self, cmd: messages.Checkpoint, t0: float) -> messages.Reply:
         for name in cmd.agents:
@@ -181,15 +198,48 @@ def trainer_of(mover: StateMover, agent: str):
     return mover.trainers.get(agent) or mover.parked.shelf.get(agent)
 
 
-def weights_and_version(mover: StateMover, agent: str):
-    """(HF-named weights, version, packed bytes or None) of an agent, live, shelved (a local
-    call: a sharded trainer's state() would be collective, and this runs on the leader only)
-    or parked as a state (its `model.*` tensors)."""
+class _StateSource:
+    """A parked state (`state()` format) as a one-stage weight-sync source on the leader."""
+
+    def __init__(self, state: dict[str, torch.Tensor], group: MPI.Comm):
+        self.named = {k[6:]: v for k, v in state.items() if k.startswith("model.")}
+        self.version, self.group = int(state["version"]), group
+
+    def ready(self):
+        return contextlib.nullcontext()
+
+    def sync_layouts(self):
+        return [layout_of(self.named)]
+
+    def sync_senders(self) -> list[int]:
+        return [0]
+
+    def sync_stream(self):
+        if self.group.Get_rank() == 0:
+            yield from self.named.items()
+
+
+class _TrainerSource:
+    """A live or shelved trainer as a weight-sync source (a shelved one is brought onto the
+    device for the stream: collective, every group rank syncs)."""
+
+    def __init__(self, tr):
+        self.tr, self.version = tr, tr.version
+
+    def ready(self):
+        return self.tr.onloaded() if hasattr(self.tr, "onloaded") else contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(self.tr, name)
+
+
+def sync_source(mover: StateMover, agent: str, group: MPI.Comm):
+    """What a sync of `agent` streams on this rank: its trainer, live or shelved, or its
+    parked state (whose `model.*` tensors the leader sends)."""
     tr = trainer_of(mover, agent)
     if tr is not None:
-        return tr.named_weights(), tr.version, getattr(tr, "packed_weights", lambda: None)()
-    state = mover.parked[agent]
-    return {k[6:]: v for k, v in state.items() if k.startswith("model.")}, int(state["version"]), None
+        return _TrainerSource(tr)
+    return _StateSource(mover.parked[agent], group)
 
 
 def restore_trainers(group: MPI.Comm, mover: StateMover, ckpt_dir: Path) -> None:

@@ -85,7 +85,6 @@ class Swap:
             finish_copies(dev)
         torch.set_rng_state(self._parked_rng)
         self._parked_rng = None
-        self._refresh_named()                          # the leader's weights on the device again
 
     @property
     def offloaded(self) -> bool:
