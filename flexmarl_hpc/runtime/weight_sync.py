@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from flexmarl_hpc.runtime import memtrack
 from flexmarl_hpc.runtime.comm import bcast_buffer, bcast_obj
 
 Backend = Literal["mpi", "gloo", "nccl"]
@@ -144,7 +145,7 @@ def host_bytes(nbytes: int, pin: bool = False) -> torch.Tensor:
     host allocator), so copies to and from a GPU run asynchronously (state swap)."""
     if pin:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+    return memtrack.external(torch.from_numpy(np.empty(nbytes, dtype=np.uint8)))
 
 
 CPU_DEFAULT: Backend = "mpi"          # weight_sync.backend=auto without CUDA (see resolve_backend)
