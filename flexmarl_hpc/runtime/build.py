@@ -73,7 +73,8 @@ def build_engine(cfg: Config, task: Task, device: str = "cpu", pool: int = 0):
     if cfg.rollout.backend == "vllm":
         from flexmarl_hpc.rollout.vllm_engine import VLLMEngine
         # the pool's GPUs per replica are vLLM's tensor_parallel_size
-        return VLLMEngine(args_of, task, dataclasses.replace(cfg.rollout, gpus_per_replica=p.gpus_per_replica))
+        return VLLMEngine(args_of, task, dataclasses.replace(cfg.rollout, gpus_per_replica=p.gpus_per_replica),
+                          gpu_memory_gb=p.gpu_memory_gb, bucket_bytes=int(cfg.weight_sync.bucket_mb * 2**20))
     from flexmarl_hpc.rollout.torch_engine import TorchEngine
     _cpu_only("rollout.backend=torch", device)
     return TorchEngine(args_of, task, cfg.rollout.max_batch)

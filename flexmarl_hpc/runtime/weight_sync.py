@@ -48,7 +48,7 @@ import torch
 from mpi4py import MPI
 
 from flexmarl_hpc.runtime import memtrack
-from flexmarl_hpc.runtime.comm import bcast_buffer, bcast_obj
+from flexmarl_hpc.runtime.comm import bcast_buffer, bcast_obj, wait
 
 Backend = Literal["mpi", "gloo", "nccl"]
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -171,15 +171,16 @@ def wire_dtype(rollout_dtype: str, rollout_backend: str, sync_backend: str) -> t
 
 class GroupIds:
     """The data groups of one trainer group, identical on each of its ranks (all of them see
-    every Sync): an id per (stage, targets), at most `cap` open, least recently used closed
-    first. The plan carries the ids, so receivers close what the senders closed and a set
-    seen again after its group was closed gets a new group (a new store prefix)."""
+    every Sync): an id per (stage, targets, agent), at most `cap` open, least recently used
+    closed first. Per agent, because a replica's workers of that agent's engine are the ones
+    that join (vLLM). The plan carries the ids, so receivers close what the senders closed and
+    a set seen again after its group was closed gets a new group (a new store prefix)."""
 
     def __init__(self, cap: int = MAX_GROUPS):
         self.cap, self.ids, self.next = cap, OrderedDict(), 0
 
-    def use(self, stage: int, targets: tuple[int, ...]) -> int:
-        key = (stage, targets)
+    def use(self, stage: int, targets: tuple[int, ...], agent: str = "") -> int:
+        key = (stage, targets, agent)
         if key in self.ids:
             self.ids.move_to_end(key)
         else:
@@ -190,7 +191,7 @@ class GroupIds:
         return self.ids[key]
 
     def live(self, stage: int) -> tuple[int, ...]:
-        return tuple(sorted(g for (s, _), g in self.ids.items() if s == stage))
+        return tuple(sorted(g for (s, *_), g in self.ids.items() if s == stage))
 
 
 class SyncChannels:
@@ -237,17 +238,27 @@ class SyncChannels:
         return self._buffers[slot][:nbytes]
 
     # -- torch.distributed data group of a member set (backends gloo / nccl) -------------
-    def group(self, members: tuple[int, ...], gid: int = 0):
+    def group(self, members: tuple[int, ...], gid: int = 0, remote=None):
+        """The data group of `members` (root first) with id `gid`. Each member brings its
+        ranks: 1, or with `remote` (an engine whose own workers receive, e.g. vLLM's TP
+        workers) `remote.ranks`, which join through `remote.join` instead of this process."""
         key = (members, gid)
         pg = self.groups.get(key)
         if pg is None:
             comm = self.get(members)
+            counts = np.zeros(comm.Get_size(), dtype=np.int64)
+            wait(comm.Iallgather(np.array([1 if remote is None else remote.ranks], dtype=np.int64), counts))
             addr = self._serve() if comm.Get_rank() == 0 else None
             addr = bcast_obj(comm, addr, 0)
-            store = self.stores.get(addr) or self._connect(addr)
             prefix = f"wsync_{gid}_" + "_".join(map(str, members)) + "/"
-            pg = self.groups[key] = new_group(self.backend, torch.distributed.PrefixStore(prefix, store),
-                                              comm.Get_rank(), comm.Get_size())
+            first, size = int(counts[:comm.Get_rank()].sum()), int(counts.sum())
+            if remote is not None:
+                remote.join(addr, prefix, first, size, self.backend)
+                pg = RemoteGroup(prefix, remote)
+            else:
+                store = self.stores.get(addr) or self._connect(addr)
+                pg = new_group(self.backend, torch.distributed.PrefixStore(prefix, store), first, size)
+            self.groups[key] = pg
             self.groups_built += 1
         self.groups.move_to_end(key)
         return pg
@@ -291,6 +302,24 @@ def new_group(backend: str, store, rank: int, size: int):
     opts = torch.distributed.ProcessGroupNCCL.Options()
     opts._timeout = GROUP_TIMEOUT
     return torch.distributed.ProcessGroupNCCL(store, rank, size, opts)
+
+
+@dataclass(frozen=True)
+class RemoteGroup:
+    """A data group this process does not sit in: its engine's workers do (`remote.join`)."""
+    prefix: str
+    remote: object
+
+    def shutdown(self) -> None:
+        self.remote.leave(self.prefix)
+
+
+@dataclass(frozen=True)
+class RemoteBucket:
+    """A bucket an engine's workers receive themselves (`prefix`: their group): only this
+    header crosses to them, never the bytes."""
+    prefix: str
+    bucket: Bucket
 
 
 def _shutdown(pg) -> None:
@@ -363,17 +392,23 @@ def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, v
         raise RuntimeError(f"weight sync: the trainer streamed {got!r} past the plan")
 
 
-def receive_weights(channels: SyncChannels, members: tuple[int, ...]
-                    ) -> tuple[int, Plan, Iterator[dict[str, torch.Tensor]]]:
+def receive_weights(channels: SyncChannels, members: tuple[int, ...], remote=None
+                    ) -> tuple[int, Plan, Iterator[dict[str, torch.Tensor] | RemoteBucket]]:
     """A replica's part: (version, plan, the buckets as dicts of views into this rank's one
     bucket buffer, each valid until the next is received: load it before asking for the
-    next). The iterator must be run to its end (every bucket is a collective)."""
+    next). The iterator must be run to its end (every bucket is a collective). With
+    `remote` (see SyncChannels.group) the engine's workers receive: the buckets come as
+    RemoteBucket headers for the engine to pass on."""
     plan, version = _rendezvous(channels, members, None, -1)
 
-    def buckets() -> Iterator[dict[str, torch.Tensor]]:
+    def buckets() -> Iterator[dict[str, torch.Tensor] | RemoteBucket]:
         for s, stage in enumerate(plan.stages):
             data = (plan.senders[s],) + tuple(members[1:])
             channels.forget(plan.senders[s], plan.live[s] if plan.live else ())
+            if remote is not None:
+                pg = channels.group(data, plan.gids[s] if plan.gids else 0, remote)
+                yield from (RemoteBucket(pg.prefix, b) for b in stage)
+                continue
             for bucket in stage:
                 flat = channels.buffer(plan.largest, 0)[:bucket.total]
                 work = bcast_bucket(channels, data, plan.gids[s] if plan.gids else 0, flat)

@@ -53,13 +53,16 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
         elif isinstance(cmd, messages.Sync):
             agent = cmd.agent
             t = [t0]
-            v, _, buckets = receive_weights(channels, tuple(cmd.members))
+            # an engine whose own workers receive (vLLM's TP workers on GPUs) joins them instead
+            remote = getattr(engine, "remote", lambda a: None)(agent) if channels.backend != "mpi" else None
+            v, _, buckets = receive_weights(channels, tuple(cmd.members), remote)
             t[0] = clock.waited(t0)
             engine.load_weights(agent, v, buckets)            # bucket by bucket, as they arrive
             for _ in buckets:                                 # every bucket is a collective
                 raise RuntimeError(f"replica {index}: the engine left buckets of {agent} v{v} unread")
             clock.mark("sync", agent, t[0])
-            send_reply(world, orch, messages.Synced(index, agent, v, intervals=clock.drain()), bell)
+            dropped = tuple(getattr(engine, "take_dropped", list)())
+            send_reply(world, orch, messages.Synced(index, agent, v, dropped, intervals=clock.drain()), bell)
         elif isinstance(cmd, messages.Stop):
             if live is not None:
                 live.disarm()
@@ -114,18 +117,18 @@ class TrainerRank:
         targets = tuple(cmd.members[1:])
         t = [t0]
         with src.ready():
-            plan = self.plan(src, targets)
+            plan = self.plan(src, targets, agent)
             stage = next((s for s, r in enumerate(src.sync_senders()) if r == self.group.Get_rank()), None)
             send_weights(self.channels, targets, plan, version, stage, src.sync_stream(), self.leader,
                          on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
         self.clock.mark("sync", agent, t[0])
         return messages.TrainerSynced(agent, version)
 
-    def plan(self, src, targets: tuple[int, ...]) -> Plan:
+    def plan(self, src, targets: tuple[int, ...], agent: str) -> Plan:
         """The sync's plan: stages, buckets, senders as world ranks, the data groups' ids."""
         senders = MPI.Group.Translate_ranks(self.group.Get_group(), src.sync_senders(), self.world.Get_group())
         layouts = src.sync_layouts()
-        gids = tuple(self.group_ids.use(s, targets) for s in range(len(layouts)))
+        gids = tuple(self.group_ids.use(s, targets, agent) for s in range(len(layouts)))
         return Plan(tuple(int(r) for r in senders),
                     tuple(plan_buckets(lay, self.bucket_bytes, self.sync_wire) for lay in layouts),
                     gids, tuple(self.group_ids.live(s) for s in range(len(layouts))))
