@@ -17,6 +17,7 @@ from flexmarl_hpc.config.schema import ConfigError, RolloutConfig
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
 from flexmarl_hpc.rollout.base import GenRequest
+from flexmarl_hpc.runtime.deadline import CollectiveTimeout
 from flexmarl_hpc.learn.sampling import SamplingParams
 
 SMALL = ModelArgs(vocab_size=19, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
@@ -217,18 +218,22 @@ def test_tp2_replica_receives_on_every_worker_with_headers_only(fake_vllm, tmp_p
     joined, sent = [], weights(SMALL, 4)
 
     class FakeGroup:                  # a worker's data group: the root's bytes arrive in broadcast
+        hang = False                  # a broadcast that never completes (the root gone)
+
         def __init__(self, store, rank, size):
             joined.append((rank, size))
 
         def broadcast(self, tensors, opts):
             tensors[0].copy_(self.payload[:tensors[0].numel()])
-            return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+            return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: not self.hang)
     monkeypatch.setattr(vllm_engine.torch.distributed, "TCPStore", lambda *a, **k: vllm_engine.torch.distributed.HashStore())
-    monkeypatch.setattr(W, "new_group", lambda backend, store, rank, size, timeout=None: FakeGroup(store, rank, size))
+    timeouts = []
+    monkeypatch.setattr(W, "new_group", lambda backend, store, rank, size, timeout=None:
+                        timeouts.append(timeout) or FakeGroup(store, rank, size))
     e = make({"a": SMALL}, tmp_path, cuda=True, gpus_per_replica=2)
     remote = e.remote("a")
     llm = fake_vllm.built[0]
-    ch = W.SyncChannels(MPI.COMM_WORLD, "gloo")
+    ch = W.SyncChannels(MPI.COMM_WORLD, "gloo", timeout_s=42)
     me = MPI.COMM_WORLD.Get_rank()
     monkeypatch.setattr(W.SyncChannels, "_serve", lambda self: ("host", 1))
     pg = ch.group((me,), 7, remote)                       # a one-member set: this replica alone
@@ -243,6 +248,13 @@ def test_tp2_replica_receives_on_every_worker_with_headers_only(fake_vllm, tmp_p
         assert all(torch.equal(got[k], sent[k]) for k in sent)
     recv = [c[1] for c in llm.calls if c[0] == "flexmarl_recv"]
     assert len(recv) == 1 and not any(isinstance(a, torch.Tensor) for a in recv[0])
+    assert e.version("a") == 1
+    # the sync's deadline in the workers: their group's timeout, and each bucket waited by
+    # the seconds the replica has left (RemoteBucket.left_s)
+    assert [t.total_seconds() for t in timeouts] == [42, 42]
+    FakeGroup.hang = True
+    with pytest.raises(CollectiveTimeout, match="vLLM TP worker"):
+        e.load_weights("a", 2, [W.RemoteBucket(pg.prefix, bucket, 0.2)])
     assert e.version("a") == 1
     ch.close()
 
