@@ -38,7 +38,9 @@ def check() -> str:
     timeout = getattr(getattr(pg, "options", None), "_timeout", None)     # read back where torch shows it
     assert timeout is None or timeout.total_seconds() == 42, timeout
     polled = []
-    work = pg.broadcast([torch.zeros(4, device="cuda")], 0)       # a real NCCL Work
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    work = pg.broadcast([torch.zeros(4, device="cuda")], opts)    # a real NCCL Work
     deadline.wait_until(lambda: polled.append(1) or work.is_completed(), deadline.Deadline(42), "probe")
     ch.abandon([members])                                          # what a timeout does: abort the group
     assert not ch.groups and members not in ch.cache
