@@ -1,17 +1,20 @@
-"""Weight sync vs a raw broadcast of the same bytes on the same backend, in one run.
+"""Streaming weight sync vs a raw broadcast of the same bytes on the same backend, in one run.
 
     .venv/bin/python bench/bench_weight_sync.py [--sizes 82,smollm2] [--replicas 1,2]
-                                                [--backends mpi,gloo] [--reps 9] [--bucket-mb 1024]
+                                                [--backends mpi,gloo] [--reps 9] [--bucket-mb 64]
 
 For each replica count one MPI job (1 + replicas ranks) is started; rank 0 plays a trainer
-leader whose parameters live in sync layout (as the torch trainer's do), the others play
+stage sender (the torch trainer's stream: its HF tensors one by one), the others play
 replicas. Per size (`82`: an 82 MiB Llama-shaped model; `smollm2`: the SmolLM2-135M shape,
-~513 MiB fp32) and backend, "ours" is the whole `broadcast_weights` (header rendezvous,
-buckets, unpack into tensors) and "raw" one broadcast of the same bytes (the root sends the
-real parameter bytes, not an untouched buffer whose zero pages would sit in cache) on the
-same backend (`MPI.Bcast`, or the gloo group's `broadcast`). Each repetition runs every
-(backend, ours/raw) pair, in an order rotated and reversed from rep to rep so drift hits all;
-prints median [min, max] of ours/raw per backend, and of gloo/mpi (ours) to pick the default.
+~513 MiB fp32) and backend, "ours" is the whole sync (`send_weights` / `receive_weights`:
+plan rendezvous, tensors packed into buckets of --bucket-mb, two sender buffers in turn,
+each bucket received and unpacked into tensors) and "raw" one broadcast of the same bytes
+from one model-sized buffer (the root sends the real parameter bytes, not an untouched
+buffer whose zero pages would sit in cache) on the same backend (`MPI.Bcast`, or the gloo
+group's `broadcast`). Each repetition runs every (backend, ours/raw) pair, in an order
+rotated and reversed from rep to rep so drift hits all; prints median [min, max] of ours/raw
+per backend, and of gloo/mpi (ours). Memory: the sender's peak extra tensor bytes during its
+first sync (bucket buffers included; runtime/memtrack.TensorBytes) against the model's.
 """
 from __future__ import annotations
 
@@ -49,32 +52,42 @@ def run_size(world, size: str, backends: list[str], reps: int, bucket: int) -> N
     import numpy as np
     import torch
     from flexmarl_hpc.learn.model import build_model, hf_state_dict
-    from flexmarl_hpc.trainer.torch_trainer import flatten_parameters
-    from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
+    from flexmarl_hpc.runtime.memtrack import TensorBytes
+    from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, dict_bucket, layout_of, pack,
+                                                  plan_buckets, receive_weights, send_weights)
 
-    named = packed = None
+    named = None
     if world.rank == 0:
-        model = build_model(model_args(size), seed=0)
-        packed = flatten_parameters(model)
-        named = hf_state_dict(model)
+        named = hf_state_dict(build_model(model_args(size), seed=0))
     members = tuple(range(world.size))
-    nbytes = world.bcast(packed.nbytes if world.rank == 0 else 0, root=0)
-    raw_buf = torch.from_numpy(packed.copy() if world.rank == 0 else np.ones(nbytes, dtype=np.uint8))
-    fns, chans = {}, []
+    whole = world.bcast(dict_bucket(named) if world.rank == 0 else None, root=0)
+    raw_buf = torch.ones(whole.total, dtype=torch.uint8)
+    if world.rank == 0:
+        pack(named, whole, raw_buf)
+    fns, chans, peaks = {}, [], {}
     for backend in backends:
         ch = SyncChannels(world, backend)
         chans.append(ch)
-        fns[backend, "ours"] = lambda ch=ch: broadcast_weights(ch, members, named, 1, bucket, packed=packed)
+        if world.rank == 0:
+            ids = GroupIds()
+            plan = Plan((0,), (plan_buckets(layout_of(named), bucket),), (ids.use(0, members[1:]),),
+                        (ids.live(0),))
+            fns[backend, "ours"] = lambda ch=ch, plan=plan: send_weights(ch, members[1:], plan, 1, 0,
+                                                                         named.items(), leader=True)
+        else:
+            fns[backend, "ours"] = lambda ch=ch: [b for b in receive_weights(ch, members)[2]]
         if backend == "mpi":
             fns[backend, "raw"] = lambda comm=ch.get(members): comm.Bcast(raw_buf.numpy(), root=0)
         else:
-            def raw(pg=ch.group(members)):
+            def raw(pg=ch.group(members, -1)):
                 opts = torch.distributed.BroadcastOptions()
                 opts.rootRank = 0
                 pg.broadcast([raw_buf], opts).wait()
             fns[backend, "raw"] = raw
-    for f in fns.values():                        # groups, staging, first touch: once per run
-        f()
+    for (backend, kind), f in fns.items():        # groups, buffers, first touch: once per run
+        with TensorBytes() as mem:
+            f()
+        peaks[backend, kind] = mem.peak
     times = {k: [] for k in fns}
     keys = list(fns)
     for i in range(reps):
@@ -82,18 +95,26 @@ def run_size(world, size: str, backends: list[str], reps: int, bucket: int) -> N
         for k in (order if i % 2 == 0 else order[::-1]):
             times[k].append(timed(world, fns[k]))
     if world.rank == 0:
-        t = {k: np.array(v) for k, v in times.items()}
-        head = f"{size:>8} ({nbytes / 2**20:5.1f} MiB) x {world.size - 1} replica(s)"
-        for b in backends:
-            r = t[b, "ours"] / t[b, "raw"]
-            print(f"{head} {b:4}: ours {np.median(t[b, 'ours']) * 1e3:7.1f} ms  raw "
-                  f"{np.median(t[b, 'raw']) * 1e3:7.1f} ms  ours/raw {np.median(r):.2f} "
-                  f"[{r.min():.2f}, {r.max():.2f}]  ({reps} reps)", flush=True)
-        if "mpi" in backends and "gloo" in backends:
-            r = t["gloo", "ours"] / t["mpi", "ours"]
-            print(f"{head}     : ours gloo/mpi {np.median(r):.2f} [{r.min():.2f}, {r.max():.2f}]", flush=True)
+        report(size, world.size - 1, whole.total, bucket, backends, times, peaks, reps)
     for ch in chans:
         ch.close()
+
+
+def report(size, replicas, nbytes, bucket, backends, times, peaks, reps) -> None:
+    import numpy as np
+    t = {k: np.array(v) for k, v in times.items()}
+    head = f"{size:>8} ({nbytes / 2**20:5.1f} MiB) x {replicas} replica(s)"
+    for b in backends:
+        r = t[b, "ours"] / t[b, "raw"]
+        print(f"{head} {b:4}: ours {np.median(t[b, 'ours']) * 1e3:7.1f} ms  raw "
+              f"{np.median(t[b, 'raw']) * 1e3:7.1f} ms  ours/raw {np.median(r):.2f} "
+              f"[{r.min():.2f}, {r.max():.2f}]  ({reps} reps)", flush=True)
+    if "mpi" in backends and "gloo" in backends:
+        r = t["gloo", "ours"] / t["mpi", "ours"]
+        print(f"{head}     : ours gloo/mpi {np.median(r):.2f} [{r.min():.2f}, {r.max():.2f}]", flush=True)
+    peak = max(peaks[b, "ours"] for b in backends)
+    print(f"{head}     : sender peak extra {peak / 2**20:.1f} MiB with {bucket / 2**20:.0f} MiB buckets "
+          f"(model {nbytes / 2**20:.1f} MiB, {peak / nbytes:.2f}x)", flush=True)
 
 
 def main() -> None:
@@ -102,8 +123,7 @@ def main() -> None:
     ap.add_argument("--replicas", default="1,2")
     ap.add_argument("--backends", default="mpi,gloo")
     ap.add_argument("--reps", type=int, default=9)   # 3 ranks on 2 cores: 5 left medians to chance
-    from flexmarl_hpc.config.schema import WeightSyncConfig
-    ap.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb)
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
     args = ap.parse_args()
     if "PMI_RANK" not in os.environ:
         mpiexec = Path(sys.executable).parent / "mpiexec"

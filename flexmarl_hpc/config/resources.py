@@ -32,6 +32,8 @@ class Pool:
     slurm: SlurmComponent
     where: str
     """Config path of the pool, for error messages (`rollout.pools[1]`, or `rollout`)."""
+    gpu_memory_gb: float = 0.0
+    """One GPU's memory (0: not given); vLLM's memory fraction is taken from it."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def rollout_pools(cfg: Config) -> list[Pool]:
         agents = tuple(p.agents) or tuple(a for a in cfg.agent_names
                                           if fits(cfg, a, p.gpus_per_replica, p.gpu_memory_gb))
         out.append(Pool(p.name or f"pool{i}", p.replicas, p.gpus_per_replica, agents, p.slurm,
-                        f"rollout.pools[{i}]"))
+                        f"rollout.pools[{i}]", p.gpu_memory_gb))
     return out
 
 

@@ -246,10 +246,11 @@ class PipelineConfig:
 @dataclass
 class WeightSyncConfig:
     bucket_mb: float = 1024.0
-    """Largest single collective of the trainer -> replica weight broadcast over a
-    torch.distributed group (gloo/nccl; several in flight at once), in MiB. The whole model
-    sits in one staging buffer anyway, and one large broadcast measured faster than 4 MiB
-    buckets (gloo pipelines inside it, as NCCL does). The mpi backend sends one broadcast."""
+    """Bucket of the streamed trainer -> replica weight sync, in MiB: each PP stage's sender
+    packs its tensors into buckets of this size (a larger tensor goes alone) and holds two
+    (one in flight while the next fills), each receiver (a vLLM TP worker on GPUs) one; it is
+    also taken off vLLM's GPU memory fraction. Memory on both sides is bounded by it, never
+    by the model."""
     backend: Literal["auto", "mpi", "gloo", "nccl"] = "auto"
     """Transport of the weight broadcast: nccl (GPU to GPU, bf16-ready), gloo or mpi on CPU
     (the same code, weight_sync.py). auto: nccl where CUDA is available, else the CPU

@@ -55,51 +55,114 @@ def _layers_of(args: ModelArgs, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
-def _vocab_shard(w: torch.Tensor, args: ModelArgs, tp_rank: int, tp_size: int) -> torch.Tensor:
-    vp = padded_vocab(args)
-    full = torch.zeros(vp, w.shape[1], dtype=w.dtype)
-    full[:w.shape[0]] = w
-    return full.chunk(tp_size, 0)[tp_rank].clone()
+def dict_reader(hf: dict[str, torch.Tensor]):
+    """A `megatron_shard` reader over full HF tensors in memory."""
+    def read(name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        t = hf[name]
+        return t if dim is None else t.narrow(dim, start, stop - start)
+    return read
+
+
+def _vocab_shard(read, name: str, args: ModelArgs, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rows [r*Vp/tp, (r+1)*Vp/tp) of the padded vocabulary: only the real rows are read."""
+    rows = padded_vocab(args) // tp_size
+    lo, hi = tp_rank * rows, min((tp_rank + 1) * rows, args.vocab_size)
+    got = read(name, 0, lo, hi) if hi > lo else None
+    out = torch.zeros(rows, args.hidden_size, dtype=got.dtype if got is not None else torch.float32,
+                      device=got.device if got is not None else None)
+    if got is not None:
+        out[:hi - lo] = got
+    return out
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs, tp_rank: int = 0, tp_size: int = 1,
                    pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
-    """The megatron state dict of one (TP rank, PP stage) shard."""
+    """The megatron state dict of one (TP rank, PP stage) shard, from full HF tensors."""
+    return megatron_shard(dict_reader(hf), args, tp_rank, tp_size, pp_rank, pp_size)
+
+
+def megatron_shard(read, args: ModelArgs, tp_rank: int = 0, tp_size: int = 1,
+                   pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
+    """The megatron state dict of one (TP rank, PP stage) shard. `read(name, dim, start, stop)`
+    returns rows/columns [start, stop) of HF tensor `name` along `dim` (dim None: all of it),
+    so a reader over a safetensors file (safe_open's get_slice) reads only this rank's part:
+    a TP shard needs contiguous ranges of each HF tensor (query groups are contiguous)."""
     nh, ng, hd, H = args.num_heads, args.num_kv_heads, args.head_dim, args.hidden_size
     if max_tensor_parallel(args) % tp_size:
         raise ValueError(f"heads {nh}/{ng} and ffn {args.intermediate_size} must divide by tp={tp_size}")
     out: dict[str, torch.Tensor] = {}
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    if first:
-        out["embedding.word_embeddings.weight"] = _vocab_shard(hf["model.embed_tokens.weight"], args,
+    g0, g1 = tp_rank * ng // tp_size, (tp_rank + 1) * ng // tp_size     # this rank's query groups
+    qg = nh // ng * hd                                                    # q rows per group
+    F = args.intermediate_size // tp_size
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = _vocab_shard(read, "model.embed_tokens.weight", args,
                                                                tp_rank, tp_size)
     for j, i in enumerate(_layers_of(args, pp_rank, pp_size)):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{j}."
-        q = hf[src + "self_attn.q_proj.weight"].view(ng, nh // ng * hd, H)
-        k = hf[src + "self_attn.k_proj.weight"].view(ng, hd, H)
-        v = hf[src + "self_attn.v_proj.weight"].view(ng, hd, H)
-        qkv = torch.cat([q, k, v], 1).chunk(tp_size, 0)[tp_rank]
-        out[dst + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, H).clone()
+        src, dst = f"model.layers.{i}.self_attn.", f"decoder.layers.{j}."
+        parts = [read(src + "q_proj.weight", 0, g0 * qg, g1 * qg).reshape(g1 - g0, qg, H),
+                 read(src + "k_proj.weight", 0, g0 * hd, g1 * hd).reshape(g1 - g0, hd, H),
+                 read(src + "v_proj.weight", 0, g0 * hd, g1 * hd).reshape(g1 - g0, hd, H)]
+        out[dst + "self_attention.linear_qkv.weight"] = torch.cat(parts, 1).reshape(-1, H)
         if args.qkv_bias:                     # same grouping as the weight rows
-            qb = hf[src + "self_attn.q_proj.bias"].view(ng, nh // ng * hd)
-            kb = hf[src + "self_attn.k_proj.bias"].view(ng, hd)
-            vb = hf[src + "self_attn.v_proj.bias"].view(ng, hd)
-            out[dst + "self_attention.linear_qkv.bias"] = \
-                torch.cat([qb, kb, vb], 1).chunk(tp_size, 0)[tp_rank].reshape(-1).clone()
+            parts = [read(src + "q_proj.bias", 0, g0 * qg, g1 * qg).reshape(g1 - g0, qg),
+                     read(src + "k_proj.bias", 0, g0 * hd, g1 * hd).reshape(g1 - g0, hd),
+                     read(src + "v_proj.bias", 0, g0 * hd, g1 * hd).reshape(g1 - g0, hd)]
+            out[dst + "self_attention.linear_qkv.bias"] = torch.cat(parts, 1).reshape(-1)
+        cols = nh * hd // tp_size
         out[dst + "self_attention.linear_proj.weight"] = \
-            hf[src + "self_attn.o_proj.weight"].chunk(tp_size, 1)[tp_rank].clone()
-        gate = hf[src + "mlp.gate_proj.weight"].chunk(tp_size, 0)[tp_rank]
-        up = hf[src + "mlp.up_proj.weight"].chunk(tp_size, 0)[tp_rank]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0).clone()
-        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"].chunk(tp_size, 1)[tp_rank].clone()
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
-    if last:
-        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-        head = hf["model.embed_tokens.weight"] if args.tie_embeddings else hf["lm_head.weight"]
+            read(src + "o_proj.weight", 1, tp_rank * cols, (tp_rank + 1) * cols).clone()
+        mlp = f"model.layers.{i}.mlp."
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([read(mlp + "gate_proj.weight", 0, tp_rank * F, (tp_rank + 1) * F),
+                                                        read(mlp + "up_proj.weight", 0, tp_rank * F, (tp_rank + 1) * F)], 0)
+        out[dst + "mlp.linear_fc2.weight"] = read(mlp + "down_proj.weight", 1, tp_rank * F, (tp_rank + 1) * F).clone()
+        out[dst + "input_layernorm.weight"] = read(f"model.layers.{i}.input_layernorm.weight", None, 0, 0).clone()
+        out[dst + "pre_mlp_layernorm.weight"] = \
+            read(f"model.layers.{i}.post_attention_layernorm.weight", None, 0, 0).clone()
+    if pp_rank == pp_size - 1:
+        out["decoder.final_layernorm.weight"] = read("model.norm.weight", None, 0, 0).clone()
+        head = "model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight"
         if not args.tie_embeddings or pp_size > 1:
-            out["output_layer.weight"] = _vocab_shard(head, args, tp_rank, tp_size)
+            out["output_layer.weight"] = _vocab_shard(read, head, args, tp_rank, tp_size)
     return out
+
+
+def _meta_shard(args: ModelArgs, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, reads=None):
+    from flexmarl_hpc.learn.model import hf_shapes
+    shapes = hf_shapes(args)
+
+    def record(name, dim=None, start=0, stop=0):
+        if reads is not None:
+            reads.setdefault(name, []).append((dim, start, stop))
+        shape = list(shapes[name])
+        if dim is not None:
+            shape[dim] = stop - start
+        return torch.empty(shape, device="meta")
+    with torch.device("meta"):
+        return megatron_shard(record, args, tp_rank, tp_size, pp_rank, pp_size)
+
+
+def shard_reads(args: ModelArgs, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+                ) -> dict[str, list[tuple[int | None, int, int]]]:
+    """The HF slices one shard reads, {name: [(dim, start, stop), ...]}: `megatron_shard`
+    run on a recording reader over meta tensors (no data)."""
+    reads: dict[str, list[tuple[int | None, int, int]]] = {}
+    _meta_shard(args, tp_rank, tp_size, pp_rank, pp_size, reads)
+    return reads
+
+
+def sync_order(args: ModelArgs, tp_size: int, pp_rank: int, pp_size: int
+               ) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """The weight sync's stream order of PP stage `pp_rank`: its megatron parameters in
+    converter order, each with the (HF name, shape) pairs `megatron_param_to_hf` makes of it.
+    Pure (meta tensors): the sender streams in this order, the receivers' plan is made of it."""
+    shard = _meta_shard(args, 0, tp_size, pp_rank, pp_size)
+    order = []
+    with torch.device("meta"):
+        for name, t in shard.items():
+            tps = [t] * (tp_size if tp_split_dim(name) is not None else 1)
+            order.append((name, [(k, tuple(v.shape)) for k, v in megatron_param_to_hf(name, tps, args, pp_rank,
+                                                                                      pp_size)]))
+    return order
 
 
 def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -144,3 +207,51 @@ def megatron_to_hf(shards: list[list[dict[str, torch.Tensor]]], args: ModelArgs)
     if not args.tie_embeddings:
         out["lm_head.weight"] = cat_vocab("output_layer.weight", pp_size - 1)
     return out
+
+
+def megatron_param_to_hf(name: str, tps: list[torch.Tensor], args: ModelArgs, pp_rank: int, pp_size: int
+                         ) -> list[tuple[str, torch.Tensor]]:
+    """One megatron parameter of PP stage `pp_rank`, given its TP shards (in TP order; one
+    shard for a replicated norm), as the HF tensors it holds: the per-parameter form of
+    `megatron_to_hf` that the weight sync streams with (one parameter in memory at a time).
+    A tied output layer (PP > 1) is a copy of the embedding: nothing."""
+    nh, ng, hd, H, V = args.num_heads, args.num_kv_heads, args.head_dim, args.hidden_size, args.vocab_size
+    tp = len(tps)
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", torch.cat(tps, 0)[:V])]
+    if name == "output_layer.weight":
+        return [] if args.tie_embeddings else [("lm_head.weight", torch.cat(tps, 0)[:V])]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", tps[0])]
+    _, _, j, rest = name.split(".", 3)
+    i = _layers_of(args, pp_rank, pp_size)[int(j)]
+    dst = f"model.layers.{i}."
+    if rest == "self_attention.linear_qkv.weight":
+        q, k, v = torch.cat([t.view(ng // tp, -1, H) for t in tps], 0).split([nh // ng * hd, hd, hd], 1)
+        return [(dst + "self_attn.q_proj.weight", q.reshape(nh * hd, H)),
+                (dst + "self_attn.k_proj.weight", k.reshape(ng * hd, H)),
+                (dst + "self_attn.v_proj.weight", v.reshape(ng * hd, H))]
+    if rest == "self_attention.linear_qkv.bias":
+        q, k, v = torch.cat([t.view(ng // tp, -1) for t in tps], 0).split([nh // ng * hd, hd, hd], 1)
+        return [(dst + f"self_attn.{x}_proj.bias", t.reshape(-1)) for x, t in zip("qkv", (q, k, v))]
+    if rest == "mlp.linear_fc1.weight":
+        halves = [t.chunk(2, 0) for t in tps]
+        return [(dst + "mlp.gate_proj.weight", torch.cat([g for g, _ in halves], 0)),
+                (dst + "mlp.up_proj.weight", torch.cat([u for _, u in halves], 0))]
+    simple = {"self_attention.linear_proj.weight": ("self_attn.o_proj.weight", 1),
+              "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
+              "input_layernorm.weight": ("input_layernorm.weight", None),
+              "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", None)}
+    if rest not in simple:
+        raise ValueError(f"megatron parameter {name!r}: no HF counterpart known")
+    hf, dim = simple[rest]
+    return [(dst + hf, tps[0] if dim is None else torch.cat(tps, dim))]
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension a megatron parameter is split along over TP ranks (None: replicated)."""
+    if name.endswith("layernorm.weight"):
+        return None
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return 0

@@ -312,6 +312,31 @@ def build_model(args: ModelArgs, seed: int, std: float = 0.02) -> CausalLM:
     return model
 
 
+def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor of the model (a tied lm_head left out), no data."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in hf_state_dict(CausalLM(args)).items()}
+
+
+def init_tensors(args: ModelArgs, seed: int, std: float = 0.02, device=None):
+    """Yield (HF name, tensor) of `build_model(args, seed, std)` one tensor at a time, bit-equal
+    to it (the same generator draws in the same order), so a sharded trainer can take its
+    slices of a random init without the full model ever existing (the largest tensor does)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        names = [(n, tuple(p.shape)) for n, p in CausalLM(args).named_parameters()]
+    for name, shape in names:
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            t = torch.ones(shape)
+        elif name.endswith("bias"):
+            t = torch.zeros(shape)
+        else:
+            t = torch.empty(shape).normal_(0.0, std, generator=gen)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t.div_(math.sqrt(2 * args.num_layers))
+        yield name, (t if device is None else t.to(device))
+
+
 def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """HF-named tensors; a tied lm_head is left out, as HF does."""
     sd = model.state_dict()

@@ -65,8 +65,11 @@ class ReplicaState:
         else:
             self.busy = "gen"
 
-    def synced(self, agent: str, version: int) -> None:
-        """The weights are in; a batch queued behind them is now running."""
+    def synced(self, agent: str, version: int, dropped: tuple[str, ...] = ()) -> None:
+        """The weights are in (those of `dropped` are gone: re-sent when wanted); a batch
+        queued behind them is now running."""
+        for other in dropped:
+            self.held.pop(other, None)
         self.held[agent], self.syncing_to = version, None
         self.busy, self.queued = ("gen" if self.queued else None), False
 
@@ -386,7 +389,7 @@ class Orchestrator(WorkerFailures):
         elif isinstance(msg, messages.Generated):
             self.on_generated(src, msg)
         elif isinstance(msg, messages.Synced):
-            self.replicas[msg.replica].synced(msg.agent, msg.version)
+            self.replicas[msg.replica].synced(msg.agent, msg.version, msg.dropped)
         elif isinstance(msg, messages.TrainerSynced):
             self.state[msg.agent].syncing = False
         elif isinstance(msg, messages.SyncTimedOut):

@@ -1,14 +1,15 @@
 """The rollout backend interface: what an inference engine implements to be a replica.
 
 A replica rank owns one engine. The engine keeps the weights of the agents it serves
-(`load_weights` replaces an agent's weights atomically and records the version) and
+(`load_weights` replaces an agent's weights, bucket by bucket as a sync delivers them,
+and records the version after the last) and
 samples batches of requests with per-sample seeds. `torch` (rollout/torch_engine.py) is
 built in; `vllm` (rollout/vllm_engine.py) drives a vLLM `LLM`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -25,8 +26,11 @@ class GenRequest:
 
 
 class RolloutEngine(Protocol):
-    def load_weights(self, agent: str, version: int, named: dict[str, torch.Tensor]) -> None:
-        """Replace `agent`'s weights (HF names) with `named` and mark them as `version`."""
+    def load_weights(self, agent: str, version: int,
+                     named: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]) -> None:
+        """Replace `agent`'s weights (HF names) with `named` and mark them as `version`.
+        `named` may come as parts (a weight sync's buckets, runtime/weight_sync.py): each is
+        valid only until the next is drawn, so load it before; mark the version after the last."""
 
     def version(self, agent: str) -> int | None:
         """Version of `agent` held, or None."""

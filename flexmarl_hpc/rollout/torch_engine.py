@@ -2,6 +2,8 @@
 and go as host tensors; build.py warns on a GPU rank): GPU runs use rollout.backend=vllm."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from flexmarl_hpc.learn.model import CausalLM, ModelArgs
@@ -18,14 +20,23 @@ class TorchEngine:
         self.models: dict[str, CausalLM] = {}
         self.versions: dict[str, int] = {}
 
-    def load_weights(self, agent: str, version: int, named: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, agent: str, version: int,
+                     named: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]) -> None:
+        """`named`: the weights, or an iterable of parts of them (a sync's buckets, each
+        loaded before the next is received); the version is set after the last."""
         model = self.models.get(agent)
         if model is None:
             model = self.models[agent] = CausalLM(self.args_of[agent]).eval()
-        missing, unexpected = model.load_state_dict(named, strict=False)
-        missing = [m for m in missing if not (model.args.tie_embeddings and m == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(f"weights for {agent}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        seen: set[str] = set()
+        for part in ([named] if isinstance(named, dict) else named):
+            _, unexpected = model.load_state_dict(part, strict=False)
+            if unexpected:
+                raise ValueError(f"weights for {agent}: unexpected {unexpected[:3]}")
+            seen.update(part)
+        missing = [m for m in model.state_dict() if m not in seen
+                   and not (model.args.tie_embeddings and m == "lm_head.weight")]
+        if missing:
+            raise ValueError(f"weights for {agent}: missing {missing[:3]}")
         self.versions[agent] = version
 
     def version(self, agent: str) -> int | None:

@@ -1,17 +1,28 @@
-"""vLLM rollout engine: one vLLM `LLM` per architecture, weights updated in place.
+"""vLLM rollout engine: one vLLM `LLM` per architecture, weights streamed in by the sync.
 
 The only module that imports vllm. A replica rank builds the LLM of an architecture when
 the first weights of an agent with it arrive (agents of one architecture share it, see
-VLLMEngine): they are written as an HF checkpoint folder (model.safetensors
-+ config.json from our ModelArgs; prompts are token ids, so no tokenizer is needed) in a
-private temp folder, and vLLM loads it. Later versions go in place through
-`LLM.collective_rpc` into the worker's `reload_weights(weights_iterator=...)`: the same path
-on CPU and GPU (on CPU `model.load_weights` alone is not enough: the backend repacks linear
-weights after loading, which `reload_weights` redoes; a tied LM head is a repacked copy of
-the embedding that we re-derive explicitly). The engine core runs in the replica's process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0): no extra processes on nodes whose cores the MPI ranks
-already fill, no spawn of an MPI program, and the weights never cross a process boundary.
-Prefix caching stays on (a GRPO group shares its prompt) and is reset after every update.
+VLLMEngine), with `load_format="dummy"`: the folder vLLM is pointed at holds config.json only
+(from our ModelArgs; prompts are token ids, so no tokenizer), nothing model-sized is written
+to disk, and the first sync fills the weights. Every LLM gets `SyncWorker` as its
+`worker_extension_cls`, so each of its workers (one per TP rank) can:
+
+- on GPUs (`remote`): join the sync's data group itself (`flexmarl_join`: rank = the
+  replica's first rank + its TP rank; runtime/weight_sync.SyncChannels.group counts TP ranks
+  per replica) and receive each bucket into its own bucket buffer on its own GPU
+  (`flexmarl_recv`), then `model.load_weights` it (vLLM shards it for its TP rank). Only
+  bucket headers (names, shapes, offsets) go through `collective_rpc`: nothing model-sized is
+  pickled, and every TP worker is in the group;
+- on CPU (in-process engine core, TP 1): the replica receives the buckets and hands them over
+  in-process (`flexmarl_load`): vLLM's CPU backend repacks linear weights after loading, so
+  the buckets are gathered and loaded through `reload_weights` once (a model-sized host copy,
+  CPU only; a tied LM head is a repacked copy of the embedding, re-derived explicitly).
+
+The engine core runs in the replica's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no extra
+processes on nodes whose cores the MPI ranks already fill. Prefix caching stays on (a GRPO
+group shares its prompt) and is reset after every update. GPU memory: `gpu_memory_utilization`
+is the pool's `gpu_memory_gb` minus what a sync needs on each worker (one bucket and the
+communicator), as a fraction (`memory_fraction`).
 
 Sampling: one vLLM SamplingParams per request with the request's own seed (the sample's
 identity decides its randomness, not the replica), `logprobs=0` to get the sampled token's
@@ -50,25 +61,83 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _reload(worker, weights: list[tuple[str, torch.Tensor]], tied: bool) -> None:
-    """Runs on the vLLM worker (module level: collective_rpc may have to pickle it)."""
-    worker.reload_weights(weights_iterator=iter(weights))
-    model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") \
-        else worker.model_runner.model
-    head = getattr(model, "lm_head", None)
-    if tied and head is not None and hasattr(head, "quant_method"):
-        # the head shares the embedding parameter, but backends that repack weights after
-        # loading (CPU) hold a packed copy the reload does not refresh: rebuild it
-        head.quant_method.process_weights_after_loading(head)
+class SyncWorker:
+    """vLLM `worker_extension_cls`: methods mixed into every vLLM worker (one per TP rank),
+    called through `LLM.collective_rpc(name, args=...)` with small arguments only."""
+
+    def flexmarl_join(self, addr: tuple[str, int], prefix: str, first: int, size: int, backend: str,
+                      timeout=None) -> int:
+        """Join the sync data group `prefix` as rank first + this worker's TP rank; `timeout`
+        (weight_sync.timeout_s) is the group's own and its store's."""
+        import torch.distributed as dist
+        from vllm.distributed import get_tensor_model_parallel_rank
+        from flexmarl_hpc.runtime.weight_sync import GROUP_TIMEOUT, new_group
+        rank = first + get_tensor_model_parallel_rank()
+        timeout = timeout or GROUP_TIMEOUT
+        store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timeout)
+        groups = self.__dict__.setdefault("_flexmarl_groups", {})
+        groups[prefix] = new_group(backend, dist.PrefixStore(prefix, store), rank, size, timeout)
+        return rank
+
+    def flexmarl_leave(self, prefix: str) -> None:
+        from flexmarl_hpc.runtime.weight_sync import _shutdown
+        pg = self.__dict__.get("_flexmarl_groups", {}).pop(prefix, None)
+        if pg is not None:
+            _shutdown(pg)
+
+    def flexmarl_recv(self, prefix: str, bucket, left_s: float | None = None) -> None:
+        """One bucket from the group's root into this worker's bucket buffer on its device,
+        loaded into the model (vLLM takes this TP rank's shard of each tensor). Its broadcast
+        is waited for by the replica's sync deadline (`left_s` seconds from the call; None:
+        none): CollectiveTimeout, which collective_rpc carries back to the replica."""
+        from flexmarl_hpc.runtime import deadline
+        from flexmarl_hpc.runtime.weight_sync import bucket_views
+        buf = self.__dict__.get("_flexmarl_buffer")
+        if buf is None or buf.numel() < bucket.total:
+            self._flexmarl_buffer = buf = None
+            self._flexmarl_buffer = buf = torch.empty(bucket.total, dtype=torch.uint8, device=self.device)
+        flat = buf[:bucket.total]
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        work = self._flexmarl_groups[prefix].broadcast([flat], opts)
+        dl = deadline.Deadline(0 if left_s is None else max(left_s, 1e-3), f"weight sync group {prefix}")
+        deadline.wait_works([work], dl, "a bucket (vLLM TP worker)")
+        _model(self).load_weights(weights=list(bucket_views(bucket, flat).items()))
+
+    def flexmarl_load(self, weights: list[tuple[str, torch.Tensor]], tied: bool) -> None:
+        """The whole model, in-process (CPU): vLLM's reload path, which repacks after loading."""
+        self.reload_weights(weights_iterator=iter(weights))
+        head = getattr(_model(self), "lm_head", None)
+        if tied and head is not None and hasattr(head, "quant_method"):
+            # the head shares the embedding parameter, but backends that repack weights after
+            # loading (CPU) hold a packed copy the reload does not refresh: rebuild it
+            head.quant_method.process_weights_after_loading(head)
 
 
-def write_checkpoint(folder: Path, args: ModelArgs, named: dict[str, torch.Tensor]) -> None:
-    """An HF Llama/Qwen2 checkpoint folder vLLM can load (a tied lm_head is left out)."""
-    from safetensors.torch import save_file
+def _model(worker):
+    runner = worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+NCCL_RESERVE_GB = 1.0        # a communicator's buffers and CUDA context headroom per worker
+
+
+def memory_fraction(gpu_memory_gb: float, bucket_bytes: int) -> float:
+    """vLLM's `gpu_memory_utilization`: the GPU minus what a weight sync needs on each worker
+    (its bucket buffer, NCCL's buffers), as a fraction of the GPU; 0.85 when the pool does
+    not say its GPU memory (`gpu_memory_gb: 0`)."""
+    if gpu_memory_gb <= 0:
+        return 0.85
+    need = bucket_bytes / 2**30 + NCCL_RESERVE_GB
+    if need >= 0.5 * gpu_memory_gb:
+        raise ValueError(f"weight_sync.bucket_mb: a bucket of {bucket_bytes / 2**20:.0f} MiB leaves under half of "
+                         f"a {gpu_memory_gb} GB GPU to vLLM; expected a bucket well below the GPU memory")
+    return round(min(0.92, 1.0 - need / gpu_memory_gb), 4)
+
+
+def write_config(folder: Path, args: ModelArgs) -> None:
+    """The HF config.json vLLM builds the architecture from (weights: load_format=dummy)."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in named.items()
-               if not (args.tie_embeddings and k == "lm_head.weight")}
-    save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2))
 
 
@@ -94,71 +163,84 @@ class _Engine:
     def __init__(self, llm):
         self.llm = llm
         self.bound: tuple[str, int] | None = None      # (agent, version) in the engine
-        self.asleep = False
+        self.asleep = self.kv_asleep = False
 
 
 class VLLMEngine:
-    """One vLLM engine per architecture on this replica, never one per agent:
+    """One vLLM engine per architecture on this replica, never one per agent, each holding
+    one agent's weights:
 
-    - agents with the same architecture share an engine and are switched by an in-place
-      weight reload (each agent's latest weights are kept on the host while others share its
-      engine, so a switch needs no new sync);
+    - agents with the same architecture share an engine and are switched by a weight load:
+      a sync of another agent overwrites the one it held, which is then `dropped` (the
+      replica tells the orchestrator, which re-sends it from the trainer when it is wanted
+      again: no host copy of any agent is kept);
     - on GPU, engines of different architectures use vLLM's sleep mode: one engine is awake,
-      the others sleep at level 2 (weights and KV cache released), so binding another
-      architecture costs a wake-up and a weight load, not a second resident engine, and each
-      engine may use the whole `gpu_memory_utilization`. vLLM's sleep mode exists on CUDA only:
-      on CPU the engines of different architectures stay resident in host memory.
+      the others sleep at level 2 (weights and KV cache released, their agents dropped), so
+      each engine may use the whole memory fraction. vLLM's sleep mode exists on CUDA only: on
+      CPU the engines of different architectures stay resident in host memory.
     """
 
     def __init__(self, args_of: dict[str, ModelArgs], task, cfg, dtype: str | None = None,
-                 workdir: str | None = None, cuda: bool | None = None):
+                 workdir: str | None = None, cuda: bool | None = None, gpu_memory_gb: float = 0.0,
+                 bucket_bytes: int = 1 << 30):
         """`cfg` is the RolloutConfig (max_batch, temperature, top_p, dtype, gpus_per_replica:
-        the engine's tensor-parallel size on GPUs, 1 on CPU);
-        `dtype` (a vLLM dtype name) overrides cfg.dtype; `cuda`: whether the engines run on a
-        GPU (None: torch.cuda.is_available())."""
-        self.args_of = args_of
-        self.task = task
-        self.cfg = cfg
+        the engine's tensor-parallel size on GPUs, 1 on CPU); `dtype` (a vLLM dtype name)
+        overrides cfg.dtype; `cuda`: whether the engines run on a GPU (None:
+        torch.cuda.is_available()); `gpu_memory_gb`, `bucket_bytes`: the pool's GPU memory
+        and the sync's bucket, for vLLM's memory fraction."""
+        self.args_of, self.task, self.cfg = args_of, task, cfg
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self.dtype = dtype or engine_dtype(getattr(cfg, "dtype", "auto"), self.cuda)
         self.sleep_mode = self.cuda                    # vLLM: CUDA/ROCm only
         self.tp = getattr(cfg, "gpus_per_replica", 1) if self.cuda else 1
+        self.memory = memory_fraction(gpu_memory_gb, bucket_bytes) if self.cuda else None
         self.root = Path(tempfile.mkdtemp(prefix="flexmarl-vllm-", dir=workdir))
         self.engines: dict[str, _Engine] = {}          # arch_key -> engine
         self.versions: dict[str, int] = {}
-        self.host: dict[str, dict[str, torch.Tensor]] = {}   # agent -> latest weights, when shared
-        # agents another agent's load can evict: a sibling of the same architecture, or (sleep
-        # mode, level 2) any other architecture; they keep a host copy of their weights
-        keys = {agent: arch_key(a) for agent, a in args_of.items()}
-        n_arch = len(set(keys.values()))
-        self.shared = {agent for agent, k in keys.items()
-                       if list(keys.values()).count(k) > 1 or (self.sleep_mode and n_arch > 1)}
+        self.dropped: list[str] = []                   # agents overwritten since last asked
 
     # -- RolloutEngine -------------------------------------------------------------------
-    def load_weights(self, agent: str, version: int, named: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, agent: str, version: int, named) -> None:
+        """`named`: a dict, or a sync's buckets (dicts, or RemoteBucket headers that this
+        engine's workers receive themselves); the version is set after the last."""
         args = self.args_of[agent]
-        expected = set(_hf_names(args))
-        got = set(named) - ({"lm_head.weight"} if args.tie_embeddings else set())
-        if got != expected:
-            raise ValueError(f"weights for {agent}: missing {sorted(expected - got)[:3]}, "
-                             f"unexpected {sorted(got - expected)[:3]}")
-        if agent in self.shared:
-            # `named` are views into the sync staging buffer: keep our own copy (pinned on GPU)
-            # to switch back to this agent later without another broadcast
-            self.host[agent] = _host_copy(named, torch.cuda.is_available())
+        eng = self._engine(agent)
+        if eng.bound is not None and eng.bound[0] != agent:
+            self._drop(eng.bound[0])
+        eng.bound = None                                # half-loaded until the last bucket
+        parts = [named] if isinstance(named, dict) else named
+        local: dict[str, torch.Tensor] = {}
+        for part in parts:
+            if isinstance(part, dict):
+                # CPU, in-process: gathered and loaded once (vLLM-CPU repacks after a load)
+                if self.tp > 1:
+                    raise ValueError("weight_sync.backend=mpi cannot feed vLLM's TP workers; use nccl")
+                local.update({k: v.detach().clone() for k, v in part.items()
+                              if not (args.tie_embeddings and k == "lm_head.weight")})
+            else:
+                eng.llm.collective_rpc("flexmarl_recv", args=(part.prefix, part.bucket, part.left_s))
+        if local:
+            _check_names(agent, args, local)
+            eng.llm.collective_rpc("flexmarl_load", args=(list(local.items()), args.tie_embeddings))
+        if eng.kv_asleep:
+            eng.llm.wake_up(tags=["kv_cache"])
+            eng.kv_asleep = False
+        eng.llm.reset_prefix_cache()         # cached prompt KV belongs to the old weights
+        eng.bound = (agent, version)
         self.versions[agent] = version
-        key = arch_key(args)
-        eng = self.engines.get(key)
-        if eng is None:
-            self._wake(None)                            # put the awake engine to sleep first
-            self.engines[key] = eng = _Engine(self._build(agent, args, named))
-            eng.bound = (agent, version)
-        elif eng.bound is not None and eng.bound[0] == agent:   # (a sleeping engine is unbound)
-            self._reload(eng, agent, version, named)    # the common case: straight from the sync
-        # else the engine holds another agent, still valid: this one is loaded when next used
+
+    def remote(self, agent: str):
+        """On GPUs the engine's TP workers receive a sync of `agent` themselves (see
+        SyncChannels.group); None on CPU, where this process receives."""
+        return _Remote(self, self._engine(agent)) if self.cuda else None
 
     def version(self, agent: str) -> int | None:
         return self.versions.get(agent)
+
+    def take_dropped(self) -> list[str]:
+        """Agents whose weights this engine no longer holds since the last call."""
+        out, self.dropped = self.dropped, []
+        return out
 
     def generate(self, agent: str, requests: list[GenRequest], params: SamplingParams) -> list[Generation]:
         if not requests:
@@ -187,85 +269,98 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.engines.clear()
-        self.host.clear()
         shutil.rmtree(self.root, ignore_errors=True)
 
     # -- internals -----------------------------------------------------------------------
     def _bind(self, agent: str):
-        """The engine of `agent`'s architecture, awake and holding `agent`'s latest weights."""
-        version = self.versions[agent]
-        eng = self.engines[arch_key(self.args_of[agent])]
-        woken = self._wake(eng)
-        if eng.bound != (agent, version):
-            self._reload(eng, agent, version, self.host[agent])
-        if woken:
-            eng.llm.wake_up(tags=["kv_cache"])
+        """The engine holding `agent`'s latest weights, awake (the orchestrator asks only for
+        agents this replica holds: a dropped one is re-sent first)."""
+        eng = self.engines.get(arch_key(self.args_of[agent]))
+        if eng is None or eng.bound != (agent, self.versions.get(agent)):
+            raise RuntimeError(f"vLLM replica: {agent} v{self.versions.get(agent)} is not loaded "
+                               f"(the engine holds {None if eng is None else eng.bound})")
         return eng.llm
 
-    def _wake(self, eng: _Engine | None) -> bool:
-        """Sleep every other engine (level 2: its weights are reloaded on wake-up anyway), then
-        wake `eng`'s weights only; True if it was asleep, and the caller wakes its KV cache
-        after loading the weights (vLLM's RLHF order: the load never has a KV cache beside it)."""
-        if not self.sleep_mode:
-            return False
-        for other in self.engines.values():
-            if other is not eng and not other.asleep:
+    def _engine(self, agent: str) -> _Engine:
+        """`agent`'s architecture's engine, built (dummy weights) if new, awake and ready for
+        a load: the others put to sleep first (their agents dropped), then this one's weights
+        woken, then (the load never sits beside a KV cache) its KV cache."""
+        key = arch_key(self.args_of[agent])
+        for k, other in self.engines.items():
+            if k != key and not other.asleep and self.sleep_mode:
                 other.llm.sleep(level=2)
-                other.asleep, other.bound = True, None
-        if eng is None or not eng.asleep:
-            return False
-        eng.llm.wake_up(tags=["weights"])
-        eng.asleep = False
-        return True
+                other.asleep = True
+                if other.bound is not None:
+                    self._drop(other.bound[0])
+                other.bound = None
+        eng = self.engines.get(key)
+        if eng is None:
+            eng = self.engines[key] = _Engine(self._build(agent, self.args_of[agent]))
+        elif eng.asleep:
+            eng.llm.wake_up(tags=["weights"])           # the KV cache after the load
+            eng.asleep, eng.kv_asleep = False, True
+        return eng
 
-    def _reload(self, eng: _Engine, agent: str, version: int, named: dict[str, torch.Tensor]) -> None:
-        args = self.args_of[agent]
-        weights = [(k, v.detach()) for k, v in named.items()
-                   if not (args.tie_embeddings and k == "lm_head.weight")]
-        eng.llm.collective_rpc(_reload, args=(weights, args.tie_embeddings))
-        eng.llm.reset_prefix_cache()         # cached prompt KV belongs to the old weights
-        eng.bound = (agent, version)
+    def _drop(self, agent: str) -> None:
+        self.versions.pop(agent, None)
+        self.dropped.append(agent)
 
-    def _build(self, agent: str, args: ModelArgs, named: dict[str, torch.Tensor]):
+    def _build(self, agent: str, args: ModelArgs):
         from vllm import LLM
         if not self.cuda:
-            try:
-                from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-                sizes = CPUAttentionBackend.get_supported_head_sizes()
-            except (ImportError, AttributeError):      # another vLLM layout: let vLLM decide
-                sizes = [args.head_dim]
-            if args.head_dim not in sizes:
-                # fail here, not at the first generate deep inside the engine
-                raise ValueError(f"agent {agent}: head_dim {args.head_dim} (hidden_size / num_heads) is not "
-                                 f"supported by vLLM's CPU attention {sizes}; use rollout.backend=torch "
-                                 f"or a wider model")
+            _check_cpu_head_dim(agent, args)
         folder = self.root / arch_key_folder(args)
-        write_checkpoint(folder, args, named)
+        write_config(folder, args)
         max_len = min(self.cfg.max_model_len or args.max_seq_len, args.max_seq_len)
         if not self.cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             # vLLM's CPU default is 4 GiB per engine; size it for max_batch full-length sequences
             kv = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4 * max_len * self.cfg.max_batch
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(2 * kv / 2**30)))
-        # one engine awake at a time (sleep mode), so each may use the whole budget
-        extra = {} if not self.cuda else {"gpu_memory_utilization": 0.85, "enable_sleep_mode": True}
-        return LLM(model=str(folder), skip_tokenizer_init=True, dtype=self.dtype,
-                   tensor_parallel_size=self.tp,
+        # one engine awake at a time (sleep mode), so each may use the whole fraction
+        extra = {} if not self.cuda else {"gpu_memory_utilization": self.memory, "enable_sleep_mode": True}
+        return LLM(model=str(folder), skip_tokenizer_init=True, dtype=self.dtype, load_format="dummy",
+                   worker_extension_cls=f"{__name__}.SyncWorker", tensor_parallel_size=self.tp,
                    max_model_len=max_len, max_num_seqs=self.cfg.max_batch,
                    enforce_eager=not self.cuda, enable_prefix_caching=True,
                    logprobs_mode="processed_logprobs", seed=0, **extra)
 
 
+class _Remote:
+    """SyncChannels.group's view of an engine whose TP workers join the data group."""
+
+    def __init__(self, owner: VLLMEngine, eng: _Engine):
+        self.ranks, self.eng = owner.tp, eng
+
+    def join(self, addr, prefix: str, first: int, size: int, backend: str, timeout=None) -> None:
+        self.eng.llm.collective_rpc("flexmarl_join", args=(addr, prefix, first, size, backend, timeout))
+
+    def leave(self, prefix: str) -> None:
+        self.eng.llm.collective_rpc("flexmarl_leave", args=(prefix,))
+
+
+def _check_names(agent: str, args: ModelArgs, named: dict) -> None:
+    expected = set(_hf_names(args))
+    if set(named) != expected:
+        raise ValueError(f"weights for {agent}: missing {sorted(expected - set(named))[:3]}, "
+                         f"unexpected {sorted(set(named) - expected)[:3]}")
+
+
+def _check_cpu_head_dim(agent: str, args: ModelArgs) -> None:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):      # another vLLM layout: let vLLM decide
+        sizes = [args.head_dim]
+    if args.head_dim not in sizes:
+        # fail here, not at the first generate deep inside the engine
+        raise ValueError(f"agent {agent}: head_dim {args.head_dim} (hidden_size / num_heads) is not "
+                         f"supported by vLLM's CPU attention {sizes}; use rollout.backend=torch "
+                         f"or a wider model")
+
+
 def arch_key_folder(args: ModelArgs) -> str:
     import hashlib
     return "arch-" + hashlib.sha1(arch_key(args).encode()).hexdigest()[:12]
-
-
-def _host_copy(named: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in named.items():
-        h = v.detach().to("cpu", copy=True)
-        out[k] = h.pin_memory() if pin else h
-    return out
 
 
 def _hf_names(args: ModelArgs) -> list[str]:

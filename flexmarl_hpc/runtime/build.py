@@ -73,7 +73,8 @@ def build_engine(cfg: Config, task: Task, device: str = "cpu", pool: int = 0):
     if cfg.rollout.backend == "vllm":
         from flexmarl_hpc.rollout.vllm_engine import VLLMEngine
         # the pool's GPUs per replica are vLLM's tensor_parallel_size
-        return VLLMEngine(args_of, task, dataclasses.replace(cfg.rollout, gpus_per_replica=p.gpus_per_replica))
+        return VLLMEngine(args_of, task, dataclasses.replace(cfg.rollout, gpus_per_replica=p.gpus_per_replica),
+                          gpu_memory_gb=p.gpu_memory_gb, bucket_bytes=int(cfg.weight_sync.bucket_mb * 2**20))
     from flexmarl_hpc.rollout.torch_engine import TorchEngine
     _cpu_only("rollout.backend=torch", device)
     return TorchEngine(args_of, task, cfg.rollout.max_batch)
@@ -85,14 +86,22 @@ def build_trainer(cfg: Config, task: Task, agent: str, group_comm, device: str =
     device (megatron allocates on current_device())."""
     from flexmarl_hpc.config.resources import group_trainer_config, trainer_groups
     tcfg = group_trainer_config(cfg, trainer_groups(cfg)[group])
-    model = initial_model(cfg, task, agent)
     if tcfg.backend == "megatron":
+        # each rank reads / draws only its own shard, on its device (learn/weights.py)
         from flexmarl_hpc.trainer.megatron import MegatronTrainer
-        return MegatronTrainer(model.args, tcfg, group_comm, cfg.rollout.temperature,
-                               init={k: v.clone() for k, v in model.state_dict().items()})
+        return MegatronTrainer(model_args(cfg, task, agent), tcfg, group_comm, cfg.rollout.temperature,
+                               init=weight_source(cfg, agent))
     from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
     _cpu_only("trainer.backend=torch", device)
-    return TorchTrainer(model, tcfg, group_comm, cfg.rollout.temperature)
+    return TorchTrainer(initial_model(cfg, task, agent), tcfg, group_comm, cfg.rollout.temperature)
+
+
+def weight_source(cfg: Config, agent: str):
+    """Version 0 of an agent as a shard-by-shard source: the same weights as initial_model."""
+    from flexmarl_hpc.learn.weights import WeightSource
+    m = cfg.model_for(agent)
+    return WeightSource(seed=sample_seed(cfg.run.seed, agent, 0, "init"), std=m.init_std,
+                        checkpoint=str(m.checkpoint or ""))
 
 
 def initial_placement(cfg: Config):

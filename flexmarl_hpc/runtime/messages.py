@@ -123,6 +123,9 @@ class Synced(Reply):
     """The replica's index (world rank - 1)."""
     agent: str
     version: int
+    dropped: tuple[str, ...] = ()
+    """Agents the replica no longer holds: their engine was switched to `agent` by this
+    load (vLLM engines shared by agents of one architecture keep no host copies)."""
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ module, the optimizer and the host buffers are kept: nothing is rebuilt, no chec
 read. Both backends have it: TorchTrainer re-points its tensors at the host copies (its
 `state()` reads them there); MegatronTrainer (trainer/megatron/swap.py) copies every storage
 of its shards out and resizes it to 0 bytes, so the many views megatron keeps stay valid,
-and brings the state in for a `state()`/checkpoint call while parked. Weight syncs of a
-parked agent read `named_weights()`, a local call on either.
+and brings the state in for a `state()`/checkpoint call while parked (and for a weight
+sync's stream, runtime/workers.py).
 
 Different groups: rank i of the source group sends its `state()` to rank i of the
 destination group over MPI (one header + one flat byte buffer, a non-blocking send/receive
@@ -35,7 +35,7 @@ import torch
 from mpi4py import MPI
 
 from flexmarl_hpc.runtime import comm
-from flexmarl_hpc.runtime.weight_sync import _header, _pack, _unpack, host_bytes
+from flexmarl_hpc.runtime.weight_sync import bucket_views, dict_bucket, host_bytes, pack
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,9 @@ def to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def send_state(world: MPI.Comm, state: dict[str, torch.Tensor], dest: int) -> None:
-    header = _header(state, 0)
+    header = dict_bucket(state)
     flat = np.empty(header.total, dtype=np.uint8)
-    _pack(state, header, flat)
+    pack(state, header, flat)
     comm.wait(world.isend(header, dest=dest, tag=comm.TAG_STATE))
     comm.wait(world.Isend(flat, dest=dest, tag=comm.TAG_STATE))
 
@@ -128,7 +128,7 @@ def recv_state(world: MPI.Comm, source: int) -> dict[str, torch.Tensor]:
     header = comm.recv(world, source=source, tag=comm.TAG_STATE)
     flat = np.empty(header.total, dtype=np.uint8)
     comm.wait(world.Irecv(flat, source=source, tag=comm.TAG_STATE))
-    return {k: v.clone() for k, v in _unpack(header, flat).items()}
+    return {k: v.clone() for k, v in bucket_views(header, flat).items()}
 
 
 class Parked(MutableMapping):

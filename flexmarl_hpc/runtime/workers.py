@@ -6,6 +6,7 @@ can account for every rank's time. Waiting is never a spin (see comm.py).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import replace
@@ -28,7 +29,8 @@ from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout
-from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
+from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, layout_of, plan_buckets,
+                                              receive_weights, send_weights)
 
 
 def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
@@ -59,17 +61,16 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
             t = [t0]
             faults.hit("sync_join")
             try:
-                v, named = broadcast_weights(channels, tuple(cmd.members), None, cmd.version, bucket_bytes,
-                                             on_rendezvous=lambda: t.__setitem__(0, clock.waited(t0)))
+                v = replica_sync(channels, engine, cmd, index, clock, t)
             except CollectiveTimeout as e:
                 failed.add(agent)
                 clock.mark("sync", agent, t[0])
                 reply = sync_timed_out(world.Get_rank(), cmd, e)
                 send_reply(world, orch, replace(reply, intervals=clock.drain()), bell)
                 continue
-            engine.load_weights(agent, v, named)
             clock.mark("sync", agent, t[0])
-            send_reply(world, orch, messages.Synced(index, agent, v, intervals=clock.drain()), bell)
+            dropped = tuple(getattr(engine, "take_dropped", list)())
+            send_reply(world, orch, messages.Synced(index, agent, v, dropped, intervals=clock.drain()), bell)
         elif isinstance(cmd, messages.Stop):
             if live is not None:
                 live.disarm()
@@ -79,6 +80,21 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
             return cmd.code
         else:
             raise ValueError(f"replica {index}: unknown command {cmd.kind!r}")
+
+
+def replica_sync(channels: SyncChannels, engine, cmd: messages.Sync, index: int, clock: WorkerClock,
+                 t: list[float]) -> int:
+    """A replica's part of a sync: the plan, then the buckets into the engine as they
+    arrive; the version received. CollectiveTimeout past the receivers' deadline."""
+    agent = cmd.agent
+    # an engine whose own workers receive (vLLM's TP workers on GPUs) joins them instead
+    remote = getattr(engine, "remote", lambda a: None)(agent) if channels.backend != "mpi" else None
+    v, _, buckets = receive_weights(channels, tuple(cmd.members), remote)
+    t[0] = clock.waited(t[0])
+    engine.load_weights(agent, v, buckets)            # bucket by bucket, as they arrive
+    for _ in buckets:                                 # every bucket is a collective
+        raise RuntimeError(f"replica {index}: the engine left buckets of {agent} v{v} unread")
+    return v
 
 
 class TrainerRank:
@@ -92,6 +108,7 @@ class TrainerRank:
         self.bucket_bytes, self.keep_checkpoints = bucket_bytes, keep_checkpoints
         self.channels, self.sync_wire = channels, sync_wire
         self.leader = group.Get_rank() == 0
+        self.group_ids = GroupIds()          # the same on every rank of the group
         self.clock = WorkerClock()
         self.step_stats: dict[str, dict[str, float]] = {}     # per agent, summed over micro-batches
         self.handlers = {messages.Train: self.train, messages.Sync: self.sync,
@@ -115,21 +132,39 @@ class TrainerRank:
         return messages.Trained(agent, cmd.step) if summed is None else messages.Stepped(agent, tr.version, summed)
 
     def sync(self, cmd: messages.Sync, t0: float) -> messages.Reply:
+        """Every rank of the group: the stage senders stream, the others run the TP gathers."""
         agent, version = cmd.agent, cmd.version
-        if self.leader:                          # the other members take no part in it
-            t = [t0]
-            weights, held, packed = weights_and_version(self.mover, agent)
-            if held != version:
-                raise RuntimeError(f"sync of {agent} v{version} but its state is at v{held}")
+        src = sync_source(self.mover, agent, self.group)
+        if src.version != version:
+            raise RuntimeError(f"sync of {agent} v{version} but its state is at v{src.version}")
+        targets = tuple(cmd.members[1:])
+        t = [t0]
+        err = None
+        with src.ready():
+            plan = self.plan(src, targets, agent)
+            stage = next((s for s, r in enumerate(src.sync_senders()) if r == self.group.Get_rank()), None)
             try:
-                broadcast_weights(self.channels, tuple(cmd.members), weights, version, self.bucket_bytes,
-                                  packed=packed, wire=self.sync_wire,
-                                  on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
+                send_weights(self.channels, targets, plan, version, stage, src.sync_stream(), self.leader,
+                             on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
             except CollectiveTimeout as e:
-                self.clock.mark("sync", agent, t[0])
-                return sync_timed_out(self.world.Get_rank(), cmd, e)
-            self.clock.mark("sync", agent, t[0])
-        return messages.TrainerSynced(agent, version)
+                err = e
+        self.clock.mark("sync", agent, t[0])
+        # a stage sender that gave up is not the leader, who answers: the group learns it
+        # (every rank is past its part, so this waits for nobody) and drops the sync's ids
+        reason = first_error(self.group, None if err is None else str(err))
+        if reason is None:
+            return messages.TrainerSynced(agent, version)
+        self.group_ids.drop(targets, agent)
+        return sync_timed_out(self.world.Get_rank(), cmd, reason)
+
+    def plan(self, src, targets: tuple[int, ...], agent: str) -> Plan:
+        """The sync's plan: stages, buckets, senders as world ranks, the data groups' ids."""
+        senders = MPI.Group.Translate_ranks(self.group.Get_group(), src.sync_senders(), self.world.Get_group())
+        layouts = src.sync_layouts()
+        gids = tuple(self.group_ids.use(s, targets, agent) for s in range(len(layouts)))
+        return Plan(tuple(int(r) for r in senders),
+                    tuple(plan_buckets(lay, self.bucket_bytes, self.sync_wire) for lay in layouts),
+                    gids, tuple(self.group_ids.live(s) for s in range(len(layouts))))
 
     def checkpoint(self, cmd: messages.Checkpoint, t0: float) -> messages.Reply:
         for name in cmd.agents:
@@ -186,9 +221,19 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
         rank.answer(rank.handle(cmd, t0), orch, bell)
 
 
-def sync_timed_out(rank: int, cmd: messages.Sync, e: CollectiveTimeout) -> messages.SyncTimedOut:
+def first_error(group: MPI.Comm, err: str | None) -> str | None:
+    """The first rank's error of `group` (None where no rank has one), known to every rank."""
+    flags = np.zeros(group.Get_size(), dtype=np.int64)
+    flags[group.Get_rank()] = err is not None
+    comm.allreduce_sum(group, flags)
+    if not flags.any():
+        return None
+    return comm.bcast_obj(group, err, int(np.flatnonzero(flags)[0]))
+
+
+def sync_timed_out(rank: int, cmd: messages.Sync, e: Exception | str) -> messages.SyncTimedOut:
     """The reply of a member whose sync passed its deadline (one line on stderr too): it is
-    out of the collective (the member set is forgotten) and answers again, so the
+    out of the collective (the sets it used are abandoned) and answers again, so the
     orchestrator can still checkpoint through it before it ends the job
     (orchestrator/failures.py: sync_timed_out)."""
     sys.stderr.write(f"[rank {rank}] weight sync of {cmd.agent} v{cmd.version}: {e}\n")
@@ -210,15 +255,48 @@ def trainer_of(mover: StateMover, agent: str):
     return mover.trainers.get(agent) or mover.parked.shelf.get(agent)
 
 
-def weights_and_version(mover: StateMover, agent: str):
-    """(HF-named weights, version, packed bytes or None) of an agent, live, shelved (a local
-    call: a sharded trainer's state() would be collective, and this runs on the leader only)
-    or parked as a state (its `model.*` tensors)."""
+class _StateSource:
+    """A parked state (`state()` format) as a one-stage weight-sync source on the leader."""
+
+    def __init__(self, state: dict[str, torch.Tensor], group: MPI.Comm):
+        self.named = {k[6:]: v for k, v in state.items() if k.startswith("model.")}
+        self.version, self.group = int(state["version"]), group
+
+    def ready(self):
+        return contextlib.nullcontext()
+
+    def sync_layouts(self):
+        return [layout_of(self.named)]
+
+    def sync_senders(self) -> list[int]:
+        return [0]
+
+    def sync_stream(self):
+        if self.group.Get_rank() == 0:
+            yield from self.named.items()
+
+
+class _TrainerSource:
+    """A live or shelved trainer as a weight-sync source (a shelved one is brought onto the
+    device for the stream: collective, every group rank syncs)."""
+
+    def __init__(self, tr):
+        self.tr, self.version = tr, tr.version
+
+    def ready(self):
+        return self.tr.onloaded() if hasattr(self.tr, "onloaded") else contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(self.tr, name)
+
+
+def sync_source(mover: StateMover, agent: str, group: MPI.Comm):
+    """What a sync of `agent` streams on this rank: its trainer, live or shelved, or its
+    parked state (whose `model.*` tensors the leader sends)."""
     tr = trainer_of(mover, agent)
     if tr is not None:
-        return tr.named_weights(), tr.version, getattr(tr, "packed_weights", lambda: None)()
-    state = mover.parked[agent]
-    return {k[6:]: v for k, v in state.items() if k.startswith("model.")}, int(state["version"]), None
+        return _TrainerSource(tr)
+    return _StateSource(mover.parked[agent], group)
 
 
 def restore_trainers(group: MPI.Comm, mover: StateMover, ckpt_dir: Path) -> None:

@@ -3,8 +3,10 @@
 Every rank of a trainer group holds one backend per agent it trains. The group calls
 `forward_backward` on its share of each micro-batch (gradients accumulate, pre-scaled by
 1/global_batch), then `optimizer_step` once the agent's global batch is in (gradients are
-reduced across the group inside). `named_weights` gives HF-named full tensors on the
-group leader for the weight sync; `state`/`load_state` carry model + optimizer + RNG as a
+reduced across the group inside). A weight sync streams (`sync_layouts`, `sync_senders`,
+`sync_stream`: per PP stage, its HF tensors one at a time on the stage's sender, see
+runtime/weight_sync.py); `named_weights` gives HF-named full tensors on the group leader
+(tests, export); `state`/`load_state` carry model + optimizer + RNG as a
 flat dict of tensors (checkpoints and state swapping use it; no pickled objects).
 `torch` (trainer/torch_trainer.py) is built in; `megatron` (the trainer/megatron/ package).
 
@@ -44,7 +46,18 @@ class TrainerBackend(Protocol):
         is False: a pass of several PPO epochs before the last); returns grad_norm."""
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named full weights (valid on the group leader)."""
+        """HF-named full weights (valid on the group leader; collective on a sharded
+        trainer). Not on the sync path."""
+
+    def sync_layouts(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """Per PP stage, (HF name, shape, dtype) of what `sync_stream` yields there, in order."""
+
+    def sync_senders(self) -> list[int]:
+        """Group rank of each PP stage's sender."""
+
+    def sync_stream(self):
+        """Collective over the group: yields (HF name, tensor) on the stage senders, in
+        `sync_layouts` order, one tensor (or one gathered parameter) at a time."""
 
     def state(self) -> dict[str, torch.Tensor]:
         """Everything needed to continue training bit for bit, as named tensors."""

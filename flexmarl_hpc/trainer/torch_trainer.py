@@ -1,7 +1,7 @@
 """Built-in trainer backend: plain torch, data parallel over the group communicator.
 
 CPU-only: gradients are reduced through numpy buffers over MPI and the parameters live in
-one host byte buffer that the weight sync broadcasts as is. GPU runs use trainer.backend
+one host byte buffer (megatron-like contiguous storage; the swap moves it whole). GPU runs use trainer.backend
 =megatron. Its swap interface (`offload`/`onload`, flexmarl_hpc.runtime.state_swap.Swappable) is
 written for any device: every tensor of the state goes through `_rehome`.
 """
@@ -18,7 +18,7 @@ from flexmarl_hpc.config.schema import TrainerConfig
 from flexmarl_hpc.learn.grpo import MicroBatch, grpo_loss, stat_values, token_logprobs
 from flexmarl_hpc.learn.model import CausalLM, hf_state_dict
 from flexmarl_hpc.runtime.state_swap import HostBuffers, finish_copies, release, to_device
-from flexmarl_hpc.runtime.weight_sync import _header, host_bytes
+from flexmarl_hpc.runtime.weight_sync import dict_bucket, host_bytes, layout_of
 from flexmarl_hpc.trainer.base import replay
 
 
@@ -85,10 +85,16 @@ class TorchTrainer:
     def named_weights(self) -> dict[str, torch.Tensor]:
         return hf_state_dict(self.model)
 
-    def packed_weights(self) -> np.ndarray:
-        """The bytes of `named_weights()` in weight-sync layout: the parameters live there,
-        so a sync broadcasts them without a packing copy."""
-        return self.packed
+    # -- weight sync (runtime/weight_sync.py): one stage, sent by the group leader ---------
+    def sync_layouts(self):
+        return [layout_of(self.named_weights())]
+
+    def sync_senders(self) -> list[int]:
+        return [0]
+
+    def sync_stream(self):
+        if self.group.Get_rank() == 0:
+            yield from self.named_weights().items()
 
     # -- state swap (flexmarl_hpc.runtime.state_swap.Swappable) ------------------------------------
     def offload(self, host: HostBuffers) -> None:
@@ -158,11 +164,11 @@ class TorchTrainer:
 
 
 def flatten_parameters(model: CausalLM) -> np.ndarray:
-    """Re-home every parameter into one buffer laid out as the weight-sync header of
-    `hf_state_dict(model)` (same order, 16-byte aligned), like megatron's contiguous
+    """Re-home every parameter into one buffer laid out as `hf_state_dict(model)` (same
+    order, 16-byte aligned), like megatron's contiguous
     parameter buffers. Returns the buffer as bytes. Call before building the optimizer."""
     named = hf_state_dict(model)
-    header = _header(named, 0)
+    header = dict_bucket(named)
     flat = host_bytes(header.total).zero_()      # on huge pages: the weight broadcast reads it whole
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, off, nb in zip(header.names, header.offsets, header.nbytes):

@@ -24,23 +24,26 @@ def check() -> str:
     from mpi4py import MPI
 
     from flexmarl_hpc.runtime import deadline
-    from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
+    from flexmarl_hpc.runtime.weight_sync import GroupIds, Plan, SyncChannels, layout_of, plan_buckets, send_weights
     os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
     torch.cuda.set_device(0)
     world = MPI.COMM_SELF
     ch = SyncChannels(world, "nccl", timeout_s=42)
     assert ch.device.type == "cuda" and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     named = {"w": torch.randn(1024, 1024, device="cuda"), "step": torch.tensor([3], device="cuda")}
-    v, got = broadcast_weights(ch, (0,), named, 7, 1 << 20, wire=torch.bfloat16)
-    assert v == 7 and got is named
-    pg = ch.groups[(0,)]
+    ids = GroupIds()
+    plan = Plan((0,), (plan_buckets(layout_of(named), 1 << 20, torch.bfloat16),), (ids.use(0, ()),), (ids.live(0),))
+    send_weights(ch, (), plan, 7, 0, named.items(), leader=True)       # 5 buckets, each waited by polls
+    (members, _), pg = next(iter(ch.groups.items()))
     timeout = getattr(getattr(pg, "options", None), "_timeout", None)     # read back where torch shows it
     assert timeout is None or timeout.total_seconds() == 42, timeout
     polled = []
-    work = pg.broadcast([torch.zeros(4, device="cuda")], 0)       # a real NCCL Work
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    work = pg.broadcast([torch.zeros(4, device="cuda")], opts)    # a real NCCL Work
     deadline.wait_until(lambda: polled.append(1) or work.is_completed(), deadline.Deadline(42), "probe")
-    ch.forget((0,))                                                # what a timeout does: abort the group
-    assert (0,) not in ch.groups and (0,) not in ch.cache
+    ch.abandon([members])                                          # what a timeout does: abort the group
+    assert not ch.groups and members not in ch.cache
     ch.close()
     return (f"gpu sync deadline ok: NCCL group timeout {timeout} (42 s asked), is_completed polled "
             f"{len(polled)}x, abort ok")

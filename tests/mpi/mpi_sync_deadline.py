@@ -15,14 +15,16 @@ from mpi4py import MPI
 
 from flexmarl_hpc.runtime import comm
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout
-from flexmarl_hpc.runtime.weight_sync import SyncChannels, broadcast_weights
+from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, layout_of, plan_buckets,
+                                              receive_weights, send_weights)
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
 backend, timeout_s = sys.argv[1], float(sys.argv[2])
 channels = SyncChannels(world, backend, timeout_s=timeout_s)
-BUCKET = 1 << 20
+BUCKET = 1 << 20                        # 5 buckets a sync: each waited under the deadline
 DONE = 99
+ids = GroupIds()
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:          # 4 MiB: past MPICH's eager sizes
@@ -31,11 +33,19 @@ def weights(version: int) -> dict[str, torch.Tensor]:          # 4 MiB: past MPI
 
 
 def sync(members, version):
-    named = weights(version) if rank == members[0] else None
-    v, got = broadcast_weights(channels, members, named, version, BUCKET)
-    if rank != members[0]:
-        assert v == version and all(torch.equal(got[k], t) for k, t in weights(version).items())
-        print(f"rank {rank} bit-identical v{v}", flush=True)
+    if rank == members[0]:
+        named, targets = weights(version), members[1:]
+        plan = Plan((rank,), (plan_buckets(layout_of(named), BUCKET),), (ids.use(0, targets),), (ids.live(0),))
+        try:
+            send_weights(channels, targets, plan, version, 0, named.items(), leader=True)
+        except CollectiveTimeout:
+            ids.drop(targets)           # as TrainerRank.sync does: the set gets new groups
+            raise
+        return
+    v, _, buckets = receive_weights(channels, members)
+    got = {k: t.clone() for b in buckets for k, t in b.items()}
+    assert v == version and all(torch.equal(got[k], t) for k, t in weights(version).items())
+    print(f"rank {rank} bit-identical v{v}", flush=True)
 
 
 def expect_timeout(members, version, phase):
@@ -45,7 +55,7 @@ def expect_timeout(members, version, phase):
     except CollectiveTimeout as e:
         waited = time.monotonic() - t0
         assert e.phase.startswith(phase), e.phase
-        assert members not in channels.cache and members not in channels.groups   # forgotten
+        assert members not in channels.cache and all(k[0] != members for k in channels.groups)   # forgotten
         print(f"rank {rank} v{version} CollectiveTimeout in {e.phase!r} after {waited:.2f} s: {e}", flush=True)
         return
     raise AssertionError(f"rank {rank}: v{version} over {members} completed without rank 2")

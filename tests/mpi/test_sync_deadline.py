@@ -30,3 +30,18 @@ def test_a_member_that_never_joins_ends_the_sync_in_a_timeout(mpiexec, backend):
     assert TIMEOUT_S <= waits[0, 2][1] <= waits[1, 2][1] <= TIMEOUT_S + GRACE_S + SLACK_S, waits
     assert waits[1, 2][1] >= TIMEOUT_S + GRACE_S and TIMEOUT_S <= waits[0, 3][1] <= TIMEOUT_S + SLACK_S, waits
     assert "rank 1 bit-identical v4" in out and "rank 2 stayed away" in out, out
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_stage_sender_that_times_out_is_its_groups_failure(mpiexec, backend):
+    """PP stage 1's sender (not the leader) gives up; the leader, whose part went through,
+    still learns it (workers.first_error), so the group's reply is SyncTimedOut."""
+    p = run_mpi(mpiexec, 3, ["tests/mpi/mpi_sync_deadline_stages.py", backend, str(TIMEOUT_S)], timeout=120)
+    out = p.stdout
+    assert "rank 0 CollectiveTimeout" not in out, out
+    m = re.search(r"rank 1 CollectiveTimeout in '([^']*)' after ([\d.]+) s", out)
+    assert m and m.group(1) == "joining (every member arriving)", out
+    assert TIMEOUT_S <= float(m.group(2)) <= TIMEOUT_S + SLACK_S, out
+    for r in (0, 1):
+        assert re.search(rf"rank {r} group error: weight sync over ranks \[1, 2\]: joining", out), out
+    assert "rank 2 stayed away from stage 1" in out, out

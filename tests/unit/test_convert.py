@@ -89,3 +89,66 @@ def test_qkv_layout_groups_queries_with_their_kv_head():
     # group 0: q heads 0,1 (rows 0-3), k head 0, v head 0; then group 1
     assert qkv.tolist() == [0, 1, 2, 3, 100, 101, 200, 201, 4, 5, 6, 7, 102, 103, 202, 203]
     assert hd == args.head_dim
+
+
+ARGS = ModelArgs(vocab_size=37, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                 intermediate_size=48, max_seq_len=16, tie_embeddings=False, qkv_bias=True)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_per_parameter_stream_equals_the_whole_model_converter(tp, pp, tie):
+    """The sync's per-parameter conversion (one gathered parameter at a time, in
+    sync_order) gives exactly megatron_to_hf's tensors, each once, with the shapes the plan
+    announces (a tied output layer adds nothing)."""
+    from dataclasses import replace
+    from flexmarl_hpc.learn.convert import megatron_param_to_hf, sync_order, tp_split_dim
+    args = replace(ARGS, tie_embeddings=tie)
+    hf = _hf(args)
+    shards = _shards(hf, args, tp, pp)
+    got = {}
+    for p in range(pp):
+        order = sync_order(args, tp, p, pp)
+        assert [n for n, _ in order] == list(shards[p][0])
+        for name, outs in order:
+            tps = [shards[p][t][name] for t in range(tp)] if tp_split_dim(name) is not None else [shards[p][0][name]]
+            made = megatron_param_to_hf(name, tps, args, p, pp)
+            assert [(k, tuple(v.shape)) for k, v in made] == outs
+            for k, v in made:
+                assert k not in got
+                got[k] = v
+    assert got.keys() == hf.keys() and all(torch.equal(got[k], hf[k]) for k in hf)
+
+
+def test_init_tensors_are_build_model_one_tensor_at_a_time():
+    from flexmarl_hpc.learn.model import init_tensors
+    for tie in (False, True):
+        from dataclasses import replace
+        args = replace(ARGS, tie_embeddings=tie)
+        whole = hf_state_dict(build_model(args, seed=11, std=0.05))
+        streamed = dict(init_tensors(args, seed=11, std=0.05))
+        assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "init"])
+def test_weight_source_gives_each_rank_its_slice_only(tmp_path, source):
+    """A TP2 x PP2 rank's shard from a safetensors checkpoint (get_slice) or a seeded random
+    init equals the converter's shard of the full weights; the reads it makes are the rank's
+    own ranges (each a quarter or half of a tensor, never all of a split one)."""
+    from flexmarl_hpc.learn.convert import shard_reads
+    from flexmarl_hpc.learn.model import save_hf_checkpoint
+    from flexmarl_hpc.learn.weights import WeightSource
+    model = build_model(ARGS, seed=5, std=0.1)
+    save_hf_checkpoint(model, tmp_path)
+    full = hf_state_dict(model)
+    src = WeightSource(checkpoint=str(tmp_path)) if source == "checkpoint" else WeightSource(seed=5, std=0.1)
+    for t in range(2):
+        for p in range(2):
+            got, ref = src.shard(ARGS, t, 2, p, 2), hf_to_megatron(full, ARGS, t, 2, p, 2)
+            assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    reads = shard_reads(ARGS, 1, 2, 1, 2)
+    assert "model.embed_tokens.weight" not in reads and "model.layers.0.mlp.up_proj.weight" not in reads
+    assert reads["model.layers.3.mlp.up_proj.weight"] == [(0, 24, 48)]          # its half of the rows
+    assert reads["model.layers.3.self_attn.o_proj.weight"] == [(1, 16, 32)]     # its half of the columns
+    assert "lm_head.weight" not in reads          # its vocab rows 64-127 are all padding (37 real)
+    assert shard_reads(ARGS, 0, 2, 1, 2)["lm_head.weight"] == [(0, 0, 37)]

@@ -5,6 +5,7 @@ The fake LLM records its kwargs and every call; the real API it mirrors is vLLM'
 `LLM(..., enable_sleep_mode=True)`, `sleep(level=)`, `wake_up(tags=)`, `collective_rpc`."""
 from __future__ import annotations
 
+import pickle
 import sys
 import types
 from dataclasses import replace
@@ -16,6 +17,7 @@ from flexmarl_hpc.config.schema import ConfigError, RolloutConfig
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
 from flexmarl_hpc.rollout.base import GenRequest
+from flexmarl_hpc.runtime.deadline import CollectiveTimeout
 from flexmarl_hpc.learn.sampling import SamplingParams
 
 SMALL = ModelArgs(vocab_size=19, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
@@ -23,12 +25,28 @@ SMALL = ModelArgs(vocab_size=19, hidden_size=32, num_layers=2, num_heads=2, num_
 BIG = replace(SMALL, num_layers=3)
 
 
+class FakeWorker:
+    """Stands in for a vLLM GPU worker of TP rank `tp_rank`: the real SyncWorker methods are
+    mixed in (as vLLM's worker_extension_cls does) and run against a recording model."""
+
+    def __init__(self, tp_rank: int):
+        self.tp_rank, self.loaded = tp_rank, []
+        self.device = torch.device("cpu")
+        self.model_runner = types.SimpleNamespace(model=types.SimpleNamespace(
+            load_weights=lambda weights: self.loaded.append({k: v.clone() for k, v in weights})))
+
+
 class FakeLLM:
     built: list["FakeLLM"] = []
 
     def __init__(self, model: str, **kwargs):
+        from flexmarl_hpc.rollout import vllm_engine
         self.model, self.kwargs, self.calls = model, kwargs, []
         self.awake = True
+        ext = kwargs["worker_extension_cls"]
+        assert ext == "flexmarl_hpc.rollout.vllm_engine.SyncWorker"
+        cls = type("Worker", (FakeWorker, vllm_engine.SyncWorker), {})
+        self.workers = [cls(r) for r in range(kwargs["tensor_parallel_size"])]
         FakeLLM.built.append(self)
 
     def sleep(self, level: int = 1):
@@ -39,10 +57,27 @@ class FakeLLM:
         self.calls.append(("wake_up", tuple(tags or ())))
         self.awake = True
 
-    def collective_rpc(self, fn, args=()):
-        weights, _tied = args
-        assert self.awake, "weights loaded into a sleeping engine"
-        self.calls.append(("reload", dict(weights)["model.norm.weight"].clone()))
+    def collective_rpc(self, method, args=()):
+        """Calls `method` on every worker, as vLLM does; arguments crossing to workers in other
+        processes are pickled, so they must be small (headers, never weights) for TP > 1."""
+        assert isinstance(method, str), "pass the extension method's name"
+        if len(self.workers) > 1:
+            size = len(pickle.dumps(args))
+            assert size < 4096, f"{method}: {size} bytes pickled to the TP workers"
+        if method != "flexmarl_join":
+            assert self.awake, "weights loaded into a sleeping engine"
+        self.calls.append((method, args))
+        if method == "flexmarl_load":
+            self.calls[-1] = ("reload", dict(args[0])["model.norm.weight"].clone())
+            return [None]
+        out = []
+        for w in self.workers:        # each worker runs it as its own TP rank
+            _CURRENT_TP_RANK.append(w.tp_rank)
+            try:
+                out.append(getattr(w, method)(*args))
+            finally:
+                _CURRENT_TP_RANK.pop()
+        return out
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -64,10 +99,17 @@ def fake_vllm(monkeypatch):
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda **kw: kw
     vllm.inputs = inputs
+    dist = types.ModuleType("vllm.distributed")
+    dist.get_tensor_model_parallel_rank = lambda: _CURRENT_TP_RANK[-1]
+    vllm.distributed = dist
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", dist)
     FakeLLM.built = []
     return FakeLLM
+
+
+_CURRENT_TP_RANK = [0]
 
 
 class Task:
@@ -94,45 +136,54 @@ def reloads(llm) -> list[float]:
 
 def make(args_of, tmp_path, cuda, **cfg):
     from flexmarl_hpc.rollout.vllm_engine import VLLMEngine
+    mem = cfg.pop("gpu_memory_gb", 0.0)
     return VLLMEngine(args_of, Task(), RolloutConfig(backend="vllm", max_batch=4, **cfg),
-                      workdir=str(tmp_path), cuda=cuda)
+                      workdir=str(tmp_path), cuda=cuda, gpu_memory_gb=mem, bucket_bytes=1 << 30)
 
 
 @pytest.mark.parametrize("cuda", [False, True])
-def test_same_architecture_shares_one_engine_switched_by_reload(fake_vllm, tmp_path, cuda):
+def test_same_architecture_shares_one_engine_switched_by_a_load(fake_vllm, tmp_path, cuda):
+    """One engine per architecture, started without weights (dummy load, config.json only on
+    disk); a load of another agent overwrites the one it held, which is reported dropped (the
+    orchestrator re-sends it): no host copies."""
     e = make({"a": SMALL, "b": SMALL}, tmp_path, cuda)
     e.load_weights("a", 1, weights(SMALL, 1))
+    gen(e, "a")
     e.load_weights("b", 1, weights(SMALL, 2))
-    gen(e, "b")                       # b's weights into the engine built with a's
-    gen(e, "a")                       # back to a: reloaded from the host copy
-    gen(e, "a")                       # bound: no reload
-    e.load_weights("a", 2, weights(SMALL, 3))     # a is bound: loaded straight from the sync
+    assert e.take_dropped() == ["a"] and e.version("a") is None and e.version("b") == 1
+    gen(e, "b")
+    with pytest.raises(RuntimeError, match="a vNone is not loaded"):
+        gen(e, "a")
+    e.load_weights("a", 2, weights(SMALL, 3))       # re-sent
     gen(e, "a")
     assert len(fake_vllm.built) == 1 and len(e.engines) == 1
     llm = fake_vllm.built[0]
-    assert reloads(llm) == [2.0, 1.0, 3.0]
+    assert llm.kwargs["load_format"] == "dummy"
+    assert [p.name for p in (tmp_path.glob("*/*/*"))] == ["config.json"]   # nothing model-sized on disk
+    assert reloads(llm) == [1.0, 2.0, 3.0]
     assert not any(c[0] in ("sleep", "wake_up") for c in llm.calls)
-    assert e.version("a") == 2 and e.version("b") == 1
+    assert not hasattr(e, "host")
 
 
 def test_gpu_engines_of_different_architectures_sleep_one_awake(fake_vllm, tmp_path):
-    e = make({"a": SMALL, "b": BIG, "c": SMALL}, tmp_path, cuda=True)
+    e = make({"a": SMALL, "b": BIG, "c": SMALL}, tmp_path, cuda=True, gpu_memory_gb=16.0)
     e.load_weights("a", 1, weights(SMALL, 1))
     e.load_weights("b", 1, weights(BIG, 2))       # builds the second engine: a's sleeps first
-    e.load_weights("c", 1, weights(SMALL, 3))
-    for agent in ("b", "a", "c", "b", "a"):
-        gen(e, agent)
+    assert e.take_dropped() == ["a"]              # level 2: a's weights are gone
+    e.load_weights("c", 1, weights(SMALL, 3))     # wakes the small engine: weights, load, KV
+    assert e.take_dropped() == ["b"]
+    gen(e, "c")
     assert len(fake_vllm.built) == 2 and len(e.engines) == 2
     small, big = fake_vllm.built
     for llm in (small, big):
         assert llm.kwargs["enable_sleep_mode"] is True
-        assert llm.kwargs["gpu_memory_utilization"] == 0.85     # one awake at a time: the whole budget
+        # the pool's GPU minus a 1 GiB bucket and the communicator's reserve
+        assert llm.kwargs["gpu_memory_utilization"] == pytest.approx(1 - 2.0 / 16, abs=1e-4)
         assert llm.kwargs["dtype"] == "bfloat16" and llm.kwargs["tensor_parallel_size"] == 1
     assert ("sleep", 2) in small.calls and ("sleep", 2) in big.calls
-    # wake-up: weights, load, then KV cache (the weight load never sits beside a KV cache)
     i = small.calls.index(("wake_up", ("weights",)))
-    assert small.calls[i + 1][0] == "reload" and small.calls[i + 3] == ("wake_up", ("kv_cache",))
-    assert reloads(small) == [1.0, 3.0, 1.0]        # a (woken), c (switch), a (woken again)
+    assert small.calls[i + 1][0] == "reload" and small.calls[i + 2] == ("wake_up", ("kv_cache",))
+    assert reloads(small) == [1.0, 3.0]
     assert sum(llm.awake for llm in fake_vllm.built) == 1
 
 
@@ -141,20 +192,71 @@ def test_cpu_keeps_architectures_resident_without_sleep(fake_vllm, tmp_path):
     e.load_weights("a", 1, weights(SMALL, 1))
     e.load_weights("b", 1, weights(BIG, 2))
     gen(e, "a"), gen(e, "b"), gen(e, "a")
-    assert len(fake_vllm.built) == 2
-    assert e.host == {}                              # nobody evicts anybody: no host copies
+    assert len(fake_vllm.built) == 2 and e.take_dropped() == []
     for llm in fake_vllm.built:
         assert "enable_sleep_mode" not in llm.kwargs and "gpu_memory_utilization" not in llm.kwargs
         assert llm.kwargs["dtype"] == "float32"
-        assert not any(c[0] in ("sleep", "wake_up", "reload") for c in llm.calls)
+        assert not any(c[0] in ("sleep", "wake_up") for c in llm.calls)
 
 
 def test_dtype_and_tensor_parallel_reach_the_engine(fake_vllm, tmp_path):
     """The replica's GPU block (rollout.gpus_per_replica) is the engine's TP size."""
     e = make({"a": SMALL}, tmp_path, cuda=True, dtype="fp16", gpus_per_replica=2)
-    e.load_weights("a", 1, weights(SMALL, 1))
+    e.remote("a")
     assert fake_vllm.built[0].kwargs["dtype"] == "float16"
     assert fake_vllm.built[0].kwargs["tensor_parallel_size"] == 2
+    assert fake_vllm.built[0].kwargs["gpu_memory_utilization"] == 0.85    # pool memory unknown
+
+
+def test_tp2_replica_receives_on_every_worker_with_headers_only(fake_vllm, tmp_path, monkeypatch):
+    """A TP2 replica in a weight sync: SyncChannels.group counts its two workers, both join
+    the data group at distinct ranks, and each bucket reaches both workers as a small
+    header, received by each worker from the group into its own buffer and loaded."""
+    from mpi4py import MPI
+    from flexmarl_hpc.rollout import vllm_engine
+    from flexmarl_hpc.runtime import weight_sync as W
+    joined, sent = [], weights(SMALL, 4)
+
+    class FakeGroup:                  # a worker's data group: the root's bytes arrive in broadcast
+        hang = False                  # a broadcast that never completes (the root gone)
+
+        def __init__(self, store, rank, size):
+            joined.append((rank, size))
+
+        def broadcast(self, tensors, opts):
+            tensors[0].copy_(self.payload[:tensors[0].numel()])
+            return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: not self.hang)
+    monkeypatch.setattr(vllm_engine.torch.distributed, "TCPStore", lambda *a, **k: vllm_engine.torch.distributed.HashStore())
+    timeouts = []
+    monkeypatch.setattr(W, "new_group", lambda backend, store, rank, size, timeout=None:
+                        timeouts.append(timeout) or FakeGroup(store, rank, size))
+    e = make({"a": SMALL}, tmp_path, cuda=True, gpus_per_replica=2)
+    remote = e.remote("a")
+    llm = fake_vllm.built[0]
+    ch = W.SyncChannels(MPI.COMM_WORLD, "gloo", timeout_s=42)
+    me = MPI.COMM_WORLD.Get_rank()
+    monkeypatch.setattr(W.SyncChannels, "_serve", lambda self: ("host", 1))
+    pg = ch.group((me,), 7, remote)                       # a one-member set: this replica alone
+    assert sorted(joined) == [(0, 2), (1, 2)]             # both TP workers, distinct ranks
+    bucket = W.plan_buckets(W.layout_of(sent), 1 << 30)[0]
+    payload = torch.empty(bucket.total, dtype=torch.uint8)
+    W.pack(sent, bucket, payload)
+    FakeGroup.payload = payload
+    e.load_weights("a", 1, [W.RemoteBucket(pg.prefix, bucket)])
+    for w in llm.workers:             # each worker loaded the bucket it received itself
+        got, = w.loaded
+        assert all(torch.equal(got[k], sent[k]) for k in sent)
+    recv = [c[1] for c in llm.calls if c[0] == "flexmarl_recv"]
+    assert len(recv) == 1 and not any(isinstance(a, torch.Tensor) for a in recv[0])
+    assert e.version("a") == 1
+    # the sync's deadline in the workers: their group's timeout, and each bucket waited by
+    # the seconds the replica has left (RemoteBucket.left_s)
+    assert [t.total_seconds() for t in timeouts] == [42, 42]
+    FakeGroup.hang = True
+    with pytest.raises(CollectiveTimeout, match="vLLM TP worker"):
+        e.load_weights("a", 2, [W.RemoteBucket(pg.prefix, bucket, 0.2)])
+    assert e.version("a") == 1
+    ch.close()
 
 
 def test_rollout_dtype_needs_vllm():

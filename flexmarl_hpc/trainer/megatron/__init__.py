@@ -26,8 +26,12 @@ Contract (same as TorchTrainer; tests/test_megatron.py checks it against TorchTr
   sum-of-sample-losses accumulate. The returned stats have the same keys on every rank and
   sum over the group to the micro-batch totals.
 - `optimizer_step()`: DP reduce-scatter + TP/PP reductions, clip, Adam step, param
-  all-gather; then the HF weights are gathered to the group leader, so `named_weights()`
-  is local (the runtime calls it on the leader only).
+  all-gather; nothing leaves the group. A weight sync streams (`sync_stream`: each
+  parameter gathered over TP on the device, converted to HF names, on each PP stage's
+  sender; runtime/weight_sync.py); `named_weights()` is a collective full gather for tests
+  and export.
+- Built shard by shard: `init` is a learn/weights.WeightSource (an HF checkpoint read by
+  this rank's slices, or a seeded random init) or full HF tensors (tests).
 - `state()` / `load_state()`: HF-named full tensors in TorchTrainer's format, independent
   of TP/PP/DP. Both collective (every group rank calls them; `state()` gives each the full
   state). Meant for small models: at scale use `save_checkpoint`/`load_checkpoint`.

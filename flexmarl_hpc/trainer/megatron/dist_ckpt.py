@@ -101,7 +101,6 @@ class DistCheckpoint:
             self.gpt.load_state_dict(loaded["model"], strict=False)
             self.opt.load_state_dict(loaded["optimizer"])
         self.version = int(meta["version"])
-        self._refresh_named()
 
     def _zero_optimizer_states(self) -> None:
         """Adam states at zero (no update: unlike megatron's dummy step, which would apply

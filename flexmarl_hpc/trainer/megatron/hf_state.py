@@ -46,9 +46,8 @@ def torch_adam() -> bool:
 class HFState:
     # -- weights ---------------------------------------------------------------------------
     def _shard_of(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full HF tensors -> this rank's (TP, PP) shard, by this model's names."""
-        sd = hf_to_megatron(hf, self.args, self.tp_rank, self.tp, self.pp_rank, self.pp)
-        return _rename(sd, _TE_NAMES.items()) if self.te else sd
+        """Full HF tensors -> this rank's (TP, PP) shard, by converter names."""
+        return hf_to_megatron(hf, self.args, self.tp_rank, self.tp, self.pp_rank, self.pp)
 
     def _local_params(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters by converter name (TP shard of its PP stage)."""
@@ -56,20 +55,26 @@ class HFState:
         return _rename(named, [(b, a) for a, b in _TE_NAMES.items()]) if self.te else named
 
     def _load_weights(self, hf: dict[str, torch.Tensor]) -> None:
-        """HF weights into the model and, exactly (fp32, not the bf16 model copy), into the
-        optimizer's main params: with bf16 the DistributedOptimizer steps its own fp32
-        copies and would otherwise revert the load at the next step."""
-        shard = self._shard_of(hf)
+        """Full HF weights (a state's) into this rank's shard: see `_load_shard`."""
+        self._load_shard(self._shard_of(hf))
+
+    def _module_names(self, shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Converter names -> this model's (TE's spec fuses the norms into the linears)."""
+        return _rename(shard, _TE_NAMES.items()) if self.te else shard
+
+    def _load_shard(self, shard: dict[str, torch.Tensor]) -> None:
+        """This rank's megatron shard (converter names) into the model and, exactly (fp32,
+        not the bf16 model copy), into the optimizer's main params: with bf16 the
+        DistributedOptimizer steps its own fp32 copies and would otherwise revert the load
+        at the next step."""
         with torch.no_grad():
-            missing, unexpected = self.gpt.load_state_dict(shard, strict=False)
+            missing, unexpected = self.gpt.load_state_dict(self._module_names(shard), strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
             raise ValueError(f"megatron shard mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
         if getattr(self, "opt", None) is None:
             return
-        local = self._local_params()
-        shard = _rename(shard, [(b, a) for a, b in _TE_NAMES.items()]) if self.te else shard
-        for name, p in local.items():
+        for name, p in self._local_params().items():
             slot = self._opt_slot(p)
             if slot is not None:
                 main, _, rng = slot
@@ -190,15 +195,11 @@ class HFState:
                     o.optimizer.state.clear()
         self.version = int(state["version"])
         torch.set_rng_state(state["rng"])
-        self._refresh_named()
 
     def _load_moments(self, state: dict[str, torch.Tensor], names: list[str]) -> None:
         step = float(state["optim.0.step"])
         s1 = self._shard_of({n: state[f"optim.{i}.exp_avg"] for i, n in enumerate(names)})
         s2 = self._shard_of({n: state[f"optim.{i}.exp_avg_sq"] for i, n in enumerate(names)})
-        if self.te:
-            back = [(b, a) for a, b in _TE_NAMES.items()]
-            s1, s2 = _rename(s1, back), _rename(s2, back)
         for name, p in self._local_params().items():
             slot = self._opt_slot(p)
             if slot is None:

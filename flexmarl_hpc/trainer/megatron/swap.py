@@ -12,9 +12,9 @@ into pinned memory on GPUs) and then resized to 0 bytes, which frees the device 
 while every view keeps its storage object; swap-in resizes each storage back and copies
 the bytes in. Nothing is rebuilt or read from disk, the bytes come back unchanged.
 
-While offloaded, `state()` / `load_state()` / the dist checkpoint calls bring the state onto
-the device for the call and park it again (collective, like the calls themselves);
-`named_weights()` answers from a host copy.
+While offloaded, `state()` / `load_state()` / the dist checkpoint calls, `named_weights()`
+and a weight sync's stream bring the state onto the device for the call and park it again
+(collective, like the calls themselves).
 """
 from __future__ import annotations
 
@@ -62,9 +62,6 @@ class Swap:
         parked = [(f"storage.{i}", s, s.nbytes()) for i, s in enumerate(storages.values())]
         for name, s, _ in parked:
             host.copy_in(name, _bytes_of(s))
-        # the leader's gathered HF weights may alias the parameters (one rank, fp32)
-        self._named = {k: host.copy_in(f"named.{k}", v) if v.untyped_storage().data_ptr() in storages
-                       else v for k, v in self._named.items()}
         devices = {s.device for _, s, _ in parked}    # torch's Adam keeps `step` on the host
         for dev in devices:
             finish_copies(dev)
@@ -85,7 +82,6 @@ class Swap:
             finish_copies(dev)
         torch.set_rng_state(self._parked_rng)
         self._parked_rng = None
-        self._refresh_named()                          # the leader's weights on the device again
 
     @property
     def offloaded(self) -> bool:

@@ -10,13 +10,15 @@ import time
 from dataclasses import replace
 from functools import partial
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
 from flexmarl_hpc.config.schema import TrainerConfig
-from flexmarl_hpc.learn.convert import padded_vocab
+from flexmarl_hpc.learn.convert import megatron_param_to_hf, padded_vocab, sync_order, tp_split_dim
 from flexmarl_hpc.learn.grpo import MicroBatch, grpo_loss, stat_values, vocab_parallel_logprobs
-from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
+from flexmarl_hpc.learn.model import ModelArgs
+from flexmarl_hpc.learn.weights import WeightSource
 from flexmarl_hpc.trainer.megatron import configs
 from flexmarl_hpc.trainer.megatron.dist import allgather_bytes, device, init_group_distributed, scope
 from flexmarl_hpc.trainer.megatron.dist_ckpt import DistCheckpoint
@@ -26,7 +28,10 @@ from flexmarl_hpc.trainer.megatron.swap import Swap
 
 class MegatronTrainer(HFState, DistCheckpoint, Swap):
     def __init__(self, args: ModelArgs, cfg: TrainerConfig, group: MPI.Comm, temperature: float,
-                 init: dict[str, torch.Tensor] | None = None):
+                 init: dict[str, torch.Tensor] | WeightSource | None = None):
+        """`init`: version 0, full HF tensors (tests, small models) or a WeightSource, read
+        as this rank's shard only (HF checkpoint slices, or a seeded random init; None:
+        random init with seed 0)."""
         if cfg.kl_coef > 0 and cfg.pipeline_parallel > 1:
             raise NotImplementedError("trainer.kl_coef > 0 with trainer.pipeline_parallel > 1: the frozen "
                                       "reference model would need its own pipeline pass; use "
@@ -48,8 +53,6 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
         self.version, self.opt = 0, None
         self.kept: list[tuple[list[MicroBatch], int, float]] = []   # this batch (ppo_epochs > 1)
         self.timeline: list[tuple[str, int, float, float]] | None = None   # set to a list to record
-        if init is None:
-            init = hf_state_dict(build_model(args, seed=0))
         with scope(), torch.random.fork_rng(devices=[]):
             self.tconfig = configs.transformer_config(args, cfg)
 
@@ -62,34 +65,79 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
                 return m.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else m
             self.gpt = gpt()
             module = Float16Module(self.tconfig, self.gpt) if self.bf16 else self.gpt
-            self._load_weights(init)
+            shard = self._init_shard(init)
+            self._load_shard(shard)
             # kl_coef > 0: a frozen copy of the initial weights, sharded like the policy (TP),
             # as TorchTrainer's reference model (not in the state: it is `init` again on resume)
             self.ref = None
             if cfg.kl_coef > 0:
                 ref = gpt()
-                ref.load_state_dict(self._shard_of(init), strict=False)
+                ref.load_state_dict(self._module_names(shard), strict=False)
                 ref.requires_grad_(False).eval()
                 self.ref = Float16Module(self.tconfig, ref) if self.bf16 else ref
             self.model = DistributedDataParallel(config=self.tconfig, module=module,
                                                  ddp_config=configs.ddp_config(cfg))
             self.opt = get_megatron_optimizer(configs.optimizer_config(cfg), [self.model])
-            self._load_weights(init)                   # fp32 main params exactly from `init`
+            self._load_shard(shard)                    # fp32 main params exactly from `init`
+        del shard
         self._stat_keys = tuple(_zero_stats())
-        self._named: dict[str, torch.Tensor] = {}
-        self._refresh_named()
+        # (pp, tp, dp) of every group rank: the senders of a weight sync, one per PP stage
+        coords = [tuple(np.frombuffer(b, dtype=np.int64)) for b in allgather_bytes(
+            group, np.array([self.pp_rank, self.tp_rank, self.dp_rank], dtype=np.int64).tobytes())]
+        self._senders = [coords.index((s, 0, 0)) for s in range(self.pp)]
+
+    def _init_shard(self, init) -> dict[str, torch.Tensor]:
+        if isinstance(init, dict):
+            return self._shard_of(init)
+        return (init or WeightSource()).shard(self.args, self.tp_rank, self.tp, self.pp_rank, self.pp,
+                                             device=device())
 
     @property
     def leader(self) -> bool:
         return self.group.Get_rank() == 0
 
-    def _refresh_named(self) -> None:
-        self._named = self._gather_hf({k: p.detach() for k, p in self._local_params().items()}, to_all=False)
-
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named full weights (on the group leader; gathered after every step, so this
-        call is local; a host copy while offloaded)."""
-        return self._named
+        """HF-named full weights (fp32) on the group leader, {} elsewhere. Collective, and
+        the whole model on one rank: for tests, export and one-rank groups; a sync streams
+        (`sync_stream`) and never calls it."""
+        with self.onloaded():
+            return self._gather_hf({k: p.detach() for k, p in self._local_params().items()}, to_all=False)
+
+    # -- weight sync (runtime/weight_sync.py): streamed, only when one is due -------------
+    def sync_layouts(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """Per PP stage, the (HF name, shape, dtype) of what `sync_stream` yields there."""
+        dt = torch.bfloat16 if self.bf16 else torch.float32
+        return [[(hf, shape, dt) for _, outs in sync_order(self.args, self.tp, s, self.pp) for hf, shape in outs]
+                for s in range(self.pp)]
+
+    def sync_senders(self) -> list[int]:
+        """Group rank of each PP stage's sender: its TP rank 0 of data-parallel replica 0."""
+        return self._senders
+
+    def sync_stream(self):
+        """Collective over the group: each parameter of this rank's stage gathered over TP
+        on its device, converted to HF tensors, yielded on the stage's sender (one parameter
+        in memory at a time, never the model). Other data-parallel replicas hold the same
+        weights and take no part."""
+        if self.dp_rank != 0:
+            return
+        local = self._local_params()
+        for name, _ in sync_order(self.args, self.tp, self.pp_rank, self.pp):
+            tps = self._tp_gather(local[name].detach(), tp_split_dim(name))
+            outs = megatron_param_to_hf(name, tps, self.args, self.pp_rank, self.pp)
+            del tps
+            if self.tp_rank == 0:
+                yield from outs
+            del outs
+
+    def _tp_gather(self, p: torch.Tensor, dim: int | None) -> list[torch.Tensor]:
+        if dim is None or self.tp == 1:
+            return [p]
+        from megatron.core import parallel_state as ps
+        parts = [torch.empty_like(p) for _ in range(self.tp)]
+        with scope():
+            torch.distributed.all_gather(parts, p.contiguous(), group=ps.get_tensor_model_parallel_group())
+        return parts
 
     # -- state, checkpoints: also while offloaded (swap.py), on the device for the call --
     def state(self) -> dict[str, torch.Tensor]:
@@ -294,8 +342,7 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
         if bump:                                    # a replayed pass's weights are never synced
-            self.version += 1
-            self._refresh_named()
+            self.version += 1                       # (weights leave only at a sync: sync_stream)
         return {"grad_norm": float(grad_norm or 0.0)}
 
 

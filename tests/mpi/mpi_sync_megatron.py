@@ -1,0 +1,197 @@
+"""mpiexec -n 6 python -m mpi4py tests/mpi/mpi_sync_megatron.py DIR BACKEND [BUCKET_BYTES]
+
+Ranks 0-3: one megatron trainer group, TP2 x PP2 (CPU, gloo); ranks 4-5: two replicas with
+the torch engine. Rank 0 writes a Qwen2-style HF safetensors checkpoint into DIR, then:
+
+- build: each trainer rank builds from it through WeightSource (safetensors get_slice), its
+  shard equal to the converter's slice of the full checkpoint, with the tensor bytes the
+  build allocated (runtime/memtrack.TensorBytes) below the full model's: the full state
+  dict never exists on a rank;
+- train 3 steps; the optimizer step allocates less than the model on every rank (no full
+  gather), and the token log-prob path never allocates full-vocabulary logits;
+- after each step a weight sync through the production handler (workers.TrainerRank.sync,
+  over BACKEND: mpi or gloo) to {4, 5}, then {4}, then {4, 5}: the replicas' weights are
+  bit-equal to the trainer's gathered HF weights, and each stage sender's peak extra bytes
+  during a sync (bucket buffers included) stay within 2 buckets + 2 x the largest gathered
+  parameter (one parameter in conversion), far below the model.
+
+Prints `ok ...` lines on rank 0 and `all sync checks passed`; any failure aborts the job.
+"""
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+warnings.filterwarnings("ignore")
+import logging  # noqa: E402
+logging.disable(logging.WARNING)
+
+from flexmarl_hpc.config.schema import TrainerConfig  # noqa: E402
+from flexmarl_hpc.learn.convert import hf_to_megatron, padded_vocab  # noqa: E402
+from flexmarl_hpc.learn.grpo import MicroBatch  # noqa: E402
+from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict  # noqa: E402
+from flexmarl_hpc.learn.weights import WeightSource  # noqa: E402
+from flexmarl_hpc.rollout.torch_engine import TorchEngine  # noqa: E402
+from flexmarl_hpc.runtime import messages  # noqa: E402
+from flexmarl_hpc.runtime.memtrack import TensorBytes  # noqa: E402
+from flexmarl_hpc.runtime.weight_sync import SyncChannels, receive_weights  # noqa: E402
+
+world = MPI.COMM_WORLD
+rank = world.Get_rank()
+torch.set_num_threads(1)
+folder, backend = Path(sys.argv[1]), sys.argv[2]
+BUCKET = int(sys.argv[3]) if len(sys.argv) > 3 else 64 << 10
+V = 256
+ARGS = ModelArgs(V, 64, 4, 4, 2, 128, 16, rope_theta=5e4, tie_embeddings=False, qkv_bias=True)
+TRAINERS, REPLICAS = [0, 1, 2, 3], [4, 5]
+SYNCS = [(4, 5), (4,), (4, 5)]
+
+
+def log(msg):
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def full_weights():
+    model = build_model(ARGS, seed=3, std=0.1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(4))
+    return hf_state_dict(model)
+
+
+def model_bytes() -> int:
+    return sum(t.numel() * 4 for t in full_weights().values())
+
+
+def batch(seed: int, B: int = 4, T: int = 9) -> MicroBatch:
+    g = torch.Generator().manual_seed(seed)
+    behav = -torch.log(torch.tensor(float(V))) + 0.1 * torch.randn(B, T, generator=g)
+    return MicroBatch(torch.randint(3, V, (B, T), generator=g), torch.full((B,), 3),
+                      torch.randint(1, T - 3, (B,), generator=g), behav, torch.randn(B, generator=g),
+                      torch.zeros(B, dtype=torch.bool), None)
+
+
+def build(group):
+    from flexmarl_hpc.trainer.megatron import MegatronTrainer, init_group_distributed
+    cfg = TrainerConfig(backend="megatron", ranks_per_group=4, tensor_parallel=2, pipeline_parallel=2,
+                        lr=1e-2, pipeline_microbatches=2)
+    init_group_distributed(group, 2, 2)
+    with TensorBytes() as mem:
+        tr = MegatronTrainer(ARGS, cfg, group, 0.9, init=WeightSource(checkpoint=str(folder)))
+    kept = mem.now
+    full = model_bytes()
+    # the build's transient bytes (what it allocated beyond what the trainer keeps) and its
+    # peak: far below the model (the old build made the whole model, then a clone of it)
+    assert mem.peak < full and mem.peak - kept < full // 2, (mem.peak, kept, full)
+    expect = hf_to_megatron(full_weights(), ARGS, tr.tp_rank, 2, tr.pp_rank, 2)
+    local = {k: p.detach() for k, p in tr._local_params().items()}
+    assert set(local) == set(expect), (sorted(local), sorted(expect))
+    for k in expect:
+        assert torch.equal(local[k], expect[k]), k
+    return tr, mem.peak, kept, full
+
+
+def train_step(tr, group, step):
+    mb = batch(10 + step)
+    orig = tr._token_logprobs
+    seen = []
+
+    def tracked(logits, mbd):                  # the loss's log-prob path, on its own tracker
+        with TensorBytes() as m:
+            out = orig(logits, mbd)
+        seen.append((m.largest, logits.numel() * logits.element_size()))
+        return out
+    tr._token_logprobs = tracked
+    tr.forward_backward(mb.shard(group.Get_rank(), 4), 1.0 / len(mb))
+    tr._token_logprobs = orig
+    B, T = 2, mb.input_ids.shape[1]             # each chunk (2 micro-batches of the share)
+    full_vocab_logits = B * T * padded_vocab(ARGS) * 4
+    for largest, local_logits in seen:          # only the last stage runs the loss
+        assert local_logits < full_vocab_logits and largest < full_vocab_logits, (largest, full_vocab_logits)
+    with TensorBytes() as mem:
+        tr.optimizer_step()
+    # the step allocates Adam's moments of this rank's shard (first step) and temporaries of
+    # the shard: never the model (a full gather would add the whole model on the leader)
+    assert mem.peak < model_bytes(), (step, mem.peak, model_bytes())
+    return mem.peak, len(seen)
+
+
+def largest_gathered() -> int:
+    """Bytes of the largest megatron parameter gathered over TP (fp32): what one parameter's
+    gather and conversion hold at once."""
+    return max(t.numel() * 4 for t in hf_to_megatron(full_weights(), ARGS, 0, 1, 0, 1).values())
+
+
+def trainer_side(world_group):
+    import time
+    from flexmarl_hpc.runtime.state_swap import StateMover
+    from flexmarl_hpc.runtime.workers import TrainerRank
+    group = world_group
+    tr, peak, kept, full = build(group)
+    log(f"ok build: TP2 x PP2 shards == the checkpoint's slices (safetensors get_slice); tensor bytes "
+        f"allocated by the build: peak {peak} B, kept {kept} B, model {full} B")
+    mover = StateMover(world, group, 0, lambda g: TRAINERS, {"a": tr}, build=None)
+    channels = SyncChannels(world, backend)
+    handler = TrainerRank(world, group, mover, folder / "ckpt", BUCKET, 1, channels, None)
+    bound = 2 * BUCKET + 2 * largest_gathered()
+    assert bound < full // 2, (bound, full)        # a model-sized buffer cannot pass unseen
+    sender = group.Get_rank() in tr.sync_senders()
+    for step, targets in enumerate(SYNCS):
+        opt_peak, losses = train_step(tr, group, step)
+        with TensorBytes() as mem:
+            handler.sync(messages.Sync("a", tr.version, (0,) + targets), time.time())
+        if sender:
+            assert mem.peak <= bound, (step, mem.peak, bound)
+        peaks = group.gather((group.Get_rank(), sender, mem.peak, opt_peak), root=0)
+        expect = tr.named_weights()                     # collective: the full HF weights on rank 0
+        if rank == 0:
+            for r in targets:
+                world.send({k: v.clone() for k, v in expect.items()}, dest=r)
+            got = [world.recv(source=r) for r in targets]
+            assert all(g == "bit-equal" for g in got), got
+            log(f"ok sync {step + 1} (v{tr.version}) to {targets}: bit-equal on every replica; sender "
+                f"peak extra {max(p for _, s, p, _ in peaks if s)} B (bound 2 buckets of {BUCKET} B + 2 x "
+                f"{largest_gathered()} B = {bound} B; model {full} B); optimizer step peak "
+                f"{max(o for *_, o in peaks)} B")
+    assert channels.buffer_allocations <= 2, channels.buffer_allocations
+    channels.close()
+
+
+def replica_side():
+    from flexmarl_hpc.workflows.referential import ReferentialGame
+    engine = TorchEngine({"a": ARGS}, ReferentialGame(["a", "b"]), max_batch=4)
+    channels = SyncChannels(world, backend)
+    for targets in SYNCS:
+        if rank not in targets:
+            continue
+        with TensorBytes() as mem:
+            v, _, buckets = receive_weights(channels, (0,) + targets)
+            engine.load_weights("a", v, buckets)
+        assert mem.peak <= BUCKET + 16, (mem.peak, BUCKET)     # one bucket buffer, nothing else
+        expect = world.recv(source=0)
+        got = hf_state_dict(engine.models["a"])
+        ok = set(got) == set(expect) and all(torch.equal(got[k], expect[k]) for k in expect)
+        world.send("bit-equal" if ok else f"differs: {[k for k in expect if not torch.equal(got[k], expect[k])][:3]}",
+                   dest=0)
+    channels.close()
+
+
+if __name__ == "__main__":
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import save_file
+        import json
+        save_file({k: v.contiguous() for k, v in full_weights().items()}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(ARGS.to_hf_config()))
+    world.Barrier()
+    group = world.Split(0 if rank in TRAINERS else 1, rank)
+    if rank in TRAINERS:
+        trainer_side(group)
+    else:
+        replica_side()
+    world.Barrier()
+    log("all sync checks passed")
