@@ -68,6 +68,9 @@ from flexmarl_hpc.sim.plan_config import (config_classes, describe_alloc, descri
                               fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
                               plan_workload)
 from flexmarl_hpc.sim.scale import parse_sizes, plot_scale, scale_points
+from flexmarl_hpc.sim.baselines import FRAGMENTS, SYNC_NO_LB, colocated_run, system_config
+from flexmarl_hpc.sim.perturb import Failure, Perturbation, checkpoint_load_s, with_failure
+from flexmarl_hpc.sim.paper_cli import check_paper, paper_main, paper_options
 from flexmarl_hpc.sim.transport import ConstantCost
 
 VARIANTS = {
@@ -76,15 +79,24 @@ VARIANTS = {
     "flex-nolb": ["run.mode=flex", "pipeline.load_balance=false"],
     "flex": ["run.mode=flex"],
     "flex-stale1": ["run.mode=flex", "pipeline.max_staleness=1"],
+    "verl": SYNC_NO_LB,          # baselines (sim/baselines.py, docs/baselines.md)
+    "marti": ["run.mode=sync"],  # + their own allocation (sim.baselines.FRAGMENTS)
+    "mas-rl": ["run.mode=sync"],
 }
 """Variant -> config overrides (as bench/bench_modes.py expresses the ablations)."""
 
 
-def variant_config(config: str, variant: str, steps: int, out: Path, overrides: list[str] = ()):
-    """The config of one --compare variant, writing under `out`/<variant>, no checkpoints."""
-    return load_config(config, [*overrides, *VARIANTS[variant], f"run.steps={steps}", "run.resume=false",
-                                f"run.output_dir={out / variant}", "run.checkpoint_every=0",
-                                "run.checkpoint_minutes=0"])
+def variant_config(config: str, variant: str, steps: int, out: Path, overrides: list[str] = (),
+                   hw: HardwareProfile | None = None):
+    """(config, colocated (pool, group) pairs) of one --compare variant, writing under
+    `out`/<variant>, no checkpoints; a baseline with its own allocation (marti, mas-rl) gets
+    it on the config's nodes of `hw` (sim/baselines.py)."""
+    common = [*overrides, *VARIANTS[variant], f"run.steps={steps}", "run.resume=false",
+              f"run.output_dir={out / variant}", "run.checkpoint_every=0", "run.checkpoint_minutes=0"]
+    if variant not in FRAGMENTS:
+        return load_config(config, common), []
+    raw = yaml.safe_load(Path(config).read_text())
+    return system_config(raw, variant, hw or load_hardware("npu64_a3"), common, out / variant / "config")
 
 
 def priced(cfg, hw: HardwareProfile, workers: str):
@@ -103,20 +115,24 @@ def local_cost(cfg, hw: HardwareProfile):
 
 
 def run_variants(config: str, variants: list[str], hardware: str | HardwareProfile, steps: int, out: Path,
-                 overrides: list[str] = (), workers: str = "synthetic") -> dict[str, dict]:
+                 overrides: list[str] = (), workers: str = "synthetic",
+                 perturb: Perturbation | None = None) -> dict[str, dict]:
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
     results = {}
     for v in variants:
-        cfg = variant_config(config, v, steps, out, overrides)
+        cfg, pairs = variant_config(config, v, steps, out, overrides, hw)
         wall = time.perf_counter()
         try:
             cost, work = priced(cfg, hw, workers)
-            path, sim = simulate_run(cfg, cost, out / v, hw.name, work, workers=workers)
+            wrap, devices = colocated_run(cfg, cost, hw, pairs)
+            path, sim = simulate_run(cfg, cost, out / v, hw.name, work, workers=workers, wrap=wrap, colocate=pairs,
+                                     perturb=perturb)
         except RuntimeError as e:      # e.g. the orchestrator waits with nothing in flight
             results[v] = {"error": str(e), "wall_s": time.perf_counter() - wall}
             continue
-        r = measure(path, rank_devices(cfg))
-        r.update(wall_s=time.perf_counter() - wall, sim_s=sim.now - sim_t0(path), h5=str(path))
+        r = measure(path, rank_devices(cfg), devices=devices)
+        r.update(wall_s=time.perf_counter() - wall, sim_s=sim.now - sim_t0(path), h5=str(path),
+                 orchestrator_share=sim.orchestrator_charged / max(sim.now - sim_t0(path), 1e-12))
         results[v] = r
     if "step_s" in results.get("sync", {}):
         for r in results.values():
@@ -161,7 +177,7 @@ def predict_variants(config: str, variants: list[str], hw: HardwareProfile, step
     whose lengths come from the policy (configs/skewed.yaml) is priced as it runs."""
     results = {}
     for v in variants:
-        cfg = variant_config(config, v, steps, out, overrides)
+        cfg, _ = variant_config(config, v, steps, out, overrides, hw)
         path, _ = simulate_run(cfg, local_cost(cfg, hw), out / v, hw.name, workers=workers)
         results[v] = measure(path)
     return results
@@ -250,8 +266,11 @@ def capacity(config: str, steps: int, out: Path, overrides: list[str] = ()) -> d
     path, sim = simulate_run(cfg, ConstantCost(), out, "zero-cost", charge_orchestrator=True)
     wall = time.perf_counter() - wall
     r = measure(path, rank_devices(cfg), skip=1)
+    from flexmarl_hpc.sim.msgcost import byte_cost_s
+    per_s = sim.sent / max(sim.now - sim_t0(path), 1e-9)
     return {"samples_per_s": r["samples_per_s"], "step_s": r["step_s"], "wall_s": wall,
-            "commands": sim.sent, "commands_per_s": sim.sent / max(sim.now - sim_t0(path), 1e-9)}
+            "commands": sim.sent, "commands_per_s": per_s, "s_per_command": 1.0 / max(per_s, 1e-12),
+            "s_per_byte": byte_cost_s()}
 
 
 def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path,
@@ -499,13 +518,40 @@ def compare_table(config: str, hardware: str, steps: int, res: dict[str, dict], 
 def compare_main(a: argparse.Namespace, out: Path) -> int:
     """`simulate compare`: each variant simulated, a table (or JSON); exit 1 if one failed."""
     try:
-        res = run_variants(a.config, variant_list(a.variants), a.hardware, a.steps, out, a.overrides, a.workers)
+        prob, factor = (float(x) for x in a.stragglers.split(":")) if a.stragglers else (0.0, 1.0)
+        perturb = Perturbation(a.seed, a.jitter, prob, factor)
+        res = run_variants(a.config, variant_list(a.variants), a.hardware, a.steps, out, a.overrides, a.workers,
+                           perturb=perturb)
+        if a.fail_at is not None:
+            add_failure(res, a)
     except (ConfigError, HardwareError, ValueError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"config": a.config, "hardware": a.hardware, "steps": a.steps, "variants": res}, indent=1)
           if a.json else compare_table(a.config, a.hardware, a.steps, res))
+    if a.fail_at is not None and not a.json:
+        for v, r in res.items():
+            if "done_with_failure_s" in r:
+                print(f"{v}: {a.steps} steps done at {r['done_s']:.0f} s; with a node failure at {a.fail_at:g} s, "
+                      f"at {r['done_with_failure_s']:.0f} s (+{r['failure_lost_s']:.0f} s)")
     return 1 if any("error" in r for r in res.values()) else 0
+
+
+def add_failure(res: dict[str, dict], a: argparse.Namespace) -> None:
+    """Each variant's time to finish its steps when a node fails at --fail-at (sim.perturb):
+    the steps since the last checkpoint redone after --restart-s and the checkpoint's read."""
+    import h5py
+    for v, r in res.items():
+        if "h5" not in r:
+            continue
+        with h5py.File(r["h5"], "r") as f:
+            m = f["metrics"][:]
+            cfg = run_config(r["h5"])
+        t = m[m["superseded"] == 0]["t"]                 # seconds since the run's start
+        cost = cost_model(cfg, load_hardware(a.hardware))
+        load = checkpoint_load_s(sum(cost.state_bytes(x) for x in cfg.agent_names), a.fs_gb_s)
+        ends = with_failure(t, a.checkpoint_every, Failure(a.fail_at, a.restart_s, load))
+        r.update(done_s=float(t[-1]), done_with_failure_s=float(ends[-1]), failure_lost_s=float(ends[-1] - t[-1]))
 
 
 def capacity_main(a: argparse.Namespace, out: Path) -> int:
@@ -517,7 +563,8 @@ def capacity_main(a: argparse.Namespace, out: Path) -> int:
         return 2
     print(json.dumps(res, indent=1) if a.json else
           f"orchestrator capacity: {res['samples_per_s']:.0f} samples/s, {res['commands_per_s']:.0f} "
-          f"commands/s ({res['commands']} commands, wall {res['wall_s']:.1f} s)")
+          f"commands/s ({res['commands']} commands, wall {res['wall_s']:.1f} s); per command "
+          f"{res['s_per_command'] * 1e3:.3f} ms, per message byte {res['s_per_byte'] * 1e9:.2f} ns")
     return 0
 
 
@@ -596,6 +643,15 @@ def compare_options(p: argparse.ArgumentParser) -> None:
     _common_options(p, "npu64_a3", 10)
     _variants_option(p)
     _workers_option(p)
+    p.add_argument("--jitter", type=float, default=0.0, help="lognormal sigma of every operation's duration (mean 1)")
+    p.add_argument("--stragglers", default="", metavar="PROB:FACTOR",
+                   help="each operation is FACTOR times slower with probability PROB (e.g. 0.01:5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the jitter and stragglers")
+    p.add_argument("--fail-at", type=float, default=None, metavar="S",
+                   help="a node fails S simulated seconds in: the run restarts from its last checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (for --fail-at)")
+    p.add_argument("--restart-s", type=float, default=300.0, help="seconds from a failure to the restarted run")
+    p.add_argument("--fs-gb-s", type=float, default=10.0, help="file system GB/s reading the checkpoint back")
 
 
 def plan_options(p: argparse.ArgumentParser) -> None:
@@ -647,6 +703,8 @@ COMMANDS = {
                          calibrate_options, check_calibrate, calibrate_main),
     "capacity": Command("the samples/s the orchestrator alone drives on this CPU (zero-cost workers)",
                         capacity_options, lambda a: None, capacity_main),
+    "paper": Command("the paper's Tables 2-3 (MA, CA) against the simulator; --fit, --sweep",
+                     paper_options, check_paper, paper_main),
 }
 
 

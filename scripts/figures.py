@@ -4,7 +4,7 @@
     python scripts/figures.py --write      # rewrite the deterministic blocks (and their PNGs) in place
     python scripts/figures.py --full       # also run the benchmarks and rewrite their blocks
     python scripts/figures.py --list       # the figure names, their kind and where they are used
-    python scripts/figures.py --full --only bench_store   # one figure (any mode)
+    python scripts/figures.py --full --only bench_store   # just these blocks (names, or a,b)
 
 A generated block in any docs/*.md is
 
@@ -107,6 +107,35 @@ def sim_scale(ctx: Context) -> str:
         command, simulate.scale_table(rows, variants))
 
 
+def _paper_hw():
+    from flexmarl_hpc.sim.paper_cli import PARAMS
+    return load_hardware(PARAMS)
+
+
+def sim_paper(ctx: Context) -> str:
+    """Tables 2-3 against the simulator on the fitted parameters file, MA fitted, CA predicted."""
+    from flexmarl_hpc.sim.paper import paper_rows, table
+    rows = paper_rows(_paper_hw(), 4, ctx.scratch / "paper")
+    return command_block("python -m flexmarl_hpc.simulate paper", table(rows, "MA"))
+
+
+def sim_paper_fit(ctx: Context) -> str:
+    """The fit on MA: every grid point's loss (its residuals); slow (9 MA runs): --full only."""
+    from flexmarl_hpc.sim.paper import fit_ma
+    fitted, points = fit_ma(load_hardware("npu64_a3"), 4, ctx.scratch / "fit", log=lambda s: None)
+    lines = [f"hbm {p['hbm']:<4} mfu_train {p['mfu_train']:<5} loss {p['loss']:6.3f}   "
+             + "  ".join(f"{k} {p['row'][k]:.0f}" for k in ("mas-rl", "marti", "flex", "no-lb", "no-pipeline"))
+             + f"  busy {p['row']['busy']:.1%}" for p in points]
+    return command_block("python -m flexmarl_hpc.simulate paper --fit   # grid points (MA only)", "\n".join(lines))
+
+
+def sim_paper_sweep(ctx: Context) -> str:
+    """Each unknown of the MA spec at its low and high value: slow (11 MA runs): --full only."""
+    from flexmarl_hpc.sim.paper import sweep, sweep_table
+    return command_block("python -m flexmarl_hpc.simulate paper --sweep",
+                         sweep_table(sweep(_paper_hw(), 4, ctx.scratch / "sweep")))
+
+
 def sim_plan_closed_form_48(ctx: Context) -> str:
     """The closed-form planner alone (no simulation): its best 3 splits of 48 nodes on each
     profile, for the paper's classes."""
@@ -181,6 +210,10 @@ FIGURES: dict[str, Figure] = {
     "sim_plan_closed_form_48": Figure(sim_plan_closed_form_48),
     "sim_plan_closed_form_scaling": Figure(sim_plan_closed_form_scaling),
     "sim_capacity": Figure(sim_capacity, bench=True),
+    "sim_paper": Figure(sim_paper),
+    # deterministic but slow (minutes): only --full makes them, so that --check stays short
+    "sim_paper_fit": Figure(sim_paper_fit, bench=True),
+    "sim_paper_sweep": Figure(sim_paper_sweep, bench=True),
     "bench_store": Figure(bench("bench_store.py"), bench=True),
     "bench_weight_sync": Figure(bench("bench_weight_sync.py"), bench=True),
     "bench_rollout": Figure(bench("bench_rollout.py", python=".venv-vllm/bin/python"), bench=True),
@@ -260,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         mode.add_argument(flag, action="store_true")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="the folder of the markdown files")
     ap.add_argument("--only", nargs="+", metavar="NAME", default=None,
-                    help="only these figures (e.g. --full --only bench_store: one benchmark's block)")
+                    help="only these figures (names, or comma-separated; e.g. --full --only bench_store)")
     args = ap.parse_args(argv)
     args.docs = args.docs.resolve()
     with at_root():
@@ -270,9 +303,11 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """--list, --check, --write or --full on the blocks of `args.docs`."""
     found, errors = wanted(args.docs, args.full)
-    if args.only:
-        errors += [f"--only {n}: no such figure (--list shows them)" for n in args.only if n not in FIGURES]
-        found = {p: kept for p, bs in found.items() if (kept := [(n, b) for n, b in bs if n in args.only])}
+    only = {n for a in (args.only or []) for n in a.split(",") if n}
+    if only - set(FIGURES):
+        errors.append(f"--only: unknown figure(s) {sorted(only - set(FIGURES))} (--list shows them)")
+    if only:
+        found = {p: kept for p, bs in found.items() if (kept := [(n, b) for n, b in bs if n in only])}
     if args.list:
         used = {n: [p.name for p, bs in blocks_of(args.docs).items() if n in dict(bs)] for n in FIGURES}
         print(json.dumps({n: {"bench": f.bench, "in": used[n]} for n, f in FIGURES.items()}, indent=1))

@@ -28,6 +28,7 @@ from typing import Literal, Mapping, Sequence
 import numpy as np
 
 from flexmarl_hpc.sim.hardware import HardwareProfile
+from flexmarl_hpc.sim.kvcache import kv_schedule
 
 ADAM_BYTES_PER_PARAM = 30
 """Bytes an Adam step moves per parameter: fp32 master, m, v read and written (24), the fp32
@@ -291,23 +292,39 @@ def decode_schedule(lengths: np.ndarray, prompt_tokens: float, slots: int) -> tu
 
 
 def replica_slots(hw: HardwareProfile, layout: AgentLayout, prompt_tokens: float, lengths: np.ndarray) -> int:
-    """Sequences a replica decodes at once: max_num_seqs, or fewer when the KV cache is full
-    at the batch's mean context (vLLM pages lazily; preemption is not modelled)."""
+    """Sequences a replica decodes at once by the batch's mean context: max_num_seqs, or fewer
+    when the KV cache is full at the mean context (the closed-form planner's estimate; the
+    simulator's `generate_s` runs `kv_schedule` instead, with admission and preemption)."""
     mean_ctx = prompt_tokens + (float(np.mean(lengths)) if len(lengths) else 0.0)
     by_memory = kv_room(hw, layout.model, layout.gpus_per_replica) // max(
         layout.model.kv_bytes_per_token * mean_ctx, 1.0)
     return int(max(1, min(layout.max_num_seqs, by_memory)))
 
 
+def kv_capacity_tokens(hw: HardwareProfile, layout: AgentLayout) -> int:
+    """Tokens the KV cache of one replica holds (KV room / bytes per token)."""
+    return int(kv_room(hw, layout.model, layout.gpus_per_replica) // layout.model.kv_bytes_per_token)
+
+
 def generate_s(hw: HardwareProfile, layout: AgentLayout, prefill_tokens: int, prompt_tokens: float,
-               lengths: np.ndarray) -> float:
+               lengths: np.ndarray, closed_form: bool = False) -> float:
     """A replica generating the responses `lengths`: one prefill of `prefill_tokens` (the
     prompts once: branches share it, as vLLM's parallel sampling does), then continuous
-    batching of responses that start from `prompt_tokens` cached tokens (the mean prompt)."""
+    batching of responses that start from `prompt_tokens` cached tokens (the mean prompt) on
+    max_num_seqs slots; when the cache would overflow, `kv_schedule` queues admissions and
+    preempts (the re-prefilled tokens are paid). `closed_form`: slots by the mean context
+    instead (the planner's fast estimate)."""
     g, model = layout.gpus_per_replica, layout.model
     total = prefill_s(hw, model, prefill_tokens, g)
     if len(lengths):
-        active, held = decode_schedule(lengths, prompt_tokens, replica_slots(hw, layout, prompt_tokens, lengths))
+        if closed_form:
+            active, held = decode_schedule(lengths, prompt_tokens, replica_slots(hw, layout, prompt_tokens, lengths))
+        else:
+            active, held = decode_schedule(lengths, prompt_tokens, layout.max_num_seqs)
+            cap = kv_capacity_tokens(hw, layout)
+            if len(held) and int((held + active).max()) > cap:
+                active, held, again = kv_schedule(lengths, round(prompt_tokens), layout.max_num_seqs, cap)
+                total += prefill_s(hw, model, again, g) if again else 0.0
         total += float(decode_step_s(hw, model, active, held, g).sum())
     return total + hw.efficiency.call_overhead_s
 

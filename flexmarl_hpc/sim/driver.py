@@ -18,16 +18,19 @@ prompt plus the distribution's mean length: a micro-batch of 16 averages the tai
 
 Clock: everything the orchestrator timestamps (its busy intervals schedule/handle/store/log,
 /metrics t, /steps, the store's elapsed time) reads the simulated clock (`sim_clock`), so the
-HDF5 file is one coherent simulated timeline. The orchestrator's own work then costs zero
-simulated seconds unless `charge_orchestrator` adds its real compute to the clock (the
-capacity measurement does). Hang detection (time.monotonic) stays on the real clock.
+HDF5 file is one coherent simulated timeline. The orchestrator's own work costs the
+profile's modelled seconds (per reply, per optimizer step, per message byte), or its real
+compute when `charge_orchestrator` adds it to the clock (the capacity measurement does).
+Weight syncs are flows on the profile's fabric (sim.placement), except on shared cores (one
+machine). Hang detection (time.monotonic) stays on the real clock.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 from pathlib import Path
 
 import h5py
@@ -40,6 +43,8 @@ from flexmarl_hpc.config.layout import ROLLOUT, layout_from_config
 from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
 from flexmarl_hpc.sim.costs import AgentLayout, CostModel, LengthDistribution, ModelShape, shape_from_model_args
 from flexmarl_hpc.sim.hardware import HardwareProfile
+from flexmarl_hpc.sim.perturb import Perturbation, Perturber
+from flexmarl_hpc.sim.placement import sync_network
 from flexmarl_hpc.sim.transport import SimTransport, SyntheticWorkers
 
 QWEN_VOCAB = 152064
@@ -57,6 +62,17 @@ class Workload:
     """Vocabulary of the priced models (embedding and LM head parameters)."""
     seed: int = 0
     """Seed of the modelled lengths (the simulation is deterministic given it)."""
+    prompts: Mapping[str, int] = field(default_factory=dict)
+    """Per agent its prompt, where it differs from `prompt_tokens` (context grown along a
+    chain: sim.workload.TaskSpec.prompts)."""
+    agent_lengths: Mapping[str, LengthDistribution] = field(default_factory=dict)
+    """Per agent its lengths, where they differ from `lengths` (sim.workload.TaskSpec.lengths)."""
+
+    def prompt_for(self, agent: str) -> int:
+        return self.prompts.get(agent, self.prompt_tokens)
+
+    def lengths_for(self, agent: str) -> LengthDistribution:
+        return self.agent_lengths.get(agent, self.lengths)
 
 
 def agent_shape(cfg: Config, agent: str, vocab: int, bytes_per_param: int = 2) -> ModelShape:
@@ -85,16 +101,27 @@ class ModelledCost:
 
     def __init__(self, cost: CostModel, work: Workload) -> None:
         self.cost, self.work = cost, work
+        self.hw = getattr(cost, "hw", None)
         self.rng = np.random.default_rng(work.seed)
-        self.mean_len = float(work.lengths.sample(np.random.default_rng(12345), 100_000).mean())
+        self._means: dict[str, float] = {}
+
+    def mean_len(self, agent: str) -> float:
+        """The agent's mean modelled length (of a fixed-seed sample: the same in every run)."""
+        if agent not in self._means:
+            self._means[agent] = float(self.work.lengths_for(agent).sample(np.random.default_rng(12345), 100_000).mean())
+        return self._means[agent]
 
     def generate_s(self, agent, n_prompts, prompt_tokens, response_tokens) -> float:
-        lengths = self.work.lengths.sample(self.rng, len(response_tokens))
-        return self.cost.generate_s(agent, n_prompts, self.work.prompt_tokens, lengths)
+        lengths = self.work.lengths_for(agent).sample(self.rng, len(response_tokens))
+        prompt = self.work.prompt_for(agent)
+        self.last_tokens = (n_prompts * prompt, int(lengths.sum()))   # message sizes
+        return self.cost.generate_s(agent, n_prompts, prompt, lengths)
 
-    def train_tokens(self, arrays: dict) -> int:
+    def train_tokens(self, arrays: dict, agent: str | None = None) -> int:
         rows = int(np.count_nonzero(np.asarray(arrays["response_lens"])))
-        return int(rows * (self.work.prompt_tokens + self.mean_len))
+        if agent is None:
+            return int(rows * (self.work.prompt_tokens + self.mean_len("")))
+        return int(rows * (self.work.prompt_for(agent) + self.mean_len(agent)))
 
     def train_s(self, agent, tokens, optimizer_step=True) -> float:
         return self.cost.train_s(agent, tokens, optimizer_step)
@@ -153,7 +180,9 @@ def real_workers_fit(cfg: Config, vocab: int) -> None:
 
 
 def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | None = None,
-                 charge_orchestrator: bool = False, workers: str = "synthetic") -> tuple[Path, SimTransport]:
+                 charge_orchestrator: bool = False, workers: str = "synthetic",
+                 perturb: Perturbation | None = None, wrap=None,
+                 colocate: list[tuple[int, int]] = ()) -> tuple[Path, SimTransport]:
     """Run `cfg` on the simulated clock; returns its HDF5 file (attrs simulated=True,
     hardware, workers) and the transport (for its clock and counters). `workers` "real"
     runs the real engine and trainers in-process (small models; `work` must then be None:
@@ -180,9 +209,12 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        "world_size": layout.world_size, "simulated": True, "hardware": hardware,
                        "sim_workers": workers},
                       chunk=cfg.store.chunk_rows)
+    hw = getattr(cost, "hw", None)                  # a CostModel's profile
+    eff = getattr(hw, "efficiency", None)
     if work is not None:
         cost = ModelledCost(cost, work)
-    eff = getattr(getattr(cost, "hw", None), "efficiency", None)   # a CostModel's profile
+    if wrap is not None:                            # a baseline's own costs (sim.baselines.Colocated)
+        cost = wrap(cost)
     sim = SimTransport(layout, cost, content, t0=store.t0,
                        charge_orchestrator=charge_orchestrator,
                        orchestrator_s=eff.orchestrator_s if eff else 0.0,
@@ -190,7 +222,11 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        latency_s=eff.message_latency_s if eff else 0.0,
                        shared_cores=eff.shared_cores if eff else 0,
                        waiting_share=eff.waiting_share if eff else 0.0,
-                       workers_poll=cfg.run.idle_wait == "poll")
+                       workers_poll=cfg.run.idle_wait == "poll",
+                       orchestrator_byte_s=eff.orchestrator_byte_s if eff else 0.0,
+                       # a fabric for the syncs where there is one: not on shared cores (one machine)
+                       network=(sync_network(cfg, layout, hw, colocate) if eff and not eff.shared_cores else None),
+                       perturb=Perturber(perturb, layout.world_size) if perturb and perturb.active else None)
     try:
         with sim_clock(sim):
             code = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None).run()
@@ -201,9 +237,10 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
     return path, sim
 
 
-def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2) -> dict:
+def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2, devices: int = 0) -> dict:
     """step_s (median gap between global steps after `skip`), samples/s, and accelerator
-    utilization (busy accelerator-seconds / (accelerators x window); `gpus`: rank -> devices)."""
+    utilization (busy accelerator-seconds / (accelerators x window); `gpus`: rank -> devices;
+    `devices`: the physical count, where ranks share devices (a colocated baseline))."""
     with h5py.File(path, "r") as f:
         m, iv = f["metrics"][:], f["intervals"][:]
         world = int(f.attrs["world_size"])
@@ -221,7 +258,7 @@ def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2) -> di
     span = max(hi - lo, 1e-12)
     return {"step_s": float(np.median(np.diff(t[max(skip - 1, 0):]))) if len(t) > 1 else float(hi),
             "samples_per_s": float(m["samples"][skip:].sum() / span),
-            "util": float((per_rank * weight).sum() / (weight.sum() * span)),
+            "util": float((per_rank * weight).sum() / ((devices or weight.sum()) * span)),
             "steps": int(len(t))}
 
 

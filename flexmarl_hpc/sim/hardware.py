@@ -67,6 +67,16 @@ class Efficiency:
     all run, each runs at min(1, N / w) of a core while w < N, and at N / (w + waiting_share
     x polling ranks) once they fill the cores; sim/cores.py), as on the 2-core machine of
     the calibration runs."""
+    orchestrator_byte_s: float = 0.0
+    """The orchestrator's own seconds per byte of a command it sends or a reply it handles
+    (pickling, MPI copy, store write), on top of `orchestrator_s`."""
+    nodes_per_leaf: int = 16
+    """Nodes under one leaf switch of the two-level fat tree (sim/network.py)."""
+    oversubscription: float = 1.0
+    """A leaf switch's downlink : uplink bandwidth (1: non-blocking)."""
+    broadcast: str = "ring"
+    """How a weight sync reaches its replicas: `ring` (pipelined chain, NCCL's choice for large
+    broadcasts) or `tree` (binary; inner nodes send twice)."""
     waiting_share: float = 0.0
     """Share of a core each polling rank takes from those computing once `shared_cores` are
     full (its back-off wake-ups preempt them; which ranks poll follows run.idle_wait);
@@ -157,9 +167,25 @@ def _check_keys(raw: dict, cls: type, where: str) -> None:
         raise HardwareError(f"{where}: unknown field {unknown[0]!r}; expected one of {sorted(names)}")
 
 
+def _check_special(key: str, v: Any, where: str) -> bool:
+    """Check the efficiency fields that are not plain non-negative numbers; False for others."""
+    if key == "broadcast":
+        if v not in ("ring", "tree"):
+            raise HardwareError(f"{where}: field 'efficiency.broadcast': expected ring or tree, got {v!r}")
+    elif key == "nodes_per_leaf":
+        _check_number(v, f"{where}: field 'efficiency.nodes_per_leaf'", integer=True)
+    elif key == "oversubscription":
+        _check_number(v, f"{where}: field 'efficiency.oversubscription'", lo=1.0, lo_open=False)
+    else:
+        return False
+    return True
+
+
 def validate_efficiency(eff: Efficiency, where: str) -> None:
     for f in dataclasses.fields(eff):
         v = getattr(eff, f.name)
+        if _check_special(f.name, v, where):
+            continue
         if f.name in _FRACTIONS:
             _check_number(v, f"{where}: field 'efficiency.{f.name}'", hi=1.0)
         else:
@@ -196,7 +222,8 @@ def hardware_from_dict(raw: Any, where: str) -> HardwareProfile:
     _check_keys(eff_raw, Efficiency, f"{where}: field 'efficiency'")
     # Type checks run before construction so a string never reaches arithmetic.
     for key, value in eff_raw.items():
-        _check_number(value, f"{where}: field 'efficiency.{key}'", lo_open=key in _FRACTIONS)
+        if not _check_special(key, value, where):
+            _check_number(value, f"{where}: field 'efficiency.{key}'", lo_open=key in _FRACTIONS)
     hw = HardwareProfile(**{**raw, "efficiency": Efficiency(**eff_raw)})
     return validate_hardware(hw, where)
 

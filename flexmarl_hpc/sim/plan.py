@@ -86,10 +86,24 @@ class Plan:
     """Busy device-seconds / (devices x step time), per mode."""
     phases: dict[str, dict[str, float]]
     """Per class: rollout, train (all micro-batches + optimizer, swaps included), sync seconds."""
+    demand: dict[str, float] = field(default_factory=dict)
+    """Per class: the FLOPs one step needs (rollout + training), whatever the allocation."""
 
     @property
     def nodes(self) -> int:
         return sum(a.pool_nodes + a.groups * a.group_nodes for _, a in self.allocs)
+
+    def shares(self) -> dict[str, tuple[float, float]]:
+        """Per class (its share of the step's compute demand, its share of the nodes)."""
+        total = sum(self.demand.values()) or 1.0
+        return {name: (self.demand.get(name, 0.0) / total, (a.pool_nodes + a.groups * a.group_nodes) / self.nodes)
+                for name, a in self.allocs}
+
+    @property
+    def mismatch(self) -> float:
+        """How far the nodes are from the demand: the sum over classes of |node share - demand
+        share| (0: every class gets nodes in proportion to the compute it needs)."""
+        return sum(abs(n - d) for d, n in self.shares().values())
 
 
 def _trainer_fits(hw: HardwareProfile, model: ModelShape, devices: int, tp: int) -> bool:
@@ -158,12 +172,12 @@ class _Estimator:
             rounds = 1
         mine = lengths[::per_agent]             # longest-first round-robin: replica 0's share
         prompts = math.ceil(len(mine) / wl.samples_per_prompt)
-        t = rounds * generate_s(self.hw, lay, prompts * wl.prompt_tokens, wl.prompt_tokens, mine)
+        t = rounds * generate_s(self.hw, lay, prompts * wl.prompt_tokens, wl.prompt_tokens, mine, closed_form=True)
         busy = 0.0
         for r in range(min(per_agent, len(lengths))):
             share = lengths[r::per_agent]
             busy += generate_s(self.hw, lay, math.ceil(len(share) / wl.samples_per_prompt) * wl.prompt_tokens,
-                               wl.prompt_tokens, share)
+                               wl.prompt_tokens, share, closed_form=True)
         return t, busy * g * cls.count
 
     def _train(self, name: str, groups: int, group_nodes: int) -> tuple[float, float, float, float]:
@@ -185,8 +199,16 @@ class _Estimator:
         busy = per_agent * devices * cls.count
         return residents * per_agent + swaps, last, sync, busy
 
+    def demand(self, name: str) -> float:
+        """FLOPs one step of the class needs, whatever its allocation: per agent 2P per prompt
+        token (prefilled once per query) and per generated token, 6P per trained token."""
+        cls, wl = self.classes[name], self.wl
+        mean = float(self.lengths[name].mean())
+        gen = wl.global_batch * (wl.prompt_tokens / wl.samples_per_prompt + mean)
+        return cls.count * cls.model.params * (2 * gen + 6 * wl.global_batch * (wl.prompt_tokens + mean))
+
     def plan(self, allocs: tuple[tuple[str, ClassAlloc], ...]) -> Plan:
-        phases, sync_parts, flex_parts, busy = {}, [0.0, 0.0, 0.0], [], 0.0
+        phases, sync_parts, flex_parts, busy, demand = {}, [0.0, 0.0, 0.0], [], 0.0, {}
         for name, a in allocs:
             roll, roll_busy = self.rollout(name, a.pool_nodes, a.gpus_per_replica)
             train, last, sync, train_busy = self.train(name, a.groups, a.group_nodes)
@@ -194,10 +216,11 @@ class _Estimator:
             sync_parts = [max(sync_parts[0], roll), max(sync_parts[1], train), max(sync_parts[2], sync)]
             flex_parts.append(max(roll + last, train) + sync)
             busy += roll_busy + train_busy
+            demand[name] = self.demand(name)
         devices = sum(a.pool_nodes + a.groups * a.group_nodes for _, a in allocs) * self.hw.devices_per_node
         step = {"sync": sum(sync_parts), "flex": max(flex_parts)}
         util = {m: busy / (devices * s) for m, s in step.items()}
-        return Plan(allocs, step, util, phases)
+        return Plan(allocs, step, util, phases, demand)
 
 
 def candidates(hw: HardwareProfile, classes: list[AgentClass], nodes: int,
@@ -242,9 +265,11 @@ def rank_plans(hw: HardwareProfile, classes: list[AgentClass], workload: Workloa
                          f"and one pool node per class")
     other = "sync" if mode == "flex" else "flex"
     # Estimates within 0.5% of each other are a tie (the model is not that exact): among them
-    # prefer the plan that also does well without overlap, then the busier one.
+    # prefer the plan whose nodes follow each class's compute demand (a pool sized past its
+    # demand only idles: the 32B pool at 18 or 25 nodes estimates the same step), then the one
+    # that also does well without overlap, then the busier one.
     plans.sort(key=lambda p: (math.floor(math.log(p.step_s[mode]) / math.log(1.005)),
-                              p.step_s[other], -p.utilization[mode]))
+                              round(p.mismatch, 3), p.step_s[other], -p.utilization[mode]))
     return plans[:top]
 
 
@@ -259,6 +284,9 @@ def describe(plan: Plan, hw: HardwareProfile) -> str:
                      f"{ph['rollout']:.1f} s, train {ph['train']:.1f} s, sync {ph['sync']:.2f} s")
     lines.append(f"  step: flex {plan.step_s['flex']:.1f} s (util {plan.utilization['flex']:.2f}), "
                  f"sync {plan.step_s['sync']:.1f} s (util {plan.utilization['sync']:.2f})")
+    lines.append("  demand vs nodes: " + ", ".join(f"{name} {d:.0%} of the compute, {n:.0%} of the nodes"
+                                                   for name, (d, n) in plan.shares().items())
+                 + f" (mismatch {plan.mismatch:.2f})")
     return "\n".join(lines)
 
 

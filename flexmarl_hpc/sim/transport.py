@@ -39,6 +39,14 @@ from flexmarl_hpc.config.layout import ROLLOUT, RankLayout
 from flexmarl_hpc.sim.cores import CoreShare, Job
 
 
+SMALL_MESSAGE_BYTES = 64
+"""Bytes of a command or reply beyond its token payload (pickled header, ids)."""
+PROMPT_TOKEN_BYTES = 8
+"""A prompt token in a Generate command (a Python int pickled, about 5-9 bytes)."""
+RESPONSE_TOKEN_BYTES = 12
+"""A response token in a Generated reply: its id and its float log-prob."""
+
+
 class CostModel(Protocol):
     """Seconds each operation takes on the modelled hardware (sim.costs.CostModel is one)."""
 
@@ -144,7 +152,8 @@ class SimTransport:
     def __init__(self, layout: RankLayout, cost: CostModel, workers, t0: float | None = None,
                  charge_orchestrator: bool = False, orchestrator_s: float = 0.0,
                  orchestrator_step_s: float = 0.0, latency_s: float = 0.0,
-                 shared_cores: int = 0, waiting_share: float = 0.0, workers_poll: bool = True) -> None:
+                 shared_cores: int = 0, waiting_share: float = 0.0, workers_poll: bool = True,
+                 network=None, perturb=None, orchestrator_byte_s: float = 0.0) -> None:
         self.layout, self.cost, self.workers = layout, cost, workers
         self.now = time.time() if t0 is None else t0
         self.free_at: dict[int, float] = {}          # worker rank -> end of its last command
@@ -163,13 +172,24 @@ class SimTransport:
                       if shared_cores else None)
         self.computing: set[int] = set()
         self.deferred: dict[int, list[tuple[float, tuple]]] = {}
+        # weight syncs as flows over a shared fabric (sim.placement.SyncNetwork), else a
+        # fixed time each; seeded jitter/stragglers (sim.perturb.Perturber); message bytes
+        self.net, self.perturb, self.byte_s = network, perturb, orchestrator_byte_s
+        if network is not None:
+            network.share.t = self.now
+        self.reply_bytes: dict[int, float] = {}      # batch_id -> bytes of its Generated reply
+        self.cmd_bytes = 0.0                         # bytes of the command being planned
+        self.orchestrator_charged = 0.0              # modelled seconds of the orchestrator's own work
 
     # -- Transport ------------------------------------------------------------------------
     def send(self, rank: int, msg: messages.Command) -> None:
         self._tick()
         self._settle(self.now)
         self.sent += 1
+        self.cmd_bytes = SMALL_MESSAGE_BYTES
         plan = self._plan(rank, msg)                 # the reply's content is made now, in send order
+        self.now += self.byte_s * self.cmd_bytes     # the orchestrator serializes it before it goes
+        self.orchestrator_charged += self.byte_s * self.cmd_bytes
         arrival = self.now + self.latency_s
         # a command to a rank still held in a collective (a generate queued behind its
         # weight sync) waits for it, as it does behind a computing rank on shared cores
@@ -181,8 +201,8 @@ class SimTransport:
 
     def receive(self, timeout: float | None = None) -> tuple[int, messages.Reply]:
         self._tick()
-        while self.share:                            # complete the jobs that end before the next reply
-            end = self.share.next_end()
+        while True:                                  # complete the jobs that end before the next reply
+            end = min((s.next_end() for s in self._shares()), default=float("inf"))
             if end == float("inf") or (self.events and self.events[0][0] <= end):
                 break
             self._settle(end)
@@ -213,16 +233,22 @@ class SimTransport:
         role, index = self.layout.role_of(rank)
         if isinstance(msg, messages.Generate):
             outputs = self.workers.generate(msg)
-            dt = self.cost.generate_s(msg.agent, len(msg.requests), [len(r[1]) for r in msg.requests],
-                                      [len(t) for t, _ in outputs])
+            prompts, lengths = [len(r[1]) for r in msg.requests], [len(t) for t, _ in outputs]
+            dt = self.cost.generate_s(msg.agent, len(msg.requests), prompts, lengths) * self._factor(rank)
+            # a modelled cost says what the request stands for (sim.driver.ModelledCost)
+            p_tok, r_tok = getattr(self.cost, "last_tokens", (sum(prompts), sum(lengths)))
+            self.cmd_bytes = PROMPT_TOKEN_BYTES * p_tok + SMALL_MESSAGE_BYTES * len(prompts)
+            self.reply_bytes[msg.batch_id] = RESPONSE_TOKEN_BYTES * r_tok + SMALL_MESSAGE_BYTES * len(lengths)
             return ("run", dt, "generate", msg.agent, messages.Generated(msg.batch_id, outputs))
         if isinstance(msg, messages.Train):
             stats = self.workers.train(msg)
             arrays = msg.arrays
             # a cost may price modelled rather than real tokens (sim.driver.ModelledCost)
-            tokens = (self.cost.train_tokens(arrays) if hasattr(self.cost, "train_tokens")
-                      else int(np.sum(arrays["prompt_lens"]) + np.sum(arrays["response_lens"])))
-            dt = self.cost.train_s(msg.agent, tokens, optimizer_step=msg.last)
+            real = int(np.sum(arrays["prompt_lens"]) + np.sum(arrays["response_lens"]))
+            tokens = self.cost.train_tokens(arrays, msg.agent) if hasattr(self.cost, "train_tokens") else real
+            dt = self.cost.train_s(msg.agent, tokens, optimizer_step=msg.last) * self._factor(rank)
+            # the micro-batch's arrays, scaled from the real tokens to the modelled ones
+            self.cmd_bytes = sum(np.asarray(a).nbytes for a in arrays.values()) * tokens / max(real, 1)
             reply = messages.Stepped(msg.agent, msg.step + 1, stats) if msg.last else messages.Trained(msg.agent, msg.step)
             return ("run", dt, "train", msg.agent, reply)
         if isinstance(msg, messages.Sync):
@@ -234,7 +260,7 @@ class SimTransport:
             return ("meet", ("sync", msg.agent, msg.version, msg.members), msg.members, dt, "sync", msg.agent, reply)
         if isinstance(msg, messages.Move):
             leaders = tuple(sorted({self.layout.group_leader(g) for g in (msg.src.group, msg.dst.group)}))
-            dt = self.cost.swap_s(msg.agent, self.cost.state_bytes(msg.agent))
+            dt = self.cost.swap_s(msg.agent, self.cost.state_bytes(msg.agent)) * self._factor(rank)
             return ("meet", ("move", msg.agent, msg.src, msg.dst), leaders, dt, "swap", msg.agent, messages.Moved(msg.agent))
         if isinstance(msg, messages.Checkpoint):
             self.workers.checkpoint(msg)
@@ -257,9 +283,17 @@ class SimTransport:
             for r in plan[1]:
                 self._reply(start, r, plan[2])
 
+    def _factor(self, rank: int) -> float:
+        """The seeded jitter/straggler factor of `rank`'s next operation (1 without)."""
+        return self.perturb.factor(rank) if self.perturb is not None else 1.0
+
     def _handling(self, reply: messages.Reply) -> float:
-        """Modelled orchestrator seconds (at a whole core) to handle `reply`."""
-        return self.orchestrator_s + (self.orchestrator_step_s if isinstance(reply, messages.Stepped) else 0.0)
+        """Modelled orchestrator seconds (at a whole core) to handle `reply`: per reply, per
+        optimizer step, and per byte it reads."""
+        nbytes = (self.reply_bytes.pop(reply.batch_id, SMALL_MESSAGE_BYTES)
+                  if isinstance(reply, messages.Generated) else SMALL_MESSAGE_BYTES)
+        return (self.orchestrator_s + self.byte_s * nbytes
+                + (self.orchestrator_step_s if isinstance(reply, messages.Stepped) else 0.0))
 
     def _orchestrate(self, reply: messages.Reply) -> None:
         """The orchestrator handles `reply`: its modelled seconds pass on the clock. On shared
@@ -267,6 +301,7 @@ class SimTransport:
         while the workers compute): it takes its share of a core, and slows them meanwhile;
         the jobs that end while it works send their replies then."""
         h = self._handling(reply)
+        self.orchestrator_charged += h
         if not (self.share and h > 0):
             self.now += h
             return
@@ -287,15 +322,32 @@ class SimTransport:
             self.now += t - self._real
             self._real = t
 
+    def _shares(self) -> list:
+        """The shared resources in use: the cores (CoreShare), the fabric (FlowShare)."""
+        return [s for s in (self.share, self.net.share if self.net else None) if s is not None]
+
     def _settle(self, t: float) -> None:
-        """Complete the shared-core jobs that end by `t` (their replies queue)."""
-        if not self.share:
-            return
-        # one completion time at a time: what a completion frees may start a job right then
-        while (end := self.share.next_end()) <= t:
-            for at, job in self.share.advance(end):
-                self._job_ended(at, job)
-        self.share.advance(max(t, self.share.t))
+        """Complete the shared-core jobs and network flows that end by `t` (their replies queue)."""
+        # one completion time at a time, the earliest first: what a completion frees may
+        # start a job right then, on either resource
+        while True:
+            end, s = min(((s.next_end(), i) for i, s in enumerate(self._shares())), default=(float("inf"), -1))
+            if end > t:
+                break
+            share = self._shares()[s]
+            for at, job in share.advance(end):
+                if share is self.share:
+                    self._job_ended(at, job)
+                else:
+                    self._flow_ended(at, job)
+        for share in self._shares():
+            share.advance(max(t, share.t))
+
+    def _flow_ended(self, at: float, flow) -> None:
+        """A weight broadcast's bytes have all arrived: every member replies."""
+        begin, agent, replies = flow.payload
+        for r in flow.key:
+            self._done(r, begin, at, "sync", agent, replies[r])
 
     def _job_ended(self, at: float, job: Job) -> None:
         """A worker's shared-core job ended at `at`: its rank is free, its reply goes out."""
@@ -340,6 +392,9 @@ class SimTransport:
             return
         del self.meetings[key]
         begin = max(m.arrived.values())
+        if activity == "sync" and self.net is not None:    # a flow on the shared fabric
+            self.net.start(begin, m.members, self.cost.weight_bytes(agent), (begin, agent, m.replies))
+            return
         for r in m.members:
             self._run(r, begin, dt, activity, agent, m.replies[r])
 

@@ -230,3 +230,22 @@ def test_the_simulated_candidates_are_distinct_shapes_each_with_its_best_split(p
                                                 for _, a in q.allocs) == shape)
         assert first is p
     assert distinct(ranked, 10**6) and len(distinct(ranked[:5], 10)) <= 5
+
+
+def test_demand_aware_ranking_separates_pools_that_the_step_estimate_ties():
+    """On 48 npu64 nodes the 32B pool at 18..25 nodes estimates the same flex step (decode is
+    bounded by the longest response): the demand term tells them apart, and the chosen split
+    gives each class the share of nodes closest to its share of the step's FLOPs (3 x 32.8B vs
+    7 x 14.8B: ~48% / 52%)."""
+    from flexmarl_hpc.sim.hardware import load_hardware
+    from flexmarl_hpc.sim.plan import Workload, parse_classes, rank_plans
+    hw = load_hardware("npu64_a3")
+    plans = rank_plans(hw, parse_classes("32b:3,14b:7"), Workload(), 48, "flex", 10**6)
+    best = plans[0]
+    band = [p for p in plans if p.step_s["flex"] <= best.step_s["flex"] * 1.005]
+    pools = {dict(p.allocs)["32b"].pool_nodes for p in band}
+    assert {18, 25} <= pools                                   # the estimate ties them
+    assert len({round(p.mismatch, 3) for p in band}) > 3          # the demand term does not
+    assert best.mismatch == min(p.mismatch for p in band) < 0.05
+    d32, n32 = best.shares()["32b"]
+    assert d32 == pytest.approx(3 * 32.76 / (3 * 32.76 + 7 * 14.77), abs=0.01) and n32 == pytest.approx(d32, abs=0.02)

@@ -101,8 +101,9 @@ def test_cli_table_names_counts_and_variants(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "does not fit" in out and "flex" in out and "sync" in out and "step_s" in out
-    # each variant is planned in its own mode: sync's barrier plan, flex's for every flex ablation
-    assert [simulate.variant_mode(v) for v in simulate.VARIANTS] == ["sync"] + ["flex"] * 4
+    # each variant is planned in its own mode: sync's barrier plan, flex's for every flex ablation,
+    # the baselines' (verl, marti, mas-rl: synchronous loops) sync's
+    assert [simulate.variant_mode(v) for v in simulate.VARIANTS] == ["sync"] + ["flex"] * 4 + ["sync"] * 3
 
 
 @pytest.mark.parametrize("args, flag", [

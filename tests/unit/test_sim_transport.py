@@ -116,3 +116,62 @@ def test_the_cost_models_of_sim_costs_drive_the_transport(tmp_path):
     elapsed, iv = simulate(tmp_path, cost, "trainer.groups=1", "pipeline.swap_states=true")
     assert elapsed > 0
     assert {b"generate", b"train", b"sync", b"swap"} <= set(iv["activity"].tolist())
+
+
+class _Weights(ConstantCost):
+    """Constant costs, and 20 bytes of weights per sync."""
+
+    def weight_bytes(self, agent) -> int:
+        return 20
+
+
+def _two_syncs(tmp_path, where, *, together: bool):
+    """Leaders 3 and 4 broadcast 20 bytes to replicas 1 and 2 on a fabric of 10 B/s NICs."""
+    from flexmarl_hpc.sim.network import Fabric
+    from flexmarl_hpc.sim.placement import SyncNetwork
+    layout = RankLayout(replicas=2, groups=2, ranks_per_group=1)
+    cfg = load_config(str(ROOT / "configs/local.yaml"), [])
+    net = SyncNetwork(Fabric(node_nic=10.0, device_nic=10.0, intra=100.0, hop_latency_s=0.0), where,
+                      bucket_latency_s=0.0)
+    sim = SimTransport(layout, _Weights(generate=2.0), SyntheticWorkers(build_task(cfg)), t0=0.0, network=net)
+    if not together:                       # replica 2 generates first: its sync waits for it
+        sim.send(2, messages.Generate(1, "speaker", 0, [("s0", [1], 7, 2, 0)]))
+    for leader, replica in ((3, 1), (4, 2)):
+        sim.send(leader, messages.Sync("speaker", 1, (leader, replica)))
+        sim.send(replica, messages.Sync("speaker", 1, (leader, replica)))
+    got = [sim.receive() for _ in range(4 if together else 5)]
+    return {(src, m.kind): m.intervals[0][2:] for src, m in got}
+
+
+def test_concurrent_syncs_share_the_nics_they_cross(tmp_path):
+    """Both broadcasts leave node 0 and enter node 1 (10 B/s each way): together each gets
+    5 B/s, 20 bytes take 4 s; when the second starts at 2 s (its replica generates first),
+    the first has had the link alone (20 B at 10 B/s: done at 2 s) and the second too (2..4 s).
+    On distinct nodes they never meet: 2 s each."""
+    same = {1: (1, 16), 2: (1, 17), 3: (0, 0), 4: (0, 1)}
+    got = _two_syncs(tmp_path, same, together=True)
+    assert got[(1, "synced")] == pytest.approx((0.0, 4.0)) and got[(4, "tsynced")] == pytest.approx((0.0, 4.0))
+    got = _two_syncs(tmp_path, same, together=False)
+    assert got[(1, "synced")] == pytest.approx((0.0, 2.0)) and got[(2, "synced")] == pytest.approx((2.0, 4.0))
+    apart = {1: (1, 16), 2: (3, 48), 3: (0, 0), 4: (2, 32)}
+    got = _two_syncs(tmp_path, apart, together=True)
+    assert got[(1, "synced")] == pytest.approx((0.0, 2.0)) and got[(2, "synced")] == pytest.approx((0.0, 2.0))
+
+
+def test_stragglers_stretch_a_command_and_bytes_cost_the_orchestrator(tmp_path):
+    """A straggler of factor 3 makes a 2 s generate 6 s. At 1 ms per byte the orchestrator
+    spends 8 x 1 + 64 = 72 ms sending a 1-token prompt and 12 x 2 + 64 = 88 ms reading the
+    2-token reply: it ends at 0.072 + 2 and is handled by 2.16."""
+    from flexmarl_hpc.sim.perturb import Perturbation, Perturber
+    layout = RankLayout(replicas=1, groups=1, ranks_per_group=1)
+    task = build_task(load_config(str(ROOT / "configs/local.yaml"), []))
+    req = [("s0", [1], 7, 2, 0)]
+    slow = SimTransport(layout, ConstantCost(generate=2.0), SyntheticWorkers(task), t0=0.0,
+                        perturb=Perturber(Perturbation(straggler_prob=1.0, straggler_factor=3.0), 3))
+    slow.send(1, messages.Generate(1, "speaker", 0, req))
+    assert slow.receive()[1].intervals[0][2:] == (0.0, 6.0)
+    sim = SimTransport(layout, ConstantCost(generate=2.0), SyntheticWorkers(task), t0=0.0, orchestrator_byte_s=1e-3)
+    sim.send(1, messages.Generate(1, "speaker", 0, req))
+    assert sim.now == pytest.approx(0.072)
+    assert sim.receive()[1].intervals[0][2:] == pytest.approx((0.072, 2.072))
+    assert sim.now == pytest.approx(2.16)

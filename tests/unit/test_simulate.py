@@ -228,7 +228,9 @@ def test_help_of_the_cli_and_of_each_subcommand(capsys, argv):
         simulate.main(argv)
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith("usage: python -m flexmarl_hpc.simulate")
-    assert all(s in out for s in simulate.COMMANDS) if len(argv) == 1 else "config" in out
+    # `paper` takes no CONFIG: its tasks name their own (sim/workload.py)
+    assert all(s in out for s in simulate.COMMANDS) if len(argv) == 1 else (
+        "--fit" in out if argv[0] == "paper" else "config" in out)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -240,3 +242,20 @@ def test_subcommands_refuse_bad_flags_in_one_line_naming_their_own_flag(capsys, 
     assert simulate.main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_compare_jitter_is_seeded_and_a_failure_costs_the_lost_steps(tmp_path, capsys):
+    """The same seed gives the same run, another seed another; a failure at 0 s restarts
+    from scratch: the steps end `restart + checkpoint read` later."""
+    def step(*extra):
+        assert simulate.main(["compare", CONFIG, *TINY, "--hardware", "h100_ndr", "--steps", "3", "--variants",
+                              "flex", "--json", "--out", str(tmp_path), *extra]) == 0
+        return json.loads(capsys.readouterr().out)["variants"]["flex"]
+    plain = step()
+    a, b = step("--jitter", "0.5", "--seed", "1"), step("--jitter", "0.5", "--seed", "1")
+    assert a["step_s"] == b["step_s"] != plain["step_s"]
+    assert step("--jitter", "0.5", "--seed", "2")["step_s"] != a["step_s"]
+    # failing at 0 s, nothing checkpointed, a file system fast enough to read it at once: every
+    # step ends exactly the restart's 100 s later
+    failed = step("--fail-at", "0", "--restart-s", "100", "--checkpoint-every", "0", "--fs-gb-s", "1e9")
+    assert failed["done_with_failure_s"] == pytest.approx(failed["done_s"] + 100, abs=1e-3)

@@ -1,0 +1,62 @@
+"""`simulate paper`: the shell of sim/paper.py (options, printing, the parameters file).
+
+    python -m flexmarl_hpc.simulate paper [--json]                 # paper vs simulator, MA and CA
+    python -m flexmarl_hpc.simulate paper --fit                    # fit on MA, write the parameters file
+    python -m flexmarl_hpc.simulate paper --sweep                  # which unknown moves which ratio
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from flexmarl_hpc.sim.hardware import HARDWARE_DIR, load_hardware, save_hardware
+from flexmarl_hpc.sim.paper import FIT_FIELDS, fit_ma, paper_rows, sweep, sweep_table, table
+
+PARAMS = HARDWARE_DIR / "npu64_a3_paper.yaml"
+"""The parameters file `--fit` writes and the table reads (npu64_a3 with fitted efficiencies)."""
+
+
+def paper_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="per task the five step times and busy, as JSON")
+    p.add_argument("--fit", action="store_true", help="fit the efficiencies on MA, write --write, print both tasks")
+    p.add_argument("--sweep", action="store_true", help="vary each unknown of the MA spec, print the ratios")
+    p.add_argument("--write", type=Path, default=PARAMS, help=f"--fit's parameters file (default {PARAMS.name})")
+    p.add_argument("--params", type=Path, default=None,
+                   help=f"the profile to simulate on (default {PARAMS.name} if it exists, else npu64_a3)")
+    p.add_argument("--steps", type=int, default=4, help="simulated steps per system (the first is not timed)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the simulated runs (default: a temp dir)")
+
+
+def check_paper(a: argparse.Namespace) -> str | None:
+    if a.fit and a.sweep:
+        return "--fit and --sweep: give one of them"
+    return None
+
+
+def paper_main(a: argparse.Namespace, out: Path) -> int:
+    wall = time.perf_counter()
+    if a.fit:
+        fitted, points = fit_ma(load_hardware("npu64_a3"), a.steps, out, log=lambda s: None)
+        best = {f: getattr(fitted.efficiency, f) for f in FIT_FIELDS}
+        save_hardware(fitted, a.write, header=f"npu64_a3 with {', '.join(FIT_FIELDS)} fitted on the paper's MA task\n"
+                      f"by `python -m flexmarl_hpc.simulate paper --fit` ({a.steps} steps): {best}")
+        print(f"fit on MA over {', '.join(FIT_FIELDS)}: best {best}; every point (loss = squared log errors):")
+        for p in points:
+            print(f"  hbm {p['hbm']:<5} mfu_train {p['mfu_train']:<5} loss {p['loss']:.3f}")
+        print(f"wrote {a.write}")
+        hw, fitted_on = fitted, "MA"
+    else:
+        path = a.params or (PARAMS if PARAMS.exists() else Path("npu64_a3"))
+        hw, fitted_on = load_hardware(path), ("MA" if Path(path).resolve() == PARAMS.resolve() else None)
+    if a.sweep:
+        print(sweep_table(sweep(hw, a.steps, out)))
+        return 0
+    rows = paper_rows(hw, a.steps, out)
+    if a.json:
+        print(json.dumps({**rows, "hardware": hw.name, "wall_s": time.perf_counter() - wall}, indent=1))
+    else:
+        print(table(rows, fitted_on))
+        print(f"(on {hw.name}, {a.steps} steps per system; wall {time.perf_counter() - wall:.0f} s)")
+    return 0

@@ -1,0 +1,138 @@
+"""The paper's two tasks as workload specs: every number with its source, every unknown a
+parameter (`UNKNOWNS`) that `simulate paper --sweep` varies.
+
+A spec drives the simulator through the existing workflow/Task mechanism: the task's config
+(its agents, their models, the relay chain of turns in `workflow.turns`) gets the paper's
+batch shape (`apply`: queries per step, branches of the first turn, micro-batch), and `workload` gives the modelled lengths the synthetic workers are priced
+with (sim.driver.Workload): per agent its prompt, which grows along the chain with the
+context the earlier turns added, and its response-length distribution, a lognormal whose
+median differs per agent (the paper's "skewed inter-agent request patterns"). The Python
+episode functions of the workflows issue (25) have not landed: when they do, they replace
+the relay chain here. Sources (docs/simulator.md, "The paper's tasks"):
+- paper (as reported, DESIGN.md): 4 queries x 16 branches = global batch 64, micro-batch 16,
+  responses up to 8,192 tokens, MA = every agent its own Qwen2.5-14B, CA = 14B and 32B;
+- the configs' agent counts are the paper's scaling runs (15 x 14B; 3 x 32B + 7 x 14B): the
+  paper does not say how many agents MA and CA have (unknown);
+- prompt, context carried and length medians are unknowns (the e-commerce data are not
+  public), with defaults stated in `UNKNOWNS`.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexmarl_hpc.sim.costs import LengthDistribution
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One paper task: its config and the modelled workload's parameters."""
+
+    name: str
+    """MA or CA."""
+    config: str
+    """The config of its agents and allocation (the relay chain of their turns)."""
+    agents: tuple[str, ...] = ()
+    """UNKNOWN (how many agents the paper's MA and CA chain): the config's agents the task
+    keeps, in chain order."""
+    queries: int = 4
+    """Queries per step (paper: 4)."""
+    branches: int = 16
+    """Responses sampled per query, the first turn's samples (paper: 16)."""
+    micro_batch: int = 16
+    """Trainer micro-batch (paper: 16)."""
+    max_tokens: int = 8192
+    """Longest response (paper: 8,192)."""
+    prompt_tokens: int = 1024
+    """UNKNOWN: the first turn's prompt (instructions + query)."""
+    context_carried: float = 0.5
+    """UNKNOWN: fraction of each earlier turn's response the next turn's prompt carries."""
+    length_median: float = 1024.0
+    """UNKNOWN: median response length of the median agent."""
+    length_sigma: float = 0.8
+    """UNKNOWN: lognormal sigma of the lengths inside an agent."""
+    agent_skew: float = 0.5
+    """UNKNOWN: lognormal sigma of the agents' medians around `length_median` (inter-agent skew)."""
+    seed: int = 0
+    """Seed of the agents' medians and of the lengths."""
+
+    def apply(self, raw: dict, nodes: int = 47) -> dict:
+        """A copy of the config dict `raw` as the task: only the turns of `agents` (the
+        chain keeps its order), their pools and trainer groups, the pools grown to fill
+        `nodes` (the paper's 48 less the orchestrator's) in proportion to their nodes; the
+        paper's batch shape: `queries` inputs per step, `branches` samples at the first turn
+        (global batch = queries x branches), micro-batch `micro_batch`."""
+        out = copy.deepcopy(raw)
+        keep = set(self.agents)
+        wf = out["workflow"]
+        wf["turns"] = [t for t in wf["turns"] if t["agent"] in keep]
+        missing = keep - {t["agent"] for t in wf["turns"]}
+        if missing:
+            raise ValueError(f"task {self.name}: field 'agents': {sorted(missing)} have no turn in {self.config}")
+        wf["inputs_per_step"], wf["turns"][0]["samples"] = self.queries, self.branches
+        for t in wf["turns"][1:]:
+            t["samples"] = 1
+        out.setdefault("trainer", {})["micro_batch_size"] = self.micro_batch
+        out["agents"] = {a: m for a, m in (out.get("agents") or {}).items() if a in keep}
+        groups = [g for g in out["trainer"]["named_groups"] if set(g["agents"]) <= keep]
+        out["trainer"]["named_groups"] = groups
+        pools = []
+        for p in out["rollout"]["pools"]:
+            p["agents"] = [a for a in p["agents"] if a in keep]
+            if p["agents"]:
+                pools.append(p)
+        free = nodes - sum(g["slurm"]["nodes"] for g in groups)
+        was = sum(p["slurm"]["nodes"] for p in pools)
+        for i, p in enumerate(pools):
+            n = free - sum(q["slurm"]["nodes"] for q in pools[:i]) if i == len(pools) - 1 else \
+                max(1, round(free * p["slurm"]["nodes"] / was))
+            per_node = p["slurm"]["gpus_per_node"] // p["gpus_per_replica"]
+            p["slurm"]["nodes"], p["replicas"] = n, n * per_node
+        out["rollout"]["pools"] = pools
+        return out
+
+    def medians(self, agents: list[str]) -> dict[str, float]:
+        """Each agent's median response length: the seeded skew around `length_median`."""
+        z = np.random.default_rng([self.seed, 0xA6]).standard_normal(len(agents))
+        return {a: float(self.length_median * math.exp(self.agent_skew * x)) for a, x in zip(agents, z)}
+
+    def prompts(self, agents: list[str]) -> dict[str, int]:
+        """Each agent's prompt: turn k carries `context_carried` of turns 0..k-1's mean lengths."""
+        med, out, carried = self.medians(agents), {}, 0.0
+        for a in agents:
+            out[a] = int(round(self.prompt_tokens + carried))
+            carried += self.context_carried * self._mean(med[a])
+        return out
+
+    def _mean(self, median: float) -> float:
+        return min(median * math.exp(self.length_sigma ** 2 / 2), self.max_tokens)
+
+    def lengths(self, agents: list[str]) -> dict[str, LengthDistribution]:
+        return {a: LengthDistribution(median=m, sigma=self.length_sigma, max_tokens=self.max_tokens)
+                for a, m in self.medians(agents).items()}
+
+
+MA = TaskSpec("MA", "configs/paper_15x14b.yaml", agents=("shop14_0", "shop14_1", "shop14_2"))
+CA = TaskSpec("CA", "configs/paper_3x32b_7x14b.yaml", agents=("shop32_0", "shop14_0", "shop14_1"))
+TASKS = {"MA": MA, "CA": CA}
+
+UNKNOWNS: dict[str, tuple[float, ...]] = {
+    "prompt_tokens": (512, 1024, 2048),
+    "context_carried": (0.0, 0.5, 1.0),
+    "length_median": (512, 1024, 2048),
+    "length_sigma": (0.4, 0.8, 1.2),
+    "agent_skew": (0.0, 0.5, 1.0),
+}
+"""Each unknown's sweep: low, default, high (the default is the middle one)."""
+
+
+def with_unknown(spec: TaskSpec, name: str, value: float) -> TaskSpec:
+    """`spec` with one unknown changed (named error for a field that is not an unknown)."""
+    if name not in UNKNOWNS:
+        raise ValueError(f"unknown {name!r}: expected one of {sorted(UNKNOWNS)}")
+    kind = type(getattr(spec, name))
+    return dataclasses.replace(spec, **{name: kind(value)})

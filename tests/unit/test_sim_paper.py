@@ -1,0 +1,119 @@
+"""The paper's tasks as workload specs, the baselines as simulated systems, and the table of
+`simulate paper`: hand-computed cases, then one simulated baseline end to end."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.sim.baselines import Colocated, colocated_pairs, marti_fragment, masrl_fragment
+from flexmarl_hpc.sim.hardware import load_hardware
+from flexmarl_hpc.sim.paper import PAPER, loss, ratios, run_system, table
+from flexmarl_hpc.sim.placement import placement
+from flexmarl_hpc.sim.transport import ConstantCost
+from flexmarl_hpc.sim.workload import CA, MA, with_unknown
+from tests.conftest import ROOT
+
+HW = load_hardware("npu64_a3")
+
+
+def task_config(tmp_path: Path, spec, extra: dict | None = None):
+    raw = spec.apply(yaml.safe_load((ROOT / spec.config).read_text()))
+    if extra:
+        raw.update(extra)
+    path = tmp_path / "task.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return raw, load_config(str(path), [f"run.output_dir={tmp_path}"])
+
+
+def test_a_task_keeps_its_agents_chain_and_fills_the_nodes_with_its_pools(tmp_path):
+    """MA keeps 3 of the 15 agents: 3 one-node groups, so the pool grows to 47 - 3 = 44 nodes
+    = 704 one-device replicas; 4 queries x 16 branches at the first turn, 1 after."""
+    raw, cfg = task_config(tmp_path, MA)
+    assert cfg.agent_names == ["shop14_0", "shop14_1", "shop14_2"]
+    (pool,) = raw["rollout"]["pools"]
+    assert pool["slurm"]["nodes"] == 44 and pool["replicas"] == 704
+    assert [t["samples"] for t in raw["workflow"]["turns"]] == [16, 1, 1]
+    assert raw["workflow"]["inputs_per_step"] == 4 and cfg.trainer.micro_batch_size == 16
+    with pytest.raises(ValueError, match="field 'agents'"):
+        dataclasses.replace(MA, agents=("nobody",)).apply(raw)
+
+
+def test_prompts_grow_by_the_context_each_turn_carries():
+    """No skew, sigma 0: every agent's mean is its median 1000; carrying half of it, the
+    prompts are 500, 1000, 1500."""
+    spec = dataclasses.replace(MA, prompt_tokens=500, length_median=1000.0, length_sigma=0.0, agent_skew=0.0,
+                               context_carried=0.5)
+    assert spec.prompts(["a", "b", "c"]) == {"a": 500, "b": 1000, "c": 1500}
+    skewed = dataclasses.replace(MA, agent_skew=1.0)
+    m = skewed.medians(["a", "b", "c"])
+    assert m == skewed.medians(["a", "b", "c"]) and len(set(m.values())) == 3     # seeded, skewed
+    assert with_unknown(MA, "length_median", 2048).length_median == 2048.0
+    with pytest.raises(ValueError, match="unknown 'queries'"):
+        with_unknown(MA, "queries", 8)
+
+
+def test_marti_gives_each_agent_an_equal_colocated_share(tmp_path):
+    """CA's 3 agents on 47 nodes: 15 nodes each; the 32B agent's replicas are 2 devices wide
+    (the smallest power of two holding 65.5 GB of weights with KV room), the 14B ones 1."""
+    _, cfg = task_config(tmp_path, CA)
+    frag = marti_fragment(cfg, HW, 47)
+    pools, groups = frag["rollout"]["pools"], frag["trainer"]["named_groups"]
+    assert [p["slurm"]["nodes"] for p in pools] == [15, 15, 15] and [g["ranks"] for g in groups] == [240] * 3
+    assert [p["replicas"] for p in pools] == [120, 240, 240]
+    assert colocated_pairs(frag) == [(0, 0), (1, 1), (2, 2)]
+    assert frag["run"]["mode"] == "sync" and frag["pipeline"]["load_balance"] is False
+    one = masrl_fragment(cfg, HW, 47)
+    assert len(one["rollout"]["pools"]) == 1 and colocated_pairs(one) == [(0, 0), (0, 1)]
+
+
+def test_a_colocated_group_sits_on_its_pools_nodes(tmp_path):
+    raw, cfg = task_config(tmp_path, CA)
+    frag = marti_fragment(cfg, HW, 47)
+    from flexmarl_hpc.sim.plan_config import merge_fragment
+    path = tmp_path / "marti.yaml"
+    path.write_text(yaml.safe_dump(merge_fragment(raw, frag), sort_keys=False))
+    cfg = load_config(str(path), [f"run.output_dir={tmp_path}"])
+    layout = layout_from_config(cfg)
+    apart = placement(cfg, layout, HW)
+    together = placement(cfg, layout, HW, colocated_pairs(frag))
+    leader = layout.group_leader(1)
+    first_replica = layout.pool_replicas(1)[0] + 1
+    assert together[leader][0] == together[first_replica][0] == 15      # agent 1's share: nodes 15..29
+    assert apart[leader][0] == 45 + 15                                   # after the 45 pool nodes
+
+
+class _Fake(ConstantCost):
+    def weight_bytes(self, agent):
+        return 64e9
+
+    def state_bytes(self, agent):
+        return 448e9
+
+
+def test_a_colocated_step_pays_four_host_moves():
+    """Train 1 s per micro-batch, a state swap of 2 s; the engines' 64 GB of weights over one
+    device's PCIe (32 GB/s x 0.8 link) take 2.5 s: the first micro-batch costs 1 + 2 + 2.5,
+    the middle one 1, the last (optimizer 0.5) 1.5 + 2 + 2.5, and the next step starts over."""
+    c = Colocated(_Fake(train=1.0, optimizer=0.5, swap=2.0), HW, lambda a: 1)
+    assert c.engine_move_s("a") == pytest.approx(2.5)
+    got = [c.train_s("a", 10, False), c.train_s("a", 10, False), c.train_s("a", 10, True), c.train_s("a", 10, False)]
+    assert got == pytest.approx([5.5, 1.0, 6.0, 5.5])
+
+
+def test_the_table_holds_every_ratio_and_marks_misses():
+    assert loss(PAPER["MA"]) == 0.0
+    assert ratios(PAPER["MA"])["vs MAS-RL"] == pytest.approx(914.4 / 126.1)
+    off = {**PAPER["MA"], "marti": PAPER["MA"]["marti"] * 2}
+    text = table({"MA": off, "CA": PAPER["CA"]})
+    assert "vs MARTI, x" in text and "MISS (goal 25%)" in text and "predicted, nothing refitted" in text
+    assert text.count("ok (goal 35%)") == 4 and "ordering: same" in text
+
+
+def test_a_simulated_baseline_counts_its_colocated_devices_once(tmp_path):
+    r = run_system(MA, "marti", HW, 3, tmp_path)
+    assert r["step_s"] > 0 and 0 < r["busy"] < 1
