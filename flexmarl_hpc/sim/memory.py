@@ -177,16 +177,22 @@ def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, 
     keys = [arch_key(a) for a in args_of.values()]
     shared = [a for a, k in zip(args_of, keys) if keys.count(k) > 1]
     staging = max(totals.values())
-    # vLLM takes its fraction of each GPU, or more when the weights' TP shard alone is larger
-    # (then it refuses: no room left for the KV cache)
-    weights = max(totals.values()) // pool.gpus_per_replica
-    engine = max(int(VLLM_GPU_MEMORY_UTILIZATION * device_limit), weights)
+    engine = max(_engine_need(args_of[a], totals[a], pool.gpus_per_replica) for a in args_of)
+    engine = max(int(VLLM_GPU_MEMORY_UTILIZATION * device_limit), engine)
     host = sum(totals[a] for a in shared)
     name, where = f"pool {pool.name}", f"rank {first_rank} (replica 0, GPU 0)"
     per_node = -(-pool.replicas // max(pool.slurm.nodes, 1))
     return [Row(name, where, "weight receive (staging)", staging, 0, device_limit),
             Row(name, where, "engine start (vLLM fraction)", staging + engine, host, device_limit,
                 host * per_node, node_limit)]
+
+
+def _engine_need(args, weight_bytes: int, tp: int) -> int:
+    """GPU memory vLLM needs to start: its budget (gpu_memory_utilization x total) must hold
+    the weights' TP shard and the KV cache of at least one max_seq_len sequence (K and V, bf16),
+    else it refuses; so total >= (weights / tp + kv) / utilization."""
+    kv = 2 * args.num_layers * args.num_kv_heads * args.head_dim * args.max_seq_len * 2 // tp
+    return int((weight_bytes // tp + kv) / VLLM_GPU_MEMORY_UTILIZATION)
 
 
 # ---------------------------------------------------------------------------------------
