@@ -56,7 +56,7 @@ _REAL_ALLGATHER = dist.allgather_bytes
 
 
 def _gather_hf(self, local: dict, to_all: bool) -> dict:
-    if not isinstance(self.group, FakeComm):
+    if not isinstance(self.group, FakeComm) or self.group.size == 1:   # one rank: no MPI in it
         return _REAL_GATHER_HF(self, local, to_all)
     local = {k: v.detach().float() for k, v in local.items()}
     blob = torch.empty(sum(v.numel() for v in local.values()) * 4 + 24, dtype=torch.uint8)
