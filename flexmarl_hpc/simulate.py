@@ -629,7 +629,12 @@ def capacity_options(p: argparse.ArgumentParser) -> None:
 
 
 def memory_options(p: argparse.ArgumentParser) -> None:
-    _common_options(p, "npu64_a3", 10)
+    p.add_argument("config", help="the run's config (configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--hardware", default="npu64_a3", help="configs/hardware/<name>.yaml or a path: a trainer "
+                   "rank's device memory is its hbm_gb (default npu64_a3)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(steps=3, out=None)            # nothing is simulated over time here
     p.add_argument("--workers", type=int, default=2, help="processes, one trainer rank each (default 2)")
     p.add_argument("--only", default="", help="comma-separated pool and group names to check (default: all)")
 

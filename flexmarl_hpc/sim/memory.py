@@ -16,7 +16,7 @@ is free), and the pinned host copy `vllm_engine` keeps of every agent that share
 
 Limits: a rank's device memory is its pool's `gpu_memory_gb`, a trainer rank's the hardware
 profile's `hbm_gb` (groups have no memory field); a node's host memory is its component's
-`slurm.mem` (`--mem`; empty: not checked). Exit 1 names the first rank or node over.
+`slurm.mem` (`--mem`; empty: not checked). Exit 1 names every rank and node over.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexmarl_hpc.config.resources import Group, Pool, group_trainer_config, mem_mb, rollout_pools, trainer_groups
+from flexmarl_hpc.config.resources import Group, group_trainer_config, mem_mb, rollout_pools, trainer_groups
 from flexmarl_hpc.config.schema import Config
 
 GB = 1e9
@@ -338,8 +338,17 @@ def memory_report(config: str, overrides: list[str], hardware: str, as_json: boo
                 f"receive path + vLLM's {VLLM_GPU_MEMORY_UTILIZATION} fraction), trainer device limit "
                 f"{hw.hbm_gb:.0f} GB ({hw.name}), micro-batch {cfg.trainer.micro_batch_size}, "
                 f"recompute {getattr(cfg.trainer, 'recompute', 'none')}")
-        text = "\n".join([head, table(rows)] + [f"FAILS: {b}" for b in bad] + (["fits"] if not bad else []))
+        text = "\n".join([head, table(rows)] + [f"not checked: {n}" for n in unchecked(cfg, only)]
+                          + [f"FAILS: {b}" for b in bad] + (["fits"] if not bad else []))
     return text, 1 if bad else 0
+
+
+def unchecked(cfg: Config, only: tuple[str, ...] = ()) -> list[str]:
+    """The pools and groups the check skips: it runs megatron trainers and accounts vLLM replicas."""
+    out = [f"pool {p.name} (rollout.backend {cfg.rollout.backend})" for p in rollout_pools(cfg)
+           if cfg.rollout.backend != "vllm" and (not only or p.name in only)]
+    return out + [f"group {g.name} (backend {g.backend})" for g in trainer_groups(cfg)
+                  if g.backend != "megatron" and (not only or g.name in only)]
 
 
 def json_text(config: str, hardware: str, rows: list[Row], bad: list[str]) -> str:

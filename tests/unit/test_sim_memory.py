@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import pytest
-
 from tests.conftest import ROOT
 
 PAPER = str(ROOT / "configs" / "paper_3x32b_7x14b.yaml")
