@@ -94,3 +94,22 @@ def test_cli_exit_code_and_json_name_the_rank(capsys):
     assert not out["fits"] and out["failures"][0].startswith("pool p32 rank 1")
     assert simulate.main(["memory", PAPER, "--only", "nope"]) == 2
     assert "--only: no pool or group ['nope']" in capsys.readouterr().err
+
+
+def test_a_node_over_its_mem_is_named():
+    """Pool p14's replicas each keep a pinned host copy of all 7 agents (one engine shape):
+    16 replicas a node hold ~3 TB, refused under a 512 GB --mem and accepted under 4 TB."""
+    import torch
+    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.sim.memory import failures, node_limit, replica_rows
+    cfg = _paper()
+    task = build_task(cfg)
+    p14 = cfg.rollout.pools[1]
+    assert node_limit(dataclasses.replace(p14.slurm, mem="512G")) == 512 * 2**30
+    assert node_limit(p14.slurm) == 0                     # unset: not checked
+    rows = replica_rows(cfg, task, 1, 65, int(64 * GB), node_limit(dataclasses.replace(p14.slurm, mem="512G")),
+                        torch.bfloat16)
+    bad = [b for b in failures(rows) if "host memory" in b]
+    assert len(bad) == 1 and bad[0].startswith("pool p14 rank 65 (replica 0, GPU 0): 2959.7 GB of host memory")
+    rows = replica_rows(cfg, task, 1, 65, int(64 * GB), 4 * 2**40, torch.bfloat16)
+    assert not [b for b in failures(rows) if "host memory" in b]
