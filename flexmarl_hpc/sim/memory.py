@@ -120,21 +120,29 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
         tr.optimizer_step()
         if phase("optimizer step") or not tr.leader:
             return out
-        _send(tr.named_weights(), wire)
+        _send(tr, cfg.weight_sync.bucket_mb, wire)
         phase("weight sync (send)")
     return out
 
 
-def _send(named: dict[str, torch.Tensor], wire: torch.dtype | None) -> None:
-    """The leader's side of a sync as runtime/weight_sync.broadcast_weights runs it on a GPU:
-    the header's layout, the staging buffer on the device, the pack (the broadcast itself
-    moves nothing on the fake process group)."""
+def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
+    """The sender's side of a streamed sync as runtime/weight_sync._send_stage runs it on a
+    GPU: two bucket buffers on the device (the plan's largest bucket), each parameter of the
+    rank's stage gathered over TP (`sync_stream`) and copied into its bucket; the broadcast
+    moves nothing on the fake process group."""
     from flexmarl_hpc.runtime import weight_sync
     from flexmarl_hpc.sim.memtrack import device_scope
-    header = weight_sync._header(named, 1, wire)
+    buckets = weight_sync.plan_buckets(tr.sync_layouts()[tr.pp_rank], int(bucket_mb * 2**20), wire)
+    largest = max((b.total for b in buckets), default=0)
     with device_scope():
-        flat = torch.empty(header.total, dtype=torch.uint8)
-    weight_sync._pack(named, header, flat)
+        buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
+    stream = iter(tr.sync_stream())
+    for i, bucket in enumerate(buckets):
+        views = weight_sync.bucket_views(bucket, buffers[i % 2][:bucket.total])
+        for name in bucket.names:
+            _, t = next(stream)
+            views[name].copy_(t)
+            del t
 
 
 def _trainer_job(job: tuple) -> list[Phase]:
@@ -161,38 +169,37 @@ def run_jobs(jobs: list[tuple], workers: int) -> list[list[Phase]]:
 # ---------------------------------------------------------------------------------------
 def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, node_limit: int,
                  wire: torch.dtype | None) -> list[Row]:
-    """A replica of pool `p`: the sync's staging buffer for its largest agent (the receive,
-    `weight_sync._header`'s layout, on the replica's first GPU, before the engine starts),
-    then vLLM's gpu_memory_utilization of each GPU; host: the pinned copy vllm_engine keeps
-    of every agent that shares an engine with another."""
-    from flexmarl_hpc.rollout.vllm_engine import arch_key
+    """A replica of pool `p`, on each of its GPUs (one vLLM TP worker each): vLLM's budget, the
+    pool's memory fraction (rollout/vllm_engine.memory_fraction, which leaves a weight sync its
+    bucket and NCCL's buffers), must hold the weights' TP shard and one max_seq_len sequence's
+    KV cache or vLLM refuses to start; a weight receive then adds one bucket buffer beside it
+    (the sync streams bucket by bucket: weight_sync.receive_weights). Host: nothing
+    model-sized (agents sharing an engine are re-sent by the trainer, not kept)."""
+    from flexmarl_hpc.rollout.vllm_engine import memory_fraction
     from flexmarl_hpc.runtime import build, weight_sync
     pool = rollout_pools(cfg)[p]
-    args_of = {a: build.model_args(cfg, task, a) for a in pool.agents}
-    totals = {}
-    for a, args in args_of.items():
-        with torch.device("meta"):
-            named = {k: torch.empty(s, dtype=torch.float32) for k, s in _hf_shapes(args).items()}
-        totals[a] = weight_sync._header(named, 1, wire).total
-    keys = [arch_key(a) for a in args_of.values()]
-    shared = [a for a, k in zip(args_of, keys) if keys.count(k) > 1]
-    staging = max(totals.values())
-    engine = max(_engine_need(args_of[a], totals[a], pool.gpus_per_replica) for a in args_of)
-    engine = max(int(VLLM_GPU_MEMORY_UTILIZATION * device_limit), engine)
-    host = sum(totals[a] for a in shared)
+    bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
+    fraction = memory_fraction(pool.gpu_memory_gb, bucket_bytes) if pool.gpu_memory_gb else \
+        VLLM_GPU_MEMORY_UTILIZATION
+    start = bucket = 0
+    for a in pool.agents:
+        args = build.model_args(cfg, task, a)
+        layout = [(k, shape, torch.float32) for k, shape in _hf_shapes(args).items()]
+        buckets = weight_sync.plan_buckets(layout, bucket_bytes, wire)
+        bucket = max(bucket, max(b.total for b in buckets))
+        start = max(start, _engine_need(args, sum(b.total for b in buckets), pool.gpus_per_replica, fraction))
+    engine = max(int(fraction * device_limit), start)
     name, where = f"pool {pool.name}", f"rank {first_rank} (replica 0, GPU 0)"
-    per_node = -(-pool.replicas // max(pool.slurm.nodes, 1))
-    return [Row(name, where, "weight receive (staging)", staging, 0, device_limit),
-            Row(name, where, "engine start (vLLM fraction)", staging + engine, host, device_limit,
-                host * per_node, node_limit)]
+    return [Row(name, where, "engine start (vLLM fraction)", engine, 0, device_limit, 0, node_limit),
+            Row(name, where, "weight receive (one bucket)", engine + bucket, 0, device_limit, 0, node_limit)]
 
 
-def _engine_need(args, weight_bytes: int, tp: int) -> int:
+def _engine_need(args, weight_bytes: int, tp: int, fraction: float = VLLM_GPU_MEMORY_UTILIZATION) -> int:
     """GPU memory vLLM needs to start: its budget (gpu_memory_utilization x total) must hold
     the weights' TP shard and the KV cache of at least one max_seq_len sequence (K and V, bf16),
     else it refuses; so total >= (weights / tp + kv) / utilization."""
     kv = 2 * args.num_layers * args.num_kv_heads * args.head_dim * args.max_seq_len * 2 // tp
-    return int((weight_bytes // tp + kv) / VLLM_GPU_MEMORY_UTILIZATION)
+    return int((weight_bytes // tp + kv) / fraction)
 
 
 # ---------------------------------------------------------------------------------------
@@ -228,9 +235,14 @@ def _limits(cfg: Config, hbm_gb: float) -> tuple[list[int], list[int]]:
     return pools, groups
 
 
-def node_limit(slurm) -> int:
-    """A component's --mem in bytes (slurm.mem, as sbatch reads it: MB unless suffixed); 0: unset."""
-    return mem_mb(slurm.mem) * 2 ** 20 if slurm.mem else 0
+def node_limit(cfg: Config, slurm, tasks_per_node: int) -> int:
+    """A component's --mem in bytes as its script asks for it (`auto` resolved as the script
+    does, config/resources.auto_mem; MB unless suffixed); 0: unset, or the whole node
+    (--mem=0), whose size the config does not give: not checked."""
+    from flexmarl_hpc.config.resources import auto_mem
+    mem = slurm.mem if slurm.mem != "auto" else auto_mem(slurm.gpus_per_node, tasks_per_node,
+                                                           slurm.cpus_per_task, cfg.slurm.mem_per_cpu)
+    return mem_mb(mem) * 2 ** 20 if mem else 0
 
 
 def _distinct(cfg: Config, task, only: tuple[str, ...] = ()) -> dict[tuple, list[int]]:
@@ -260,7 +272,8 @@ def check_config(cfg: Config, hbm_gb: float, workers: int = 2, only: tuple[str, 
     for p, pool in enumerate(rollout_pools(cfg)):
         if cfg.rollout.backend == "vllm" and (not only or pool.name in only):
             rows += replica_rows(cfg, task, p, first.get(f"pool {pool.name}", first.get("rollout", 1)),
-                                 pool_lim[p], node_limit(pool.slurm), wire)
+                                 pool_lim[p], node_limit(cfg, pool.slurm, -(-pool.replicas // max(pool.slurm.nodes, 1))),
+                                 wire)
     groups = trainer_groups(cfg)
     distinct = [gs[0] for gs in _distinct(cfg, task, only).values() if groups[gs[0]].backend == "megatron"]
     jobs = [(cfg, g, r, wire, group_lim[g]) for g in distinct for r in sorted({0, groups[g].ranks - 1})]
@@ -284,7 +297,7 @@ def _group_rows(cfg: Config, grp: Group, g: int, results: dict, first: dict, lim
     other_host = max(p.host for p in results[(g, last)])
     node = lead_host + (per_node - 1) * other_host
     rows.append(Row(f"group {grp.name}", f"rank {base} ({per_node} ranks a node)", "node total", 0, 0, limit,
-                    node, node_limit(grp.slurm)))
+                    node, node_limit(cfg, grp.slurm, per_node)))
     return rows
 
 

@@ -10,8 +10,10 @@ What differs from a job, and why:
 - megatron's gloo side groups are made on the fake backend too (gloo cannot run there);
 - object collectives (`all_gather_object`, used once by the optimizer's param grouping)
   return this rank's object for every rank: the ranks of one TP/PP position are symmetric;
-- `allgather_bytes` (the trainer's micro-batch re-forming) returns what the caller set as
-  every rank's payload (`FakeComm.peers`), so a rank sees the micro-batch rows a job gives it;
+- `allgather_bytes` answers the trainer's two exchanges as a job would: at build every
+  rank's (pp, tp, dp) coordinates (megatron's rank order: TP fastest, then DP, then PP),
+  then for the micro-batch re-forming what the caller set as every rank's payload
+  (`FakeComm.peers`), so a rank sees the micro-batch rows a job gives it;
 - `HFState._gather_hf` (HF weights gathered to the group leader over MPI: fake tensors have
   no bytes to send) makes what the real one makes: each shard's fp32 copy on the device, its
   serialised bytes on the host, and on the leader every shard's bytes and the full HF-named
@@ -23,6 +25,7 @@ import contextlib
 import math
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.distributed as tdist
 
@@ -34,8 +37,9 @@ class FakeComm:
     """The trainer group's communicator as one rank sees it (rank, size); `peers`: every
     rank's payload of the next `allgather_bytes`."""
 
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int, answers: list[list[bytes]] | None = None):
         self.rank, self.size = rank, size
+        self.answers = list(answers or [])          # the next allgathers' results, in order
         self.peers: list[bytes] | None = None
         self.hf_shapes: dict[str, tuple[int, ...]] = {}
 
@@ -48,6 +52,8 @@ class FakeComm:
 
 def _allgather_bytes(group, data: bytes) -> list[bytes]:
     if isinstance(group, FakeComm):
+        if group.answers:
+            return group.answers.pop(0)
         return list(group.peers) if group.peers is not None else [data] * group.size
     return _REAL_ALLGATHER(group, data)
 
@@ -98,6 +104,12 @@ def _swap_tensors(t1, t2):
     t1.data = t2.detach()
 
 
+def _coordinates(size: int, tp: int, pp: int) -> list[bytes]:
+    """Every rank's (pp, tp, dp) as the trainer's build exchanges them (megatron's order)."""
+    dp = size // (tp * pp)
+    return [np.array([r // (tp * dp), r % tp, (r // tp) % dp], dtype=np.int64).tobytes() for r in range(size)]
+
+
 @contextlib.contextmanager
 def fake_group(rank: int, size: int, tp: int, pp: int) -> Iterator[FakeComm]:
     """torch.distributed ("fake") and megatron's parallel_state for rank `rank` of a group of
@@ -122,7 +134,7 @@ def fake_group(rank: int, size: int, tp: int, pp: int) -> Iterator[FakeComm]:
     try:
         dist._parallel_state(tp, pp)
         dist._LAYOUT = (size, tp, pp)
-        yield FakeComm(rank, size)
+        yield FakeComm(rank, size, [_coordinates(size, tp, pp)])
     finally:
         dist._LAYOUT = None
         with dist.scope():
