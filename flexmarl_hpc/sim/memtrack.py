@@ -13,7 +13,8 @@ Device or host: this CPU-only torch has no CUDA device to put a fake tensor on (
   (`compat.cpu_mode()`, what `dist.scope()` enters around every megatron call) and on the
   host outside it (our `initial_model`, a state-dict clone, a pickled micro-batch);
 - `.cpu()` / `.to("cpu")` / `.numpy()` of a device tensor is a new host copy (a no-op on
-  the CPU path, so the function mode makes the copy).
+  the CPU path, so the function mode makes the copy);
+- a tensor on the meta device is not counted (it has no memory on a real run).
 Data-dependent scalars (`.item()`, `float(t)`) read 1 and booleans False: a unit grad norm
 (no clipping), Adam's step count 1, no inf found; control flow takes the normal path.
 """
@@ -75,7 +76,9 @@ class _Tracker(TorchDispatchMode):
         where = self.force or ("device" if any(self._tag_of(a) == "device" for a in inputs) or
                                (not inputs and _in_device_scope()) else "host")
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            # a meta tensor holds no memory on a real run either (init_tensors and _hf_shapes
+            # build the whole model on meta for its names and shapes)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._add(t.untyped_storage(), where)
         return out
 
