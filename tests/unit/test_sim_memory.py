@@ -70,8 +70,21 @@ def test_tp8_pp2_build_fits_where_tp1_does_not():
     assert build.name == "build" and 12e9 < build.device < 64e9
 
 
+def _tp1_p32(tmp_path) -> str:
+    """A copy of the paper config with pool p32's replicas at TP 1 (overrides cannot index
+    the pools list)."""
+    text = open(PAPER).read().replace("gpus_per_replica: 4", "gpus_per_replica: 1")
+    assert "gpus_per_replica: 1, gpu_memory_gb: 64, agents: [shop32_0" in text
+    path = tmp_path / "paper_tp1.yaml"
+    path.write_text(text)
+    return str(path)
+
+
 def test_refuses_a_32b_agent_on_a_tp1_replica_naming_the_rank():
+    """Engine start = max(the pool's vLLM fraction x GPU, what vLLM needs to start: (weights /
+    TP + one sequence's KV) / fraction); a weight receive adds one bucket beside it."""
     import torch
+    from flexmarl_hpc.rollout.vllm_engine import memory_fraction
     from flexmarl_hpc.runtime.build import build_task
     from flexmarl_hpc.sim.memory import failures, replica_rows
     cfg = _paper()
@@ -79,39 +92,58 @@ def test_refuses_a_32b_agent_on_a_tp1_replica_naming_the_rank():
     task = build_task(cfg)
     tp1 = dataclasses.replace(cfg, rollout=dataclasses.replace(
         cfg.rollout, pools=[dataclasses.replace(pools[0], gpus_per_replica=1)] + pools[1:]))
-    receive, engine = replica_rows(tp1, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
-    bad = failures([receive, engine])
+    engine, receive = replica_rows(tp1, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
+    bad = failures([engine, receive])
     assert bad and bad[0].startswith("pool p32 rank 1 (replica 0, GPU 0): engine start")
-    assert engine.device_bytes - receive.device_bytes > 64 * GB          # the weights alone
-    # TP 4: vLLM's own part is its fraction (what is over there today is the staging buffer)
-    receive4, engine4 = replica_rows(cfg, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
-    assert engine4.device_bytes - receive4.device_bytes == int(0.85 * 64 * GB)
-    assert receive4.device_bytes > 60 * GB                # HEAD receives the whole model at once
+    fraction = memory_fraction(64, int(cfg.weight_sync.bucket_mb * 2**20))
+    assert engine.device_bytes > 32e9 * 2 / fraction                     # the bf16 weights alone
+    # TP 4 (the paper's): vLLM takes its fraction, a receive adds one bucket, within 64 GB
+    engine4, receive4 = replica_rows(cfg, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
+    assert engine4.device_bytes == int(fraction * 64 * GB)
+    assert 0 < receive4.device_bytes - engine4.device_bytes <= cfg.weight_sync.bucket_mb * 2**20
+    assert receive4.device_bytes <= 64 * GB and not failures([engine4, receive4])
+    assert engine4.host_bytes == receive4.host_bytes == 0                # no host copies
 
 
-def test_cli_exit_code_and_json_name_the_rank(capsys):
+def test_cli_exit_code_and_json_name_the_rank(capsys, tmp_path):
+    """Exit 1 names the rank over. The paper's p32 (TP 4) fits; with 16 GiB buckets its
+    receive does not: memory_fraction leaves vLLM's remainder as (bucket GiB + 1) GB of a GB-sized
+    GPU, and fraction x 64 GB + a 17.2 GB bucket is over 64 GB. A TP 1 copy of p32 is refused
+    before the check, by the config's own weights-fit rule, naming the field (exit 2)."""
     from flexmarl_hpc import simulate
-    assert simulate.main(["memory", PAPER, "--only", "p32", "--json"]) == 1
+    assert simulate.main(["memory", PAPER, "--only", "p32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"]
+    assert simulate.main(["memory", PAPER, "weight_sync.bucket_mb=16384", "--only", "p32", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert not out["fits"] and out["failures"][0].startswith("pool p32 rank 1")
+    assert not out["fits"] and out["failures"] == [
+        "pool p32 rank 1 (replica 0, GPU 0): weight receive (one bucket) needs 64.1 GB of device memory, "
+        "more than its 64 GB"]
+    assert simulate.main(["memory", _tp1_p32(tmp_path), "--only", "p32"]) == 2
+    assert "rollout.pools[0].gpus_per_replica: pool too small for agent 'shop32_0'" in capsys.readouterr().err
     assert simulate.main(["memory", PAPER, "--only", "nope"]) == 2
     assert "--only: no pool or group ['nope']" in capsys.readouterr().err
 
 
 def test_a_node_over_its_mem_is_named():
-    """Pool p14's replicas each keep a pinned host copy of all 7 agents (one engine shape):
-    16 replicas a node hold ~3 TB, refused under a 512 GB --mem and accepted under 4 TB."""
-    import torch
-    from flexmarl_hpc.runtime.build import build_task
-    from flexmarl_hpc.sim.memory import failures, node_limit, replica_rows
+    """node_limit resolves --mem as the script asks for it (auto: the whole node for a GPU
+    component, unchecked; a size: checked), and a group's node total (its leader + the other
+    ranks of the node) over it is named."""
+    from flexmarl_hpc.config.resources import components
+    from flexmarl_hpc.sim.memory import Phase, _group_rows, failures, node_limit
     cfg = _paper()
-    task = build_task(cfg)
-    p14 = cfg.rollout.pools[1]
-    assert node_limit(dataclasses.replace(p14.slurm, mem="512G")) == 512 * 2**30
-    assert node_limit(p14.slurm) == 0                     # unset: not checked
-    rows = replica_rows(cfg, task, 1, 65, int(64 * GB), node_limit(dataclasses.replace(p14.slurm, mem="512G")),
-                        torch.bfloat16)
-    bad = [b for b in failures(rows) if "host memory" in b]
-    assert len(bad) == 1 and bad[0].startswith("pool p14 rank 65 (replica 0, GPU 0): 2959.7 GB of host memory")
-    rows = replica_rows(cfg, task, 1, 65, int(64 * GB), 4 * 2**40, torch.bfloat16)
-    assert not [b for b in failures(rows) if "host memory" in b]
+    grp = cfg.trainer.named_groups[0]
+    assert node_limit(cfg, dataclasses.replace(grp.slurm, mem="512G"), 16) == 512 * 2**30
+    assert node_limit(cfg, dataclasses.replace(grp.slurm, mem="0"), 16) == 0      # whole node
+    assert node_limit(cfg, grp.slurm, 16) == 0                                    # auto, with GPUs
+    cpu = dataclasses.replace(grp.slurm, gpus_per_node=0, cpus_per_task=2)
+    assert node_limit(cfg, cpu, 4) == 4 * 2 * 1000 * 2**20                        # auto: CPUs x mem_per_cpu
+    first = {c.name: c.first_rank for c in components(cfg)}
+    results = {(0, 0): [Phase("build", 0, int(40 * GB), 0, 0)], (0, 31): [Phase("build", 0, int(10 * GB), 0, 0)]}
+    rows = _group_rows(cfg, dataclasses.replace(grp, slurm=dataclasses.replace(grp.slurm, mem="128G")),
+                       0, results, first, int(64 * GB))
+    bad = failures(rows)
+    assert rows[-1].node_host_bytes == int(40 * GB) + 15 * int(10 * GB)
+    assert bad == [f"group shop32_0 rank {first['group shop32_0']} (16 ranks a node): 190.0 GB of host "
+                   f"memory, more than the node's --mem 137 GB"]
+    rows = _group_rows(cfg, grp, 0, results, first, int(64 * GB))
+    assert not failures(rows)
