@@ -14,6 +14,9 @@ Device or host: this CPU-only torch has no CUDA device to put a fake tensor on (
   host outside it (our `initial_model`, a state-dict clone, a pickled micro-batch);
 - `.cpu()` / `.to("cpu")` / `.numpy()` of a device tensor is a new host copy (a no-op on
   the CPU path, so the function mode makes the copy);
+- `.to(dist.device())` (the trainer's "cuda", which is "cpu" here) is a copy to the device
+  unless its source is there already: `track()` makes `device()` return `ON_DEVICE`, a cpu
+  device object told apart by identity (a sharded build's slices, learn/weights.init_reader);
 - a tensor on the meta device is not counted (it has no memory on a real run).
 Data-dependent scalars (`.item()`, `float(t)`) read 1 and booleans False: a unit grad norm
 (no clipping), Adam's step count 1, no inf found; control flow takes the normal path.
@@ -32,6 +35,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _STATE = threading.local()
+ON_DEVICE = torch.device("cpu")
+"""What the trainer's `dist.device()` returns under `track()`: a `.to()` there is a device copy."""
 
 
 def _in_device_scope() -> bool:
@@ -100,13 +105,17 @@ class _Tracker(TorchDispatchMode):
         self.tag.pop(key, None)
 
 
-def _to_cpu(func, args, kwargs) -> bool:
+def _target(func, args, kwargs):
+    """Where a `.cpu()` / `.numpy()` / `.to(...)` moves its tensor: "host", "device"
+    (`ON_DEVICE`), or None (no move, or not such a call)."""
     if func in (torch.Tensor.cpu, torch.Tensor.numpy):
-        return True
+        return "host"
     if func is torch.Tensor.to:
         dev = kwargs.get("device", args[1] if len(args) > 1 else None)
-        return isinstance(dev, (str, torch.device)) and torch.device(dev).type == "cpu"
-    return False
+        if dev is ON_DEVICE:
+            return "device"
+        return "host" if isinstance(dev, (str, torch.device)) and torch.device(dev).type == "cpu" else None
+    return None
 
 
 class _HostCopies(TorchFunctionMode):
@@ -124,8 +133,17 @@ class _HostCopies(TorchFunctionMode):
             if leaves and all(isinstance(t, torch.Tensor) for t in leaves):
                 # torch.tensor([fake, ...]) reads the values in C++: stack them instead
                 return torch.stack([t.reshape(()) for t in leaves]).to(kwargs.get("dtype") or leaves[0].dtype)
-        if _to_cpu(func, args, kwargs) and isinstance(args[0], torch.Tensor) and \
-                self.tracker._tag_of(args[0]) == "device":
+        to = _target(func, args, kwargs) if args and isinstance(args[0], torch.Tensor) else None
+        src_tag = self.tracker._tag_of(args[0]) if to else None
+        # a move to where the tensor is already is a no-op (unless asked to copy), as on a GPU
+        if to == "device" and (src_tag != "device" or kwargs.get("copy")):
+            self.tracker.force = "device"
+            try:
+                out = func(*args, **kwargs)          # also moves a meta micro-batch to cpu
+                return out.clone() if out.untyped_storage() is args[0].untyped_storage() else out
+            finally:
+                self.tracker.force = None
+        if to == "host" and src_tag == "device":
             self.tracker.force = "host"
             try:
                 src = args[0]
@@ -143,17 +161,20 @@ def track() -> Iterator[Counts]:
     """Run the body on fake tensors; yields the live and peak device / host byte counts.
     megatron's device scope (compat.cpu_mode) is a device scope here."""
     from flexmarl_hpc.trainer.megatron import compat
+    from flexmarl_hpc.trainer.megatron import dist, trainer
     counts = Counts()
     tracker = _Tracker(counts)
-    real_mode = compat.cpu_mode
+    real_mode, real_device = compat.cpu_mode, dist.device
 
     @contextlib.contextmanager
     def cpu_mode_on_device():
         with device_scope(), real_mode():
             yield
     compat.cpu_mode = cpu_mode_on_device
+    dist.device = trainer.device = lambda: ON_DEVICE
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), tracker, _HostCopies(tracker):
             yield counts
     finally:
         compat.cpu_mode = real_mode
+        dist.device = trainer.device = real_device

@@ -7,7 +7,13 @@ resident set after the imports (interpreter + torch + megatron + flexmarl_hpc, r
 /proc/self/statm just before the build), so the figures are what the build, the step and the
 optimizer step added (glibc's mmap threshold fixed at 128 KiB, see _run). On a CPU run device
 and host are both RAM, so the prediction is the fake run's peak of device + host bytes
-together: over the build, and over build, step and optimizer step."""
+together: over the build, and over build, step and optimizer step.
+
+One term is the CPU run's own: megatron's distributed optimizer all-gathers its param buffer
+after the step (even at DP 1), and gloo's coalesced all-gather stages a copy of the whole
+buffer in C++ (measured: +347 MiB of peak RSS for a 345 MiB buffer, gloo at world size 1),
+where NCCL gathers in place. The fake group moves nothing, so the prediction for this gloo
+run adds one param buffer (fp32, the rank's params) to the optimizer step."""
 from __future__ import annotations
 
 import json
@@ -49,10 +55,12 @@ import json, sys, warnings
 warnings.filterwarnings("ignore")
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.config.resources import param_count
 from flexmarl_hpc.sim.memory import trainer_rank
 cfg = load_config(sys.argv[1], sys.argv[2:])
-phases = trainer_rank(cfg, build_task(cfg), 0, 0, None)
-print(json.dumps({p.name: p.total for p in phases}))
+task = build_task(cfg)
+phases = trainer_rank(cfg, task, 0, 0, None)
+print(json.dumps({**{p.name: p.total for p in phases}, "params": param_count(cfg.model, len(task.vocab))}))
 """
 
 
@@ -74,9 +82,10 @@ def test_predicted_peak_matches_the_real_runs_peak_rss_within_20_percent():
     real = _run(REAL)
     fake = _run(FAKE)
     built, measured = real["built"] - real["base"], real["peak"] - real["base"]
-    predicted = max(fake["build"], fake["train step"], fake["optimizer step"])
+    gloo = 4 * fake["params"]                        # gloo's staging of the param all-gather (fp32)
+    predicted = max(fake["build"], fake["train step"], fake["optimizer step"] + gloo)
     print(f"peak RSS over the imports (base {real['base'] / 2**20:.0f} MiB): after the build {built / 2**20:.0f} "
           f"MiB measured, {fake['build'] / 2**20:.0f} MiB predicted; at the end {measured / 2**20:.0f} MiB "
-          f"measured, {predicted / 2**20:.0f} MiB predicted")
+          f"measured, {predicted / 2**20:.0f} MiB predicted (of which gloo's staging {gloo / 2**20:.0f} MiB)")
     assert abs(built - fake["build"]) <= 0.20 * fake["build"]
     assert abs(measured - predicted) <= 0.20 * predicted
