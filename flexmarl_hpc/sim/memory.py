@@ -3,20 +3,22 @@
 Trainer ranks: the production code runs on fake tensors (sim/memtrack.py) over a fake
 process group (trainer/megatron/fake.py): `build.build_trainer`, one `forward_backward` at
 trainer.micro_batch_size rows of model.max_seq_len tokens (this rank's share, as the runtime
-cuts it), `optimizer_step`, then the sender side of a weight sync (the production layout and
-pack of `runtime/weight_sync.py` into the staging buffer). Per distinct group shape two ranks
+cuts it), `optimizer_step`, then the sender side of a streamed weight sync (two buffers of the
+plan's largest bucket, `runtime/weight_sync.py`'s plan and views, filled from `sync_stream`'s
+TP gathers). Per distinct group shape two ranks
 run: rank 0 (the leader, first pipeline stage) and the last rank (last stage); a node holds the
 leader and ranks_per_node - 1 ranks like the last one.
 
-Replica ranks: vLLM cannot run here, so a replica is accounted, not run: the receive path of
-our code (the staging buffer of `weight_sync`, laid out by its `_header` at the wire dtype,
-on the replica's first GPU, allocated before the engine starts) plus vLLM's documented use
-(it takes `gpu_memory_utilization` of every GPU's total memory and refuses to start when less
-is free), and the pinned host copy `vllm_engine` keeps of every agent that shares an engine.
+Replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
+use (it takes `gpu_memory_utilization` of every GPU's total memory, the pool's
+`vllm_engine.memory_fraction`, and refuses to start when that cannot hold the weights' TP
+shard and one sequence's KV cache), then a weight receive's one bucket buffer beside it
+(buckets planned by `weight_sync.plan_buckets` at the wire dtype). No host copies: agents
+sharing an engine are re-sent by the trainer.
 
 Limits: a rank's device memory is its pool's `gpu_memory_gb`, a trainer rank's the hardware
 profile's `hbm_gb` (groups have no memory field); a node's host memory is its component's
-`slurm.mem` (`--mem`; empty: not checked). Exit 1 names every rank and node over.
+`slurm.mem` (`--mem`, `auto` resolved as the script does; 0, the whole node: not checked). Exit 1 names every rank and node over.
 """
 from __future__ import annotations
 
@@ -324,7 +326,7 @@ def table(rows: list[Row]) -> str:
             lines.append(f"{r.component:16s} {r.rank:34s} {r.phase:30s} {r.device_bytes / GB:10.1f} "
                          f"{r.host_bytes / GB:9.1f}{mark}")
         if r.node_host_bytes or r.phase == "node total":
-            lim = f"--mem {r.node_limit / GB:.0f} GB" if r.node_limit else "--mem unset"
+            lim = f"--mem {r.node_limit / GB:.0f} GB" if r.node_limit else "--mem 0: whole node, unchecked"
             mark = "  OVER" if r.node_limit and r.node_host_bytes > r.node_limit else ""
             lines.append(f"{r.component:16s} {'node ' + r.rank.split(' (')[0] + ' is on':34s} "
                          f"{'node host total':30s} {'':>10s} {r.node_host_bytes / GB:9.1f}  ({lim}){mark}")
@@ -347,8 +349,8 @@ def memory_report(config: str, overrides: list[str], hardware: str, as_json: boo
     if as_json:
         text = json_text(config, hw.name, rows, bad)
     else:
-        head = (f"{config}: peak memory per rank and phase (fake tensors, real code; replicas: our "
-                f"receive path + vLLM's {VLLM_GPU_MEMORY_UTILIZATION} fraction), trainer device limit "
+        head = (f"{config}: peak memory per rank and phase (fake tensors, real code; replicas: the "
+                f"pool's vLLM memory fraction + one bucket), trainer device limit "
                 f"{hw.hbm_gb:.0f} GB ({hw.name}), micro-batch {cfg.trainer.micro_batch_size}, "
                 f"recompute {getattr(cfg.trainer, 'recompute', 'none')}")
         text = "\n".join([head, table(rows)] + [f"not checked: {n}" for n in unchecked(cfg, only)]
