@@ -6,6 +6,7 @@
     python -m flexmarl_hpc.simulate scale configs/paper_3x32b_7x14b.yaml --counts 1,2,4,768 --png scale.png
     python -m flexmarl_hpc.simulate calibrate configs/skewed.yaml --run runs/skewed/skewed.h5 --workers real
     python -m flexmarl_hpc.simulate capacity configs/local.yaml        # the orchestrator's own limit
+    python -m flexmarl_hpc.simulate memory configs/paper_3x32b_7x14b.yaml   # peak memory per rank (fake tensors)
 
 Each subcommand takes CONFIG, key=value overrides, --hardware, --steps, --json and --out;
 `python -m flexmarl_hpc.simulate SUBCOMMAND --help` lists the rest. The flag forms before
@@ -683,6 +684,31 @@ def capacity_options(p: argparse.ArgumentParser) -> None:
     _common_options(p, "npu64_a3", 10)
 
 
+def memory_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the run's config (configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--hardware", default="npu64_a3", help="configs/hardware/<name>.yaml or a path: a trainer "
+                   "rank's device memory is its hbm_gb (default npu64_a3)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(steps=3, out=None)            # nothing is simulated over time here
+    p.add_argument("--workers", type=int, default=2, help="processes, one trainer rank each (default 2)")
+    p.add_argument("--only", default="", help="comma-separated pool and group names to check (default: all)")
+
+
+def memory_main(a: argparse.Namespace, out: Path) -> int:
+    """`simulate memory`: peak device / host bytes of every distinct rank (sim/memory.py);
+    exit 1 naming the ranks and nodes that do not fit."""
+    from flexmarl_hpc.sim.memory import memory_report
+    try:
+        text, code = memory_report(a.config, a.overrides, a.hardware, a.json, a.workers,
+                                   tuple(variant_list(a.only)))
+    except (ConfigError, HardwareError, ValueError) as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return code
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
     """A subcommand: its options, the checks of its flags (a one-line error or None) and its shell."""
@@ -705,6 +731,10 @@ COMMANDS = {
                         capacity_options, lambda a: None, capacity_main),
     "paper": Command("the paper's Tables 2-3 (MA, CA) against the simulator; --fit, --sweep",
                      paper_options, check_paper, paper_main),
+    "memory": Command("peak device and host memory of every distinct rank at the config's real shapes "
+                      "(fake tensors); exit 1 naming what does not fit",
+                      memory_options, lambda a: None if a.workers >= 1 else
+                      f"--workers: expected >= 1, got {a.workers}", memory_main),
 }
 
 

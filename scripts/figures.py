@@ -163,6 +163,18 @@ def sim_plan_closed_form_scaling(ctx: Context) -> str:
             + "\n".join(rows))
 
 
+MEMORY_OVERRIDES = ["trainer.recompute=full", "trainer.pipeline_microbatches=4"]
+
+
+def sim_memory_paper_mix(ctx: Context) -> str:
+    """simulate memory on the paper's mix: every distinct rank's peak device / host bytes per
+    phase (the trainer ranks' production code on fake tensors), with recompute as needed."""
+    from flexmarl_hpc.sim.memory import memory_report
+    text, code = memory_report(PAPER_MIX, MEMORY_OVERRIDES, "npu64_a3", False)
+    return command_block(f"python -m flexmarl_hpc.simulate memory {PAPER_MIX} {' '.join(MEMORY_OVERRIDES)}",
+                         text, f"(exit code {code})")
+
+
 def machine() -> str:
     """When and where a benchmark ran: the date, the cores, the CPU model and the load average
     as it started (other work on the cores widens the spread)."""
@@ -209,6 +221,7 @@ FIGURES: dict[str, Figure] = {
     "sim_scale": Figure(sim_scale),
     "sim_plan_closed_form_48": Figure(sim_plan_closed_form_48),
     "sim_plan_closed_form_scaling": Figure(sim_plan_closed_form_scaling),
+    "sim_memory_paper_mix": Figure(sim_memory_paper_mix),
     "sim_capacity": Figure(sim_capacity, bench=True),
     "sim_paper": Figure(sim_paper),
     # deterministic but slow (minutes): only --full makes them, so that --check stays short

@@ -1,0 +1,372 @@
+"""Memory check at a config's real shapes, on CPU: `python -m flexmarl_hpc.simulate memory CONFIG`.
+
+Trainer ranks: the production code runs on fake tensors (sim/memtrack.py) over a fake
+process group (trainer/megatron/fake.py): `build.build_trainer`, one `forward_backward` at
+trainer.micro_batch_size rows of model.max_seq_len tokens (this rank's share, as the runtime
+cuts it), `optimizer_step`, then the sender side of a streamed weight sync (two buffers of the
+plan's largest bucket, `runtime/weight_sync.py`'s plan and views, filled from `sync_stream`'s
+TP gathers). Per distinct group shape two ranks
+run: rank 0 (the leader, first pipeline stage) and the last rank (last stage); a node holds the
+leader and ranks_per_node - 1 ranks like the last one.
+
+Replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
+use (it takes `gpu_memory_utilization` of every GPU's total memory, the pool's
+`vllm_engine.memory_fraction`, and refuses to start when that cannot hold the weights' TP
+shard and one sequence's KV cache), then a weight receive's one bucket buffer beside it
+(buckets planned by `weight_sync.plan_buckets` at the wire dtype). No host copies: agents
+sharing an engine are re-sent by the trainer.
+
+Limits: a rank's device memory is its pool's `gpu_memory_gb`, a trainer rank's the hardware
+profile's `hbm_gb` (groups have no memory field); a node's host memory is its component's
+`slurm.mem` (`--mem`, `auto` resolved as the script does; 0, the whole node: not checked). Exit 1 names every rank and node over.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import pickle
+from dataclasses import dataclass
+
+import torch
+
+from flexmarl_hpc.config.resources import Group, group_trainer_config, mem_mb, rollout_pools, trainer_groups
+from flexmarl_hpc.config.schema import Config
+
+GB = 1e9
+VLLM_GPU_MEMORY_UTILIZATION = 0.85
+"""The fraction rollout/vllm_engine.py passes to vLLM's LLM(gpu_memory_utilization=...)."""
+
+
+@dataclass
+class Row:
+    component: str
+    """Pool or group name."""
+    rank: str
+    """Which rank (world rank and role)."""
+    phase: str
+    device_bytes: int
+    """Peak device bytes of the rank during the phase (per GPU)."""
+    host_bytes: int
+    """Peak host bytes of the rank during the phase."""
+    device_limit: int
+    node_host_bytes: int = 0
+    """Peak host bytes of the rank's node (0: not a node total row)."""
+    node_limit: int = 0
+    """The node's --mem in bytes (0: not set, not checked)."""
+
+
+# ---------------------------------------------------------------------------------------
+# trainer ranks: the production code on fake tensors
+# ---------------------------------------------------------------------------------------
+def _micro_batch(rows: int, T: int, vocab: int):
+    """A full micro-batch of real (small) tensors: prompt of half the tokens, the rest response."""
+    from flexmarl_hpc.learn.grpo import MicroBatch
+    g = torch.Generator().manual_seed(0)
+    return MicroBatch(torch.randint(0, vocab, (rows, T), generator=g), torch.full((rows,), T // 2),
+                      torch.full((rows,), T - T // 2), torch.zeros(rows, T), torch.ones(rows),
+                      torch.zeros(rows, dtype=torch.bool), None)
+
+
+def _hf_shapes(args) -> dict[str, tuple[int, ...]]:
+    from flexmarl_hpc.learn.model import CausalLM
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in CausalLM(args).state_dict().items()}
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a trainer rank, in bytes."""
+    name: str
+    device: int
+    """Peak device bytes during the phase."""
+    host: int
+    """Peak host bytes during the phase."""
+    total: int
+    """Peak of device + host together (what a CPU run holds in RAM)."""
+    device_live: int
+    """Device bytes still held at the phase's end (the trainer's state after the optimizer step)."""
+
+
+def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
+                 limit: int = 0) -> list[Phase]:
+    """The phases of rank `rank` of trainer group `g`: build, train step, optimizer step,
+    weight sync (send, leader only). Stops after a phase whose device peak is over `limit`
+    (> 0): on the device the run would end there."""
+    from flexmarl_hpc.runtime import build
+    from flexmarl_hpc.sim.memtrack import track
+    from flexmarl_hpc.trainer.megatron.fake import fake_group
+    group = trainer_groups(cfg)[g]
+    tcfg = group_trainer_config(cfg, group)
+    agent = group.agents[0]
+    args = build.model_args(cfg, task, agent)
+    full = _micro_batch(cfg.trainer.micro_batch_size, args.max_seq_len, args.vocab_size)
+    size = group.ranks
+    peers = [pickle.dumps(full.shard(r, size)) for r in range(size)]
+    mine = full.shard(rank, size)
+    shapes = _hf_shapes(args)
+    out: list[Phase] = []
+    with fake_group(rank, size, tcfg.tensor_parallel, tcfg.pipeline_parallel) as comm, track() as c:
+        comm.hf_shapes, comm.peers = shapes, peers
+
+        def phase(name) -> bool:
+            gc.collect()           # autograd graphs left in reference cycles: free, as a real run's gc does
+            out.append(Phase(name, c.peak["device"], c.peak["host"], c.peak["all"], c.live["device"]))
+            c.reset_peak()
+            return bool(limit) and out[-1].device > limit
+        tr = build.build_trainer(cfg, task, agent, comm, "cpu", g)
+        if phase("build"):
+            return out
+        tr.forward_backward(mine, 1.0 / cfg.trainer.micro_batch_size, last=True)
+        if phase("train step"):
+            return out
+        tr.optimizer_step()
+        if phase("optimizer step") or not tr.leader:
+            return out
+        _send(tr, cfg.weight_sync.bucket_mb, wire)
+        phase("weight sync (send)")
+    return out
+
+
+def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
+    """The sender's side of a streamed sync as runtime/weight_sync._send_stage runs it on a
+    GPU: two bucket buffers on the device (the plan's largest bucket), each parameter of the
+    rank's stage gathered over TP (`sync_stream`) and copied into its bucket; the broadcast
+    moves nothing on the fake process group."""
+    from flexmarl_hpc.runtime import weight_sync
+    from flexmarl_hpc.sim.memtrack import device_scope
+    buckets = weight_sync.plan_buckets(tr.sync_layouts()[tr.pp_rank], int(bucket_mb * 2**20), wire)
+    largest = max((b.total for b in buckets), default=0)
+    with device_scope():
+        buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
+    stream = iter(tr.sync_stream())
+    for i, bucket in enumerate(buckets):
+        views = weight_sync.bucket_views(bucket, buffers[i % 2][:bucket.total])
+        for name in bucket.names:
+            _, t = next(stream)
+            views[name].copy_(t)
+            del t
+
+
+def _trainer_job(job: tuple) -> list[Phase]:
+    """One trainer rank in a fresh process (megatron's state is per process)."""
+    import warnings
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    cfg, g, rank, wire, limit = job
+    from flexmarl_hpc.runtime.build import build_task
+    return trainer_rank(cfg, build_task(cfg), g, rank, wire, limit)
+
+
+def run_jobs(jobs: list[tuple], workers: int) -> list[list[Phase]]:
+    """Each job in its own forked process (megatron and torch.distributed are per-process
+    state), `workers` at a time; megatron is imported first so the children share it."""
+    import multiprocessing
+    import flexmarl_hpc.trainer.megatron  # noqa: F401
+    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
+        return pool.map(_trainer_job, jobs, chunksize=1)
+
+
+# ---------------------------------------------------------------------------------------
+# replica ranks: our receive path on fake tensors, vLLM's documented use
+# ---------------------------------------------------------------------------------------
+def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, node_limit: int,
+                 wire: torch.dtype | None) -> list[Row]:
+    """A replica of pool `p`, on each of its GPUs (one vLLM TP worker each): vLLM's budget, the
+    pool's memory fraction (rollout/vllm_engine.memory_fraction, which leaves a weight sync its
+    bucket and NCCL's buffers), must hold the weights' TP shard and one max_seq_len sequence's
+    KV cache or vLLM refuses to start; a weight receive then adds one bucket buffer beside it
+    (the sync streams bucket by bucket: weight_sync.receive_weights). Host: nothing
+    model-sized (agents sharing an engine are re-sent by the trainer, not kept)."""
+    from flexmarl_hpc.rollout.vllm_engine import memory_fraction
+    from flexmarl_hpc.runtime import build, weight_sync
+    pool = rollout_pools(cfg)[p]
+    bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
+    fraction = memory_fraction(pool.gpu_memory_gb, bucket_bytes) if pool.gpu_memory_gb else \
+        VLLM_GPU_MEMORY_UTILIZATION
+    start = bucket = 0
+    for a in pool.agents:
+        args = build.model_args(cfg, task, a)
+        layout = [(k, shape, torch.float32) for k, shape in _hf_shapes(args).items()]
+        buckets = weight_sync.plan_buckets(layout, bucket_bytes, wire)
+        bucket = max(bucket, max(b.total for b in buckets))
+        start = max(start, _engine_need(args, sum(b.total for b in buckets), pool.gpus_per_replica, fraction))
+    engine = max(int(fraction * device_limit), start)
+    name, where = f"pool {pool.name}", f"rank {first_rank} (replica 0, GPU 0)"
+    return [Row(name, where, "engine start (vLLM fraction)", engine, 0, device_limit, 0, node_limit),
+            Row(name, where, "weight receive (one bucket)", engine + bucket, 0, device_limit, 0, node_limit)]
+
+
+def _engine_need(args, weight_bytes: int, tp: int, fraction: float = VLLM_GPU_MEMORY_UTILIZATION) -> int:
+    """GPU memory vLLM needs to start: its budget (gpu_memory_utilization x total) must hold
+    the weights' TP shard and the KV cache of at least one max_seq_len sequence (K and V, bf16),
+    else it refuses; so total >= (weights / tp + kv) / utilization."""
+    kv = 2 * args.num_layers * args.num_kv_heads * args.head_dim * args.max_seq_len * 2 // tp
+    return int((weight_bytes // tp + kv) / fraction)
+
+
+# ---------------------------------------------------------------------------------------
+# the analytic count, to cross-check the fake-tensor run
+# ---------------------------------------------------------------------------------------
+def analytic_device(params_on_rank: int, dp: int, bf16: bool, rows: int, seq: int, hidden: int, heads: int,
+                    layers_on_rank: int, recompute: str, tp: int) -> dict[str, int]:
+    """Device bytes of a megatron rank by formula, to cross-check the fake-tensor run.
+    states: weights (2 B/param in bf16, 4 in fp32), the fp32 grad buffer (4), and over the DP
+    ranks the fp32 main params (4, bf16 only) and Adam m, v (8). activations of `rows` x `seq`
+    tokens: one layer holds s b h (10 + 24 / t + 5 a s / (h t)) bytes (Korthikanti et al. 2022,
+    16-bit, no sequence parallelism); without recompute every layer of the rank holds it, with
+    full recompute each layer keeps its 2 s b h input and the one layer being recomputed holds
+    its activations and their gradients (2x). buffer: megatron's global memory buffer, which the
+    unfused attention of the local layer spec takes for one layer's scores (rows x heads / t x
+    seq x seq) and keeps after the first step."""
+    w = 2 if bf16 else 4
+    states = params_on_rank * (w + 4) + params_on_rank * (12 if bf16 else 8) // dp
+    buffer = rows * heads // tp * seq * seq * w
+    sbh = rows * seq * hidden
+    layer = int(sbh * (10 + 24 / tp + 5 * heads * seq / (hidden * tp))) * w // 2
+    act = 2 * sbh * layers_on_rank * w // 2 + 2 * layer if recompute == "full" else layer * layers_on_rank
+    return {"states": states, "buffer": buffer, "activations": act}
+
+
+# ---------------------------------------------------------------------------------------
+# the whole config
+# ---------------------------------------------------------------------------------------
+def _limits(cfg: Config, hbm_gb: float) -> tuple[list[int], list[int]]:
+    pools = [int((p.gpu_memory_gb or hbm_gb) * GB) for p in cfg.rollout.pools] or [int(hbm_gb * GB)]
+    groups = [int((getattr(g, "gpu_memory_gb", 0) or hbm_gb) * GB) for g in cfg.trainer.named_groups] \
+        or [int(hbm_gb * GB)] * cfg.num_trainer_groups
+    return pools, groups
+
+
+def node_limit(cfg: Config, slurm, tasks_per_node: int) -> int:
+    """A component's --mem in bytes as its script asks for it (`auto` resolved as the script
+    does, config/resources.auto_mem; MB unless suffixed); 0: unset, or the whole node
+    (--mem=0), whose size the config does not give: not checked."""
+    from flexmarl_hpc.config.resources import auto_mem
+    mem = slurm.mem if slurm.mem != "auto" else auto_mem(slurm.gpus_per_node, tasks_per_node,
+                                                           slurm.cpus_per_task, cfg.slurm.mem_per_cpu)
+    return mem_mb(mem) * 2 ** 20 if mem else 0
+
+
+def _distinct(cfg: Config, task, only: tuple[str, ...] = ()) -> dict[tuple, list[int]]:
+    """Trainer groups (of those named in `only`, if given) by what their ranks run: model
+    shape, ranks, TP, PP, backend."""
+    from flexmarl_hpc.runtime.build import model_args
+    out: dict[tuple, list[int]] = {}
+    for g, grp in enumerate(trainer_groups(cfg)):
+        if only and grp.name not in only:
+            continue
+        out.setdefault((model_args(cfg, task, grp.agents[0]), grp.shape), []).append(g)
+    return out
+
+
+def check_config(cfg: Config, hbm_gb: float, workers: int = 2, only: tuple[str, ...] = ()) -> list[Row]:
+    """Every distinct role of the config (of the pools and groups named in `only`, if given):
+    its rows (per phase) and node totals."""
+    from flexmarl_hpc.config.resources import components
+    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.runtime.weight_sync import wire_dtype, resolve_backend
+    task = build_task(cfg)
+    wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, resolve_backend(cfg.weight_sync.backend))
+    pool_lim, group_lim = _limits(cfg, hbm_gb)
+    comps = components(cfg)
+    first = {c.name: c.first_rank for c in comps}
+    rows: list[Row] = []
+    for p, pool in enumerate(rollout_pools(cfg)):
+        if cfg.rollout.backend == "vllm" and (not only or pool.name in only):
+            rows += replica_rows(cfg, task, p, first.get(f"pool {pool.name}", first.get("rollout", 1)),
+                                 pool_lim[p], node_limit(cfg, pool.slurm, -(-pool.replicas // max(pool.slurm.nodes, 1))),
+                                 wire)
+    groups = trainer_groups(cfg)
+    distinct = [gs[0] for gs in _distinct(cfg, task, only).values() if groups[gs[0]].backend == "megatron"]
+    jobs = [(cfg, g, r, wire, group_lim[g]) for g in distinct for r in sorted({0, groups[g].ranks - 1})]
+    results = dict(zip([(j[1], j[2]) for j in jobs], run_jobs(jobs, workers)))
+    for g in distinct:
+        rows += _group_rows(cfg, groups[g], g, results, first, group_lim[g])
+    return rows
+
+
+def _group_rows(cfg: Config, grp: Group, g: int, results: dict, first: dict, limit: int) -> list[Row]:
+    comp = f"group {grp.name}" if cfg.trainer.named_groups else "trainer"
+    base = first[comp] + (0 if cfg.trainer.named_groups else sum(x.ranks for x in trainer_groups(cfg)[:g]))
+    rows = []
+    last = grp.ranks - 1
+    for r in sorted({0, last}):
+        what = "leader, first stage" if r == 0 else "last stage"
+        rows += [Row(f"group {grp.name}", f"rank {base + r} ({what})", p.name, p.device, p.host, limit)
+                 for p in results[(g, r)]]
+    per_node = -(-grp.ranks // max(grp.slurm.nodes, 1))
+    lead_host = max(p.host for p in results[(g, 0)])
+    other_host = max(p.host for p in results[(g, last)])
+    node = lead_host + (per_node - 1) * other_host
+    rows.append(Row(f"group {grp.name}", f"rank {base} ({per_node} ranks a node)", "node total", 0, 0, limit,
+                    node, node_limit(cfg, grp.slurm, per_node)))
+    return rows
+
+
+def failures(rows: list[Row]) -> list[str]:
+    """One line per rank over its device memory or node over its --mem."""
+    out = []
+    for r in rows:
+        if r.device_limit and r.device_bytes > r.device_limit:
+            out.append(f"{r.component} {r.rank}: {r.phase} needs {r.device_bytes / GB:.1f} GB of device "
+                       f"memory, more than its {r.device_limit / GB:.0f} GB")
+        if r.node_limit and r.node_host_bytes > r.node_limit:
+            out.append(f"{r.component} {r.rank}: {r.node_host_bytes / GB:.1f} GB of host memory, more than "
+                       f"the node's --mem {r.node_limit / GB:.0f} GB")
+    return out
+
+
+def table(rows: list[Row]) -> str:
+    """Per component and rank: each phase's peak device and host GB, and node totals."""
+    lines = [f"{'component':16s} {'rank':34s} {'phase':30s} {'device GB':>10s} {'host GB':>9s}",
+             "-" * 103]
+    for r in rows:
+        if r.phase != "node total":
+            mark = "  OVER" if r.device_limit and r.device_bytes > r.device_limit else ""
+            lines.append(f"{r.component:16s} {r.rank:34s} {r.phase:30s} {r.device_bytes / GB:10.1f} "
+                         f"{r.host_bytes / GB:9.1f}{mark}")
+        if r.node_host_bytes or r.phase == "node total":
+            lim = f"--mem {r.node_limit / GB:.0f} GB" if r.node_limit else "--mem 0: whole node, unchecked"
+            mark = "  OVER" if r.node_limit and r.node_host_bytes > r.node_limit else ""
+            lines.append(f"{r.component:16s} {'node ' + r.rank.split(' (')[0] + ' is on':34s} "
+                         f"{'node host total':30s} {'':>10s} {r.node_host_bytes / GB:9.1f}  ({lim}){mark}")
+    return "\n".join(lines)
+
+
+def memory_report(config: str, overrides: list[str], hardware: str, as_json: bool,
+                  workers: int = 2, only: tuple[str, ...] = ()) -> tuple[str, int]:
+    """What `simulate memory` prints, and its exit code: 0 when every rank and node fits,
+    1 naming each that does not."""
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.sim.hardware import load_hardware
+    cfg = load_config(config, overrides)
+    hw = load_hardware(hardware)
+    names = {p.name for p in rollout_pools(cfg)} | {g.name for g in trainer_groups(cfg)}
+    if set(only) - names:
+        raise ValueError(f"--only: no pool or group {sorted(set(only) - names)}; expected some of {sorted(names)}")
+    rows = check_config(cfg, hw.hbm_gb, workers, only)
+    bad = failures(rows)
+    if as_json:
+        text = json_text(config, hw.name, rows, bad)
+    else:
+        head = (f"{config}: peak memory per rank and phase (fake tensors, real code; replicas: the "
+                f"pool's vLLM memory fraction + one bucket), trainer device limit "
+                f"{hw.hbm_gb:.0f} GB ({hw.name}), micro-batch {cfg.trainer.micro_batch_size}, "
+                f"recompute {getattr(cfg.trainer, 'recompute', 'none')}")
+        text = "\n".join([head, table(rows)] + [f"not checked: {n}" for n in unchecked(cfg, only)]
+                          + [f"FAILS: {b}" for b in bad] + (["fits"] if not bad else []))
+    return text, 1 if bad else 0
+
+
+def unchecked(cfg: Config, only: tuple[str, ...] = ()) -> list[str]:
+    """The pools and groups the check skips: it runs megatron trainers and accounts vLLM replicas."""
+    out = [f"pool {p.name} (rollout.backend {cfg.rollout.backend})" for p in rollout_pools(cfg)
+           if cfg.rollout.backend != "vllm" and (not only or p.name in only)]
+    return out + [f"group {g.name} (backend {g.backend})" for g in trainer_groups(cfg)
+                  if g.backend != "megatron" and (not only or g.name in only)]
+
+
+def json_text(config: str, hardware: str, rows: list[Row], bad: list[str]) -> str:
+    import json
+    return json.dumps({"config": config, "hardware": hardware, "rows": [dataclasses.asdict(r) for r in rows],
+                       "failures": bad, "fits": not bad}, indent=1)

@@ -1,0 +1,149 @@
+"""simulate memory (flexmarl_hpc/sim/memory.py): the production trainer code on fake tensors
+at real shapes, cross-checked against the analytic count, and the refusals the issue asks for
+(a 32B agent on a TP 1 replica, a 32B trainer at TP 1 PP 1), each naming the rank."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from tests.conftest import ROOT
+
+PAPER = str(ROOT / "configs" / "paper_3x32b_7x14b.yaml")
+GB = 1e9
+# a mid-size shape: large enough that states and activations dominate, small enough for seconds
+MID = ["model.hidden_size=1024", "model.num_layers=4", "model.num_heads=16", "model.num_kv_heads=4",
+       "model.intermediate_size=2816", "model.max_seq_len=1024", "trainer.micro_batch_size=8",
+       "trainer.backend=megatron", "trainer.ranks_per_group=4", "trainer.tensor_parallel=2",
+       "trainer.precision=bf16", "trainer.recompute=full"]
+
+
+def _paper(**group0):
+    """The paper config, its first group (shop32_0) changed as given."""
+    from flexmarl_hpc.config.load import load_config
+    cfg = load_config(PAPER)
+    groups = list(cfg.trainer.named_groups)
+    groups[0] = dataclasses.replace(groups[0], **group0)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, named_groups=groups))
+
+
+def test_fake_run_agrees_with_the_analytic_count_at_a_mid_size_shape():
+    """States within 2%, activations (full recompute) within 10%: the fake run counts what
+    the formula counts, on the production code path (a mutation that drops the grad buffer,
+    the optimizer's states or the kept layer inputs moves it out of both bands)."""
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.config.resources import param_count
+    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.sim.memory import analytic_device, trainer_rank
+    cfg = load_config(ROOT / "configs" / "local.yaml", MID)
+    task = build_task(cfg)
+    build, train, opt, send = trainer_rank(cfg, task, 0, 0, None)
+    P = param_count(cfg.model, len(task.vocab))
+    rows = cfg.trainer.micro_batch_size // 2            # DP 2
+    a = analytic_device(P // 2, 2, True, rows, 1024, 1024, 16, 4, "full", 2)
+    states = a["states"] + a["buffer"]
+    print(f"states fake {opt.device_live / GB:.3f} GB, analytic {states / GB:.3f} GB; activations fake "
+          f"{(train.device - build.device_live) / GB:.3f} GB, analytic {(a['activations'] + a['buffer']) / GB:.3f} GB")
+    assert abs(opt.device_live - states) <= 0.02 * states
+    assert abs((train.device - build.device_live) - (a["activations"] + a["buffer"])) <= 0.10 * a["activations"]
+    assert [p.name for p in (build, train, opt, send)] == ["build", "train step", "optimizer step",
+                                                          "weight sync (send)"]
+
+
+def test_refuses_a_32b_trainer_at_tp1_pp1_naming_the_rank():
+    from flexmarl_hpc.sim.memory import check_config, failures
+    rows = check_config(_paper(tensor_parallel=1, pipeline_parallel=1), 64.0, workers=2, only=("shop32_0",))
+    bad = failures(rows)
+    assert bad and bad[0].startswith("group shop32_0 rank 353 (leader, first stage): build needs")
+    over = [r for r in rows if r.rank.startswith("rank 353") and r.phase == "build"][0]
+    assert over.device_bytes > 32e9 * 6                  # bf16 weights + fp32 grads of all 32B params
+    assert {r.phase for r in rows if r.rank.startswith("rank 353")} == {"build", "node total"}   # stops there
+
+
+def test_tp8_pp2_build_fits_where_tp1_does_not():
+    """The control of the refusal above: the paper's own TP 8 x PP 2 shard builds in 64 GB.
+    Its ~2 B params hold at least bf16 weights + fp32 grads (6 B/param, 12 GB); the whole
+    32B model in fp32 (128.7 GB, what the tracker read while it counted meta tensors) fails."""
+    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.sim.memory import trainer_rank
+    cfg = _paper()
+    build = trainer_rank(cfg, build_task(cfg), 0, 31, None, limit=1)[0]
+    assert build.name == "build" and 12e9 < build.device < 64e9
+
+
+def _tp1_p32(tmp_path) -> str:
+    """A copy of the paper config with pool p32's replicas at TP 1 (overrides cannot index
+    the pools list)."""
+    text = open(PAPER).read().replace("gpus_per_replica: 4", "gpus_per_replica: 1")
+    assert "gpus_per_replica: 1, gpu_memory_gb: 64, agents: [shop32_0" in text
+    path = tmp_path / "paper_tp1.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_refuses_a_32b_agent_on_a_tp1_replica_naming_the_rank():
+    """Engine start = max(the pool's vLLM fraction x GPU, what vLLM needs to start: (weights /
+    TP + one sequence's KV) / fraction); a weight receive adds one bucket beside it."""
+    import torch
+    from flexmarl_hpc.rollout.vllm_engine import memory_fraction
+    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.sim.memory import failures, replica_rows
+    cfg = _paper()
+    pools = list(cfg.rollout.pools)
+    task = build_task(cfg)
+    tp1 = dataclasses.replace(cfg, rollout=dataclasses.replace(
+        cfg.rollout, pools=[dataclasses.replace(pools[0], gpus_per_replica=1)] + pools[1:]))
+    engine, receive = replica_rows(tp1, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
+    bad = failures([engine, receive])
+    assert bad and bad[0].startswith("pool p32 rank 1 (replica 0, GPU 0): engine start")
+    fraction = memory_fraction(64, int(cfg.weight_sync.bucket_mb * 2**20))
+    assert engine.device_bytes > 32e9 * 2 / fraction                     # the bf16 weights alone
+    # TP 4 (the paper's): vLLM takes its fraction, a receive adds one bucket, within 64 GB
+    engine4, receive4 = replica_rows(cfg, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
+    assert engine4.device_bytes == int(fraction * 64 * GB)
+    assert 0 < receive4.device_bytes - engine4.device_bytes <= cfg.weight_sync.bucket_mb * 2**20
+    assert receive4.device_bytes <= 64 * GB and not failures([engine4, receive4])
+    assert engine4.host_bytes == receive4.host_bytes == 0                # no host copies
+
+
+def test_cli_exit_code_and_json_name_the_rank(capsys, tmp_path):
+    """Exit 1 names the rank over. The paper's p32 (TP 4) fits; with 16 GiB buckets its
+    receive does not: memory_fraction leaves vLLM's remainder as (bucket GiB + 1) GB of a GB-sized
+    GPU, and fraction x 64 GB + a 17.2 GB bucket is over 64 GB. A TP 1 copy of p32 is refused
+    before the check, by the config's own weights-fit rule, naming the field (exit 2)."""
+    from flexmarl_hpc import simulate
+    assert simulate.main(["memory", PAPER, "--only", "p32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"]
+    assert simulate.main(["memory", PAPER, "weight_sync.bucket_mb=16384", "--only", "p32", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["fits"] and out["failures"] == [
+        "pool p32 rank 1 (replica 0, GPU 0): weight receive (one bucket) needs 64.1 GB of device memory, "
+        "more than its 64 GB"]
+    assert simulate.main(["memory", _tp1_p32(tmp_path), "--only", "p32"]) == 2
+    assert "rollout.pools[0].gpus_per_replica: pool too small for agent 'shop32_0'" in capsys.readouterr().err
+    assert simulate.main(["memory", PAPER, "--only", "nope"]) == 2
+    assert "--only: no pool or group ['nope']" in capsys.readouterr().err
+
+
+def test_a_node_over_its_mem_is_named():
+    """node_limit resolves --mem as the script asks for it (auto: the whole node for a GPU
+    component, unchecked; a size: checked), and a group's node total (its leader + the other
+    ranks of the node) over it is named."""
+    from flexmarl_hpc.config.resources import components
+    from flexmarl_hpc.sim.memory import Phase, _group_rows, failures, node_limit
+    cfg = _paper()
+    grp = cfg.trainer.named_groups[0]
+    assert node_limit(cfg, dataclasses.replace(grp.slurm, mem="512G"), 16) == 512 * 2**30
+    assert node_limit(cfg, dataclasses.replace(grp.slurm, mem="0"), 16) == 0      # whole node
+    assert node_limit(cfg, grp.slurm, 16) == 0                                    # auto, with GPUs
+    cpu = dataclasses.replace(grp.slurm, gpus_per_node=0, cpus_per_task=2)
+    assert node_limit(cfg, cpu, 4) == 4 * 2 * 1000 * 2**20                        # auto: CPUs x mem_per_cpu
+    first = {c.name: c.first_rank for c in components(cfg)}
+    results = {(0, 0): [Phase("build", 0, int(40 * GB), 0, 0)], (0, 31): [Phase("build", 0, int(10 * GB), 0, 0)]}
+    rows = _group_rows(cfg, dataclasses.replace(grp, slurm=dataclasses.replace(grp.slurm, mem="128G")),
+                       0, results, first, int(64 * GB))
+    bad = failures(rows)
+    assert rows[-1].node_host_bytes == int(40 * GB) + 15 * int(10 * GB)
+    assert bad == [f"group shop32_0 rank {first['group shop32_0']} (16 ranks a node): 190.0 GB of host "
+                   f"memory, more than the node's --mem 137 GB"]
+    rows = _group_rows(cfg, grp, 0, results, first, int(64 * GB))
+    assert not failures(rows)
