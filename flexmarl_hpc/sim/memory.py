@@ -158,11 +158,14 @@ def _trainer_job(job: tuple) -> list[Phase]:
 
 
 def run_jobs(jobs: list[tuple], workers: int) -> list[list[Phase]]:
-    """Each job in its own forked process (megatron and torch.distributed are per-process
-    state), `workers` at a time; megatron is imported first so the children share it."""
+    """Each job in its own process (megatron and torch.distributed are per-process state),
+    `workers` at a time: forked, with megatron imported first so the children share it; or
+    spawned where this process already runs torch.distributed (a fork would inherit it)."""
     import multiprocessing
+    import torch.distributed as tdist
     import flexmarl_hpc.trainer.megatron  # noqa: F401
-    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
+    method = "spawn" if tdist.is_available() and tdist.is_initialized() else "fork"
+    with multiprocessing.get_context(method).Pool(workers, maxtasksperchild=1) as pool:
         return pool.map(_trainer_job, jobs, chunksize=1)
 
 

@@ -33,10 +33,10 @@ def test_fake_run_agrees_with_the_analytic_count_at_a_mid_size_shape():
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.config.resources import param_count
     from flexmarl_hpc.runtime.build import build_task
-    from flexmarl_hpc.sim.memory import analytic_device, trainer_rank
+    from flexmarl_hpc.sim.memory import analytic_device, run_jobs
     cfg = load_config(ROOT / "configs" / "local.yaml", MID)
     task = build_task(cfg)
-    build, train, opt, send = trainer_rank(cfg, task, 0, 0, None)
+    build, train, opt, send = run_jobs([(cfg, 0, 0, None, 0)], 1)[0]   # its own process, as the CLI
     P = param_count(cfg.model, len(task.vocab))
     rows = cfg.trainer.micro_batch_size // 2            # DP 2
     a = analytic_device(P // 2, 2, True, rows, 1024, 1024, 16, 4, "full", 2)
@@ -63,10 +63,9 @@ def test_tp8_pp2_build_fits_where_tp1_does_not():
     """The control of the refusal above: the paper's own TP 8 x PP 2 shard builds in 64 GB.
     Its ~2 B params hold at least bf16 weights + fp32 grads (6 B/param, 12 GB); the whole
     32B model in fp32 (128.7 GB, what the tracker read while it counted meta tensors) fails."""
-    from flexmarl_hpc.runtime.build import build_task
-    from flexmarl_hpc.sim.memory import trainer_rank
+    from flexmarl_hpc.sim.memory import run_jobs
     cfg = _paper()
-    build = trainer_rank(cfg, build_task(cfg), 0, 31, None, limit=1)[0]
+    build = run_jobs([(cfg, 0, 31, None, 1)], 1)[0][0]
     assert build.name == "build" and 12e9 < build.device < 64e9
 
 
