@@ -385,6 +385,7 @@ class StoreFile:
         self._crcs = np.zeros(len(self.tables), np.int64)
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         self._full_at = self.flushed.copy()          # rows whose full chunks /chunk_crc has
+        self.failed: StoreError | None = None        # a write or flush of this file failed
         if fresh:
             self.commit = self.f.create_dataset("commit", data=np.zeros(len(self.tables), np.int64))
             self.commit.attrs["tables"] = list(self.tables)
@@ -513,7 +514,11 @@ class StoreFile:
           - status patches of sample rows already on disk (the status fields are a cache of
             /events) wait for the next full one (each log line, checkpoint and close).
         """
-        if not self.dirty:
+        if not self.dirty or self.failed is not None:
+            # after a failed write or flush, what HDF5 holds in memory is unknown: a later
+            # flush that succeeds (a checkpoint's cleanup freed the disk) may leave out chunk
+            # index entries the failed one lost, and a commit would then name rows no chunk
+            # holds. Nothing more is committed; the resume starts from the last commit.
             return
         try:
             for t in list(self.dirty):
@@ -532,7 +537,8 @@ class StoreFile:
             self.f.flush()
             self.flushed = counts
         except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
-            raise StoreError.of(self.path, e) from None
+            self.failed = StoreError.of(self.path, e)
+            raise self.failed from None
 
     def _commit(self, counts: np.ndarray) -> None:
         """Write /commit_crc (the boundary chunks' prefix checksums at these counts), then
@@ -574,9 +580,14 @@ class StoreFile:
         return n + len(old)
 
     def close(self) -> None:
-        if self.f.id.valid:
-            self.flush()
+        if not self.f.id.valid:
+            return
+        self.flush()
+        try:
             self.f.close()
+        except (OSError, RuntimeError):
+            if self.failed is None:                 # else reported already, by the failed flush
+                raise
 
 
 def replay_events(samples: Table, events: np.ndarray, agent_index: int) -> int:
