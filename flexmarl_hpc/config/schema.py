@@ -126,7 +126,20 @@ class WorkflowConfig:
     turns: list[TurnConfig] = field(default_factory=list)
     """The agents in workflow order; each turn branches every path of the previous turn."""
     inputs_per_step: int = 8
-    """Root inputs (prompts) per step; an agent's global batch is this times its branching."""
+    """Root inputs (prompts) per step; an agent's global batch is this times its branching.
+    Episode workflows: dataset examples per step."""
+    episode: str = ""
+    """An episode function, `module:function` (`async def episode(ctx, example)`,
+    docs/episodes.md); set, it replaces `task` and `turns`."""
+    episode_args: dict[str, Any] = field(default_factory=dict)
+    """Episode workflows: given to the episode function as `ctx.args`."""
+    agents: list[str] = field(default_factory=list)
+    """Episode workflows: the agents the episode function calls (each is trained)."""
+    group_size: int = 4
+    """Episode workflows: episodes per example; GRPO compares a call with the same agent's
+    same call in the example's other episodes."""
+    max_new_tokens: int = 256
+    """Episode workflows: most tokens of one chat reply (ctx.chat's max_tokens cap)."""
 
 
 @dataclass
@@ -396,6 +409,8 @@ class Config:
     @property
     def agent_names(self) -> list[str]:
         """Agents in order of first appearance in the workflow."""
+        if self.workflow.episode:
+            return list(self.workflow.agents)
         return list(dict.fromkeys(t.agent for t in self.workflow.turns))
 
     def model_for(self, agent: str) -> ModelConfig:

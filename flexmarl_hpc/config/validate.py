@@ -126,6 +126,8 @@ def _validate_model(m: ModelConfig, where: str) -> None:
 
 
 def _validate_workflow(w: WorkflowConfig) -> None:
+    if w.episode:
+        return _validate_episode(w)
     _need(len(w.turns) > 0, "workflow.turns", "expected at least one turn")
     for i, t in enumerate(w.turns):
         _need(bool(NAME_RE.match(t.agent)), f"workflow.turns[{i}].agent",
@@ -134,6 +136,21 @@ def _validate_workflow(w: WorkflowConfig) -> None:
         _int_in(t.samples, f"workflow.turns[{i}].samples", 1)
         _int_in(t.max_new_tokens, f"workflow.turns[{i}].max_new_tokens", 1)
     _need(":" in w.task, "workflow.task", f"expected 'module:Class', got {w.task!r}")
+    _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
+
+
+def _validate_episode(w: WorkflowConfig) -> None:
+    _need(":" in w.episode, "workflow.episode", f"expected 'module:function', got {w.episode!r}")
+    _need(not w.turns, "workflow.turns", "expected none with workflow.episode (the episode "
+          "function decides who is called)")
+    _need(isinstance(w.agents, list) and len(w.agents) > 0, "workflow.agents",
+          "expected the list of agents the episode function calls")
+    for i, a in enumerate(w.agents):
+        _need(isinstance(a, str) and bool(NAME_RE.match(a)), f"workflow.agents[{i}]",
+              f"expected an agent name of letters, digits, _ . + -, got {a!r}")
+    _need(len(set(w.agents)) == len(w.agents), "workflow.agents", "expected distinct names")
+    _int_in(w.group_size, "workflow.group_size", 1, 1 << 16)
+    _int_in(w.max_new_tokens, "workflow.max_new_tokens", 1, 1 << 20)
     _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
 
 
@@ -182,7 +199,7 @@ def validate(cfg: Config) -> None:
     _validate_engines(cfg)
     for name in cfg.agents:
         need(name in cfg.agent_names, f"agents.{name}",
-             f"no such agent in workflow.turns (agents are {cfg.agent_names})")
+             f"no such agent in the workflow (agents are {cfg.agent_names})")
     for agent in cfg.agent_names:
         where = f"agents.{agent}" if agent in cfg.agents else "model"
         _validate_model(cfg.model_for(agent), where)
@@ -206,6 +223,14 @@ def validate(cfg: Config) -> None:
          f"expected at most {n_agents} (one per agent), got {cfg.num_trainer_groups}")
     need(cfg.pipeline.overprovision == 0 or cfg.run.mode == "flex", "pipeline.overprovision",
          "needs run.mode=flex (sync, the baseline, trains every input it admits)")
+    if cfg.workflow.episode:
+        need(cfg.pipeline.overprovision == 0, "pipeline.overprovision",
+             "expected 0 with workflow.episode (an example's calls are known only once it ends)")
+        need(cfg.run.eval_every == 0, "run.eval_every", "expected 0 with workflow.episode: "
+             "evaluate checkpoints with scripts/eval_episodes.py")
+        need(all(cfg.model_for(a).checkpoint for a in cfg.agent_names), "model.checkpoint",
+             "expected a checkpoint folder with a tokenizer and chat template for every agent "
+             "of an episode workflow")
 
     # --- device binding (flexmarl_hpc.runtime.devices) ---
     need(cfg.rollout.gpus_per_replica >= 1, "rollout.gpus_per_replica", "expected >= 1")

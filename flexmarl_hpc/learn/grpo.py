@@ -49,6 +49,33 @@ def group_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return (r - r.mean()) / (r.std() + eps)
 
 
+def call_advantages(calls: list[tuple[int, int, float]], eps: float = 1e-6) -> np.ndarray:
+    """Advantages of one agent's calls over the N episodes of one example (docs/episodes.md
+    "GRPO groups"). `calls`: (episode, call index, reward) per call, any order.
+
+    The group of a call is the calls with the same call index in the example's other
+    episodes: the k-th time this agent was asked, across the N attempts at the example. A
+    call no other episode made (a group of one: e.g. the only episode that asked a third
+    solver) is compared with its agent's episode-level group instead: each episode that
+    called the agent contributes the mean reward of its calls, and the call's advantage is
+    (r - mean) / (std + eps) over those episode values. With one such episode it is 0."""
+    by_index: dict[int, list[int]] = {}
+    for i, (_, k, _) in enumerate(calls):
+        by_index.setdefault(k, []).append(i)
+    r = np.array([c[2] for c in calls], dtype=np.float64)
+    per_episode: dict[int, list[float]] = {}
+    for e, _, x in calls:
+        per_episode.setdefault(e, []).append(x)
+    ep = np.array([np.mean(v) for v in per_episode.values()])
+    out = np.zeros(len(calls))
+    for members in by_index.values():
+        if len(members) >= 2:
+            out[members] = group_advantages(r[members], eps)
+        elif len(ep) >= 2:
+            out[members] = (r[members] - ep.mean()) / (ep.std() + eps)
+    return out
+
+
 @dataclass
 class MicroBatch:
     """Right-padded sequences (prompt then response) and per-sample RL data."""

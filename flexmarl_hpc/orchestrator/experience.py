@@ -19,6 +19,7 @@ import numpy as np
 
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY, StoreFile
+from flexmarl_hpc.orchestrator.episodes import EpisodeTree
 from flexmarl_hpc.orchestrator.tree import Changes, Node, Tree, global_batch  # noqa: F401  (re-exported)
 from flexmarl_hpc.workflows.base import Task
 
@@ -78,7 +79,7 @@ class Journal:
         off = pool.append(toks)
         rows = np.empty(k, tab.dtype)
         rows["sample_id"] = list(map(attrgetter("sample_id"), nodes))        # ASCII: numpy encodes
-        rows["parent_id"] = [p.sample_id if p else "" for p in map(attrgetter("parent"), nodes)]
+        rows["parent_id"] = [n.parent_call or (n.parent.sample_id if n.parent else "") for n in nodes]
         for name, attr in (("input_id", "input_id"), ("turn", "turn"), ("traj", "traj"),
                            ("step", "step"), ("policy_version", "version"), ("replica", "replica")):
             rows[name] = np.fromiter(map(attrgetter(attr), nodes), np.int64, k)
@@ -150,11 +151,10 @@ class Journal:
         return out
 
 
-class Experience(Tree):
-    """The trees of all live steps, each change written through to the store."""
+class Journaled:
+    """Write-through of a Tree or an EpisodeTree (the class it is mixed into) to the store."""
 
-    def __init__(self, cfg: Config, task: Task, store: StoreFile):
-        super().__init__(cfg, task)
+    def _journal_to(self, store: StoreFile) -> None:
         self.store = store
         self.journal = Journal(store)
 
@@ -171,6 +171,12 @@ class Experience(Tree):
         self._journal(ch)
         return ch
 
+    def poll(self) -> Changes:
+        """What went on between replies (episodes finishing on a tool result), journalled."""
+        ch = super().poll()
+        self._journal(ch)
+        return ch
+
     def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
         """Mark up to k READY samples of (agent, step) CONSUMED, durably, and return them."""
         take = super().take_ready(agent, step, k)
@@ -181,7 +187,7 @@ class Experience(Tree):
 
     def reload(self, first_step: int, versions: dict[str, int]) -> int:
         """Bring back every row of steps >= first_step from the file and rebuild the trees
-        (Tree.restore): consumed rows the restored trainers do not contain go back to
+        (restore): consumed rows the restored trainers do not contain go back to
         GENERATED, then READY (recorded in /events). Returns the last step found
         (first_step - 1 if none)."""
         nodes = self.journal.load(first_step)
@@ -192,3 +198,26 @@ class Experience(Tree):
         self.journal.status(ch.dropped, DROPPED, now)
         self.store.flush()
         return max((n.step for n in nodes), default=first_step - 1)
+
+
+class Experience(Journaled, Tree):
+    """The trees of all live steps (fixed-turn workflows), each change written through."""
+
+    def __init__(self, cfg: Config, task: Task, store: StoreFile):
+        Tree.__init__(self, cfg, task)
+        self._journal_to(store)
+
+
+class EpisodeExperience(Journaled, EpisodeTree):
+    """The episodes of all live steps (episode workflows), each change written through."""
+
+    def __init__(self, cfg: Config, task, store: StoreFile):
+        EpisodeTree.__init__(self, cfg, task)
+        self._journal_to(store)
+
+
+def experience_for(cfg: Config, task, store: StoreFile) -> Experience | EpisodeExperience:
+    """The experience of `cfg`'s workflow: episodes (workflow.episode) or fixed turns."""
+    if cfg.workflow.episode:
+        return EpisodeExperience(cfg, task, store)
+    return Experience(cfg, task, store)

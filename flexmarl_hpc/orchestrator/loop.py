@@ -24,7 +24,7 @@ from flexmarl_hpc.config.layout import RankLayout
 from flexmarl_hpc.config.resources import swap_peers, trainer_groups
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.orchestrator.eval_dispatch import eval_dispatch
-from flexmarl_hpc.orchestrator.experience import Experience, Node
+from flexmarl_hpc.orchestrator.experience import Node, experience_for
 from flexmarl_hpc.orchestrator.failures import EXIT_PREEMPTED, WorkerFailures
 from flexmarl_hpc.orchestrator.pool_binding import pool_binding
 from flexmarl_hpc.orchestrator.recorder import RunRecorder
@@ -39,6 +39,12 @@ from flexmarl_hpc.store.checkpoint import latest_version
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.workflows.base import Task
 
+
+
+UNKNOWN_BATCH = 1 << 40
+"""`remaining` samples of a step whose batch size is not known yet (episode workflows)."""
+EPISODE_POLL_S = 0.02
+"""How often the loop looks at episodes waiting on a tool while no reply arrives."""
 
 
 @dataclass
@@ -126,7 +132,7 @@ class Orchestrator(WorkerFailures):
         self.clock = BusyClock()                 # rank 0's own time, a row of the timeline
         self.deadlines = Deadlines(cfg.run.worker_timeout)
         self.watchdog = Watchdog(cfg.run.worker_timeout, self.reward_hung)
-        self.exp = Experience(cfg, WatchedTask(task, self.watchdog), store)
+        self.exp = experience_for(cfg, WatchedTask(task, self.watchdog), store)
         self.aborting = False
         self.agents = cfg.agent_names
         self.state = initial_state(cfg, layout, log)
@@ -160,7 +166,9 @@ class Orchestrator(WorkerFailures):
                 # /steps row, checkpoint, log line, metrics row and full store flush are made
                 self.record_steps()
                 self.maybe_log()
-                self.handle(*self.receive())
+                m = self.receive(wake=self.exp.waiting())
+                if m is not None:
+                    self.handle(*m)
                 while (m := self.transport.poll()) is not None:
                     self.handle(*m)
             self.checkpoint(self.agents)
@@ -194,6 +202,8 @@ class Orchestrator(WorkerFailures):
 
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self) -> None:
+        with self.clock("store"):
+            self.exp.poll()                       # episodes that went on after a tool result
         versions = self.versions()
         while self.next_step < self.cfg.run.steps and self.sched.may_admit(
                 self.next_step, versions, self.all_synced()):
@@ -295,9 +305,10 @@ class Orchestrator(WorkerFailures):
         if step >= self.cfg.run.steps:
             return 0
         complete = all(self.exp.ready_count(b, step) + self.state[b].consumed
-                       == self.exp.batch_size[b] for b in self.agents if self.state[b].version == step)
-        return self.sched.micro_batch(self.exp.ready_count(agent, step),
-                                      self.exp.batch_size[agent] - st.consumed,
+                       == self.exp.batch_of(b, step) for b in self.agents if self.state[b].version == step)
+        batch = self.exp.batch_of(agent, step)       # None: not known yet (episode workflows)
+        remaining = UNKNOWN_BATCH if batch is None else batch - st.consumed
+        return self.sched.micro_batch(self.exp.ready_count(agent, step), remaining,
                                       self.cfg.trainer.micro_batch_size, complete)
 
     def group_busy(self, g: int) -> bool:
@@ -341,9 +352,13 @@ class Orchestrator(WorkerFailures):
             if self.next_micro(agent):
                 self.acquire_group(agent)
             return
-        step, batch = st.version, self.exp.batch_size[agent]
+        step = st.version
         while st.inflight < 2:
             k = self.next_micro(agent)
+            batch = self.exp.batch_of(agent, step)
+            if k == 0 and batch == 0 and not st.micro and step < self.cfg.run.steps:
+                self.empty_step(agent, step)     # no episode of the step called this agent
+                return
             if k == 0:
                 return
             with self.clock("store"):            # CONSUMED flushed before the trainer sees them
@@ -352,9 +367,19 @@ class Orchestrator(WorkerFailures):
             st.micro += 1
             st.step_nodes.extend(nodes)
             last = st.consumed == batch
-            self.cmd(st.leader, messages.Train(agent, step, pack_microbatch(nodes, self.task), 1.0 / batch, last),
+            self.cmd(st.leader, messages.Train(agent, step, pack_microbatch(nodes, self.task),
+                                               self.exp.loss_scale(agent, step), last),
                      f"train micro-batch {st.micro} of agent {agent} step {step}")
             st.inflight += 1
+
+    def empty_step(self, agent: str, step: int) -> None:
+        """A step without samples of `agent`: its trainer only moves to the next version
+        (no optimizer step: Adam would move the weights on zero gradients)."""
+        st = self.state[agent]
+        st.micro += 1
+        self.cmd(st.leader, messages.Train(agent, step, pack_microbatch([], self.task), 0.0, True),
+                 f"empty step {step} of agent {agent}")
+        st.inflight += 1
 
     # -- messages --------------------------------------------------------------------------
     def cmd(self, rank: int, msg: messages.Command, what: str) -> None:
@@ -362,19 +387,25 @@ class Orchestrator(WorkerFailures):
         self.transport.send(rank, msg)
         self.deadlines.sent(rank, what)
 
-    def receive(self) -> tuple[int, messages.Reply]:
+    def receive(self, wake: bool = False) -> tuple[int, messages.Reply] | None:
         """The next reply as (source rank, message), waiting without a spin; a rank that
         leaves its command unanswered for run.worker_timeout seconds, or whose process ends
-        (runtime/liveness.py), ends the job with the requeue code."""
+        (runtime/liveness.py), ends the job with the requeue code. `wake`: episodes wait on
+        tools: return None after EPISODE_POLL_S if nothing came, so they can go on."""
         while True:
+            timeout = self.deadlines.next_deadline()
+            if wake:
+                timeout = EPISODE_POLL_S if timeout is None else min(timeout, EPISODE_POLL_S)
             try:
-                return self.transport.receive(self.deadlines.next_deadline())
+                return self.transport.receive(timeout)
             except WorkerLost as e:
                 self.stop_lost(e.rank)
             except TimeoutError:
                 late = self.deadlines.overdue()
                 if late is not None:
                     self.stop_hung(*late)
+                if wake:
+                    return None
 
     # -- results -------------------------------------------------------------------------
     @booked("handle")

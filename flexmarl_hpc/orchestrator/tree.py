@@ -58,6 +58,7 @@ class Node:
     leaf_n: int = 0
     row: int = -1                      # its row in the journal (set by the journal)
     trainer_step: int = -1
+    parent_call: str = ""              # episode workflows: "agent/sample_id" of the call before
 
     @cached_property                   # asked for often (journal, seeds, keys); never changes
     def sample_id(self) -> str:
@@ -248,6 +249,21 @@ class Tree:
         return group
 
     # -- training ------------------------------------------------------------------------
+    def batch_of(self, agent: str, step: int) -> int | None:
+        """Samples of `agent` in `step`: fixed by the turns."""
+        return self.batch_size[agent]
+
+    def loss_scale(self, agent: str, step: int) -> float:
+        """Each sample's loss weight: 1 / the agent's global batch (a mean over samples)."""
+        return 1.0 / self.batch_size[agent]
+
+    def poll(self) -> Changes:
+        """Nothing runs between replies in a fixed-turn workflow."""
+        return Changes()
+
+    def waiting(self) -> bool:
+        return False
+
     def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
         """Mark up to k READY samples of (agent, step) CONSUMED and return them."""
         q = self.ready[agent][step]

@@ -33,7 +33,7 @@ def pack_microbatch(nodes: Sequence[Sample], task: Task) -> dict:
     P = np.array([len(n.prompt) for n in nodes])
     R = np.array([len(n.response) for n in nodes])
     L = P + R
-    B, T = len(nodes), int(L.max())
+    B, T = len(nodes), int(L.max()) if len(nodes) else 1       # B = 0: an empty step
     col = np.arange(T)
     ids = np.full((B, T), task.vocab.pad_id, dtype=np.int64)
     ids[col < L[:, None]] = np.fromiter(

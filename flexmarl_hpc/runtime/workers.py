@@ -123,6 +123,10 @@ class TrainerRank:
     def train(self, cmd: messages.Train, t0: float) -> messages.Reply:
         agent, group = cmd.agent, self.group
         tr = self.mover.trainers[agent]
+        if len(cmd.arrays["input_ids"]) == 0:     # a step without samples: next version only
+            tr.version += 1
+            self.clock.mark("train", agent, t0)
+            return messages.Stepped(agent, tr.version, {"empty_step": 1.0})
         mb = microbatch_from_arrays(cmd.arrays).shard(group.Get_rank(), group.Get_size())
         # at the step's last micro-batch: the optimizer step, then (trainer.ppo_epochs > 1)
         # the replay passes with theirs

@@ -1,0 +1,244 @@
+"""The live episodes of an episode workflow (workflows/episode.py): every chat call is a node.
+
+The same interface as tree.Tree, so the orchestrator, the journal and the scheduler serve
+both. Each step admits `inputs_per_step` examples of the dataset stream, each run as
+`group_size` episodes. A call's node (sample_id = {example}_{call index}_{episode}) is
+
+    pending -> GENERATED -> READY once every episode of its example has finished (its GRPO
+    group, learn.grpo.call_advantages, is then known) -> CONSUMED
+
+An agent's batch of a step is known only once all of the step's episodes have finished
+(`batch_of` is None before): the trainer gets full micro-batches as they become ready and
+the step's last, partial one at the end. The loss of every call is scaled by
+1 / (episodes per step), a constant known up front (a sum over an episode's calls, a mean
+over episodes), so micro-batches can be trained before the batch size is known.
+
+Resume replays: the episodes of unfinished steps run again from the start, and a call
+whose node the journal holds gets its recorded response at once (no replica is asked), so
+nothing is generated or trained twice. A replayed call whose prompt differs from the
+recorded one means the episode function is not deterministic: the run stops and says so.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.learn.grpo import call_advantages
+from flexmarl_hpc.learn.sampling import sample_seed
+from flexmarl_hpc.orchestrator.tree import Changes, Node
+from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY
+from flexmarl_hpc.workflows.episode import Call, EpisodeRunner, Finished, call_reward
+
+
+@dataclass
+class ExampleState:
+    step: int
+    left: int                                           # episodes not finished
+    calls: list[tuple[Node, int, float]] = field(default_factory=list)   # (node, episode, reward)
+
+
+class ReplayMismatch(RuntimeError):
+    pass
+
+
+class EpisodeTree:
+    """The episodes of all live steps and per-agent queues (pending, ready)."""
+
+    def __init__(self, cfg: Config, task, runner: EpisodeRunner | None = None):
+        self.cfg, self.task = cfg, task
+        self.agents = cfg.agent_names
+        w = cfg.workflow
+        self.n_in, self.group = w.inputs_per_step, w.group_size
+        self.runner = runner or task.runner(cfg)
+        self.nodes: dict[tuple[str, str], Node] = {}
+        self.pending: dict[str, deque[Node]] = {agent: deque() for agent in self.agents}
+        self.ready: dict[str, dict[int, list[Node]]] = {agent: defaultdict(list) for agent in self.agents}
+        self.turn_left: dict = {}                          # no turns: the sync barrier is per step
+        self.steps_admitted: set[int] = set()
+        self.examples: dict[int, ExampleState] = {}        # example id -> its episodes
+        self.step_left: dict[int, int] = {}                # step -> examples not finished
+        self.calls_of: dict[int, dict[str, int]] = {}      # step -> agent -> calls (all episodes)
+        self.call_of: dict[int, Call] = {}                 # id(node) -> its call in flight
+        self.resp_len_mean = {agent: float(w.max_new_tokens) / 2 for agent in self.agents}
+        self.failed: list[Finished] = []                   # episodes that raised (to report)
+        self.finished_episodes: list[Finished] = []
+
+    # -- creating work -------------------------------------------------------------------
+    def admit_step(self, step: int) -> None:
+        if step in self.steps_admitted:
+            return
+        self.steps_admitted.add(step)
+        self.step_left[step] = self.n_in
+        self.calls_of[step] = dict.fromkeys(self.agents, 0)
+        for example_id, example in self.task.stream.batch(step, self.n_in):
+            self.examples[example_id] = ExampleState(step, self.group)
+            for e in range(self.group):
+                self.runner.start(step, example_id, e, example)
+        self.advance()
+
+    def advance(self) -> Changes:
+        """Step the episodes; queue their new calls (answering replayed ones from the
+        journal at once) and score finished examples. Returns the READY changes."""
+        ch = Changes()
+        while True:
+            self.runner.step()
+            calls, done = self.runner.take()
+            if not calls and not done:
+                return ch
+            for call in calls:
+                self._new_call(call)
+            for f in done:
+                ch.ready += self._episode_done(f)
+
+    def _new_call(self, call: Call) -> None:
+        ctx = call.episode
+        node = Node(call.agent, call.index, ctx.step, ctx.example_id, ctx.episode, None, [], None)
+        node.prompt = call.prompt
+        p = call.parent
+        node.parent_call = "" if p is None else f"{p.agent}/{p.episode.example_id}_{p.index}_{p.episode.episode}"
+        self.calls_of[ctx.step][call.agent] += 1
+        key = (node.agent, node.sample_id)
+        old = self.nodes.get(key)
+        if old is not None and old.response is not None:        # replay: answered already
+            if list(old.prompt) != list(call.prompt):
+                raise ReplayMismatch(
+                    f"episode replay: call {node.sample_id} of agent {node.agent} has a prompt of "
+                    f"{len(call.prompt)} tokens, {len(old.prompt)} when first run: the episode "
+                    "function must be deterministic given its replies (use ctx.rng)")
+            old.parent_call = node.parent_call
+            call.done(list(old.response), self.task.stop_tokens)
+            return
+        self.nodes[key] = node
+        self.call_of[id(node)] = call
+        self.pending[node.agent].append(node)
+
+    def _episode_done(self, f: Finished) -> list[Node]:
+        ctx = f.ctx
+        if f.error:
+            self.failed.append(f)
+        self.finished_episodes.append(f)
+        st = self.examples[ctx.example_id]
+        for agent, n in ctx.calls.items():
+            for i in range(n):
+                node = self.nodes[(agent, f"{ctx.example_id}_{i}_{ctx.episode}")]
+                st.calls.append((node, ctx.episode, 0.0 if f.error else call_reward(f.rewards, agent, i)))
+        st.left -= 1
+        if st.left:
+            return []
+        self.step_left[st.step] -= 1
+        return self._example_ready(st)
+
+    def _example_ready(self, st: ExampleState) -> list[Node]:
+        ready = []
+        for agent in self.agents:
+            mine = [(n, e, r) for n, e, r in st.calls if n.agent == agent]
+            adv = call_advantages([(e, n.turn, r) for n, e, r in mine])
+            for (n, _, r), a in zip(mine, adv):
+                n.reward, n.advantage = r, float(a)
+                if n.status == GENERATED:
+                    n.status = READY
+                    ready.append(n)
+                if n.status == READY:
+                    self.ready[agent][n.step].append(n)
+        return ready
+
+    def request_seed(self, node: Node, version: int) -> int:
+        return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)
+
+    def request(self, node: Node, version: int) -> tuple:
+        call = self.call_of[id(node)]
+        return node.sample_id, node.prompt, self.request_seed(node, version), call.max_tokens, 0
+
+    def take_pending(self, agent: str, sent: set[int]) -> None:
+        q = self.pending[agent]
+        keep = [n for n in q if id(n) not in sent]
+        q.clear()
+        q.extend(keep)
+
+    def est_tokens(self, node: Node) -> float:
+        return len(node.prompt) + self.resp_len_mean[node.agent]
+
+    # -- results -------------------------------------------------------------------------
+    def record_generation(self, batch: list[tuple[Node, list[int], list[float]]], version: int,
+                          replica: int) -> Changes:
+        ch = Changes()
+        for node, toks, lps in batch:
+            node.response, node.logprobs = list(toks), list(lps)
+            node.version, node.replica, node.status = version, replica, GENERATED
+            ch.generated.append(node)
+            mean = self.resp_len_mean[node.agent]
+            self.resp_len_mean[node.agent] = 0.95 * mean + 0.05 * len(toks)
+            call = self.call_of.pop(id(node))
+            call.done(node.response, self.task.stop_tokens)
+        ch.ready += self.advance().ready
+        return ch
+
+    def waiting(self) -> bool:
+        """Some episode waits on a tool or a timer: the loop must not block on replies."""
+        return self.runner.waiting()
+
+    def poll(self) -> Changes:
+        """Episodes waiting on tools or timers: step them (the orchestrator calls this every
+        round; cheap when none waits)."""
+        return self.advance() if self.runner.waiting() else Changes()
+
+    # -- training ------------------------------------------------------------------------
+    def batch_of(self, agent: str, step: int) -> int | None:
+        """`agent`'s samples of `step`, once all its episodes have finished (else None)."""
+        if self.step_left.get(step, 1):
+            return None
+        return self.calls_of[step][agent]
+
+    def loss_scale(self, agent: str, step: int) -> float:
+        return 1.0 / (self.n_in * self.group)
+
+    def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
+        q = self.ready[agent][step]
+        take, self.ready[agent][step] = q[:k], q[k:]
+        for n in take:
+            n.status, n.trainer_step = CONSUMED, step
+        return take
+
+    def ready_count(self, agent: str, step: int) -> int:
+        return len(self.ready[agent].get(step, ()))
+
+    # -- resume --------------------------------------------------------------------------
+    def restore(self, nodes: list[Node], first_step: int, versions: dict[str, int]) -> tuple[list[Node], Changes]:
+        """Replay the episodes of steps >= first_step over the journalled calls (see the
+        module docstring); consumed calls the trainers do not have go back to READY."""
+        requeue, was_ready = [], set()
+        for n in nodes:
+            if n.status == CONSUMED and n.trainer_step >= versions[n.agent]:
+                n.status, n.trainer_step = GENERATED, -1
+                requeue.append(n)
+            elif n.status == READY:
+                n.status = GENERATED
+                was_ready.add(id(n))
+            self.nodes[(n.agent, n.sample_id)] = n
+        last = max((n.step for n in nodes), default=first_step - 1)
+        ready = []
+        for step in range(first_step, last + 1):
+            self.steps_admitted.add(step)
+            self.step_left[step] = self.n_in
+            self.calls_of[step] = dict.fromkeys(self.agents, 0)
+            for example_id, example in self.task.stream.batch(step, self.n_in):
+                self.examples[example_id] = ExampleState(step, self.group)
+                for e in range(self.group):
+                    self.runner.start(step, example_id, e, example)
+            ready += self.advance().ready
+        # a journalled call no replayed episode asks for (only a nondeterministic episode
+        # could) stays GENERATED in the file and is never trained
+        return requeue, Changes(ready=[n for n in ready if id(n) not in was_ready])
+
+    def forget_step(self, step: int) -> None:
+        for key in [k for k, n in self.nodes.items() if n.step == step]:
+            del self.nodes[key]
+        for agent in self.agents:
+            self.ready[agent].pop(step, None)
+        for i in [i for i, st in self.examples.items() if st.step == step]:
+            del self.examples[i]
+        self.step_left.pop(step, None)
+        self.calls_of.pop(step, None)

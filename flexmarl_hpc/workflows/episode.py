@@ -1,0 +1,271 @@
+"""Episode functions: a multi-agent workflow written as Python over chat messages.
+
+    async def episode(ctx, example):
+        plan = await ctx.chat("planner", [{"role": "user", "content": example["question"]}])
+        answers = await asyncio.gather(*(ctx.chat("solver", [...]) for _ in range(k)))
+        check = await ctx.tool("calculator", "3 * (4 + 5)")
+        return {"planner": 1.0, "solver": [1.0, 0.0], "verifier": 0.5}
+
+referenced from YAML as `workflow.episode: my_pkg.my_module:episode` (docs/episodes.md).
+`ctx.chat` returns a `Reply` (the sampled text and its token ids); the call is one training
+sample of that agent: its prompt is the agent's own conversation so far, token for token
+(workflows/chat.py: earlier responses are never re-tokenised), its response the sampled
+tokens. The return value gives each agent a reward: one float for all its calls, or a list
+with one per call. An episode that raises gives every call of it reward 0 (a counted event).
+
+Episodes run as coroutines on an asyncio loop that the host steps (`EpisodeRunner.step`):
+the orchestrator in a run, the evaluator offline. No threads: the order in which calls
+appear is a function of the order their replies arrived, so a replay on resume (the same
+replies, taken from the store) makes the same calls. Episode functions must therefore be
+deterministic given their replies and tool outputs: draw randomness from `ctx.rng`.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What `ctx.chat` returns."""
+    text: str
+    """The response as text (special tokens and the stop token dropped)."""
+    ids: tuple[int, ...]
+    """The sampled token ids, stop token included: what the trainer sees."""
+    call: int
+    """This agent's call index in the episode (0 for its first call)."""
+    truncated: bool
+    """It hit max_tokens without a stop token."""
+
+
+@dataclass(eq=False)
+class Thread:
+    """One conversation of an agent in an episode: the messages it has seen, with its
+    replies, and their token ids (workflows/chat.py Conversation). A call whose messages
+    extend an idle thread's continues it; any other call starts a new thread (parallel
+    calls of one agent, e.g. three solvers, are three threads)."""
+    conv: Any
+    messages: list = field(default_factory=list)
+    busy: bool = False
+
+    def continued_by(self, messages: list[dict]) -> bool:
+        n = len(self.messages)
+        return not self.busy and n > 0 and len(messages) > n and list(messages[:n]) == self.messages
+
+
+@dataclass(eq=False)
+class Call:
+    """One `ctx.chat` in flight: the host generates `prompt` and calls `done`."""
+    episode: "EpisodeContext"
+    agent: str
+    index: int
+    """The agent's call index in its episode."""
+    prompt: list[int]
+    max_tokens: int
+    parent: "Call | None"
+    """The call of the episode that completed last before this one was made."""
+    thread: Thread = field(repr=False, default=None)
+    messages: list = field(repr=False, default_factory=list)
+    future: asyncio.Future = field(repr=False, default=None)
+
+    def done(self, response: list[int], stop_ids: frozenset[int]) -> None:
+        text = self.thread.conv.record(list(response))
+        self.thread.messages = list(self.messages) + [{"role": "assistant", "content": text}]
+        self.thread.busy = False
+        self.episode.last_done = self
+        truncated = not response or response[-1] not in stop_ids
+        self.future.set_result(Reply(text, tuple(response), self.index, truncated))
+
+
+class EpisodeContext:
+    """The `ctx` of one episode: chat with agents, call tools, draw random numbers."""
+
+    def __init__(self, runner: "EpisodeRunner", step: int, example_id: int, episode: int, args: dict):
+        self.runner, self.step, self.example_id, self.episode = runner, step, example_id, episode
+        self.args = args
+        """workflow.episode_args, as the YAML gives them."""
+        self.rng = np.random.default_rng([runner.seed, example_id, episode])
+        """This episode's random numbers (seeded by run seed, example and episode index)."""
+        self.metrics: dict[str, float] = {}
+        """What an evaluation averages over episodes (scripts/eval_episodes.py), e.g. accuracy."""
+        self.calls: dict[str, int] = {}
+        self.last_done: Call | None = None
+        self.threads: dict[str, list[Thread]] = {}
+
+    def thread_for(self, agent: str, messages: list[dict]) -> Thread:
+        """The idle thread of `agent` these messages continue, or a new one."""
+        threads = self.threads.setdefault(agent, [])
+        for t in threads:
+            if t.continued_by(messages):
+                break
+        else:
+            t = Thread(self.runner.new_conversation(agent))
+            threads.append(t)
+        t.busy = True
+        return t
+
+    async def chat(self, agent: str, messages: list[dict], *, max_tokens: int | None = None) -> Reply:
+        """Ask `agent` to answer `messages` (OpenAI-style dicts, `role` and `content`); the
+        reply is sampled with the agent's current weights. max_tokens: at most
+        workflow.max_new_tokens (the default)."""
+        cap = self.runner.max_new_tokens
+        if agent not in self.runner.agents:
+            raise ValueError(f"ctx.chat: no agent {agent!r} (workflow.agents: {self.runner.agents})")
+        n = cap if max_tokens is None else int(max_tokens)
+        if not 1 <= n <= cap:
+            raise ValueError(f"ctx.chat(max_tokens={max_tokens!r}): expected 1..{cap} (workflow.max_new_tokens)")
+        index = self.calls.get(agent, 0)
+        self.calls[agent] = index + 1
+        messages = [dict(m) for m in messages]
+        thread = self.thread_for(agent, messages)
+        prompt = thread.conv.prompt_ids(messages)
+        call = Call(self, agent, index, prompt, n, self.last_done, thread, messages,
+                    asyncio.get_running_loop().create_future())
+        self.runner.new_calls.append(call)
+        return await call.future
+
+    async def tool(self, name: str, argument: str):
+        """Run a bundled tool (`calculator`, `python`: tools/registry.py) on a worker, off
+        the orchestrator's loop; never raises: a failed call's output is an error string
+        and its `outcome` says why. Recorded in the store's /tools."""
+        return await self.runner.tool(self, name, argument)
+
+    async def call(self, fn: Callable, *args, timeout_s: float | None = None):
+        """`fn(*args)` (a module-level function: a reward, a test harness) in a worker process;
+        returns tools.pool.Called (value, outcome, latency); timeouts and crashes are outcomes."""
+        return await self.runner.call(self, fn, *args, timeout_s=timeout_s)
+
+
+@dataclass
+class Finished:
+    """An episode that returned (or raised)."""
+    ctx: EpisodeContext
+    rewards: dict[str, float | list[float]]
+    error: str = ""
+
+
+class EpisodeRunner:
+    """Runs episode coroutines on its own asyncio loop, stepped by the host."""
+
+    def __init__(self, fn: Callable[..., Awaitable[dict]], agents: list[str], seed: int,
+                 max_new_tokens: int, new_conversation: Callable[[str], Any], args: dict | None = None,
+                 tools=None, record_tool: Callable | None = None):
+        self.fn, self.agents, self.seed = fn, list(agents), seed
+        self.max_new_tokens, self.new_conversation = max_new_tokens, new_conversation
+        self.args = dict(args or {})
+        self.pool, self.record_tool = tools, record_tool
+        self.loop = asyncio.new_event_loop()
+        self.new_calls: list[Call] = []
+        self.finished: list[Finished] = []
+        self.running = 0
+        self.tools_in_flight = 0
+
+    def start(self, step: int, example_id: int, episode: int, example: dict) -> EpisodeContext:
+        ctx = EpisodeContext(self, step, example_id, episode, self.args)
+        self.running += 1
+        self.loop.create_task(self._run(ctx, example))
+        return ctx
+
+    async def _run(self, ctx: EpisodeContext, example: dict) -> None:
+        try:
+            rewards = await self.fn(ctx, example)
+            self.finished.append(Finished(ctx, check_rewards(rewards, ctx.calls, self.agents)))
+        except Exception as e:          # noqa: BLE001 - the user's episode: a counted event
+            self.finished.append(Finished(ctx, {}, f"{type(e).__name__}: {e}"))
+        finally:
+            self.running -= 1
+
+    def step(self) -> None:
+        """Run every episode until it waits on a reply or tool not yet in (no blocking:
+        pending I/O callbacks of finished tool calls are run too)."""
+        for _ in range(1000):                # callbacks chain (a reply resolves a future ...)
+            self.loop.call_soon(self.loop.stop)
+            self.loop.run_forever()
+            if not self.loop._ready:         # noqa: SLF001 - nothing left runnable
+                return
+
+    def waiting(self) -> bool:
+        """Some episode waits on a tool, a worker call or a timer (not on a reply)."""
+        return bool(self.tools_in_flight or self.loop._scheduled)      # noqa: SLF001
+
+    def take(self) -> tuple[list[Call], list[Finished]]:
+        calls, done = self.new_calls, self.finished
+        self.new_calls, self.finished = [], []
+        return calls, done
+
+    async def tool(self, ctx: EpisodeContext, name: str, argument: str):
+        if self.pool is None:
+            raise RuntimeError("ctx.tool: this run has no tool pool")
+        self.tools_in_flight += 1
+        try:
+            res = await self.pool.tool(name, argument)
+        finally:
+            self.tools_in_flight -= 1
+        if self.record_tool is not None:
+            self.record_tool(ctx, name, res.outcome, res.latency_s)
+        return res
+
+    async def call(self, ctx: EpisodeContext, fn, *args, timeout_s=None):
+        if self.pool is None:
+            raise RuntimeError("ctx.call: this run has no worker pool")
+        self.tools_in_flight += 1
+        try:
+            res = await self.pool.call(fn, *args, timeout_s=timeout_s)
+        finally:
+            self.tools_in_flight -= 1
+        if self.record_tool is not None:
+            self.record_tool(ctx, getattr(fn, "__name__", "call"), res.outcome, res.latency_s)
+        return res
+
+    def close(self) -> None:
+        for t in asyncio.all_tasks(self.loop):
+            t.cancel()
+        self.loop.call_soon(self.loop.stop)
+        self.loop.run_forever()
+        if self.pool is not None:
+            self.pool.close()
+        self.loop.close()
+
+
+def check_rewards(rewards: Any, calls: dict[str, int], agents: list[str]) -> dict[str, float | list[float]]:
+    """An episode's return value as {agent: float or one float per call}; raises ValueError
+    saying what is wrong (the episode then counts as failed)."""
+    if not isinstance(rewards, dict):
+        raise ValueError(f"an episode must return {{agent: reward}}, got {type(rewards).__name__}")
+    out: dict[str, float | list[float]] = {}
+    for agent, r in rewards.items():
+        if agent not in agents:
+            raise ValueError(f"reward for unknown agent {agent!r} (workflow.agents: {agents})")
+        if isinstance(r, (list, tuple)):
+            if len(r) != calls.get(agent, 0):
+                raise ValueError(f"{len(r)} rewards for {agent!r}, which was called {calls.get(agent, 0)} times")
+            out[agent] = [float(x) for x in r]
+        else:
+            out[agent] = float(r)
+    missing = [a for a, n in calls.items() if n and a not in out]
+    if missing:
+        raise ValueError(f"no reward for {missing} (called in the episode)")
+    return out
+
+
+def call_reward(rewards: dict, agent: str, index: int) -> float:
+    r = rewards.get(agent, 0.0)
+    return float(r[index]) if isinstance(r, list) else float(r)
+
+
+def load_episode(spec: str) -> Callable:
+    """Import `module:function`, an `async def episode(ctx, example)`."""
+    from flexmarl_hpc.config.schema import ConfigError
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"workflow.episode: cannot import {spec!r}: {e}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"workflow.episode: {spec!r} is not an `async def episode(ctx, example)`")
+    return fn

@@ -1,0 +1,200 @@
+"""Episode workflows on the orchestrator's side (orchestrator/episodes.py): dynamic calls
+become nodes, GRPO groups over calls, the step's batch known only at its end, replay on
+resume, failed episodes. The replies come from a scripted "replica" (the test); the
+conversations are a whitespace tokenizer, so prompts are readable."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from flexmarl_hpc.config.schema import Config, WorkflowConfig
+from flexmarl_hpc.learn.grpo import call_advantages
+from flexmarl_hpc.orchestrator.episodes import EpisodeTree, ReplayMismatch
+from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY
+from flexmarl_hpc.workflows.episode import EpisodeRunner
+
+STOP = 2
+
+
+class WordConversation:
+    """Token-exact in the simplest way: a token per word, ids are word hashes mod 1000 + 3."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+
+    def prompt_ids(self, messages):
+        self.ids = self.ids + [3 + sum(map(ord, w)) % 1000 for m in messages[len(self.ids) and -1:]
+                               for w in m["content"].split()]
+        return list(self.ids)
+
+    def record(self, ids):
+        self.ids += list(ids)
+        return " ".join(str(i) for i in ids if i != STOP)
+
+
+class Stream:
+    def batch(self, step, n):
+        return [(step * n + i, {"x": step * n + i}) for i in range(n)]
+
+
+async def skewed(ctx, example):
+    """The planner asks 1 + (x + episode) % 3 solvers; each solver's reply text is its reward."""
+    plan = await ctx.chat("planner", [{"role": "user", "content": f"plan {example['x']}"}])
+    k = 1 + (example["x"] + ctx.episode) % 3
+    replies = await asyncio.gather(*(ctx.chat("solver", [{"role": "user", "content": f"solve {j}"}])
+                                     for j in range(k)))
+    rewards = [0.0] * k
+    for r in replies:
+        rewards[r.call] = float(r.ids[0] % 2)
+    return {"planner": float(plan.ids[0] % 2), "solver": rewards}
+
+
+class Task:
+    stop_tokens = frozenset({STOP})
+    stream = Stream()
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def runner(self, cfg):
+        return EpisodeRunner(self.fn, cfg.agent_names, cfg.run.seed, cfg.workflow.max_new_tokens,
+                             lambda agent: WordConversation())
+
+
+def config(n_in=2, group=3):
+    cfg = Config(workflow=WorkflowConfig(episode="tests:skewed", agents=["planner", "solver"],
+                                         group_size=group, inputs_per_step=n_in, max_new_tokens=8))
+    return cfg
+
+
+def reply_for(node):
+    """The scripted replica: a reply whose first token depends on the call."""
+    return [4 + (node.input_id * 7 + node.traj * 3 + node.turn) % 5, STOP]
+
+
+def serve(tree, agents=("planner", "solver")):
+    """Answer every pending call until none is left; returns the nodes answered, in order."""
+    done = []
+    while any(tree.pending[a] for a in agents):
+        for a in agents:
+            batch = list(tree.pending[a])
+            tree.take_pending(a, {id(n) for n in batch})
+            if batch:
+                tree.record_generation([(n, reply_for(n), [-0.5] * 2) for n in batch], 0, 0)
+                done += batch
+    return done
+
+
+def test_calls_per_agent_vary_and_the_batch_is_known_when_the_step_ends():
+    tree = EpisodeTree(config(), Task(skewed))
+    tree.admit_step(0)
+    assert len(tree.pending["planner"]) == 6 and not tree.pending["solver"]
+    assert tree.batch_of("solver", 0) is None
+    serve(tree)
+    solver_calls = [n for n in tree.nodes.values() if n.agent == "solver"]
+    per_episode = {(n.input_id, n.traj): 0 for n in solver_calls}
+    for n in solver_calls:
+        per_episode[(n.input_id, n.traj)] += 1
+    assert sorted(set(per_episode.values())) == [1, 2, 3]          # not constant
+    assert tree.batch_of("solver", 0) == len(solver_calls) == sum(per_episode.values())
+    assert tree.batch_of("planner", 0) == 6
+    assert all(n.status == READY for n in tree.nodes.values())
+    assert tree.ready_count("solver", 0) == len(solver_calls)
+
+
+def test_advantages_follow_the_call_groups_of_each_example():
+    tree = EpisodeTree(config(n_in=1, group=3), Task(skewed))
+    tree.admit_step(0)
+    serve(tree)
+    mine = [n for n in tree.nodes.values() if n.agent == "solver"]
+    want = call_advantages([(n.traj, n.turn, n.reward) for n in mine])
+    assert np.allclose([n.advantage for n in mine], want)
+    # the rewards are the replies' parity, as the episode said (call index -> reward)
+    assert all(n.reward == float(n.response[0] % 2) for n in mine)
+
+
+def test_call_advantages_hand_computed():
+    # index 0 in episodes 0,1,2 (rewards 1,0,1); index 1 in 0,2 (1,0); index 2 only in 1
+    calls = [(0, 0, 1.0), (1, 0, 0.0), (2, 0, 1.0), (0, 1, 1.0), (2, 1, 0.0), (1, 2, 0.0)]
+    got = call_advantages(calls, eps=0.0)
+    s0 = np.sqrt(2 / 9)                       # population std of 1, 0, 1
+    # the lone index-2 call against the episode means 1, 0, 0.5 (mean 0.5, std sqrt(1/6))
+    want = [1 / 3 / s0, -2 / 3 / s0, 1 / 3 / s0, 1.0, -1.0, -0.5 / np.sqrt(1 / 6)]
+    assert np.allclose(got, want)
+    assert call_advantages([(0, 0, 1.0)]).tolist() == [0.0]
+
+
+def test_parent_is_the_call_completed_last_before():
+    tree = EpisodeTree(config(n_in=1, group=1), Task(skewed))
+    tree.admit_step(0)
+    serve(tree)
+    solver = [n for n in tree.nodes.values() if n.agent == "solver"]
+    assert solver and all(n.parent_call == "planner/0_0_0" for n in solver)
+    assert tree.nodes[("planner", "0_0_0")].parent_call == ""
+
+
+def test_replay_answers_recorded_calls_and_requeues_uncommitted_consumption():
+    cfg = config()
+    first = EpisodeTree(cfg, Task(skewed))
+    first.admit_step(0)
+    serve(first)
+    taken = first.take_ready("solver", 0, 4)
+    for n in taken:                            # consumed by step 0, which no checkpoint holds
+        assert n.status == CONSUMED
+    journal = [n for n in first.nodes.values()]
+    # what the journal would load: unlinked copies with status and responses
+    from flexmarl_hpc.orchestrator.tree import Node
+    loaded = [Node(n.agent, n.turn, n.step, n.input_id, n.traj, None, [], None, prompt=list(n.prompt),
+                   response=list(n.response), logprobs=list(n.logprobs), status=n.status,
+                   trainer_step=n.trainer_step, row=i) for i, n in enumerate(journal)]
+    again = EpisodeTree(cfg, Task(skewed))
+    requeue, ch = again.restore(loaded, 0, {"planner": 0, "solver": 0})
+    assert len(requeue) == 4 and not any(again.pending[a] for a in again.agents)   # nothing re-asked
+    assert again.batch_of("solver", 0) == first.batch_of("solver", 0)
+    assert again.ready_count("solver", 0) == first.batch_of("solver", 0)          # all trainable again
+    # journalled READY rows stay as they are; only the requeued ones are made READY again
+    assert {(n.agent, n.sample_id) for n in ch.ready} == {(n.agent, n.sample_id) for n in requeue}
+
+
+def test_a_nondeterministic_episode_is_refused_on_replay():
+    cfg = config(n_in=1, group=1)
+    first = EpisodeTree(cfg, Task(skewed))
+    first.admit_step(0)
+    serve(first)
+    from flexmarl_hpc.orchestrator.tree import Node
+    loaded = [Node(n.agent, n.turn, n.step, n.input_id, n.traj, None, [], None, prompt=list(n.prompt) + [9],
+                   response=list(n.response), logprobs=list(n.logprobs), status=GENERATED)
+              for n in first.nodes.values()]
+    with pytest.raises(ReplayMismatch, match="deterministic"):
+        EpisodeTree(cfg, Task(skewed)).restore(loaded, 0, {"planner": 0, "solver": 0})
+
+
+async def broken(ctx, example):
+    await ctx.chat("planner", [{"role": "user", "content": "hi"}])
+    if ctx.episode == 1:
+        raise KeyError("no such field")
+    return {"planner": 1.0}
+
+
+def test_an_episode_that_raises_gives_its_calls_reward_zero_and_is_counted():
+    tree = EpisodeTree(config(n_in=1, group=2), Task(broken))
+    tree.admit_step(0)
+    serve(tree)
+    by_ep = {n.traj: n.reward for n in tree.nodes.values()}
+    assert by_ep == {0: 1.0, 1: 0.0}
+    assert [f.error for f in tree.failed] == ["KeyError: 'no such field'"]
+    assert tree.batch_of("solver", 0) == 0                   # never called: an empty step
+
+
+async def bad_return(ctx, example):
+    await ctx.chat("solver", [{"role": "user", "content": "hi"}])
+    return {"solver": [1.0, 0.0]}                             # two rewards for one call
+
+
+def test_a_reward_list_of_the_wrong_length_fails_the_episode_with_a_reason():
+    tree = EpisodeTree(config(n_in=1, group=1), Task(bad_return))
+    tree.admit_step(0)
+    serve(tree)
+    assert "2 rewards for 'solver', which was called 1 times" in tree.failed[0].error
