@@ -9,6 +9,7 @@ never skips; only GPU tests skip, with a visible reason.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -91,6 +92,21 @@ def tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def transformers():
+    """transformers comes with the smollm2 extra (requirements-smollm2.txt, which
+    scripts/setup_smollm2.sh installs); install it the same way when it is missing."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError:
+        p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements-smollm2.txt"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=900)
+        need(p.returncode == 0, f"transformers (pip install -r requirements-smollm2.txt exited "
+                                f"{p.returncode}: {p.stderr[-300:]})")
+        importlib.invalidate_caches()
+        return importlib.import_module("transformers")
 
 
 def pytest_report_header(config):

@@ -5,37 +5,20 @@ changes the math is refused by name."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from flexmarl_hpc.learn.model import CausalLM, ModelArgs, load_hf_checkpoint
-from tests.conftest import ROOT, need
+from tests.conftest import ROOT
 
 BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
         "max_position_embeddings": 256}
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    """transformers comes with the smollm2 extra (requirements-smollm2.txt, which
-    scripts/setup_smollm2.sh installs); install it the same way when it is missing."""
-    try:
-        return importlib.import_module("transformers")
-    except ImportError:
-        p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements-smollm2.txt"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=900)
-        need(p.returncode == 0, f"transformers (pip install -r requirements-smollm2.txt exited "
-                                f"{p.returncode}: {p.stderr[-300:]})")
-        importlib.invalidate_caches()
-        return importlib.import_module("transformers")
 
 
 IDS = torch.randint(0, 64, (2, 200), generator=torch.Generator().manual_seed(0))

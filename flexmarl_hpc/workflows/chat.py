@@ -1,0 +1,160 @@
+"""Chat templates and token-exact conversations for episode workflows.
+
+    tok = ChatTokenizer("models/smollm2-135m-instruct")
+    conv = Conversation(tok)
+    ids = conv.prompt_ids([{"role": "user", "content": "2+3?"}])     # -> the engine
+    text = conv.record(sampled_ids)                                 # the engine's ids, kept verbatim
+    ids = conv.prompt_ids([..., {"role": "assistant", "content": text}, {"role": "user", ...}])
+
+A prompt is rendered with the checkpoint's own `chat_template`, the way transformers'
+`apply_chat_template` renders it (transformers/utils/chat_template_utils.py), but without
+importing transformers. Across turns the ids the policy sampled stay in the context as sampled:
+decoding them and encoding the text again can give other ids (" 12" sampled as " 1", "2" encodes
+as " 12"), and the trainer must score the ids the engine produced.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+Message = dict[str, Any]
+# The named special tokens transformers passes to every template (special_tokens_map)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes HTML characters (<, >, &, '); HF's does not, and templates rely on it
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # Templates are untrusted code from a checkpoint folder: the sandbox, as transformers uses it
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _token_string(value):
+    """A special token as tokenizer_config.json writes it: a string or a serialized AddedToken."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class ChatTemplate:
+    """A checkpoint's chat template and the special-token strings it may refer to."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})      # bos_token, eos_token, ... as in HF
+        self.template = _environment().from_string(source)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ChatTemplate":
+        """Read `chat_template.jinja` (newer HF folders) or `chat_template` of tokenizer_config.json."""
+        folder = Path(folder)
+        config_file = folder / "tokenizer_config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file}: no tokenizer_config.json (expected a HF checkpoint folder)")
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        jinja_file = folder / "chat_template.jinja"
+        source = jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else config.get("chat_template")
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"{config_file}: no chat_template (expected a string field `chat_template` "
+                             f"or a file {jinja_file.name} next to it)")
+        specials = {k: _token_string(config[k]) for k in SPECIAL_TOKENS
+                    if isinstance(_token_string(config.get(k)), str)}
+        return cls(source, specials)
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool, **kwargs) -> str:
+        """The prompt text, as `apply_chat_template(messages, tokenize=False, ...)` gives it."""
+        if not messages:
+            raise ValueError("messages: expected at least one message, got an empty list")
+        chat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got {m!r}")
+            # OpenAI-style None fields (content=None, tool_calls=None) are dropped, as HF does
+            chat.append({k: v for k, v in m.items() if v is not None})
+        return self.template.render(messages=chat, add_generation_prompt=add_generation_prompt,
+                                    **{"tools": None, "documents": None, **self.special_tokens, **kwargs})
+
+
+class ChatTokenizer:
+    """A checkpoint folder's tokenizer.json and chat template."""
+
+    def __init__(self, folder: str | Path):
+        from tokenizers import Tokenizer
+        folder = Path(folder)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: no tokenizer.json (expected a HF checkpoint folder)")
+        self.tokenizer = Tokenizer.from_file(str(file))
+        self.template = ChatTemplate.from_folder(folder)
+        eos = self.template.special_tokens.get("eos_token")
+        self.eos_id = self.tokenizer.token_to_id(eos) if eos else None
+        if self.eos_id is None:
+            raise ValueError(f"{folder / 'tokenizer_config.json'}: eos_token: expected a token of "
+                             f"{file.name}, got {eos!r}")
+        eot = self.tokenizer.token_to_id("<|endoftext|>")
+        self.stop_ids = [self.eos_id] + ([eot] if eot is not None and eot != self.eos_id else [])
+        pad = self.template.special_tokens.get("pad_token")
+        self.pad_id = next(i for i in (self.tokenizer.token_to_id(pad) if pad else None, eot, self.eos_id)
+                           if i is not None)
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs) -> str:
+        return self.template.render(messages, add_generation_prompt, **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`; special tokens written in it map to their ids; no BOS is added."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+class Conversation:
+    """The token-exact context of one agent in one episode.
+
+    `ids` are the last prompt's ids followed by the response ids recorded since, and `text` is
+    the text they stand for (special tokens included). A new prompt whose rendering extends
+    `text` is `ids + encode(rest)`; any other rendering (history rewritten, or a template that
+    renders earlier turns differently, e.g. Qwen3 dropping past thinking) is encoded from
+    scratch and counted in `rerendered`."""
+
+    def __init__(self, tokenizer: ChatTokenizer, **template_kwargs):
+        self.tok = tokenizer
+        self.template_kwargs = template_kwargs
+        self.ids: list[int] = []
+        self.text = ""
+        self.rerendered = 0
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        rendered = self.tok.render(messages, add_generation_prompt=True, **self.template_kwargs)
+        if self.ids and rendered.startswith(self.text):
+            self.ids = self.ids + self.tok.encode(rendered[len(self.text):])
+        else:
+            self.rerendered += bool(self.ids)
+            self.ids = self.tok.encode(rendered)
+        self.text = rendered
+        return list(self.ids)
+
+    def record(self, response_ids: Sequence[int]) -> str:
+        """Append the sampled ids; returns the response text (special tokens dropped, stop token
+        stripped) for the episode to put in the next assistant message."""
+        response_ids = [int(i) for i in response_ids]
+        self.ids += response_ids
+        self.text += self.tok.decode(response_ids, skip_special_tokens=False)
+        body = response_ids[:-1] if response_ids and response_ids[-1] in self.tok.stop_ids else response_ids
+        return self.tok.decode(body, skip_special_tokens=True)
