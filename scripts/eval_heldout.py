@@ -6,6 +6,11 @@ greedily, through the workflow's turns, and `task.eval_metrics` scores the leave
     python scripts/eval_heldout.py runs/smollm2_learn -n 128 --all --json out.json
     python scripts/eval_heldout.py runs/smollm2_learn -n 121 --all --paired   # + flips vs the base
     python scripts/eval_heldout.py --plot out.json docs/smollm2_learn.png   # the curve
+    python scripts/eval_heldout.py runs/math_team -n 200 --paired            # an episode workflow
+
+An episode workflow (workflow.episode) runs one greedy episode per held-out example of
+workflow.dataset.eval (workflows/offline.py) and averages what the episodes put in
+ctx.metrics.
 
 With a run directory it evaluates its latest checkpoint (or every kept one with --all; torch
 files or megatron dist_checkpointing folders), each agent at the same version. Prints mean
@@ -49,6 +54,17 @@ def evaluate(task, models: dict, turns, n: int, batch: int = 64) -> list[dict[st
             nxt += [Path(p.input, p.responses + (tuple(g.tokens),)) for p, g in zip(chunk, gens)]
         paths = nxt
     return [task.eval_metrics(p) for p in paths]
+
+
+def evaluate_episodes(cfg, task, models: dict, n: int) -> list[dict[str, float]]:
+    """Episode workflows: ctx.metrics of one greedy episode per held-out example (an episode
+    that failed scores 0 on every metric the others report)."""
+    from flexmarl_hpc.tools.pool import WorkerPool
+    from flexmarl_hpc.tools.registry import Tools
+    from flexmarl_hpc.workflows.offline import run_episodes
+    done = run_episodes(task, cfg, models, task.stream.heldout(n), tools=WorkerPool(Tools.from_config(cfg.tools), cfg.tools))
+    keys = sorted({k for f in done for k in f.ctx.metrics})
+    return [{k: float(f.ctx.metrics.get(k, 0.0)) for k in keys} for f in done]
 
 
 def mean(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -140,7 +156,9 @@ def main(argv=None) -> int:
     base = None
     for v in versions:
         t0 = time.time()
-        rows = evaluate(task, load_agents(cfg, task, run_dir, v), cfg.workflow.turns, a.n)
+        models = load_agents(cfg, task, run_dir, v)
+        rows = evaluate_episodes(cfg, task, models, a.n) if cfg.workflow.episode else \
+            evaluate(task, models, cfg.workflow.turns, a.n)
         res = mean(rows)
         base = rows if v is None else base
         err = {k: math.sqrt(x * (1 - x) / a.n) for k, x in res.items()}

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from flexmarl_hpc.tools.config import ToolsConfig
+
 
 class ConfigError(ValueError):
     """A config field or file is wrong; the message names it and what was expected."""
@@ -117,6 +119,44 @@ class TurnConfig:
     """Longest response of this turn."""
 
 
+DATASET_WHERE = "workflow.dataset"
+
+
+
+class DatasetError(ConfigError):
+    """A dataset field or file is wrong; the message names the field or the file and row, and
+    what was expected (a ConfigError: `run` exits 2 on it before any rank starts)."""
+
+
+@dataclass
+class DatasetConfig:
+    train: str = ""
+    """The training examples: a .jsonl file (one JSON object per line), a .parquet file, or a
+    folder saved by HF datasets' `save_to_disk` (one split). Relative paths are from the
+    working directory of the run."""
+    eval: str = ""
+    """The held-out examples, same formats ("": none). Evaluation takes the first
+    run.eval_inputs of them in file order, never shuffled and never trained on."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """Map from the key the episode reads to the column name in the file, e.g.
+    {question: problem, answer: solution}. A key not listed is read from the column of the
+    same name."""
+    shuffle: bool = True
+    """Shuffle the training examples, a new permutation each epoch drawn from
+    (run.seed, epoch); off: file order every epoch."""
+
+    def __post_init__(self) -> None:
+        for name in ("train", "eval"):
+            if not isinstance(getattr(self, name), str):
+                raise DatasetError(f"{DATASET_WHERE}.{name}: expected a path (string), got {getattr(self, name)!r}")
+        if not isinstance(self.fields, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and k and v for k, v in self.fields.items()):
+            raise DatasetError(f"{DATASET_WHERE}.fields: expected a map of non-empty names (episode key -> "
+                               f"column), got {self.fields!r}")
+        if not isinstance(self.shuffle, bool):
+            raise DatasetError(f"{DATASET_WHERE}.shuffle: expected true or false, got {self.shuffle!r}")
+
+
 @dataclass
 class WorkflowConfig:
     task: str = "flexmarl_hpc.workflows.referential:ReferentialGame"
@@ -140,6 +180,8 @@ class WorkflowConfig:
     same call in the example's other episodes."""
     max_new_tokens: int = 256
     """Episode workflows: most tokens of one chat reply (ctx.chat's max_tokens cap)."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Episode workflows: the examples (workflows/dataset.py)."""
 
 
 @dataclass
@@ -403,6 +445,8 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Tools and reward functions of episode workflows (flexmarl_hpc/tools/, docs/tools.md)."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     # -- derived views (pure) ----------------------------------------------------------

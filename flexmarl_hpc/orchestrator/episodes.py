@@ -233,6 +233,10 @@ class EpisodeTree:
         # could) stays GENERATED in the file and is never trained
         return requeue, Changes(ready=[n for n in ready if id(n) not in was_ready])
 
+    def close(self) -> None:
+        """End the episodes' loop and its tool workers."""
+        self.runner.close()
+
     def forget_step(self, step: int) -> None:
         for key in [k for k, n in self.nodes.items() if n.step == step]:
             del self.nodes[key]

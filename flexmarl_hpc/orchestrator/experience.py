@@ -209,11 +209,47 @@ class Experience(Journaled, Tree):
 
 
 class EpisodeExperience(Journaled, EpisodeTree):
-    """The episodes of all live steps (episode workflows), each change written through."""
+    """The episodes of all live steps (episode workflows), each change written through:
+    their calls as /samples rows, their tool calls as /tools rows, each finished episode as
+    an /episodes row (once: a replayed episode already recorded is not recorded again)."""
 
     def __init__(self, cfg: Config, task, store: StoreFile):
-        EpisodeTree.__init__(self, cfg, task)
+        from flexmarl_hpc.tools.pool import WorkerPool
+        from flexmarl_hpc.tools.registry import Tools
+        pool = WorkerPool(Tools.from_config(cfg.tools), cfg.tools)
+        EpisodeTree.__init__(self, cfg, task, task.runner(cfg, tools=pool, record_tool=self._tool_done))
         self._journal_to(store)
+        self.recorded: set[tuple[int, int]] = set()        # (example, episode) with an /episodes row
+
+    def _tool_done(self, ctx, tool: str, outcome: str, latency_s: float) -> None:
+        """A tool call ended: its /tools row names the call whose reply asked for it."""
+        last = ctx.last_done
+        self.store.record_tool(self.store.now(), None if last is None else last.agent, ctx.example_id,
+                               ctx.episode, -1 if last is None else last.index, tool, outcome, latency_s)
+
+    def _episode_done(self, f) -> list[Node]:
+        ready = super()._episode_done(f)
+        ctx = f.ctx
+        if (ctx.example_id, ctx.episode) not in self.recorded:
+            self.recorded.add((ctx.example_id, ctx.episode))
+            if f.error:                          # the episode raised: its calls got reward 0
+                self.store.record_tool(self.store.now(), None, ctx.example_id, ctx.episode, -1,
+                                       "episode", "reward_error", 0.0)
+            rewards = {a: float(np.mean(r)) if isinstance(r, list) else r for a, r in f.rewards.items()
+                       if not isinstance(r, list) or r}
+            self.store.record_episode(self.store.now(), ctx.step, ctx.example_id, ctx.episode,
+                                      dict(ctx.calls), rewards)
+        return ready
+
+    def reload(self, first_step: int, versions: dict[str, int]) -> int:
+        rows = self.store.episodes.read()
+        self.recorded = {(int(i), int(t)) for i, t in zip(rows["input_id"], rows["traj"])}
+        return super().reload(first_step, versions)
+
+    def forget_step(self, step: int) -> None:
+        super().forget_step(step)
+        n = self.n_in
+        self.recorded = {k for k in self.recorded if not step * n <= k[0] < (step + 1) * n}
 
 
 def experience_for(cfg: Config, task, store: StoreFile) -> Experience | EpisodeExperience:

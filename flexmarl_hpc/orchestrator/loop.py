@@ -517,5 +517,6 @@ class Orchestrator(WorkerFailures):
             pending -= isinstance(msg, messages.Stopped)
         self.record_steps(checkpoints=False)
         self.maybe_log()
+        self.exp.close()
         self.recorder.flush()
         self.recorder.close()

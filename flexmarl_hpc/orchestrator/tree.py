@@ -264,6 +264,9 @@ class Tree:
     def waiting(self) -> bool:
         return False
 
+    def close(self) -> None:
+        pass
+
     def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
         """Mark up to k READY samples of (agent, step) CONSUMED and return them."""
         q = self.ready[agent][step]

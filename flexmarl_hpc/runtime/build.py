@@ -15,6 +15,9 @@ from flexmarl_hpc.workflows.base import Task, load_task
 
 
 def build_task(cfg: Config) -> Task:
+    if cfg.workflow.episode:                     # an episode workflow (workflows/episode.py)
+        from flexmarl_hpc.workflows.episode_task import EpisodeTask
+        return EpisodeTask(cfg)
     return load_task(cfg.workflow.task, cfg.workflow.task_args, [t.agent for t in cfg.workflow.turns])
 
 

@@ -1,5 +1,5 @@
-"""The tools' config. Not yet a section of config/schema.py (that wiring is left for the
-episode functions of issue 25); field docstrings are the help text, as there.
+"""The tools' config: the `tools:` section of a run's config (config/schema.py); field
+docstrings are the help text, as there.
 
 Kept free of torch and mpi4py, like config/.
 """
@@ -40,12 +40,13 @@ class ToolsConfig:
     """The calculator refuses results (and powers) with more digits than this."""
 
     def __post_init__(self) -> None:
+        from flexmarl_hpc.config.schema import ConfigError     # a section of it (no cycle at import)
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name != "python" and not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"tools.{f.name}: expected a positive number, got {v!r}")
+                raise ConfigError(f"tools.{f.name}: expected a positive number, got {v!r}")
         if self.python and not os.access(self.python, os.X_OK):
-            raise ValueError(f"tools.python: expected an executable interpreter, got {self.python!r}")
+            raise ConfigError(f"tools.python: expected an executable interpreter, got {self.python!r}")
 
     def interpreter(self) -> str:
         if self.python:

@@ -1,0 +1,47 @@
+"""The task of an episode workflow: what replicas, trainers and the orchestrator need of it.
+
+Built from the config (`workflow.episode` set): each agent's chat tokenizer (its checkpoint
+folder's tokenizer.json and chat template), the dataset stream, and the runner that steps
+episode coroutines. Replicas and trainers use only `vocab` (pad id, size) and
+`stop_tokens`; the orchestrator also `stream` and `runner`.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+
+from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.workflows.base import Task, TokenizerVocab
+from flexmarl_hpc.workflows.chat import ChatTokenizer, Conversation
+from flexmarl_hpc.workflows.episode import EpisodeRunner, load_episode
+
+
+class EpisodeTask(Task):
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.fn = load_episode(cfg.workflow.episode)
+        folders = {agent: cfg.model_for(agent).checkpoint for agent in cfg.agent_names}
+        self.chat = {folder: ChatTokenizer(folder) for folder in set(folders.values())}
+        self.chat_of = {agent: self.chat[f] for agent, f in folders.items()}
+        first = self.chat_of[cfg.agent_names[0]]
+        special = first.template.special_tokens
+        eos = special.get("eos_token")
+        self.vocab = TokenizerVocab(folders[cfg.agent_names[0]], pad=eos, bos=special.get("bos_token") or eos,
+                                    eos=eos)
+        self.vocab.pad_id = first.pad_id
+        self.stop_tokens = frozenset(i for tok in self.chat.values() for i in tok.stop_ids)
+
+    @cached_property
+    def stream(self):
+        """The training examples as a stream whose position is the step (workflows/dataset.py)."""
+        from flexmarl_hpc.workflows.dataset import ExampleStream
+        return ExampleStream.from_config(self.cfg.workflow.dataset, self.cfg.run.seed)
+
+    def runner(self, cfg: Config, tools=None, record_tool=None) -> EpisodeRunner:
+        """A runner of this workflow's episodes (`tools`: a tools.pool.WorkerPool)."""
+        w = cfg.workflow
+        return EpisodeRunner(self.fn, cfg.agent_names, cfg.run.seed, w.max_new_tokens,
+                             lambda agent: Conversation(self.chat_of[agent]), w.episode_args,
+                             tools, record_tool)
+
+    def render(self, path) -> str:
+        return "episode call"

@@ -1,0 +1,81 @@
+"""A planner, solvers and a verifier on word problems (configs/math_team.yaml).
+
+    planner   reads the problem and decides how many solvers to ask (1-3)
+    solver    each solves it in free text (up to workflow.max_new_tokens); it may write
+              <calc>expression</calc> once: the calculator tool runs it and the solver is
+              asked again with the result in its own, growing conversation
+    verifier  sees the candidate answers and names the one it believes; that is the
+              team's answer (unparsable: the first solver's)
+
+Rewards: a solver call 1 when its final answer is right; the verifier 1 when the team's
+answer is right; the planner the team's correctness minus 0.1 per extra solver. Each
+agent is called a different number of times per episode (1 planner, 1-3 solvers each
+with 1-2 turns, 1 verifier): the skew the scheduler balances. `ctx.metrics["team_correct"]`
+is what scripts/eval_episodes.py averages.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+
+from flexmarl_hpc.workflows.mathcheck import answer_correct, extract_answer
+
+CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
+SYSTEM = {"role": "system", "content": "You are a helpful assistant who is good at arithmetic."}
+
+
+def planner_prompt(q: str) -> list[dict]:
+    return [SYSTEM, {"role": "user", "content": f"Problem: {q}\nHow many people should try to solve "
+                     "this problem independently: 1, 2 or 3? Reply with one digit."}]
+
+
+def solver_prompt(q: str) -> list[dict]:
+    return [SYSTEM, {"role": "user", "content": f"{q}\nSolve it in a few short steps. You may write "
+                     "<calc>expression</calc> to use a calculator. End with the line 'Answer: <number>'."}]
+
+
+def verifier_prompt(q: str, candidates: list[str]) -> list[dict]:
+    listed = "\n".join(f"- {c}" for c in candidates)
+    return [SYSTEM, {"role": "user", "content": f"Problem: {q}\nProposed answers:\n{listed}\n"
+                     "Which answer is correct? Reply with the number only."}]
+
+
+def n_solvers(text: str) -> int:
+    m = re.search(r"[123]", text)
+    return int(m.group()) if m else 1
+
+
+async def solve(ctx, q: str) -> tuple[str | None, list[int]]:
+    """One solver thread: its final answer and the solver call indices it used."""
+    messages = solver_prompt(q)
+    reply = await ctx.chat("solver", messages)
+    m = CALC.search(reply.text)
+    if m is None:
+        return extract_answer(reply.text), [reply.call]
+    first = reply.call
+    result = await ctx.tool("calculator", m.group(1))
+    messages += [{"role": "assistant", "content": reply.text},
+                 {"role": "user", "content": f"Calculator: {result.output}\nNow end with the line "
+                  "'Answer: <number>'."}]
+    reply = await ctx.chat("solver", messages, max_tokens=min(64, ctx.runner.max_new_tokens))
+    return extract_answer(reply.text), [first, reply.call]
+
+
+async def episode(ctx, example: dict) -> dict:
+    q, gold = example["question"], example["answer"]
+    plan = await ctx.chat("planner", planner_prompt(q), max_tokens=4)
+    k = n_solvers(plan.text)
+    results = await asyncio.gather(*(solve(ctx, q) for _ in range(k)))
+    answers = [a for a, _ in results]
+    candidates = list(dict.fromkeys(a for a in answers if a is not None)) or ["none"]
+    pick = await ctx.chat("verifier", verifier_prompt(q, candidates), max_tokens=8)
+    chosen = extract_answer(pick.text)
+    team = chosen if chosen in candidates else (answers[0] or "")
+    team_ok = float(answer_correct(team, gold))
+    ctx.metrics["team_correct"] = team_ok
+    ctx.metrics["solvers"] = float(k)
+    solver_rewards = [0.0] * sum(len(calls) for _, calls in results)
+    for a, calls in results:
+        for i in calls:
+            solver_rewards[i] = float(answer_correct(a or "", gold))
+    return {"planner": team_ok - 0.1 * (k - 1), "solver": solver_rewards, "verifier": team_ok}
