@@ -514,7 +514,10 @@ class StoreFile:
           - status patches of sample rows already on disk (the status fields are a cache of
             /events) wait for the next full one (each log line, checkpoint and close).
         """
-        if not self.dirty or self.failed is not None:
+        # nothing queued, and (a full flush) /commit already names every written row: a light
+        # flush's rows are written but committed only by the next flush, even with nothing new
+        idle = not self.dirty and (not full or np.array_equal(self.flushed, self._crc_at))
+        if idle or self.failed is not None:
             # after a failed write or flush, what HDF5 holds in memory is unknown: a later
             # flush that succeeds (a checkpoint's cleanup freed the disk) may leave out chunk
             # index entries the failed one lost, and a commit would then name rows no chunk
