@@ -220,7 +220,7 @@ def _replica_load_figure(plt, runs: list[Run]):
 
 def _calls_figure(plt, runs: list[Run]):
     """Per agent, how many episodes made how many calls of it; bars side by side per run."""
-    agents = sorted({a for r in runs for a in r.agents})
+    agents = list(dict.fromkeys(a for r in runs for a in r.agents))      # the workflow's order
     fig, axes = plt.subplots(1, max(len(agents), 1), figsize=(4.5 * max(len(agents), 1), 3.8), squeeze=False)
     data = [calls_per_episode(run) for run in runs]
     width = 0.8 / len(runs)

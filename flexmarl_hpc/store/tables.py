@@ -62,9 +62,10 @@ EVAL_COLUMNS = {
 
 TOOL_COLUMNS = {"t": "f8", "agent": "i2", "input_id": "i8", "traj": "i8", "call": "i4",
                 "tool": "S64", "outcome": "i1", "latency_s": "f4"}
-# /tools outcome codes: the index here. The sandbox's outcomes (tools.sandbox.OUTCOMES),
-# 'refused' (tools.registry: input a tool will not run) and 'reward_error' (a reward function
-# that raised or returned no number); docs/tools.md says what each means
+# /tools outcome codes: the index here (append only). The sandbox's outcomes
+# (tools.sandbox.OUTCOMES, also the pool's for a reward function), 'refused' (tools.registry:
+# input a tool will not run) and 'reward_error' (a reward function returned, but no usable
+# reward); docs/tools.md and docs/store.md say what each means
 TOOL_OUTCOMES = ("ok", "error", "timeout", "killed_cpu", "memory", "file_size", "crashed",
                  "refused", "launch_failed", "reward_error")
 
