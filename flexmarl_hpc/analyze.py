@@ -7,8 +7,9 @@
 
 Figures (PNG, into --out, default `<first run's folder>/figures`): rewards.png,
 entropy_kl.png, timeline.png (per-rank Gantt; per role and pool/group beyond 64 ranks), utilization.png, staleness.png,
-response_lengths.png, replica_load.png, and eval.png (held-out evaluation per step, when a
-run has /eval). Several runs are drawn side by side. A file that
+response_lengths.png, replica_load.png, calls_per_episode.png (per agent, how many episodes
+made how many calls: the skew; constant for a fixed-turn workflow), and eval.png (held-out
+evaluation per step, when a run has /eval). Several runs are drawn side by side. A file that
 is missing, truncated, of another program or of another schema version gives a one-line
 message and exit code 2.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flexmarl_hpc.analysis.episodes import calls_per_episode
 from flexmarl_hpc.analysis.load import AnalysisError, Run, distinct_names, eval_curves, load_run, summary, utilization
 
 ACTIVITY_COLORS = {"generate": "tab:blue", "train": "tab:orange", "sync": "tab:green",
@@ -53,6 +55,7 @@ def print_summary(runs: list[Run], sums: list[dict]) -> None:
         stale = ", ".join(f"{k}: {v / total:.0%}" for k, v in s["staleness"].items())
         print(f"   staleness (versions): {stale}")
         print(f"   weight sync {s['sync_s']:.2f} s, state swap {s['swap_s']:.2f} s (summed over ranks)")
+        _print_episodes(s)
     if len(runs) > 1:
         base = sums[0]
         print("\n   comparison vs " + runs[0].label)
@@ -61,6 +64,18 @@ def print_summary(runs: list[Run], sums: list[dict]) -> None:
             u = np.mean(list(s["utilization"].values())) if s["utilization"] else 0.0
             x = s["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] else float("nan")
             print(f"   {run.label:32s} {s['samples_per_s']:10.1f} {x:6.2f} {s['wall_s']:8.1f} {u:9.0%}")
+
+
+def _print_episodes(s: dict) -> None:
+    """Calls per episode of each agent, and the tool calls by tool and outcome."""
+    cpe = s["calls_per_episode"]
+    for a, c in cpe["per_agent"].items():
+        print(f"   calls/episode {a:12s} mean {c['mean']:.2f}  min {c['min']}  max {c['max']}  "
+              f"({c['episodes']} episodes; {cpe['source']})")
+    for tool, t in s["tools"].items():
+        outcomes = ", ".join(f"{k} {v}" for k, v in t["outcomes"].items())
+        print(f"   tool {tool:20s} {t['calls']} calls ({outcomes})  latency median "
+              f"{t['latency_median_s']:.3f} s, p95 {t['latency_p95_s']:.3f} s")
 
 
 STYLES = ["-", "--", ":", "-."]   # line style per run, when several are drawn side by side
@@ -75,7 +90,7 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
     figures = [("rewards.png", _rewards_figure), ("entropy_kl.png", _entropy_kl_figure),
                ("timeline.png", _timeline_figure), ("utilization.png", _utilization_figure),
                ("staleness.png", _staleness_figure), ("response_lengths.png", _lengths_figure),
-               ("replica_load.png", _replica_load_figure)]
+               ("replica_load.png", _replica_load_figure), ("calls_per_episode.png", _calls_figure)]
     if any(not run.evals.empty for run in runs):
         figures.append(("eval.png", _eval_figure))
     files = []
@@ -200,6 +215,23 @@ def _replica_load_figure(plt, runs: list[Run]):
         ax.set(xlabel="time since start (s)", title=f"Rollout replica load (agent served) - {run.label}")
         ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], colors.keys(),
                   fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(colors))
+    return fig
+
+
+def _calls_figure(plt, runs: list[Run]):
+    """Per agent, how many episodes made how many calls of it; bars side by side per run."""
+    agents = list(dict.fromkeys(a for r in runs for a in r.agents))      # the workflow's order
+    fig, axes = plt.subplots(1, max(len(agents), 1), figsize=(4.5 * max(len(agents), 1), 3.8), squeeze=False)
+    data = [calls_per_episode(run) for run in runs]
+    width = 0.8 / len(runs)
+    for ax, a in zip(axes[0], agents):
+        for i, (run, (calls, source)) in enumerate(zip(runs, data)):
+            h = calls.loc[calls["agent"] == a, "calls"].astype(int).value_counts().sort_index()
+            ax.bar(h.index + (i - (len(runs) - 1) / 2) * width, h.values, width=width,
+                   label=f"{run.label} ({source})")
+        ax.set(xlabel="calls of the agent in one episode", ylabel="episodes", title=f"Calls per episode - {a}")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=7)
     return fig
 
 

@@ -9,9 +9,12 @@ DataFrames: `samples` (one row per sample, all agents, column `agent`; `stalenes
 trainer_step - policy_version for consumed samples), `steps` (one row per optimizer step
 and agent), `intervals` (per-rank busy/wait intervals), `metrics` (one row per global step),
 `events` (every status change), `evals` (held-out evaluation, one row per step, agent,
-metric and mode; empty without run.eval_every). `steps` and `metrics` hold only current rows: rows a
+metric and mode; empty without run.eval_every), `tools` (one row per tool or reward-function
+call; `agent` "" for a reward function, `outcome` by name) and `episodes` (one row per finished
+episode and agent: `calls`, `reward`; both empty before schema 4, and `episodes` for runs whose
+workflow records none). `steps` and `metrics` hold only current rows: rows a
 resume rolled back (schema 2: `superseded`=1; schema 1: all but the last row of a step)
-are left out. Reads schema versions 1 and 2 (columns schema 1 lacks are absent). Bad input
+are left out. Reads schema versions 1 to 4 (columns schema 1 lacks are absent). Bad input
 raises `AnalysisError` naming the file and what is wrong; files of another schema version
 say which versions this code reads.
 """
@@ -25,9 +28,11 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from flexmarl_hpc.analysis.episodes import calls_summary, tool_stats
 from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable, open_read, read_rows, verify_store
 from flexmarl_hpc.store.tables import (ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS,
-                    METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, eval_key)
+                    METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, TOOL_COLUMNS,
+                    TOOL_OUTCOMES, episode_columns, eval_key)
 
 # the columns schema 1 had, where schema 2 added some
 V1_ONLY = {"steps": [c for c in STEP_COLUMNS if c not in ("logp_mismatch", "tis_mean", "superseded", *ADDED)],
@@ -58,6 +63,8 @@ class Run:
     """How plots and tables name the run (`distinct_names`); default: the file's stem."""
     notice: str = ""
     """One line when its data cannot be verified (a store written without checksums)."""
+    tools: pd.DataFrame = field(default_factory=lambda: _tools(None, []))
+    episodes: pd.DataFrame = field(default_factory=lambda: _episodes(None, []))
 
     @property
     def label(self) -> str:
@@ -166,6 +173,10 @@ def load_run(path: str | Path) -> Run:
             events = table("events", EVENT_COLUMNS)
             # /eval came later within schema 2: a file without it has no evaluation
             evals = table("eval", EVAL_COLUMNS) if version >= 2 and "eval" in f else pd.DataFrame()
+            # schema 4 added /tools and /episodes: an older file has none (empty frames)
+            tools = _tools(table("tools", TOOL_COLUMNS) if version >= 4 and "tools" in f else None, agents)
+            episodes = _episodes(_columns_v2(f, "episodes", episode_columns(len(agents)), path, committed, torn)
+                                 if version >= 4 and "episodes" in f else None, agents)
         except (KeyError, OSError, ValueError, RuntimeError) as e:
             raise AnalysisError(f"{path}: damaged file ({e})") from None
     try:
@@ -175,7 +186,31 @@ def load_run(path: str | Path) -> Run:
     events["agent"] = [agents[i] if 0 <= i < len(agents) else "?" for i in events["agent"]]
     return Run(path, attrs, config, pd.concat(samples, ignore_index=True) if samples else pd.DataFrame(),
                pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(), intervals, metrics,
-               events, agents, evals, notice=notice or "")
+               events, agents, evals, notice=notice or "", tools=tools, episodes=episodes)
+
+
+def _tools(df: pd.DataFrame | None, agents: list[str]) -> pd.DataFrame:
+    """/tools with agents and outcomes by name (an empty frame of its columns for None)."""
+    if df is None:
+        return pd.DataFrame({c: pd.Series(dtype=object if c in ("agent", "tool", "outcome") else t)
+                             for c, t in TOOL_COLUMNS.items()})
+    df["agent"] = [agents[i] if 0 <= i < len(agents) else "" for i in df["agent"]]
+    df["outcome"] = [TOOL_OUTCOMES[i] if 0 <= i < len(TOOL_OUTCOMES) else f"code {i}" for i in df["outcome"]]
+    return df
+
+
+def _episodes(data: dict | None, agents: list[str]) -> pd.DataFrame:
+    """/episodes in long form: one row per (episode, agent) with that agent's calls and reward."""
+    if data is None or not len(data["step"]):
+        return pd.DataFrame({"step": pd.Series(dtype="i8"), "input_id": pd.Series(dtype="i8"),
+                             "traj": pd.Series(dtype="i8"), "t": pd.Series(dtype="f8"),
+                             "agent": pd.Series(dtype=object), "calls": pd.Series(dtype="i4"),
+                             "reward": pd.Series(dtype="f4")})
+    k = len(agents)
+    out = {c: np.repeat(data[c], k) for c in ("step", "input_id", "traj", "t")}
+    out["agent"] = np.tile(np.array(agents, object), len(data["step"]))
+    out["calls"], out["reward"] = data["calls"].reshape(-1), data["reward"].reshape(-1)
+    return pd.DataFrame(out)
 
 
 def _samples(df: pd.DataFrame, agent: str) -> pd.DataFrame:
@@ -255,6 +290,7 @@ def summary(run: Run) -> dict:
         "staleness": {int(k): int(v) for k, v in staleness(run).items()},
         "sync_s": float(secs.get("sync", 0.0)), "swap_s": float(secs.get("swap", 0.0)),
         "eval": eval_curves(run),
+        "calls_per_episode": calls_summary(run), "tools": tool_stats(run),
     }
 
 

@@ -122,6 +122,16 @@ def _trees(samples: dict, lost: dict) -> dict:
                                      bool, len(rows)) for a, rows in samples.items()}
 
 
+def _in_trees(episodes: np.ndarray, samples: dict, lost: dict) -> np.ndarray:
+    """Which /episodes rows belong to a tree (step, input) that lost samples."""
+    gone = set()
+    for a, rows in samples.items():
+        m = lost[a] & _good_ids(rows)       # a row of a damaged chunk reads zeros: no tree known
+        gone |= set(zip(rows["step"][m].tolist(), rows["input_id"][m].tolist()))
+    return np.fromiter(((s, i) in gone for s, i in zip(episodes["step"].tolist(),
+                                                        episodes["input_id"].tolist())), bool, len(episodes))
+
+
 def _good_ids(rows: np.ndarray) -> np.ndarray:
     return rows["sample_id"] != b""
 
@@ -134,7 +144,7 @@ def salvage(src: Path, out: Path) -> Salvaged:
         raise ValueError(f"{out}: exists; salvage writes a new file (name another with --out)")
     with h5py.File(src, "r", swmr=True) as f:        # a killed writer's flags stay as they are
         if f.attrs.get("program") != "flexmarl_hpc" or "commit" not in f:
-            raise ValueError(f"{src}: not a flexmarl_hpc run file of schema version 3")
+            raise ValueError(f"{src}: not a flexmarl_hpc run file of schema version 3 or later")
         if not has_checksums(f["events"]):
             raise ValueError(f"{src}: written without chunk checksums (schema version "
                              f"{int(f.attrs.get('schema_version', 0))}): nothing to verify rows against")
@@ -153,6 +163,8 @@ def salvage(src: Path, out: Path) -> Salvaged:
     for a in agents:
         rep.lost_ids[a] = sorted(x.decode() for x in samples[a]["sample_id"][lost[a] & _good_ids(samples[a])])
         rep.unreadable[a] = int((~ok[f"/samples/{a}"]).sum())
+    if "/episodes" in data:                # an episode whose samples are lost is not counted
+        ok["/episodes"] &= ~_in_trees(data["/episodes"], samples, lost)
     rep.lost_rows = {t: int((~m).sum()) for t, m in ok.items()}
     _write(out, agents, attrs, chunk, data, ok, lost)
     out.with_name(out.name + ".lost.json").write_text(json.dumps(
@@ -182,8 +194,9 @@ def _write(out: Path, agents: list[str], attrs: dict, chunk: int, data: dict, ok
             keep |= inside & (rows >= 0)
         ev, ev["row"] = ev[keep], rows[keep]
         s.events.append(ev)
-        for t in ("intervals", "metrics", "eval"):
-            s.tables[f"/{t}"].append(data[f"/{t}"][ok[f"/{t}"]])
+        for t in ("intervals", "metrics", "eval", "tools", "episodes"):
+            if f"/{t}" in data:             # a schema-3 source has no /tools, /episodes
+                s.tables[f"/{t}"].append(data[f"/{t}"][ok[f"/{t}"]])
         s.flush()
     finally:
         s.close()

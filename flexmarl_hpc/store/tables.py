@@ -28,8 +28,8 @@ from flexmarl_hpc.store.checksum import (CRC_DTYPE, MUTABLE, chunk_buffer, has_c
                                          span_sums, stamp, verify_path)
 from flexmarl_hpc.store.repair import clear_open_flags
 
-SCHEMA_VERSION = 3                 # 3: every chunk carries HDF5's Fletcher-32 checksum
-READS = (1, 2, 3)                     # versions flexmarl_hpc.analysis.load reads
+SCHEMA_VERSION = 4                 # 3: Fletcher-32 on every chunk; 4: /tools and /episodes
+READS = (1, 2, 3, 4)                  # versions flexmarl_hpc.analysis.load reads
 GENERATED, READY, CONSUMED, DROPPED = 0, 1, 2, 3
 STATUS_NAMES = {GENERATED: "generated", READY: "ready", CONSUMED: "consumed", DROPPED: "dropped"}
 
@@ -59,6 +59,22 @@ EVAL_COLUMNS = {
     "step": "i8", "agent": "S64", "metric": "S64", "mode": "S8", "value": "f8", "n_inputs": "i4",
     "n_paths": "i4", "version": "i8", "t_start": "f8", "t_end": "f8",
 }
+
+TOOL_COLUMNS = {"t": "f8", "agent": "i2", "input_id": "i8", "traj": "i8", "call": "i4",
+                "tool": "S64", "outcome": "i1", "latency_s": "f4"}
+# /tools outcome codes: the index here (append only). The sandbox's outcomes
+# (tools.sandbox.OUTCOMES, also the pool's for a reward function), 'refused' (tools.registry:
+# input a tool will not run) and 'reward_error' (a reward function returned, but no usable
+# reward); docs/tools.md and docs/store.md say what each means
+TOOL_OUTCOMES = ("ok", "error", "timeout", "killed_cpu", "memory", "file_size", "crashed",
+                 "refused", "launch_failed", "reward_error")
+
+
+def episode_columns(n_agents: int) -> dict[str, str]:
+    """/episodes: one row per finished episode; `calls` and `reward` hold one entry per
+    agent (attrs `agents` order), so the row's dtype depends on the run's agents."""
+    return {"step": "i8", "input_id": "i8", "traj": "i8", "t": "f8",
+            "calls": f"({n_agents},)i4", "reward": f"({n_agents},)f4"}
 
 
 def eval_key(agent: str, metric: str, mode: str) -> str:
@@ -379,6 +395,8 @@ class StoreFile:
         self.events = mk("events", EVENT_COLUMNS, 512)
         self.metrics = mk("metrics", METRIC_COLUMNS, 256)
         self.eval = mk("eval", EVAL_COLUMNS, 256)
+        self.tools = mk("tools", TOOL_COLUMNS, 512)
+        self.episodes = mk("episodes", episode_columns(len(self.agents)), 256)
         self.tables = {t.ds.name: t for t in self._all()}
         self._table_list = list(self.tables.values())
         self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
@@ -411,7 +429,8 @@ class StoreFile:
 
     def _all(self) -> list[Table]:
         return [*self.samples.values(), *self.tokens.values(), *self.steps.values(),
-                *self.step_rows.values(), self.intervals, self.events, self.metrics, self.eval]
+                *self.step_rows.values(), self.intervals, self.events, self.metrics, self.eval,
+                self.tools, self.episodes]
 
     def _recover(self, torn: list) -> None:
         """Cut every table back to its committed rows, mend the torn appends (boundary chunks
@@ -496,6 +515,35 @@ class StoreFile:
         """Queue /eval rows (columns as lists); committed by the next flush."""
         self.eval.append(cols)
 
+    def record_tool(self, now: float, agent: str | None, input_id: int, traj: int, call: int,
+                    tool: str, outcome: str, latency_s: float) -> None:
+        """Queue one /tools row (committed by the next flush): a tool call whose result feeds
+        call `call` of `agent` in episode (input_id, traj), or a reward function's call
+        (agent None: not tied to one; call -1). `outcome` is one of TOOL_OUTCOMES."""
+        if outcome not in TOOL_OUTCOMES:
+            raise ValueError(f"{self.path}: /tools outcome {outcome!r}: expected one of {', '.join(TOOL_OUTCOMES)}")
+        row = np.zeros(1, self.tools.dtype)
+        row[0] = (now, -1 if agent is None else self._agent_index(agent, "/tools agent"), input_id, traj,
+                  call, _ascii(tool, 64, f"{self.path}: /tools tool"), TOOL_OUTCOMES.index(outcome), latency_s)
+        self.tools.append(row)
+
+    def record_episode(self, now: float, step: int, input_id: int, traj: int,
+                       calls: dict[str, int], rewards: dict[str, float]) -> None:
+        """Queue one /episodes row for an episode that finished (committed by the next flush,
+        with its samples' rows: a kill never leaves half an episode counted). An agent missing
+        from `calls` made none; one missing from `rewards` reads NaN."""
+        row = np.zeros(1, self.episodes.dtype)
+        row["step"], row["input_id"], row["traj"], row["t"], row["reward"] = step, input_id, traj, now, np.nan
+        for field, values in (("calls", calls), ("reward", rewards)):
+            for a, v in values.items():
+                row[field][0, self._agent_index(a, f"/episodes {field}")] = v
+        self.episodes.append(row)
+
+    def _agent_index(self, agent: str, field: str) -> int:
+        if agent not in self.agents:
+            raise ValueError(f"{self.path}: {field} {agent!r}: expected one of the run's agents {self.agents}")
+        return self.agents.index(agent)
+
     def now(self) -> float:
         return time.time() - self.t0
 
@@ -514,7 +562,10 @@ class StoreFile:
           - status patches of sample rows already on disk (the status fields are a cache of
             /events) wait for the next full one (each log line, checkpoint and close).
         """
-        if not self.dirty or self.failed is not None:
+        # nothing queued, and (a full flush) /commit already names every written row: a light
+        # flush's rows are written but committed only by the next flush, even with nothing new
+        idle = not self.dirty and (not full or np.array_equal(self.flushed, self._crc_at))
+        if idle or self.failed is not None:
             # after a failed write or flush, what HDF5 holds in memory is unknown: a later
             # flush that succeeds (a checkpoint's cleanup freed the disk) may leave out chunk
             # index entries the failed one lost, and a commit would then name rows no chunk
@@ -626,6 +677,17 @@ def replay_events(samples: Table, events: np.ndarray, agent_index: int) -> int:
     if len(idx):
         samples.patch(idx, {name: want[name][idx] for name in STATUS_FIELDS})
     return len(idx)
+
+
+def _ascii(text: str, size: int, field: str) -> bytes:
+    """`text` as the bytes of a fixed-length ascii column (numpy would cut a longer one)."""
+    try:
+        b = text.encode("ascii")
+    except (UnicodeEncodeError, AttributeError):
+        raise ValueError(f"{field} {text!r}: expected an ascii string") from None
+    if not b or len(b) > size:
+        raise ValueError(f"{field} {text!r}: expected 1 to {size} ascii characters")
+    return b
 
 
 def _last_per_row(rows: np.ndarray, n: int) -> np.ndarray:

@@ -317,3 +317,17 @@ def test_a_full_disk_is_one_line_and_the_file_reopens_at_its_last_commit(tmp_pat
         assert not (ev == np.zeros(1, ev.dtype)).any() and set(ev["row"].tolist()) == set(range(len(rows)))
         assert (rows["status"] == GENERATED).all()
         s.close()
+
+
+def test_a_close_right_after_a_micro_batch_flush_commits_its_rows(tmp_path):
+    """flush(full=False) writes rows that the next flush commits; a full flush (close) with
+    nothing new queued must still commit them, not return early (it did: the rows were
+    discarded by the next open)."""
+    s = StoreFile(tmp_path / "s.h5", AGENTS, {})
+    first = s.samples["a"].append(sample_rows(s, "a", 3))
+    s.events.append(event_rows(s, "a", np.arange(first, first + 3), GENERATED))
+    s.flush(full=False)
+    s.close()
+    s = StoreFile(tmp_path / "s.h5", AGENTS, {})
+    assert not s.repaired and len(s.events.read()) == 3 and len(s.samples["a"].read()) == 3
+    s.close()
