@@ -178,3 +178,18 @@ def test_damaged_binary_files_and_a_dataset_dict_folder_are_refused(tmp_path, pa
 def test_the_config_module_imports_no_torch_mpi_or_pyarrow():
     code = "from flexmarl_hpc.workflows.dataset import DatasetConfig\nimport sys\nassert 'pyarrow' not in sys.modules"
     assert heavy_modules_after(code) == []
+
+
+def test_the_config_loads_like_a_schema_section_with_help_for_every_field():
+    """How config/load.py will build it as `workflow.dataset` (from YAML, named errors)."""
+    from flexmarl_hpc.config.load import field_docs, from_dict
+    cfg = from_dict(DatasetConfig, {"train": "t.jsonl", "fields": {"question": "problem"}, "shuffle": False},
+                    "workflow.dataset")
+    assert cfg == DatasetConfig(train="t.jsonl", fields={"question": "problem"}, shuffle=False)
+    with pytest.raises(ConfigError, match=r"workflow.dataset.shufle: unknown key"):
+        from_dict(DatasetConfig, {"shufle": True}, "workflow.dataset")
+    with pytest.raises(ConfigError, match=r"workflow.dataset.fields.answer: expected str, got \[1\]"):
+        from_dict(DatasetConfig, {"fields": {"answer": [1]}}, "workflow.dataset")
+    with pytest.raises(ConfigError, match=r"workflow.dataset.fields: expected a map of non-empty names"):
+        from_dict(DatasetConfig, {"fields": {"answer": ""}}, "workflow.dataset")
+    assert set(field_docs(DatasetConfig)) == {"train", "eval", "fields", "shuffle"}
