@@ -1,0 +1,205 @@
+"""Grade-school word problems with integer answers, generated from a seed (no download):
+the dataset of configs/math_team (scripts/make_math_team_data.py writes it).
+
+    problems = generate(seed=0, n=2000)      # [Problem(question, answer, steps, expression)]
+
+Each template draws its numbers, writes the question and the arithmetic expression that
+solves it (e.g. "(3 * 4) + (2 * 5)"); the answer is that expression's exact value, and
+`steps` its number of operations (1 to 4). Numbers are drawn so that every division is
+exact and every intermediate and final value is a positive integer. The four themes
+(shopping, sharing, rates, ages) each have templates of 1 to 4 steps; STEP_WEIGHTS mixes
+them so that a small instruct model solves the 1-step ones often enough to learn from.
+"""
+from __future__ import annotations
+
+import ast
+import random
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable
+
+NAMES = ("Ava", "Ben", "Chloe", "David", "Emma", "Finn", "Grace", "Hugo", "Isla", "Jack", "Lena",
+         "Mia", "Noah", "Omar", "Priya", "Sam", "Tara", "Yuki", "Zoe", "Leo")
+ITEMS = ("pencils", "apples", "notebooks", "stickers", "oranges", "erasers", "cookies", "cards",
+         "balloons", "markers")
+STEP_WEIGHTS = {1: 0.4, 2: 0.3, 3: 0.2, 4: 0.1}
+"""Share of problems with 1, 2, 3 and 4 operations."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    answer: int
+    steps: int
+    expression: str
+    """The arithmetic (+ - * / over the question's numbers) whose value is `answer`."""
+
+    def row(self) -> dict:
+        """The JSONL line: question, answer, steps."""
+        return {"question": self.question, "answer": self.answer, "steps": self.steps}
+
+
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.Div: lambda a, b: a / b}
+
+
+def evaluate(expression: str) -> Fraction:
+    """The exact value of an expression of integers and + - * / (nothing else is accepted)."""
+    def ev(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return Fraction(node.value)
+        raise ValueError(f"not allowed in a problem's expression: {ast.dump(node)}")
+    return ev(ast.parse(expression, mode="eval").body)
+
+
+def operations(expression: str) -> int:
+    return sum(isinstance(n, ast.BinOp) for n in ast.walk(ast.parse(expression, mode="eval")))
+
+
+# ---------------------------------------------------------------------------------------
+# Templates: r -> (question, expression). Numbers stay small (a 135M model must add them).
+# ---------------------------------------------------------------------------------------
+def _who(r: random.Random, k: int = 1) -> list[str]:
+    return r.sample(NAMES, k)
+
+
+def shop1(r):
+    n, a, p, item = *_who(r), r.randint(2, 9), r.randint(2, 9), r.choice(ITEMS)
+    return f"{n} buys {a} {item}. Each one costs {p} dollars. How many dollars does {n} spend?", f"{a} * {p}"
+
+
+def share1(r):
+    n, k, each, item = *_who(r), r.randint(2, 6), r.randint(2, 9), r.choice(ITEMS)
+    return (f"{n} has {k * each} {item} and shares them equally among {k} friends. "
+            f"How many {item} does each friend get?", f"{k * each} / {k}")
+
+
+def rate1(r):
+    v, s, h = r.choice(("car", "bus", "train", "boat", "truck")), r.randrange(10, 70, 5), r.randint(2, 6)
+    return f"A {v} travels {s} miles each hour. How many miles does it travel in {h} hours?", f"{s} * {h}"
+
+
+def age1(r):
+    n, a, b = *_who(r), r.randint(5, 40), r.randint(2, 20)
+    return f"{n} is {a} years old. How old will {n} be in {b} years?", f"{a} + {b}"
+
+
+def shop2(r):
+    n, a, p, item = *_who(r), r.randint(2, 6), r.randint(2, 9), r.choice(ITEMS)
+    m = r.choice((50, 100)) if a * p < 50 else 100      # the change is positive
+    return (f"{n} buys {a} {item} that cost {p} dollars each and pays with a {m} dollar bill. "
+            f"How many dollars of change does {n} get?", f"{m} - {a} * {p}")
+
+
+def share2(r):
+    n, bags, k = *_who(r), r.randint(2, 6), r.choice((2, 3, 4))
+    per = k * r.randint(1, 3)                           # the candies split exactly
+    return (f"{n} has {bags} bags with {per} candies in each bag. {n} shares all the candies equally "
+            f"among {k} children. How many candies does each child get?", f"{bags} * {per} / {k}")
+
+
+def rate2(r):
+    n, h, w, d = *_who(r), r.randint(2, 8), r.randint(8, 15), r.randint(2, 6)
+    return (f"{n} works {h} hours a day and earns {w} dollars an hour. How many dollars does {n} "
+            f"earn in {d} days?", f"{h} * {w} * {d}")
+
+
+def age2(r):
+    a, b = _who(r, 2)
+    x, k, y = r.randint(3, 12), r.randint(2, 4), r.randint(2, 10)
+    return (f"{a} is {x} years old. {b} is {k} times as old as {a}. How old will {b} be in {y} years?",
+            f"{x} * {k} + {y}")
+
+
+def shop3(r):
+    n, (i1, i2) = _who(r)[0], r.sample(ITEMS, 2)
+    a, p, b, q = r.randint(2, 6), r.randint(2, 9), r.randint(2, 6), r.randint(2, 9)
+    return (f"{n} buys {a} {i1} at {p} dollars each and {b} {i2} at {q} dollars each. "
+            f"How many dollars does {n} spend in all?", f"{a} * {p} + {b} * {q}")
+
+
+def share3(r):
+    t, c, k = r.randint(2, 5), r.choice((6, 8, 10, 12)), r.randint(2, 5)
+    left = r.randint(1, (t * c - 1) // k) * k           # what remains splits exactly into k boxes
+    sold = t * c - left
+    return (f"A baker makes {t} trays of {c} muffins. {sold} muffins are sold. The rest are packed "
+            f"equally into {k} boxes. How many muffins are in each box?", f"({t} * {c} - {sold}) / {k}")
+
+
+def rate3(r):
+    r1, m1, r2, m2 = r.randint(2, 9), r.randint(2, 9), r.randint(2, 9), r.randint(2, 9)
+    return (f"A pump fills a tank with {r1} liters per minute for {m1} minutes, then with {r2} liters "
+            f"per minute for {m2} minutes. How many liters are in the tank?", f"{r1} * {m1} + {r2} * {m2}")
+
+
+def age3(r):
+    a, b, c = _who(r, 3)
+    x, k, d, y = r.randint(3, 12), r.randint(2, 4), r.randint(1, 5), r.randint(2, 10)
+    return (f"{a} is {x} years old. {b} is {k} times as old as {a}. {c} is {d} years younger than "
+            f"{b}. How old will {c} be in {y} years?", f"{x} * {k} - {d} + {y}")
+
+
+def shop4(r):
+    n, (i1, i2) = _who(r)[0], r.sample(ITEMS, 2)
+    a, p, b, q = r.randint(2, 5), r.randint(2, 9), r.randint(2, 5), r.randint(2, 9)
+    m = r.choice((50, 100)) if a * p + b * q < 50 else 100
+    return (f"{n} has {m} dollars, buys {a} {i1} at {p} dollars each and {b} {i2} at {q} dollars "
+            f"each. How many dollars does {n} have left?", f"{m} - {a} * {p} - {b} * {q}")
+
+
+def share4(r):
+    n, bags, per, eaten, k = *_who(r), r.randint(2, 5), r.randint(8, 12), r.randint(1, 5), r.randint(2, 4)
+    total = bags * per - eaten
+    eaten += total % k                                  # the rest splits exactly
+    return (f"{n} has {bags} boxes of {per} crackers, eats {eaten} of them and shares the rest "
+            f"equally among {k} friends. Each friend then eats 1 cracker. How many crackers does each "
+            f"friend have left?", f"({bags} * {per} - {eaten}) / {k} - 1")
+
+
+def rate4(r):
+    n, s1, h1, s2, h2 = *_who(r), r.randint(3, 9), r.randint(2, 4), r.randint(3, 9), r.randint(2, 4)
+    return (f"{n} walks {s1} miles per hour for {h1} hours and runs {s2} miles per hour for {h2} hours, "
+            f"then takes a bus for 10 more miles. How many miles does {n} travel?",
+            f"{s1} * {h1} + {s2} * {h2} + 10")
+
+
+def age4(r):
+    a, b, c = _who(r, 3)
+    x, d = r.randint(4, 12), r.randint(2, 8)
+    return (f"{a} is {x} years old. {b} is {d} years older than {a}. {c} is 2 times as old as {b}. "
+            f"What is the sum of the ages of {b} and {c}?", f"{x} + {d} + 2 * ({x} + {d})")
+
+
+TEMPLATES: dict[int, tuple[Callable, ...]] = {
+    1: (shop1, share1, rate1, age1), 2: (shop2, share2, rate2, age2),
+    3: (shop3, share3, rate3, age3), 4: (shop4, share4, rate4, age4)}
+
+
+def draw(r: random.Random) -> Problem:
+    steps = r.choices(list(STEP_WEIGHTS), weights=list(STEP_WEIGHTS.values()))[0]
+    question, expression = r.choice(TEMPLATES[steps])(r)
+    value = evaluate(expression)
+    assert value.denominator == 1 and value > 0, (expression, value)   # templates keep this
+    return Problem(question, int(value), operations(expression), expression)
+
+
+def generate(seed: int, n: int, exclude: set[str] = frozenset(), stream: str = "train") -> list[Problem]:
+    """n distinct problems from (seed, stream), none whose question is in `exclude`."""
+    r = random.Random(f"math_team/{stream}/{seed}")
+    seen, out = set(exclude), []
+    for _ in range(200 * n):
+        p = draw(r)
+        if p.question not in seen:
+            seen.add(p.question)
+            out.append(p)
+            if len(out) == n:
+                return out
+    raise ValueError(f"only {len(out)} distinct problems after {200 * n} draws; ask for fewer than {n}")
+
+
+def train_and_eval(seed: int, n_train: int, n_eval: int) -> tuple[list[Problem], list[Problem]]:
+    """Disjoint sets: no eval question is a train question."""
+    train = generate(seed, n_train, stream="train")
+    return train, generate(seed, n_eval, {p.question for p in train}, stream="eval")

@@ -1,0 +1,137 @@
+"""Answer checking: the final answer of free-form text, compared by value (exact fractions for
+plain numbers, math-verify for the rest), and bounded in time from any thread.
+
+    pytest tests/unit/test_mathcheck.py
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flexmarl_hpc.workflows import mathcheck
+from flexmarl_hpc.workflows.mathcheck import answer_correct, extract_answer, plain_number
+from tests.conftest import need
+
+
+@pytest.fixture
+def math_verify():
+    try:
+        import math_verify as mv
+    except ImportError:
+        need(False, "math-verify (requirements.txt)")
+    return mv
+
+
+@pytest.fixture
+def no_math_verify(monkeypatch):
+    """The plain-number path must decide alone: reaching math-verify fails the test."""
+    def refuse(*a, **k):
+        raise AssertionError(f"math-verify was called for {a}")
+    monkeypatch.setattr(mathcheck, "verify_text", refuse)
+
+
+@pytest.mark.parametrize("text,want", [
+    ("First 3 + 4 = 7, then \\boxed{7} and more \\boxed{\\frac{1}{2}} at last.", "\\frac{1}{2}"),
+    ("\\boxed{\\frac{a}{\\sqrt{b}}}", "\\frac{a}{\\sqrt{b}}"),          # nested braces
+    ("She has 5 apples.\nThe answer is 12.", "12"),
+    ("Answer: $1,000$.", "1,000"),
+    ("5 + 7 = 12\n#### 12", "12"),
+    ("so each one gets 3/4 of it", "3/4"),                          # the last number, a fraction
+    ("5 and then 6 and finally -2.5", "-2.5"),
+    ("no digits here", None),
+    ("an unclosed \\boxed{3 and 4", "4"),
+])
+def test_extract_answer(text, want):
+    assert extract_answer(text) == want
+
+
+@pytest.mark.parametrize("pred,gold", [
+    ("The answer is 1/2", 0.5), ("\\boxed{0.5}", "1/2"), ("\\boxed{\\frac{1}{2}}", "0.5"),
+    ("answer: 3.0", 3), ("#### 3", "3.0"), ("Answer: 1,000", 1000), ("\\boxed{1000}", "1,000"),
+    ("so 12 dollars in total. Answer: 12 dollars", 12), ("answer: 45%", 45), ("\\boxed{-\\dfrac{6}{4}}", -1.5),
+    ("The answer is $12$.", 12), (".5", "0.5"),
+])
+def test_equal_values_in_different_forms_on_the_fast_path(pred, gold, no_math_verify):
+    assert answer_correct(pred, gold)
+
+
+@pytest.mark.parametrize("pred,gold", [
+    ("The answer is 13", 12), ("\\boxed{0.51}", 0.5), ("#### 1,001", 1000), ("answer: -3", 3),
+    ("\\boxed{\\frac{1}{3}}", "0.333"), ("12 apples, then 3 more: 15", 12),
+])
+def test_wrong_answers_are_wrong_on_the_fast_path(pred, gold, no_math_verify):
+    assert not answer_correct(pred, gold)
+
+
+@pytest.mark.parametrize("pred", ["", "I do not know.", "Answer:", None])
+def test_no_answer_is_wrong(pred, no_math_verify):
+    assert not answer_correct(pred, 3)
+
+
+def test_plain_number_is_exact():
+    assert plain_number("0.1") + plain_number("0.2") == plain_number("3/10")   # no float rounding
+    assert plain_number("1,00") is None and plain_number("1/0") is None and plain_number("x") is None
+    assert plain_number("9" * 61) is None                                        # left to math-verify
+
+
+def test_expressions_go_to_math_verify(math_verify):
+    assert answer_correct("The answer is $x^2+2x+1$", "(x+1)^2")
+    assert answer_correct("\\boxed{\\sqrt{4}}", 2)
+    assert answer_correct("\\boxed{2 \\cdot 6}", 12)
+    assert not answer_correct("\\boxed{\\sqrt{5}}", 2)
+    assert not answer_correct("The answer is $x^2+1$", "(x+1)^2")
+
+
+PATHOLOGICAL = "\\boxed{9^{9^{9^{9}}}}"     # sympy tries to evaluate the tower
+
+
+def test_a_pathological_answer_times_out_as_wrong_in_the_main_thread(math_verify):
+    t = time.monotonic()
+    assert not answer_correct(PATHOLOGICAL, 2, timeout_s=1)
+    assert time.monotonic() - t < 20                 # bounded (its timeouts are 3 x 1 s), not hung
+    assert answer_correct("\\boxed{\\sqrt{4}}", 2)   # the alarm was cleared and the handler restored
+
+
+def test_from_another_thread_it_runs_in_a_child_and_still_times_out(math_verify):
+    """math-verify's SIGALRM timeout raises ValueError outside the main thread; the check goes
+    to a child process instead and answers, right or wrong, within its bound."""
+    results = {}
+
+    def work():
+        t = time.monotonic()
+        results["slow"] = answer_correct(PATHOLOGICAL, 2, timeout_s=1)
+        results["slow_s"] = time.monotonic() - t
+        results["ok"] = answer_correct("\\boxed{\\sqrt{4}}", 2, timeout_s=1)
+        results["wrong"] = answer_correct("\\boxed{\\sqrt{5}}", 2, timeout_s=1)
+    th = threading.Thread(target=work)
+    th.start()
+    th.join(timeout=mathcheck.CHILD_START_S + 60)
+    assert not th.is_alive()
+    assert results["slow"] is False and results["ok"] is True and results["wrong"] is False
+    assert results["slow_s"] < mathcheck.CHILD_START_S + 4
+
+
+def _stuck(answer, gold, timeout_s):
+    """Stands for math-verify caught in C code, where SIGALRM never runs: no answer at all."""
+    time.sleep(3600)
+
+
+def test_a_child_that_does_not_answer_is_killed_and_replaced(math_verify, monkeypatch):
+    results = {}
+
+    def work():
+        mathcheck._started_child()                    # started and warm before the clock runs
+        monkeypatch.setattr(mathcheck, "_math_verify", _stuck)
+        t = time.monotonic()
+        results["stuck"] = mathcheck._in_child("1", "1", timeout_s=1)
+        results["stuck_s"] = time.monotonic() - t
+        monkeypatch.undo()
+        results["after"] = answer_correct("\\boxed{\\sqrt{4}}", 2, timeout_s=1)
+    th = threading.Thread(target=work)
+    th.start()
+    th.join(timeout=mathcheck.CHILD_START_S + 60)
+    assert not th.is_alive()
+    assert results["stuck"] is False and 4 <= results["stuck_s"] < 30   # 3 x 1 s + 1 s, then killed
+    assert results["after"] is True                                     # a new child answers
