@@ -174,12 +174,25 @@ def check_eval(cfg: Config, task) -> None:
                           f"{len(inputs)} inputs")
 
 
+def check_episode_lengths(cfg: Config, task) -> None:
+    """Episode workflows: the dataset loads, and a reply of max_new_tokens fits every agent's
+    context with room for a prompt (a longer conversation fails its episode at run time)."""
+    len(task.stream)                              # loads the files: a bad one is named now
+    for agent, limit in task.context_limits(cfg).items():
+        if cfg.workflow.max_new_tokens >= limit:
+            raise ConfigError(f"workflow.max_new_tokens: expected < {limit} (the context of agent "
+                              f"{agent!r}: its max_seq_len / rollout.max_model_len), got "
+                              f"{cfg.workflow.max_new_tokens}")
+
+
 def check_lengths(cfg: Config, task) -> None:
     """Each turn's prompt plus its max_new_tokens fits the acting agent's max_seq_len (and
     rollout.max_model_len): walk a few inputs down one branch, with full-length responses."""
     import numpy as np
     from flexmarl_hpc.runtime.build import model_args
     from flexmarl_hpc.workflows.base import Path as TaskPath
+    if cfg.workflow.episode:
+        return check_episode_lengths(cfg, task)
     turns = cfg.workflow.turns
     inputs = task.sample_inputs(np.random.default_rng(cfg.run.seed), 4)
     if cfg.run.eval_every:

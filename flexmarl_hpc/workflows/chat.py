@@ -155,6 +155,11 @@ class Conversation:
         stripped) for the episode to put in the next assistant message."""
         response_ids = [int(i) for i in response_ids]
         self.ids += response_ids
-        self.text += self.tok.decode(response_ids, skip_special_tokens=False)
-        body = response_ids[:-1] if response_ids and response_ids[-1] in self.tok.stop_ids else response_ids
+        stopped = bool(response_ids) and response_ids[-1] in self.tok.stop_ids
+        body = response_ids[:-1] if stopped else response_ids
+        self.text += self.tok.decode(body, skip_special_tokens=False)
+        if stopped:
+            # another stop token (<|endoftext|>) ends the turn as the template's eos would:
+            # the sampled id stays, and the next rendering still extends these ids
+            self.text += self.tok.decode([self.tok.eos_id], skip_special_tokens=False)
         return self.tok.decode(body, skip_special_tokens=True)

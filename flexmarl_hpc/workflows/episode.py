@@ -30,6 +30,10 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 
+class ContextFull(ValueError):
+    """A conversation outgrew its agent's context; the episode fails (its calls: reward 0)."""
+
+
 @dataclass(frozen=True)
 class Reply:
     """What `ctx.chat` returns."""
@@ -124,6 +128,12 @@ class EpisodeContext:
         messages = [dict(m) for m in messages]
         thread = self.thread_for(agent, messages)
         prompt = thread.conv.prompt_ids(messages)
+        room = self.runner.limits.get(agent, 1 << 62) - len(prompt)
+        if room < 1:
+            thread.busy = False
+            raise ContextFull(f"ctx.chat({agent!r}): a prompt of {len(prompt)} tokens leaves no room "
+                              f"in the agent's context of {self.runner.limits[agent]} tokens")
+        n = min(n, room)                      # the reply is cut where the context ends
         call = Call(self, agent, index, prompt, n, self.last_done, thread, messages,
                     asyncio.get_running_loop().create_future())
         self.runner.new_calls.append(call)
@@ -154,11 +164,13 @@ class EpisodeRunner:
 
     def __init__(self, fn: Callable[..., Awaitable[dict]], agents: list[str], seed: int,
                  max_new_tokens: int, new_conversation: Callable[[str], Any], args: dict | None = None,
-                 tools=None, record_tool: Callable | None = None):
+                 tools=None, record_tool: Callable | None = None, limits: dict[str, int] | None = None):
         self.fn, self.agents, self.seed = fn, list(agents), seed
         self.max_new_tokens, self.new_conversation = max_new_tokens, new_conversation
         self.args = dict(args or {})
         self.pool, self.record_tool = tools, record_tool
+        self.limits = dict(limits or {})
+        """Most tokens of one call (prompt + reply) per agent; missing: no limit."""
         self.loop = asyncio.new_event_loop()
         self.new_calls: list[Call] = []
         self.finished: list[Finished] = []

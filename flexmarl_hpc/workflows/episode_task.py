@@ -36,12 +36,19 @@ class EpisodeTask(Task):
         from flexmarl_hpc.workflows.dataset import ExampleStream
         return ExampleStream.from_config(self.cfg.workflow.dataset, self.cfg.run.seed)
 
+    def context_limits(self, cfg: Config) -> dict[str, int]:
+        """Most tokens (prompt + reply) of one call of each agent: its model's max_seq_len,
+        and rollout.max_model_len where set."""
+        from flexmarl_hpc.runtime.build import model_args
+        cap = cfg.rollout.max_model_len or 1 << 62
+        return {agent: min(model_args(cfg, self, agent).max_seq_len, cap) for agent in cfg.agent_names}
+
     def runner(self, cfg: Config, tools=None, record_tool=None) -> EpisodeRunner:
         """A runner of this workflow's episodes (`tools`: a tools.pool.WorkerPool)."""
         w = cfg.workflow
         return EpisodeRunner(self.fn, cfg.agent_names, cfg.run.seed, w.max_new_tokens,
                              lambda agent: Conversation(self.chat_of[agent]), w.episode_args,
-                             tools, record_tool)
+                             tools, record_tool, self.context_limits(cfg))
 
     def render(self, path) -> str:
         return "episode call"

@@ -160,8 +160,11 @@ def test_a_response_cut_by_max_tokens_or_ended_by_endoftext(folder):
         if not ending:                  # the template's <|im_end|> closes the cut turn, as a prompt token
             assert second[:len(first) + len(sampled) + 1] == first + sampled + [tok.eos_id]
             assert conv.rerendered == 0
-        else:                           # <|endoftext|> is not what the template writes: render again
-            assert conv.rerendered == 1 and second == tok.encode(tok.render(chat))
+        else:                           # <|endoftext|> ends the turn as the template's <|im_end|>
+            assert second[:len(first) + len(sampled)] == first + sampled      # would: kept as sampled
+            assert second[len(first) + len(sampled)] != tok.eos_id and conv.rerendered == 0
+            rest = tok.render(chat)[len(tok.render(CHATS["user"]) + "It is<|im_end|>"):]
+            assert second[len(first) + len(sampled):] == tok.encode(rest)
 
 
 def test_rewritten_history_is_rerendered_and_counted(folder):

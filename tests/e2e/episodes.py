@@ -1,0 +1,31 @@
+"""Episode functions for the end-to-end tests (imported by rank 0 of the test runs)."""
+from __future__ import annotations
+
+import asyncio
+
+
+async def skewed(ctx, example):
+    """A planner, then 1-3 solvers in parallel (drawn from ctx.rng: the skew), each with a
+    second turn in its own conversation half of the time, a calculator call, and a judge."""
+    q = example["question"]
+    await ctx.chat("planner", [{"role": "user", "content": f"Plan: {q}"}], max_tokens=4)
+    k = int(ctx.rng.integers(1, 4))
+
+    async def solve(j):
+        msgs = [{"role": "user", "content": f"Solve {j}: {q}"}]
+        r = await ctx.chat("solver", msgs)
+        calls = [r.call]
+        if ctx.rng.random() < 0.5:
+            calc = await ctx.tool("calculator", f"{example['answer']} + {j}")
+            msgs += [{"role": "assistant", "content": r.text}, {"role": "user", "content": calc.output}]
+            calls.append((await ctx.chat("solver", msgs, max_tokens=4)).call)
+        return calls
+
+    threads = await asyncio.gather(*(solve(j) for j in range(k)))
+    judge = await ctx.chat("judge", [{"role": "user", "content": f"Judge: {q}"}], max_tokens=2)
+    rewards = [0.0] * sum(map(len, threads))
+    for calls in threads:
+        for i in calls:
+            rewards[i] = float(len(calls) == 2)
+    ctx.metrics["k"] = float(k)
+    return {"planner": float(k == 2), "solver": rewards, "judge": float(len(judge.ids) % 2)}

@@ -1,0 +1,115 @@
+"""End to end: an episode workflow (tests/e2e/episodes.py:skewed) trained by the real MPI
+job on a tiny random chat model (scripts/make_tiny_chat_model.py): calls per agent vary per
+episode, tool calls land in /tools, every call is trained exactly once, and a SIGKILL of
+the whole job mid-run followed by the same command trains every example of the stream
+exactly once with no episode half-counted."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import h5py
+import numpy as np
+import psutil
+import pytest
+
+from tests.conftest import ROOT, run_training
+from tests.helpers import check_exactly_once
+
+STEPS, N_IN, GROUP = 6, 3, 2
+
+
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_chat_model import make
+    d = tmp_path_factory.mktemp("episodes")
+    model = make(d / "tiny-chat", hidden=32, layers=2, max_seq_len=512)
+    data = d / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i % 7}?", "answer": i + i % 7}) + "\n"
+                            for i in range(40)))
+    return model, data
+
+
+def overrides(chat_setup, steps=STEPS):
+    model, data = chat_setup
+    return ["run.name=ep", "workflow.episode=tests.e2e.episodes:skewed", "workflow.agents=[planner,solver,judge]",
+            f"workflow.inputs_per_step={N_IN}", f"workflow.group_size={GROUP}", "workflow.max_new_tokens=12",
+            f"workflow.dataset.train={data}", f"model.checkpoint={model}", "rollout.max_model_len=512",
+            f"run.steps={steps}", "run.log_every=1", "trainer.micro_batch_size=4", "trainer.lr=1e-4"]
+
+
+def check_episodes(path, steps):
+    """Every example of steps 0..steps-1 once per episode index, each episode recorded once
+    with exactly the calls its agents have rows (all trained)."""
+    with h5py.File(path, "r") as f:
+        agents = list(f.attrs["agents"])
+        ep = f["episodes"][:]
+        keys = list(zip(ep["input_id"].tolist(), ep["traj"].tolist()))
+        assert len(keys) == len(set(keys)), "an episode was recorded twice"
+        assert sorted(keys) == [(i, e) for i in range(steps * N_IN) for e in range(GROUP)]
+        for a, agent in enumerate(agents):
+            rows = f[f"samples/{agent}"][:]
+            per_episode = Counter(zip(rows["input_id"].tolist(), rows["traj"].tolist()))
+            assert {k: per_episode.get(k, 0) for k in keys} == dict(zip(keys, ep["calls"][:, a].tolist()))
+        return ep, f["tools"][:], agents
+
+
+def test_an_episode_workflow_trains_every_call_once_with_skewed_calls_and_tools(tmp_path, mpiexec, chat_setup):
+    p = run_training(tmp_path, *overrides(chat_setup), config="configs/math_team.yaml")
+    assert f"step    {STEPS}/{STEPS}" in p.stdout, p.stdout[-2000:]
+    check_exactly_once(tmp_path / "ep.h5", STEPS)
+    ep, tools, agents = check_episodes(tmp_path / "ep.h5", STEPS)
+    solver = ep["calls"][:, agents.index("solver")]
+    assert solver.min() >= 1 and solver.max() >= 3 and len(set(solver.tolist())) >= 3    # skewed
+    assert (ep["calls"][:, agents.index("planner")] == 1).all()
+    # one calculator call before each second solver turn, all answered
+    assert 0 < len(tools) <= solver.sum() // 2 and (tools["outcome"] == 0).all()
+    assert set(tools["tool"].tolist()) == {b"calculator"}
+    # a solver's second turn is its first turn's prompt and sampled response, token for
+    # token, then the tool's message: the context grows without re-tokenising
+    with h5py.File(tmp_path / "ep.h5", "r") as f:
+        s = f["samples/solver"][:]
+        tok = f["tokens/solver"][:]["token"]
+        assert all(p.decode().startswith(("planner/", "solver/")) for p in s["parent_id"])
+    seq = lambda r, n: tok[r["token_offset"]:r["token_offset"] + n].tolist()
+    grown = 0
+    for r in s:
+        mates = s[(s["input_id"] == r["input_id"]) & (s["traj"] == r["traj"]) & (s["turn"] != r["turn"])]
+        full = seq(r, r["prompt_len"])
+        if any(m["prompt_len"] + m["response_len"] < r["prompt_len"]
+               and seq(m, m["prompt_len"] + m["response_len"]) == full[:m["prompt_len"] + m["response_len"]]
+               for m in mates):
+            grown += 1
+    assert grown == len(tools)          # exactly the second turns
+    out = subprocess.run([sys.executable, "-m", "flexmarl_hpc.analyze", str(tmp_path / "ep.h5")], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "calls/episode solver" in out.stdout, out.stdout + out.stderr
+
+
+def test_sigkill_mid_run_then_the_same_command_trains_every_example_once(tmp_path, mpiexec, chat_setup):
+    args = [sys.executable, "-m", "flexmarl_hpc.run", "configs/math_team.yaml", f"run.output_dir={tmp_path}",
+            *overrides(chat_setup), "run.checkpoint_every=2"]
+    p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log, t0 = tmp_path / "train.log", time.time()
+    while not log.exists() or f"step    3/{STEPS}" not in log.read_text():
+        assert time.time() - t0 < 300 and p.poll() is None, "run did not get to step 3"
+        time.sleep(0.05)
+    tree = psutil.Process(p.pid).children(recursive=True)
+    for proc in [psutil.Process(p.pid), *tree]:
+        proc.send_signal(signal.SIGKILL)
+    p.communicate(timeout=60)
+    psutil.wait_procs(tree, timeout=60)
+    with h5py.File(tmp_path / "ep.h5", "r", swmr=True) as f:
+        before = len(f["episodes"])
+    assert 0 < before < STEPS * N_IN * GROUP
+    q = run_training(tmp_path, *overrides(chat_setup), "run.checkpoint_every=2", config="configs/math_team.yaml")
+    assert "resumed at versions" in q.stdout, q.stdout[-3000:]
+    check_exactly_once(tmp_path / "ep.h5", STEPS)
+    check_episodes(tmp_path / "ep.h5", STEPS)
