@@ -4,6 +4,7 @@
     .venv/bin/python bench/bench_modes.py --workloads skewed --reps 5
     .venv/bin/python bench/bench_modes.py --workloads skewed --variants sync flex --steps 5   # a loaded machine
     .venv/bin/python bench/bench_modes.py --workloads referential --variants sync flex --against HEAD~1
+    .venv/bin/python bench/bench_modes.py --workloads math_team --variants sync flex flex-noLB
 
 `--against REV` also runs every variant on the code of git revision REV (a temporary
 worktree), interleaved with the current tree's runs, as variant `<name>@REV`: a code change
@@ -53,6 +54,12 @@ WORKLOADS = {
                                            "workflow.task_args.num_objects=8", "workflow.inputs_per_step=8",
                                            "run.eval_every=0"]),
     "skewed": ("configs/skewed.yaml", ["run.steps=8"]),
+    # LLM text with skewed calls: SmolLM2-135M planner/solvers/verifier on word problems
+    # (configs/math_team.yaml; needs scripts/setup_smollm2.sh and make_math_team_data.py),
+    # two replicas for three agents, short
+    "math_team": ("configs/math_team.yaml", ["run.steps=5", "workflow.inputs_per_step=2", "workflow.group_size=4",
+                                             "workflow.max_new_tokens=64", "rollout.replicas=2",
+                                             "run.checkpoint_every=0"]),
 }
 VARIANTS = {
     "sync": ["run.mode=sync"],
@@ -142,7 +149,7 @@ def report(wl: str, config: str, base: list[str], res: dict[str, list[dict]], co
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", default=["referential", "skewed"], choices=list(WORKLOADS))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each variant (>= 3 for a spread)")
     ap.add_argument("--steps", type=int, help="override run.steps of every workload (>= 4: 2 are start-up)")
