@@ -247,10 +247,12 @@ class PipelineConfig:
 class WeightSyncConfig:
     bucket_mb: float = 1024.0
     """Bucket of the streamed trainer -> replica weight sync, in MiB: each PP stage's sender
-    packs its tensors into buckets of this size (a larger tensor goes alone) and holds two
-    (one in flight while the next fills), each receiver (a vLLM TP worker on GPUs) one; it is
-    also taken off vLLM's GPU memory fraction. Memory on both sides is bounded by it, never
-    by the model."""
+    packs its tensors into buckets of this size (a larger tensor goes in pieces of whole
+    rows, a bucket each) and holds two (one in flight while the next fills), each receiver
+    (a vLLM TP worker on GPUs) one, grown to the largest tensor sent in pieces (its pieces
+    land in place); it is also taken off vLLM's GPU memory fraction. Memory on both sides is
+    bounded by it and the largest tensor, never by the model. At least one row of every
+    tensor (hidden_size or intermediate_size elements) must fit."""
     backend: Literal["auto", "mpi", "gloo", "nccl"] = "auto"
     """Transport of the weight broadcast: nccl (GPU to GPU, bf16-ready), gloo or mpi on CPU
     (the same code, weight_sync.py). auto: nccl where CUDA is available, else the CPU

@@ -125,6 +125,17 @@ def _validate_model(m: ModelConfig, where: str) -> None:
               f"expected a local HF checkpoint folder, {m.checkpoint!r} does not exist")
 
 
+def _validate_bucket_row(cfg: Config, agent: str) -> None:
+    """A tensor larger than a sync bucket goes in pieces of whole rows (runtime/weight_sync):
+    a bucket must hold one row of each, in fp32 (the widest wire dtype). A checkpoint's
+    shapes are read later, by the plan itself."""
+    m = cfg.model_for(agent)
+    row = 4 * max(m.hidden_size, m.intermediate_size)
+    _need(bool(m.checkpoint) or row <= cfg.weight_sync.bucket_mb * 2**20, "weight_sync.bucket_mb",
+          f"a bucket of {cfg.weight_sync.bucket_mb} MiB cannot hold one row of {agent}'s weights "
+          f"({row} B: 4 x max(hidden_size, intermediate_size)); expected at least {row / 2**20:.4g} MiB")
+
+
 def _validate_workflow(w: WorkflowConfig) -> None:
     _need(len(w.turns) > 0, "workflow.turns", "expected at least one turn")
     for i, t in enumerate(w.turns):
@@ -186,6 +197,7 @@ def validate(cfg: Config) -> None:
     for agent in cfg.agent_names:
         where = f"agents.{agent}" if agent in cfg.agents else "model"
         _validate_model(cfg.model_for(agent), where)
+        _validate_bucket_row(cfg, agent)
     mp = cfg.trainer.tensor_parallel * cfg.trainer.pipeline_parallel
     need(cfg.trainer.ranks_per_group % mp == 0, "trainer.ranks_per_group",
          f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, "
