@@ -219,6 +219,11 @@ class TrainerConfig:
     pipeline_microbatches: int = 0
     """megatron: micro-batches the trainer's share of each runtime micro-batch is cut into
     for the 1F1B pipeline schedule (0: 2 x pipeline_parallel when PP > 1, else 1)."""
+    collective_timeout_s: float = 1800.0
+    """megatron: seconds the trainer group's torch.distributed world waits, at its start for
+    every rank of the group to join its store, then on each of its collectives (TP, PP, DP).
+    Past it NCCL's watchdog ends the rank (the job then exits 75, reliability.md) instead of
+    hanging; it must exceed the slowest collective of a step, the optimizer step's included."""
 
 
 @dataclass

@@ -166,6 +166,7 @@ def _validate_engines(cfg: Config) -> None:
     _float_in(tr.clip_eps, "trainer.clip_eps", 0, lo_open=True)
     _int_in(tr.ppo_epochs, "trainer.ppo_epochs", 1, 16)
     _float_in(tr.tis_cap, "trainer.tis_cap", 0, lo_open=True)
+    _float_in(tr.collective_timeout_s, "trainer.collective_timeout_s", 0, lo_open=True)
     _int_in(p.max_staleness, "pipeline.max_staleness", 0)
     _float_in(p.rebalance_threshold, "pipeline.rebalance_threshold", 0, 1)
     _int_in(p.rebalance_cooldown, "pipeline.rebalance_cooldown", 0)
