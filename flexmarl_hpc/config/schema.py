@@ -274,6 +274,11 @@ class TrainerConfig:
     pipeline_microbatches: int = 0
     """megatron: micro-batches the trainer's share of each runtime micro-batch is cut into
     for the 1F1B pipeline schedule (0: 2 x pipeline_parallel when PP > 1, else 1)."""
+    collective_timeout_s: float = 1800.0
+    """megatron: seconds the trainer group's torch.distributed world waits, at its start for
+    every rank of the group to join its store, then on each of its collectives (TP, PP, DP).
+    Past it NCCL's watchdog ends the rank (the job then exits 75, reliability.md) instead of
+    hanging; it must exceed the slowest collective of a step, the optimizer step's included."""
 
 
 @dataclass
@@ -302,10 +307,12 @@ class PipelineConfig:
 class WeightSyncConfig:
     bucket_mb: float = 1024.0
     """Bucket of the streamed trainer -> replica weight sync, in MiB: each PP stage's sender
-    packs its tensors into buckets of this size (a larger tensor goes alone) and holds two
-    (one in flight while the next fills), each receiver (a vLLM TP worker on GPUs) one; it is
-    also taken off vLLM's GPU memory fraction. Memory on both sides is bounded by it, never
-    by the model."""
+    packs its tensors into buckets of this size (a larger tensor goes in pieces of whole
+    rows, a bucket each) and holds two (one in flight while the next fills), each receiver
+    (a vLLM TP worker on GPUs) one, grown to the largest tensor sent in pieces (its pieces
+    land in place); it is also taken off vLLM's GPU memory fraction. Memory on both sides is
+    bounded by it and the largest tensor, never by the model. At least one row of every
+    tensor (hidden_size or intermediate_size elements) must fit."""
     backend: Literal["auto", "mpi", "gloo", "nccl"] = "auto"
     """Transport of the weight broadcast: nccl (GPU to GPU, bf16-ready), gloo or mpi on CPU
     (the same code, weight_sync.py). auto: nccl where CUDA is available, else the CPU

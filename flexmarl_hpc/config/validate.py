@@ -125,6 +125,17 @@ def _validate_model(m: ModelConfig, where: str) -> None:
               f"expected a local HF checkpoint folder, {m.checkpoint!r} does not exist")
 
 
+def _validate_bucket_row(cfg: Config, agent: str) -> None:
+    """A tensor larger than a sync bucket goes in pieces of whole rows (runtime/weight_sync):
+    a bucket must hold one row of each, in fp32 (the widest wire dtype). A checkpoint's
+    shapes are read later, by the plan itself."""
+    m = cfg.model_for(agent)
+    row = 4 * max(m.hidden_size, m.intermediate_size)
+    _need(bool(m.checkpoint) or row <= cfg.weight_sync.bucket_mb * 2**20, "weight_sync.bucket_mb",
+          f"a bucket of {cfg.weight_sync.bucket_mb} MiB cannot hold one row of {agent}'s weights "
+          f"({row} B: 4 x max(hidden_size, intermediate_size)); expected at least {row / 2**20:.4g} MiB")
+
+
 def _validate_workflow(w: WorkflowConfig) -> None:
     if w.episode:
         return _validate_episode(w)
@@ -172,6 +183,7 @@ def _validate_engines(cfg: Config) -> None:
     _float_in(tr.clip_eps, "trainer.clip_eps", 0, lo_open=True)
     _int_in(tr.ppo_epochs, "trainer.ppo_epochs", 1, 16)
     _float_in(tr.tis_cap, "trainer.tis_cap", 0, lo_open=True)
+    _float_in(tr.collective_timeout_s, "trainer.collective_timeout_s", 0, lo_open=True)
     _int_in(p.max_staleness, "pipeline.max_staleness", 0)
     _float_in(p.rebalance_threshold, "pipeline.rebalance_threshold", 0, 1)
     _int_in(p.rebalance_cooldown, "pipeline.rebalance_cooldown", 0)
@@ -203,6 +215,7 @@ def validate(cfg: Config) -> None:
     for agent in cfg.agent_names:
         where = f"agents.{agent}" if agent in cfg.agents else "model"
         _validate_model(cfg.model_for(agent), where)
+        _validate_bucket_row(cfg, agent)
     mp = cfg.trainer.tensor_parallel * cfg.trainer.pipeline_parallel
     need(cfg.trainer.ranks_per_group % mp == 0, "trainer.ranks_per_group",
          f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, "

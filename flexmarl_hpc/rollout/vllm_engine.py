@@ -87,22 +87,25 @@ class SyncWorker:
 
     def flexmarl_recv(self, prefix: str, bucket, left_s: float | None = None) -> None:
         """One bucket from the group's root into this worker's bucket buffer on its device,
-        loaded into the model (vLLM takes this TP rank's shard of each tensor). Its broadcast
+        loaded into the model (vLLM takes this TP rank's shard of each tensor). A piece of a
+        split tensor lands in place in the buffer (grown to the whole tensor) and the tensor
+        is loaded after its last piece: vLLM's weight loaders take whole tensors. Its broadcast
         is waited for by the replica's sync deadline (`left_s` seconds from the call; None:
         none): CollectiveTimeout, which collective_rpc carries back to the replica."""
         from flexmarl_hpc.runtime import deadline
-        from flexmarl_hpc.runtime.weight_sync import bucket_views
+        from flexmarl_hpc.runtime.weight_sync import landing, received
         buf = self.__dict__.get("_flexmarl_buffer")
-        if buf is None or buf.numel() < bucket.total:
+        if buf is None or buf.numel() < bucket.span:
             self._flexmarl_buffer = buf = None
-            self._flexmarl_buffer = buf = torch.empty(bucket.total, dtype=torch.uint8, device=self.device)
-        flat = buf[:bucket.total]
+            self._flexmarl_buffer = buf = torch.empty(bucket.span, dtype=torch.uint8, device=self.device)
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
-        work = self._flexmarl_groups[prefix].broadcast([flat], opts)
+        work = self._flexmarl_groups[prefix].broadcast([landing(bucket, buf)], opts)
         dl = deadline.Deadline(0 if left_s is None else max(left_s, 1e-3), f"weight sync group {prefix}")
         deadline.wait_works([work], dl, "a bucket (vLLM TP worker)")
-        _model(self).load_weights(weights=list(bucket_views(bucket, flat).items()))
+        whole = received(bucket, buf)
+        if whole:
+            _model(self).load_weights(weights=list(whole.items()))
 
     def flexmarl_load(self, weights: list[tuple[str, torch.Tensor]], tied: bool) -> None:
         """The whole model, in-process (CPU): vLLM's reload path, which repacks after loading."""

@@ -4,12 +4,16 @@ Weights leave a trainer only when the orchestrator asks for a sync. The trainer 
 HF-named tensors one parameter at a time (megatron: each parameter gathered over TP on the
 device, converted to HF names, trainer/megatron/trainer.py `sync_stream`), each PP stage
 from its own sender (its TP rank 0 of data-parallel replica 0), and the sender packs them
-into fixed-size buckets (`weight_sync.bucket_mb`; a tensor larger than a bucket goes alone)
-broadcast to the target replicas. The sender holds two bucket buffers (one in flight while
-the next fills), a receiver one; memory on both is bounded by the bucket size, never the
-model size. Receivers hand each bucket to the engine before the next arrives
-(`RolloutEngine.load_weights` takes the buckets as an iterable), and mark the new version
-only after the last, so nothing samples with half-updated weights.
+into fixed-size buckets (`weight_sync.bucket_mb`) broadcast to the target replicas. A tensor
+larger than a bucket (a 152k-row embedding or LM head) goes as pieces of whole rows, a
+bucket each (`Piece`), so the sender's two bucket buffers (one in flight while the next
+fills) never exceed two buckets, whatever the model. A receiver has one buffer, of a bucket
+or of the largest split tensor: each piece lands in place at its offset in that tensor
+(`landing`), which goes to the engine whole after its last piece (`received`; engines load
+whole tensors: vLLM's weight loaders shard a full tensor per TP rank). Receivers hand each
+bucket to the engine before the next arrives (`RolloutEngine.load_weights` takes the
+buckets as an iterable), and mark the new version only after the last, so nothing samples
+with half-updated weights.
 
 The layout (`Plan`: per stage, its sender and buckets of names, dtypes, shapes, offsets) is
 a pure function of the model, TP/PP and the bucket size; the group leader sends it over an
@@ -70,13 +74,42 @@ MAX_GROUPS = 16          # data groups (and their communicators) a rank keeps op
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Rows [first, stop) of a tensor of `rows` rows (its dim 0) larger than a bucket: such a
+    tensor travels as consecutive pieces in row order, each a bucket of its own, so no
+    sender buffer exceeds a bucket. A receiver lands each piece at its byte offset in one
+    buffer of the whole tensor and hands the tensor over after the last (`received`)."""
+    first: int
+    stop: int
+    rows: int
+
+
+@dataclass(frozen=True)
 class Bucket:
     names: tuple[str, ...]
     dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    nbytes: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]   # whole tensors' shapes (a piece's too)
+    nbytes: tuple[int, ...]               # bytes this bucket carries of each
     offsets: tuple[int, ...]           # 16-byte aligned, so every dtype can be viewed in place
     total: int
+    piece: Piece | None = None         # set: the bucket is rows of its one tensor
+
+    @property
+    def at(self) -> int:
+        """Byte offset of this bucket in the receiver's buffer (a piece's in its tensor)."""
+        p = self.piece
+        return 0 if p is None else p.first * (self.nbytes[0] // (p.stop - p.first))
+
+    @property
+    def span(self) -> int:
+        """Bytes of receiver buffer this bucket needs: a piece's whole tensor."""
+        p = self.piece
+        return self.total if p is None else p.rows * (self.nbytes[0] // (p.stop - p.first))
+
+    @property
+    def complete(self) -> bool:
+        """Whether every tensor it names is whole once it is in (a piece: the last one)."""
+        return self.piece is None or self.piece.stop == self.piece.rows
 
 
 @dataclass(frozen=True)
@@ -91,7 +124,13 @@ class Plan:
 
     @property
     def largest(self) -> int:
+        """The largest bucket: a sender buffer's size (at most weight_sync.bucket_mb)."""
         return max((b.total for st in self.stages for b in st), default=0)
+
+    @property
+    def span(self) -> int:
+        """A receiver buffer's size: the largest bucket or tensor sent in pieces."""
+        return max((b.span for st in self.stages for b in st), default=0)
 
 
 Layout = list[tuple[str, tuple[int, ...], torch.dtype]]     # (HF name, shape, dtype) in stream order
@@ -103,8 +142,8 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 def plan_buckets(layout: Layout, bucket_bytes: int, wire: torch.dtype | None = None) -> tuple[Bucket, ...]:
     """Greedy packing of a stage's tensors, in stream order, into buckets of at most
-    `bucket_bytes` (a larger tensor gets a bucket of its own). `wire`: the dtype floating
-    tensors travel in (None: theirs)."""
+    `bucket_bytes`; a larger tensor goes as pieces of whole rows, a bucket each (`Piece`).
+    `wire`: the dtype floating tensors travel in (None: theirs)."""
     buckets, cur = [], []
     used = 0
     for name, shape, dt in layout:
@@ -114,11 +153,27 @@ def plan_buckets(layout: Layout, bucket_bytes: int, wire: torch.dtype | None = N
         if cur and used + padded > bucket_bytes:
             buckets.append(_bucket(cur))
             cur, used = [], 0
+        if nb > bucket_bytes and len(shape) > 0:
+            buckets += _pieces(name, tuple(shape), dt, nb, bucket_bytes)
+            continue
         cur.append((name, dt, tuple(shape), nb, used))
         used += padded
     if cur:
         buckets.append(_bucket(cur))
     return tuple(buckets)
+
+
+def _pieces(name: str, shape: tuple[int, ...], dt: torch.dtype, nb: int, bucket_bytes: int) -> list[Bucket]:
+    """Tensor `name` as pieces of as many whole rows as a bucket holds (the last: the rest).
+    Rows, not flat bytes: a row range of a non-contiguous tensor is a view (no copy)."""
+    row = nb // shape[0]
+    if row > bucket_bytes:
+        raise ValueError(f"weight_sync.bucket_mb: a bucket of {bucket_bytes} B cannot hold one row of "
+                         f"{name} {list(shape)} ({row} B); expected a bucket of at least one row")
+    per = bucket_bytes // row
+    return [Bucket((name,), (_dtype_name(dt),), (shape,), ((stop - first) * row,), (0,), (stop - first) * row,
+                   Piece(first, stop, shape[0]))
+            for first in range(0, shape[0], per) for stop in [min(first + per, shape[0])]]
 
 
 def _bucket(items) -> Bucket:
@@ -143,11 +198,49 @@ def pack(named: dict[str, torch.Tensor], bucket: Bucket, flat: torch.Tensor | np
 
 
 def bucket_views(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The bucket's tensors as views into its bytes (no copy: valid until the buffer is reused)."""
+    """The bucket's tensors (a piece: its rows) as views into its bytes (no copy: valid
+    until the buffer is reused)."""
     flat = torch.as_tensor(flat)
-    return {name: flat[off:off + nb].view(getattr(torch, dt)).reshape(shape)
+    p = bucket.piece
+    return {name: flat[off:off + nb].view(getattr(torch, dt)).reshape(
+                shape if p is None else (p.stop - p.first,) + tuple(shape[1:]))
             for name, dt, shape, nb, off in zip(bucket.names, bucket.dtypes, bucket.shapes,
                                                 bucket.nbytes, bucket.offsets)}
+
+
+def landing(bucket: Bucket, buf: torch.Tensor) -> torch.Tensor:
+    """Where a receiver's buffer (at least `bucket.span` bytes) takes the bucket's bytes: a
+    piece lands in place, at its offset in its tensor, so the tensor is never copied."""
+    return buf[bucket.at:bucket.at + bucket.total]
+
+
+def received(bucket: Bucket, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The whole tensors a receiver holds in `buf` once `bucket` has landed (`landing`): the
+    bucket's, a split tensor's after its last piece, nothing after another piece. Views,
+    valid until the buffer is reused."""
+    if not bucket.complete:
+        return {}
+    if bucket.piece is None:
+        return bucket_views(bucket, buf[:bucket.total])
+    (name,), (dt,), (shape,) = bucket.names, bucket.dtypes, bucket.shapes
+    return {name: buf[:bucket.span].view(getattr(torch, dt)).reshape(shape)}
+
+
+def fill_bucket(bucket: Bucket, flat: torch.Tensor, it: Iterator[tuple[str, torch.Tensor]],
+                held: tuple[str, torch.Tensor] | None = None) -> tuple[str, torch.Tensor] | None:
+    """Copy the bucket's tensors from the trainer's stream `it` into `flat`, cast to the
+    wire dtype. A split tensor is drawn at its first piece and `held` (a reference, never a
+    copy) until its last: returns what is held for the next bucket."""
+    views = bucket_views(bucket, flat)
+    p = bucket.piece
+    for name in bucket.names:
+        got, t = held or next(it)
+        if got != name:
+            raise RuntimeError(f"weight sync: the trainer streamed {got!r} where the plan has {name!r}")
+        held = (got, t) if not bucket.complete else None
+        views[name].copy_(t if p is None else t[p.first:p.stop])
+        del t                           # the stream's next tensor must not meet this one
+    return held
 
 
 def host_bytes(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -475,18 +568,13 @@ def _send_stage(channels: SyncChannels, members: tuple[int, ...], plan: Plan, st
                 it: Iterator[tuple[str, torch.Tensor]], dl: Deadline) -> None:
     channels.forget(plan.senders[stage], plan.live[stage] if plan.live else ())
     works: list = [None, None]
-    largest = max((b.total for b in plan.stages[stage]), default=0)
+    largest = max((b.total for b in plan.stages[stage]), default=0)     # <= a bucket
+    held = None                                               # a split tensor between pieces
     for i, bucket in enumerate(plan.stages[stage]):
         slot = i % 2
         _wait(works[slot], dl)                                # its last bucket is out: reuse it
         flat = channels.buffer(largest, slot)[:bucket.total]     # sized once per plan
-        views = bucket_views(bucket, flat)
-        for name in bucket.names:
-            got, t = next(it)
-            if got != name:
-                raise RuntimeError(f"weight sync: the trainer streamed {got!r} where the plan has {name!r}")
-            views[name].copy_(t)                              # casts to the wire dtype
-            del t
+        held = fill_bucket(bucket, flat, it, held)
         works[slot] = bcast_bucket(channels, members, plan.gids[stage] if plan.gids else 0, flat, dl)
     for w in works:
         _wait(w, dl)
@@ -529,9 +617,10 @@ def _receive_stage(channels: SyncChannels, data: tuple[int, ...], plan: Plan, s:
         yield from (RemoteBucket(pg.prefix, b, dl.left()) for b in plan.stages[s])
         return
     for bucket in plan.stages[s]:
-        flat = channels.buffer(plan.largest, 0)[:bucket.total]
-        _wait(bcast_bucket(channels, data, gid, flat, dl), dl)
-        yield bucket_views(bucket, flat)
+        buf = channels.buffer(plan.span, 0)
+        _wait(bcast_bucket(channels, data, gid, landing(bucket, buf), dl), dl)
+        if bucket.complete:                                   # a split tensor: after its last piece
+            yield received(bucket, buf)
 
 
 def _rendezvous(channels: SyncChannels, members: tuple[int, ...], plan: Plan | None,

@@ -12,8 +12,8 @@ leader and ranks_per_node - 1 ranks like the last one.
 Replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
 use (it takes `gpu_memory_utilization` of every GPU's total memory, the pool's
 `vllm_engine.memory_fraction`, and refuses to start when that cannot hold the weights' TP
-shard and one sequence's KV cache), then a weight receive's one bucket buffer beside it
-(buckets planned by `weight_sync.plan_buckets` at the wire dtype). No host copies: agents
+shard and one sequence's KV cache), then a weight receive's one buffer beside it, of a bucket
+or of the largest tensor sent in pieces (`weight_sync.plan_buckets` at the wire dtype). No host copies: agents
 sharing an engine are re-sent by the trainer.
 
 Limits: a rank's device memory is its pool's `gpu_memory_gb`, a trainer rank's the hardware
@@ -129,8 +129,9 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
 
 def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
     """The sender's side of a streamed sync as runtime/weight_sync._send_stage runs it on a
-    GPU: two bucket buffers on the device (the plan's largest bucket), each parameter of the
-    rank's stage gathered over TP (`sync_stream`) and copied into its bucket; the broadcast
+    GPU: two bucket buffers on the device (the plan's largest bucket: at most one, a larger
+    tensor goes in pieces), each parameter of the rank's stage gathered over TP
+    (`sync_stream`) and copied into its buckets by `weight_sync.fill_bucket`; the broadcast
     moves nothing on the fake process group."""
     from flexmarl_hpc.runtime import weight_sync
     from flexmarl_hpc.sim.memtrack import device_scope
@@ -138,13 +139,9 @@ def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
     largest = max((b.total for b in buckets), default=0)
     with device_scope():
         buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
-    stream = iter(tr.sync_stream())
+    stream, held = iter(tr.sync_stream()), None
     for i, bucket in enumerate(buckets):
-        views = weight_sync.bucket_views(bucket, buffers[i % 2][:bucket.total])
-        for name in bucket.names:
-            _, t = next(stream)
-            views[name].copy_(t)
-            del t
+        held = weight_sync.fill_bucket(bucket, buffers[i % 2][:bucket.total], stream, held)
 
 
 def _trainer_job(job: tuple) -> list[Phase]:
@@ -177,8 +174,9 @@ def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, 
     """A replica of pool `p`, on each of its GPUs (one vLLM TP worker each): vLLM's budget, the
     pool's memory fraction (rollout/vllm_engine.memory_fraction, which leaves a weight sync its
     bucket and NCCL's buffers), must hold the weights' TP shard and one max_seq_len sequence's
-    KV cache or vLLM refuses to start; a weight receive then adds one bucket buffer beside it
-    (the sync streams bucket by bucket: weight_sync.receive_weights). Host: nothing
+    KV cache or vLLM refuses to start; a weight receive then adds one buffer beside it, of a
+    bucket or of the largest tensor larger than a bucket (its pieces land in place:
+    weight_sync.Plan.span, SyncWorker.flexmarl_recv). Host: nothing
     model-sized (agents sharing an engine are re-sent by the trainer, not kept)."""
     from flexmarl_hpc.rollout.vllm_engine import memory_fraction
     from flexmarl_hpc.runtime import build, weight_sync
@@ -191,7 +189,7 @@ def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, 
         args = build.model_args(cfg, task, a)
         layout = [(k, shape, torch.float32) for k, shape in _hf_shapes(args).items()]
         buckets = weight_sync.plan_buckets(layout, bucket_bytes, wire)
-        bucket = max(bucket, max(b.total for b in buckets))
+        bucket = max(bucket, max(b.span for b in buckets))      # a split tensor lands whole
         start = max(start, _engine_need(args, sum(b.total for b in buckets), pool.gpus_per_replica, fraction))
     engine = max(int(fraction * device_limit), start)
     name, where = f"pool {pool.name}", f"rank {first_rank} (replica 0, GPU 0)"

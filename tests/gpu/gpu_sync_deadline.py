@@ -33,7 +33,7 @@ def check() -> str:
     named = {"w": torch.randn(1024, 1024, device="cuda"), "step": torch.tensor([3], device="cuda")}
     ids = GroupIds()
     plan = Plan((0,), (plan_buckets(layout_of(named), 1 << 20, torch.bfloat16),), (ids.use(0, ()),), (ids.live(0),))
-    send_weights(ch, (), plan, 7, 0, named.items(), leader=True)       # 5 buckets, each waited by polls
+    send_weights(ch, (), plan, 7, 0, named.items(), leader=True)       # 3 buckets (w in 2 pieces), each waited by polls
     (members, _), pg = next(iter(ch.groups.items()))
     timeout = getattr(getattr(pg, "options", None), "_timeout", None)     # read back where torch shows it
     assert timeout is None or timeout.total_seconds() == 42, timeout

@@ -27,7 +27,8 @@ rank = world.Get_rank()
 backend, timeout_s = sys.argv[1], float(sys.argv[2])
 channels = SyncChannels(world, backend, timeout_s=timeout_s)
 DONE = 99
-stages = [{"s0.a": torch.ones(300), "s0.b": torch.ones(300)}, {"s1.a": torch.ones(300), "s1.b": torch.ones(300)}]
+# each tensor (800 B) in a bucket of its own (1 KiB): a whole bucket per next(buckets) below
+stages = [{"s0.a": torch.ones(200), "s0.b": torch.ones(200)}, {"s1.a": torch.ones(200), "s1.b": torch.ones(200)}]
 ids = GroupIds()
 plan = Plan((0, 1), tuple(plan_buckets(layout_of(s), 1024) for s in stages),
             tuple(ids.use(s, (2,)) for s in range(2)), tuple(ids.live(s) for s in range(2)))

@@ -1,10 +1,13 @@
 """Run under mpiexec -n 3 by test_weight_sync.py: rank 0 plays a trainer leader, ranks 1-2 replicas.
 
-    mpi_weight_sync.py BUCKET_BYTES BACKEND      (BACKEND: mpi or gloo)
+    mpi_weight_sync.py BUCKET_BYTES BACKEND      (BACKEND: mpi or gloo; BUCKET_BYTES "third":
+                                                  a third of the largest tensor)
 
 Two agents of different sizes go through member sets {0,1,2} and {0,2}, streamed in buckets;
 every rank must end with bit-equal weights, at most two bucket buffers on the sender and one
-on each replica however many member sets and models they served.
+on each replica however many member sets and models they served. Tensors larger than a
+bucket go in pieces: the sender's tensor bytes during each sync (runtime/memtrack) stay
+within two buckets, and a replica's one buffer within a bucket or the largest tensor.
 """
 import sys
 
@@ -13,6 +16,7 @@ from mpi4py import MPI
 
 from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
 from flexmarl_hpc.rollout.torch_engine import TorchEngine
+from flexmarl_hpc.runtime.memtrack import TensorBytes
 from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, send_weights)
 from flexmarl_hpc.workflows.referential import ReferentialGame
@@ -23,7 +27,9 @@ small = ModelArgs(vocab_size=19, hidden_size=32, num_layers=2, num_heads=4, num_
                   intermediate_size=48, max_seq_len=16, tie_embeddings=False)
 big = ModelArgs(vocab_size=19, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                 intermediate_size=96, max_seq_len=16, tie_embeddings=True)
-bucket, backend = int(sys.argv[1]), sys.argv[2]
+LARGEST = big.intermediate_size * big.hidden_size * 4         # an MLP weight, fp32
+bucket = LARGEST // 3 if sys.argv[1] == "third" else int(sys.argv[1])
+backend = sys.argv[2]
 channels = SyncChannels(world, backend)
 task = ReferentialGame(["speaker", "listener"])
 # (agent, member set, version, wire): the big agent to both replicas, then the small one and
@@ -41,19 +47,25 @@ if rank == 0:
         m(torch.randint(0, 19, (2, 5))).sum().backward()
         opt.step()
 
-    expect = {1: {}, 2: {}}
+    expect, peaks = {1: {}, 2: {}}, []
     for agent, members, version, wire in plan:
         step(models[agent])
         named = hf_state_dict(models[agent])
         targets = members[1:]
         p = Plan((0,), (plan_buckets(layout_of(named), bucket, wire),), (ids.use(0, targets),), (ids.live(0),))
-        send_weights(channels, targets, p, version, 0, named.items(), leader=True)
+        with TensorBytes() as mem:
+            send_weights(channels, targets, p, version, 0, named.items(), leader=True)
+        peaks.append(mem.peak)
+        assert mem.peak <= 2 * bucket, (agent, version, mem.peak, bucket)      # two buffers, nothing else
         for r in targets:
             expect[r][agent] = {k: v.to(wire or v.dtype).float().clone()
                                for k, v in models[agent].state_dict().items()}
     for dest in (1, 2):
         world.send(expect[dest], dest=dest)
-    assert channels.buffer_allocations <= 2, channels.buffer_allocations     # 2 slots, sized by the first plan
+    assert peaks[0] > 0 and all(b.numel() <= bucket for b in channels._buffers if bucket < LARGEST), peaks
+    if bucket >= LARGEST:
+        assert channels.buffer_allocations <= 2, channels.buffer_allocations   # 2 slots, sized by the first plan
+    print(f"rank 0 sender peak {max(peaks)} B, bucket {bucket} B, largest tensor {LARGEST} B", flush=True)
 else:
     engine = TorchEngine({"speaker": small, "listener": big}, task, max_batch=8)
     for agent, members, _, _ in plan:
@@ -69,5 +81,6 @@ else:
             assert got[k].dtype == ref[agent][k].dtype and torch.equal(got[k], ref[agent][k]), (agent, k)
     assert engine.version("listener") == (1 if rank == 1 else 3) and engine.version("speaker") == 2
     assert channels._buffers[1] is None and channels.buffer_allocations == 1   # one bucket buffer
+    assert channels._buffers[0].numel() <= max(bucket, LARGEST), channels._buffers[0].numel()
     print(f"rank {rank} bit-identical v{engine.version('listener')} one buffer", flush=True)
 channels.close()

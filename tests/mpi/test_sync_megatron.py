@@ -17,10 +17,13 @@ from tests.conftest import need, run_mpi
 pytestmark = pytest.mark.megatron
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_tp2_pp2_trainer_streams_bit_equal_weights_within_two_buckets(mpiexec, tmp_path, backend):
+@pytest.mark.parametrize("backend,bucket", [("gloo", 64 << 10), ("mpi", 64 << 10), ("gloo", 16 << 10)])
+def test_tp2_pp2_trainer_streams_bit_equal_weights_within_two_buckets(mpiexec, tmp_path, backend, bucket):
+    """64 KiB: the embedding and LM head fill a bucket each; 16 KiB: they and the MLP
+    weights go in pieces (runtime/weight_sync.Piece)."""
     need(importlib.util.find_spec("megatron") is not None, "megatron-core (pip install -r requirements-megatron.txt)")
-    p = run_mpi(mpiexec, 6, ["tests/mpi/mpi_sync_megatron.py", str(tmp_path / "ckpt"), backend], timeout=240,
+    p = run_mpi(mpiexec, 6, ["tests/mpi/mpi_sync_megatron.py", str(tmp_path / "ckpt"), backend, str(bucket)],
+                timeout=240,
                 env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert "all sync checks passed" in p.stdout, p.stdout[-3000:]
     assert "ok build: TP2 x PP2 shards == the checkpoint's slices" in p.stdout

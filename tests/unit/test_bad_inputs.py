@@ -80,6 +80,7 @@ CASES = [
     ("top_p=0", ["rollout.top_p=0"], "rollout.top_p"),
     ("backend=tpu", ["rollout.backend=tpu"], "rollout.backend"),
     ("bucket_mb=0", ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb"),
+    ("bucket_mb-below-a-row", ["weight_sync.bucket_mb=0.0001"], "weight_sync.bucket_mb"),
     ("sync timeout<0", ["weight_sync.timeout_s=-1"], "weight_sync.timeout_s"),
     ("sync timeout=nan", ["weight_sync.timeout_s=.nan"], "weight_sync.timeout_s"),
     ("micro_batch_size=0", ["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),

@@ -49,6 +49,38 @@ def test_fake_run_agrees_with_the_analytic_count_at_a_mid_size_shape():
                                                           "weight sync (send)"]
 
 
+class _Stage:
+    """A trainer stage's sync side (sync_layouts, sync_stream) whose stream yields each tensor
+    as a TP gather does: made on the device when drawn, gone after it is copied."""
+    pp_rank = 0
+    shapes = {"embed": (3 * 1024, 256), "norm": (256,), "mlp": (512, 256)}      # fp32: 3 MiB, 1 KiB, 512 KiB
+
+    def sync_layouts(self):
+        import torch
+        return [[(k, s, torch.float32) for k, s in self.shapes.items()]]
+
+    def sync_stream(self):
+        import torch
+        from flexmarl_hpc.sim.memtrack import device_scope
+        for k, s in self.shapes.items():
+            with device_scope():
+                t = torch.empty(s)
+            yield k, t
+            del t
+
+
+def test_the_sync_sender_holds_two_buckets_however_large_a_tensor():
+    """The send phase (sim/memory._send: the production weight_sync.fill_bucket on fake
+    tensors) with 1 MiB buckets and a 3 MiB tensor: two bucket buffers + the streamed tensor
+    (5 MiB), not two buffers of that tensor + it (9 MiB, before tensors went in pieces)."""
+    from flexmarl_hpc.sim.memory import _send
+    from flexmarl_hpc.sim.memtrack import track
+    MiB = 2**20
+    with track() as c:
+        _send(_Stage(), 1.0, None)
+    assert 3 * MiB < c.peak["device"] <= 2 * MiB + 3 * MiB, c.peak
+
+
 def test_refuses_a_32b_trainer_at_tp1_pp1_naming_the_rank():
     from flexmarl_hpc.sim.memory import check_config, failures
     rows = check_config(_paper(tensor_parallel=1, pipeline_parallel=1), 64.0, workers=2, only=("shop32_0",))

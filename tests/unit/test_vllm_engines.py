@@ -259,6 +259,47 @@ def test_tp2_replica_receives_on_every_worker_with_headers_only(fake_vllm, tmp_p
     ch.close()
 
 
+def test_tp2_workers_load_a_split_tensor_whole_after_its_last_piece(fake_vllm, tmp_path, monkeypatch):
+    """Tensors larger than a bucket (a third of the largest) reach each vLLM worker as pieces:
+    the worker lands them in place in one buffer of the tensor and loads the tensor once,
+    whole, after its last piece (vLLM's weight loaders shard whole tensors); bit-equal."""
+    from mpi4py import MPI
+    from flexmarl_hpc.rollout import vllm_engine
+    from flexmarl_hpc.runtime import weight_sync as W
+    sent = weights(SMALL, 4)
+    buckets = W.plan_buckets(W.layout_of(sent), max(t.numel() * 4 for t in sent.values()) // 3)
+    payloads, held, it = [], None, iter(sent.items())
+    for b in buckets:                                     # the sender's bytes of each bucket
+        payloads.append(torch.zeros(b.total, dtype=torch.uint8))
+        held = W.fill_bucket(b, payloads[-1], it, held)
+    split = {b.names[0] for b in buckets if b.piece is not None}
+    assert "model.embed_tokens.weight" in split and len(buckets) > len(split) + 1
+
+    class FakeGroup:                  # the root's bytes of bucket i arrive in a worker's i-th broadcast
+        def __init__(self, store, rank, size):
+            self.i = 0
+
+        def broadcast(self, tensors, opts):
+            tensors[0].copy_(payloads[self.i])
+            self.i += 1
+            return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+    monkeypatch.setattr(vllm_engine.torch.distributed, "TCPStore", lambda *a, **k: vllm_engine.torch.distributed.HashStore())
+    monkeypatch.setattr(W, "new_group", lambda backend, store, rank, size, timeout=None: FakeGroup(store, rank, size))
+    monkeypatch.setattr(W.SyncChannels, "_serve", lambda self: ("host", 1))
+    e = make({"a": SMALL}, tmp_path, cuda=True, gpus_per_replica=2)
+    ch = W.SyncChannels(MPI.COMM_WORLD, "gloo")
+    pg = ch.group((MPI.COMM_WORLD.Get_rank(),), 7, e.remote("a"))
+    e.load_weights("a", 1, [W.RemoteBucket(pg.prefix, b) for b in buckets])
+    for w in fake_vllm.built[0].workers:
+        assert len(w.loaded) == sum(b.complete for b in buckets)      # no load of a partial tensor
+        got = [(k, v) for part in w.loaded for k, v in part.items()]
+        assert sorted(k for k, _ in got) == sorted(sent)                # each tensor loaded once
+        assert all(torch.equal(v, sent[k]) for k, v in got)
+        assert w._flexmarl_buffer.numel() == max(b.span for b in buckets)
+    assert e.version("a") == 1
+    ch.close()
+
+
 def test_rollout_dtype_needs_vllm():
     with pytest.raises(ConfigError, match="rollout.dtype"):
         load_config("configs/local.yaml", ["rollout.dtype=bf16"])

@@ -87,12 +87,14 @@ def _parallel_state(tp: int, pp: int) -> None:
             model_parallel_cuda_manual_seed(1234)
 
 
-def init_group_distributed(group: MPI.Comm, tp: int, pp: int, relayout: bool = False) -> None:
+def init_group_distributed(group: MPI.Comm, tp: int, pp: int, relayout: bool = False,
+                           timeout_s: float = 1800.0) -> None:
     """torch.distributed and megatron's parallel_state over exactly this group's ranks.
     Once per process (a rank belongs to one trainer group); later trainers of the same
     layout (other agents on this group) reuse it. `relayout=True` rebuilds parallel_state
     for another TP/PP split of the same ranks (trainers of the old layout become invalid;
-    tests use it to reshard checkpoints in one job)."""
+    tests use it to reshard checkpoints in one job). `timeout_s`
+    (trainer.collective_timeout_s): the store's rendezvous and every collective's."""
     global _LAYOUT
     key = (group.Get_size(), tp, pp)
     if _LAYOUT is not None:
@@ -113,7 +115,9 @@ def init_group_distributed(group: MPI.Comm, tp: int, pp: int, relayout: bool = F
         from flexmarl_hpc.trainer.megatron import compat
         compat.apply()
     rank, size = group.Get_rank(), group.Get_size()
-    timeout = timedelta(minutes=30)
+    if not timeout_s > 0:
+        raise ValueError(f"trainer.collective_timeout_s: expected > 0 seconds, got {timeout_s!r}")
+    timeout = timedelta(seconds=timeout_s)
     store = None
     if rank == 0:
         # port 0: the OS picks a free port, no race with other groups' leaders on this node

@@ -36,7 +36,8 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
             raise NotImplementedError("trainer.kl_coef > 0 with trainer.pipeline_parallel > 1: the frozen "
                                       "reference model would need its own pipeline pass; use "
                                       "pipeline_parallel=1 (TP and DP are supported)")
-        init_group_distributed(group, cfg.tensor_parallel, cfg.pipeline_parallel)
+        init_group_distributed(group, cfg.tensor_parallel, cfg.pipeline_parallel,
+                               timeout_s=cfg.collective_timeout_s)
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel
         from megatron.core.models.gpt import GPTModel

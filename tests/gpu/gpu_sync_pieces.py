@@ -1,0 +1,82 @@
+"""Sync pieces on a real GPU (one rank, NCCL): tensors larger than a bucket go in row pieces,
+so the sender's CUDA allocations during a sync stay within two buckets
+(torch.cuda.max_memory_allocated), and the bytes each broadcast carried, landed in place in
+one device buffer (`landing`, `received`), give every tensor back bit-equal to the bf16 cast
+of the trainer's (a non-contiguous one included).
+
+    python tests/gpu/gpu_sync_pieces.py          # prints the sender's peak; asserts the bounds
+    pytest tests/gpu/gpu_sync_pieces.py          # skipped without a GPU
+
+One GPU cannot hold two NCCL ranks, so the broadcast is a one-member group's (a no-op on
+the bytes); bit-equality over real transfers is tests/mpi/test_weight_sync.py's (gloo, MPI).
+On a tree without pieces (before 2026-11-26) it prints the peak and skips the asserts.
+"""
+from __future__ import annotations
+
+import pytest
+
+MIB = 2**20
+
+
+def _weights(torch):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {"embed": torch.randn(8192, 1024, generator=g, device="cuda"),         # 32 MiB fp32, 16 bf16
+            "norm": torch.randn(1024, generator=g, device="cuda"),
+            "head": torch.randn(1024, 8192, generator=g, device="cuda").T,        # non-contiguous
+            "mlp": torch.randn(2816, 1024, generator=g, device="cuda")}
+
+
+def check() -> str:
+    import torch
+    from mpi4py import MPI
+    from flexmarl_hpc.runtime import weight_sync as W
+    torch.cuda.set_device(0)
+    ch = W.SyncChannels(MPI.COMM_SELF, "nccl")
+    named, bucket, wire = _weights(torch), 4 * MIB, torch.bfloat16
+    ids = W.GroupIds()
+    plan = W.Plan((0,), (W.plan_buckets(W.layout_of(named), bucket, wire),), (ids.use(0, ()),), (ids.live(0),))
+    sent, real = [], W.bcast_bucket
+
+    def recording(channels, members, gid, flat, dl):
+        work = real(channels, members, gid, flat, dl)
+        sent.append(flat.clone())       # before the sender refills it (stream order)
+        return work
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    W.send_weights(ch, (), plan, 1, 0, named.items(), leader=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    line = (f"gpu sync pieces: sender peak {peak / MIB:.2f} MiB with {bucket // MIB} MiB buckets, largest tensor "
+            f"{8192 * 1024 * 2 / MIB:.0f} MiB (bf16), {len(plan.stages[0])} buckets")
+    if not hasattr(W, "Piece"):
+        ch.close()
+        return line + " (a tree without pieces: no asserts)"
+    assert peak <= 2 * bucket, line
+    # the same sync again, each broadcast's bytes kept (a copy per bucket: after the peak was read)
+    W.bcast_bucket = recording
+    try:
+        W.send_weights(ch, (), plan, 2, 0, named.items(), leader=True)
+    finally:
+        W.bcast_bucket = real
+    buf, got = torch.zeros(plan.span, dtype=torch.uint8, device="cuda"), {}
+    for b, data in zip(plan.stages[0], sent):
+        W.landing(b, buf).copy_(data)
+        got.update({k: v.clone() for k, v in W.received(b, buf).items()})
+    assert sorted(got) == sorted(named), sorted(got)
+    for k, v in named.items():
+        assert torch.equal(got[k], v.to(wire)), k
+    ch.close()
+    return line + f"; {sum(b.piece is not None for b in plan.stages[0])} pieces landed bit-equal"
+
+
+@pytest.mark.gpu
+def test_sync_pieces_keep_the_sender_within_two_buckets_on_a_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    print(check())
+
+
+if __name__ == "__main__":
+    print(check())

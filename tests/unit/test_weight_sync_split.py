@@ -1,0 +1,98 @@
+"""Tensors larger than a bucket: the plan cuts them into pieces of whole rows, the sender's
+two buffers stay within two buckets (runtime/memtrack), and a receiver that lands each piece
+in place (`landing`) gets every tensor whole and bit-equal (`received`). One rank, a
+recording group standing in for the broadcast; the same code over gloo and MPI between
+ranks in tests/mpi/test_weight_sync.py, into vLLM's workers in test_vllm_engines.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from flexmarl_hpc.runtime import weight_sync as W
+from flexmarl_hpc.runtime.memtrack import TensorBytes
+
+
+def test_a_tensor_larger_than_a_bucket_goes_in_row_pieces_each_a_bucket():
+    layout = [("a", (3,), torch.float32), ("embed", (30, 8), torch.float32), ("b", (2, 4), torch.float32)]
+    buckets = W.plan_buckets(layout, 320)                 # embed: 960 B, 32 B a row -> 10 rows a piece
+    assert [(b.names, b.piece) for b in buckets] == [
+        (("a",), None), (("embed",), W.Piece(0, 10, 30)), (("embed",), W.Piece(10, 20, 30)),
+        (("embed",), W.Piece(20, 30, 30)), (("b",), None)]
+    assert all(b.total <= 320 for b in buckets)
+    embed = buckets[1:4]
+    assert [b.at for b in embed] == [0, 320, 640] and {b.span for b in embed} == {960}
+    assert [b.complete for b in embed] == [False, False, True]
+    assert max(b.total for b in buckets) == 320 and W.Plan((0,), (buckets,)).span == 960
+    # the wire dtype decides the bytes: bf16 rows are 16 B, the tensor (480 B) 2 pieces
+    half = W.plan_buckets(layout, 320, torch.bfloat16)
+    assert [b.piece for b in half if b.piece] == [W.Piece(0, 20, 30), W.Piece(20, 30, 30)]
+    # a tensor that fits a bucket is never cut, however full the current one
+    assert all(b.piece is None for b in W.plan_buckets(layout, 960))
+
+
+def test_a_bucket_smaller_than_a_row_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"weight_sync.bucket_mb: a bucket of 16 B cannot hold one row of embed"):
+        W.plan_buckets([("embed", (30, 8), torch.float32)], 16)
+
+
+class Recorder:
+    """A one-member data group that keeps a copy of every broadcast bucket (numpy: not a
+    torch allocation, so the sender's tensor bytes are its own)."""
+    built: list["Recorder"] = []
+
+    class Options:
+        _timeout = None
+
+    def __init__(self, store, rank, size, opts):
+        self.sent = []
+        Recorder.built.append(self)
+
+    def broadcast(self, tensors, opts):
+        self.sent.append(tensors[0].numpy().copy())
+        return type("Work", (), {"wait": lambda self: True, "is_completed": lambda self: True})()
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+def test_split_tensors_arrive_whole_and_bit_equal_with_the_sender_within_two_buckets(monkeypatch, wire):
+    Recorder.built = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", Recorder, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    g = torch.Generator().manual_seed(0)
+    named = {"embed": torch.randn(30, 8, generator=g), "norm": torch.randn(8, generator=g),
+             "head": torch.randn(8, 30, generator=g).T,          # non-contiguous: rows are views
+             "mlp": torch.randn(12, 8, generator=g), "step": torch.tensor([4, 5])}
+    bucket = 30 * 8 * 4 // 3                                      # a third of the largest tensor
+    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu")
+    me = MPI.COMM_WORLD.Get_rank()
+    plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),), (1,), ((1,),))
+    assert sum(b.piece is not None for b in plan.stages[0]) >= 4           # embed and head
+    with TensorBytes() as mem:
+        W.send_weights(ch, (), plan, 1, 0, named.items(), leader=True)
+    assert 0 < mem.peak <= 2 * bucket, (mem.peak, bucket)        # not 2 x the 960 B tensor
+    sent, = [r.sent for r in Recorder.built]
+    assert len(sent) == len(plan.stages[0]) and all(s.size <= bucket for s in sent)
+    buf, got = torch.zeros(plan.span, dtype=torch.uint8), {}     # the receiver's one buffer
+    for b, data in zip(plan.stages[0], sent):
+        W.landing(b, buf).copy_(torch.from_numpy(data))
+        whole = W.received(b, buf)
+        assert bool(whole) == b.complete
+        got.update({k: v.clone() for k, v in whole.items()})
+    assert sorted(got) == sorted(named)
+    for k, v in named.items():
+        want = v.to(wire) if wire is not None and v.is_floating_point() else v
+        assert got[k].dtype == want.dtype and torch.equal(got[k], want), k
+    ch.close()
+
+
+def test_a_stream_that_differs_from_a_split_plan_is_named():
+    named = {"embed": torch.ones(30, 8)}
+    buckets = W.plan_buckets(W.layout_of(named), 320)
+    flat = torch.empty(320, dtype=torch.uint8)
+    held = W.fill_bucket(buckets[0], flat, iter(named.items()))
+    assert held[0] == "embed" and held[1] is named["embed"]             # held, not copied
+    with pytest.raises(RuntimeError, match="streamed 'other' where the plan has 'embed'"):
+        W.fill_bucket(buckets[0], flat, iter([("other", torch.ones(30, 8))]))
+    assert np.array_equal(flat[:4].numpy(), torch.ones(1).view(torch.uint8).numpy())
