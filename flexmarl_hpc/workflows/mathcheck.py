@@ -13,7 +13,8 @@ else (expressions, LaTeX) goes to math-verify.
 math-verify bounds its parsing and comparison with SIGALRM, which Python allows only in
 the main thread (elsewhere it raises ValueError). So in the main thread, as in a worker of
 tools.pool.WorkerPool, its own timeout runs; from any other thread the comparison runs in
-a child process that is killed after `timeout_s`. A timeout counts as wrong.
+a child process, killed when it has not answered after its three timeouts (two parses,
+one comparison) and a second. A timeout counts as wrong.
 """
 from __future__ import annotations
 
