@@ -2,7 +2,8 @@
 problem, scored by workflows/mathcheck.answer_correct; prints accuracy per number of steps.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/make_math_team_data.py
-    PYTHONPATH=$PWD .venv/bin/python scripts/probe_math_team.py -n 120 --max-new-tokens 160
+    PYTHONPATH=$PWD .venv/bin/python scripts/probe_math_team.py -n 96 --max-new-tokens 128 --system ""
+    PYTHONPATH=$PWD .venv/bin/python scripts/probe_math_team.py -n 48 --steps 1 --max-new-tokens 96 --system ""
 
 A check that the data is learnable from (a model that never answers right gets no GRPO
 signal), not the team's evaluation. The prompt is the chat template of the checkpoint
