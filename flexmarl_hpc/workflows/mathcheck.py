@@ -13,7 +13,8 @@ else (expressions, LaTeX) goes to math-verify.
 math-verify bounds its parsing and comparison with SIGALRM, which Python allows only in
 the main thread (elsewhere it raises ValueError). So in the main thread, as in a worker of
 tools.pool.WorkerPool, its own timeout runs; from any other thread the comparison runs in
-a child process that is killed after `timeout_s`. A timeout counts as wrong.
+a child process, killed when it has not answered after its three timeouts (two parses,
+one comparison) and a second. A timeout counts as wrong.
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def boxed(text: str) -> str | None:
     return text[i:j - 1] if depth == 0 else None
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of free-form text, as text (see the module docstring)."""
+def extract_answer(text: str, require_marker: bool = False) -> str | None:
+    """The final answer of free-form text, as text (see the module docstring). With
+    `require_marker` only a \\boxed{} or an answer marker counts, never a stray last number."""
     found = boxed(text)
     if found is not None:
         return found.strip()
@@ -60,7 +62,7 @@ def extract_answer(text: str) -> str | None:
         rest = text[markers[-1].end():].strip().split("\n", 1)[0].strip(_TRIM)
         if rest:
             return rest
-    numbers = _LAST_NUMBER.findall(text)
+    numbers = [] if require_marker else _LAST_NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
 
@@ -101,9 +103,11 @@ def _gold_value(gold) -> Fraction | None:
     return plain_number(str(gold))
 
 
-def answer_correct(prediction_text: str, gold, timeout_s: float = 5.0) -> bool:
-    """Whether the final answer of `prediction_text` equals `gold` (a number or LaTeX/text)."""
-    answer = extract_answer(prediction_text or "")
+def answer_correct(prediction_text: str, gold, timeout_s: float = 5.0, require_marker: bool = False) -> bool:
+    """Whether the final answer of `prediction_text` equals `gold` (a number or LaTeX/text).
+    `require_marker`: a reply without \\boxed{} or an answer marker is wrong (a reward
+    that cannot be earned by a reply cut off after restating the question's numbers)."""
+    answer = extract_answer(prediction_text or "", require_marker)
     if answer is None:
         return False
     want = _gold_value(gold)

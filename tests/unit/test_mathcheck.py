@@ -70,6 +70,14 @@ def test_no_answer_is_wrong(pred, no_math_verify):
     assert not answer_correct(pred, 3)
 
 
+def test_require_marker_ignores_a_stray_last_number(no_math_verify):
+    cut = "We divide 9 apples among 3 friends. Now we find how many are left over, 3"
+    assert answer_correct(cut, 3) and not answer_correct(cut, 3, require_marker=True)
+    assert extract_answer(cut, require_marker=True) is None
+    assert answer_correct("so 3 each.\nAnswer: 3", 3, require_marker=True)
+    assert answer_correct("\\boxed{3}", 3, require_marker=True)
+
+
 def test_plain_number_is_exact():
     assert plain_number("0.1") + plain_number("0.2") == plain_number("3/10")   # no float rounding
     assert plain_number("1,00") is None and plain_number("1/0") is None and plain_number("x") is None
