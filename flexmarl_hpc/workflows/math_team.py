@@ -7,7 +7,9 @@
     verifier  sees the candidate answers and names the one it believes; that is the
               team's answer (unparsable: the first solver's)
 
-Rewards: a solver call 1 when its final answer is right; the verifier 1 when the team's
+A solver's answer counts only when it is marked ("Answer: 7" or \\boxed{7}): a reply cut off
+after restating the question's numbers is not right by chance. Rewards: a solver call 1
+when its marked final answer is right (0.1 when marked but wrong); the verifier 1 when the team's
 answer is right; the planner the team's correctness minus 0.1 per extra solver. Each
 agent is called a different number of times per episode (1 planner, 1-3 solvers each
 with 1-2 turns, 1 verifier): the skew the scheduler balances. `ctx.metrics["team_correct"]`
@@ -30,8 +32,8 @@ def planner_prompt(q: str) -> list[dict]:
 
 
 def solver_prompt(q: str) -> list[dict]:
-    return [SYSTEM, {"role": "user", "content": f"{q}\nSolve it in a few short steps. You may write "
-                     "<calc>expression</calc> to use a calculator. End with the line 'Answer: <number>'."}]
+    return [SYSTEM, {"role": "user", "content": f"{q}\nYou may write <calc>expression</calc> to use a "
+                     "calculator. End your reply with 'Answer: <number>'."}]
 
 
 def verifier_prompt(q: str, candidates: list[str]) -> list[dict]:
@@ -51,14 +53,14 @@ async def solve(ctx, q: str) -> tuple[str | None, list[int]]:
     reply = await ctx.chat("solver", messages)
     m = CALC.search(reply.text)
     if m is None:
-        return extract_answer(reply.text), [reply.call]
+        return extract_answer(reply.text, require_marker=True), [reply.call]
     first = reply.call
     result = await ctx.tool("calculator", m.group(1))
     messages += [{"role": "assistant", "content": reply.text},
                  {"role": "user", "content": f"Calculator: {result.output}\nNow end with the line "
                   "'Answer: <number>'."}]
     reply = await ctx.chat("solver", messages, max_tokens=min(64, ctx.runner.max_new_tokens))
-    return extract_answer(reply.text), [first, reply.call]
+    return extract_answer(reply.text, require_marker=True), [first, reply.call]
 
 
 async def episode(ctx, example: dict) -> dict:
@@ -76,6 +78,6 @@ async def episode(ctx, example: dict) -> dict:
     ctx.metrics["solvers"] = float(k)
     solver_rewards = [0.0] * sum(len(calls) for _, calls in results)
     for a, calls in results:
-        for i in calls:
-            solver_rewards[i] = float(answer_correct(a or "", gold))
+        for i in calls:        # right: 1; a marked answer that is wrong: 0.1 (the format is half the way)
+            solver_rewards[i] = 1.0 if answer_correct(a or "", gold) else 0.1 * (a is not None)
     return {"planner": team_ok - 0.1 * (k - 1), "solver": solver_rewards, "verifier": team_ok}

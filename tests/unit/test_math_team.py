@@ -1,0 +1,80 @@
+"""The math_team episode (workflows/math_team.py) on scripted replies: the planner's number
+of solvers, a calculator round trip in one solver's own conversation, per-call solver
+rewards in call-index order, the verifier's pick as the team answer."""
+from __future__ import annotations
+
+from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.tools.pool import WorkerPool
+from flexmarl_hpc.tools.registry import Tools
+from flexmarl_hpc.workflows.episode import EpisodeRunner
+from flexmarl_hpc.workflows.math_team import episode
+
+STOP = 2
+
+
+class TextConversation:
+    """Ids stand for whole scripted texts (id 1000 + index in `texts`)."""
+    texts: list[str] = []
+
+    def prompt_ids(self, messages):
+        self.last = messages
+        return [3] * len(messages)
+
+    def record(self, ids):
+        return self.texts[ids[0] - 1000]
+
+
+def reply(call, text):
+    TextConversation.texts.append(text)
+    call.done([1000 + len(TextConversation.texts) - 1, STOP], frozenset({STOP}))
+
+
+def run(script):
+    """Run one episode, answering each call with script(agent, messages)."""
+    cfg = ToolsConfig()
+    runner = EpisodeRunner(episode, ["planner", "solver", "verifier"], 0, 128,
+                           lambda agent: TextConversation(), tools=WorkerPool(Tools.from_config(cfg), cfg))
+    runner.start(0, 0, 0, {"question": "Tom has 3 apples and gets 4 more. How many?", "answer": 7})
+    try:
+        while runner.running:
+            runner.step()
+            calls, done = runner.take()
+            for c in calls:
+                reply(c, script(c.agent, c.messages))
+            if done:
+                return done[0]
+    finally:
+        runner.close()
+
+
+def test_two_solvers_one_with_the_calculator_and_the_verifier_picks_the_right_answer():
+    TextConversation.texts = []
+    solvers = iter(["<calc>3 + 4</calc>", "Answer: 5"])     # the first solver asks the calculator
+
+    def scripted(agent, messages):
+        last = messages[-1]["content"]
+        if agent == "planner":
+            return "2"
+        if agent == "verifier":
+            assert "- 7" in last and "- 5" in last          # both marked answers are candidates
+            return "7"
+        if last.startswith("Calculator:"):                  # its own conversation, grown
+            assert "Calculator: 7" in last and messages[-2]["content"] == "<calc>3 + 4</calc>"
+            return "So Answer: 7"
+        return next(solvers)
+
+    f = run(scripted)
+    assert not f.error, f.error
+    assert f.ctx.calls == {"planner": 1, "solver": 3, "verifier": 1}
+    # call 0: first solver's first turn, 1: second solver, 2: first solver's second turn
+    assert f.rewards["solver"] == [1.0, 0.1, 1.0]
+    assert f.rewards["planner"] == 0.9 and f.rewards["verifier"] == 1.0
+    assert f.ctx.metrics == {"team_correct": 1.0, "solvers": 2.0}
+
+
+def test_unmarked_answers_earn_nothing_and_the_team_is_wrong():
+    TextConversation.texts = []
+    f = run(lambda agent, m: {"planner": "one", "solver": "the apples are 7", "verifier": "7"}[agent])
+    assert f.ctx.calls == {"planner": 1, "solver": 1, "verifier": 1}
+    assert f.rewards["solver"] == [0.0] and f.rewards["verifier"] == 0.0
+    assert f.ctx.metrics["team_correct"] == 0.0
