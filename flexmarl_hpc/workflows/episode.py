@@ -235,10 +235,12 @@ class EpisodeRunner:
         return res
 
     def close(self) -> None:
-        for t in asyncio.all_tasks(self.loop):
+        """Cancel the episodes still running (a run that ends or stops) and end the pool."""
+        tasks = asyncio.all_tasks(self.loop)
+        for t in tasks:
             t.cancel()
-        self.loop.call_soon(self.loop.stop)
-        self.loop.run_forever()
+        if tasks:
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         if self.pool is not None:
             self.pool.close()
         self.loop.close()

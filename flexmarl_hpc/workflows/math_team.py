@@ -63,6 +63,15 @@ async def solve(ctx, q: str) -> tuple[str | None, list[int]]:
     return extract_answer(reply.text, require_marker=True), [first, reply.call]
 
 
+async def correct(ctx, answer: str | None, gold) -> bool:
+    """The answer check on a tool worker, off the orchestrator's loop (math-verify can take
+    seconds on a pathological expression); a check that fails or times out counts as wrong."""
+    if not answer:
+        return False
+    done = await ctx.call(answer_correct, answer, gold)
+    return done.outcome == "ok" and bool(done.value)
+
+
 async def episode(ctx, example: dict) -> dict:
     q, gold = example["question"], example["answer"]
     plan = await ctx.chat("planner", planner_prompt(q), max_tokens=4)
@@ -73,11 +82,12 @@ async def episode(ctx, example: dict) -> dict:
     pick = await ctx.chat("verifier", verifier_prompt(q, candidates), max_tokens=8)
     chosen = extract_answer(pick.text)
     team = chosen if chosen in candidates else (answers[0] or "")
-    team_ok = float(answer_correct(team, gold))
+    verdicts = dict(zip(candidates, await asyncio.gather(*(correct(ctx, a, gold) for a in candidates))))
+    team_ok = float(verdicts[team] if team in verdicts else await correct(ctx, team, gold))
     ctx.metrics["team_correct"] = team_ok
     ctx.metrics["solvers"] = float(k)
     solver_rewards = [0.0] * sum(len(calls) for _, calls in results)
     for a, calls in results:
         for i in calls:        # right: 1; a marked answer that is wrong: 0.1 (the format is half the way)
-            solver_rewards[i] = 1.0 if answer_correct(a or "", gold) else 0.1 * (a is not None)
+            solver_rewards[i] = 1.0 if a is not None and verdicts[a] else 0.1 * (a is not None)
     return {"planner": team_ok - 0.1 * (k - 1), "solver": solver_rewards, "verifier": team_ok}
