@@ -57,8 +57,8 @@ WORKLOADS = {
     # LLM text with skewed calls: SmolLM2-135M planner/solvers/verifier on word problems
     # (configs/math_team.yaml; needs scripts/setup_smollm2.sh and make_math_team_data.py),
     # two replicas for three agents, short
-    "math_team": ("configs/math_team.yaml", ["run.steps=5", "workflow.inputs_per_step=2", "workflow.group_size=4",
-                                             "workflow.max_new_tokens=64", "rollout.replicas=2",
+    "math_team": ("configs/math_team.yaml", ["run.steps=5", "workflow.inputs_per_step=2", "workflow.group_size=2",
+                                             "workflow.max_new_tokens=32", "rollout.replicas=2",
                                              "run.checkpoint_every=0"]),
 }
 VARIANTS = {
