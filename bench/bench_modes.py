@@ -58,7 +58,7 @@ WORKLOADS = {
     # (configs/math_team.yaml; needs scripts/setup_smollm2.sh and make_math_team_data.py),
     # two replicas for three agents, short
     "math_team": ("configs/math_team.yaml", ["run.steps=5", "workflow.inputs_per_step=2", "workflow.group_size=2",
-                                             "workflow.max_new_tokens=32", "rollout.replicas=2",
+                                             "workflow.max_new_tokens=32", "rollout.replicas=2", "rollout.max_batch=16",
                                              "run.checkpoint_every=0"]),
 }
 VARIANTS = {
