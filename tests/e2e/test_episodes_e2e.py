@@ -40,7 +40,7 @@ def overrides(chat_setup, steps=STEPS):
     model, data = chat_setup
     return ["run.name=ep", "workflow.episode=tests.e2e.episodes:skewed", "workflow.agents=[planner,solver,judge]",
             f"workflow.inputs_per_step={N_IN}", f"workflow.group_size={GROUP}", "workflow.max_new_tokens=12",
-            f"workflow.dataset.train={data}", f"model.checkpoint={model}", "rollout.max_model_len=512",
+            f"workflow.dataset.train={data}", "workflow.dataset.eval=", f"model.checkpoint={model}", "rollout.max_model_len=512",
             f"run.steps={steps}", "run.log_every=1", "trainer.micro_batch_size=4", "trainer.lr=1e-4"]
 
 
