@@ -259,22 +259,22 @@ class Table:
         with any new rows (their bytes)."""
         # the bytes of each chunk that patches and new rows change; the images (bytes, rows,
         # checksum sums) are held here: a long write may evict them from the cache
-        end = self.disk + (0 if new is None else len(new) // self.dtype.itemsize)
-        spans = self._spans(patches, self.disk, end)
+        k, isz = self.chunk, self.dtype.itemsize
+        bounds = [(int(rows.min()), int(rows.max()) + 1) for rows, _ in patches]
+        end = self.disk + (0 if new is None else len(new) // isz)
+        spans = self._spans(bounds + ([(self.disk, end)] if end > self.disk else []))
         imgs = {c: self._image(c) for c in spans}
         before = {c: self._sums_before(imgs[c][0], c, *spans[c]) for c in spans}
-        for rows, fields in patches:
-            c_lo, c_hi = int(rows.min()) // self.chunk, int(rows.max()) // self.chunk
+        for (rows, fields), (r0, r1) in zip(patches, bounds):
+            c_lo, c_hi = r0 // k, (r1 - 1) // k
             for c in range(c_lo, c_hi + 1):
-                img, lo = imgs[c][1], c * self.chunk
-                mine = slice(None) if c_lo == c_hi else (rows >= lo) & (rows < lo + self.chunk)
-                _set(img, rows[mine] - lo, fields, mine)
+                mine = slice(None) if c_lo == c_hi else (rows >= c * k) & (rows < (c + 1) * k)
+                _set(imgs[c][1], rows[mine] - c * k, fields, mine)
         if new is not None:
-            start, isz = self.disk, self.dtype.itemsize
-            for c in range(start // self.chunk, -(-end // self.chunk)):
-                lo, hi = max(c * self.chunk, start), min((c + 1) * self.chunk, end)
-                imgs[c][0][(lo - c * self.chunk) * isz:(hi - c * self.chunk) * isz] = \
-                    new[(lo - start) * isz:(hi - start) * isz]
+            start = self.disk
+            for c in range(start // k, -(-end // k)):
+                lo, hi = max(c * k, start), min((c + 1) * k, end)
+                imgs[c][0][(lo - c * k) * isz:(hi - c * k) * isz] = new[(lo - start) * isz:(hi - start) * isz]
             self.ds.id.set_extent((end,))
             self.disk = end
         for c in sorted(spans):
@@ -330,22 +330,15 @@ class Table:
             return 0, 0
         return span_sums(raw, self._nbytes, lo, min(hi, used))
 
-    def _spans(self, patches: list, lo: int, hi: int) -> dict[int, tuple[int, int]]:
-        """The byte range [lo, hi) within each chunk that the patches and the new rows
-        [lo, hi) of the table change."""
+    def _spans(self, ranges: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+        """The byte range [lo, hi) within each chunk that the row ranges [r0, r1) cover."""
         isz, k = self.dtype.itemsize, self.chunk
         out: dict[int, tuple[int, int]] = {}
-
-        def add(r0: int, r1: int) -> None:                # rows [r0, r1) of the table
+        for r0, r1 in ranges:
             for c in range(r0 // k, (r1 - 1) // k + 1):
                 a, b = (max(r0, c * k) - c * k) * isz, (min(r1, (c + 1) * k) - c * k) * isz
                 o = out.get(c)
                 out[c] = (a, b) if o is None else (min(o[0], a), max(o[1], b))
-
-        for rows, _ in patches:
-            add(int(rows.min()), int(rows.max()) + 1)
-        if hi > lo:
-            add(lo, hi)
         return out
 
     def _image(self, c: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -651,7 +644,8 @@ class StoreFile:
                 if t.patched and k // t.chunk > was // t.chunk:     # chunks this commit fills
                     full += [(i, c, t.chunk_crc(c)) for c in range(was // t.chunk, k // t.chunk)]
                     self._full_at[i] = k
-            self._append_crcs(full)
+            if full:
+                self._append_crcs(full)
             self._crc_at = counts.copy()
             self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self._crcs, mtype=h5py.h5t.NATIVE_INT64)
         self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
