@@ -535,7 +535,9 @@ class StoreFile:
             ds.set_extent((n + k,))
             fs = ds.get_space()
             fs.select_hyperslab((n,), (k,))
-            ds.write(h5py.h5s.create_simple((k,)), fs, np.array(entries, CRC_DTYPE))
+            # the file's own type as the memory type: HDF5 copies the records as they are
+            # instead of converting the compound field by field (~25 -> ~10 us)
+            ds.write(h5py.h5s.create_simple((k,)), fs, np.array(entries, CRC_DTYPE), mtype=ds.get_type())
 
     def _add_to_commit(self, names: list[str], counts: dict) -> None:
         """A file written before a table was added (/eval): the new tables are empty, so

@@ -164,6 +164,23 @@ def test_plain_appends_of_odd_sized_rows_in_several_pieces_keep_every_checksum(t
         assert f["step_rows/a"][:].tolist() == [0, 1, 2, 3, 4]
 
 
+def test_each_full_chunk_of_a_patched_table_has_its_record(tmp_path):
+    """/chunk_crc (written with the file's own compound type, no conversion) holds, for
+    every chunk of /samples a commit filled, the crc32 of its rows without the status
+    columns: what tells a torn in-place patch from damage."""
+    from flexmarl_hpc.store.checksum import chunk_crcs, prefix_crc
+    path = tmp_path / "s.h5"
+    s = StoreFile(path, AGENTS, {}, chunk=16)
+    for _ in range(5):
+        s.samples["a"].append(sample_rows(s, "a", 13))
+        s.flush()
+    s.close()
+    with h5py.File(path, "r") as f:
+        rows, recs = f["samples/a"][:], chunk_crcs(f)["/samples/a"]
+    assert sorted(recs) == [0, 1, 2, 3]
+    assert all(recs[c] == prefix_crc(rows[16 * c:16 * c + 16], "/samples/a") for c in recs)
+
+
 def test_submit_refuses_a_damaged_store_before_sbatch_and_writes_nothing(tmp_path, monkeypatch):
     """Under Slurm the ranks start on compute nodes, so `submit` reads the store first (on
     the login node): a damaged one is refused before sbatch, the folder left as it was."""
