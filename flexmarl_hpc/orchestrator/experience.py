@@ -12,7 +12,7 @@ consumed-but-uncommitted rows go back to READY, so no sample is lost or trained 
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -69,13 +69,14 @@ class Journal:
             raise ValueError(f"{agent} sample {bad.sample_id}: {len(bad.logprobs)} log-probs for "
                              f"{len(bad.response)} response tokens")
         ends = np.cumsum(plen + rlen)
-        starts, rstarts = ends - plen - rlen, ends - rlen
+        rstarts = ends - rlen
         toks = np.empty(int(ends[-1]), pool.dtype)
+        # each sample's prompt then its response, back to back: the pool's order, one pass
+        toks["token"] = np.fromiter(chain.from_iterable(chain.from_iterable(zip(prompts, responses))),
+                                    np.int32, len(toks))
         toks["logprob"] = np.nan
-        for col, xs, at, lens, dt in (("token", prompts, starts, plen, np.int32),
-                                      ("token", responses, rstarts, rlen, np.int32),
-                                      ("logprob", logprobs, rstarts, llen, np.float32)):
-            toks[col][_spans(at, lens)] = np.fromiter(chain.from_iterable(xs), dt, int(lens.sum()))
+        toks["logprob"][_spans(rstarts, llen)] = np.fromiter(chain.from_iterable(logprobs), np.float32,
+                                                             int(llen.sum()))
         off = pool.append(toks)
         rows = np.empty(k, tab.dtype)
         rows["sample_id"] = list(map(attrgetter("sample_id"), nodes))        # ASCII: numpy encodes
@@ -88,11 +89,10 @@ class Journal:
         for name in ("reward", "advantage", "t_ready", "t_consumed"):
             rows[name] = np.nan
         rows["t_generated"] = now
-        rows["token_offset"] = off + starts
+        rows["token_offset"] = off + ends - plen - rlen
         rows["prompt_len"], rows["response_len"] = plen, rlen
         first = tab.append(rows)
-        for i, n in enumerate(nodes, first):
-            n.row = i
+        any(map(setattr, nodes, repeat("row"), range(first, first + k)))   # n.row = i, in C
         self._events(agent, np.arange(first, first + k), None, GENERATED, now, -1)
 
     def status(self, nodes: list[Node], status: int, now: float, trainer_step: int = -1) -> None:

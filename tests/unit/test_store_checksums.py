@@ -138,6 +138,49 @@ def test_checksums_follow_random_appends_and_patches_of_odd_sized_rows(tmp_path)
         assert not damaged_chunks(f) and len(f["events"][:]) == s.events.n
 
 
+def test_plain_appends_of_odd_sized_rows_in_several_pieces_keep_every_checksum(tmp_path):
+    """The append-only write (no patch of rows on disk: most flushes) adds only the sums of
+    the bytes it fills, less the word a 35-byte /events row shares with the row before it;
+    several pieces a flush, chunk boundaries crossed, a re-open in between: every chunk
+    verifies and every row reads back. A step_rows append of int32 rows is converted."""
+    path, rng = tmp_path / "s.h5", np.random.default_rng(5)
+    s, want = StoreFile(path, AGENTS, {}, chunk=16), []
+    for i in range(40):
+        if i == 20:
+            s.close()
+            s = StoreFile(path, AGENTS, {}, chunk=16)
+        for _ in range(int(rng.integers(1, 4))):
+            k = int(rng.integers(1, 30))
+            ev = event_rows(s, "a", np.arange(k) + s.events.n, GENERATED)
+            ev["t"] = rng.random(k)
+            s.events.append(ev)
+            want.append(ev)
+        s.flush(full=False)
+    s.step_rows["a"].append(np.arange(5, dtype=np.int32))
+    s.close()
+    with h5py.File(path, "r") as f:
+        assert not damaged_chunks(f)
+        assert f["events"][:].tobytes() == np.concatenate(want).tobytes()
+        assert f["step_rows/a"][:].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_each_full_chunk_of_a_patched_table_has_its_record(tmp_path):
+    """/chunk_crc (written with the file's own compound type, no conversion) holds, for
+    every chunk of /samples a commit filled, the crc32 of its rows without the status
+    columns: what tells a torn in-place patch from damage."""
+    from flexmarl_hpc.store.checksum import chunk_crcs, prefix_crc
+    path = tmp_path / "s.h5"
+    s = StoreFile(path, AGENTS, {}, chunk=16)
+    for _ in range(5):
+        s.samples["a"].append(sample_rows(s, "a", 13))
+        s.flush()
+    s.close()
+    with h5py.File(path, "r") as f:
+        rows, recs = f["samples/a"][:], chunk_crcs(f)["/samples/a"]
+    assert sorted(recs) == [0, 1, 2, 3]
+    assert all(recs[c] == prefix_crc(rows[16 * c:16 * c + 16], "/samples/a") for c in recs)
+
+
 def test_submit_refuses_a_damaged_store_before_sbatch_and_writes_nothing(tmp_path, monkeypatch):
     """Under Slurm the ranks start on compute nodes, so `submit` reads the store first (on
     the login node): a damaged one is refused before sbatch, the folder left as it was."""
