@@ -97,8 +97,8 @@ class TaskSpec:
 
     def medians(self, agents: list[str]) -> dict[str, float]:
         """Each agent's median response length: the seeded skew around `length_median`."""
-        z = np.random.default_rng([self.seed, 0xA6]).standard_normal(len(agents))
-        return {a: float(self.length_median * math.exp(self.agent_skew * x)) for a, x in zip(agents, z)}
+        from flexmarl_hpc.workflows.paper_text import agent_medians      # the text episode's, one formula
+        return agent_medians(agents, self.length_median, self.agent_skew, self.seed)
 
     def prompts(self, agents: list[str]) -> dict[str, int]:
         """Each agent's prompt: turn k carries `context_carried` of turns 0..k-1's mean lengths."""
