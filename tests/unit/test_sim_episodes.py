@@ -128,3 +128,22 @@ def test_a_call_past_the_context_fails_its_episode_and_the_run_goes_on(tmp_path)
     check_exactly_once(path, 3)
     with h5py.File(path, "r") as f:
         assert len(f["samples/c"]) < len(f["samples/a"])          # some c calls never happened
+
+
+@pytest.mark.parametrize("name", ["paper_3x32b_7x14b", "paper_15x14b", "paper_5x32b"])
+def test_the_paper_configs_run_the_text_episode_in_the_simulator(tmp_path, name):
+    """Each agent once per episode, every call trained once, replies long-tailed up to the
+    context (the paper's lengths, not the old 2-token game); 2 examples a step, not 16 (time)."""
+    cfg = load_config(ROOT / f"configs/{name}.yaml")
+    assert cfg.workflow.episode == "flexmarl_hpc.workflows.paper_text:episode"
+    assert (cfg.workflow.inputs_per_step, cfg.workflow.group_size) == (16, 4)        # the paper's 64
+    cfg = load_config(ROOT / f"configs/{name}.yaml", ["run.steps=2", f"run.output_dir={tmp_path}",
+                                                      "workflow.inputs_per_step=2", "run.checkpoint_every=0",
+                                                      "run.checkpoint_minutes=0"])
+    path = simulate(tmp_path, cfg)
+    check_exactly_once(path, 2)
+    with h5py.File(path, "r") as f:
+        ep = f["episodes"][:]
+        assert len(ep) == 2 * 2 * 4 and (ep["calls"] == 1).all()
+        lens = np.concatenate([f[f"samples/{a}"]["response_len"][:] for a in cfg.agent_names])
+    assert np.median(lens) > 300 and lens.max() > 2000
