@@ -147,3 +147,11 @@ def test_the_paper_configs_run_the_text_episode_in_the_simulator(tmp_path, name)
         assert len(ep) == 2 * 2 * 4 and (ep["calls"] == 1).all()
         lens = np.concatenate([f[f"samples/{a}"]["response_len"][:] for a in cfg.agent_names])
     assert np.median(lens) > 300 and lens.max() > 2000
+
+
+def test_compare_prices_an_episodes_own_lengths_and_a_relays_modelled_ones(tmp_path):
+    from flexmarl_hpc.simulate import priced
+    from flexmarl_hpc.sim.driver import Workload
+    hw = load_hardware("npu64_a3")
+    assert priced(config(tmp_path, {}), hw, "synthetic")[1] is None
+    assert isinstance(priced(load_config(ROOT / "configs/relay3.yaml"), hw, "synthetic")[1], Workload)
