@@ -241,8 +241,7 @@ def validate(cfg: Config) -> None:
              "expected 0 with workflow.episode (an example's calls are known only once it ends)")
         need(cfg.run.eval_every == 0, "run.eval_every", "expected 0 with workflow.episode: "
              "evaluate checkpoints with scripts/eval_episodes.py")
-        # none: random init with the synthetic ChatML tokenizer (workflows/chat.py); a mix has no shared vocabulary
-        without = [a for a in cfg.agent_names if not cfg.model_for(a).checkpoint]
+        without = [a for a in cfg.agent_names if not cfg.model_for(a).checkpoint]   # none: chat.py synthetic tokenizer
         need(len(without) in (0, n_agents), "model.checkpoint", "expected a checkpoint folder with a tokenizer "
              f"and chat template for every agent of an episode workflow or for none, got none for {without}")
 
