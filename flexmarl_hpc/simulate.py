@@ -103,9 +103,11 @@ def variant_config(config: str, variant: str, steps: int, out: Path, overrides: 
 def priced(cfg, hw: HardwareProfile, workers: str):
     """The cost model and modelled workload of a run: synthetic workers price the config's
     model shape with Qwen's vocabulary and modelled lengths (bf16); real ones the models as
-    they run here (the task's vocabulary, fp32) and the lengths they produce."""
+    they run here (the task's vocabulary, fp32) and the lengths they produce. An episode
+    workflow states its own lengths (each call's max_tokens, which a synthetic reply fills:
+    workflows/paper_text.py draws them from the paper's distributions): those are priced."""
     if workers == "synthetic":
-        return cost_model(cfg, hw), Workload()
+        return cost_model(cfg, hw), (None if cfg.workflow.episode else Workload())
     return local_cost(cfg, hw), None
 
 

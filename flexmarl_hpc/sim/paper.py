@@ -50,8 +50,11 @@ def run_system(spec: TaskSpec, system: str, hw: HardwareProfile, steps: int, out
     raw = spec.apply(yaml.safe_load(Path(spec.config).read_text()))
     cfg, pairs = system_config(raw, system, hw, common, out / system, nodes=47)
     agents = list(cfg.agent_names)
-    work = Workload(prompt_tokens=spec.prompt_tokens, vocab=QWEN_VOCAB, seed=spec.seed,
-                    prompts=spec.prompts(agents), agent_lengths=spec.lengths(agents))
+    # a text episode draws the spec's lengths itself and the synthetic replies fill them: priced as
+    # they are; a relay's are modelled
+    work = None if cfg.workflow.episode else Workload(
+        prompt_tokens=spec.prompt_tokens, vocab=QWEN_VOCAB, seed=spec.seed,
+        prompts=spec.prompts(agents), agent_lengths=spec.lengths(agents))
     cost = cost_model(cfg, hw)
     wrap, devices = colocated_run(cfg, cost, hw, pairs)
     path, _ = simulate_run(cfg, cost, out / system, hw.name, work, wrap=wrap, colocate=pairs)

@@ -72,7 +72,12 @@ def _prefix(agents: list[str]) -> str:
 
 def plan_workload(cfg: Config) -> Workload:
     """The planner's workload from the config: an agent's global batch is inputs_per_step
-    times the branching up to its turn (the largest agent's), micro-batches are the trainer's."""
+    times the branching up to its turn (the largest agent's), micro-batches are the trainer's.
+    An episode workflow's calls are known only when it runs: one call per agent per episode
+    (inputs_per_step x group_size) is assumed, as the paper's text episode makes."""
+    if cfg.workflow.episode:
+        return Workload(global_batch=cfg.workflow.inputs_per_step * cfg.workflow.group_size,
+                        micro_batch=cfg.trainer.micro_batch_size)
     batch, paths = {}, cfg.workflow.inputs_per_step
     for t in cfg.workflow.turns:
         paths *= t.samples

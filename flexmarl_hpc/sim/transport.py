@@ -104,7 +104,9 @@ class SyntheticWorkers:
     """Reply content without models: each response has `response_len(agent, turn, budget)`
     tokens (default: the whole budget) drawn, seeded by the request's seed, from the tokens
     the task allows at that turn; log-probs are those of a uniform policy. Training returns
-    no statistics (the store records zeros)."""
+    no statistics (the store records zeros). An episode workflow's task names `filler_ids`
+    (workflows/episode_task.py): replies are drawn from those, never a stop token, so a chat
+    reply is filler text exactly as long as the max_tokens its episode asked for."""
 
     def __init__(self, task, response_len=None) -> None:
         self.task = task
@@ -130,6 +132,9 @@ class SyntheticWorkers:
         pass
 
     def _allowed(self, turn: int) -> np.ndarray:
+        filler = getattr(self.task, "filler_ids", None)
+        if filler is not None:
+            return np.asarray(filler)
         if turn not in self._ids:
             mask = self.task.allowed_tokens(turn)
             self._ids[turn] = (np.arange(len(self.task.vocab)) if mask is None

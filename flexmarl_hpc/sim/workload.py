@@ -68,14 +68,7 @@ class TaskSpec:
         (global batch = queries x branches), micro-batch `micro_batch`."""
         out = copy.deepcopy(raw)
         keep = set(self.agents)
-        wf = out["workflow"]
-        wf["turns"] = [t for t in wf["turns"] if t["agent"] in keep]
-        missing = keep - {t["agent"] for t in wf["turns"]}
-        if missing:
-            raise ValueError(f"task {self.name}: field 'agents': {sorted(missing)} have no turn in {self.config}")
-        wf["inputs_per_step"], wf["turns"][0]["samples"] = self.queries, self.branches
-        for t in wf["turns"][1:]:
-            t["samples"] = 1
+        self._workflow(out["workflow"])
         out.setdefault("trainer", {})["micro_batch_size"] = self.micro_batch
         out["agents"] = {a: m for a, m in (out.get("agents") or {}).items() if a in keep}
         groups = [g for g in out["trainer"]["named_groups"] if set(g["agents"]) <= keep]
@@ -95,10 +88,32 @@ class TaskSpec:
         out["rollout"]["pools"] = pools
         return out
 
+    def _workflow(self, wf: dict) -> None:
+        """The chain of `agents` with the batch shape: a text episode's agents, group and
+        lengths (workflows/paper_text.py: `branches` episodes per query), or a relay's turns
+        (`branches` samples at the first)."""
+        keep = set(self.agents)
+        if wf.get("episode"):
+            wf["agents"] = [a for a in wf["agents"] if a in keep]
+            have = set(wf["agents"])
+        else:
+            wf["turns"] = [t for t in wf["turns"] if t["agent"] in keep]
+            have = {t["agent"] for t in wf["turns"]}
+        if keep - have:
+            raise ValueError(f"task {self.name}: field 'agents': {sorted(keep - have)} are not in {self.config}")
+        wf["inputs_per_step"] = self.queries
+        if wf.get("episode"):
+            wf["group_size"] = self.branches
+            wf["episode_args"] = {**wf.get("episode_args", {}), **{k: getattr(self, k) for k in EPISODE_ARGS}}
+            return
+        wf["turns"][0]["samples"] = self.branches
+        for t in wf["turns"][1:]:
+            t["samples"] = 1
+
     def medians(self, agents: list[str]) -> dict[str, float]:
         """Each agent's median response length: the seeded skew around `length_median`."""
-        z = np.random.default_rng([self.seed, 0xA6]).standard_normal(len(agents))
-        return {a: float(self.length_median * math.exp(self.agent_skew * x)) for a, x in zip(agents, z)}
+        from flexmarl_hpc.workflows.paper_text import agent_medians      # the text episode's, one formula
+        return agent_medians(agents, self.length_median, self.agent_skew, self.seed)
 
     def prompts(self, agents: list[str]) -> dict[str, int]:
         """Each agent's prompt: turn k carries `context_carried` of turns 0..k-1's mean lengths."""
@@ -116,6 +131,9 @@ class TaskSpec:
                 for a, m in self.medians(agents).items()}
 
 
+EPISODE_ARGS = ("prompt_tokens", "context_carried", "length_median", "length_sigma", "agent_skew", "max_tokens",
+                "seed")
+"""The spec's fields a text episode reads (workflows/paper_text.py episode_args)."""
 MA = TaskSpec("MA", "configs/paper_15x14b.yaml", agents=("shop14_0", "shop14_1", "shop14_2"))
 CA = TaskSpec("CA", "configs/paper_3x32b_7x14b.yaml", agents=("shop32_0", "shop14_0", "shop14_1"))
 TASKS = {"MA": MA, "CA": CA}

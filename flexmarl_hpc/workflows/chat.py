@@ -163,3 +163,63 @@ class Conversation:
             # the sampled id stays, and the next rendering still extends these ids
             self.text += self.tok.decode([self.tok.eos_id], skip_special_tokens=False)
         return self.tok.decode(body, skip_special_tokens=True)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""The synthetic tokenizer's template: ChatML, as Qwen2.5 and SmolLM2 write it (no default system)."""
+
+
+class SyntheticChatTokenizer:
+    """A byte-level tokenizer with ChatML special tokens, for models without a checkpoint
+    (`model.checkpoint` empty: random init, the paper's 14B/32B shapes in the simulator).
+
+    Ids 0-255 are the UTF-8 bytes, then <|endoftext|>, <|im_start|>, <|im_end|> (eos); one
+    ASCII character is one token, so a text of n ASCII characters is n tokens: the lengths
+    an episode writes are the lengths priced. Same interface as ChatTokenizer, so
+    Conversation keeps sampled ids verbatim the same way. A real run of a random-init model
+    may use it too (a smoke test of the whole path without a download); it is no model's
+    tokenizer, so it never pairs with a checkpoint."""
+
+    SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    FILLER = b"abcdefghijklmnopqrstuvwxyz"
+    """The bytes synthetic replies are drawn from (sim.transport.SyntheticWorkers): letters,
+    so reply text is plain ASCII whatever the draw."""
+
+    def __init__(self):
+        import re
+        self.ids = {tok: 256 + i for i, tok in enumerate(self.SPECIALS)}
+        self.split = re.compile("(" + "|".join(re.escape(t) for t in self.SPECIALS) + ")")
+        self.template = ChatTemplate(CHATML, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+        self.eos_id, self.pad_id = self.ids["<|im_end|>"], self.ids["<|endoftext|>"]
+        self.bos_id = self.ids["<|im_start|>"]          # the task vocabulary's (it is its own)
+        self.stop_ids = [self.eos_id, self.pad_id]
+
+    def __len__(self) -> int:
+        return 256 + len(self.SPECIALS)
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs) -> str:
+        return self.template.render(messages, add_generation_prompt, **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        for part in self.split.split(text):
+            out.extend([self.ids[part]] if part in self.ids else part.encode("utf-8"))
+        return out
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out, run = [], bytearray()
+        for i in (int(i) for i in ids):
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            if not skip_special_tokens:
+                out.append(self.SPECIALS[i - 256])
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    @property
+    def filler_ids(self) -> list[int]:
+        return list(self.FILLER)

@@ -124,15 +124,16 @@ class EpisodeContext:
         if not 1 <= n <= cap:
             raise ValueError(f"ctx.chat(max_tokens={max_tokens!r}): expected 1..{cap} (workflow.max_new_tokens)")
         index = self.calls.get(agent, 0)
-        self.calls[agent] = index + 1
         messages = [dict(m) for m in messages]
         thread = self.thread_for(agent, messages)
         prompt = thread.conv.prompt_ids(messages)
         room = self.runner.limits.get(agent, 1 << 62) - len(prompt)
         if room < 1:
             thread.busy = False
+            # not counted as a call: no node exists for it (the episode's calls are its nodes)
             raise ContextFull(f"ctx.chat({agent!r}): a prompt of {len(prompt)} tokens leaves no room "
                               f"in the agent's context of {self.runner.limits[agent]} tokens")
+        self.calls[agent] = index + 1
         n = min(n, room)                      # the reply is cut where the context ends
         call = Call(self, agent, index, prompt, n, self.last_done, thread, messages,
                     asyncio.get_running_loop().create_future())

@@ -1,7 +1,8 @@
 """The task of an episode workflow: what replicas, trainers and the orchestrator need of it.
 
 Built from the config (`workflow.episode` set): each agent's chat tokenizer (its checkpoint
-folder's tokenizer.json and chat template), the dataset stream, and the runner that steps
+folder's tokenizer.json and chat template; with no `model.checkpoint` at all, the synthetic
+byte-level ChatML tokenizer of workflows/chat.py for random-init models), the dataset stream, and the runner that steps
 episode coroutines. Replicas and trainers use only `vocab` (pad id, size) and
 `stop_tokens`; the orchestrator also `stream` and `runner`.
 """
@@ -11,7 +12,7 @@ from functools import cached_property
 
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.workflows.base import Task, TokenizerVocab
-from flexmarl_hpc.workflows.chat import ChatTokenizer, Conversation
+from flexmarl_hpc.workflows.chat import ChatTokenizer, Conversation, SyntheticChatTokenizer
 from flexmarl_hpc.workflows.episode import EpisodeRunner, load_episode
 
 
@@ -20,6 +21,13 @@ class EpisodeTask(Task):
         self.cfg = cfg
         self.fn = load_episode(cfg.workflow.episode)
         folders = {agent: cfg.model_for(agent).checkpoint for agent in cfg.agent_names}
+        self.synthetic = not any(folders.values())
+        if self.synthetic:                  # random init everywhere: no tokenizer to read
+            self.chat = {"": SyntheticChatTokenizer()}
+            self.chat_of = {agent: self.chat[""] for agent in folders}
+            self.vocab = self.chat[""]
+            self.stop_tokens = frozenset(self.vocab.stop_ids)
+            return
         self.chat = {folder: ChatTokenizer(folder) for folder in set(folders.values())}
         self.chat_of = {agent: self.chat[f] for agent, f in folders.items()}
         first = self.chat_of[cfg.agent_names[0]]
@@ -29,6 +37,14 @@ class EpisodeTask(Task):
                                     eos=eos)
         self.vocab.pad_id = first.pad_id
         self.stop_tokens = frozenset(i for tok in self.chat.values() for i in tok.stop_ids)
+
+    @cached_property
+    def filler_ids(self) -> list[int]:
+        """Ids a synthetic reply is drawn from (sim.transport.SyntheticWorkers): never a stop
+        token, so a reply is as long as its max_tokens; letters with the synthetic tokenizer."""
+        if self.synthetic:
+            return self.vocab.filler_ids
+        return [i for i in range(len(self.vocab)) if i not in self.stop_tokens]
 
     @cached_property
     def stream(self):

@@ -32,12 +32,14 @@ def task_config(tmp_path: Path, spec, extra: dict | None = None):
 
 def test_a_task_keeps_its_agents_chain_and_fills_the_nodes_with_its_pools(tmp_path):
     """MA keeps 3 of the 15 agents: 3 one-node groups, so the pool grows to 47 - 3 = 44 nodes
-    = 704 one-device replicas; 4 queries x 16 branches at the first turn, 1 after."""
+    = 704 one-device replicas; 4 queries x 16 episodes of the text episode, with the spec's lengths."""
     raw, cfg = task_config(tmp_path, MA)
     assert cfg.agent_names == ["shop14_0", "shop14_1", "shop14_2"]
     (pool,) = raw["rollout"]["pools"]
     assert pool["slurm"]["nodes"] == 44 and pool["replicas"] == 704
-    assert [t["samples"] for t in raw["workflow"]["turns"]] == [16, 1, 1]
+    assert raw["workflow"]["group_size"] == 16 and raw["workflow"]["agents"] == list(MA.agents)
+    assert raw["workflow"]["episode_args"]["context_carried"] == MA.context_carried == 0.5
+    assert with_unknown(MA, "prompt_tokens", 512).apply(raw)["workflow"]["episode_args"]["prompt_tokens"] == 512
     assert raw["workflow"]["inputs_per_step"] == 4 and cfg.trainer.micro_batch_size == 16
     with pytest.raises(ValueError, match="field 'agents'"):
         dataclasses.replace(MA, agents=("nobody",)).apply(raw)
