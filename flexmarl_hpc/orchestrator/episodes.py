@@ -63,6 +63,7 @@ class EpisodeTree:
         self.calls_of: dict[int, dict[str, int]] = {}      # step -> agent -> calls (all episodes)
         self.call_of: dict[int, Call] = {}                 # id(node) -> its call in flight
         self.resp_len_mean = {agent: float(w.max_new_tokens) / 2 for agent in self.agents}
+        self.journal_ready: set[int] = set()               # id()s of nodes the journal has READY
         self.failed: list[Finished] = []                   # episodes that raised (to report)
         self.finished_episodes: list[Finished] = []
 
@@ -140,7 +141,10 @@ class EpisodeTree:
                 n.reward, n.advantage = r, float(a)
                 if n.status == GENERATED:
                     n.status = READY
-                    ready.append(n)
+                    if id(n) in self.journal_ready:      # READY in the file before a resume
+                        self.journal_ready.discard(id(n))
+                    else:
+                        ready.append(n)
                 if n.status == READY:
                     self.ready[agent][n.step].append(n)
         return ready
@@ -209,14 +213,14 @@ class EpisodeTree:
     def restore(self, nodes: list[Node], first_step: int, versions: dict[str, int]) -> tuple[list[Node], Changes]:
         """Replay the episodes of steps >= first_step over the journalled calls (see the
         module docstring); consumed calls the trainers do not have go back to READY."""
-        requeue, was_ready = [], set()
+        requeue = []
         for n in nodes:
             if n.status == CONSUMED and n.trainer_step >= versions[n.agent]:
                 n.status, n.trainer_step = GENERATED, -1
                 requeue.append(n)
             elif n.status == READY:
-                n.status = GENERATED
-                was_ready.add(id(n))
+                n.status = GENERATED             # READY again when its example's replay ends,
+                self.journal_ready.add(id(n))    # which may be after this returns (tools)
             self.nodes[(n.agent, n.sample_id)] = n
         last = max((n.step for n in nodes), default=first_step - 1)
         ready = []
@@ -231,7 +235,7 @@ class EpisodeTree:
             ready += self.advance().ready
         # a journalled call no replayed episode asks for (only a nondeterministic episode
         # could) stays GENERATED in the file and is never trained
-        return requeue, Changes(ready=[n for n in ready if id(n) not in was_ready])
+        return requeue, Changes(ready=ready)
 
     def close(self) -> None:
         """End the episodes' loop and its tool workers."""

@@ -224,6 +224,8 @@ class EpisodeExperience(Journaled, EpisodeTree):
     def _tool_done(self, ctx, tool: str, outcome: str, latency_s: float) -> None:
         """A tool call ended: its /tools row names the call whose reply asked for it."""
         last = ctx.last_done
+        if (ctx.example_id, ctx.episode) in self.recorded:
+            return                  # a replayed episode the file has whole: its tools are there
         self.store.record_tool(self.store.now(), None if last is None else last.agent, ctx.example_id,
                                ctx.episode, -1 if last is None else last.index, tool, outcome, latency_s)
 

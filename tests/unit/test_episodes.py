@@ -198,3 +198,37 @@ def test_a_reward_list_of_the_wrong_length_fails_the_episode_with_a_reason():
     tree.admit_step(0)
     serve(tree)
     assert "2 rewards for 'solver', which was called 1 times" in tree.failed[0].error
+
+
+async def slow_end(ctx, example):
+    """An episode that, after its call, waits on something else (a timer here, a tool in a
+    run): on a replay it ends after restore() returned."""
+    await ctx.chat("planner", [{"role": "user", "content": "hi"}])
+    await asyncio.sleep(0.01)
+    return {"planner": float(ctx.episode)}
+
+
+def test_a_replayed_example_that_ends_after_restore_does_not_journal_ready_twice():
+    import time
+    from flexmarl_hpc.orchestrator.tree import Node
+    cfg = config(n_in=1, group=2)
+    first = EpisodeTree(cfg, Task(slow_end))
+    first.admit_step(0)
+    serve(first)
+    while first.waiting():
+        time.sleep(0.005)
+        first.poll()
+    assert all(n.status == READY for n in first.nodes.values())
+    loaded = [Node(n.agent, n.turn, n.step, n.input_id, n.traj, None, [], None, prompt=list(n.prompt),
+                   response=list(n.response), logprobs=list(n.logprobs), status=READY)
+              for n in first.nodes.values()]
+    again = EpisodeTree(cfg, Task(slow_end))
+    requeue, ch = again.restore(loaded, 0, {"planner": 0, "solver": 0})
+    assert not requeue and not ch.ready and again.ready_count("planner", 0) == 0     # still waiting
+    later = []
+    while again.waiting():
+        time.sleep(0.005)
+        later += again.poll().ready
+    assert later == []                                 # the file has them READY already
+    assert again.ready_count("planner", 0) == 2        # trainable again all the same
+    again.close()
