@@ -81,7 +81,8 @@ class RunRecorder:
         """An agent's optimizer step `version - 1` is done: remember its summary and row."""
         step = version - 1
         stale = np.array([step - nd.version for nd in nodes])
-        reward = float(np.mean([nd.reward for nd in nodes]))
+        # an empty step (episode workflows: no episode of it called the agent) has no reward
+        reward = float(np.mean([nd.reward for nd in nodes])) if nodes else float("nan")
         self.step_summary[(agent, step)] = (reward, int(stale.max(initial=0)))
         # mean truncated importance weight of the step's samples (trainer stats are sums
         # over samples); the log shows it when pipeline.max_staleness > 0

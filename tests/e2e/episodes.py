@@ -29,3 +29,13 @@ async def skewed(ctx, example):
             rewards[i] = float(len(calls) == 2)
     ctx.metrics["k"] = float(k)
     return {"planner": float(k == 2), "solver": rewards, "judge": float(len(judge.ids) % 2)}
+
+
+async def judge_on_even(ctx, example):
+    """The judge is called only for even examples: with one example per step, every other
+    step has no judge call at all (an empty step for its trainer)."""
+    await ctx.chat("planner", [{"role": "user", "content": example["question"]}], max_tokens=4)
+    if ctx.example_id % 2 == 0:
+        await ctx.chat("judge", [{"role": "user", "content": "judge"}], max_tokens=2)
+        return {"planner": float(ctx.episode), "judge": 1.0}
+    return {"planner": float(ctx.episode)}

@@ -113,3 +113,18 @@ def test_sigkill_mid_run_then_the_same_command_trains_every_example_once(tmp_pat
     assert "resumed at versions" in q.stdout, q.stdout[-3000:]
     check_exactly_once(tmp_path / "ep.h5", STEPS)
     check_episodes(tmp_path / "ep.h5", STEPS)
+
+
+def test_a_step_no_episode_calls_an_agent_moves_its_version_without_samples(tmp_path, mpiexec, chat_setup):
+    model, data = chat_setup
+    p = run_training(tmp_path, "run.name=ep", "workflow.episode=tests.e2e.episodes:judge_on_even",
+                     "workflow.agents=[planner,judge]", "workflow.inputs_per_step=1", "workflow.group_size=2",
+                     "workflow.max_new_tokens=8", f"workflow.dataset.train={data}", "workflow.dataset.eval=",
+                     "workflow.dataset.shuffle=false", f"model.checkpoint={model}", "rollout.max_model_len=512",
+                     "run.steps=4", "run.checkpoint_every=2", "run.log_every=1", config="configs/math_team.yaml")
+    assert "step    4/4" in p.stdout and "Warning" not in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    check_exactly_once(tmp_path / "ep.h5", 4)
+    with h5py.File(tmp_path / "ep.h5", "r") as f:
+        judge = f["steps/judge"][:]
+        judge = judge[judge["superseded"] == 0]
+        assert judge["step"].tolist() == [0, 1, 2, 3] and judge["n_samples"].tolist() == [2, 0, 2, 0]
