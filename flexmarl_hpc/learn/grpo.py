@@ -108,15 +108,23 @@ class MicroBatch:
         return (pos >= start) & (pos < start + self.response_lens[:, None])
 
 
-def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float):
-    """Log-prob and entropy of every token t given tokens < t: ([B, T], [B, T]); position 0 is 0."""
+def first_scored(mb: MicroBatch) -> int:
+    """The first position whose logits are scored: the one before the shortest prompt ends.
+    Logits of earlier positions predict prompt tokens only, and are never used."""
+    return max(int(mb.prompt_lens.min()) - 1, 0) if len(mb) else 0
+
+
+def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float, offset: int = 0):
+    """Log-prob and entropy of every token t given tokens < t: ([B, T], [B, T]); position 0 is 0.
+    `logits` [B, T - offset, V] are those of positions offset.. (`first_scored`: a long prompt's
+    vocabulary-wide log-softmax is most of a small model's training step, and unused)."""
     allowed = None if mb.allowed is None else mb.allowed[:, None, :]
     logp_all = torch.log_softmax(masked_logits(logits[:, :-1], allowed, temperature), dim=-1)
-    tgt = mb.input_ids[:, 1:]
+    tgt = mb.input_ids[:, offset + 1:]
     logp = logp_all.gather(-1, tgt[..., None]).squeeze(-1)
     p = logp_all.exp()
     ent = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
-    return on_tokens(logp, ent, mb)
+    return on_tokens(logp, ent, mb, offset)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float, *,
@@ -150,10 +158,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: f
     return on_tokens(logp, ent, mb)
 
 
-def on_tokens(logp: torch.Tensor, ent: torch.Tensor, mb: MicroBatch):
-    """Per-position scores of the next token ([B, T-1], from logits[:, :-1]) -> [B, T] aligned
-    with the tokens (position 0 is 0), zero off the response."""
-    pad = logp.new_zeros(logp.shape[0], 1)
+def on_tokens(logp: torch.Tensor, ent: torch.Tensor, mb: MicroBatch, offset: int = 0):
+    """Per-position scores of the next token ([B, T-1-offset], from logits[:, offset:-1]) ->
+    [B, T] aligned with the tokens (positions <= offset are 0), zero off the response."""
+    pad = logp.new_zeros(logp.shape[0], offset + 1)
     logp, ent = torch.cat([pad, logp], 1), torch.cat([pad, ent], 1)
     # masked-out targets off the response are -inf: zero them before any arithmetic (NaN grads)
     resp = mb.response_mask()

@@ -272,8 +272,9 @@ class CausalLM(nn.Module):
                 layer.mlp.down_proj.weight.div_(math.sqrt(2 * self.args.num_layers))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [B, T, V]. `attention_mask` [B, T] marks real tokens (padding may be anywhere).
+                cache: KVCache | None = None, logits_from: int = 0) -> torch.Tensor:
+        """Logits [B, T - logits_from, V] of positions logits_from.. `attention_mask` [B, T]
+        marks real tokens (padding may be anywhere).
 
         With a cache, `input_ids` are the next T tokens of every sequence; the mask then
         covers only those tokens and is appended to the cache's key mask.
@@ -303,7 +304,7 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, mask[:, None], cache, i)
         if cache is not None:
             cache.length = start + T
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(self.model.norm(x[:, logits_from:]))
 
 
 def build_model(args: ModelArgs, seed: int, std: float = 0.02) -> CausalLM:

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from flexmarl_hpc.runtime import comm
 from flexmarl_hpc.config.schema import TrainerConfig
-from flexmarl_hpc.learn.grpo import MicroBatch, grpo_loss, stat_values, token_logprobs
+from flexmarl_hpc.learn.grpo import MicroBatch, first_scored, grpo_loss, stat_values, token_logprobs
 from flexmarl_hpc.learn.model import CausalLM, hf_state_dict
 from flexmarl_hpc.runtime.state_swap import HostBuffers, finish_copies, release, to_device
 from flexmarl_hpc.runtime.weight_sync import dict_bucket, host_bytes, layout_of
@@ -47,12 +47,14 @@ class TorchTrainer:
         if len(mb) == 0:
             return {}
         mask = torch.ones_like(mb.input_ids, dtype=torch.bool)
-        logits = self.model(mb.input_ids, mask)
-        logp, ent = token_logprobs(logits, mb, self.temperature)
+        start = first_scored(mb)
+        logits = self.model(mb.input_ids, mask, logits_from=start)
+        logp, ent = token_logprobs(logits, mb, self.temperature, start)
         ref_logp = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logp, _ = token_logprobs(self.ref(mb.input_ids, mask), mb, self.temperature)
+                ref_logits = self.ref(mb.input_ids, mask, logits_from=start)
+                ref_logp, _ = token_logprobs(ref_logits, mb, self.temperature, start)
         loss, stats = grpo_loss(logp, ent, mb, clip_eps=self.cfg.clip_eps,
                                 entropy_coef=self.cfg.entropy_coef, tis_cap=self.cfg.tis_cap,
                                 kl_coef=self.cfg.kl_coef, ref_logp=ref_logp)

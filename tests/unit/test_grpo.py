@@ -180,3 +180,33 @@ def test_micro_batch_split_accumulates_to_the_same_gradient():
     whole = grad([slice(0, 6)])
     split = grad([slice(0, 2), slice(2, 5), slice(5, 6)])
     torch.testing.assert_close(whole, split, rtol=1e-6, atol=1e-7)
+
+
+def test_logits_from_the_shortest_prompt_give_the_same_scores_and_gradient():
+    """The trainer asks the model for logits from `first_scored` on: every response token's
+    log-prob, entropy and the loss's gradient are those of the full-length logits."""
+    from flexmarl_hpc.learn.grpo import first_scored
+    from flexmarl_hpc.learn.model import ModelArgs, build_model
+    torch.manual_seed(0)
+    model = build_model(ModelArgs(vocab_size=17, hidden_size=16, intermediate_size=32, num_layers=2,
+                                  num_heads=2, num_kv_heads=1, max_seq_len=32), seed=3)
+    ids = torch.randint(0, 17, (3, 12))
+    mb = MicroBatch(ids, torch.tensor([5, 7, 6]), torch.tensor([4, 5, 3]), torch.randn(3, 12) * 0.1,
+                    torch.tensor([1.0, -0.5, 0.3]), torch.zeros(3, dtype=torch.bool), None)
+    start = first_scored(mb)
+    assert start == 4
+
+    def scored(offset):
+        model.zero_grad()
+        logp, ent = token_logprobs(model(ids, logits_from=offset), mb, 0.7, offset)
+        loss, _ = grpo_loss(logp, ent, mb, clip_eps=0.2, entropy_coef=0.01, tis_cap=2.0)
+        loss.backward()
+        return logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+
+    full, part = scored(0), scored(start)
+    assert part[0].shape == full[0].shape == (3, 12)
+    torch.testing.assert_close(part[0], full[0])
+    torch.testing.assert_close(part[1], full[1])
+    for a, b in zip(part[2], full[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert (full[0] != 0).sum(1).tolist() == [4, 5, 3]      # every response token is scored
