@@ -28,11 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train", type=int, default=2000, help="training problems")
     ap.add_argument("--eval", type=int, default=300, help="held-out problems")
+    ap.add_argument("--max-steps", type=int, default=2, choices=[1, 2, 3, 4],
+                    help="problems of at most this many operations")
     ap.add_argument("--out", type=Path, default=Path("data/math_team"))
     args = ap.parse_args(argv)
     if args.train <= 0 or args.eval <= 0:
         ap.error("--train and --eval: expected positive counts")
-    train, heldout = train_and_eval(args.seed, args.train, args.eval)
+    train, heldout = train_and_eval(args.seed, args.train, args.eval, args.max_steps)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, problems in (("train", train), ("eval", heldout)):
         replace_file(args.out / f"{name}.jsonl", jsonl(problems))

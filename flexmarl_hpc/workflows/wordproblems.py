@@ -188,20 +188,26 @@ TEMPLATES: dict[int, tuple[Callable, ...]] = {
     3: (shop3, share3, rate3, age3), 4: (shop4, share4, rate4, age4)}
 
 
-def draw(r: random.Random) -> Problem:
-    steps = r.choices(list(STEP_WEIGHTS), weights=list(STEP_WEIGHTS.values()))[0]
+def draw(r: random.Random, max_steps: int = 4) -> Problem:
+    """One problem of 1..max_steps operations, in STEP_WEIGHTS' proportions among those."""
+    kinds = [k for k in STEP_WEIGHTS if k <= max_steps]
+    steps = r.choices(kinds, weights=[STEP_WEIGHTS[k] for k in kinds])[0]
     question, expression = r.choice(TEMPLATES[steps])(r)
     value = evaluate(expression)
     assert value.denominator == 1 and value > 0, (expression, value)   # templates keep this
     return Problem(question, int(value), operations(expression), expression)
 
 
-def generate(seed: int, n: int, exclude: set[str] = frozenset(), stream: str = "train") -> list[Problem]:
-    """n distinct problems from (seed, stream), none whose question is in `exclude`."""
+def generate(seed: int, n: int, exclude: set[str] = frozenset(), stream: str = "train",
+             max_steps: int = 4) -> list[Problem]:
+    """n distinct problems of at most `max_steps` operations from (seed, stream), none whose
+    question is in `exclude`."""
+    if max_steps not in STEP_WEIGHTS:
+        raise ValueError(f"max_steps: expected one of {sorted(STEP_WEIGHTS)}, got {max_steps}")
     r = random.Random(f"math_team/{stream}/{seed}")
     seen, out = set(exclude), []
     for _ in range(200 * n):
-        p = draw(r)
+        p = draw(r, max_steps)
         if p.question not in seen:
             seen.add(p.question)
             out.append(p)
@@ -210,7 +216,8 @@ def generate(seed: int, n: int, exclude: set[str] = frozenset(), stream: str = "
     raise ValueError(f"only {len(out)} distinct problems after {200 * n} draws; ask for fewer than {n}")
 
 
-def train_and_eval(seed: int, n_train: int, n_eval: int) -> tuple[list[Problem], list[Problem]]:
+def train_and_eval(seed: int, n_train: int, n_eval: int,
+                   max_steps: int = 4) -> tuple[list[Problem], list[Problem]]:
     """Disjoint sets: no eval question is a train question."""
-    train = generate(seed, n_train, stream="train")
-    return train, generate(seed, n_eval, {p.question for p in train}, stream="eval")
+    train = generate(seed, n_train, stream="train", max_steps=max_steps)
+    return train, generate(seed, n_eval, {p.question for p in train}, stream="eval", max_steps=max_steps)

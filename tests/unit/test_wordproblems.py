@@ -34,8 +34,11 @@ def test_the_script_is_deterministic_and_writes_the_generated_problems(tmp_path)
     c = run_script(tmp_path / "c", "--train", "300", "--eval", "100", "--seed", "1")
     assert a == b != c
     assert (tmp_path / "a" / "train.jsonl").read_bytes() == (tmp_path / "b" / "train.jsonl").read_bytes()
-    train, heldout = train_and_eval(0, 300, 100)
+    train, heldout = train_and_eval(0, 300, 100, max_steps=2)            # the script's default
     assert a == [[p.row() for p in train], [p.row() for p in heldout]]
+    assert {r["steps"] for rows in a for r in rows} == {1, 2}
+    assert run_script(tmp_path / "d", "--train", "300", "--eval", "100", "--max-steps", "4") == \
+        [[p.row() for p in part] for part in train_and_eval(0, 300, 100)]
     assert set(a[0][0]) == {"question", "answer", "steps"} and not list((tmp_path / "a").glob("*.tmp"))
 
 
