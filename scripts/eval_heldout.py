@@ -7,6 +7,7 @@ greedily, through the workflow's turns, and `task.eval_metrics` scores the leave
     python scripts/eval_heldout.py runs/smollm2_learn -n 121 --all --paired   # + flips vs the base
     python scripts/eval_heldout.py --plot out.json docs/smollm2_learn.png   # the curve
     python scripts/eval_heldout.py runs/math_team -n 200 --paired            # an episode workflow
+    python scripts/eval_heldout.py runs/math_team -n 200 --paired --base-rows base.json
 
 An episode workflow (workflow.episode) runs one greedy episode per held-out example of
 workflow.dataset.eval (workflows/offline.py) and averages what the episodes put in
@@ -31,7 +32,7 @@ from pathlib import Path as FsPath
 import torch
 
 from flexmarl_hpc.runtime.build import build_task
-from flexmarl_hpc.store.checkpoint import committed_versions
+from flexmarl_hpc.store.checkpoint import committed_versions, replace_file
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.export import checkpoint_file, load_agent
 from flexmarl_hpc.learn.model import load_hf_checkpoint
@@ -89,6 +90,14 @@ def flips(base: list[dict[str, float]], rows: list[dict[str, float]]) -> str:
     return "  ".join(out)
 
 
+def cached_base(path: FsPath | None, n: int) -> list[dict[str, float]] | None:
+    """The base model's per-input scores kept by an earlier --base-rows run with the same n."""
+    if path is None or not path.exists():
+        return None
+    kept = json.loads(path.read_text())
+    return kept["rows"] if kept.get("n") == n else None
+
+
 def load_agents(cfg, task, run_dir: FsPath | None, version: int | None) -> dict:
     if version is None:
         return {a: load_hf_checkpoint(cfg.model_for(a).checkpoint).eval() for a in cfg.agent_names}
@@ -135,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="append one JSON line per evaluated version to this file")
     ap.add_argument("--paired", action="store_true", help="also the base model, and each version's "
                     "flips against it per input with a sign test")
+    ap.add_argument("--base-rows", type=FsPath, help="the base model's per-input scores: read "
+                    "from this JSON file when it holds -n of them, else evaluated and written there")
     a = ap.parse_args(argv)
     if a.plot:
         plot(*a.plot)
@@ -156,9 +167,13 @@ def main(argv=None) -> int:
     base = None
     for v in versions:
         t0 = time.time()
-        models = load_agents(cfg, task, run_dir, v)
-        rows = evaluate_episodes(cfg, task, models, a.n) if cfg.workflow.episode else \
-            evaluate(task, models, cfg.workflow.turns, a.n)
+        rows = cached_base(a.base_rows, a.n) if v is None else None
+        if rows is None:
+            models = load_agents(cfg, task, run_dir, v)
+            rows = evaluate_episodes(cfg, task, models, a.n) if cfg.workflow.episode else \
+                evaluate(task, models, cfg.workflow.turns, a.n)
+            if v is None and a.base_rows:
+                replace_file(a.base_rows, json.dumps({"n": a.n, "rows": rows}).encode())
         res = mean(rows)
         base = rows if v is None else base
         err = {k: math.sqrt(x * (1 - x) / a.n) for k, x in res.items()}

@@ -1,6 +1,7 @@
 """A planner, solvers and a verifier on word problems (configs/math_team.yaml).
 
-    planner   reads the problem and decides how many solvers to ask (1-3)
+    planner   reads the problem and decides how many solvers to ask (1-3; a reply without
+              one of those digits asks 2, the middle choice)
     solver    each solves it in free text (up to workflow.max_new_tokens); it may write
               <calc>expression</calc> once: the calculator tool runs it and the solver is
               asked again with the result in its own, growing conversation
@@ -43,8 +44,10 @@ def verifier_prompt(q: str, candidates: list[str]) -> list[dict]:
 
 
 def n_solvers(text: str) -> int:
+    """The planner's first 1, 2 or 3; else 2. (With 1 as the default, SmolLM2-135M's planner,
+    which mostly answers "1.1" or starts explaining, would ask one solver in every episode.)"""
     m = re.search(r"[123]", text)
-    return int(m.group()) if m else 1
+    return int(m.group()) if m else 2
 
 
 async def solve(ctx, q: str) -> tuple[str | None, list[int]]:

@@ -75,6 +75,6 @@ def test_two_solvers_one_with_the_calculator_and_the_verifier_picks_the_right_an
 def test_unmarked_answers_earn_nothing_and_the_team_is_wrong():
     TextConversation.texts = []
     f = run(lambda agent, m: {"planner": "one", "solver": "the apples are 7", "verifier": "7"}[agent])
-    assert f.ctx.calls == {"planner": 1, "solver": 1, "verifier": 1}
-    assert f.rewards["solver"] == [0.0] and f.rewards["verifier"] == 0.0
+    assert f.ctx.calls == {"planner": 1, "solver": 2, "verifier": 1}     # no digit: two solvers
+    assert f.rewards["solver"] == [0.0, 0.0] and f.rewards["verifier"] == 0.0
     assert f.ctx.metrics["team_correct"] == 0.0
