@@ -7,7 +7,7 @@ greedily, through the workflow's turns, and `task.eval_metrics` scores the leave
     python scripts/eval_heldout.py runs/smollm2_learn -n 121 --all --paired   # + flips vs the base
     python scripts/eval_heldout.py --plot out.json docs/smollm2_learn.png   # the curve
     python scripts/eval_heldout.py runs/math_team -n 200 --paired            # an episode workflow
-    python scripts/eval_heldout.py runs/math_team -n 200 --paired --base-rows base.json
+    python scripts/eval_heldout.py runs/math_team -n 200 --paired --rows runs/math_team/eval
 
 An episode workflow (workflow.episode) runs one greedy episode per held-out example of
 workflow.dataset.eval (workflows/offline.py) and averages what the episodes put in
@@ -90,8 +90,8 @@ def flips(base: list[dict[str, float]], rows: list[dict[str, float]]) -> str:
     return "  ".join(out)
 
 
-def cached_base(path: FsPath | None, n: int) -> list[dict[str, float]] | None:
-    """The base model's per-input scores kept by an earlier --base-rows run with the same n."""
+def cached_rows(path: FsPath | None, n: int) -> list[dict[str, float]] | None:
+    """A version's per-input scores kept by an earlier --rows run with the same n."""
     if path is None or not path.exists():
         return None
     kept = json.loads(path.read_text())
@@ -144,8 +144,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="append one JSON line per evaluated version to this file")
     ap.add_argument("--paired", action="store_true", help="also the base model, and each version's "
                     "flips against it per input with a sign test")
-    ap.add_argument("--base-rows", type=FsPath, help="the base model's per-input scores: read "
-                    "from this JSON file when it holds -n of them, else evaluated and written there")
+    ap.add_argument("--rows", type=FsPath, help="a folder of per-input scores per version: read "
+                    "from it when it holds -n of them, else evaluated and written there")
+    ap.add_argument("--only", choices=["base", "latest"], help="evaluate only the base model or only the "
+                    "run's latest checkpoint (with --rows: for two processes at once)")
     a = ap.parse_args(argv)
     if a.plot:
         plot(*a.plot)
@@ -164,22 +166,26 @@ def main(argv=None) -> int:
             print(f"{run_dir / 'checkpoints'}: no checkpoint that every agent has")
             return 2
         versions = ([None] if a.paired else []) + (kept if a.all else kept[-1:])
+    if a.only:
+        versions = [None] if a.only == "base" else versions[-1:]
     base = None
     for v in versions:
         t0 = time.time()
-        rows = cached_base(a.base_rows, a.n) if v is None else None
+        kept_rows = a.rows / ("base.json" if v is None else f"v{v}.json") if a.rows else None
+        rows = cached_rows(kept_rows, a.n)
         if rows is None:
             models = load_agents(cfg, task, run_dir, v)
             rows = evaluate_episodes(cfg, task, models, a.n) if cfg.workflow.episode else \
                 evaluate(task, models, cfg.workflow.turns, a.n)
-            if v is None and a.base_rows:
-                replace_file(a.base_rows, json.dumps({"n": a.n, "rows": rows}).encode())
+            if kept_rows:
+                kept_rows.parent.mkdir(parents=True, exist_ok=True)
+                replace_file(kept_rows, json.dumps({"n": a.n, "rows": rows}).encode())
         res = mean(rows)
         base = rows if v is None else base
         err = {k: math.sqrt(x * (1 - x) / a.n) for k, x in res.items()}
         print(f"version {v if v is not None else 'base'}: n={a.n} " +
               "  ".join(f"{k} {x:.3f}±{err[k]:.3f}" for k, x in res.items()) + f"  ({time.time() - t0:.0f}s)")
-        if a.paired and v is not None:
+        if a.paired and v is not None and base is not None:
             print(f"  vs base: {flips(base, rows)}")
         if a.json:
             with open(a.json, "a") as f:

@@ -157,3 +157,17 @@ def test_sign_test_of_paired_flips():
     base = [{"ok": 0.0}, {"ok": 1.0}, {"ok": 0.0}, {"ok": 1.0}]
     now = [{"ok": 1.0}, {"ok": 1.0}, {"ok": 1.0}, {"ok": 0.0}]
     assert ev.flips(base, now) == f"ok +2/-1 (p={ev.sign_test(2, 1):.3g})"
+
+
+def test_kept_rows_are_read_back_only_for_the_same_n(tmp_path):
+    """--rows: a version's per-input scores written by one process are paired by another."""
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location("eval_heldout", ROOT / "scripts" / "eval_heldout.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    path = tmp_path / "base.json"
+    assert ev.cached_rows(path, 2) is None and ev.cached_rows(None, 2) is None
+    path.write_text(json.dumps({"n": 2, "rows": [{"ok": 1.0}, {"ok": 0.0}]}))
+    assert ev.cached_rows(path, 2) == [{"ok": 1.0}, {"ok": 0.0}]
+    assert ev.cached_rows(path, 3) is None
