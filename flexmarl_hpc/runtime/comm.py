@@ -136,3 +136,24 @@ def bcast_obj(comm: MPI.Comm, obj: Any, root: int) -> Any:
         data = np.empty(int(n[0]), dtype=np.uint8)
     bcast_buffer(comm, data, root)
     return obj if comm.Get_rank() == root else pickle.loads(data.tobytes())
+
+
+def bcast_tensors(comm: MPI.Comm, tensors: dict | None, root: int) -> dict | None:
+    """A dict of host tensors (a training state: model-sized) from `root` to every rank, one
+    tensor at a time into its own buffer: never pickled whole (`bcast_obj` would hold the
+    state three times over on every rank), and not copied at all in a group of one."""
+    if comm.Get_size() == 1:
+        return tensors
+    import torch
+    mine = comm.Get_rank() == root
+    meta = bcast_obj(comm, None if tensors is None else
+                     [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], root)
+    if meta is None:
+        return None
+    out = {}
+    for name, dtype, shape in meta:
+        t = tensors[name].contiguous() if mine else torch.empty(shape, dtype=dtype)
+        if t.numel():
+            bcast_buffer(comm, t.reshape(-1).view(torch.uint8).numpy(), root)
+        out[name] = t
+    return out

@@ -313,7 +313,7 @@ def restore_trainers(group: MPI.Comm, mover: StateMover, ckpt_dir: Path) -> None
             tr.load_checkpoint(ckpt_dir / name, report=lambda line: None)
             continue
         state = load_latest(ckpt_dir / name, report=lambda line: None) if group.Get_rank() == 0 else None
-        state = comm.bcast_obj(group, state, 0)
+        state = comm.bcast_tensors(group, state, 0)
         if state is None:
             continue
         if name in mover.trainers:

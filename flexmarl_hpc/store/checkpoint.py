@@ -215,7 +215,9 @@ def load_latest(folder: Path, report: Callable[[str], None] = print) -> dict[str
     import torch
     v, path = found
     try:
-        return torch.load(path, weights_only=True)
+        # mmap: the tensors are pages of the file until a trainer copies them in, not a
+        # second model-sized copy in memory next to the trainer's own
+        return torch.load(path, weights_only=True, mmap=True)
     except Exception as e:   # checksums matched, so the writer itself wrote something unloadable
         raise CheckpointError(f"{path}: matches its manifest but does not load "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
