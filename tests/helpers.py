@@ -26,6 +26,18 @@ from flexmarl_hpc.learn.model import ModelArgs, build_model
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
 from tests.conftest import IN_CI, ROOT
 
+
+def sigkill_tree(p: subprocess.Popen) -> None:
+    """Node failure: SIGKILL a launched run and every process below it, nobody cleaning up.
+    Hydra starts its proxy and the ranks in sessions of their own, so a killpg of the
+    launcher would leave the ranks writing for a moment."""
+    import psutil
+    tree = psutil.Process(p.pid).children(recursive=True)
+    for proc in [psutil.Process(p.pid), *tree]:
+        proc.send_signal(9)
+    p.communicate(timeout=60)
+    psutil.wait_procs(tree, timeout=60)
+
 SMALL = ["run.steps=6", "run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
          "model.hidden_size=32", "model.intermediate_size=64"]
 

@@ -27,8 +27,7 @@ import numpy as np
 
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.learn.grpo import call_advantages
-from flexmarl_hpc.learn.sampling import sample_seed
-from flexmarl_hpc.orchestrator.tree import Changes, Node
+from flexmarl_hpc.orchestrator.tree import Changes, Node, NodeQueues
 from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY
 from flexmarl_hpc.workflows.episode import Call, EpisodeRunner, Finished, call_reward
 
@@ -44,7 +43,7 @@ class ReplayMismatch(RuntimeError):
     pass
 
 
-class EpisodeTree:
+class EpisodeTree(NodeQueues):
     """The episodes of all live steps and per-agent queues (pending, ready)."""
 
     def __init__(self, cfg: Config, task, runner: EpisodeRunner | None = None):
@@ -65,12 +64,15 @@ class EpisodeTree:
         self.resp_len_mean = {agent: float(w.max_new_tokens) / 2 for agent in self.agents}
         self.journal_ready: set[int] = set()               # id()s of nodes the journal has READY
         self.failed: list[Finished] = []                   # episodes that raised (to report)
-        self.finished_episodes: list[Finished] = []
 
     # -- creating work -------------------------------------------------------------------
     def admit_step(self, step: int) -> None:
-        if step in self.steps_admitted:
-            return
+        if step not in self.steps_admitted:
+            self._start_step(step)
+
+    def _start_step(self, step: int) -> list[Node]:
+        """Start the episodes of `step`'s examples and run them until they wait; returns
+        the nodes made READY (on a replay: calls the journal answered)."""
         self.steps_admitted.add(step)
         self.step_left[step] = self.n_in
         self.calls_of[step] = dict.fromkeys(self.agents, 0)
@@ -78,7 +80,7 @@ class EpisodeTree:
             self.examples[example_id] = ExampleState(step, self.group)
             for e in range(self.group):
                 self.runner.start(step, example_id, e, example)
-        self.advance()
+        return self.advance().ready
 
     def advance(self) -> Changes:
         """Step the episodes; queue their new calls (answering replayed ones from the
@@ -120,7 +122,6 @@ class EpisodeTree:
         ctx = f.ctx
         if f.error:
             self.failed.append(f)
-        self.finished_episodes.append(f)
         st = self.examples[ctx.example_id]
         for agent, n in ctx.calls.items():
             for i in range(n):
@@ -149,21 +150,9 @@ class EpisodeTree:
                     self.ready[agent][n.step].append(n)
         return ready
 
-    def request_seed(self, node: Node, version: int) -> int:
-        return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)
-
     def request(self, node: Node, version: int) -> tuple:
         call = self.call_of[id(node)]
         return node.sample_id, node.prompt, self.request_seed(node, version), call.max_tokens, 0
-
-    def take_pending(self, agent: str, sent: set[int]) -> None:
-        q = self.pending[agent]
-        keep = [n for n in q if id(n) not in sent]
-        q.clear()
-        q.extend(keep)
-
-    def est_tokens(self, node: Node) -> float:
-        return len(node.prompt) + self.resp_len_mean[node.agent]
 
     # -- results -------------------------------------------------------------------------
     def record_generation(self, batch: list[tuple[Node, list[int], list[float]]], version: int,
@@ -199,16 +188,6 @@ class EpisodeTree:
     def loss_scale(self, agent: str, step: int) -> float:
         return 1.0 / (self.n_in * self.group)
 
-    def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
-        q = self.ready[agent][step]
-        take, self.ready[agent][step] = q[:k], q[k:]
-        for n in take:
-            n.status, n.trainer_step = CONSUMED, step
-        return take
-
-    def ready_count(self, agent: str, step: int) -> int:
-        return len(self.ready[agent].get(step, ()))
-
     # -- resume --------------------------------------------------------------------------
     def restore(self, nodes: list[Node], first_step: int, versions: dict[str, int]) -> tuple[list[Node], Changes]:
         """Replay the episodes of steps >= first_step over the journalled calls (see the
@@ -225,14 +204,7 @@ class EpisodeTree:
         last = max((n.step for n in nodes), default=first_step - 1)
         ready = []
         for step in range(first_step, last + 1):
-            self.steps_admitted.add(step)
-            self.step_left[step] = self.n_in
-            self.calls_of[step] = dict.fromkeys(self.agents, 0)
-            for example_id, example in self.task.stream.batch(step, self.n_in):
-                self.examples[example_id] = ExampleState(step, self.group)
-                for e in range(self.group):
-                    self.runner.start(step, example_id, e, example)
-            ready += self.advance().ready
+            ready += self._start_step(step)
         # a journalled call no replayed episode asks for (only a nondeterministic episode
         # could) stays GENERATED in the file and is never trained
         return requeue, Changes(ready=ready)

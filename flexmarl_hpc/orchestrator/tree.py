@@ -77,7 +77,42 @@ class Changes:
     dropped: list[Node] = field(default_factory=list)     # generated nodes now DROPPED
 
 
-class Tree:
+class NodeQueues:
+    """The per-agent queues both kinds of workflow keep (Tree here, episodes.EpisodeTree):
+    `pending` nodes for the replicas, `ready` nodes by step for the trainers, and the mean
+    response length each backlog estimate uses. Subclasses fill them."""
+    cfg: Config
+    pending: dict[str, deque[Node]]
+    ready: dict[str, dict[int, list[Node]]]
+    resp_len_mean: dict[str, float]
+
+    def request_seed(self, node: Node, version: int) -> int:
+        return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)
+
+    def take_pending(self, agent: str, sent: set[int]) -> None:
+        """Drop the nodes sent to replicas (`id()`s) from `agent`'s pending queue, in place."""
+        q = self.pending[agent]
+        keep = [n for n in q if id(n) not in sent]
+        q.clear()
+        q.extend(keep)
+
+    def est_tokens(self, node: Node) -> float:
+        """Backlog estimate of one request: prompt + mean response length so far."""
+        return len(node.prompt) + self.resp_len_mean[node.agent]
+
+    def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
+        """Mark up to k READY samples of (agent, step) CONSUMED and return them."""
+        q = self.ready[agent][step]
+        take, self.ready[agent][step] = q[:k], q[k:]
+        for n in take:
+            n.status, n.trainer_step = CONSUMED, step
+        return take
+
+    def ready_count(self, agent: str, step: int) -> int:
+        return len(self.ready[agent].get(step, ()))
+
+
+class Tree(NodeQueues):
     """Trees of all live steps and per-agent queues (pending, ready)."""
 
     def __init__(self, cfg: Config, task: Task):
@@ -142,24 +177,10 @@ class Tree:
         if parent is not None:
             parent.children = group
 
-    def request_seed(self, node: Node, version: int) -> int:
-        return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)
-
     def request(self, node: Node, version: int) -> tuple:
         """(sample_id, prompt, seed, max_new_tokens, turn): a replica's GenRequest."""
         budget = self.task.response_budget(node.turn, node.sample_id, self.turns[node.turn].max_new_tokens)
         return node.sample_id, node.prompt, self.request_seed(node, version), budget, node.turn
-
-    def take_pending(self, agent: str, sent: set[int]) -> None:
-        """Drop the nodes sent to replicas (`id()`s) from `agent`'s pending queue, in place."""
-        q = self.pending[agent]
-        keep = [n for n in q if id(n) not in sent]
-        q.clear()
-        q.extend(keep)
-
-    def est_tokens(self, node: Node) -> float:
-        """Backlog estimate of one request: prompt + mean response length so far."""
-        return len(node.prompt) + self.resp_len_mean[node.agent]
 
     # -- results -------------------------------------------------------------------------
     def record_generation(self, batch: list[tuple[Node, list[int], list[float]]], version: int,
@@ -266,17 +287,6 @@ class Tree:
 
     def close(self) -> None:
         pass
-
-    def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
-        """Mark up to k READY samples of (agent, step) CONSUMED and return them."""
-        q = self.ready[agent][step]
-        take, self.ready[agent][step] = q[:k], q[k:]
-        for n in take:
-            n.status, n.trainer_step = CONSUMED, step
-        return take
-
-    def ready_count(self, agent: str, step: int) -> int:
-        return len(self.ready[agent].get(step, ()))
 
     # -- resume -------------------------------------------------------------------------
     def restore(self, nodes: list[Node], first_step: int, versions: dict[str, int]) -> tuple[list[Node], Changes]:

@@ -109,6 +109,29 @@ class StoreError(OSError):
         return cls(f"{path}: cannot write the store: {' '.join(text.split())[:300]}")
 
 
+OPEN_WAIT_S = 60.0
+"""How long the writer's open of an existing store waits for other processes to close it."""
+
+
+def open_for_write(path: Path, wait_s: float | None = None) -> h5py.File:
+    """h5py.File(path, "a"), retried while another process has the file open. HDF5 locks
+    the file at open without waiting: a reader (`status`, `analyze`, h5py in SWMR mode)
+    holds a shared lock for the few ms it reads, and the writer's exclusive lock is then
+    refused at once (errno 11). A requeued job whose store a `status --follow` was reading
+    at that moment failed (tests/slurm/test_status.py). After `wait_s`: a StoreError."""
+    wait_s = OPEN_WAIT_S if wait_s is None else wait_s
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            return h5py.File(path, "a", libver="latest")
+        except BlockingIOError:
+            if time.monotonic() >= end:
+                raise StoreError(f"{path}: another process has had the store open for {wait_s:g} s "
+                                 "(its HDF5 file lock refuses this writer); close it (an h5py "
+                                 "session reading it?) and run the same command again") from None
+            time.sleep(0.05)
+
+
 def dtype_of(columns: dict[str, str]) -> np.dtype:
     return np.dtype([(k, v) for k, v in columns.items()])
 
@@ -415,7 +438,7 @@ class StoreFile:
         torn = verify_path(self.path) if not fresh else []    # before anything is used or changed
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
-        self.f = h5py.File(self.path, "a", libver="latest")
+        self.f = open_for_write(self.path)
         if fresh:
             self.f.attrs.update({"schema_version": SCHEMA_VERSION, "program": "flexmarl_hpc",
                                  "created": time.time(), "t0": time.time(), "agents": self.agents,

@@ -2,17 +2,15 @@
 command resumes: the store is re-opened (flags cleared, torn rows discarded), reconciled
 with version 0, rolled-back step rows marked superseded, every sample trained exactly once."""
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import h5py
-import psutil
 
 from flexmarl_hpc.analysis.load import load_run, summary
 from tests.conftest import ROOT, run_training
-from tests.helpers import SMALL, check_exactly_once
+from tests.helpers import SMALL, check_exactly_once, sigkill_tree
 
 STEPS = 12
 
@@ -26,13 +24,7 @@ def test_sigkill_without_a_checkpoint_resumes_with_nothing_lost(tmp_path, mpiexe
     while not log.exists() or "step    3/" not in log.read_text():
         assert time.time() - t0 < 120 and p.poll() is None, "run did not start"
         time.sleep(0.1)
-    # node failure: nobody cleans up. Hydra starts its proxy and the ranks in sessions of
-    # their own, so a killpg of the launcher would leave the ranks writing for a moment.
-    tree = psutil.Process(p.pid).children(recursive=True)
-    for proc in [psutil.Process(p.pid), *tree]:
-        proc.send_signal(signal.SIGKILL)
-    p.communicate(timeout=60)
-    psutil.wait_procs(tree, timeout=60)
+    sigkill_tree(p)
     with h5py.File(tmp_path / "local.h5", "r", swmr=True) as f:     # committed step rows
         before = dict(zip(f["commit"].attrs["tables"], f["commit"][:]))["/steps/speaker"]
     assert 3 <= before < STEPS

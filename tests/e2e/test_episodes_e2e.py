@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 
 import h5py
-import numpy as np
-import psutil
 import pytest
 
 from tests.conftest import ROOT, run_training
-from tests.helpers import check_exactly_once
+from tests.helpers import check_exactly_once, sigkill_tree
 
 STEPS, N_IN, GROUP = 6, 3, 2
 
@@ -101,11 +98,7 @@ def test_sigkill_mid_run_then_the_same_command_trains_every_example_once(tmp_pat
     while not log.exists() or f"step    3/{STEPS}" not in log.read_text():
         assert time.time() - t0 < 300 and p.poll() is None, "run did not get to step 3"
         time.sleep(0.05)
-    tree = psutil.Process(p.pid).children(recursive=True)
-    for proc in [psutil.Process(p.pid), *tree]:
-        proc.send_signal(signal.SIGKILL)
-    p.communicate(timeout=60)
-    psutil.wait_procs(tree, timeout=60)
+    sigkill_tree(p)
     with h5py.File(tmp_path / "ep.h5", "r", swmr=True) as f:
         before = len(f["episodes"])
     assert 0 < before < STEPS * N_IN * GROUP

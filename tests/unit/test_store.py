@@ -331,3 +331,57 @@ def test_a_close_right_after_a_micro_batch_flush_commits_its_rows(tmp_path):
     s = StoreFile(tmp_path / "s.h5", AGENTS, {})
     assert not s.repaired and len(s.events.read()) == 3 and len(s.samples["a"].read()) == 3
     s.close()
+
+
+def _reader(path):
+    """A second process reading the store as `status` does (h5py in SWMR mode), holding it
+    open until its stdin closes; returns once it has the file open."""
+    import subprocess
+    import sys
+    code = ("import sys, h5py; f = h5py.File(sys.argv[1], 'r', swmr=True); print('open', flush=True); "
+            "sys.stdin.read(); f.close()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "open"
+    return p
+
+
+def test_a_resume_waits_for_a_reader_to_close_the_store(tmp_path):
+    """A requeued job's re-open met a `status --follow` reading the store: HDF5 refuses the
+    writer's lock at once (errno 11, BlockingIOError) and the job FAILED
+    (tests/slurm/test_status.py, clean-clone CI of a34d847). The re-open waits for the
+    reader (which lets go 1 s after it opened) and resumes with every committed row."""
+    import threading
+    path = tmp_path / "s.h5"
+    s = StoreFile(path, AGENTS, {})
+    first = s.samples["a"].append(sample_rows(s, "a", 5))
+    s.events.append(event_rows(s, "a", np.arange(first, first + 5), GENERATED))
+    s.close()
+    reader = _reader(path)
+    timer = threading.Timer(1.0, reader.stdin.close)
+    timer.start()
+    try:
+        s = StoreFile(path, AGENTS, {})
+    finally:
+        timer.cancel()
+        reader.stdin.close()
+        reader.wait(timeout=30)
+    assert len(s.samples["a"].read()) == 5 and len(s.events.read()) == 5
+    s.close()
+
+
+def test_a_reader_that_keeps_the_store_open_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    from flexmarl_hpc.store import tables
+    path = tmp_path / "s.h5"
+    StoreFile(path, AGENTS, {}).close()
+    monkeypatch.setattr(tables, "OPEN_WAIT_S", 0.3)
+    reader = _reader(path)
+    try:
+        with pytest.raises(tables.StoreError) as e:
+            StoreFile(path, AGENTS, {})
+    finally:
+        reader.stdin.close()
+        reader.wait(timeout=30)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and "open for 0.3 s" in msg, msg
+    StoreFile(path, AGENTS, {}).close()              # the reader gone, it opens
