@@ -177,8 +177,7 @@ class RunRecorder:
         return (f"step {step + 1:4d}/{self.cfg.run.steps} | reward {rs} | "
                 f"{row['samples_per_s'][0]:7.1f} samples/s | stale {row['staleness_max'][0]} | "
                 f"rollout {self.window['generate']:.2f}s train {self.window['train']:.2f}s "
-                f"sync {self.window['sync']:.2f}s | util {100 * util:3.0f}% orch {100 * orch:3.0f}%"
-                + self.tis_text(step))
+                f"sync {self.window['sync']:.2f}s | util {100 * util:3.0f}% orch {100 * orch:3.0f}%")
 
     def tis_text(self, step: int) -> str:
         weights = {agent: self.tis.pop((agent, step), np.nan) for agent in self.agents}

@@ -154,6 +154,8 @@ def test_staleness_one_trains_samples_at_most_one_version_old(tmp_path, mpiexec)
     """max_staleness=1: some samples are one version old, none older; a GRPO group is never
     split over versions; each step's record matches its samples; still exactly once."""
     p = run_training(tmp_path, *SMALL, "pipeline.max_staleness=1")
+    lines = [x for x in p.stdout.splitlines() if x.startswith("step ")]
+    assert lines and all(x.count("| tis w ") == 1 and "nan" not in x for x in lines), lines
     check_exactly_once(tmp_path / "local.h5", 6)
     check_stale_samples_are_reweighted(tmp_path / "local.h5")
     with h5py.File(tmp_path / "local.h5", "r") as f:
