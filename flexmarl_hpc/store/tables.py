@@ -388,6 +388,19 @@ class Table:
         return out
 
 
+_TYPES: dict[np.dtype, h5py.h5t.TypeID] = {}
+
+
+def _file_type(dtype: np.dtype) -> h5py.h5t.TypeID:
+    """The HDF5 type of a table's records, made once per process (h5py builds and registers an
+    object per compound field: ~40 us of a /samples table's create). HDF5 copies the type
+    into the dataset it creates, so one transient type serves every file."""
+    t = _TYPES.get(dtype)
+    if t is None:
+        t = _TYPES[dtype] = h5py.h5t.py_create(dtype, logical=True)
+    return t
+
+
 def _join(pieces: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     """np.concatenate of record arrays of one dtype, as bytes (numpy's own concatenate
     resolves a compound dtype and copies field by field: ~20 us for 5 /events pieces)."""
@@ -440,6 +453,7 @@ class StoreFile:
         self.episodes = mk("episodes", episode_columns(len(self.agents)), 256)
         self.tables = {t.ds.name: t for t in self._all()}
         self._table_list = list(self.tables.values())
+        self._events_at = self._table_list.index(self.events)
         self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
         self._crcs = np.zeros(len(self.tables), np.int64)
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
@@ -464,7 +478,7 @@ class StoreFile:
         dcpl.set_fletcher32()           # every reader verifies a chunk it reads (docs/store.md)
         lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
-        ds = h5py.h5d.create(self.f.id, name.encode(), h5py.h5t.py_create(dtype, logical=True),
+        ds = h5py.h5d.create(self.f.id, name.encode(), _file_type(dtype),
                              h5py.h5s.create_simple((0,), (h5py.h5s.UNLIMITED,)), dcpl=dcpl, lcpl=lcpl)
         return Table(h5py.Dataset(ds), columns, mirror, self.dirty, created=(dtype, chunk))
 
@@ -602,12 +616,23 @@ class StoreFile:
             micro-batch's trainer step was not committed either (on_stepped makes a full
             flush before a checkpoint can hold it), so the resume requeues its samples all
             the same;
+          - it advances /commit only when those rows hold more than /events rows: status
+            events alone (a micro-batch's CONSUMED) are worth no commit, since a resume
+            requeues every micro-batch no checkpoint holds, committed or not, and rebuilds
+            READY and DROPPED from the generated rows (docs/store.md, "Crash safety");
           - status patches of sample rows already on disk (the status fields are a cache of
             /events) wait for the next full one (each log line, checkpoint and close).
         """
-        # nothing queued, and (a full flush) /commit already names every written row: a light
-        # flush's rows are written but committed only by the next flush, even with nothing new
-        idle = not self.dirty and (not full or np.array_equal(self.flushed, self._crc_at))
+        # the tables with something to write now (a light flush leaves a status cache's patches
+        # of rows on disk queued)
+        work = [t for t in self.dirty if full or t.buf or not t.mirror]
+        if not full and all(t is self.events for t in work):
+            work = []                   # status events alone wait for the next write (docstring)
+        # idle: nothing queued at all (a light flush: its rows are written but committed only
+        # by the next flush, even with nothing new), or nothing to write and /commit already
+        # names the rows it would commit (then the flush would not change a byte of the file)
+        commit = full or self._worth_commit()
+        idle = (not self.dirty and not full) or (not work and not (commit and self._uncommitted()))
         if idle or self.failed is not None:
             # after a failed write or flush, what HDF5 holds in memory is unknown: a later
             # flush that succeeds (a checkpoint's cleanup freed the disk) may leave out chunk
@@ -615,17 +640,17 @@ class StoreFile:
             # holds. Nothing more is committed; the resume starts from the last commit.
             return
         try:
-            for t in list(self.dirty):
-                if full or t.buf or not t.mirror:
-                    t.write(patch_disk=full or not t.mirror)
-                    if not t.patches:
-                        self.dirty.discard(t)
-                    faults.hit("store_append")  # test-only: no-op unless FLEXMARL_FAULT is set
+            for t in work:
+                t.write(patch_disk=full or not t.mirror)
+                if not t.patches:
+                    self.dirty.discard(t)
+                faults.hit("store_append")  # test-only: no-op unless FLEXMARL_FAULT is set
             counts = np.fromiter(map(attrgetter("disk"), self.tables.values()), np.int64, len(self.tables))
             if full:
                 self.f.flush()
                 faults.hit("store_flush")
-            self._commit(counts if full else self.flushed)
+            if commit:
+                self._commit(counts if full else self.flushed)
             if not full:
                 faults.hit("store_flush")
             self.f.flush()
@@ -633,6 +658,17 @@ class StoreFile:
         except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
             self.failed = StoreError.of(self.path, e)
             raise self.failed from None
+
+    def _uncommitted(self) -> bool:
+        """Whether rows written by the flushes before are not named by /commit yet."""
+        return not np.array_equal(self.flushed, self._crc_at)
+
+    def _worth_commit(self) -> bool:
+        """Whether a light flush should commit the previous flush's rows: some table other
+        than /events grew since the last commit (see flush)."""
+        grew = self.flushed != self._crc_at
+        grew[self._events_at] = False
+        return bool(grew.any())
 
     def _commit(self, counts: np.ndarray) -> None:
         """Write /commit_crc (the boundary chunks' prefix checksums at these counts), then

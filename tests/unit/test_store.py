@@ -156,8 +156,15 @@ def test_a_file_with_other_chunks_resumes_with_its_own(tmp_path):
         assert f["samples/a"].chunks == (16,) and f["samples/a"][:].tobytes() == want.tobytes()
 
 
-def test_a_micro_batch_flush_is_readable_at_once_and_committed_by_the_next(tmp_path):
-    path = tmp_path / "s.h5"
+def test_a_micro_batch_flush_writes_generated_rows_and_the_next_commits_them(tmp_path):
+    """flush(full=False) writes new rows other than /events at once (readable) and commits
+    them with the next light flush; status events alone (a micro-batch's CONSUMED) wait for
+    the next write, since no resume needs them (docs/store.md, "Crash safety")."""
+    path, seen = tmp_path / "s.h5", {}
+
+    def look(name):                           # what a SWMR reader sees now
+        with h5py.File(path, "r", swmr=True) as f:
+            seen[name] = (len(f["samples/a"]), len(f["events"]), f["commit"][:].tolist())
 
     def write():
         s = StoreFile(path, AGENTS, {})
@@ -166,27 +173,36 @@ def test_a_micro_batch_flush_is_readable_at_once_and_committed_by_the_next(tmp_p
         s.flush()                                              # full: 4 rows, 4 events
         s.samples["a"].patch([0, 1], {"status": CONSUMED, "trainer_step": 0})
         s.events.append(event_rows(s, "a", [0, 1], CONSUMED, tstep=0))
-        s.flush(full=False)                                    # micro-batch 1
-        with h5py.File(path, "r", swmr=True) as f:            # in the file before the trainer
-            assert f["events"]["status"][-2:].tolist() == [CONSUMED] * 2
-            assert f["samples/a"]["status"][:2].tolist() == [GENERATED] * 2    # cache: later
+        s.flush(full=False)                                    # micro-batch 1: events only
+        look("mb1")
+        first = s.samples["a"].append(sample_rows(s, "a", 2, step=1))
+        s.events.append(event_rows(s, "a", [first, first + 1], GENERATED))
+        s.flush(full=False)                                    # a generation's rows
+        look("gen")
         s.samples["a"].patch([2], {"status": CONSUMED, "trainer_step": 0})
         s.events.append(event_rows(s, "a", [2], CONSUMED, tstep=0))
-        s.flush(full=False)                                    # micro-batch 2: commits 1
+        s.flush(full=False)                                    # micro-batch 2: commits them
+        look("mb2")
+        (tmp_path / "seen").write_text(repr(seen))
         return s
 
     in_child_then_kill(write)
+    seen = eval((tmp_path / "seen").read_text())
+    counts = {"mb1": (4, 4), "gen": (6, 8), "mb2": (6, 8)}    # (samples, events) in the file
+    assert {k: v[:2] for k, v in seen.items()} == counts
+    commit = {k: v[2] for k, v in seen.items()}
+    assert commit["mb1"] == commit["gen"] != commit["mb2"]     # only mb2 commits (the generation)
     s = StoreFile(path, AGENTS, {})
     rows, ev = s.samples["a"].read(), s.events.read()
-    assert len(ev) == 6                                        # micro-batch 2 was not committed
-    assert rows["status"].tolist() == [CONSUMED, CONSUMED, GENERATED, GENERATED]
-    assert rows["trainer_step"].tolist() == [0, 0, -1, -1]     # rebuilt from the events
+    assert len(rows) == 6 and len(ev) == 8                     # micro-batch 2's event was not written
+    assert rows["status"].tolist() == [CONSUMED, CONSUMED] + [GENERATED] * 4
+    assert rows["trainer_step"].tolist() == [0, 0, -1, -1, -1, -1]     # rebuilt from the events
     s.samples["a"].patch([2], {"status": READY})
     s.events.append(event_rows(s, "a", [2], READY))
     s.flush(full=False)
     s.flush()                                                  # a full flush writes the cache
     with h5py.File(path, "r", swmr=True) as f:
-        assert f["samples/a"]["status"].tolist() == [CONSUMED, CONSUMED, READY, GENERATED]
+        assert f["samples/a"]["status"].tolist() == [CONSUMED, CONSUMED, READY] + [GENERATED] * 3
         assert f["commit"][:].tolist() == s.flushed.tolist()
     s.close()
 
