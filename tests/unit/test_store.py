@@ -294,6 +294,24 @@ def test_journal_rows_tokens_and_status_changes_read_back_as_the_readme_says(tmp
         assert ev["advantage"][3:6].tolist() == [-0.5, 0.5, 0.0] and (ev["agent"] == 1).all()
 
 
+def test_a_batchs_version_and_replica_are_written_as_given_else_read_from_each_node(tmp_path):
+    """Journal.changes takes a generation batch's version and replica as one value each (no
+    pass over the nodes for them); without them each node's own are written."""
+    from flexmarl_hpc.orchestrator.experience import Journal
+    from flexmarl_hpc.orchestrator.tree import Changes, Node
+    s = StoreFile(tmp_path / "s.h5", AGENTS, {})
+    j = Journal(s)
+    nodes = [Node("a", 0, 0, 3, t, None, [], None, prompt=[1], response=[2], logprobs=[-0.1],
+                  version=t, replica=10 + t) for t in range(3)]
+    j.changes(Changes(generated=nodes[:2]), 1.0, version=5, replica=2)
+    j.changes(Changes(generated=nodes[2:]), 1.0)
+    s.close()
+    with h5py.File(tmp_path / "s.h5", "r", swmr=True) as f:
+        rows = f["samples/a"][:]
+        assert rows["policy_version"].tolist() == [5, 5, 2] and rows["replica"].tolist() == [2, 2, 12]
+        assert [n.row for n in nodes] == [0, 1, 2]
+
+
 def test_a_full_disk_is_one_line_and_the_file_reopens_at_its_last_commit(tmp_path):
     """The store on a 1 MiB tmpfs: appends until the disk is full give one StoreError line
     (errno 28) naming the file; the writer dies as the job would (in a forked child); with
