@@ -453,7 +453,7 @@ class StoreFile:
         self.episodes = mk("episodes", episode_columns(len(self.agents)), 256)
         self.tables = {t.ds.name: t for t in self._all()}
         self._table_list = list(self.tables.values())
-        self._events_at = self._table_list.index(self.events)
+        self._due = False               # a light flush wrote rows other than /events, uncommitted
         self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
         self._crcs = np.zeros(len(self.tables), np.int64)
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
@@ -623,22 +623,14 @@ class StoreFile:
           - status patches of sample rows already on disk (the status fields are a cache of
             /events) wait for the next full one (each log line, checkpoint and close).
         """
-        # the tables with something to write now (a light flush leaves a status cache's patches
-        # of rows on disk queued)
-        work = [t for t in self.dirty if full or t.buf or not t.mirror]
-        if not full and all(t is self.events for t in work):
-            work = []                   # status events alone wait for the next write (docstring)
-        # idle: nothing queued at all (a light flush: its rows are written but committed only
-        # by the next flush, even with nothing new), or nothing to write and /commit already
-        # names the rows it would commit (then the flush would not change a byte of the file)
-        commit = full or self._worth_commit()
-        idle = (not self.dirty and not full) or (not work and not (commit and self._uncommitted()))
-        if idle or self.failed is not None:
+        plan = self._plan(full)
+        if plan is None or self.failed is not None:
             # after a failed write or flush, what HDF5 holds in memory is unknown: a later
             # flush that succeeds (a checkpoint's cleanup freed the disk) may leave out chunk
             # index entries the failed one lost, and a commit would then name rows no chunk
             # holds. Nothing more is committed; the resume starts from the last commit.
             return
+        work, commit = plan
         try:
             for t in work:
                 t.write(patch_disk=full or not t.mirror)
@@ -655,20 +647,24 @@ class StoreFile:
                 faults.hit("store_flush")
             self.f.flush()
             self.flushed = counts
+            # rows other than /events that this light flush wrote: the next one commits them
+            self._due = not full and any(t is not self.events for t in work)
         except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
             self.failed = StoreError.of(self.path, e)
             raise self.failed from None
 
-    def _uncommitted(self) -> bool:
-        """Whether rows written by the flushes before are not named by /commit yet."""
-        return not np.array_equal(self.flushed, self._crc_at)
-
-    def _worth_commit(self) -> bool:
-        """Whether a light flush should commit the previous flush's rows: some table other
-        than /events grew since the last commit (see flush)."""
-        grew = self.flushed != self._crc_at
-        grew[self._events_at] = False
-        return bool(grew.any())
+    def _plan(self, full: bool) -> tuple[list, bool] | None:
+        """(the tables to write, whether to commit) of a flush; None: it would change no byte
+        of the file (nothing to write, and nothing /commit should name that it does not)."""
+        if full:
+            work = list(self.dirty)
+            return (work, True) if work or not np.array_equal(self.flushed, self._crc_at) else None
+        # a light flush leaves a status cache's patches of rows on disk queued, and status
+        # events alone wait for the next write (docstring)
+        work = [t for t in self.dirty if t.buf or not t.mirror]
+        if all(t is self.events for t in work):
+            work = []
+        return (work, self._due) if work or self._due else None
 
     def _commit(self, counts: np.ndarray) -> None:
         """Write /commit_crc (the boundary chunks' prefix checksums at these counts), then
