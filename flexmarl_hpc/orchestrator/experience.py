@@ -11,8 +11,7 @@ consumed-but-uncommitted rows go back to READY, so no sample is lost or trained 
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -30,16 +29,15 @@ def _spans(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 
 def _by_agent(nodes: list[Node]) -> list[tuple[str, list[Node]]]:
-    """The nodes grouped by agent, each group in the nodes' order (a batch is most often
-    of one agent: then one pass in C)."""
+    """The nodes grouped by agent (in order of first appearance), each group in the nodes'
+    order: a few passes in C, no Python frame per node (a batch is most often of one agent;
+    a leaf's READY also readies its ancestors, of the other agents)."""
     if not nodes:
         return []
-    if all(map(nodes[0].agent.__eq__, map(attrgetter("agent"), nodes))):
-        return [(nodes[0].agent, nodes)]
-    by: dict[str, list[Node]] = defaultdict(list)
-    for n in nodes:
-        by[n.agent].append(n)
-    return list(by.items())
+    names = list(map(attrgetter("agent"), nodes))
+    if names.count(names[0]) == len(names):
+        return [(names[0], nodes)]
+    return [(a, list(compress(nodes, map(a.__eq__, names)))) for a in dict.fromkeys(names)]
 
 
 class Journal:

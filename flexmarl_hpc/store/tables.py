@@ -410,8 +410,8 @@ def _join(pieces: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
 def _set(dst: np.ndarray, idx, fields: dict, pick=slice(None)) -> None:
     """dst[name][idx] = each field's value: a scalar as it is, an array at `pick` (the
     positions of `idx` among the patch's rows)."""
-    for name, v in fields.items():
-        dst[name][idx] = v[pick] if np.ndim(v) else v
+    for name, v in fields.items():        # getattr, not np.ndim: ~0.6 us a field less
+        dst[name][idx] = v[pick] if getattr(v, "ndim", 0) else v
 
 
 class StoreFile:
