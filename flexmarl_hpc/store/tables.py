@@ -197,8 +197,11 @@ class Table:
                 self.buf = [_join(self.buf, self.dtype)]
             _set(self.buf[0], rows - self.disk, fields)
             return
-        fields = {k: np.asarray(v) for k, v in fields.items()}
-        self._queued_new |= bool(rows.max() >= self.disk)   # then later ones must queue too
+        # a scalar stays one (as _set and _patch_new treat it); lists become arrays
+        fields = {k: v if isinstance(v, (np.ndarray, np.generic, int, float)) else np.asarray(v)
+                  for k, v in fields.items()}
+        if not self._queued_new and rows.max() >= self.disk:   # then later ones must queue too
+            self._queued_new = True
         self.patches.append((rows, fields))
         self.dirty.add(self)
 
