@@ -40,6 +40,19 @@ def _by_agent(nodes: list[Node]) -> list[tuple[str, list[Node]]]:
     return [(a, list(compress(nodes, map(a.__eq__, names)))) for a in dict.fromkeys(names)]
 
 
+def _parent_ids(nodes: list[Node]) -> list[str]:
+    """Each node's parent_id column: its parent_call (episode workflows), else its parent's
+    sample_id ("" for a root). A batch of one fixed turn is all roots or all children with
+    no parent_call: then C passes, no Python frame per node."""
+    if not any(map(attrgetter("parent_call"), nodes)):
+        parents = list(map(attrgetter("parent"), nodes))
+        if all(parents):
+            return list(map(attrgetter("sample_id"), parents))
+        if not any(parents):
+            return [""] * len(nodes)
+    return [n.parent_call or (n.parent.sample_id if n.parent else "") for n in nodes]
+
+
 class Journal:
     """Records nodes and their status changes in the store (buffered until its flush)."""
 
@@ -89,7 +102,7 @@ class Journal:
         off = pool.append(toks)
         rows = np.empty(k, tab.dtype)
         rows["sample_id"] = list(map(attrgetter("sample_id"), nodes))        # ASCII: numpy encodes
-        rows["parent_id"] = [n.parent_call or (n.parent.sample_id if n.parent else "") for n in nodes]
+        rows["parent_id"] = _parent_ids(nodes)
         # a batch's version and replica are one value each: no pass over the nodes for them
         for name, attr, value in (("input_id", "input_id", None), ("turn", "turn", None), ("traj", "traj", None),
                                   ("step", "step", None), ("policy_version", "version", version),

@@ -312,6 +312,19 @@ def test_a_batchs_version_and_replica_are_written_as_given_else_read_from_each_n
         assert [n.row for n in nodes] == [0, 1, 2]
 
 
+def test_parent_ids_of_roots_children_mixed_batches_and_episode_calls():
+    """The journal's parent_id column: a parent's sample_id, "" for a root, an episode
+    call's parent_call first, whatever mix a batch holds."""
+    from flexmarl_hpc.orchestrator.experience import _parent_ids
+    from flexmarl_hpc.orchestrator.tree import Node
+    root = Node("a", 0, 0, 3, 1, None, [], None)
+    kids = [Node("b", 1, 0, 3, t, root, [], None) for t in range(2)]
+    call = Node("b", 0, 0, 4, 0, None, [], None, parent_call="a/4_0_0")
+    assert _parent_ids([root]) == [""] and _parent_ids(kids) == ["3_0_1"] * 2
+    assert _parent_ids([root, *kids]) == ["", "3_0_1", "3_0_1"]
+    assert _parent_ids([kids[0], call, root]) == ["3_0_1", "a/4_0_0", ""]
+
+
 def test_a_full_disk_is_one_line_and_the_file_reopens_at_its_last_commit(tmp_path):
     """The store on a 1 MiB tmpfs: appends until the disk is full give one StoreError line
     (errno 28) naming the file; the writer dies as the job would (in a forked child); with
