@@ -11,8 +11,7 @@ consumed-but-uncommitted rows go back to READY, so no sample is lost or trained 
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -30,16 +29,28 @@ def _spans(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 
 def _by_agent(nodes: list[Node]) -> list[tuple[str, list[Node]]]:
-    """The nodes grouped by agent, each group in the nodes' order (a batch is most often
-    of one agent: then one pass in C)."""
+    """The nodes grouped by agent (in order of first appearance), each group in the nodes'
+    order: a few passes in C, no Python frame per node (a batch is most often of one agent;
+    a leaf's READY also readies its ancestors, of the other agents)."""
     if not nodes:
         return []
-    if all(map(nodes[0].agent.__eq__, map(attrgetter("agent"), nodes))):
-        return [(nodes[0].agent, nodes)]
-    by: dict[str, list[Node]] = defaultdict(list)
-    for n in nodes:
-        by[n.agent].append(n)
-    return list(by.items())
+    names = list(map(attrgetter("agent"), nodes))
+    if names.count(names[0]) == len(names):
+        return [(names[0], nodes)]
+    return [(a, list(compress(nodes, map(a.__eq__, names)))) for a in dict.fromkeys(names)]
+
+
+def _parent_ids(nodes: list[Node]) -> list[str]:
+    """Each node's parent_id column: its parent_call (episode workflows), else its parent's
+    sample_id ("" for a root). A batch of one fixed turn is all roots or all children with
+    no parent_call: then C passes, no Python frame per node."""
+    if not any(map(attrgetter("parent_call"), nodes)):
+        parents = list(map(attrgetter("parent"), nodes))
+        if all(parents):
+            return list(map(attrgetter("sample_id"), parents))
+        if not any(parents):
+            return [""] * len(nodes)
+    return [n.parent_call or (n.parent.sample_id if n.parent else "") for n in nodes]
 
 
 class Journal:
@@ -49,12 +60,23 @@ class Journal:
         self.store = store
         self.agent_index = {agent: i for i, agent in enumerate(store.agents)}
 
-    def generated(self, nodes: list[Node], now: float) -> None:
+    def changes(self, ch: Changes, now: float, version: int | None = None,
+                replica: int | None = None) -> None:
+        """Record what a generation batch (or a poll) changed: its rows, then READY, then
+        DROPPED (a node made ready can be dropped by the same batch: this order).
+        `version`/`replica`: those of every generated node (one batch), if known."""
+        self.generated(ch.generated, now, version, replica)
+        self.status(ch.ready, READY, now)
+        self.status(ch.dropped, DROPPED, now)
+
+    def generated(self, nodes: list[Node], now: float, version: int | None = None,
+                  replica: int | None = None) -> None:
         """Append rows (+ tokens) for newly generated nodes and set their `row`."""
         for agent, ns in _by_agent(nodes):
-            self._append(agent, ns, now)
+            self._append(agent, ns, now, version, replica)
 
-    def _append(self, agent: str, nodes: list[Node], now: float) -> None:
+    def _append(self, agent: str, nodes: list[Node], now: float, version: int | None,
+                replica: int | None) -> None:
         # the pool rows are one array: prompt, then response, logprob NaN on prompts (and
         # past a response's logprobs, if it has fewer). Each column is one C-level pass over
         # the nodes (map / chain.from_iterable into np.fromiter, no Python frame per
@@ -80,10 +102,12 @@ class Journal:
         off = pool.append(toks)
         rows = np.empty(k, tab.dtype)
         rows["sample_id"] = list(map(attrgetter("sample_id"), nodes))        # ASCII: numpy encodes
-        rows["parent_id"] = [n.parent_call or (n.parent.sample_id if n.parent else "") for n in nodes]
-        for name, attr in (("input_id", "input_id"), ("turn", "turn"), ("traj", "traj"),
-                           ("step", "step"), ("policy_version", "version"), ("replica", "replica")):
-            rows[name] = np.fromiter(map(attrgetter(attr), nodes), np.int64, k)
+        rows["parent_id"] = _parent_ids(nodes)
+        # a batch's version and replica are one value each: no pass over the nodes for them
+        for name, attr, value in (("input_id", "input_id", None), ("turn", "turn", None), ("traj", "traj", None),
+                                  ("step", "step", None), ("policy_version", "version", version),
+                                  ("replica", "replica", replica)):
+            rows[name] = np.fromiter(map(attrgetter(attr), nodes), np.int64, k) if value is None else value
         rows["status"] = GENERATED
         rows["trainer_step"] = -1
         for name in ("reward", "advantage", "t_ready", "t_consumed"):
@@ -158,23 +182,17 @@ class Journaled:
         self.store = store
         self.journal = Journal(store)
 
-    def _journal(self, ch: Changes) -> None:
-        now = self.store.now()
-        self.journal.generated(ch.generated, now)
-        self.journal.status(ch.ready, READY, now)         # a ready node may be dropped
-        self.journal.status(ch.dropped, DROPPED, now)     # by the same batch: this order
-
     def record_generation(self, batch, version: int, replica: int) -> Changes:
         """Record generated samples and what they made ready or dropped (the caller
         flushes once per batch, before acting on it)."""
         ch = super().record_generation(batch, version, replica)
-        self._journal(ch)
+        self.journal.changes(ch, self.store.now(), version, replica)
         return ch
 
     def poll(self) -> Changes:
         """What went on between replies (episodes finishing on a tool result), journalled."""
         ch = super().poll()
-        self._journal(ch)
+        self.journal.changes(ch, self.store.now())
         return ch
 
     def take_ready(self, agent: str, step: int, k: int) -> list[Node]:

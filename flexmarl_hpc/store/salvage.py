@@ -21,7 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from flexmarl_hpc.store.checksum import Damage, committed, damaged_chunks, has_checksums, verify_path
+from flexmarl_hpc.store.checksum import MUTABLE, Damage, committed, damaged_chunks, has_checksums, verify_path
 from flexmarl_hpc.store.tables import CONSUMED, StoreFile
 
 
@@ -35,7 +35,9 @@ class Salvaged:
     unreadable: dict[str, int] = field(default_factory=dict)       # agent -> lost rows, ids unknown
 
     def lines(self) -> list[str]:
-        out = [f"salvage: {len(self.damage)} damaged chunk(s): " + "; ".join(d.line() for d in self.damage)]
+        out = [f"salvage: {len(self.damage)} damaged chunk(s): " + "; ".join(
+            d.line() + (" (torn: a kill cut its rewrite; its committed rows verify)" if d.torn else "")
+            for d in self.damage)]
         out += [f"salvage: {t}: {n} committed rows lost" for t, n in self.lost_rows.items() if n]
         for a, ids in self.lost_ids.items():
             if ids or self.unreadable.get(a):
@@ -65,6 +67,19 @@ def _read(f: h5py.File, table: str, n: int, ok: np.ndarray) -> np.ndarray:
         if ok[lo:hi].all():
             out[lo:hi] = ds[lo:hi]
     return out
+
+
+def _torn_rows(f: h5py.File, d: Damage, out: np.ndarray, ok: np.ndarray) -> None:
+    """The committed rows of a torn chunk (a kill cut its in-place rewrite; verification found
+    them matching their crc record, their MUTABLE columns left out), read from its bytes into
+    `out`. A table without MUTABLE columns (/events, /tokens, ...) keeps them (ok); in a
+    patched one (/samples, /steps, /metrics) those columns may hold a torn value, so the rows
+    stay lost, but a lost sample is then named by its id (verified bytes), not just counted."""
+    ds = f[d.table]
+    _, raw = ds.id.read_direct_chunk((d.lo,))
+    out[d.lo:d.hi] = np.frombuffer(raw, ds.dtype, d.hi - d.lo)
+    if not d.table.startswith(tuple(MUTABLE)):
+        ok[d.lo:d.hi] = True
 
 
 def _event_holes(ev: np.ndarray, ok: np.ndarray) -> list[tuple[float, float]]:
@@ -152,6 +167,9 @@ def salvage(src: Path, out: Path) -> Salvaged:
         bad = damaged_chunks(f)
         ok = {t: _good(k, bad, t) for t, k in n.items()}
         data = {t: _read(f, t, k, ok[t]) for t, k in n.items()}
+        for d in bad:
+            if d.torn and d.table in data:
+                _torn_rows(f, d, data[d.table], ok[d.table])
         attrs = {k: v for k, v in f.attrs.items()}
         chunk = f[f"samples/{attrs['agents'][0]}"].chunks[0]
     agents = [str(a) for a in attrs["agents"]]
@@ -162,7 +180,7 @@ def salvage(src: Path, out: Path) -> Salvaged:
     lost = _trees(samples, lost)
     for a in agents:
         rep.lost_ids[a] = sorted(x.decode() for x in samples[a]["sample_id"][lost[a] & _good_ids(samples[a])])
-        rep.unreadable[a] = int((~ok[f"/samples/{a}"]).sum())
+        rep.unreadable[a] = int((~ok[f"/samples/{a}"] & ~_good_ids(samples[a])).sum())
     if "/episodes" in data:                # an episode whose samples are lost is not counted
         ok["/episodes"] &= ~_in_trees(data["/episodes"], samples, lost)
     rep.lost_rows = {t: int((~m).sum()) for t, m in ok.items()}

@@ -220,8 +220,11 @@ class Table:
                 self.buf = [_join(self.buf, self.dtype)]
             _set(self.buf[0], rows - self.disk, fields)
             return
-        fields = {k: np.asarray(v) for k, v in fields.items()}
-        self._queued_new |= bool(rows.max() >= self.disk)   # then later ones must queue too
+        # a scalar stays one (as _set and _patch_new treat it); lists become arrays
+        fields = {k: v if isinstance(v, (np.ndarray, np.generic, int, float)) else np.asarray(v)
+                  for k, v in fields.items()}
+        if not self._queued_new and rows.max() >= self.disk:   # then later ones must queue too
+            self._queued_new = True
         self.patches.append((rows, fields))
         self.dirty.add(self)
 
@@ -411,6 +414,19 @@ class Table:
         return out
 
 
+_TYPES: dict[np.dtype, h5py.h5t.TypeID] = {}
+
+
+def _file_type(dtype: np.dtype) -> h5py.h5t.TypeID:
+    """The HDF5 type of a table's records, made once per process (h5py builds and registers an
+    object per compound field: ~40 us of a /samples table's create). HDF5 copies the type
+    into the dataset it creates, so one transient type serves every file."""
+    t = _TYPES.get(dtype)
+    if t is None:
+        t = _TYPES[dtype] = h5py.h5t.py_create(dtype, logical=True)
+    return t
+
+
 def _join(pieces: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     """np.concatenate of record arrays of one dtype, as bytes (numpy's own concatenate
     resolves a compound dtype and copies field by field: ~20 us for 5 /events pieces)."""
@@ -420,8 +436,8 @@ def _join(pieces: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
 def _set(dst: np.ndarray, idx, fields: dict, pick=slice(None)) -> None:
     """dst[name][idx] = each field's value: a scalar as it is, an array at `pick` (the
     positions of `idx` among the patch's rows)."""
-    for name, v in fields.items():
-        dst[name][idx] = v[pick] if np.ndim(v) else v
+    for name, v in fields.items():        # getattr, not np.ndim: ~0.6 us a field less
+        dst[name][idx] = v[pick] if getattr(v, "ndim", 0) else v
 
 
 class StoreFile:
@@ -463,6 +479,7 @@ class StoreFile:
         self.episodes = mk("episodes", episode_columns(len(self.agents)), 256)
         self.tables = {t.ds.name: t for t in self._all()}
         self._table_list = list(self.tables.values())
+        self._due = False               # a light flush wrote rows other than /events, uncommitted
         self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
         self._crcs = np.zeros(len(self.tables), np.int64)
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
@@ -487,7 +504,7 @@ class StoreFile:
         dcpl.set_fletcher32()           # every reader verifies a chunk it reads (docs/store.md)
         lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
-        ds = h5py.h5d.create(self.f.id, name.encode(), h5py.h5t.py_create(dtype, logical=True),
+        ds = h5py.h5d.create(self.f.id, name.encode(), _file_type(dtype),
                              h5py.h5s.create_simple((0,), (h5py.h5s.UNLIMITED,)), dcpl=dcpl, lcpl=lcpl)
         return Table(h5py.Dataset(ds), columns, mirror, self.dirty, created=(dtype, chunk))
 
@@ -625,37 +642,55 @@ class StoreFile:
             micro-batch's trainer step was not committed either (on_stepped makes a full
             flush before a checkpoint can hold it), so the resume requeues its samples all
             the same;
+          - it advances /commit only when those rows hold more than /events rows: status
+            events alone (a micro-batch's CONSUMED) are worth no commit, since a resume
+            requeues every micro-batch no checkpoint holds, committed or not, and rebuilds
+            READY and DROPPED from the generated rows (docs/store.md, "Crash safety");
           - status patches of sample rows already on disk (the status fields are a cache of
             /events) wait for the next full one (each log line, checkpoint and close).
         """
-        # nothing queued, and (a full flush) /commit already names every written row: a light
-        # flush's rows are written but committed only by the next flush, even with nothing new
-        idle = not self.dirty and (not full or np.array_equal(self.flushed, self._crc_at))
-        if idle or self.failed is not None:
+        plan = self._plan(full)
+        if plan is None or self.failed is not None:
             # after a failed write or flush, what HDF5 holds in memory is unknown: a later
             # flush that succeeds (a checkpoint's cleanup freed the disk) may leave out chunk
             # index entries the failed one lost, and a commit would then name rows no chunk
             # holds. Nothing more is committed; the resume starts from the last commit.
             return
+        work, commit = plan
         try:
-            for t in list(self.dirty):
-                if full or t.buf or not t.mirror:
-                    t.write(patch_disk=full or not t.mirror)
-                    if not t.patches:
-                        self.dirty.discard(t)
-                    faults.hit("store_append")  # test-only: no-op unless FLEXMARL_FAULT is set
+            for t in work:
+                t.write(patch_disk=full or not t.mirror)
+                if not t.patches:
+                    self.dirty.discard(t)
+                faults.hit("store_append")  # test-only: no-op unless FLEXMARL_FAULT is set
             counts = np.fromiter(map(attrgetter("disk"), self.tables.values()), np.int64, len(self.tables))
             if full:
                 self.f.flush()
                 faults.hit("store_flush")
-            self._commit(counts if full else self.flushed)
+            if commit:
+                self._commit(counts if full else self.flushed)
             if not full:
                 faults.hit("store_flush")
             self.f.flush()
             self.flushed = counts
+            # rows other than /events that this light flush wrote: the next one commits them
+            self._due = not full and any(t is not self.events for t in work)
         except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
             self.failed = StoreError.of(self.path, e)
             raise self.failed from None
+
+    def _plan(self, full: bool) -> tuple[list, bool] | None:
+        """(the tables to write, whether to commit) of a flush; None: it would change no byte
+        of the file (nothing to write, and nothing /commit should name that it does not)."""
+        if full:
+            work = list(self.dirty)
+            return (work, True) if work or not np.array_equal(self.flushed, self._crc_at) else None
+        # a light flush leaves a status cache's patches of rows on disk queued, and status
+        # events alone wait for the next write (docstring)
+        work = [t for t in self.dirty if t.buf or not t.mirror]
+        if all(t is self.events for t in work):
+            work = []
+        return (work, self._due) if work or self._due else None
 
     def _commit(self, counts: np.ndarray) -> None:
         """Write /commit_crc (the boundary chunks' prefix checksums at these counts), then

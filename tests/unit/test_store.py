@@ -156,8 +156,15 @@ def test_a_file_with_other_chunks_resumes_with_its_own(tmp_path):
         assert f["samples/a"].chunks == (16,) and f["samples/a"][:].tobytes() == want.tobytes()
 
 
-def test_a_micro_batch_flush_is_readable_at_once_and_committed_by_the_next(tmp_path):
-    path = tmp_path / "s.h5"
+def test_a_micro_batch_flush_writes_generated_rows_and_the_next_commits_them(tmp_path):
+    """flush(full=False) writes new rows other than /events at once (readable) and commits
+    them with the next light flush; status events alone (a micro-batch's CONSUMED) wait for
+    the next write, since no resume needs them (docs/store.md, "Crash safety")."""
+    path, seen = tmp_path / "s.h5", {}
+
+    def look(name):                           # what a SWMR reader sees now
+        with h5py.File(path, "r", swmr=True) as f:
+            seen[name] = (len(f["samples/a"]), len(f["events"]), f["commit"][:].tolist())
 
     def write():
         s = StoreFile(path, AGENTS, {})
@@ -166,27 +173,36 @@ def test_a_micro_batch_flush_is_readable_at_once_and_committed_by_the_next(tmp_p
         s.flush()                                              # full: 4 rows, 4 events
         s.samples["a"].patch([0, 1], {"status": CONSUMED, "trainer_step": 0})
         s.events.append(event_rows(s, "a", [0, 1], CONSUMED, tstep=0))
-        s.flush(full=False)                                    # micro-batch 1
-        with h5py.File(path, "r", swmr=True) as f:            # in the file before the trainer
-            assert f["events"]["status"][-2:].tolist() == [CONSUMED] * 2
-            assert f["samples/a"]["status"][:2].tolist() == [GENERATED] * 2    # cache: later
+        s.flush(full=False)                                    # micro-batch 1: events only
+        look("mb1")
+        first = s.samples["a"].append(sample_rows(s, "a", 2, step=1))
+        s.events.append(event_rows(s, "a", [first, first + 1], GENERATED))
+        s.flush(full=False)                                    # a generation's rows
+        look("gen")
         s.samples["a"].patch([2], {"status": CONSUMED, "trainer_step": 0})
         s.events.append(event_rows(s, "a", [2], CONSUMED, tstep=0))
-        s.flush(full=False)                                    # micro-batch 2: commits 1
+        s.flush(full=False)                                    # micro-batch 2: commits them
+        look("mb2")
+        (tmp_path / "seen").write_text(repr(seen))
         return s
 
     in_child_then_kill(write)
+    seen = eval((tmp_path / "seen").read_text())
+    counts = {"mb1": (4, 4), "gen": (6, 8), "mb2": (6, 8)}    # (samples, events) in the file
+    assert {k: v[:2] for k, v in seen.items()} == counts
+    commit = {k: v[2] for k, v in seen.items()}
+    assert commit["mb1"] == commit["gen"] != commit["mb2"]     # only mb2 commits (the generation)
     s = StoreFile(path, AGENTS, {})
     rows, ev = s.samples["a"].read(), s.events.read()
-    assert len(ev) == 6                                        # micro-batch 2 was not committed
-    assert rows["status"].tolist() == [CONSUMED, CONSUMED, GENERATED, GENERATED]
-    assert rows["trainer_step"].tolist() == [0, 0, -1, -1]     # rebuilt from the events
+    assert len(rows) == 6 and len(ev) == 8                     # micro-batch 2's event was not written
+    assert rows["status"].tolist() == [CONSUMED, CONSUMED] + [GENERATED] * 4
+    assert rows["trainer_step"].tolist() == [0, 0, -1, -1, -1, -1]     # rebuilt from the events
     s.samples["a"].patch([2], {"status": READY})
     s.events.append(event_rows(s, "a", [2], READY))
     s.flush(full=False)
     s.flush()                                                  # a full flush writes the cache
     with h5py.File(path, "r", swmr=True) as f:
-        assert f["samples/a"]["status"].tolist() == [CONSUMED, CONSUMED, READY, GENERATED]
+        assert f["samples/a"]["status"].tolist() == [CONSUMED, CONSUMED, READY] + [GENERATED] * 3
         assert f["commit"][:].tolist() == s.flushed.tolist()
     s.close()
 
@@ -276,6 +292,37 @@ def test_journal_rows_tokens_and_status_changes_read_back_as_the_readme_says(tmp
         ev = f["events"][:]
         assert ev["status"].tolist() == [GENERATED] * 3 + [READY] * 3 + [CONSUMED] * 2
         assert ev["advantage"][3:6].tolist() == [-0.5, 0.5, 0.0] and (ev["agent"] == 1).all()
+
+
+def test_a_batchs_version_and_replica_are_written_as_given_else_read_from_each_node(tmp_path):
+    """Journal.changes takes a generation batch's version and replica as one value each (no
+    pass over the nodes for them); without them each node's own are written."""
+    from flexmarl_hpc.orchestrator.experience import Journal
+    from flexmarl_hpc.orchestrator.tree import Changes, Node
+    s = StoreFile(tmp_path / "s.h5", AGENTS, {})
+    j = Journal(s)
+    nodes = [Node("a", 0, 0, 3, t, None, [], None, prompt=[1], response=[2], logprobs=[-0.1],
+                  version=t, replica=10 + t) for t in range(3)]
+    j.changes(Changes(generated=nodes[:2]), 1.0, version=5, replica=2)
+    j.changes(Changes(generated=nodes[2:]), 1.0)
+    s.close()
+    with h5py.File(tmp_path / "s.h5", "r", swmr=True) as f:
+        rows = f["samples/a"][:]
+        assert rows["policy_version"].tolist() == [5, 5, 2] and rows["replica"].tolist() == [2, 2, 12]
+        assert [n.row for n in nodes] == [0, 1, 2]
+
+
+def test_parent_ids_of_roots_children_mixed_batches_and_episode_calls():
+    """The journal's parent_id column: a parent's sample_id, "" for a root, an episode
+    call's parent_call first, whatever mix a batch holds."""
+    from flexmarl_hpc.orchestrator.experience import _parent_ids
+    from flexmarl_hpc.orchestrator.tree import Node
+    root = Node("a", 0, 0, 3, 1, None, [], None)
+    kids = [Node("b", 1, 0, 3, t, root, [], None) for t in range(2)]
+    call = Node("b", 0, 0, 4, 0, None, [], None, parent_call="a/4_0_0")
+    assert _parent_ids([root]) == [""] and _parent_ids(kids) == ["3_0_1"] * 2
+    assert _parent_ids([root, *kids]) == ["", "3_0_1", "3_0_1"]
+    assert _parent_ids([kids[0], call, root]) == ["3_0_1", "a/4_0_0", ""]
 
 
 def test_a_full_disk_is_one_line_and_the_file_reopens_at_its_last_commit(tmp_path):

@@ -219,3 +219,40 @@ def test_after_a_failed_flush_nothing_more_is_committed(tmp_path, monkeypatch):
     s.close()
     with h5py.File(tmp_path / "s.h5", "r") as f:
         assert (f["commit"][:] == committed).all()
+
+
+def tear(path, table):
+    """A kill inside the in-place rewrite of `table`'s last chunk: bytes past its committed
+    rows changed, the old checksum (what the store_torn fault leaves)."""
+    with h5py.File(path, "r", swmr=True) as f:
+        k = dict(zip(f["commit"].attrs["tables"], f["commit"][:]))[table]
+        step, isz = f[table].chunks[0], f[table].dtype.itemsize
+        info = f[table].id.get_chunk_info_by_coord((k - k % step,))
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + k % step * isz)
+        fh.write(np.random.default_rng(1).bytes(info.size - 4 - k % step * isz))
+
+
+def test_salvage_keeps_a_torn_chunks_verified_rows_and_names_the_samples_it_cannot_keep(tmp_path):
+    """A torn chunk's committed rows match their crc record: salvage keeps those of a table
+    without patched columns (/events: no hole, so no sample lost) and names by id the
+    samples of a torn /samples chunk (their status columns may hold a torn value)."""
+    from flexmarl_hpc.store.salvage import salvage
+    path = tmp_path / "s.h5"
+    s = StoreFile(path, AGENTS, {}, chunk=64)
+    rows = sample_rows(s, "a", 100)
+    rows["input_id"] = np.arange(100)                  # a tree each: a lost sample takes no other
+    s.samples["a"].append(rows)
+    s.events.append(event_rows(s, "a", np.arange(100), GENERATED))
+    s.close()
+    tear(path, "/events")
+    rep = salvage(path, tmp_path / "new.h5")
+    assert [(d.table, d.torn) for d in rep.damage] == [("/events", True)] and "torn" in rep.lines()[0]
+    assert rep.lost_rows["/events"] == 0 and rep.lost_ids == {"a": [], "b": []}
+    with h5py.File(tmp_path / "new.h5", "r") as f:
+        assert f["events"]["row"].tolist() == list(range(100)) and len(f["samples/a"]) == 100
+    tear(path, "/samples/a")                           # rows 64-99
+    rep = salvage(path, tmp_path / "new2.h5")
+    assert rep.lost_ids["a"] == sorted(f"0_{i}" for i in range(64, 100)) and rep.unreadable["a"] == 0
+    with h5py.File(tmp_path / "new2.h5", "r") as f:
+        assert len(f["samples/a"]) == 64 and len(f["events"]) == 64
