@@ -57,6 +57,10 @@ class TaskSpec:
     """UNKNOWN: lognormal sigma of the lengths inside an agent."""
     agent_skew: float = 0.5
     """UNKNOWN: lognormal sigma of the agents' medians around `length_median` (inter-agent skew)."""
+    replica_width: int = 1
+    """UNKNOWN (fitted on MA, `simulate paper --fit`; sweep 1-8): devices per rollout replica
+    (its tensor parallelism), at least the config's (14B: 1, 32B: 4), for every system alike.
+    The paper does not give its rollout engines' tensor parallelism."""
     settle: bool = True
     """UNKNOWN (sweep false/true): each agent's reward is known once its own reply is in
     (a per-agent rule reward, ctx.settle), so its calls train while later agents run; false:
@@ -88,6 +92,7 @@ class TaskSpec:
         for i, p in enumerate(pools):
             n = free - sum(q["slurm"]["nodes"] for q in pools[:i]) if i == len(pools) - 1 else \
                 max(1, round(free * p["slurm"]["nodes"] / was))
+            p["gpus_per_replica"] = max(p["gpus_per_replica"], self.replica_width)
             per_node = p["slurm"]["gpus_per_node"] // p["gpus_per_replica"]
             p["slurm"]["nodes"], p["replicas"] = n, n * per_node
         out["rollout"]["pools"] = pools
@@ -150,6 +155,7 @@ UNKNOWNS: dict[str, tuple[float, ...]] = {
     "length_sigma": (0.4, 0.8, 1.2),
     "agent_skew": (0.0, 0.5, 1.0),
     "settle": (0, 1),
+    "replica_width": (1, 2, 4, 8),
 }
 """Each unknown's sweep: low, (default,) high; the sweep runs the first and the last."""
 
