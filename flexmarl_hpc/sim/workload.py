@@ -57,7 +57,7 @@ class TaskSpec:
     """UNKNOWN: lognormal sigma of the lengths inside an agent."""
     agent_skew: float = 0.5
     """UNKNOWN: lognormal sigma of the agents' medians around `length_median` (inter-agent skew)."""
-    replica_width: int = 1
+    replica_width: int = 4
     """UNKNOWN (fitted on MA, `simulate paper --fit`; sweep 1-8): devices per rollout replica
     (its tensor parallelism), at least the config's (14B: 1, 32B: 4), for every system alike.
     The paper does not give its rollout engines' tensor parallelism."""
