@@ -296,6 +296,10 @@ class PipelineConfig:
     """flex: train micro-batches as they fill (off: wait for the agent's whole batch; ablation)."""
     swap_states: bool = False
     """Allow fewer trainer groups than agents: states are swapped in and out on demand."""
+    one_agent_at_a_time: bool = False
+    """Every replica of a pool serves one agent at a time, switching (a weight load) only when
+    that agent has no request pending or in flight and the replicas are idle: time-shared,
+    sequential agents (the MAS-RL baseline of sim/baselines.py)."""
     overprovision: int = 0
     """flex: extra inputs admitted per step beyond workflow.inputs_per_step. The first
     inputs_per_step inputs whose whole workflow tree finishes form the step's batch; the

@@ -4,11 +4,12 @@ The same interface as tree.Tree, so the orchestrator, the journal and the schedu
 both. Each step admits `inputs_per_step` examples of the dataset stream, each run as
 `group_size` episodes. A call's node (sample_id = {example}_{call index}_{episode}) is
 
-    pending -> GENERATED -> READY once every episode of its example has finished (its GRPO
-    group, learn.grpo.call_advantages, is then known) -> CONSUMED
+    pending -> GENERATED -> READY once every episode of its example has finished, or settled
+    its agent (ctx.settle: the agent's reward known mid-episode) -> CONSUMED
 
-An agent's batch of a step is known only once all of the step's episodes have finished
-(`batch_of` is None before): the trainer gets full micro-batches as they become ready and
+(its GRPO group, learn.grpo.call_advantages, is then known). An agent's batch of a step is
+known only once all of the step's episodes have finished or settled it (`batch_of` is None
+before): the trainer gets full micro-batches as they become ready and
 the step's last, partial one at the end. The loss of every call is scaled by
 1 / (episodes per step), a constant known up front (a sum over an episode's calls, a mean
 over episodes), so micro-batches can be trained before the batch size is known.
@@ -36,6 +37,7 @@ from flexmarl_hpc.workflows.episode import Call, EpisodeRunner, Finished, call_r
 class ExampleState:
     step: int
     left: int                                           # episodes not finished
+    agent_left: dict[str, int]                          # agent -> episodes not finished nor settled it
     calls: list[tuple[Node, int, float]] = field(default_factory=list)   # (node, episode, reward)
 
 
@@ -59,6 +61,7 @@ class EpisodeTree(NodeQueues):
         self.steps_admitted: set[int] = set()
         self.examples: dict[int, ExampleState] = {}        # example id -> its episodes
         self.step_left: dict[int, int] = {}                # step -> examples not finished
+        self.agent_step_left: dict[int, dict[str, int]] = {}   # step -> agent -> examples not done with it
         self.calls_of: dict[int, dict[str, int]] = {}      # step -> agent -> calls (all episodes)
         self.call_of: dict[int, Call] = {}                 # id(node) -> its call in flight
         self.resp_len_mean = {agent: float(w.max_new_tokens) / 2 for agent in self.agents}
@@ -75,9 +78,10 @@ class EpisodeTree(NodeQueues):
         the nodes made READY (on a replay: calls the journal answered)."""
         self.steps_admitted.add(step)
         self.step_left[step] = self.n_in
+        self.agent_step_left[step] = dict.fromkeys(self.agents, self.n_in)
         self.calls_of[step] = dict.fromkeys(self.agents, 0)
         for example_id, example in self.task.stream.batch(step, self.n_in):
-            self.examples[example_id] = ExampleState(step, self.group)
+            self.examples[example_id] = ExampleState(step, self.group, dict.fromkeys(self.agents, self.group))
             for e in range(self.group):
                 self.runner.start(step, example_id, e, example)
         return self.advance().ready
@@ -89,10 +93,13 @@ class EpisodeTree(NodeQueues):
         while True:
             self.runner.step()
             calls, done = self.runner.take()
-            if not calls and not done:
+            settled = self.runner.take_settled()
+            if not calls and not done and not settled:
                 return ch
             for call in calls:
                 self._new_call(call)
+            for ctx, agent in settled:
+                ch.ready += self._agent_done(ctx, agent, ctx.settled, error=False)
             for f in done:
                 ch.ready += self._episode_done(f)
 
@@ -123,31 +130,43 @@ class EpisodeTree(NodeQueues):
         if f.error:
             self.failed.append(f)
         st = self.examples[ctx.example_id]
-        for agent, n in ctx.calls.items():
-            for i in range(n):
-                node = self.nodes[(agent, f"{ctx.example_id}_{i}_{ctx.episode}")]
-                st.calls.append((node, ctx.episode, 0.0 if f.error else call_reward(f.rewards, agent, i)))
-        st.left -= 1
-        if st.left:
-            return []
-        self.step_left[st.step] -= 1
-        return self._example_ready(st)
-
-    def _example_ready(self, st: ExampleState) -> list[Node]:
         ready = []
         for agent in self.agents:
-            mine = [(n, e, r) for n, e, r in st.calls if n.agent == agent]
-            adv = call_advantages([(e, n.turn, r) for n, e, r in mine])
-            for (n, _, r), a in zip(mine, adv):
-                n.reward, n.advantage = r, float(a)
-                if n.status == GENERATED:
-                    n.status = READY
-                    if id(n) in self.journal_ready:      # READY in the file before a resume
-                        self.journal_ready.discard(id(n))
-                    else:
-                        ready.append(n)
-                if n.status == READY:
-                    self.ready[agent][n.step].append(n)
+            if agent not in ctx.settled:
+                ready += self._agent_done(ctx, agent, f.rewards, bool(f.error))
+        st.left -= 1
+        if not st.left:
+            self.step_left[st.step] -= 1
+        return ready
+
+    def _agent_done(self, ctx, agent: str, rewards: dict, error: bool) -> list[Node]:
+        """`agent` is done in episode `ctx` (settled, or the episode ended): its calls get
+        their rewards (0 if the episode failed); once every episode of the example is done
+        with the agent, its calls of the example become READY."""
+        st = self.examples[ctx.example_id]
+        for i in range(ctx.calls.get(agent, 0)):
+            node = self.nodes[(agent, f"{ctx.example_id}_{i}_{ctx.episode}")]
+            st.calls.append((node, ctx.episode, 0.0 if error else call_reward(rewards, agent, i)))
+        st.agent_left[agent] -= 1
+        if st.agent_left[agent]:
+            return []
+        self.agent_step_left[st.step][agent] -= 1
+        return self._agent_ready(st, agent)
+
+    def _agent_ready(self, st: ExampleState, agent: str) -> list[Node]:
+        ready = []
+        mine = [(n, e, r) for n, e, r in st.calls if n.agent == agent]
+        adv = call_advantages([(e, n.turn, r) for n, e, r in mine])
+        for (n, _, r), a in zip(mine, adv):
+            n.reward, n.advantage = r, float(a)
+            if n.status == GENERATED:
+                n.status = READY
+                if id(n) in self.journal_ready:      # READY in the file before a resume
+                    self.journal_ready.discard(id(n))
+                else:
+                    ready.append(n)
+            if n.status == READY:
+                self.ready[agent][n.step].append(n)
         return ready
 
     def request(self, node: Node, version: int) -> tuple:
@@ -180,8 +199,9 @@ class EpisodeTree(NodeQueues):
 
     # -- training ------------------------------------------------------------------------
     def batch_of(self, agent: str, step: int) -> int | None:
-        """`agent`'s samples of `step`, once all its episodes have finished (else None)."""
-        if self.step_left.get(step, 1):
+        """`agent`'s samples of `step`, once all its episodes have finished or settled it
+        (else None)."""
+        if self.agent_step_left.get(step, {}).get(agent, 1):
             return None
         return self.calls_of[step][agent]
 
@@ -221,4 +241,5 @@ class EpisodeTree(NodeQueues):
         for i in [i for i, st in self.examples.items() if st.step == step]:
             del self.examples[i]
         self.step_left.pop(step, None)
+        self.agent_step_left.pop(step, None)
         self.calls_of.pop(step, None)

@@ -113,6 +113,21 @@ def route(requests: list[float], outstanding: dict[int, float]) -> dict[int, lis
     return out
 
 
+def one_at_a_time(backlog: dict[str, float], binding: list[str], idle: list[bool]) -> list[str] | None:
+    """`pipeline.one_agent_at_a_time`: all replicas to the agent with the most backlog, once
+    the agent they serve has nothing pending and every replica is idle (None: keep)."""
+    if not all(idle):
+        return None
+    current = binding[0] if len(set(binding)) == 1 else None
+    if current is not None and backlog.get(current, 0.0) > 0:
+        return None
+    waiting = {agent: b for agent, b in backlog.items() if b > 0}
+    if not waiting:
+        return None
+    new = [max(waiting, key=waiting.get)] * len(binding)
+    return None if new == binding else new
+
+
 @dataclass
 class Scheduler:
     agents: list[str]
@@ -123,6 +138,7 @@ class Scheduler:
     threshold: float = 0.5
     cooldown: int = 4
     overlap: bool = True
+    one_agent: bool = False
     rounds_since_rebind: int = 1 << 30
 
     @classmethod
@@ -131,7 +147,7 @@ class Scheduler:
         pipeline settings (`cfg`: a config.schema.Config)."""
         p = cfg.pipeline
         return cls(list(agents), replicas, cfg.run.mode, p.max_staleness, p.load_balance,
-                   p.rebalance_threshold, p.rebalance_cooldown, p.micro_batch_overlap)
+                   p.rebalance_threshold, p.rebalance_cooldown, p.micro_batch_overlap, p.one_agent_at_a_time)
 
     def initial_binding(self) -> list[str]:
         return assign(allocate({agent: 0.0 for agent in self.agents}, self.num_replicas),
@@ -146,6 +162,8 @@ class Scheduler:
         every replica, on the trainer leader's critical path (bench_modes, referential: flex
         fell to 0.92x of sync with it, from 1.27x without)."""
         self.rounds_since_rebind += 1
+        if self.one_agent and idle is not None:
+            return one_at_a_time(backlog, binding, idle)
         starving = any(backlog[agent] > 0 and agent not in binding for agent in self.agents)
         if (self.mode == "flex" and self.load_balance and idle is not None and servable is not None
                 and len(self.agents) > self.num_replicas):

@@ -12,8 +12,9 @@ code and paper describe (docs/baselines.md has the sources).
   wakes its trainer (its state from host memory), puts its engines to sleep (weights to host),
   and back after the optimizer step: four host<->device moves charged on its first and last
   micro-batch (`Colocated`).
-- `mas-rl`: agents time-share the whole allocation (one pool serving every agent, replicas
-  following the agent whose turn runs, each switch a weight load; one trainer group per model
+- `mas-rl`: agents time-share the whole allocation one at a time (one pool serving every
+  agent, all its replicas serving one agent until that agent has nothing pending or in
+  flight, `pipeline.one_agent_at_a_time`; each switch a weight load; one trainer group per model
   class, the agents' states swapped through it so they train one after another), colocated
   like MARTI, synchronous. No public code of the paper's MAS-RL was found: this is the
   sequential, time-shared design the paper's description of "existing frameworks" implies.
@@ -46,6 +47,13 @@ def _group(cfg: Config, agent: str) -> tuple[int, int]:
     return g.tensor_parallel, 1
 
 
+def _pool_width(cfg: Config, agent: str) -> int:
+    """Devices per replica of the config's pool serving `agent` (the systems compared use the
+    same engine width where it fits)."""
+    from flexmarl_hpc.config.resources import rollout_pools
+    return next(p.gpus_per_replica for p in rollout_pools(cfg) if agent in p.agents)
+
+
 def marti_fragment(cfg: Config, hw: HardwareProfile, nodes: int) -> dict:
     """Per agent an equal share of `nodes`: a pool of replicas and a trainer group on the same
     nodes (colocated: `colocated_pairs` says which)."""
@@ -56,7 +64,7 @@ def marti_fragment(cfg: Config, hw: HardwareProfile, nodes: int) -> dict:
     classes = {a: c.cls.model for c in config_classes(cfg) for a in c.agents}
     pools, groups = [], []
     for a in agents:
-        g = replica_widths(hw, classes[a])[0]
+        g = max(replica_widths(hw, classes[a])[0], _pool_width(cfg, a))
         tp, _ = _group(cfg, a)
         pools.append({"name": a, "replicas": each * dpn // g, "gpus_per_replica": g, "gpu_memory_gb": hw.hbm_gb,
                       "agents": [a], "slurm": _slurm(each, dpn, CPUS_PER_DEVICE * g)})
@@ -72,7 +80,7 @@ def masrl_fragment(cfg: Config, hw: HardwareProfile, nodes: int) -> dict:
     (colocated), its agents' states swapped through it."""
     dpn = hw.devices_per_node
     classes = config_classes(cfg)
-    width = max(replica_widths(hw, c.cls.model)[0] for c in classes)
+    width = max(max(replica_widths(hw, c.cls.model)[0], _pool_width(cfg, c.agents[0])) for c in classes)
     pool = {"name": "all", "replicas": nodes * dpn // width, "gpus_per_replica": width, "gpu_memory_gb": hw.hbm_gb,
             "agents": list(cfg.agent_names), "slurm": _slurm(nodes, dpn, CPUS_PER_DEVICE * width)}
     groups = []
@@ -83,7 +91,8 @@ def masrl_fragment(cfg: Config, hw: HardwareProfile, nodes: int) -> dict:
                        "tensor_parallel": tp, "pipeline_parallel": 1, "backend": "megatron",
                        "slurm": _slurm(max(size, 1), dpn, CPUS_PER_DEVICE), "swap": c.cls.name})
     return {"rollout": {"pools": [pool]}, "trainer": {"named_groups": groups, "groups": 0},
-            "run": {"mode": "sync"}, "pipeline": {"load_balance": True, "swap_states": True}}
+            "run": {"mode": "sync"}, "pipeline": {"load_balance": True, "swap_states": True,
+                                                   "one_agent_at_a_time": True}}
 
 
 FRAGMENTS: dict[str, Callable[[Config, HardwareProfile, int], dict]] = {

@@ -30,7 +30,12 @@ PAPER = {
 """Tables 2-3 and the busy time as the issue reports them (a reading note, not verified)."""
 SYSTEMS = ("mas-rl", "marti", "flex", "no-lb", "no-pipeline")
 VARIANT_OVERRIDES = {"flex": ["run.mode=flex"], "no-lb": ["run.mode=flex", "pipeline.load_balance=false"],
-                     "no-pipeline": ["run.mode=flex", "pipeline.micro_batch_overlap=false"]}
+                     "no-pipeline": ["run.mode=sync"]}
+"""no-pipeline: the ablation of the micro-batch driven asynchronous pipeline, which the paper
+says "eliminates the synchronization barriers": without it, FlexMARL's allocation runs the
+barrier loop (the step's whole rollout, then training, then the weight sync: run.mode=sync).
+`simulate compare`'s flex-nopipe (pipeline.micro_batch_overlap=false) keeps the per-agent
+overlap across steps and only waits for each agent's whole batch before training it."""
 RATIOS = {"vs MAS-RL": "mas-rl", "vs MARTI": "marti", "without LB": "no-lb", "without pipeline": "no-pipeline"}
 """Each ratio is that system's step over flex's."""
 GOAL = {"MA": 0.25, "CA": 0.35}
@@ -73,8 +78,11 @@ def run_task(spec: TaskSpec, hw: HardwareProfile, steps: int, out: Path, systems
     return row
 
 
-def paper_rows(hw: HardwareProfile, steps: int, out: Path, tasks=("MA", "CA")) -> dict:
-    return {t: run_task(TASKS[t], hw, steps, out) for t in tasks}
+def paper_rows(hw: HardwareProfile, steps: int, out: Path, tasks=("MA", "CA"), replica_width: int = 0) -> dict:
+    """Both tasks (`replica_width`: 0 keeps the specs' own, else every task gets it)."""
+    specs = {t: TASKS[t] if not replica_width else dataclasses.replace(TASKS[t], replica_width=replica_width)
+             for t in tasks}
+    return {t: run_task(specs[t], hw, steps, out) for t in tasks}
 
 
 def table(rows: dict, fitted_on: str | None = "MA") -> str:
@@ -105,6 +113,9 @@ def table(rows: dict, fitted_on: str | None = "MA") -> str:
 FIT_FIELDS = ("hbm", "mfu_train")
 """The efficiencies `fit_ma` fits (decode's achieved HBM bandwidth sets the rollout time,
 training's MFU the training time): the rest stay the profile's stated assumptions."""
+FIT_GRID = {"hbm": (0.2, 0.3, 0.45, 0.8), "mfu_train": (0.15, 0.3), "replica_width": (1, 2, 4, 8)}
+"""The fit's grid: the two efficiencies and the rollout engines' width (TaskSpec.replica_width,
+an unknown of the system, not of the hardware: its best value is TaskSpec's default)."""
 
 
 def loss(row: dict, task: str = "MA") -> float:
@@ -117,19 +128,22 @@ def with_efficiency(hw: HardwareProfile, **kw) -> HardwareProfile:
     return dataclasses.replace(hw, efficiency=dataclasses.replace(hw.efficiency, **kw))
 
 
-def fit_ma(hw: HardwareProfile, steps: int, out: Path, grid=((0.3, 0.5, 0.8), (0.15, 0.25, 0.35)),
-           log=print) -> tuple[HardwareProfile, list[dict]]:
-    """The grid of FIT_FIELDS values, each point a full MA run of the five systems; the point
-    of least `loss` wins. Returns the fitted profile and every point (the residuals)."""
+def fit_ma(hw: HardwareProfile, steps: int, out: Path, grid: dict = FIT_GRID,
+           log=print) -> tuple[HardwareProfile, int, list[dict]]:
+    """Every point of `grid`, each a full MA run of the five systems; the point of least
+    `loss` wins. Returns the fitted profile, the fitted replica width and every point (the
+    residuals). Only MA enters: CA is predicted with the result."""
     points = []
-    for hbm in grid[0]:
-        for mfu in grid[1]:
-            trial = with_efficiency(hw, hbm=hbm, mfu_train=mfu)
-            row = run_task(TASKS["MA"], trial, steps, out / f"fit_{hbm}_{mfu}")
-            points.append({"hbm": hbm, "mfu_train": mfu, "loss": loss(row), "row": row})
-            log(f"fit: hbm {hbm} mfu_train {mfu}: loss {points[-1]['loss']:.3f}")
+    for width in grid["replica_width"]:
+        spec = dataclasses.replace(TASKS["MA"], replica_width=width)
+        for hbm in grid["hbm"]:
+            for mfu in grid["mfu_train"]:
+                trial = with_efficiency(hw, hbm=hbm, mfu_train=mfu)
+                row = run_task(spec, trial, steps, out / f"fit_{width}_{hbm}_{mfu}")
+                points.append({"replica_width": width, "hbm": hbm, "mfu_train": mfu, "loss": loss(row), "row": row})
+                log(f"fit: width {width} hbm {hbm} mfu_train {mfu}: loss {points[-1]['loss']:.3f}")
     best = min(points, key=lambda p: p["loss"])
-    return with_efficiency(hw, hbm=best["hbm"], mfu_train=best["mfu_train"]), points
+    return with_efficiency(hw, hbm=best["hbm"], mfu_train=best["mfu_train"]), best["replica_width"], points
 
 
 def sweep(hw: HardwareProfile, steps: int, out: Path, task: str = "MA") -> list[dict]:
@@ -138,18 +152,18 @@ def sweep(hw: HardwareProfile, steps: int, out: Path, task: str = "MA") -> list[
     from flexmarl_hpc.sim.workload import UNKNOWNS, with_unknown
     spec = TASKS[task]
     base = run_task(spec, hw, steps, out / "sweep_default")
-    rows = [{"unknown": "(defaults)", "value": "", "flex": base["flex"], **ratios(base)}]
+    rows = [{"unknown": "(defaults)", "value": "", "flex": base["flex"], "busy": base["busy"], **ratios(base)}]
     for name, values in UNKNOWNS.items():
         for v in (values[0], values[-1]):
             row = run_task(with_unknown(spec, name, v), hw, steps, out / f"sweep_{name}_{v}")
-            rows.append({"unknown": name, "value": v, "flex": row["flex"], **ratios(row)})
+            rows.append({"unknown": name, "value": v, "flex": row["flex"], "busy": row["busy"], **ratios(row)})
     return rows
 
 
 def sweep_table(rows: list[dict]) -> str:
-    head = f"{'unknown':16} {'value':>6} {'flex s':>8} " + " ".join(f"{n:>16}" for n in RATIOS)
+    head = f"{'unknown':16} {'value':>6} {'flex s':>8} {'busy':>6} " + " ".join(f"{n:>16}" for n in RATIOS)
     lines = [head]
     for r in rows:
-        lines.append(f"{r['unknown']:16} {str(r['value']):>6} {r['flex']:8.1f} "
+        lines.append(f"{r['unknown']:16} {str(r['value']):>6} {r['flex']:8.1f} {r['busy']:6.1%} "
                      + " ".join(f"{r[n]:16.2f}" for n in RATIOS))
     return "\n".join(lines)

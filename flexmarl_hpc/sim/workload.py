@@ -57,6 +57,15 @@ class TaskSpec:
     """UNKNOWN: lognormal sigma of the lengths inside an agent."""
     agent_skew: float = 0.5
     """UNKNOWN: lognormal sigma of the agents' medians around `length_median` (inter-agent skew)."""
+    replica_width: int = 4
+    """UNKNOWN (fitted on MA, `simulate paper --fit`; sweep 1-8): devices per rollout replica
+    (its tensor parallelism), at least the config's (14B: 1, 32B: 4), for every system alike.
+    The paper does not give its rollout engines' tensor parallelism."""
+    settle: bool = True
+    """UNKNOWN (sweep false/true): each agent's reward is known once its own reply is in
+    (a per-agent rule reward, ctx.settle), so its calls train while later agents run; false:
+    every reward at the episode's end. The paper's micro-batch pipeline trains a micro-batch
+    "as soon as" its samples are in, which presumes the former."""
     seed: int = 0
     """Seed of the agents' medians and of the lengths."""
 
@@ -83,6 +92,7 @@ class TaskSpec:
         for i, p in enumerate(pools):
             n = free - sum(q["slurm"]["nodes"] for q in pools[:i]) if i == len(pools) - 1 else \
                 max(1, round(free * p["slurm"]["nodes"] / was))
+            p["gpus_per_replica"] = max(p["gpus_per_replica"], self.replica_width)
             per_node = p["slurm"]["gpus_per_node"] // p["gpus_per_replica"]
             p["slurm"]["nodes"], p["replicas"] = n, n * per_node
         out["rollout"]["pools"] = pools
@@ -132,7 +142,7 @@ class TaskSpec:
 
 
 EPISODE_ARGS = ("prompt_tokens", "context_carried", "length_median", "length_sigma", "agent_skew", "max_tokens",
-                "seed")
+                "seed", "settle")
 """The spec's fields a text episode reads (workflows/paper_text.py episode_args)."""
 MA = TaskSpec("MA", "configs/paper_15x14b.yaml", agents=("shop14_0", "shop14_1", "shop14_2"))
 CA = TaskSpec("CA", "configs/paper_3x32b_7x14b.yaml", agents=("shop32_0", "shop14_0", "shop14_1"))
@@ -144,8 +154,10 @@ UNKNOWNS: dict[str, tuple[float, ...]] = {
     "length_median": (512, 1024, 2048),
     "length_sigma": (0.4, 0.8, 1.2),
     "agent_skew": (0.0, 0.5, 1.0),
+    "settle": (0, 1),
+    "replica_width": (1, 2, 4, 8),
 }
-"""Each unknown's sweep: low, default, high (the default is the middle one)."""
+"""Each unknown's sweep: low, (default,) high; the sweep runs the first and the last."""
 
 
 def with_unknown(spec: TaskSpec, name: str, value: float) -> TaskSpec:

@@ -208,16 +208,16 @@ class SyntheticChatTokenizer:
         return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        out, run = [], bytearray()
-        for i in (int(i) for i in ids):
-            if i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run = bytearray()
+        # runs of byte ids between specials decode at once: an id at a time was the simulator's
+        # largest cost of our own on the paper tasks (8k-token synthetic replies, 2026-11-26)
+        ids = [int(i) for i in ids]
+        out, start = [], 0
+        for k in [k for k, i in enumerate(ids) if i >= 256]:
+            out.append(bytes(ids[start:k]).decode("utf-8", errors="replace"))
             if not skip_special_tokens:
-                out.append(self.SPECIALS[i - 256])
-        out.append(run.decode("utf-8", errors="replace"))
+                out.append(self.SPECIALS[ids[k] - 256])
+            start = k + 1
+        out.append(bytes(ids[start:]).decode("utf-8", errors="replace"))
         return "".join(out)
 
     @property

@@ -12,6 +12,10 @@ sample of that agent: its prompt is the agent's own conversation so far, token f
 (workflows/chat.py: earlier responses are never re-tokenised), its response the sampled
 tokens. The return value gives each agent a reward: one float for all its calls, or a list
 with one per call. An episode that raises gives every call of it reward 0 (a counted event).
+`ctx.settle(agent, reward)` gives an agent its reward mid-episode (its rule reward is known
+from its own replies): that agent is done in this episode (no more calls), and its calls can
+be trained once every episode of the example has settled it, while later agents still run;
+a settled agent needs no reward in the return value, and keeps its own if the episode raises.
 
 Episodes run as coroutines on an asyncio loop that the host steps (`EpisodeRunner.step`):
 the orchestrator in a run, the evaluator offline. No threads: the order in which calls
@@ -98,6 +102,8 @@ class EpisodeContext:
         self.metrics: dict[str, float] = {}
         """What an evaluation averages over episodes (scripts/eval_episodes.py), e.g. accuracy."""
         self.calls: dict[str, int] = {}
+        self.settled: dict[str, float | list[float]] = {}
+        """Agents given their reward by `settle` (done in this episode)."""
         self.last_done: Call | None = None
         self.threads: dict[str, list[Thread]] = {}
 
@@ -120,6 +126,8 @@ class EpisodeContext:
         cap = self.runner.max_new_tokens
         if agent not in self.runner.agents:
             raise ValueError(f"ctx.chat: no agent {agent!r} (workflow.agents: {self.runner.agents})")
+        if agent in self.settled:
+            raise ValueError(f"ctx.chat({agent!r}): the agent was settled in this episode (ctx.settle)")
         n = cap if max_tokens is None else int(max_tokens)
         if not 1 <= n <= cap:
             raise ValueError(f"ctx.chat(max_tokens={max_tokens!r}): expected 1..{cap} (workflow.max_new_tokens)")
@@ -139,6 +147,18 @@ class EpisodeContext:
                     asyncio.get_running_loop().create_future())
         self.runner.new_calls.append(call)
         return await call.future
+
+    def settle(self, agent: str, reward: float | list[float]) -> None:
+        """`agent`'s reward in this episode, now: one float, or one per call so far. The agent
+        is done here (a later ctx.chat to it raises); its calls become trainable once every
+        episode of the example has settled it or ended, not when this episode ends."""
+        if agent in self.settled:
+            raise ValueError(f"ctx.settle({agent!r}): settled twice in one episode")
+        if any(t.busy for t in self.threads.get(agent, ())):
+            raise ValueError(f"ctx.settle({agent!r}): a call of the agent is still in flight")
+        calls = {agent: self.calls.get(agent, 0)}
+        self.settled[agent] = check_rewards({agent: reward}, calls, self.runner.agents)[agent]
+        self.runner.settled.append((self, agent))
 
     async def tool(self, name: str, argument: str):
         """Run a bundled tool (`calculator`, `python`: tools/registry.py) on a worker, off
@@ -175,6 +195,8 @@ class EpisodeRunner:
         self.loop = asyncio.new_event_loop()
         self.new_calls: list[Call] = []
         self.finished: list[Finished] = []
+        self.settled: list[tuple[EpisodeContext, str]] = []
+        """(episode, agent) settled since the last `take_settled`."""
         self.running = 0
         self.tools_in_flight = 0
 
@@ -187,9 +209,13 @@ class EpisodeRunner:
     async def _run(self, ctx: EpisodeContext, example: dict) -> None:
         try:
             rewards = await self.fn(ctx, example)
-            self.finished.append(Finished(ctx, check_rewards(rewards, ctx.calls, self.agents)))
+            late = sorted(set(rewards) & set(ctx.settled)) if isinstance(rewards, dict) else []
+            if late:
+                raise ValueError(f"reward returned for {late}, settled earlier (ctx.settle)")
+            unsettled = {a: n for a, n in ctx.calls.items() if a not in ctx.settled}
+            self.finished.append(Finished(ctx, {**check_rewards(rewards, unsettled, self.agents), **ctx.settled}))
         except Exception as e:          # noqa: BLE001 - the user's episode: a counted event
-            self.finished.append(Finished(ctx, {}, f"{type(e).__name__}: {e}"))
+            self.finished.append(Finished(ctx, dict(ctx.settled), f"{type(e).__name__}: {e}"))
         finally:
             self.running -= 1
 
@@ -210,6 +236,11 @@ class EpisodeRunner:
         calls, done = self.new_calls, self.finished
         self.new_calls, self.finished = [], []
         return calls, done
+
+    def take_settled(self) -> list[tuple[EpisodeContext, str]]:
+        """(episode, agent) settled since the last call, in order (before `take`'s Finished)."""
+        out, self.settled = self.settled, []
+        return out
 
     async def tool(self, ctx: EpisodeContext, name: str, argument: str):
         if self.pool is None:

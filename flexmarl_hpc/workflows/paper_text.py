@@ -15,6 +15,10 @@ agent's lognormal (median: `length_median` skewed per agent by `agent_skew`, see
 synthetic workers a reply is exactly that long (filler letters), so the lengths the episode
 asks for are the lengths priced. With a real policy they are caps.
 
+With `settle: true` each agent's reward is given as soon as its last call of the episode is in
+(ctx.settle: a per-agent rule reward on its own reply), so its calls can train while the later
+agents of the chain still run; with false (the default) every reward comes at the episode's end.
+
 The control flow never reads reply text (synthetic text is filler): the call counts and lengths
 come from `ctx.rng`, seeded by run, example and episode, so a replay repeats them. Rewards are
 random (a coin per agent per episode): the paper's e-commerce rewards are not public and the
@@ -28,7 +32,7 @@ import math
 import numpy as np
 
 DEFAULTS = {"prompt_tokens": 1024, "context_carried": 0.5, "length_median": 1024.0, "length_sigma": 0.8,
-            "agent_skew": 0.5, "max_tokens": 8192, "seed": 0}
+            "agent_skew": 0.5, "max_tokens": 8192, "seed": 0, "settle": False}
 """sim.workload.TaskSpec's defaults (the paper's 8,192-token cap; the rest are its unknowns)."""
 WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor ".split()
 
@@ -86,4 +90,6 @@ async def episode(ctx, example: dict) -> dict:
             if k + 1 < counts[agent]:
                 messages += [{"role": "user", "content": "continue"}]
             carried += " " + reply.text[:int(float(a["context_carried"]) * len(reply.text))]
-    return {agent: float(ctx.rng.random() < 0.5) for agent in chain}
+        if a["settle"]:
+            ctx.settle(agent, float(ctx.rng.random() < 0.5))
+    return {agent: float(ctx.rng.random() < 0.5) for agent in chain if agent not in ctx.settled}

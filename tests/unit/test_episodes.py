@@ -232,3 +232,68 @@ def test_a_replayed_example_that_ends_after_restore_does_not_journal_ready_twice
     assert later == []                                 # the file has them READY already
     assert again.ready_count("planner", 0) == 2        # trainable again all the same
     again.close()
+
+
+async def settles_planner(ctx, example):
+    """The planner's reward is known from its own reply: settled before the solver runs."""
+    plan = await ctx.chat("planner", [{"role": "user", "content": f"plan {example['x']}"}])
+    ctx.settle("planner", float(plan.ids[0] % 2))
+    if ctx.args.get("chat_after"):
+        await ctx.chat("planner", [{"role": "user", "content": "again"}])
+    await ctx.chat("solver", [{"role": "user", "content": "solve"}])
+    return {"solver": 1.0, **({"planner": 0.0} if ctx.args.get("return_settled") else {})}
+
+
+def settle_tree(group=3, **args):
+    cfg = config(n_in=1, group=group)
+    task = Task(settles_planner)
+    runner = EpisodeRunner(settles_planner, cfg.agent_names, cfg.run.seed, 8, lambda agent: WordConversation(),
+                           args=args)
+    task.runner = lambda cfg: runner
+    return EpisodeTree(cfg, task)
+
+
+def answer(tree, agent):
+    batch = list(tree.pending[agent])
+    tree.take_pending(agent, {id(n) for n in batch})
+    return tree.record_generation([(n, reply_for(n), [-0.5] * 2) for n in batch], 0, 0)
+
+
+def test_a_settled_agent_is_ready_and_its_batch_known_before_the_episodes_end():
+    tree = settle_tree()
+    tree.admit_step(0)
+    ch = answer(tree, "planner")
+    # every episode of the example settled the planner: its group is trainable, the solver runs
+    assert sorted(n.traj for n in ch.ready) == [0, 1, 2] and all(n.agent == "planner" for n in ch.ready)
+    assert tree.batch_of("planner", 0) == 3 and tree.ready_count("planner", 0) == 3
+    assert tree.batch_of("solver", 0) is None and len(tree.pending["solver"]) == 3
+    planners = sorted((n for n in tree.nodes.values() if n.agent == "planner"), key=lambda n: n.traj)
+    want = call_advantages([(n.traj, 0, float(reply_for(n)[0] % 2)) for n in planners])
+    assert [n.reward for n in planners] == [float(reply_for(n)[0] % 2) for n in planners]
+    assert np.allclose([n.advantage for n in planners], want)
+    answer(tree, "solver")
+    assert tree.batch_of("solver", 0) == 3 and not tree.failed
+
+
+def test_a_partly_settled_example_waits_for_its_last_episode():
+    tree = settle_tree(group=2)
+    tree.admit_step(0)
+    first = tree.pending["planner"][0]
+    tree.take_pending("planner", {id(first)})
+    assert not tree.record_generation([(first, reply_for(first), [-0.5] * 2)], 0, 0).ready
+    assert tree.batch_of("planner", 0) is None
+    tree.close()
+
+
+@pytest.mark.parametrize("args, error", [
+    ({"chat_after": True}, "ctx.chat('planner'): the agent was settled in this episode (ctx.settle)"),
+    ({"return_settled": True}, "reward returned for ['planner'], settled earlier (ctx.settle)")])
+def test_a_settled_agent_called_or_rewarded_again_fails_the_episode_but_keeps_its_reward(args, error):
+    tree = settle_tree(group=1, **args)
+    tree.admit_step(0)
+    (planner,) = answer(tree, "planner").ready
+    if not args.get("chat_after"):
+        answer(tree, "solver")
+    assert [f.error for f in tree.failed] == [f"ValueError: {error}"]
+    assert planner.reward == float(reply_for(planner)[0] % 2)        # settled: kept
+    assert tree.batch_of("planner", 0) == 1

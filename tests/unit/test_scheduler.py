@@ -1,5 +1,5 @@
 """Pure scheduler policy on skewed request patterns (no MPI, no clock)."""
-from flexmarl_hpc.orchestrator.scheduler import Scheduler, allocate, assign, disparity, route, timeshare
+from flexmarl_hpc.orchestrator.scheduler import Scheduler, allocate, assign, disparity, one_at_a_time, route, timeshare
 
 
 def test_allocate_is_proportional_and_keeps_every_busy_agent_served():
@@ -177,3 +177,17 @@ def test_rebind_keeps_one_replica_per_agent_when_there_are_enough_replicas():
     version); the threshold/cooldown allocation applies instead."""
     s = Scheduler(["a", "b"], 2, "flex", threshold=0.9, cooldown=100)
     assert s.rebind({"a": 4000.0, "b": 100.0}, ["a", "b"], [True, True], [{"a", "b"}] * 2) is None
+
+
+def test_one_agent_at_a_time_switches_every_replica_only_when_the_agent_is_done():
+    """MAS-RL's time-sharing: all replicas serve one agent; they move (to the agent with the
+    most backlog) only once that agent has nothing pending and every replica is idle."""
+    idle, busy = [True] * 3, [True, False, True]
+    assert one_at_a_time({"a": 5.0, "b": 9.0}, ["a", "b", "a"], idle) == ["b"] * 3     # start: one agent
+    assert one_at_a_time({"a": 5.0, "b": 9.0}, ["a"] * 3, idle) is None                # a still has work
+    assert one_at_a_time({"a": 0.0, "b": 9.0}, ["a"] * 3, busy) is None                # a's request in flight
+    assert one_at_a_time({"a": 0.0, "b": 9.0}, ["a"] * 3, idle) == ["b"] * 3
+    assert one_at_a_time({"a": 0.0, "b": 0.0}, ["a"] * 3, idle) is None                # nothing to serve
+    s = Scheduler(["a", "b"], 3, "sync", one_agent=True)
+    assert s.rebind({"a": 0.0, "b": 2.0}, ["a"] * 3, idle, [set()] * 3) == ["b"] * 3
+    assert Scheduler(["a", "b"], 3, "sync").rebind({"a": 0.0, "b": 2.0}, ["a"] * 3, idle, [set()] * 3) != ["b"] * 3

@@ -155,3 +155,17 @@ def test_compare_prices_an_episodes_own_lengths_and_a_relays_modelled_ones(tmp_p
     hw = load_hardware("npu64_a3")
     assert priced(config(tmp_path, {}), hw, "synthetic")[1] is None
     assert isinstance(priced(load_config(ROOT / "configs/relay3.yaml"), hw, "synthetic")[1], Workload)
+
+
+def test_settled_agents_train_every_call_once_and_before_the_chain_ends(tmp_path):
+    """settle: true (each agent's reward given at its reply): every call is still trained
+    exactly once, and the chain's first agent trains before the last one's first reply is in
+    (without settling, no call trains before its example's episodes have all ended)."""
+    cfg = config(tmp_path, {}, settle=True)
+    path = simulate(tmp_path, cfg)
+    check_exactly_once(path, 3)
+    with h5py.File(path, "r") as f:
+        iv = f["intervals"][:]
+    train = iv[iv["activity"] == b"train"]
+    last_agent = iv[(iv["activity"] == b"generate") & (iv["agent"] == b"c")]
+    assert train["t0"].min() < last_agent["t1"].min()

@@ -33,10 +33,12 @@ def task_config(tmp_path: Path, spec, extra: dict | None = None):
 def test_a_task_keeps_its_agents_chain_and_fills_the_nodes_with_its_pools(tmp_path):
     """MA keeps 3 of the 15 agents: 3 one-node groups, so the pool grows to 47 - 3 = 44 nodes
     = 704 one-device replicas; 4 queries x 16 episodes of the text episode, with the spec's lengths."""
-    raw, cfg = task_config(tmp_path, MA)
+    raw, cfg = task_config(tmp_path, dataclasses.replace(MA, replica_width=1))
     assert cfg.agent_names == ["shop14_0", "shop14_1", "shop14_2"]
     (pool,) = raw["rollout"]["pools"]
     assert pool["slurm"]["nodes"] == 44 and pool["replicas"] == 704
+    (wide,) = task_config(tmp_path, dataclasses.replace(MA, replica_width=4))[0]["rollout"]["pools"]
+    assert wide["replicas"] == 176 and wide["gpus_per_replica"] == 4
     assert raw["workflow"]["group_size"] == 16 and raw["workflow"]["agents"] == list(MA.agents)
     assert raw["workflow"]["episode_args"]["context_carried"] == MA.context_carried == 0.5
     assert with_unknown(MA, "prompt_tokens", 512).apply(raw)["workflow"]["episode_args"]["prompt_tokens"] == 512
@@ -60,13 +62,16 @@ def test_prompts_grow_by_the_context_each_turn_carries():
 
 
 def test_marti_gives_each_agent_an_equal_colocated_share(tmp_path):
-    """CA's 3 agents on 47 nodes: 15 nodes each; the 32B agent's replicas are 2 devices wide
-    (the smallest power of two holding 65.5 GB of weights with KV room), the 14B ones 1."""
-    _, cfg = task_config(tmp_path, CA)
+    """CA's 3 agents on 47 nodes: 15 nodes each; the 32B agent's replicas are 4 devices wide
+    (the task's pool: wider than the smallest power of two holding 65.5 GB of weights with KV
+    room, 2), the 14B ones 1; with replica_width 2 the 14B ones are 2 wide, the 32B ones 4."""
+    _, cfg = task_config(tmp_path, dataclasses.replace(CA, replica_width=1))
     frag = marti_fragment(cfg, HW, 47)
     pools, groups = frag["rollout"]["pools"], frag["trainer"]["named_groups"]
     assert [p["slurm"]["nodes"] for p in pools] == [15, 15, 15] and [g["ranks"] for g in groups] == [240] * 3
-    assert [p["replicas"] for p in pools] == [120, 240, 240]
+    assert [p["replicas"] for p in pools] == [60, 240, 240]
+    _, wide = task_config(tmp_path, dataclasses.replace(CA, replica_width=2))
+    assert [p["replicas"] for p in marti_fragment(wide, HW, 47)["rollout"]["pools"]] == [60, 120, 120]
     assert colocated_pairs(frag) == [(0, 0), (1, 1), (2, 2)]
     assert frag["run"]["mode"] == "sync" and frag["pipeline"]["load_balance"] is False
     one = masrl_fragment(cfg, HW, 47)
