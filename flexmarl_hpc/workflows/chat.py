@@ -151,8 +151,10 @@ class Conversation:
         return list(self.ids)
 
     def record(self, response_ids: Sequence[int]) -> str:
-        """Append the sampled ids; returns the response text (special tokens dropped, stop token
-        stripped) for the episode to put in the next assistant message."""
+        """Append the sampled ids; returns the response text (stop token stripped) for the
+        episode to put in the next assistant message. A special token the model sampled
+        mid-reply stays in the text: dropped, the next rendering would no longer extend
+        `text`, and the whole context would be re-encoded from text (not token-exact)."""
         response_ids = [int(i) for i in response_ids]
         self.ids += response_ids
         stopped = bool(response_ids) and response_ids[-1] in self.tok.stop_ids
@@ -162,7 +164,7 @@ class Conversation:
             # another stop token (<|endoftext|>) ends the turn as the template's eos would:
             # the sampled id stays, and the next rendering still extends these ids
             self.text += self.tok.decode([self.tok.eos_id], skip_special_tokens=False)
-        return self.tok.decode(body, skip_special_tokens=True)
+        return self.tok.decode(body, skip_special_tokens=False)
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

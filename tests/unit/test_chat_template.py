@@ -226,3 +226,20 @@ def test_the_real_smollm2_folder(transformers):
     second = conv.prompt_ids(CHATS["user"] + [{"role": "assistant", "content": "hello"},
                                               {"role": "user", "content": "Again"}])
     assert second[:len(first) + 3] == first + sampled and conv.rerendered == 0
+
+
+def test_a_special_token_and_a_broken_utf8_byte_sampled_mid_reply_keep_the_context_token_exact():
+    """The reply text keeps what the model sampled: a mid-reply <|im_start|> and a lone byte
+    (U+FFFD in text). Passed back as the assistant message, the next prompt still extends
+    the sampled ids verbatim, with nothing re-encoded from text."""
+    from flexmarl_hpc.workflows.chat import SyntheticChatTokenizer
+    tok = SyntheticChatTokenizer()
+    conv = Conversation(tok)
+    chat = [{"role": "user", "content": "2+2?"}]
+    first = conv.prompt_ids(chat)
+    im_start = tok.encode("<|im_start|>")
+    sampled = [ord("4")] + im_start + [0xF7, ord("!")] + [tok.eos_id]
+    text = conv.record(sampled)
+    assert "<|im_start|>" in text and "\ufffd" in text
+    second = conv.prompt_ids(chat + [{"role": "assistant", "content": text}, {"role": "user", "content": "sure?"}])
+    assert second[:len(first) + len(sampled)] == first + sampled and conv.rerendered == 0
