@@ -5,9 +5,10 @@ process group (trainer/megatron/fake.py): `build.build_trainer`, one `forward_ba
 trainer.micro_batch_size rows of model.max_seq_len tokens (this rank's share, as the runtime
 cuts it), `optimizer_step`, then the sender side of a streamed weight sync (two buffers of the
 plan's largest bucket, `runtime/weight_sync.py`'s plan and views, filled from `sync_stream`'s
-TP gathers). Per distinct group shape two ranks
-run: rank 0 (the leader, first pipeline stage) and the last rank (last stage); a node holds the
-leader and ranks_per_node - 1 ranks like the last one.
+row ranges gathered from the TP shards). Per distinct group shape these ranks run: every
+pipeline stage's sync sender (rank 0, the leader, is the first stage's; the last stage's
+sends the LM head) and the last rank (a rank that sends nothing); a node holds the leader and
+ranks_per_node - 1 ranks like the largest of the others.
 
 Replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
 use (it takes `gpu_memory_utilization` of every GPU's total memory, the pool's
@@ -120,7 +121,7 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
         if phase("train step"):
             return out
         tr.optimizer_step()
-        if phase("optimizer step") or not tr.leader:
+        if phase("optimizer step") or rank not in tr.sync_senders():
             return out
         _send(tr, cfg.weight_sync.bucket_mb, wire)
         phase("weight sync (send)")
@@ -130,16 +131,18 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
 def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
     """The sender's side of a streamed sync as runtime/weight_sync._send_stage runs it on a
     GPU: two bucket buffers on the device (the plan's largest bucket: at most one, a larger
-    tensor goes in pieces), each parameter of the rank's stage gathered over TP
-    (`sync_stream`) and copied into its buckets by `weight_sync.fill_bucket`; the broadcast
-    moves nothing on the fake process group."""
+    tensor goes in pieces), each HF tensor of the rank's stage assembled from the TP shards
+    (`sync_stream`: a tensor larger than a bucket one piece's rows at a time) and copied
+    into its buckets by `weight_sync.fill_bucket`; the broadcast moves nothing on the fake
+    process group."""
     from flexmarl_hpc.runtime import weight_sync
     from flexmarl_hpc.sim.memtrack import device_scope
     buckets = weight_sync.plan_buckets(tr.sync_layouts()[tr.pp_rank], int(bucket_mb * 2**20), wire)
     largest = max((b.total for b in buckets), default=0)
     with device_scope():
         buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
-    stream, held = iter(tr.sync_stream()), None
+    pieces = weight_sync.row_pieces(weight_sync.Plan((0,), (buckets,)))
+    stream, held = iter(tr.sync_stream(pieces)), None
     for i, bucket in enumerate(buckets):
         held = weight_sync.fill_bucket(bucket, buffers[i % 2][:bucket.total], stream, held)
 
@@ -279,25 +282,44 @@ def check_config(cfg: Config, hbm_gb: float, workers: int = 2, only: tuple[str, 
                                  wire)
     groups = trainer_groups(cfg)
     distinct = [gs[0] for gs in _distinct(cfg, task, only).values() if groups[gs[0]].backend == "megatron"]
-    jobs = [(cfg, g, r, wire, group_lim[g]) for g in distinct for r in sorted({0, groups[g].ranks - 1})]
+    jobs = [(cfg, g, r, wire, group_lim[g]) for g in distinct for r in checked_ranks(groups[g])]
     results = dict(zip([(j[1], j[2]) for j in jobs], run_jobs(jobs, workers)))
     for g in distinct:
         rows += _group_rows(cfg, groups[g], g, results, first, group_lim[g])
     return rows
 
 
+def sender_ranks(grp: Group) -> list[int]:
+    """Group rank of each PP stage's weight-sync sender (its TP rank 0 of data-parallel
+    replica 0; megatron's rank order: TP fastest, then DP, then PP), as MegatronTrainer's
+    `sync_senders`: the first stage's sends the embedding, the last's the LM head."""
+    per_stage = grp.ranks // grp.pipeline_parallel
+    return [s * per_stage for s in range(grp.pipeline_parallel)]
+
+
+def checked_ranks(grp: Group) -> list[int]:
+    """The ranks of a group the check runs: every stage's sender (rank 0, the leader, is the
+    first's) and the last rank (last stage, no sync send: the node's other ranks)."""
+    return sorted(set(sender_ranks(grp)) | {grp.ranks - 1})
+
+
+def _role(grp: Group, r: int) -> str:
+    if r == 0:
+        return "leader, first stage"
+    return f"stage {r * grp.pipeline_parallel // grp.ranks} sender" if r in sender_ranks(grp) else "last stage"
+
+
 def _group_rows(cfg: Config, grp: Group, g: int, results: dict, first: dict, limit: int) -> list[Row]:
     comp = f"group {grp.name}" if cfg.trainer.named_groups else "trainer"
     base = first[comp] + (0 if cfg.trainer.named_groups else sum(x.ranks for x in trainer_groups(cfg)[:g]))
     rows = []
-    last = grp.ranks - 1
-    for r in sorted({0, last}):
-        what = "leader, first stage" if r == 0 else "last stage"
-        rows += [Row(f"group {grp.name}", f"rank {base + r} ({what})", p.name, p.device, p.host, limit)
+    ranks = checked_ranks(grp)
+    for r in ranks:
+        rows += [Row(f"group {grp.name}", f"rank {base + r} ({_role(grp, r)})", p.name, p.device, p.host, limit)
                  for p in results[(g, r)]]
     per_node = -(-grp.ranks // max(grp.slurm.nodes, 1))
     lead_host = max(p.host for p in results[(g, 0)])
-    other_host = max(p.host for p in results[(g, last)])
+    other_host = max((p.host for r in ranks if r for p in results[(g, r)]), default=0)
     node = lead_host + (per_node - 1) * other_host
     rows.append(Row(f"group {grp.name}", f"rank {base} ({per_node} ranks a node)", "node total", 0, 0, limit,
                     node, node_limit(cfg, grp.slurm, per_node)))

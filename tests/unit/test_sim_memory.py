@@ -59,7 +59,7 @@ class _Stage:
         import torch
         return [[(k, s, torch.float32) for k, s in self.shapes.items()]]
 
-    def sync_stream(self):
+    def sync_stream(self, pieces=None):            # whole tensors (fill_bucket cuts them)
         import torch
         from flexmarl_hpc.sim.memtrack import device_scope
         for k, s in self.shapes.items():
@@ -79,6 +79,28 @@ def test_the_sync_sender_holds_two_buckets_however_large_a_tensor():
     with track() as c:
         _send(_Stage(), 1.0, None)
     assert 3 * MiB < c.peak["device"] <= 2 * MiB + 3 * MiB, c.peak
+
+
+def test_every_pipeline_stages_sender_runs_its_send_within_the_bucket_bound():
+    """PP 2: the check runs the last stage's sender (the LM head's) as well as the leader, each
+    through the production sync_stream on fake tensors; a rank that sends nothing stops after
+    the optimizer step. With 1 MiB buckets the 5.8 MB bf16 gate/up/down tensors go in pieces, so a
+    sender's extra device bytes stay within 2 buffers + the range in flight (+ half of it for
+    an o_proj/down_proj column block): 3.5 MiB, where a whole-tensor gather holds 5.8 MB more."""
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.config.resources import trainer_groups
+    from flexmarl_hpc.sim.memory import checked_ranks, run_jobs, sender_ranks
+    cfg = load_config(ROOT / "configs" / "local.yaml", MID + ["trainer.pipeline_parallel=2", "weight_sync.bucket_mb=1"])
+    grp = trainer_groups(cfg)[0]
+    assert sender_ranks(grp) == [0, 2] and checked_ranks(grp) == [0, 2, 3]
+    first, last, idle = run_jobs([(cfg, 0, r, None, 0) for r in (0, 2, 3)], 2)
+    assert [p.name for p in idle] == ["build", "train step", "optimizer step"]
+    for phases in (first, last):
+        opt, send = phases[2], phases[3]
+        assert send.name == "weight sync (send)"
+        extra = send.device - opt.device_live
+        print(f"send extra {extra / 2**20:.2f} MiB")
+        assert 2 * 2**20 < extra <= 3.5 * 2**20, extra
 
 
 def test_refuses_a_32b_trainer_at_tp1_pp1_naming_the_rank():
@@ -169,7 +191,8 @@ def test_a_node_over_its_mem_is_named():
     cpu = dataclasses.replace(grp.slurm, gpus_per_node=0, cpus_per_task=2)
     assert node_limit(cfg, cpu, 4) == 4 * 2 * 1000 * 2**20                        # auto: CPUs x mem_per_cpu
     first = {c.name: c.first_rank for c in components(cfg)}
-    results = {(0, 0): [Phase("build", 0, int(40 * GB), 0, 0)], (0, 31): [Phase("build", 0, int(10 * GB), 0, 0)]}
+    results = {(0, 0): [Phase("build", 0, int(40 * GB), 0, 0)], (0, 16): [Phase("build", 0, int(10 * GB), 0, 0)],
+               (0, 31): [Phase("build", 0, int(10 * GB), 0, 0)]}
     rows = _group_rows(cfg, dataclasses.replace(grp, slurm=dataclasses.replace(grp.slurm, mem="128G")),
                        0, results, first, int(64 * GB))
     bad = failures(rows)
