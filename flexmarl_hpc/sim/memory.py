@@ -19,7 +19,10 @@ sharing an engine are re-sent by the trainer.
 
 Limits: a rank's device memory is its pool's `gpu_memory_gb`, a trainer rank's the hardware
 profile's `hbm_gb` (groups have no memory field); a node's host memory is its component's
-`slurm.mem` (`--mem`, `auto` resolved as the script does; 0, the whole node: not checked). Exit 1 names every rank and node over.
+`--mem` (config/resources.component_mem, the rule the script uses: `slurm.mem`, auto its GPUs
+x `slurm.mem_per_gpu`; 0, the whole node: not checked). Every pool's and group's node is
+checked (its tensors' host bytes: a rank's interpreter and libraries are not counted). Exit 1
+names every rank and node over.
 """
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ class Phase:
 def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
                  limit: int = 0) -> list[Phase]:
     """The phases of rank `rank` of trainer group `g`: build, train step, optimizer step,
-    weight sync (send, leader only). Stops after a phase whose device peak is over `limit`
+    weight sync (send, on a PP stage's sender only). Stops after a phase whose device peak is over `limit`
     (> 0): on the device the run would end there."""
     from flexmarl_hpc.runtime import build
     from flexmarl_hpc.sim.memtrack import track
@@ -241,14 +244,12 @@ def _limits(cfg: Config, hbm_gb: float) -> tuple[list[int], list[int]]:
     return pools, groups
 
 
-def node_limit(cfg: Config, slurm, tasks_per_node: int) -> int:
-    """A component's --mem in bytes as its script asks for it (`auto` resolved as the script
-    does, config/resources.auto_mem; MB unless suffixed); 0: unset, or the whole node
-    (--mem=0), whose size the config does not give: not checked."""
-    from flexmarl_hpc.config.resources import auto_mem
-    mem = slurm.mem if slurm.mem != "auto" else auto_mem(slurm.gpus_per_node, tasks_per_node,
-                                                           slurm.cpus_per_task, cfg.slurm.mem_per_cpu)
-    return mem_mb(mem) * 2 ** 20 if mem else 0
+def node_limit(cfg: Config, comp) -> int:
+    """Het component `comp`'s --mem in bytes as its script asks for it
+    (config/resources.component_mem: its `mem`, or the auto rule, one rule for both); 0:
+    `mem: 0`, the whole node, whose size the config does not give: not checked."""
+    from flexmarl_hpc.config.resources import component_mem
+    return mem_mb(component_mem(cfg, comp)) * 2 ** 20
 
 
 def _distinct(cfg: Config, task, only: tuple[str, ...] = ()) -> dict[tuple, list[int]]:
@@ -272,21 +273,27 @@ def check_config(cfg: Config, hbm_gb: float, workers: int = 2, only: tuple[str, 
     task = build_task(cfg)
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, resolve_backend(cfg.weight_sync.backend))
     pool_lim, group_lim = _limits(cfg, hbm_gb)
-    comps = components(cfg)
-    first = {c.name: c.first_rank for c in comps}
+    comps = {c.name: c for c in components(cfg)}
     rows: list[Row] = []
     for p, pool in enumerate(rollout_pools(cfg)):
         if cfg.rollout.backend == "vllm" and (not only or pool.name in only):
-            rows += replica_rows(cfg, task, p, first.get(f"pool {pool.name}", first.get("rollout", 1)),
-                                 pool_lim[p], node_limit(cfg, pool.slurm, -(-pool.replicas // max(pool.slurm.nodes, 1))),
-                                 wire)
+            comp = comps.get(f"pool {pool.name}", comps.get("rollout"))
+            got = replica_rows(cfg, task, p, comp.first_rank, pool_lim[p], 0, wire)
+            rows += got + [_node_row(f"pool {pool.name}", comp.first_rank, comp.tasks_per_node, "replicas",
+                                     comp.tasks_per_node * max(r.host_bytes for r in got), node_limit(cfg, comp))]
     groups = trainer_groups(cfg)
-    distinct = [gs[0] for gs in _distinct(cfg, task, only).values() if groups[gs[0]].backend == "megatron"]
-    jobs = [(cfg, g, r, wire, group_lim[g]) for g in distinct for r in checked_ranks(groups[g])]
+    distinct = [gs for gs in _distinct(cfg, task, only).values() if groups[gs[0]].backend == "megatron"]
+    jobs = [(cfg, gs[0], r, wire, group_lim[gs[0]]) for gs in distinct for r in checked_ranks(groups[gs[0]])]
     results = dict(zip([(j[1], j[2]) for j in jobs], run_jobs(jobs, workers)))
-    for g in distinct:
-        rows += _group_rows(cfg, groups[g], g, results, first, group_lim[g])
+    for gs in distinct:              # phases once per distinct shape, every group's node against its --mem
+        for g in gs:
+            rows += _group_rows(cfg, groups[g], g, {(g, r): v for (h, r), v in results.items() if h == gs[0]},
+                                comps, group_lim[g], phases=g == gs[0])
     return rows
+
+
+def _node_row(component: str, rank: int, per_node: int, what: str, host: int, limit: int) -> Row:
+    return Row(component, f"rank {rank} ({per_node} {what} a node)", "node total", 0, 0, 0, host, limit)
 
 
 def sender_ranks(grp: Group) -> list[int]:
@@ -309,21 +316,31 @@ def _role(grp: Group, r: int) -> str:
     return f"stage {r * grp.pipeline_parallel // grp.ranks} sender" if r in sender_ranks(grp) else "last stage"
 
 
-def _group_rows(cfg: Config, grp: Group, g: int, results: dict, first: dict, limit: int) -> list[Row]:
-    comp = f"group {grp.name}" if cfg.trainer.named_groups else "trainer"
-    base = first[comp] + (0 if cfg.trainer.named_groups else sum(x.ranks for x in trainer_groups(cfg)[:g]))
-    rows = []
-    ranks = checked_ranks(grp)
-    for r in ranks:
+def _group_rows(cfg: Config, grp: Group, g: int, results: dict, comps: dict, limit: int,
+                phases: bool = True) -> list[Row]:
+    """The group's rows per checked rank and phase (`phases`) and its node total: the leader
+    and ranks-per-node - 1 ranks like the largest of the others, each also holding the parked
+    training states of the group's other agents (state swap: host copies of a rank's
+    weights, grads and Adam moments, its device state after the optimizer step)."""
+    name = f"group {grp.name}" if cfg.trainer.named_groups else "trainer"
+    base = comps[name].first_rank + (0 if cfg.trainer.named_groups else
+                                     sum(x.ranks for x in trainer_groups(cfg)[:g]))
+    rows, ranks = [], checked_ranks(grp)
+    for r in ranks if phases else []:
         rows += [Row(f"group {grp.name}", f"rank {base + r} ({_role(grp, r)})", p.name, p.device, p.host, limit)
                  for p in results[(g, r)]]
     per_node = -(-grp.ranks // max(grp.slurm.nodes, 1))
-    lead_host = max(p.host for p in results[(g, 0)])
-    other_host = max((p.host for r in ranks if r for p in results[(g, r)]), default=0)
-    node = lead_host + (per_node - 1) * other_host
-    rows.append(Row(f"group {grp.name}", f"rank {base} ({per_node} ranks a node)", "node total", 0, 0, limit,
-                    node, node_limit(cfg, grp.slurm, per_node)))
+    host = {r: max(p.host for p in results[(g, r)]) + (len(grp.agents) - 1) * results[(g, r)][-1].device_live
+            for r in ranks}
+    node = host[0] + (per_node - 1) * max((host[r] for r in ranks if r), default=0)
+    rows.append(_node_row(f"group {grp.name}", base, per_node, "ranks", node, node_limit(cfg, comps[name])))
     return rows
+
+
+def _mem(nbytes: int) -> str:
+    """A --mem in bytes as sbatch spells it (M = MiB, G = GiB) and in GB, the table's unit."""
+    size = f"{nbytes // 2**30}G" if nbytes % 2**30 == 0 else f"{nbytes // 2**20}M"
+    return f"{size} ({nbytes / GB:.1f} GB)"
 
 
 def failures(rows: list[Row]) -> list[str]:
@@ -335,7 +352,7 @@ def failures(rows: list[Row]) -> list[str]:
                        f"memory, more than its {r.device_limit / GB:.0f} GB")
         if r.node_limit and r.node_host_bytes > r.node_limit:
             out.append(f"{r.component} {r.rank}: {r.node_host_bytes / GB:.1f} GB of host memory, more than "
-                       f"the node's --mem {r.node_limit / GB:.0f} GB")
+                       f"the node's --mem {_mem(r.node_limit)}")
     return out
 
 
@@ -349,7 +366,7 @@ def table(rows: list[Row]) -> str:
             lines.append(f"{r.component:16s} {r.rank:34s} {r.phase:30s} {r.device_bytes / GB:10.1f} "
                          f"{r.host_bytes / GB:9.1f}{mark}")
         if r.node_host_bytes or r.phase == "node total":
-            lim = f"--mem {r.node_limit / GB:.0f} GB" if r.node_limit else "--mem 0: whole node, unchecked"
+            lim = f"--mem {_mem(r.node_limit)}" if r.node_limit else "--mem 0: whole node, unchecked"
             mark = "  OVER" if r.node_limit and r.node_host_bytes > r.node_limit else ""
             lines.append(f"{r.component:16s} {'node ' + r.rank.split(' (')[0] + ' is on':34s} "
                          f"{'node host total':30s} {'':>10s} {r.node_host_bytes / GB:9.1f}  ({lim}){mark}")
