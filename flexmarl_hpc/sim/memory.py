@@ -393,9 +393,23 @@ def memory_report(config: str, overrides: list[str], hardware: str, as_json: boo
                 f"pool's vLLM memory fraction + one bucket), trainer device limit "
                 f"{hw.hbm_gb:.0f} GB ({hw.name}), micro-batch {cfg.trainer.micro_batch_size}, "
                 f"recompute {getattr(cfg.trainer, 'recompute', 'none')}")
-        text = "\n".join([head, table(rows)] + [f"not checked: {n}" for n in unchecked(cfg, only)]
+        text = "\n".join([head, table(rows)] + send_peaks(rows)
+                          + [f"not checked: {n}" for n in unchecked(cfg, only)]
                           + [f"FAILS: {b}" for b in bad] + (["fits"] if not bad else []))
     return text, 1 if bad else 0
+
+
+def send_peaks(rows: list[Row]) -> list[str]:
+    """Per group, the largest weight-sync send over its stage senders (the first stage's
+    sends the embedding, the last's the LM head), naming the rank."""
+    out = []
+    for comp in dict.fromkeys(r.component for r in rows):
+        sends = [r for r in rows if r.component == comp and r.phase == "weight sync (send)"]
+        if sends:
+            top = max(sends, key=lambda r: r.device_bytes)
+            out.append(f"{comp}: weight sync send peak {top.device_bytes / GB:.1f} GB, the largest of "
+                       f"{len(sends)} stage sender(s), {top.rank}")
+    return out
 
 
 def unchecked(cfg: Config, only: tuple[str, ...] = ()) -> list[str]:

@@ -208,3 +208,13 @@ def test_a_node_over_its_mem_is_named():
     # two more agents on the group: each rank parks their states (2 GB each) on the host
     three = dataclasses.replace(group, agents=["shop32_0", "x", "y"])
     assert _group_rows(cfg, three, 0, results, comps, int(64 * GB))[-1].node_host_bytes == int(190 * GB) + 16 * int(4 * GB)
+
+
+def test_the_largest_stage_senders_send_is_reported_per_group():
+    from flexmarl_hpc.sim.memory import Row, send_peaks
+    rows = [Row("group a", "rank 1 (leader, first stage)", "weight sync (send)", int(27.2 * GB), 0, 0),
+            Row("group a", "rank 17 (stage 1 sender)", "weight sync (send)", int(27.5 * GB), 0, 0),
+            Row("group a", "rank 17 (stage 1 sender)", "train step", int(40 * GB), 0, 0),
+            Row("pool p", "rank 0", "weight receive (one bucket)", int(50 * GB), 0, 0)]
+    assert send_peaks(rows) == ["group a: weight sync send peak 27.5 GB, the largest of 2 stage sender(s), "
+                                "rank 17 (stage 1 sender)"]
