@@ -217,23 +217,27 @@ WHOLE_NODE = "0"
 """`--mem=0`: every byte of memory of each node of the component (Slurm's meaning)."""
 
 
-def auto_mem(gpus_per_node: int, tasks_per_node: int, cpus_per_task: int, mem_per_cpu: str) -> str:
-    """The `--mem` of a component whose `mem` is auto. With GPUs: the whole node: its ranks
-    hold the node's GPUs, and what they keep in host memory (pinned staging, vLLM's swap
-    space, parked training states) grows with the GPUs, not the CPUs. Without: its CPUs on
-    a node x `slurm.mem_per_cpu`, so CPU ranks share nodes as their CPUs allow."""
+def _times(size: str, k: int) -> str:
+    unit = size[-1] if size[-1] in "KMGT" else ""
+    return f"{int(size[:-1] if unit else size) * k}{unit or 'M'}"
+
+
+def auto_mem(cfg: Config, gpus_per_node: int, tasks_per_node: int, cpus_per_task: int) -> str:
+    """The `--mem` of a component whose `mem` is auto: with GPUs, its GPUs on a node x
+    `slurm.mem_per_gpu` (what its ranks keep in host memory, pinned staging, vLLM's swap
+    space, parked training states, grows with the GPUs, not the CPUs); without, its CPUs on
+    a node x `slurm.mem_per_cpu`, so CPU ranks share nodes as their CPUs allow. The one rule:
+    the scripts ask for it and `simulate memory` checks each node against it."""
     if gpus_per_node:
-        return WHOLE_NODE
-    unit = mem_per_cpu[-1] if mem_per_cpu[-1] in "KMGT" else ""
-    n = int(mem_per_cpu[:-1] if unit else mem_per_cpu)
-    return f"{n * tasks_per_node * cpus_per_task}{unit or 'M'}"
+        return _times(cfg.slurm.mem_per_gpu, gpus_per_node)
+    return _times(cfg.slurm.mem_per_cpu, tasks_per_node * cpus_per_task)
 
 
 def component_mem(cfg: Config, c: Component) -> str:
     """The `--mem` (per node) of het component `c`: its `mem`, or `auto_mem`."""
     if c.slurm.mem != "auto":
         return c.slurm.mem
-    return auto_mem(c.slurm.gpus_per_node, c.tasks_per_node, c.slurm.cpus_per_task, cfg.slurm.mem_per_cpu)
+    return auto_mem(cfg, c.slurm.gpus_per_node, c.tasks_per_node, c.slurm.cpus_per_task)
 
 
 def single_component(cfg: Config) -> SlurmComponent:
@@ -247,7 +251,7 @@ def single_component(cfg: Config) -> SlurmComponent:
     per_node = -(-sum(c.ntasks for c in comps) // nodes)
     mems = [c.slurm.mem for c in comps if c.slurm.mem != "auto"]
     if not mems:
-        mem = auto_mem(gpus, per_node, cpus, cfg.slurm.mem_per_cpu)
+        mem = auto_mem(cfg, gpus, per_node, cpus)
     else:
         mem = WHOLE_NODE if WHOLE_NODE in mems else max(mems, key=mem_mb)
     return SlurmComponent(

@@ -349,10 +349,10 @@ class SlurmComponent:
     cpus_per_task: int = 1
     """CPUs per rank."""
     mem: str = "auto"
-    """Memory per node (`--mem`): a size like 400G or 64000M, 0 (all of each node's memory),
-    or auto: 0 for a component with GPUs (its ranks hold the node's GPUs; pinned staging,
-    vLLM's swap space and parked training states grow with them), else its CPUs on a node x
-    slurm.mem_per_cpu."""
+    """Host memory per node (`--mem`): a size like 400G or 64000M, 0 (all of each node's
+    memory: `simulate memory` cannot check it), or auto: its GPUs on a node x
+    slurm.mem_per_gpu for a component with GPUs (pinned staging, vLLM's swap space and parked
+    training states grow with them), else its CPUs on a node x slurm.mem_per_cpu."""
     partition: str = ""
     """Partition of this component; empty: slurm.partition."""
     sbatch_options: list[str] = field(default_factory=list)
@@ -433,6 +433,10 @@ class SlurmConfig:
     mem_per_cpu: str = "1000M"
     """Memory per CPU of the components without GPUs whose `mem` is auto (their `--mem` is
     their CPUs on a node x this), e.g. 4G."""
+    mem_per_gpu: str = "48G"
+    """Host memory per GPU of the components with GPUs whose `mem` is auto (their `--mem` is
+    their GPUs on a node x this: 768G for 16 GPUs), e.g. 120G. `simulate memory` checks each
+    node's predicted host bytes against it."""
     sbatch_options: list[str] = field(default_factory=list)
     """Extra job-wide `#SBATCH` options, e.g. ['--mail-type=END', '--reservation=res1']."""
     orchestrator: SlurmComponent = field(default_factory=SlurmComponent)

@@ -110,6 +110,8 @@ def validate_slurm(cfg: Config) -> None:
     check_sbatch_options(s.sbatch_options, "slurm.sbatch_options", "slurm.<component>")
     if not MEM_RE.match(s.mem_per_cpu):
         raise ConfigError(f"slurm.mem_per_cpu: expected a size like 4G or 1000M, got {s.mem_per_cpu!r}")
+    if not MEM_RE.match(s.mem_per_gpu):
+        raise ConfigError(f"slurm.mem_per_gpu: expected a size like 120G or 64000M, got {s.mem_per_gpu!r}")
     check_env(s.env)
 
 

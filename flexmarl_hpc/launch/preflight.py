@@ -400,6 +400,6 @@ def check_capacity(cfg: Config, partitions: dict[str, Partition], default: str, 
                               f"{pname} nodes have {p.gpus}")
         if p.mem_mb and mem_mb(mem) > p.mem_mb:        # --mem=0 (all of a node) always fits
             field = f"{where}.mem" if comp.mem != "auto" else (
-                "slurm.mem_per_cpu" if not comp.gpus_per_node else f"{where}.mem")
+                "slurm.mem_per_cpu" if not comp.gpus_per_node else "slurm.mem_per_gpu")
             raise ConfigError(f"{field}: {mem} per node ({where}.mem is {comp.mem!r}), partition "
                               f"{pname} nodes have {p.mem_mb} MB")

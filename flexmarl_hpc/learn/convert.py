@@ -23,6 +23,7 @@ moments). Pure tensor code: both directions are tested to round-trip bit for bit
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -255,3 +256,54 @@ def tp_split_dim(name: str) -> int | None:
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1
     return 0
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Rows [lo, hi) of TP rank `rank`'s shard of a megatron parameter, which are rows
+    [out_lo, out_hi) of a row range of an HF tensor: all its columns (`col` None), or, for a
+    parameter split along dim 1, the rank's block of columns (`col` = the rank)."""
+    rank: int
+    lo: int
+    hi: int
+    out_lo: int
+    out_hi: int
+    col: int | None = None
+
+
+def _blocks(first: int, stop: int, size: int, where) -> list[RowSource]:
+    """HF rows [first, stop) of a tensor made of blocks of `size` rows, block g being rows
+    [start, start + size) of TP rank r's shard, (r, start) = where(g)."""
+    out = []
+    for g in range(first // size, -(-stop // size)):
+        a, b = max(first, g * size), min(stop, (g + 1) * size)
+        rank, start = where(g)
+        out.append(RowSource(rank, start + a - g * size, start + b - g * size, a - first, b - first))
+    return out
+
+
+def hf_row_sources(name: str, hf_name: str, args: ModelArgs, tp: int, first: int, stop: int
+                   ) -> list[RowSource]:
+    """Where rows [first, stop) of HF tensor `hf_name` (one of what megatron parameter `name`
+    converts to, `megatron_param_to_hf`) lie in the parameter's TP shards: the inverse of
+    `megatron_shard`'s layout, per row range, so that a sync gathers a bucket-sized range at
+    a time and never the whole parameter. Vocab and FFN rows are contiguous per rank, q/k/v
+    rows per query group (a rank holds whole groups, [q | k | v] each); a parameter split
+    along dim 1 (o_proj, down_proj) gives every rank's same rows, its column block each."""
+    nh, ng, hd = args.num_heads, args.num_kv_heads, args.head_dim
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        rows = padded_vocab(args) // tp
+        return _blocks(first, stop, rows, lambda g: (g, 0))
+    rest = name.split(".", 3)[-1]
+    if rest.startswith("self_attention.linear_qkv."):
+        qg, per = nh // ng * hd, ng // tp                  # q rows of a group, groups of a rank
+        part = hf_name.rsplit(".", 2)[-2][0]               # q_proj / k_proj / v_proj
+        size, off = {"q": (qg, 0), "k": (hd, qg), "v": (hd, qg + hd)}[part]
+        return _blocks(first, stop, size, lambda g: (g // per, (g % per) * (qg + 2 * hd) + off))
+    if rest == "mlp.linear_fc1.weight":
+        f = args.intermediate_size // tp
+        half = 0 if hf_name.endswith("gate_proj.weight") else f
+        return _blocks(first, stop, f, lambda g: (g, half))
+    if tp_split_dim(name) == 1:
+        return [RowSource(r, first, stop, 0, stop - first, r) for r in range(tp)]
+    return [RowSource(0, first, stop, 0, stop - first)]    # replicated (norms): rank 0's

@@ -1,13 +1,15 @@
 """Weight streaming from a trainer group's pipeline stages to the replicas serving an agent.
 
 Weights leave a trainer only when the orchestrator asks for a sync. The trainer streams its
-HF-named tensors one parameter at a time (megatron: each parameter gathered over TP on the
-device, converted to HF names, trainer/megatron/trainer.py `sync_stream`), each PP stage
+HF-named tensors one at a time (megatron: each tensor, or each piece's rows of one larger
+than a bucket, assembled in HF layout on the device from the TP shards holding those rows,
+trainer/megatron/trainer.py `sync_stream`), each PP stage
 from its own sender (its TP rank 0 of data-parallel replica 0), and the sender packs them
 into fixed-size buckets (`weight_sync.bucket_mb`) broadcast to the target replicas. A tensor
 larger than a bucket (a 152k-row embedding or LM head) goes as pieces of whole rows, a
 bucket each (`Piece`), so the sender's two bucket buffers (one in flight while the next
-fills) never exceed two buckets, whatever the model. A receiver has one buffer, of a bucket
+fills) never exceed two buckets, whatever the model, and a sharded trainer gathers one
+piece's rows at a time (`row_pieces`), never the whole tensor. A receiver has one buffer, of a bucket
 or of the largest split tensor: each piece lands in place at its offset in that tensor
 (`landing`), which goes to the engine whole after its last piece (`received`; engines load
 whole tensors: vLLM's weight loaders shard a full tensor per TP rank). Receivers hand each
@@ -229,18 +231,37 @@ def received(bucket: Bucket, buf: torch.Tensor) -> dict[str, torch.Tensor]:
 def fill_bucket(bucket: Bucket, flat: torch.Tensor, it: Iterator[tuple[str, torch.Tensor]],
                 held: tuple[str, torch.Tensor] | None = None) -> tuple[str, torch.Tensor] | None:
     """Copy the bucket's tensors from the trainer's stream `it` into `flat`, cast to the
-    wire dtype. A split tensor is drawn at its first piece and `held` (a reference, never a
-    copy) until its last: returns what is held for the next bucket."""
+    wire dtype. A split tensor comes either as its pieces, one per bucket (a sharded trainer
+    gathers only those rows: `row_pieces`), or whole at its first piece and `held` (a
+    reference, never a copy) until its last: returns what is held for the next bucket."""
     views = bucket_views(bucket, flat)
     p = bucket.piece
     for name in bucket.names:
         got, t = held or next(it)
         if got != name:
             raise RuntimeError(f"weight sync: the trainer streamed {got!r} where the plan has {name!r}")
-        held = (got, t) if not bucket.complete else None
-        views[name].copy_(t if p is None else t[p.first:p.stop])
+        if p is not None and t.shape[0] not in (p.rows, p.stop - p.first):
+            raise RuntimeError(f"weight sync: the trainer streamed {t.shape[0]} rows of {name!r} where the plan "
+                               f"has its rows [{p.first}, {p.stop}) of {p.rows}; expected all or those")
+        if p is not None and t.shape[0] == p.stop - p.first:      # the piece itself (p.rows never is)
+            held = None
+        else:
+            held = (got, t) if not bucket.complete else None
+            t = t if p is None else t[p.first:p.stop]
+        views[name].copy_(t)
         del t                           # the stream's next tensor must not meet this one
     return held
+
+
+def row_pieces(plan: Plan) -> dict[str, list[tuple[int, int]]]:
+    """{HF name: its row ranges [first, stop), in order} of the tensors `plan` sends in pieces:
+    what a sharded trainer's `sync_stream` gathers at a time (the rest it yields whole)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for stage in plan.stages:
+        for b in stage:
+            if b.piece is not None:
+                out.setdefault(b.names[0], []).append((b.piece.first, b.piece.stop))
+    return out
 
 
 def host_bytes(nbytes: int, pin: bool = False) -> torch.Tensor:

@@ -30,7 +30,7 @@ from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout
 from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, layout_of, plan_buckets,
-                                              receive_weights, send_weights)
+                                              receive_weights, row_pieces, send_weights)
 
 
 def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
@@ -148,7 +148,8 @@ class TrainerRank:
             plan = self.plan(src, targets, agent)
             stage = next((s for s, r in enumerate(src.sync_senders()) if r == self.group.Get_rank()), None)
             try:
-                send_weights(self.channels, targets, plan, version, stage, src.sync_stream(), self.leader,
+                send_weights(self.channels, targets, plan, version, stage, src.sync_stream(row_pieces(plan)),
+                             self.leader,
                              on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
             except CollectiveTimeout as e:
                 err = e
@@ -275,8 +276,8 @@ class _StateSource:
     def sync_senders(self) -> list[int]:
         return [0]
 
-    def sync_stream(self):
-        if self.group.Get_rank() == 0:
+    def sync_stream(self, pieces=None):
+        if self.group.Get_rank() == 0:                  # whole tensors (fill_bucket cuts them)
             yield from self.named.items()
 
 

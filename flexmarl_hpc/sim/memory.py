@@ -5,9 +5,10 @@ process group (trainer/megatron/fake.py): `build.build_trainer`, one `forward_ba
 trainer.micro_batch_size rows of model.max_seq_len tokens (this rank's share, as the runtime
 cuts it), `optimizer_step`, then the sender side of a streamed weight sync (two buffers of the
 plan's largest bucket, `runtime/weight_sync.py`'s plan and views, filled from `sync_stream`'s
-TP gathers). Per distinct group shape two ranks
-run: rank 0 (the leader, first pipeline stage) and the last rank (last stage); a node holds the
-leader and ranks_per_node - 1 ranks like the last one.
+row ranges gathered from the TP shards). Per distinct group shape these ranks run: every
+pipeline stage's sync sender (rank 0, the leader, is the first stage's; the last stage's
+sends the LM head) and the last rank (a rank that sends nothing); a node holds the leader and
+ranks_per_node - 1 ranks like the largest of the others.
 
 Replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
 use (it takes `gpu_memory_utilization` of every GPU's total memory, the pool's
@@ -18,7 +19,10 @@ sharing an engine are re-sent by the trainer.
 
 Limits: a rank's device memory is its pool's `gpu_memory_gb`, a trainer rank's the hardware
 profile's `hbm_gb` (groups have no memory field); a node's host memory is its component's
-`slurm.mem` (`--mem`, `auto` resolved as the script does; 0, the whole node: not checked). Exit 1 names every rank and node over.
+`--mem` (config/resources.component_mem, the rule the script uses: `slurm.mem`, auto its GPUs
+x `slurm.mem_per_gpu`; 0, the whole node: not checked). Every pool's and group's node is
+checked (its tensors' host bytes: a rank's interpreter and libraries are not counted). Exit 1
+names every rank and node over.
 """
 from __future__ import annotations
 
@@ -90,7 +94,7 @@ class Phase:
 def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
                  limit: int = 0) -> list[Phase]:
     """The phases of rank `rank` of trainer group `g`: build, train step, optimizer step,
-    weight sync (send, leader only). Stops after a phase whose device peak is over `limit`
+    weight sync (send, on a PP stage's sender only). Stops after a phase whose device peak is over `limit`
     (> 0): on the device the run would end there."""
     from flexmarl_hpc.runtime import build
     from flexmarl_hpc.sim.memtrack import track
@@ -120,7 +124,7 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
         if phase("train step"):
             return out
         tr.optimizer_step()
-        if phase("optimizer step") or not tr.leader:
+        if phase("optimizer step") or rank not in tr.sync_senders():
             return out
         _send(tr, cfg.weight_sync.bucket_mb, wire)
         phase("weight sync (send)")
@@ -130,16 +134,18 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
 def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
     """The sender's side of a streamed sync as runtime/weight_sync._send_stage runs it on a
     GPU: two bucket buffers on the device (the plan's largest bucket: at most one, a larger
-    tensor goes in pieces), each parameter of the rank's stage gathered over TP
-    (`sync_stream`) and copied into its buckets by `weight_sync.fill_bucket`; the broadcast
-    moves nothing on the fake process group."""
+    tensor goes in pieces), each HF tensor of the rank's stage assembled from the TP shards
+    (`sync_stream`: a tensor larger than a bucket one piece's rows at a time) and copied
+    into its buckets by `weight_sync.fill_bucket`; the broadcast moves nothing on the fake
+    process group."""
     from flexmarl_hpc.runtime import weight_sync
     from flexmarl_hpc.sim.memtrack import device_scope
     buckets = weight_sync.plan_buckets(tr.sync_layouts()[tr.pp_rank], int(bucket_mb * 2**20), wire)
     largest = max((b.total for b in buckets), default=0)
     with device_scope():
         buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
-    stream, held = iter(tr.sync_stream()), None
+    pieces = weight_sync.row_pieces(weight_sync.Plan((0,), (buckets,)))
+    stream, held = iter(tr.sync_stream(pieces)), None
     for i, bucket in enumerate(buckets):
         held = weight_sync.fill_bucket(bucket, buffers[i % 2][:bucket.total], stream, held)
 
@@ -238,14 +244,12 @@ def _limits(cfg: Config, hbm_gb: float) -> tuple[list[int], list[int]]:
     return pools, groups
 
 
-def node_limit(cfg: Config, slurm, tasks_per_node: int) -> int:
-    """A component's --mem in bytes as its script asks for it (`auto` resolved as the script
-    does, config/resources.auto_mem; MB unless suffixed); 0: unset, or the whole node
-    (--mem=0), whose size the config does not give: not checked."""
-    from flexmarl_hpc.config.resources import auto_mem
-    mem = slurm.mem if slurm.mem != "auto" else auto_mem(slurm.gpus_per_node, tasks_per_node,
-                                                           slurm.cpus_per_task, cfg.slurm.mem_per_cpu)
-    return mem_mb(mem) * 2 ** 20 if mem else 0
+def node_limit(cfg: Config, comp) -> int:
+    """Het component `comp`'s --mem in bytes as its script asks for it
+    (config/resources.component_mem: its `mem`, or the auto rule, one rule for both); 0:
+    `mem: 0`, the whole node, whose size the config does not give: not checked."""
+    from flexmarl_hpc.config.resources import component_mem
+    return mem_mb(component_mem(cfg, comp)) * 2 ** 20
 
 
 def _distinct(cfg: Config, task, only: tuple[str, ...] = ()) -> dict[tuple, list[int]]:
@@ -269,39 +273,74 @@ def check_config(cfg: Config, hbm_gb: float, workers: int = 2, only: tuple[str, 
     task = build_task(cfg)
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, resolve_backend(cfg.weight_sync.backend))
     pool_lim, group_lim = _limits(cfg, hbm_gb)
-    comps = components(cfg)
-    first = {c.name: c.first_rank for c in comps}
+    comps = {c.name: c for c in components(cfg)}
     rows: list[Row] = []
     for p, pool in enumerate(rollout_pools(cfg)):
         if cfg.rollout.backend == "vllm" and (not only or pool.name in only):
-            rows += replica_rows(cfg, task, p, first.get(f"pool {pool.name}", first.get("rollout", 1)),
-                                 pool_lim[p], node_limit(cfg, pool.slurm, -(-pool.replicas // max(pool.slurm.nodes, 1))),
-                                 wire)
+            comp = comps.get(f"pool {pool.name}", comps.get("rollout"))
+            got = replica_rows(cfg, task, p, comp.first_rank, pool_lim[p], 0, wire)
+            rows += got + [_node_row(f"pool {pool.name}", comp.first_rank, comp.tasks_per_node, "replicas",
+                                     comp.tasks_per_node * max(r.host_bytes for r in got), node_limit(cfg, comp))]
     groups = trainer_groups(cfg)
-    distinct = [gs[0] for gs in _distinct(cfg, task, only).values() if groups[gs[0]].backend == "megatron"]
-    jobs = [(cfg, g, r, wire, group_lim[g]) for g in distinct for r in sorted({0, groups[g].ranks - 1})]
+    distinct = [gs for gs in _distinct(cfg, task, only).values() if groups[gs[0]].backend == "megatron"]
+    jobs = [(cfg, gs[0], r, wire, group_lim[gs[0]]) for gs in distinct for r in checked_ranks(groups[gs[0]])]
     results = dict(zip([(j[1], j[2]) for j in jobs], run_jobs(jobs, workers)))
-    for g in distinct:
-        rows += _group_rows(cfg, groups[g], g, results, first, group_lim[g])
+    for gs in distinct:              # phases once per distinct shape, every group's node against its --mem
+        for g in gs:
+            rows += _group_rows(cfg, groups[g], g, {(g, r): v for (h, r), v in results.items() if h == gs[0]},
+                                comps, group_lim[g], phases=g == gs[0])
     return rows
 
 
-def _group_rows(cfg: Config, grp: Group, g: int, results: dict, first: dict, limit: int) -> list[Row]:
-    comp = f"group {grp.name}" if cfg.trainer.named_groups else "trainer"
-    base = first[comp] + (0 if cfg.trainer.named_groups else sum(x.ranks for x in trainer_groups(cfg)[:g]))
-    rows = []
-    last = grp.ranks - 1
-    for r in sorted({0, last}):
-        what = "leader, first stage" if r == 0 else "last stage"
-        rows += [Row(f"group {grp.name}", f"rank {base + r} ({what})", p.name, p.device, p.host, limit)
+def _node_row(component: str, rank: int, per_node: int, what: str, host: int, limit: int) -> Row:
+    return Row(component, f"rank {rank} ({per_node} {what} a node)", "node total", 0, 0, 0, host, limit)
+
+
+def sender_ranks(grp: Group) -> list[int]:
+    """Group rank of each PP stage's weight-sync sender (its TP rank 0 of data-parallel
+    replica 0; megatron's rank order: TP fastest, then DP, then PP), as MegatronTrainer's
+    `sync_senders`: the first stage's sends the embedding, the last's the LM head."""
+    per_stage = grp.ranks // grp.pipeline_parallel
+    return [s * per_stage for s in range(grp.pipeline_parallel)]
+
+
+def checked_ranks(grp: Group) -> list[int]:
+    """The ranks of a group the check runs: every stage's sender (rank 0, the leader, is the
+    first's) and the last rank (last stage, no sync send: the node's other ranks)."""
+    return sorted(set(sender_ranks(grp)) | {grp.ranks - 1})
+
+
+def _role(grp: Group, r: int) -> str:
+    if r == 0:
+        return "leader, first stage"
+    return f"stage {r * grp.pipeline_parallel // grp.ranks} sender" if r in sender_ranks(grp) else "last stage"
+
+
+def _group_rows(cfg: Config, grp: Group, g: int, results: dict, comps: dict, limit: int,
+                phases: bool = True) -> list[Row]:
+    """The group's rows per checked rank and phase (`phases`) and its node total: the leader
+    and ranks-per-node - 1 ranks like the largest of the others, each also holding the parked
+    training states of the group's other agents (state swap: host copies of a rank's
+    weights, grads and Adam moments, its device state after the optimizer step)."""
+    name = f"group {grp.name}" if cfg.trainer.named_groups else "trainer"
+    base = comps[name].first_rank + (0 if cfg.trainer.named_groups else
+                                     sum(x.ranks for x in trainer_groups(cfg)[:g]))
+    rows, ranks = [], checked_ranks(grp)
+    for r in ranks if phases else []:
+        rows += [Row(f"group {grp.name}", f"rank {base + r} ({_role(grp, r)})", p.name, p.device, p.host, limit)
                  for p in results[(g, r)]]
     per_node = -(-grp.ranks // max(grp.slurm.nodes, 1))
-    lead_host = max(p.host for p in results[(g, 0)])
-    other_host = max(p.host for p in results[(g, last)])
-    node = lead_host + (per_node - 1) * other_host
-    rows.append(Row(f"group {grp.name}", f"rank {base} ({per_node} ranks a node)", "node total", 0, 0, limit,
-                    node, node_limit(cfg, grp.slurm, per_node)))
+    host = {r: max(p.host for p in results[(g, r)]) + (len(grp.agents) - 1) * results[(g, r)][-1].device_live
+            for r in ranks}
+    node = host[0] + (per_node - 1) * max((host[r] for r in ranks if r), default=0)
+    rows.append(_node_row(f"group {grp.name}", base, per_node, "ranks", node, node_limit(cfg, comps[name])))
     return rows
+
+
+def _mem(nbytes: int) -> str:
+    """A --mem in bytes as sbatch spells it (M = MiB, G = GiB) and in GB, the table's unit."""
+    size = f"{nbytes // 2**30}G" if nbytes % 2**30 == 0 else f"{nbytes // 2**20}M"
+    return f"{size} ({nbytes / GB:.1f} GB)"
 
 
 def failures(rows: list[Row]) -> list[str]:
@@ -313,7 +352,7 @@ def failures(rows: list[Row]) -> list[str]:
                        f"memory, more than its {r.device_limit / GB:.0f} GB")
         if r.node_limit and r.node_host_bytes > r.node_limit:
             out.append(f"{r.component} {r.rank}: {r.node_host_bytes / GB:.1f} GB of host memory, more than "
-                       f"the node's --mem {r.node_limit / GB:.0f} GB")
+                       f"the node's --mem {_mem(r.node_limit)}")
     return out
 
 
@@ -327,7 +366,7 @@ def table(rows: list[Row]) -> str:
             lines.append(f"{r.component:16s} {r.rank:34s} {r.phase:30s} {r.device_bytes / GB:10.1f} "
                          f"{r.host_bytes / GB:9.1f}{mark}")
         if r.node_host_bytes or r.phase == "node total":
-            lim = f"--mem {r.node_limit / GB:.0f} GB" if r.node_limit else "--mem 0: whole node, unchecked"
+            lim = f"--mem {_mem(r.node_limit)}" if r.node_limit else "--mem 0: whole node, unchecked"
             mark = "  OVER" if r.node_limit and r.node_host_bytes > r.node_limit else ""
             lines.append(f"{r.component:16s} {'node ' + r.rank.split(' (')[0] + ' is on':34s} "
                          f"{'node host total':30s} {'':>10s} {r.node_host_bytes / GB:9.1f}  ({lim}){mark}")
@@ -354,9 +393,23 @@ def memory_report(config: str, overrides: list[str], hardware: str, as_json: boo
                 f"pool's vLLM memory fraction + one bucket), trainer device limit "
                 f"{hw.hbm_gb:.0f} GB ({hw.name}), micro-batch {cfg.trainer.micro_batch_size}, "
                 f"recompute {getattr(cfg.trainer, 'recompute', 'none')}")
-        text = "\n".join([head, table(rows)] + [f"not checked: {n}" for n in unchecked(cfg, only)]
+        text = "\n".join([head, table(rows)] + send_peaks(rows)
+                          + [f"not checked: {n}" for n in unchecked(cfg, only)]
                           + [f"FAILS: {b}" for b in bad] + (["fits"] if not bad else []))
     return text, 1 if bad else 0
+
+
+def send_peaks(rows: list[Row]) -> list[str]:
+    """Per group, the largest weight-sync send over its stage senders (the first stage's
+    sends the embedding, the last's the LM head), naming the rank."""
+    out = []
+    for comp in dict.fromkeys(r.component for r in rows):
+        sends = [r for r in rows if r.component == comp and r.phase == "weight sync (send)"]
+        if sends:
+            top = max(sends, key=lambda r: r.device_bytes)
+            out.append(f"{comp}: weight sync send peak {top.device_bytes / GB:.1f} GB, the largest of "
+                       f"{len(sends)} stage sender(s), {top.rank}")
+    return out
 
 
 def unchecked(cfg: Config, only: tuple[str, ...] = ()) -> list[str]:

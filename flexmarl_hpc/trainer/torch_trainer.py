@@ -94,8 +94,8 @@ class TorchTrainer:
     def sync_senders(self) -> list[int]:
         return [0]
 
-    def sync_stream(self):
-        if self.group.Get_rank() == 0:
+    def sync_stream(self, pieces=None):
+        if self.group.Get_rank() == 0:                  # whole tensors (fill_bucket cuts them)
             yield from self.named_weights().items()
 
     # -- state swap (flexmarl_hpc.runtime.state_swap.Swappable) ------------------------------------

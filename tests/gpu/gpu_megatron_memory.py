@@ -2,7 +2,8 @@
 
 `build_trainer` on cuda in bf16 (about 0.9 B parameters, one rank), one train step of a
 micro-batch of 4 x 2,048 tokens with full recompute, the optimizer step, then the weight
-stream a sync sends (`sync_stream`, one gathered parameter at a time). Each phase's device
+stream a sync sends (`sync_stream` with the plan's pieces: one tensor, or one bucket-sized
+row range of a larger one, at a time). Each phase's device
 peak (`torch.cuda.max_memory_allocated`) is compared with `simulate memory`'s fake-tensor
 prediction of the same rank (flexmarl_hpc.sim.memory.trainer_rank, run in a forked process
 on the CPU first): within 25%. Skipped with "no GPU" elsewhere.
@@ -77,7 +78,9 @@ def measure() -> list[dict]:
     phase("train step")
     tr.optimizer_step()
     phase("optimizer step")
-    n = sum(t.numel() for _, t in tr.sync_stream())
+    from flexmarl_hpc.runtime import weight_sync as W     # the plan's pieces, as workers.TrainerRank.sync
+    buckets = W.plan_buckets(tr.sync_layouts()[0], int(cfg.weight_sync.bucket_mb * 2**20), None)
+    n = sum(t.numel() for _, t in tr.sync_stream(W.row_pieces(W.Plan((0,), (buckets,)))))
     phase("weight sync (send)")
     print(f"streamed {n} elements", flush=True)
     return [{"phase": k, "predicted": predicted.get(k), "measured": v} for k, v in measured.items()]

@@ -1,6 +1,8 @@
 """Sync pieces on a real GPU (one rank, NCCL): tensors larger than a bucket go in row pieces,
 so the sender's CUDA allocations during a sync stay within two buckets
-(torch.cuda.max_memory_allocated), and the bytes each broadcast carried, landed in place in
+(torch.cuda.max_memory_allocated), or, streamed as a sharded trainer streams them (each split
+tensor as the plan's row ranges, `weight_sync.row_pieces`), two buckets + the one range in
+flight; and the bytes each broadcast carried, landed in place in
 one device buffer (`landing`, `received`), give every tensor back bit-equal to the bf16 cast
 of the trainer's (a non-contiguous one included).
 
@@ -24,6 +26,16 @@ def _weights(torch):
             "norm": torch.randn(1024, generator=g, device="cuda"),
             "head": torch.randn(1024, 8192, generator=g, device="cuda").T,        # non-contiguous
             "mlp": torch.randn(2816, 1024, generator=g, device="cuda")}
+
+
+def _ranges(named, pieces):
+    """The stream a sharded trainer sends: a split tensor as its row ranges, each a new tensor
+    (its TP gather, trainer/megatron/trainer.py `sync_stream`), the rest whole."""
+    for k, v in named.items():
+        if k not in pieces:
+            yield k, v
+        for a, b in pieces.get(k, []):
+            yield k, v[a:b].clone()
 
 
 def check() -> str:
@@ -53,6 +65,17 @@ def check() -> str:
         ch.close()
         return line + " (a tree without pieces: no asserts)"
     assert peak <= 2 * bucket, line
+    # a sharded trainer (megatron's sync_stream) streams a split tensor as the plan's row
+    # ranges, each gathered into a new device tensor: one range in flight beside the buffers
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    W.send_weights(ch, (), plan, 1, 0, _ranges(named, W.row_pieces(plan)), leader=True)
+    torch.cuda.synchronize()
+    ranged = torch.cuda.max_memory_allocated() - base
+    widest = max((b - a) * v[0].numel() * v.element_size() for k, v in named.items()
+                 for a, b in W.row_pieces(plan).get(k, []))
+    line += f"; streamed as row ranges {ranged / MIB:.2f} MiB (2 buckets + a {widest / MIB:.0f} MiB fp32 range)"
+    assert ranged <= 2 * bucket + widest, line
     # the same sync again, each broadcast's bytes kept (a copy per bucket: after the peak was read)
     W.bcast_bucket = recording
     try:

@@ -59,7 +59,7 @@ class _Stage:
         import torch
         return [[(k, s, torch.float32) for k, s in self.shapes.items()]]
 
-    def sync_stream(self):
+    def sync_stream(self, pieces=None):            # whole tensors (fill_bucket cuts them)
         import torch
         from flexmarl_hpc.sim.memtrack import device_scope
         for k, s in self.shapes.items():
@@ -79,6 +79,28 @@ def test_the_sync_sender_holds_two_buckets_however_large_a_tensor():
     with track() as c:
         _send(_Stage(), 1.0, None)
     assert 3 * MiB < c.peak["device"] <= 2 * MiB + 3 * MiB, c.peak
+
+
+def test_every_pipeline_stages_sender_runs_its_send_within_the_bucket_bound():
+    """PP 2: the check runs the last stage's sender (the LM head's) as well as the leader, each
+    through the production sync_stream on fake tensors; a rank that sends nothing stops after
+    the optimizer step. With 1 MiB buckets the 5.8 MB bf16 gate/up/down tensors go in pieces, so a
+    sender's extra device bytes stay within 2 buffers + the range in flight (+ half of it for
+    an o_proj/down_proj column block): 3.5 MiB, where a whole-tensor gather holds 5.8 MB more."""
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.config.resources import trainer_groups
+    from flexmarl_hpc.sim.memory import checked_ranks, run_jobs, sender_ranks
+    cfg = load_config(ROOT / "configs" / "local.yaml", MID + ["trainer.pipeline_parallel=2", "weight_sync.bucket_mb=1"])
+    grp = trainer_groups(cfg)[0]
+    assert sender_ranks(grp) == [0, 2] and checked_ranks(grp) == [0, 2, 3]
+    first, last, idle = run_jobs([(cfg, 0, r, None, 0) for r in (0, 2, 3)], 2)
+    assert [p.name for p in idle] == ["build", "train step", "optimizer step"]
+    for phases in (first, last):
+        opt, send = phases[2], phases[3]
+        assert send.name == "weight sync (send)"
+        extra = send.device - opt.device_live
+        print(f"send extra {extra / 2**20:.2f} MiB")
+        assert 2 * 2**20 < extra <= 3.5 * 2**20, extra
 
 
 def test_refuses_a_32b_trainer_at_tp1_pp1_naming_the_rank():
@@ -156,25 +178,43 @@ def test_cli_exit_code_and_json_name_the_rank(capsys, tmp_path):
 
 
 def test_a_node_over_its_mem_is_named():
-    """node_limit resolves --mem as the script asks for it (auto: the whole node for a GPU
-    component, unchecked; a size: checked), and a group's node total (its leader + the other
-    ranks of the node) over it is named."""
+    """node_limit is the script's --mem (resources.component_mem: a set size, or auto: the
+    node's GPUs x slurm.mem_per_gpu; mem 0, the whole node: unchecked), and a group's node
+    total (its leader + the other ranks of the node, each with the parked states of the
+    group's other agents) over it is named."""
     from flexmarl_hpc.config.resources import components
     from flexmarl_hpc.sim.memory import Phase, _group_rows, failures, node_limit
     cfg = _paper()
     grp = cfg.trainer.named_groups[0]
-    assert node_limit(cfg, dataclasses.replace(grp.slurm, mem="512G"), 16) == 512 * 2**30
-    assert node_limit(cfg, dataclasses.replace(grp.slurm, mem="0"), 16) == 0      # whole node
-    assert node_limit(cfg, grp.slurm, 16) == 0                                    # auto, with GPUs
-    cpu = dataclasses.replace(grp.slurm, gpus_per_node=0, cpus_per_task=2)
-    assert node_limit(cfg, cpu, 4) == 4 * 2 * 1000 * 2**20                        # auto: CPUs x mem_per_cpu
-    first = {c.name: c.first_rank for c in components(cfg)}
-    results = {(0, 0): [Phase("build", 0, int(40 * GB), 0, 0)], (0, 31): [Phase("build", 0, int(10 * GB), 0, 0)]}
-    rows = _group_rows(cfg, dataclasses.replace(grp, slurm=dataclasses.replace(grp.slurm, mem="128G")),
-                       0, results, first, int(64 * GB))
+    comps = {c.name: c for c in components(cfg)}
+    comp = comps["group shop32_0"]
+    assert node_limit(cfg, comp) == 16 * 48 * 2**30                              # auto: 16 GPUs x 48G
+    assert node_limit(cfg, dataclasses.replace(comp, slurm=dataclasses.replace(grp.slurm, mem="512G"))) == 512 * 2**30
+    assert node_limit(cfg, dataclasses.replace(comp, slurm=dataclasses.replace(grp.slurm, mem="0"))) == 0
+    cpu = dataclasses.replace(comp, slurm=dataclasses.replace(grp.slurm, gpus_per_node=0, cpus_per_task=2))
+    assert node_limit(cfg, cpu) == 16 * 2 * 1000 * 2**20                          # auto: CPUs x mem_per_cpu
+    results = {(0, 0): [Phase("build", 0, int(40 * GB), 0, int(2 * GB))],
+               (0, 16): [Phase("build", 0, int(10 * GB), 0, int(2 * GB))],
+               (0, 31): [Phase("build", 0, int(10 * GB), 0, int(2 * GB))]}
+    group = _paper().trainer.named_groups[0]
+    tight = dataclasses.replace(comp, slurm=dataclasses.replace(grp.slurm, mem="128G"))
+    rows = _group_rows(cfg, group, 0, results, {**comps, "group shop32_0": tight}, int(64 * GB))
     bad = failures(rows)
     assert rows[-1].node_host_bytes == int(40 * GB) + 15 * int(10 * GB)
-    assert bad == [f"group shop32_0 rank {first['group shop32_0']} (16 ranks a node): 190.0 GB of host "
-                   f"memory, more than the node's --mem 137 GB"]
-    rows = _group_rows(cfg, grp, 0, results, first, int(64 * GB))
-    assert not failures(rows)
+    first = comp.first_rank
+    assert bad == [f"group shop32_0 rank {first} (16 ranks a node): 190.0 GB of host "
+                   f"memory, more than the node's --mem 128G (137.4 GB)"]
+    assert not failures(_group_rows(cfg, group, 0, results, comps, int(64 * GB)))     # 190 GB within 768G
+    # two more agents on the group: each rank parks their states (2 GB each) on the host
+    three = dataclasses.replace(group, agents=["shop32_0", "x", "y"])
+    assert _group_rows(cfg, three, 0, results, comps, int(64 * GB))[-1].node_host_bytes == int(190 * GB) + 16 * int(4 * GB)
+
+
+def test_the_largest_stage_senders_send_is_reported_per_group():
+    from flexmarl_hpc.sim.memory import Row, send_peaks
+    rows = [Row("group a", "rank 1 (leader, first stage)", "weight sync (send)", int(27.2 * GB), 0, 0),
+            Row("group a", "rank 17 (stage 1 sender)", "weight sync (send)", int(27.5 * GB), 0, 0),
+            Row("group a", "rank 17 (stage 1 sender)", "train step", int(40 * GB), 0, 0),
+            Row("pool p", "rank 0", "weight receive (one bucket)", int(50 * GB), 0, 0)]
+    assert send_peaks(rows) == ["group a: weight sync send peak 27.5 GB, the largest of 2 stage sender(s), "
+                                "rank 17 (stage 1 sender)"]

@@ -104,13 +104,13 @@ def test_gpu_ranks_that_would_share_gpus_are_refused():
 
 
 def test_every_component_asks_for_memory():
-    """--mem on every component: GPU components take their nodes' memory (--mem=0), CPU ones
-    slurm.mem_per_cpu per CPU they hold on a node; a set `mem` wins; --single takes the largest
-    set one, else the auto value of its own nodes."""
+    """--mem on every component, a size: GPU components slurm.mem_per_gpu per GPU of a node
+    (16 x 48G), CPU ones slurm.mem_per_cpu per CPU they hold on a node; a set `mem` wins (0:
+    the whole node); --single takes the largest set one, else the auto value of its own nodes."""
     paper = load_config(ROOT / "configs/paper_3x32b_7x14b.yaml", ["run.output_dir=/scratch/{name}"])
     comps = hetjob_script(paper, "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
     mems = [re.findall(r"#SBATCH --mem=(\S+)", c) for c in comps]
-    assert mems == [["16000M"]] + [["0"]] * 12               # orchestrator: 16 CPUs x 1000M
+    assert mems == [["16000M"]] + [["768G"]] * 12            # orchestrator: 16 CPUs x 1000M
     # group components: every GPU of the node, no per-task binding; pools: one block per replica
     assert [re.findall(r"--gpus-per-(?:task|node)=\d+", c) for c in comps[1:]] == [
         ["--gpus-per-task=4"], ["--gpus-per-task=1"]] + [["--gpus-per-node=16"]] * 10
@@ -122,6 +122,9 @@ def test_every_component_asks_for_memory():
     assert re.findall(r"--mem=(\S+)", single) == ["0"]
     auto = single_script(load_config(CONFIG, ["slurm.trainer={nodes: 1, cpus_per_task: 2}"]), "c.yaml")
     assert "#SBATCH --nodes=2 " in auto and re.findall(r"--mem=(\S+)", auto) == ["4000M"]   # 2 ranks x 2 CPUs a node
+    gpus = ["slurm.mem_per_gpu=100G", "slurm.trainer={nodes: 1, gpus_per_node: 2}"]
+    comps = hetjob_script(load_config(CONFIG, gpus), "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
+    assert [re.findall(r"--mem=(\S+)", c) for c in comps] == [["1000M"], ["1000M"], ["200G"]]   # 2 GPUs x 100G
 
 
 def test_slurm_env_values_are_quoted_for_the_shell():
@@ -173,6 +176,7 @@ def test_sbatch_options_go_to_their_component():
     ("slurm.trainer={mem: lots}", "slurm.trainer.mem"),
     ("slurm.trainer={mem: ''}", "slurm.trainer.mem"),
     ("slurm.mem_per_cpu=4GB", "slurm.mem_per_cpu"),
+    ("slurm.mem_per_gpu=lots", "slurm.mem_per_gpu"),
     ("slurm.env={1X: a}", "slurm.env.1X"),
     ("slurm.env={A-B: a}", "slurm.env.A-B"),
     ("slurm.trainer={gpus: 4}", "slurm.trainer.gpus"),

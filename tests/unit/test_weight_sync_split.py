@@ -96,3 +96,31 @@ def test_a_stream_that_differs_from_a_split_plan_is_named():
     with pytest.raises(RuntimeError, match="streamed 'other' where the plan has 'embed'"):
         W.fill_bucket(buckets[0], flat, iter([("other", torch.ones(30, 8))]))
     assert np.array_equal(flat[:4].numpy(), torch.ones(1).view(torch.uint8).numpy())
+
+
+def test_a_stream_of_row_pieces_fills_the_buckets_a_whole_stream_does():
+    """A sharded trainer streams a split tensor as the plan's row ranges (`row_pieces`), one
+    at a time, instead of whole: the buckets carry the same bytes either way, a piece is never
+    held past its bucket, and rows that are neither the piece's nor the whole tensor's are
+    named."""
+    g = torch.Generator().manual_seed(0)
+    named = {"embed": torch.randn(30, 8, generator=g), "norm": torch.randn(8, generator=g),
+             "head": torch.randn(8, 30, generator=g).T, "mlp": torch.randn(12, 8, generator=g)}
+    buckets = W.plan_buckets(W.layout_of(named), 30 * 8 * 4 // 3)
+    pieces = W.row_pieces(W.Plan((0,), (buckets,)))
+    assert set(pieces) == {"embed", "head", "mlp"} and pieces["embed"][0][0] == 0 and pieces["embed"][-1][1] == 30
+
+    def fill(stream):
+        out, it, held = [], iter(stream), None
+        for b in buckets:
+            flat = torch.zeros(b.total, dtype=torch.uint8)
+            held = W.fill_bucket(b, flat, it, held)
+            out.append(flat)
+        assert held is None and next(it, None) is None
+        return out
+    piecewise = [(k, v[a:b].clone()) for k, v in named.items() for a, b in pieces.get(k, [(0, len(v))])]
+    assert len(piecewise) == len(buckets)                              # a piece or norm a bucket
+    assert all(torch.equal(x, y) for x, y in zip(fill(piecewise), fill(named.items())))
+    first = next(b for b in buckets if b.piece is not None)
+    with pytest.raises(RuntimeError, match=r"streamed 3 rows of 'embed' where the plan has its rows \[0, 10\)"):
+        W.fill_bucket(first, torch.zeros(first.total, dtype=torch.uint8), iter([("embed", named["embed"][:3])]))

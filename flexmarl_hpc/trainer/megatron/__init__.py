@@ -26,9 +26,9 @@ Contract (same as TorchTrainer; tests/test_megatron.py checks it against TorchTr
   sum-of-sample-losses accumulate. The returned stats have the same keys on every rank and
   sum over the group to the micro-batch totals.
 - `optimizer_step()`: DP reduce-scatter + TP/PP reductions, clip, Adam step, param
-  all-gather; nothing leaves the group. A weight sync streams (`sync_stream`: each
-  parameter gathered over TP on the device, converted to HF names, on each PP stage's
-  sender; runtime/weight_sync.py); `named_weights()` is a collective full gather for tests
+  all-gather; nothing leaves the group. A weight sync streams (`sync_stream`: each HF
+  tensor, or each bucket-sized row range of a larger one, assembled in HF layout on each PP
+  stage's sender from the TP shards holding it; runtime/weight_sync.py); `named_weights()` is a collective full gather for tests
   and export.
 - Built shard by shard: `init` is a learn/weights.WeightSource (an HF checkpoint read by
   this rank's slices, or a seeded random init) or full HF tensors (tests).

@@ -9,13 +9,14 @@ import sys
 import time
 from dataclasses import replace
 from functools import partial
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from flexmarl_hpc.config.schema import TrainerConfig
-from flexmarl_hpc.learn.convert import megatron_param_to_hf, padded_vocab, sync_order, tp_split_dim
+from flexmarl_hpc.learn.convert import hf_row_sources, padded_vocab, sync_order
 from flexmarl_hpc.learn.grpo import MicroBatch, grpo_loss, stat_values, vocab_parallel_logprobs
 from flexmarl_hpc.learn.model import ModelArgs
 from flexmarl_hpc.learn.weights import WeightSource
@@ -115,30 +116,62 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
         """Group rank of each PP stage's sender: its TP rank 0 of data-parallel replica 0."""
         return self._senders
 
-    def sync_stream(self):
-        """Collective over the group: each parameter of this rank's stage gathered over TP
-        on its device, converted to HF tensors, yielded on the stage's sender (one parameter
-        in memory at a time, never the model). Other data-parallel replicas hold the same
-        weights and take no part."""
+    def sync_stream(self, pieces: Mapping[str, Sequence[tuple[int, int]]] | None = None):
+        """Collective over the group: each HF tensor of this rank's stage, or each row range
+        of it that `pieces` names (the plan's pieces of a tensor larger than a bucket,
+        weight_sync.row_pieces), assembled on the device of the stage's sender from the TP
+        shards holding those rows (convert.hf_row_sources) and yielded there. The sender holds
+        one such range at a time, never a whole parameter (a 1.3 GB embedding with 64 MiB
+        buckets: 64 MiB); the other TP ranks send views of their shard. Other data-parallel
+        replicas hold the same weights and take no part."""
         if self.dp_rank != 0:
             return
+        pieces = pieces or {}
         local = self._local_params()
-        for name, _ in sync_order(self.args, self.tp, self.pp_rank, self.pp):
-            tps = self._tp_gather(local[name].detach(), tp_split_dim(name))
-            outs = megatron_param_to_hf(name, tps, self.args, self.pp_rank, self.pp)
-            del tps
-            if self.tp_rank == 0:
-                yield from outs
-            del outs
+        for name, outs in sync_order(self.args, self.tp, self.pp_rank, self.pp):
+            p = local[name].detach()
+            for hf, shape in outs:
+                for first, stop in pieces.get(hf) or [(0, shape[0])]:
+                    rows = self._hf_rows(p, hf_row_sources(name, hf, self.args, self.tp, first, stop),
+                                         (stop - first, *shape[1:]))
+                    if rows is not None:
+                        yield hf, rows
+                    del rows                   # before the next range is gathered
 
-    def _tp_gather(self, p: torch.Tensor, dim: int | None) -> list[torch.Tensor]:
-        if dim is None or self.tp == 1:
-            return [p]
+    def _hf_rows(self, p: torch.Tensor, sources, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """HF rows from their `sources` in the TP shards of `p`, on TP rank 0 (point to point
+        from each rank holding some: no rank sends what rank 0 does not need, and no buffer is
+        larger than the rows); None on the other TP ranks, which send their parts."""
         from megatron.core import parallel_state as ps
-        parts = [torch.empty_like(p) for _ in range(self.tp)]
+        group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         with scope():
-            torch.distributed.all_gather(parts, p.contiguous(), group=ps.get_tensor_model_parallel_group())
-        return parts
+            if self.tp_rank != 0:
+                for w in [torch.distributed.isend(p[s.lo:s.hi], group=group, group_dst=0)
+                          for s in sources if s.rank == self.tp_rank]:
+                    w.wait()
+                return None
+            if len(sources) == 1 and sources[0].rank == 0 and (sources[0].col is None or self.tp == 1):
+                return p[sources[0].lo:sources[0].hi]          # already in HF layout: a view
+            out, works, part = p.new_empty(shape), [], None
+            for s in sources:
+                if s.col is None:                      # whole rows: land in place
+                    if s.rank == 0:
+                        out[s.out_lo:s.out_hi].copy_(p[s.lo:s.hi])
+                    else:
+                        works.append(torch.distributed.irecv(out[s.out_lo:s.out_hi], group=group,
+                                                             group_src=s.rank))
+                    continue
+                c = p.shape[1]                         # a column block: one rank's at a time
+                if s.rank == 0:
+                    got = p[s.lo:s.hi]
+                else:
+                    part = p.new_empty((s.hi - s.lo, c)) if part is None else part
+                    torch.distributed.irecv(part, group=group, group_src=s.rank).wait()
+                    got = part
+                out[s.out_lo:s.out_hi, s.col * c:(s.col + 1) * c].copy_(got)
+            for w in works:
+                w.wait()
+        return out
 
     # -- state, checkpoints: also while offloaded (swap.py), on the device for the call --
     def state(self) -> dict[str, torch.Tensor]:
