@@ -72,6 +72,13 @@ def mean(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
 
 
+def std_err(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Standard error of each metric's mean (the binomial one for a 0/1 metric; a count such
+    as math_team's `solvers` is not 0/1)."""
+    m = mean(rows)
+    return {k: math.sqrt(sum((r[k] - x) ** 2 for r in rows) / len(rows) / len(rows)) for k, x in m.items()}
+
+
 def sign_test(up: int, down: int) -> float:
     """Two-sided exact sign test: P(a split at least this uneven | flips are 50/50)."""
     n, k = up + down, min(up, down)
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
                 replace_file(kept_rows, json.dumps({"n": a.n, "rows": rows}).encode())
         res = mean(rows)
         base = rows if v is None else base
-        err = {k: math.sqrt(x * (1 - x) / a.n) for k, x in res.items()}
+        err = std_err(rows)
         print(f"version {v if v is not None else 'base'}: n={a.n} " +
               "  ".join(f"{k} {x:.3f}±{err[k]:.3f}" for k, x in res.items()) + f"  ({time.time() - t0:.0f}s)")
         if a.paired and v is not None and base is not None:

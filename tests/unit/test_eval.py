@@ -171,3 +171,14 @@ def test_kept_rows_are_read_back_only_for_the_same_n(tmp_path):
     path.write_text(json.dumps({"n": 2, "rows": [{"ok": 1.0}, {"ok": 0.0}]}))
     assert ev.cached_rows(path, 2) == [{"ok": 1.0}, {"ok": 0.0}]
     assert ev.cached_rows(path, 3) is None
+
+
+def test_standard_errors_of_a_rate_and_of_a_count():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("eval_heldout", ROOT / "scripts" / "eval_heldout.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    rows = [{"ok": 1.0, "calls": 1.0}, {"ok": 0.0, "calls": 3.0}, {"ok": 0.0, "calls": 2.0}, {"ok": 1.0, "calls": 2.0}]
+    err = ev.std_err(rows)
+    assert abs(err["ok"] - (0.5 * 0.5 / 4) ** 0.5) < 1e-12          # the binomial one
+    assert abs(err["calls"] - (0.5 / 4) ** 0.5) < 1e-12             # a count: mean 2, variance 0.5
