@@ -128,10 +128,11 @@ def plot(rows_file: str, png: str) -> None:
     import matplotlib.pyplot as plt
     rows = sorted((json.loads(x) for x in open(rows_file) if x.strip()), key=lambda r: r["version"])
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for key in [k for k in rows[0] if k not in ("version", "n")]:
+    for key in [k for k in rows[0] if k not in ("version", "n", "std_err")]:
         v = [r["version"] for r in rows]
         y = [r[key] for r in rows]
-        e = [math.sqrt(x * (1 - x) / r["n"]) for x, r in zip(y, rows)]
+        # std_err written with the row (a count is not 0/1); older lines: the binomial one
+        e = [r["std_err"][key] if "std_err" in r else math.sqrt(x * (1 - x) / r["n"]) for x, r in zip(y, rows)]
         ax.errorbar(v, y, yerr=e, marker="o", capsize=3, label=key)
     ax.set_xlabel("policy version (training step)")
     ax.set_ylabel(f"held-out mean, greedy (n={rows[0]['n']})")
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
             print(f"  vs base: {flips(base, rows)}")
         if a.json:
             with open(a.json, "a") as f:
-                f.write(json.dumps({"version": v or 0, "n": a.n, **res}) + "\n")
+                f.write(json.dumps({"version": v or 0, "n": a.n, **res, "std_err": err}) + "\n")
     return 0
 
 

@@ -182,3 +182,18 @@ def test_standard_errors_of_a_rate_and_of_a_count():
     err = ev.std_err(rows)
     assert abs(err["ok"] - (0.5 * 0.5 / 4) ** 0.5) < 1e-12          # the binomial one
     assert abs(err["calls"] - (0.5 / 4) ** 0.5) < 1e-12             # a count: mean 2, variance 0.5
+
+
+def test_the_plot_draws_a_count_with_the_error_written_beside_it(tmp_path):
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location("eval_heldout", ROOT / "scripts" / "eval_heldout.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    lines = [{"version": 0, "n": 4, "ok": 0.5, "calls": 2.0, "std_err": {"ok": 0.25, "calls": 0.35}},
+             {"version": 5, "n": 4, "ok": 0.25}]                  # a line written before std_err
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:1]))
+    ev.plot(str(tmp_path / "c.jsonl"), str(tmp_path / "c.png"))    # the binomial sqrt of 2*(1-2) raised
+    (tmp_path / "d.jsonl").write_text(json.dumps(lines[1]) + "\n")
+    ev.plot(str(tmp_path / "d.jsonl"), str(tmp_path / "d.png"))
+    assert (tmp_path / "c.png").stat().st_size and (tmp_path / "d.png").stat().st_size
