@@ -11,7 +11,9 @@
 A solver's answer counts only when it is marked ("Answer: 7" or \\boxed{7}): a reply cut off
 after restating the question's numbers is not right by chance. Rewards: a solver call 1
 when its marked final answer is right (0.1 when marked but wrong); the verifier 1 when the team's
-answer is right; the planner the team's correctness minus 0.1 per extra solver. Each
+answer is right; the planner the team's correctness minus `extra_solver_cost` per extra
+solver (workflow.episode_args; default 0.1: at 0.1 the planner of the 44-step run of
+docs/episodes.md learned to always ask one, and the skew went away). Each
 agent is called a different number of times per episode (1 planner, 1-3 solvers each
 with 1-2 turns, 1 verifier): the skew the scheduler balances. `ctx.metrics["team_correct"]`
 is what scripts/eval_episodes.py averages.
@@ -75,8 +77,25 @@ async def correct(ctx, answer: str | None, gold) -> bool:
     return done.outcome == "ok" and bool(done.value)
 
 
+ARGS = {"extra_solver_cost": 0.1}
+"""workflow.episode_args this episode reads, with their defaults."""
+
+
+def episode_args(args: dict) -> dict:
+    """ARGS overridden by workflow.episode_args; an unknown key or a bad value is refused by name."""
+    bad = sorted(set(args) - set(ARGS))
+    if bad:
+        raise ValueError(f"workflow.episode_args: unknown {bad}, expected some of {sorted(ARGS)}")
+    out = {**ARGS, **args}
+    cost = out["extra_solver_cost"]
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost <= 1:
+        raise ValueError(f"workflow.episode_args.extra_solver_cost: expected a number in [0, 1], got {cost!r}")
+    return out
+
+
 async def episode(ctx, example: dict) -> dict:
     q, gold = example["question"], example["answer"]
+    cost = episode_args(ctx.args)["extra_solver_cost"]
     plan = await ctx.chat("planner", planner_prompt(q), max_tokens=4)
     k = n_solvers(plan.text)
     results = await asyncio.gather(*(solve(ctx, q) for _ in range(k)))
@@ -93,4 +112,4 @@ async def episode(ctx, example: dict) -> dict:
     for a, calls in results:
         for i in calls:        # right: 1; a marked answer that is wrong: 0.1 (the format is half the way)
             solver_rewards[i] = 1.0 if a is not None and verdicts[a] else 0.1 * (a is not None)
-    return {"planner": team_ok - 0.1 * (k - 1), "solver": solver_rewards, "verifier": team_ok}
+    return {"planner": team_ok - cost * (k - 1), "solver": solver_rewards, "verifier": team_ok}

@@ -29,11 +29,12 @@ def reply(call, text):
     call.done([1000 + len(TextConversation.texts) - 1, STOP], frozenset({STOP}))
 
 
-def run(script):
+def run(script, args=None):
     """Run one episode, answering each call with script(agent, messages)."""
     cfg = ToolsConfig()
     runner = EpisodeRunner(episode, ["planner", "solver", "verifier"], 0, 128,
-                           lambda agent: TextConversation(), tools=WorkerPool(Tools.from_config(cfg), cfg))
+                           lambda agent: TextConversation(), args,
+                           tools=WorkerPool(Tools.from_config(cfg), cfg))
     runner.start(0, 0, 0, {"question": "Tom has 3 apples and gets 4 more. How many?", "answer": 7})
     try:
         while runner.running:
@@ -78,3 +79,18 @@ def test_unmarked_answers_earn_nothing_and_the_team_is_wrong():
     assert f.ctx.calls == {"planner": 1, "solver": 2, "verifier": 1}     # no digit: two solvers
     assert f.rewards["solver"] == [0.0, 0.0] and f.rewards["verifier"] == 0.0
     assert f.ctx.metrics["team_correct"] == 0.0
+
+
+def test_the_planners_cost_per_extra_solver_is_an_episode_argument():
+    TextConversation.texts = []
+    answers = {"planner": "3", "solver": "Answer: 7", "verifier": "7"}
+    f = run(lambda agent, m: answers[agent], {"extra_solver_cost": 0.02})
+    assert f.ctx.calls["solver"] == 3 and f.rewards["planner"] == 1.0 - 2 * 0.02
+    TextConversation.texts = []
+    f = run(lambda agent, m: answers[agent])                              # the default: 0.1
+    assert abs(f.rewards["planner"] - 0.8) < 1e-12
+    for bad, says in (({"extra_solver_costs": 0.1}, "unknown ['extra_solver_costs']"),
+                      ({"extra_solver_cost": "0.1"}, "extra_solver_cost: expected a number")):
+        TextConversation.texts = []
+        f = run(lambda agent, m: answers[agent], bad)
+        assert says in f.error
