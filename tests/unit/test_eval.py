@@ -190,3 +190,10 @@ def test_the_plot_draws_a_count_with_the_error_written_beside_it(ev, tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps(lines[1]) + "\n")
     ev.plot(str(tmp_path / "d.jsonl"), str(tmp_path / "d.png"))
     assert (tmp_path / "c.png").stat().st_size and (tmp_path / "d.png").stat().st_size
+
+
+def test_only_takes_base_latest_or_a_version_number(ev):
+    import argparse
+    assert ev.only_choice("base") == "base" and ev.only_choice("latest") == "latest" and ev.only_choice("14") == 14
+    with pytest.raises(argparse.ArgumentTypeError, match="expected base, latest or a version number, got 'v14'"):
+        ev.only_choice("v14")
