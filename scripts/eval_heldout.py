@@ -8,6 +8,7 @@ greedily, through the workflow's turns, and `task.eval_metrics` scores the leave
     python scripts/eval_heldout.py --plot out.json docs/smollm2_learn.png   # the curve
     python scripts/eval_heldout.py runs/math_team -n 200 --paired            # an episode workflow
     python scripts/eval_heldout.py runs/math_team -n 200 --paired --rows runs/math_team/eval
+    python scripts/eval_heldout.py runs/math_team -n 200 --rows runs/math_team/eval --only 14
 
 An episode workflow (workflow.episode) runs one greedy episode per held-out example of
 workflow.dataset.eval (workflows/offline.py) and averages what the episodes put in
@@ -34,6 +35,7 @@ import torch
 from flexmarl_hpc.runtime.build import build_task
 from flexmarl_hpc.store.checkpoint import committed_versions, replace_file
 from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.export import checkpoint_file, load_agent
 from flexmarl_hpc.learn.model import load_hf_checkpoint
 from flexmarl_hpc.learn.sampling import SamplingParams, generate
@@ -143,6 +145,16 @@ def plot(rows_file: str, png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
+def only_choice(text: str) -> str | int:
+    """--only: `base`, `latest` or a version number."""
+    if text in ("base", "latest"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected base, latest or a version number, got {text!r}") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", nargs="?", help="a config YAML (base model) or a run directory")
@@ -154,8 +166,9 @@ def main(argv=None) -> int:
                     "flips against it per input with a sign test")
     ap.add_argument("--rows", type=FsPath, help="a folder of per-input scores per version: read "
                     "from it when it holds -n of them, else evaluated and written there")
-    ap.add_argument("--only", choices=["base", "latest"], help="evaluate only the base model or only the "
-                    "run's latest checkpoint (with --rows: for two processes at once)")
+    ap.add_argument("--only", type=only_choice, help="evaluate only the base model, only the run's latest "
+                    "checkpoint, or only kept version N: base, latest or N (with --rows: for processes "
+                    "at once, one version each)")
     a = ap.parse_args(argv)
     if a.plot:
         plot(*a.plot)
@@ -165,7 +178,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     src = FsPath(a.source)
     run_dir = src if src.is_dir() else None
-    cfg = load_config(src / "config.yaml" if run_dir else src)
+    try:
+        cfg = load_config(src / "config.yaml" if run_dir else src)
+    except ConfigError as e:               # relative paths in it are read from the working folder
+        print(f"{a.source}: {e}")
+        return 2
     task = build_task(cfg)
     versions: list[int | None] = [None]
     if run_dir:
@@ -174,8 +191,13 @@ def main(argv=None) -> int:
             print(f"{run_dir / 'checkpoints'}: no checkpoint that every agent has")
             return 2
         versions = ([None] if a.paired else []) + (kept if a.all else kept[-1:])
-    if a.only:
-        versions = [None] if a.only == "base" else versions[-1:]
+    if a.only == "base":
+        versions = [None]
+    elif a.only is not None:
+        if not run_dir or (a.only != "latest" and a.only not in kept):
+            print(f"--only {a.only}: no such kept version in {a.source}" + (f" (kept: {kept})" if run_dir else ""))
+            return 2
+        versions = [kept[-1] if a.only == "latest" else a.only]
     base = None
     for v in versions:
         t0 = time.time()

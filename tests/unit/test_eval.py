@@ -1,5 +1,7 @@
 """Held-out evaluation (run.eval_every): the pure bookkeeping, greedy sampling, the /eval
 table and the start-up checks (real runs: tests/e2e/test_eval_e2e.py)."""
+import importlib.util
+import json
 import sys
 
 import h5py
@@ -144,13 +146,18 @@ def test_a_store_written_before_eval_existed_gains_the_table(tmp_path):
     s.close()
 
 
-def test_sign_test_of_paired_flips():
+@pytest.fixture(scope="module")
+def ev():
+    """scripts/eval_heldout.py as a module (a script, not a package member)."""
+    spec = importlib.util.spec_from_file_location("eval_heldout", ROOT / "scripts" / "eval_heldout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sign_test_of_paired_flips(ev):
     """scripts/eval_heldout.py --paired: the exact two-sided sign test of wrong->right vs
     right->wrong flips (values by hand: 2 * sum C(n, i) for i <= k over 2^n)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("eval_heldout", ROOT / "scripts" / "eval_heldout.py")
-    ev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ev)
     assert ev.sign_test(0, 0) == 1.0 and ev.sign_test(3, 3) == 1.0
     assert ev.sign_test(5, 0) == ev.sign_test(0, 5) == 2 / 32
     assert abs(ev.sign_test(10, 2) - 2 * (1 + 12 + 66) / 4096) < 1e-12
@@ -159,13 +166,8 @@ def test_sign_test_of_paired_flips():
     assert ev.flips(base, now) == f"ok +2/-1 (p={ev.sign_test(2, 1):.3g})"
 
 
-def test_kept_rows_are_read_back_only_for_the_same_n(tmp_path):
+def test_kept_rows_are_read_back_only_for_the_same_n(ev, tmp_path):
     """--rows: a version's per-input scores written by one process are paired by another."""
-    import importlib.util
-    import json
-    spec = importlib.util.spec_from_file_location("eval_heldout", ROOT / "scripts" / "eval_heldout.py")
-    ev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ev)
     path = tmp_path / "base.json"
     assert ev.cached_rows(path, 2) is None and ev.cached_rows(None, 2) is None
     path.write_text(json.dumps({"n": 2, "rows": [{"ok": 1.0}, {"ok": 0.0}]}))
@@ -173,23 +175,14 @@ def test_kept_rows_are_read_back_only_for_the_same_n(tmp_path):
     assert ev.cached_rows(path, 3) is None
 
 
-def test_standard_errors_of_a_rate_and_of_a_count():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("eval_heldout", ROOT / "scripts" / "eval_heldout.py")
-    ev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ev)
+def test_standard_errors_of_a_rate_and_of_a_count(ev):
     rows = [{"ok": 1.0, "calls": 1.0}, {"ok": 0.0, "calls": 3.0}, {"ok": 0.0, "calls": 2.0}, {"ok": 1.0, "calls": 2.0}]
     err = ev.std_err(rows)
     assert abs(err["ok"] - (0.5 * 0.5 / 4) ** 0.5) < 1e-12          # the binomial one
     assert abs(err["calls"] - (0.5 / 4) ** 0.5) < 1e-12             # a count: mean 2, variance 0.5
 
 
-def test_the_plot_draws_a_count_with_the_error_written_beside_it(tmp_path):
-    import importlib.util
-    import json
-    spec = importlib.util.spec_from_file_location("eval_heldout", ROOT / "scripts" / "eval_heldout.py")
-    ev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ev)
+def test_the_plot_draws_a_count_with_the_error_written_beside_it(ev, tmp_path):
     lines = [{"version": 0, "n": 4, "ok": 0.5, "calls": 2.0, "std_err": {"ok": 0.25, "calls": 0.35}},
              {"version": 5, "n": 4, "ok": 0.25}]                  # a line written before std_err
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:1]))
@@ -197,3 +190,10 @@ def test_the_plot_draws_a_count_with_the_error_written_beside_it(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps(lines[1]) + "\n")
     ev.plot(str(tmp_path / "d.jsonl"), str(tmp_path / "d.png"))
     assert (tmp_path / "c.png").stat().st_size and (tmp_path / "d.png").stat().st_size
+
+
+def test_only_takes_base_latest_or_a_version_number(ev):
+    import argparse
+    assert ev.only_choice("base") == "base" and ev.only_choice("latest") == "latest" and ev.only_choice("14") == 14
+    with pytest.raises(argparse.ArgumentTypeError, match="expected base, latest or a version number, got 'v14'"):
+        ev.only_choice("v14")

@@ -98,7 +98,7 @@ class HFState:
                     grid[pp][tp] = tensors_from_bytes(b[24:])
             hf = megatron_to_hf(grid, self.args)
         if to_all:
-            hf = tensors_from_bytes(comm.bcast_obj(self.group, tensors_to_bytes(hf) if self.leader else None, 0))
+            hf = comm.bcast_tensors(self.group, hf if self.leader else None, 0)
         return hf
 
     def _master_weights(self) -> dict[str, torch.Tensor]:
