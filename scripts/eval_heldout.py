@@ -6,6 +6,7 @@ greedily, through the workflow's turns, and `task.eval_metrics` scores the leave
     python scripts/eval_heldout.py runs/smollm2_learn -n 128 --all --json out.json
     python scripts/eval_heldout.py runs/smollm2_learn -n 121 --all --paired   # + flips vs the base
     python scripts/eval_heldout.py --plot out.json docs/smollm2_learn.png   # the curve
+    python scripts/eval_heldout.py --plot curve.jsonl docs/math_team_heldout.png --keys team_correct
     python scripts/eval_heldout.py runs/math_team -n 200 --paired            # an episode workflow
     python scripts/eval_heldout.py runs/math_team -n 200 --paired --rows runs/math_team/eval
     python scripts/eval_heldout.py runs/math_team -n 200 --rows runs/math_team/eval --only 14
@@ -123,14 +124,19 @@ def kept_versions(run_dir: FsPath, agents: list[str]) -> list[int]:
     return [v for v in committed_versions(run_dir / "checkpoints" / agents[0]) if all(has(a, v) for a in agents)]
 
 
-def plot(rows_file: str, png: str) -> None:
-    """Held-out metrics per policy version (version 0: the base model), ±1 binomial std err."""
+def plot(rows_file: str, png: str, keys: list[str] | None = None) -> None:
+    """Held-out metrics per policy version (version 0: the base model), ±1 std err; `keys`:
+    only these metrics (a count such as math_team's solvers is off the 0-1 axis)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = sorted((json.loads(x) for x in open(rows_file) if x.strip()), key=lambda r: r["version"])
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for key in [k for k in rows[0] if k not in ("version", "n", "std_err")]:
+    metrics = [k for k in rows[0] if k not in ("version", "n", "std_err")]
+    missing = sorted(set(keys or ()) - set(metrics))
+    if missing:
+        raise SystemExit(f"{rows_file}: no metric {missing} (it has {metrics})")
+    for key in keys or metrics:
         v = [r["version"] for r in rows]
         y = [r[key] for r in rows]
         # std_err written with the row (a count is not 0/1); older lines: the binomial one
@@ -159,6 +165,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", nargs="?", help="a config YAML (base model) or a run directory")
     ap.add_argument("--plot", nargs=2, metavar=("JSONL", "PNG"), help="plot the recorded rows and exit")
+    ap.add_argument("--keys", nargs="+", help="with --plot: only these metrics")
     ap.add_argument("-n", type=int, default=128, help="held-out inputs")
     ap.add_argument("--all", action="store_true", help="every kept checkpoint, not only the latest")
     ap.add_argument("--json", help="append one JSON line per evaluated version to this file")
@@ -171,7 +178,7 @@ def main(argv=None) -> int:
                     "at once, one version each)")
     a = ap.parse_args(argv)
     if a.plot:
-        plot(*a.plot)
+        plot(*a.plot, keys=a.keys)
         return 0
     if not a.source:
         ap.error("a config YAML or a run directory is needed")

@@ -190,6 +190,10 @@ def test_the_plot_draws_a_count_with_the_error_written_beside_it(ev, tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps(lines[1]) + "\n")
     ev.plot(str(tmp_path / "d.jsonl"), str(tmp_path / "d.png"))
     assert (tmp_path / "c.png").stat().st_size and (tmp_path / "d.png").stat().st_size
+    ev.plot(str(tmp_path / "c.jsonl"), str(tmp_path / "e.png"), keys=["ok"])      # the rate only
+    assert (tmp_path / "e.png").stat().st_size
+    with pytest.raises(SystemExit, match=r"no metric \['solved'\] \(it has \['ok', 'calls'\]\)"):
+        ev.plot(str(tmp_path / "c.jsonl"), str(tmp_path / "f.png"), keys=["solved"])
 
 
 def test_only_takes_base_latest_or_a_version_number(ev):
