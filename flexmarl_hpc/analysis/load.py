@@ -277,10 +277,9 @@ def summary(run: Run) -> dict:
     tokens = int((consumed["prompt_len"] + consumed["response_len"]).sum()) if len(consumed) else 0
     iv = run.intervals
     secs = (iv["t1"] - iv["t0"]).groupby(iv["activity"]).sum() if not iv.empty else pd.Series(dtype=float)
-    cfg_run = run.config.get("run", {})
     return {
         "file": str(run.path), "config_digest": config_digest(run), "mode": run.attrs.get("mode"),
-        "agents": run.agents, "steps_configured": cfg_run.get("steps"),
+        "agents": run.agents, "steps_configured": steps_configured(run),
         "steps_done": int(steps.groupby("agent").size().min()) if not steps.empty else 0,
         "wall_s": wall, "samples": int(len(consumed)),
         "samples_dropped": int((run.samples["status"] == DROPPED).sum()) if not run.samples.empty else 0,
@@ -292,6 +291,20 @@ def summary(run: Run) -> dict:
         "eval": eval_curves(run),
         "calls_per_episode": calls_summary(run), "tools": tool_stats(run),
     }
+
+
+def steps_configured(run: Run) -> int | None:
+    """run.steps of the latest launch: the run folder's config.yaml (written at every launch,
+    as `status` reads it) when it is beside the file and names the same run; else the file's
+    own config, which is the first launch's (a resume with run.steps=44 keeps it at 20)."""
+    steps = run.config.get("run", {}).get("steps")
+    beside = run.path.parent / "config.yaml"
+    try:
+        latest = (yaml.safe_load(beside.read_text()) or {}).get("run", {}) if beside.is_file() else {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return steps
+    same = latest.get("name") == run.config.get("run", {}).get("name")
+    return int(latest["steps"]) if same and isinstance(latest.get("steps"), int) else steps
 
 
 def eval_curves(run: Run) -> dict:
