@@ -161,7 +161,7 @@ class SyncChannels:
         else:
             store = self.stores.get(addr) or self._connect(addr)
             pair.pg = new_group(self.backend, torch.distributed.PrefixStore(prefix, store), pair.first[me],
-                                size, self.group_timeout)
+                                size, self.group_timeout, self.device)
         self.groups_built += 1
 
     def pair(self, leader: int, replica: int) -> Pair:
@@ -231,14 +231,21 @@ def _tag(members: tuple[int, ...]) -> int:
     return hash(members) & 0x7FFF
 
 
-def new_group(backend: str, store, rank: int, size: int, timeout: datetime.timedelta = GROUP_TIMEOUT):
+def new_group(backend: str, store, rank: int, size: int, timeout: datetime.timedelta = GROUP_TIMEOUT,
+              device: torch.device | None = None):
     """A torch.distributed group over `store` (gloo on CPU, NCCL on GPUs); `timeout`: its
-    transfers' own (weight_sync.timeout_s, SyncChannels.group_timeout)."""
+    transfers' own (weight_sync.timeout_s, SyncChannels.group_timeout). NCCL with `device`:
+    the communicator is made now, bound to it (every member is in `open` together), so the
+    chain's send/recv run on it instead of torch making a 2-rank communicator per peer
+    (pytorch#129147; see docs/backends.md#weight-sync for the torch versions that still do)."""
     if backend == "gloo":
         return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
     opts = torch.distributed.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return torch.distributed.ProcessGroupNCCL(store, rank, size, opts)
+    pg = torch.distributed.ProcessGroupNCCL(store, rank, size, opts)
+    if device is not None and device.type == "cuda" and hasattr(pg, "eager_connect_single_device"):
+        pg.eager_connect_single_device(device)
+    return pg
 
 
 @dataclass(frozen=True)
