@@ -5,10 +5,11 @@
 
 For each replica count one MPI job (1 + replicas ranks) is started; rank 0 plays a trainer
 stage sender (the torch trainer's stream: its HF tensors one by one), the others play
-replicas. Per size (`82`: an 82 MiB Llama-shaped model; `smollm2`: the SmolLM2-135M shape,
+replicas, all in one (trainer, pool) sync group. Per size (`82`: an 82 MiB Llama-shaped model; `smollm2`: the SmolLM2-135M shape,
 ~513 MiB fp32) and backend, "ours" is the whole sync (`send_weights` / `receive_weights`:
 plan rendezvous, tensors packed into buckets of --bucket-mb, two sender buffers in turn,
-each bucket received and unpacked into tensors) and "raw" one broadcast of the same bytes
+each bucket received, forwarded down the chain of replicas and unpacked into tensors)
+and "raw" one broadcast of the same bytes
 from one model-sized buffer (the root sends the real parameter bytes, not an untouched
 buffer whose zero pages would sit in cache) on the same backend (`MPI.Bcast`, or the gloo
 group's `broadcast`). Each repetition runs every (backend, ours/raw) pair, in an order
@@ -53,7 +54,8 @@ def run_size(world, size: str, backends: list[str], reps: int, bucket: int) -> N
     import torch
     from flexmarl_hpc.learn.model import build_model, hf_state_dict
     from flexmarl_hpc.runtime.memtrack import TensorBytes
-    from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, dict_bucket, layout_of, pack,
+    from flexmarl_hpc.config.sync_groups import SyncGroup
+    from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, dict_bucket, layout_of, pack,
                                                   plan_buckets, receive_weights, send_weights)
 
     named = None
@@ -67,19 +69,19 @@ def run_size(world, size: str, backends: list[str], reps: int, bucket: int) -> N
     fns, chans, peaks = {}, [], {}
     for backend in backends:
         ch = SyncChannels(world, backend)
+        ch.open([SyncGroup(0, 0, (0,), members[1:])])       # the (trainer, pool) group, made at start
+        pair = ch.pairs[0, 0]
         chans.append(ch)
         if world.rank == 0:
-            ids = GroupIds()
-            plan = Plan((0,), (plan_buckets(layout_of(named), bucket),), (ids.use(0, members[1:]),),
-                        (ids.live(0),))
+            plan = Plan((0,), (plan_buckets(layout_of(named), bucket),))
             fns[backend, "ours"] = lambda ch=ch, plan=plan: send_weights(ch, members[1:], plan, 1, 0,
                                                                          named.items(), leader=True)
         else:
             fns[backend, "ours"] = lambda ch=ch: [b for b in receive_weights(ch, members)[2]]
         if backend == "mpi":
-            fns[backend, "raw"] = lambda comm=ch.get(members): comm.Bcast(raw_buf.numpy(), root=0)
+            fns[backend, "raw"] = lambda comm=pair.comm: comm.Bcast(raw_buf.numpy(), root=0)
         else:
-            def raw(pg=ch.group(members, -1)):
+            def raw(pg=pair.pg):
                 opts = torch.distributed.BroadcastOptions()
                 opts.rootRank = 0
                 pg.broadcast([raw_buf], opts).wait()

@@ -174,6 +174,7 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     # any engine or trainer touches CUDA; 'cpu' on nodes without GPUs
     from flexmarl_hpc.runtime.devices import bind_rank
     from flexmarl_hpc.config.resources import rollout_pools
+    from flexmarl_hpc.config.sync_groups import sync_groups
     device = bind_rank(world, layout, tuple(p.gpus_per_replica for p in rollout_pools(cfg))).device
     task = build_task(cfg)
     out = cfg.output_dir
@@ -189,7 +190,7 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
         _started(world, live)
         return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell, live,
-                            cfg.weight_sync.timeout_s)
+                            cfg.weight_sync.timeout_s, sync_groups(cfg, layout))
     from flexmarl_hpc.runtime.workers import restore_trainers, trainer_loop
     mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
@@ -198,7 +199,8 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
     _started(world, live)
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
-                        cfg.weight_sync.backend, wire, bell, live, cfg.weight_sync.timeout_s)
+                        cfg.weight_sync.backend, wire, bell, live, cfg.weight_sync.timeout_s,
+                        sync_groups(cfg, layout))
 
 
 def _started(world, live, log=None) -> None:

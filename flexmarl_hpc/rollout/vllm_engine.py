@@ -7,12 +7,13 @@ VLLMEngine), with `load_format="dummy"`: the folder vLLM is pointed at holds con
 to disk, and the first sync fills the weights. Every LLM gets `SyncWorker` as its
 `worker_extension_cls`, so each of its workers (one per TP rank) can:
 
-- on GPUs (`remote`): join the sync's data group itself (`flexmarl_join`: rank = the
-  replica's first rank + its TP rank; runtime/weight_sync.SyncChannels.group counts TP ranks
-  per replica) and receive each bucket into its own bucket buffer on its own GPU
-  (`flexmarl_recv`), then `model.load_weights` it (vLLM shards it for its TP rank). Only
-  bucket headers (names, shapes, offsets) go through `collective_rpc`: nothing model-sized is
-  pickled, and every TP worker is in the group;
+- on GPUs (`remote`): join the replica's (trainer group, pool) sync groups itself at the
+  replica's start (`flexmarl_join`: rank = the replica's first rank + its TP rank;
+  runtime/sync_groups.SyncChannels.open counts TP ranks per replica), receive each bucket
+  from the link before it in the sync's chain into its own bucket buffer on its own GPU and
+  forward it to the link after (`flexmarl_recv`), then `model.load_weights` it (vLLM shards
+  it for its TP rank). Only bucket headers (names, shapes, offsets, the chain) go through
+  `collective_rpc`: nothing model-sized is pickled, and every TP worker is in the group;
 - on CPU (in-process engine core, TP 1): the replica receives the buckets and hands them over
   in-process (`flexmarl_load`): vLLM's CPU backend repacks linear weights after loading, so
   the buckets are gathered and loaded through `reload_weights` once (a model-sized host copy,
@@ -67,42 +68,48 @@ class SyncWorker:
 
     def flexmarl_join(self, addr: tuple[str, int], prefix: str, first: int, size: int, backend: str,
                       timeout=None) -> int:
-        """Join the sync data group `prefix` as rank first + this worker's TP rank; `timeout`
-        (weight_sync.timeout_s) is the group's own and its store's."""
+        """Join the (trainer group, pool) sync group `prefix` as rank first + this worker's TP
+        rank (once, at the replica's start); `timeout` (weight_sync.timeout_s) is the group's
+        own and its store's."""
         import torch.distributed as dist
         from vllm.distributed import get_tensor_model_parallel_rank
-        from flexmarl_hpc.runtime.weight_sync import GROUP_TIMEOUT, new_group
+        from flexmarl_hpc.runtime.sync_groups import GROUP_TIMEOUT, new_group
         rank = first + get_tensor_model_parallel_rank()
         timeout = timeout or GROUP_TIMEOUT
         store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timeout)
         groups = self.__dict__.setdefault("_flexmarl_groups", {})
-        groups[prefix] = new_group(backend, dist.PrefixStore(prefix, store), rank, size, timeout)
+        pg = new_group(backend, dist.PrefixStore(prefix, store), rank, size, timeout, torch.device(self.device))
+        groups[prefix] = (pg, rank)
         return rank
 
     def flexmarl_leave(self, prefix: str) -> None:
-        from flexmarl_hpc.runtime.weight_sync import _shutdown
-        pg = self.__dict__.get("_flexmarl_groups", {}).pop(prefix, None)
+        from flexmarl_hpc.runtime.sync_groups import _shutdown
+        pg, _ = self.__dict__.get("_flexmarl_groups", {}).pop(prefix, (None, 0))
         if pg is not None:
             _shutdown(pg)
 
-    def flexmarl_recv(self, prefix: str, bucket, left_s: float | None = None) -> None:
-        """One bucket from the group's root into this worker's bucket buffer on its device,
-        loaded into the model (vLLM takes this TP rank's shard of each tensor). A piece of a
-        split tensor lands in place in the buffer (grown to the whole tensor) and the tensor
-        is loaded after its last piece: vLLM's weight loaders take whole tensors. Its broadcast
-        is waited for by the replica's sync deadline (`left_s` seconds from the call; None:
-        none): CollectiveTimeout, which collective_rpc carries back to the replica."""
+    def flexmarl_recv(self, prefix: str, bucket, left_s: float | None = None, chain: tuple[int, ...] = ()) -> None:
+        """One bucket from the link before this worker in `chain` (the group ranks the bucket
+        travels along, weight_sync.chain: the stage sender, then every TP worker of every
+        target replica) into this worker's bucket buffer on its device, forwarded to the link
+        after it, and loaded into the model (vLLM takes this TP rank's shard of each tensor). A
+        piece of a split tensor lands in place in the buffer (grown to the whole tensor) and
+        the tensor is loaded after its last piece: vLLM's weight loaders take whole tensors.
+        Its transfers are waited for by the replica's sync deadline (`left_s` seconds from the
+        call; None: none): CollectiveTimeout, which collective_rpc carries back to the replica."""
         from flexmarl_hpc.runtime import deadline
         from flexmarl_hpc.runtime.weight_sync import landing, received
         buf = self.__dict__.get("_flexmarl_buffer")
         if buf is None or buf.numel() < bucket.span:
             self._flexmarl_buffer = buf = None
             self._flexmarl_buffer = buf = torch.empty(bucket.span, dtype=torch.uint8, device=self.device)
-        opts = torch.distributed.BroadcastOptions()
-        opts.rootRank = 0
-        work = self._flexmarl_groups[prefix].broadcast([landing(bucket, buf)], opts)
+        pg, rank = self._flexmarl_groups[prefix]
+        at = chain.index(rank)
         dl = deadline.Deadline(0 if left_s is None else max(left_s, 1e-3), f"weight sync group {prefix}")
-        deadline.wait_works([work], dl, "a bucket (vLLM TP worker)")
+        region = landing(bucket, buf)
+        deadline.wait_works([pg.recv([region], chain[at - 1], 0)], dl, "a bucket (vLLM TP worker)")
+        if at + 1 < len(chain):
+            deadline.wait_works([pg.send([region], chain[at + 1], 0)], dl, "a bucket (vLLM TP worker)")
         whole = received(bucket, buf)
         if whole:
             _model(self).load_weights(weights=list(whole.items()))
@@ -221,7 +228,7 @@ class VLLMEngine:
                 local.update({k: v.detach().clone() for k, v in part.items()
                               if not (args.tie_embeddings and k == "lm_head.weight")})
             else:
-                eng.llm.collective_rpc("flexmarl_recv", args=(part.prefix, part.bucket, part.left_s))
+                eng.llm.collective_rpc("flexmarl_recv", args=(part.prefix, part.bucket, part.left_s, part.chain))
         if local:
             _check_names(agent, args, local)
             eng.llm.collective_rpc("flexmarl_load", args=(list(local.items()), args.tie_embeddings))
@@ -329,10 +336,14 @@ class VLLMEngine:
 
 
 class _Remote:
-    """SyncChannels.group's view of an engine whose TP workers join the data group."""
+    """SyncChannels.open's view of an engine whose TP workers join a sync group."""
 
     def __init__(self, owner: VLLMEngine, eng: _Engine):
-        self.ranks, self.eng = owner.tp, eng
+        self.ranks, self.eng, self.owner = owner.tp, eng, owner
+
+    def serves(self, agent: str) -> bool:
+        """Whether `agent` runs on this engine (the one whose workers joined the group)."""
+        return self.owner._engine(agent) is self.eng
 
     def join(self, addr, prefix: str, first: int, size: int, backend: str, timeout=None) -> None:
         self.eng.llm.collective_rpc("flexmarl_join", args=(addr, prefix, first, size, backend, timeout))

@@ -15,10 +15,11 @@ Waiting never spins: each look (`Test`, `is_completed`) is followed by a back-of
 nothing. MPICH progresses a non-blocking collective only inside Test; measured here, an
 Ibcast waited this way is no slower than a blocking Bcast (bench/bench_sync_deadline.py).
 A collective abandoned at its deadline stays pending: its communicator or group must not be
-used again (weight_sync.SyncChannels.forget).
+used again (sync_groups.SyncChannels.abandon).
 """
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Callable, Iterable
 
@@ -86,17 +87,17 @@ def join(world: MPI.Comm, members: tuple[int, ...], dl: Deadline, phase: str) ->
     token = np.zeros(1, dtype=np.int8)
     if me == root:
         got = np.zeros(len(members) - 1, dtype=np.int8)
-        _receive_by([world.Irecv(got[i:i + 1], source=m, tag=TAG_JOIN) for i, m in enumerate(members[1:])],
+        receive_by([world.Irecv(got[i:i + 1], source=m, tag=TAG_JOIN) for i, m in enumerate(members[1:])],
                     dl, phase)
         reqs = [world.Isend(token, dest=m, tag=TAG_JOIN) for m in members[1:]]
         wait_until(lambda: MPI.Request.Testall(reqs), dl, phase)     # 1 byte: sent eagerly
         return
     wait_request(world.Isend(token, dest=root, tag=TAG_JOIN), dl, phase)
-    _receive_by([world.Irecv(token, source=root, tag=TAG_JOIN)], dl, phase)
+    receive_by([world.Irecv(token, source=root, tag=TAG_JOIN)], dl, phase)
 
 
-def _receive_by(reqs: list[MPI.Request], dl: Deadline, phase: str) -> None:
-    """Receives by the deadline; at it, the ones still open are cancelled (a receive left
+def receive_by(reqs: list[MPI.Request], dl: Deadline, phase: str) -> None:
+    """MPI requests by the deadline; at it, the ones still open are cancelled (a receive left
     posted would take a late member's token, and MPI_Finalize complains of it)."""
     try:
         wait_until(lambda: MPI.Request.Testall(reqs), dl, phase)
@@ -115,3 +116,17 @@ def wait_works(works: Iterable, dl: Deadline, phase: str) -> None:
     wait_until(lambda: all(w.is_completed() for w in works), dl, phase)
     for w in works:
         w.wait()
+
+
+def wait_blocking(works: Iterable, dl: Deadline, phase: str) -> None:
+    """Wait for torch.distributed Works whose completion is seen only inside `wait()`
+    (gloo's send and recv), each with the time left (a condition wait, not a spin); gloo's
+    timeout error becomes CollectiveTimeout."""
+    for w in works:
+        left = dl.left()
+        try:
+            w.wait() if left is None else w.wait(datetime.timedelta(seconds=max(left, 1e-3)))
+        except RuntimeError as e:
+            if "imed out" not in str(e) and "imeout" not in str(e):
+                raise
+            raise dl.expired(phase) from None

@@ -5,7 +5,7 @@ HF-named tensors one at a time (megatron: each tensor, or each piece's rows of o
 than a bucket, assembled in HF layout on the device from the TP shards holding those rows,
 trainer/megatron/trainer.py `sync_stream`), each PP stage
 from its own sender (its TP rank 0 of data-parallel replica 0), and the sender packs them
-into fixed-size buckets (`weight_sync.bucket_mb`) broadcast to the target replicas. A tensor
+into fixed-size buckets (`weight_sync.bucket_mb`) sent to the target replicas. A tensor
 larger than a bucket (a 152k-row embedding or LM head) goes as pieces of whole rows, a
 bucket each (`Piece`), so the sender's two bucket buffers (one in flight while the next
 fills) never exceed two buckets, whatever the model, and a sharded trainer gathers one
@@ -17,63 +17,54 @@ bucket to the engine before the next arrives (`RolloutEngine.load_weights` takes
 buckets as an iterable), and mark the new version only after the last, so nothing samples
 with half-updated weights.
 
-The layout (`Plan`: per stage, its sender and buckets of names, dtypes, shapes, offsets) is
-a pure function of the model, TP/PP and the bucket size; the group leader sends it over an
-MPI communicator of {leader} + {targets}: the rendezvous (members arrive at different times,
-and it is waited for without spinning, comm.py), and a member set that already carried the
-layout gets 24 bytes instead. The buckets then go over a data group per (stage sender +
-targets) (`weight_sync.backend`, see bench/bench_weight_sync.py):
+Every transfer runs inside the sync group of its (trainer group, pool), made at start
+(runtime/sync_groups.py, config/sync_groups.py), whatever subset of the pool it targets:
 
-- `mpi`: an MPI communicator of those members, one `Ibcast` per bucket waited for with
-  `Test` and back-off sleeps under the sync's deadline (a blocking `Bcast` could not be given
-  up at a deadline; measured no slower, docs/LOG.md 2026-11-25: hung collectives).
-- `gloo` / `nccl`: a torch.distributed group (`ProcessGroupGloo` / `ProcessGroupNCCL`) over
-  the same members. On GPUs this is the production path: buckets live on the device and NCCL
-  moves them GPU to GPU. On CPU the same code runs over gloo.
+- the plan (`Plan`: per stage, its sender and buckets of names, dtypes, shapes, offsets; a
+  pure function of the model, TP/PP and the bucket size) goes from the group leader to each
+  target point to point over the pair's MPI communicator, after every target has announced
+  itself (the rendezvous: waited for without spinning, comm.py); a target that already got
+  this plan from this leader gets 24 bytes instead;
+- each bucket travels along a chain, stage sender -> target 1 -> target 2 ... (`chain`; a
+  vLLM replica's TP workers are consecutive links), point to point: each target forwards
+  a bucket as soon as it has landed, while its engine loads it. Replicas outside the sync
+  take no part. Backend `mpi`: `Issend`/`Irecv` on the pair's communicator (a synchronous
+  send: it completes only once the next link has posted its receive, so a link that never
+  comes is seen at the deadline); `gloo` / `nccl`: `send`/`recv` on the pair's
+  torch.distributed group (`ProcessGroupGloo` / `ProcessGroupNCCL`; on GPUs the production
+  path, buckets on the device, NCCL GPU to GPU; on CPU the same code over gloo).
 
 Every wait of a sync has one deadline, `weight_sync.timeout_s` from its start on that rank
 (runtime/deadline.py; receivers `receiver_grace` longer, so a live sender gives up first):
-the communicators' set-up (every member joins first), the plan's rendezvous (an allreduce,
-complete on no member before every member has joined), each data group's set-up and each
-bucket (`Ibcast` + `Test`; torch `Work`s by `deadline.wait_works`). Past it the rank raises
-CollectiveTimeout and forgets the communicators and data groups the sync used (`abandon`: an
-abandoned collective stays pending in them; torch groups are aborted); its worker reports it
+the rendezvous and each bucket's send and receive (MPI requests waited with `Test` and
+back-off sleeps, torch `Work`s by `deadline.wait_works`). Past it the rank raises
+CollectiveTimeout and abandons the pairs the sync used (a transfer stays pending in them;
+torch groups are aborted; a later sync over them is refused by name); its worker reports it
 (messages.SyncTimedOut). NCCL and gloo groups get it as their own timeout too, with
 TORCH_NCCL_ASYNC_ERROR_HANDLING set, so NCCL's watchdog ends what no wait of ours watches.
 A vLLM replica's TP workers (RemoteGroup) receive in their own processes: each bucket's
-header carries the seconds left, and the worker waits its broadcast with that deadline.
-
-Groups are built on first use per member set and cached (at most MAX_GROUPS per rank, least
-recently used closed first: the orchestrator's member sets are subsets of a pool, so they
-repeat). A torch group needs a store: the set's root hosts a `TCPStore` (one per rank, port
-chosen by the OS, host from `FLEXMARL_STORE_HOST` or the rank's hostname) and sends its
-address over the set's MPI communicator. Set `GLOO_SOCKET_IFNAME` (and the NCCL variables) to
-pick the network interface. The orchestrator issues syncs in one global order, so every
-member meets the collective calls in the same sequence and concurrent syncs cannot deadlock.
+header carries the seconds left and the chain, and the worker waits its transfers by then.
+The orchestrator issues syncs in one global order, so every member meets the transfers in
+the same sequence and concurrent syncs cannot deadlock.
 """
 from __future__ import annotations
 
-import atexit
-import datetime
-import os
 import pickle
-import socket
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Literal
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.runtime import deadline, memtrack
+from flexmarl_hpc.runtime import deadline
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout, Deadline
+from flexmarl_hpc.runtime.sync_groups import (CPU_DEFAULT, GROUP_TIMEOUT, Pair, RemoteGroup,  # noqa: F401
+                                              SyncChannels, _shutdown, host_bytes, new_group,
+                                              resolve_backend)
 
-Backend = Literal["mpi", "gloo", "nccl"]
-GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-MAX_GROUPS = 16          # data groups (and their communicators) a rank keeps open
-
+MPI_CHUNK = 1 << 30
+TAG_DATA, TAG_PLAN = 21, 22             # on a pair's MPI communicator
 
 @dataclass(frozen=True)
 class Piece:
@@ -116,13 +107,9 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one sync carries, per PP stage: its sender (world rank), its buckets, the id of
-    its data group with these targets, and the ids of that sender's groups still open (a
-    receiver closes the others: see GroupIds)."""
+    """What one sync carries, per PP stage: its sender (world rank) and its buckets."""
     senders: tuple[int, ...]
     stages: tuple[tuple[Bucket, ...], ...]
-    gids: tuple[int, ...] = ()
-    live: tuple[tuple[int, ...], ...] = ()
 
     @property
     def largest(self) -> int:
@@ -264,29 +251,6 @@ def row_pieces(plan: Plan) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
-def host_bytes(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A host byte buffer on transparent huge pages: numpy madvises large allocations
-    (MADV_HUGEPAGE), torch's allocator does not. Measured here, an MPI Bcast between
-    torch-allocated buffers takes 1.25-1.9x as long as between numpy-allocated ones (TLB
-    misses on 4 KiB pages across a model-sized copy): that, not the protocol, was most of the
-    gap between our sync and a raw Bcast of numpy buffers. `pin`: page-locked instead (CUDA's
-    host allocator), so copies to and from a GPU run asynchronously (state swap)."""
-    if pin:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return memtrack.external(torch.from_numpy(np.empty(nbytes, dtype=np.uint8)))
-
-
-CPU_DEFAULT: Backend = "mpi"          # weight_sync.backend=auto without CUDA (see resolve_backend)
-
-
-def resolve_backend(name: str) -> Backend:
-    """`weight_sync.backend` as run: auto is nccl where CUDA is available, else CPU_DEFAULT."""
-    if name == "auto":
-        return "nccl" if torch.cuda.is_available() else CPU_DEFAULT
-    if name == "nccl" and not torch.cuda.is_available():
-        raise ValueError("weight_sync.backend: nccl needs CUDA on every sync rank; use gloo or mpi on CPU")
-    return name  # type: ignore[return-value]
-
 
 def wire_dtype(rollout_dtype: str, rollout_backend: str, sync_backend: str) -> torch.dtype | None:
     """The dtype floating weights travel in: the engines' (`rollout.dtype`; auto is bf16 for
@@ -297,216 +261,19 @@ def wire_dtype(rollout_dtype: str, rollout_backend: str, sync_backend: str) -> t
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[rollout_dtype]
 
 
-class GroupIds:
-    """The data groups of one trainer group, identical on each of its ranks (all of them see
-    every Sync): an id per (stage, targets, agent), at most `cap` open, least recently used
-    closed first. Per agent, because a replica's workers of that agent's engine are the ones
-    that join (vLLM). The plan carries the ids, so receivers close what the senders closed and
-    a set seen again after its group was closed gets a new group (a new store prefix)."""
-
-    def __init__(self, cap: int = MAX_GROUPS):
-        self.cap, self.ids, self.next = cap, OrderedDict(), 0
-
-    def use(self, stage: int, targets: tuple[int, ...], agent: str = "") -> int:
-        key = (stage, targets, agent)
-        if key in self.ids:
-            self.ids.move_to_end(key)
-        else:
-            self.next += 1
-            self.ids[key] = self.next
-            while len(self.ids) > self.cap:
-                self.ids.popitem(last=False)
-        return self.ids[key]
-
-    def live(self, stage: int) -> tuple[int, ...]:
-        return tuple(sorted(g for (s, *_), g in self.ids.items() if s == stage))
-
-    def drop(self, targets: tuple[int, ...], agent: str = "") -> None:
-        """Forget the ids of a sync given up at its deadline: a set seen again gets new
-        groups (a new store prefix; the abandoned ones' keys stay in the store)."""
-        for key in [k for k in self.ids if k[1:] == (targets, agent)]:
-            del self.ids[key]
-
-
-class SyncChannels:
-    """One rank's side of the weight broadcast: cached MPI communicators per member set
-    (world ranks, root first), torch data groups per (member set, id), the rank's store, and
-    its bucket buffers (two on a sender, one on a receiver)."""
-
-    def __init__(self, world: MPI.Comm, backend: str = "auto", device: str | torch.device | None = None,
-                 timeout_s: float = 0.0):
-        backend = resolve_backend(backend)
-        if backend not in ("mpi", "gloo", "nccl"):
-            raise ValueError(f"weight_sync.backend: {backend!r}, expected auto, mpi, gloo or nccl")
-        if device is None:        # NCCL moves device memory: buckets on this rank's current GPU
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-        self.world, self.backend, self.device = world, backend, torch.device(device)
-        self.timeout_s = timeout_s                            # weight_sync.timeout_s; 0: none
-        self.group_timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else GROUP_TIMEOUT
-        if backend == "nccl":       # NCCL's watchdog tears a rank down after a timed-out collective
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        self.cache: dict[tuple[int, ...], MPI.Comm] = {}
-        self.groups: OrderedDict[tuple[tuple[int, ...], int], object] = OrderedDict()
-        self.stores: dict[tuple[str, int], object] = {}      # (host, port) -> TCPStore
-        self.layouts: dict[tuple[int, ...], Plan] = {}         # last plan each member set carried
-        self._buffers: list[torch.Tensor | None] = [None, None]
-        self._master: tuple[str, int] | None = None           # address of the store this rank hosts
-        self.buffer_allocations = 0                           # tests check it stays small
-        self.groups_built = 0
-        _open.add(self)
-
-    # -- MPI communicator: the plan rendezvous, and the data path of backend "mpi" -------
-    def get(self, members: tuple[int, ...], dl: Deadline | None = None) -> MPI.Comm:
-        """The member set's communicator, made on its first use (after every member has
-        joined by `dl`: MPI_Comm_create_group blocks until they all have)."""
-        comm = self.cache.get(members)
-        if comm is None:
-            if dl is not None:
-                deadline.join(self.world, members, dl, "joining (every member arriving)")
-            group = self.world.Get_group().Incl(list(members))
-            # tag: a stable function of the member set so concurrent creations don't mix
-            comm = self.world.Create_group(group, hash(members) & 0x7FFF)
-            group.Free()
-            self.cache[members] = comm
-        return comm
-
-    def buffer(self, nbytes: int, slot: int = 0) -> torch.Tensor:
-        """Bucket buffer `slot` (0, 1), grown (never duplicated) to the largest bucket."""
-        buf = self._buffers[slot]
-        if buf is None or buf.numel() < nbytes:
-            self._buffers[slot] = None                        # free the old one first
-            self._buffers[slot] = host_bytes(nbytes) if self.device.type == "cpu" else \
-                torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.buffer_allocations += 1
-        return self._buffers[slot][:nbytes]
-
-    # -- torch.distributed data group of a member set (backends gloo / nccl) -------------
-    def group(self, members: tuple[int, ...], gid: int = 0, remote=None, dl: Deadline | None = None):
-        """The data group of `members` (root first) with id `gid`. Each member brings its
-        ranks: 1, or with `remote` (an engine whose own workers receive, e.g. vLLM's TP
-        workers) `remote.ranks`, which join through `remote.join` instead of this process.
-        Its set-up waits by `dl`; the group's own timeout is weight_sync.timeout_s."""
-        key = (members, gid)
-        pg = self.groups.get(key)
-        if pg is None:
-            dl = dl or Deadline(0)
-            comm = self.get(members, dl)
-            counts = np.zeros(comm.Get_size(), dtype=np.int64)
-            deadline.wait_request(comm.Iallgather(np.array([1 if remote is None else remote.ranks],
-                                                           dtype=np.int64), counts), dl, "the data group's set-up")
-            addr = _bcast_addr(comm, self._serve() if comm.Get_rank() == 0 else None, dl)
-            prefix = f"wsync_{gid}_" + "_".join(map(str, members)) + "/"
-            first, size = int(counts[:comm.Get_rank()].sum()), int(counts.sum())
-            if remote is not None:
-                remote.join(addr, prefix, first, size, self.backend, self.group_timeout)
-                pg = RemoteGroup(prefix, remote)
-            else:
-                store = self.stores.get(addr) or self._connect(addr)
-                pg = new_group(self.backend, torch.distributed.PrefixStore(prefix, store), first, size,
-                               self.group_timeout)
-            self.groups[key] = pg
-            self.groups_built += 1
-        self.groups.move_to_end(key)
-        return pg
-
-    def forget(self, root: int, live: Iterable[int]) -> None:
-        """Close the data groups rooted at `root` whose ids it no longer keeps."""
-        live = set(live)
-        for key in [k for k in self.groups if k[0][0] == root and k[1] not in live]:
-            _shutdown(self.groups.pop(key))
-
-    def abandon(self, sets: Iterable[tuple[int, ...]]) -> None:
-        """Drop the communicators, plans and data groups of member sets whose collective was
-        given up at its deadline (still pending there: they must not carry another sync). A
-        torch group is aborted, which releases a transfer stuck in it (RemoteGroup: its
-        workers leave it); an MPI communicator is left unfreed (freeing one with a pending
-        request is erroneous)."""
-        sets = set(sets)
-        for members in sets:
-            self.cache.pop(members, None)
-            self.layouts.pop(members, None)
-        for key in [k for k in self.groups if k[0] in sets]:
-            pg = self.groups.pop(key)
-            if hasattr(pg, "abort"):
-                pg.abort()
-            else:
-                _shutdown(pg)
-
-    def _serve(self) -> tuple[str, int]:
-        """The store this rank hosts for the member sets it is the root of (created once)."""
-        if self._master is not None:
-            return self._master
-        host = os.environ.get("FLEXMARL_STORE_HOST") or socket.gethostname()
-        store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                           timeout=GROUP_TIMEOUT)
-        self._master = (host, store.port)
-        self.stores[self._master] = store
-        return self._master
-
-    def _connect(self, addr: tuple[str, int]):
-        store = self.stores[addr] = torch.distributed.TCPStore(addr[0], addr[1], is_master=False,
-                                                               timeout=GROUP_TIMEOUT)
-        return store
-
-    def close(self) -> None:
-        """Tear the torch groups down before the stores (a group alive at interpreter exit
-        aborts the process)."""
-        while self.groups:
-            _shutdown(self.groups.popitem()[1])
-        self.stores.clear()
-        self._master = None
-        _open.discard(self)
-
-
-def new_group(backend: str, store, rank: int, size: int, timeout: datetime.timedelta = GROUP_TIMEOUT):
-    """A torch.distributed group over `store` (gloo on CPU, NCCL on GPUs); `timeout`: its
-    collectives' own (weight_sync.timeout_s, SyncChannels.group_timeout)."""
-    if backend == "gloo":
-        return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
-    opts = torch.distributed.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return torch.distributed.ProcessGroupNCCL(store, rank, size, opts)
-
-
-@dataclass(frozen=True)
-class RemoteGroup:
-    """A data group this process does not sit in: its engine's workers do (`remote.join`)."""
-    prefix: str
-    remote: object
-
-    def shutdown(self) -> None:
-        self.remote.leave(self.prefix)
-
 
 @dataclass(frozen=True)
 class RemoteBucket:
     """A bucket an engine's workers receive themselves (`prefix`: their group): only this
     header crosses to them, never the bytes. `left_s`: seconds left of the receiver's sync
-    deadline when it was handed over (None: none); the worker waits its broadcast by then."""
+    deadline when it was handed over (None: none); the worker waits its transfers by then.
+    `chain`: the group ranks the bucket travels along (weight_sync.chain): a worker receives
+    from the rank before its own and forwards to the one after."""
     prefix: str
     bucket: Bucket
     left_s: float | None = None
+    chain: tuple[int, ...] = ()
 
-
-def _shutdown(pg) -> None:
-    """Free a group's communicator now (NCCL holds device memory), not at garbage collection."""
-    if hasattr(pg, "shutdown"):
-        try:
-            pg.shutdown()
-        except RuntimeError:
-            pass
-
-
-_open: weakref.WeakSet[SyncChannels] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    for ch in list(_open):
-        ch.close()
-
-
-MPI_CHUNK = 1 << 30
 
 
 def receiver_grace(timeout_s: float) -> float:
@@ -522,62 +289,93 @@ def sync_deadline(channels: SyncChannels, members: tuple[int, ...], sender: bool
                     f"weight sync over ranks {list(members)}")
 
 
-def _bcast_addr(comm: MPI.Comm, addr, dl: Deadline):
-    """The root's store address to every member, by the deadline."""
-    n = np.zeros(1, dtype=np.int64)
-    data = np.frombuffer(pickle.dumps(addr), dtype=np.uint8) if comm.Get_rank() == 0 else None
-    if data is not None:
-        n[0] = data.size
-    deadline.bcast(comm, n, 0, dl, "the data group's store address")
-    if data is None:
-        data = np.empty(int(n[0]), dtype=np.uint8)
-    deadline.bcast(comm, data, 0, dl, "the data group's store address")
-    return pickle.loads(data.tobytes())
 
-
-def bcast_bucket(channels: SyncChannels, members: tuple[int, ...], gid: int, flat: torch.Tensor,
-                 dl: Deadline):
-    """Broadcast one bucket from members[0]; returns the torch Work to wait on by `dl`
-    (None: done). mpi: an Ibcast waited for here (Test + back-off; MPICH progresses it only
-    inside Test), by `dl`."""
+# ---------------------------------------------------------------------------------------
+# transfers inside a pair: point to point, by the sync's deadline
+# ---------------------------------------------------------------------------------------
+def _isend(channels: SyncChannels, pair: Pair, flat: torch.Tensor, dst: int) -> list:
     if channels.backend == "mpi":
         arr = flat.numpy()
-        comm = channels.get(members, dl)
-        for start in range(0, arr.size, MPI_CHUNK):           # MPI counts are ints
-            deadline.bcast(comm, arr[start:start + MPI_CHUNK], 0, dl, "a bucket")
-        return None
-    opts = torch.distributed.BroadcastOptions()
-    opts.rootRank = 0
-    return channels.group(members, gid, dl=dl).broadcast([flat], opts)
+        return [pair.comm.Issend(arr[i:i + MPI_CHUNK], dest=dst, tag=TAG_DATA)     # MPI counts are ints
+                for i in range(0, arr.size, MPI_CHUNK)]
+    return [pair.pg.send([flat], dst, 0)]
 
 
-def _wait(work, dl: Deadline) -> None:
-    if work is not None:
-        deadline.wait_works([work], dl, "a bucket")
+def _irecv(channels: SyncChannels, pair: Pair, flat: torch.Tensor, src: int) -> list:
+    if channels.backend == "mpi":
+        arr = flat.numpy()
+        return [pair.comm.Irecv(arr[i:i + MPI_CHUNK], source=src, tag=TAG_DATA)
+                for i in range(0, arr.size, MPI_CHUNK)]
+    return [pair.pg.recv([flat], src, 0)]
+
+
+def _wait(channels: SyncChannels, handles: list, dl: Deadline, phase: str = "a bucket") -> None:
+    if not handles:
+        return
+    if channels.backend == "mpi":           # left pending at the deadline: the pair is abandoned
+        deadline.wait_until(lambda: MPI.Request.Testall(handles), dl, phase)
+    elif channels.backend == "gloo":        # gloo's send/recv Works complete only inside wait()
+        deadline.wait_blocking(handles, dl, phase)
+    else:
+        deadline.wait_works(handles, dl, phase)
+
+
+def chain(channels: SyncChannels, pair: Pair, sender: int, targets: Iterable[int]) -> tuple[int, ...]:
+    """The ranks a bucket travels along in `pair` (its MPI communicator's ranks, or its torch
+    group's: a vLLM replica's TP workers are consecutive links): the stage sender, then each
+    target in order. Every member computes the same chain from the plan's targets."""
+    if channels.backend == "mpi":
+        return (pair.rank(sender),) + tuple(pair.rank(t) for t in targets)
+    return (pair.first[sender],) + tuple(r for t in targets for r in pair.ranks(t))
+
+
+def _pairs(channels: SyncChannels, leader: int, targets: tuple[int, ...]) -> list[tuple[Pair, tuple[int, ...]]]:
+    """The sync groups the targets fall in (one per pool they belong to), with their targets."""
+    out: dict[tuple[int, int], tuple[Pair, list[int]]] = {}
+    for t in targets:
+        p = channels.pair(leader, t)
+        out.setdefault(p.key, (p, []))[1].append(t)
+    return [(p, tuple(ts)) for p, ts in out.values()]
+
+
+def receiver_grace(timeout_s: float) -> float:
+    """Receivers wait this much longer than the senders, so that where a sender is alive it
+    gives up first: its report frees its trainer group for the checkpoint that follows."""
+    return min(0.25 * timeout_s, 30.0) if timeout_s > 0 else 0.0
+
+
+def sync_deadline(channels: SyncChannels, members: tuple[int, ...], sender: bool) -> Deadline:
+    """The one deadline of every wait of a sync on this rank (0: none)."""
+    grace = 0.0 if sender else receiver_grace(channels.timeout_s)
+    return Deadline(channels.timeout_s + grace if channels.timeout_s > 0 else 0,
+                    f"weight sync over ranks {list(members)}")
 
 
 def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, version: int,
                  stage: int | None, stream: Iterable[tuple[str, torch.Tensor]], leader: bool,
                  on_rendezvous=lambda: None) -> None:
     """A trainer rank's part of a sync to the replicas `targets` (world ranks). The group
-    leader sends the plan (the rendezvous); the sender of `stage` streams its tensors into
-    buckets, two buffers in turn (one broadcasts while the next fills); every other rank
-    runs `stream` for its collectives (megatron's TP gathers) and sends nothing.
-    CollectiveTimeout at the deadline (weight_sync.timeout_s): the sets used are abandoned
-    and the rest of `stream` still runs (its TP gathers are the trainer group's collectives)."""
+    leader (plan.senders[0]) sends the plan (the rendezvous); the sender of `stage` streams
+    its tensors into buckets, two buffers in turn (one in flight while the next fills), down
+    each pair's chain; every other rank runs `stream` for its collectives (megatron's TP
+    gathers) and sends nothing. CollectiveTimeout at the deadline (weight_sync.timeout_s):
+    the pairs used are abandoned and the rest of `stream` still runs (its TP gathers are the
+    trainer group's collectives)."""
     me = channels.world.Get_rank()
     dl = sync_deadline(channels, (me,) + targets, sender=True)
-    used = [(me,) + targets] if leader else []
     it = iter(stream)
+    used: list[Pair] = []
     try:
+        if leader or stage is not None:
+            pairs = _pairs(channels, plan.senders[0], targets)
+            used = [p for p, _ in pairs]
         if leader:
-            _rendezvous(channels, (me,) + targets, plan, version, dl)
+            _announce(pairs, plan, version, dl)
             on_rendezvous()
         if stage is not None:
-            used.append((plan.senders[stage],) + targets)
-            _send_stage(channels, used[-1], plan, stage, it, dl)
-    except CollectiveTimeout:
-        channels.abandon(used)
+            _send_stage(channels, pairs, plan, stage, it, dl)
+    except CollectiveTimeout as e:
+        channels.abandon(used, str(e))
         for _ in it:
             pass
         raise
@@ -585,83 +383,127 @@ def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, v
         raise RuntimeError(f"weight sync: the trainer streamed {got!r} past the plan")
 
 
-def _send_stage(channels: SyncChannels, members: tuple[int, ...], plan: Plan, stage: int,
+def _send_stage(channels: SyncChannels, pairs: list[tuple[Pair, tuple[int, ...]]], plan: Plan, stage: int,
                 it: Iterator[tuple[str, torch.Tensor]], dl: Deadline) -> None:
-    channels.forget(plan.senders[stage], plan.live[stage] if plan.live else ())
-    works: list = [None, None]
+    sender = plan.senders[stage]
+    for p, _ in pairs:
+        if sender not in p.senders:
+            raise RuntimeError(f"weight sync: stage {stage}'s sender (rank {sender}) is not a sender of the sync "
+                               f"group of trainer group {p.key[0]} and pool {p.key[1]} {list(p.senders)} "
+                               f"(config/sync_groups.stage_senders)")
+    heads = [(p, chain(channels, p, sender, ts)[1]) for p, ts in pairs]
+    works: list[list] = [[], []]
     largest = max((b.total for b in plan.stages[stage]), default=0)     # <= a bucket
     held = None                                               # a split tensor between pieces
     for i, bucket in enumerate(plan.stages[stage]):
         slot = i % 2
-        _wait(works[slot], dl)                                # its last bucket is out: reuse it
+        _wait(channels, works[slot], dl)                      # its last bucket is out: reuse it
         flat = channels.buffer(largest, slot)[:bucket.total]     # sized once per plan
         held = fill_bucket(bucket, flat, it, held)
-        works[slot] = bcast_bucket(channels, members, plan.gids[stage] if plan.gids else 0, flat, dl)
+        works[slot] = [h for p, head in heads for h in _isend(channels, p, flat, head)]
     for w in works:
-        _wait(w, dl)
+        _wait(channels, w, dl)
 
 
 def receive_weights(channels: SyncChannels, members: tuple[int, ...], remote=None
                     ) -> tuple[int, Plan, Iterator[dict[str, torch.Tensor] | RemoteBucket]]:
-    """A replica's part: (version, plan, the buckets as dicts of views into this rank's one
-    bucket buffer, each valid until the next is received: load it before asking for the
-    next). The iterator must be run to its end (every bucket is a collective). With
-    `remote` (see SyncChannels.group) the engine's workers receive: the buckets come as
-    RemoteBucket headers for the engine to pass on. CollectiveTimeout (from this call or the
-    iterator) `receiver_grace` after the senders' deadline; the sets used are abandoned."""
+    """A replica's part of the sync over `members` (the trainer leader, then the targets):
+    (version, plan, the buckets as dicts of views into this rank's one bucket buffer, each
+    valid until the next is received: load it before asking for the next). The iterator
+    must be run to its end (this replica forwards every bucket down the chain). With
+    `remote` (the pair's engine whose workers receive, SyncChannels.open) the buckets come
+    as RemoteBucket headers for the engine to pass on. CollectiveTimeout (from this call or
+    the iterator) `receiver_grace` after the senders' deadline; the pair is abandoned."""
+    me = channels.world.Get_rank()
+    leader, targets = members[0], tuple(members[1:])
     dl = sync_deadline(channels, members, sender=False)
-    used = [members]
+    pair = channels.pair(leader, me)
+    mine = tuple(t for t in targets if t in pair.replicas)
     try:
-        plan, version = _rendezvous(channels, members, None, -1, dl)
-    except CollectiveTimeout:
-        channels.abandon(used)
+        plan, version = _listen(pair, leader, dl)
+    except CollectiveTimeout as e:
+        channels.abandon([pair], str(e))
         raise
 
     def buckets() -> Iterator[dict[str, torch.Tensor] | RemoteBucket]:
         try:
-            for s, stage in enumerate(plan.stages):
-                data = (plan.senders[s],) + tuple(members[1:])
-                used.append(data)
-                yield from _receive_stage(channels, data, plan, s, remote, dl)
-        except CollectiveTimeout:
-            channels.abandon(used)
+            for s in range(len(plan.stages)):
+                links = chain(channels, pair, plan.senders[s], mine)
+                if isinstance(pair.pg, RemoteGroup):
+                    yield from (RemoteBucket(pair.pg.prefix, b, dl.left(), links) for b in plan.stages[s])
+                    continue
+                at = links.index(pair.rank(me) if channels.backend == "mpi" else pair.first[me])
+                yield from _receive_stage(channels, pair, links, at, plan, s, dl)
+        except CollectiveTimeout as e:
+            channels.abandon([pair], str(e))
             raise
     return version, plan, buckets()
 
 
-def _receive_stage(channels: SyncChannels, data: tuple[int, ...], plan: Plan, s: int, remote,
-                   dl: Deadline) -> Iterator[dict[str, torch.Tensor] | RemoteBucket]:
-    channels.forget(plan.senders[s], plan.live[s] if plan.live else ())
-    gid = plan.gids[s] if plan.gids else 0
-    if remote is not None:
-        pg = channels.group(data, gid, remote, dl)
-        yield from (RemoteBucket(pg.prefix, b, dl.left()) for b in plan.stages[s])
-        return
+def _receive_stage(channels: SyncChannels, pair: Pair, links: tuple[int, ...], at: int, plan: Plan, s: int,
+                   dl: Deadline) -> Iterator[dict[str, torch.Tensor]]:
+    """Stage `s`'s buckets from the link before this one, each forwarded to the link after
+    (if any) as soon as it has landed, while the engine loads it. A relay (not the chain's
+    last link) lands whole buckets in two buffers in turn, so it receives the next while the
+    last is still being forwarded (the chain then runs at the link rate, not half of it):
+    at most a bucket more than the last link's one buffer."""
+    prev, nxt = links[at - 1], (links[at + 1] if at + 1 < len(links) else None)
+    pending: list[tuple[int, int, int, list]] = []            # (slot, first byte, end, forward)
+    turn = 0
     for bucket in plan.stages[s]:
-        buf = channels.buffer(plan.span, 0)
-        _wait(bcast_bucket(channels, data, gid, landing(bucket, buf), dl), dl)
+        slot = 0
+        if nxt is not None and bucket.piece is None:          # pieces land at their own offsets
+            slot, turn = turn, turn ^ 1
+        buf = channels.buffer(plan.span if slot == 0 else plan.largest, slot)
+        lo, hi = bucket.at, bucket.at + bucket.total
+        for item in [p for p in pending if p[0] == slot and p[1] < hi and lo < p[2]]:
+            _wait(channels, item[3], dl)                      # forwarded: those bytes may be reused
+            pending.remove(item)
+        region = landing(bucket, buf)
+        _wait(channels, _irecv(channels, pair, region, prev), dl)
+        if nxt is not None:
+            pending.append((slot, lo, hi, _isend(channels, pair, region, nxt)))
         if bucket.complete:                                   # a split tensor: after its last piece
             yield received(bucket, buf)
+    for item in pending:
+        _wait(channels, item[3], dl)
 
 
-def _rendezvous(channels: SyncChannels, members: tuple[int, ...], plan: Plan | None,
-                version: int, dl: Deadline) -> tuple[Plan, int]:
-    """The plan from the root, waited for without spinning, by `dl`. A member set that
-    already carried this plan gets one 24-byte allreduce (version, a changed flag, the
-    pickled plan's length: the root's values, zeros from the others), not the plan: one
-    round of back-off wake-ups, not two, on every later sync. An allreduce, not a broadcast,
-    so that it completes on no member, the root included, before every member has joined."""
-    comm = channels.get(members, dl)
+def _announce(pairs: list[tuple[Pair, tuple[int, ...]]], plan: Plan, version: int, dl: Deadline) -> None:
+    """The leader's side of the rendezvous: once every target has announced itself (so that
+    it completes on no member before all have joined), each gets (version, a changed flag,
+    the pickled plan's length) and, where it has not got this plan from this leader yet,
+    the plan."""
+    token = np.zeros(sum(len(ts) for _, ts in pairs), dtype=np.int8)
+    reqs = [p.comm.Irecv(token[i:i + 1], source=p.rank(t), tag=TAG_PLAN)
+            for i, (p, t) in enumerate((p, t) for p, ts in pairs for t in ts)]
+    deadline.receive_by(reqs, dl, "the rendezvous (every member joining)")
+    payload = np.frombuffer(pickle.dumps(plan), dtype=np.uint8)
+    sends, metas = [], []
+    for p, ts in pairs:
+        for t in ts:
+            changed = p.sent.get(t) != plan
+            metas.append(np.array([version, changed, payload.size if changed else 0], dtype=np.int64))
+            sends.append(p.comm.Isend(metas[-1], dest=p.rank(t), tag=TAG_PLAN))
+            if changed:
+                sends.append(p.comm.Isend(payload, dest=p.rank(t), tag=TAG_PLAN))
+            p.sent[t] = plan
+    deadline.wait_until(lambda: MPI.Request.Testall(sends), dl, "the plan")
+
+
+def _listen(pair: Pair, leader: int, dl: Deadline) -> tuple[Plan, int]:
+    """A target's side of the rendezvous: announce itself, then the version and, where it
+    changed, the plan."""
+    src = pair.rank(leader)
     meta = np.zeros(3, dtype=np.int64)
-    payload = None
-    if plan is not None:
-        changed = channels.layouts.get(members) != plan
-        payload = np.frombuffer(pickle.dumps(plan), dtype=np.uint8) if changed else None
-        meta[:] = (version, changed, 0 if payload is None else payload.size)
-    deadline.allreduce_sum(comm, meta, dl, "the rendezvous (every member joining)")
+    token = np.zeros(1, dtype=np.int8)
+    sent = pair.comm.Isend(token, dest=src, tag=TAG_PLAN)              # 1 byte: sent eagerly
+    deadline.receive_by([pair.comm.Irecv(meta, source=src, tag=TAG_PLAN)], dl, "the rendezvous (every member joining)")
+    deadline.wait_request(sent, dl, "the rendezvous (every member joining)")
     if meta[1]:
-        if payload is None:
-            payload = np.empty(int(meta[2]), dtype=np.uint8)
-        deadline.bcast(comm, payload, 0, dl, "the plan")
-        channels.layouts[members] = plan if plan is not None else pickle.loads(payload.tobytes())
-    return channels.layouts[members], int(meta[0])
+        payload = np.empty(int(meta[2]), dtype=np.uint8)
+        deadline.receive_by([pair.comm.Irecv(payload, source=src, tag=TAG_PLAN)], dl, "the plan")
+        pair.got = pickle.loads(payload.tobytes())
+    if pair.got is None:
+        raise RuntimeError(f"weight sync: rank {leader} sent no plan to a replica that has none")
+    return pair.got, int(meta[0])

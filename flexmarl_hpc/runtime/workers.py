@@ -29,16 +29,21 @@ from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout
-from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, layout_of, plan_buckets,
+from flexmarl_hpc.runtime.weight_sync import (Plan, RemoteGroup, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, row_pieces, send_weights)
 
 
 def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
                  bucket_bytes: int, sync_backend: str = "auto", bell: Doorbell | None = None,
-                 live: Liveness | None = None, sync_timeout_s: float = 0.0) -> int:
+                 live: Liveness | None = None, sync_timeout_s: float = 0.0, sync_groups=()) -> int:
     """`live`: disarmed at the Stop, so the orchestrator's end that follows is no loss.
-    `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut)."""
+    `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut).
+    `sync_groups`: config/sync_groups.sync_groups, the job's (trainer group, pool) groups,
+    made here at start (an engine whose own workers receive, vLLM's on GPUs, joins them)."""
     channels = SyncChannels(world, sync_backend, timeout_s=sync_timeout_s)
+    remote = getattr(engine, "remote", None)
+    channels.open(sync_groups, None if remote is None or channels.backend == "mpi" else
+                  lambda g: remote(g.agents[0]))
     clock = WorkerClock()
     failed: set[str] = set()                 # agents whose sync this replica gave up on
     while True:
@@ -87,9 +92,12 @@ def replica_sync(channels: SyncChannels, engine, cmd: messages.Sync, index: int,
     """A replica's part of a sync: the plan, then the buckets into the engine as they
     arrive; the version received. CollectiveTimeout past the receivers' deadline."""
     agent = cmd.agent
-    # an engine whose own workers receive (vLLM's TP workers on GPUs) joins them instead
-    remote = getattr(engine, "remote", lambda a: None)(agent) if channels.backend != "mpi" else None
-    v, _, buckets = receive_weights(channels, tuple(cmd.members), remote)
+    pg = channels.pair(cmd.members[0], channels.world.Get_rank()).pg
+    if isinstance(pg, RemoteGroup) and not pg.remote.serves(agent):
+        raise ValueError(f"replica {index}: agent {agent} runs on another engine than the one whose workers "
+                         f"joined this (trainer group, pool) sync group; a pair's agents must share an "
+                         f"architecture on vLLM replicas")
+    v, _, buckets = receive_weights(channels, tuple(cmd.members))
     t[0] = clock.waited(t[0])
     engine.load_weights(agent, v, buckets)            # bucket by bucket, as they arrive
     for _ in buckets:                                 # every bucket is a collective
@@ -108,7 +116,6 @@ class TrainerRank:
         self.bucket_bytes, self.keep_checkpoints = bucket_bytes, keep_checkpoints
         self.channels, self.sync_wire = channels, sync_wire
         self.leader = group.Get_rank() == 0
-        self.group_ids = GroupIds()          # the same on every rank of the group
         self.clock = WorkerClock()
         self.step_stats: dict[str, dict[str, float]] = {}     # per agent, summed over micro-batches
         self.handlers = {messages.Train: self.train, messages.Sync: self.sync,
@@ -159,17 +166,14 @@ class TrainerRank:
         reason = first_error(self.group, None if err is None else str(err))
         if reason is None:
             return messages.TrainerSynced(agent, version)
-        self.group_ids.drop(targets, agent)
         return sync_timed_out(self.world.Get_rank(), cmd, reason)
 
     def plan(self, src, targets: tuple[int, ...], agent: str) -> Plan:
-        """The sync's plan: stages, buckets, senders as world ranks, the data groups' ids."""
+        """The sync's plan: stages, buckets, senders as world ranks."""
         senders = MPI.Group.Translate_ranks(self.group.Get_group(), src.sync_senders(), self.world.Get_group())
         layouts = src.sync_layouts()
-        gids = tuple(self.group_ids.use(s, targets, agent) for s in range(len(layouts)))
         return Plan(tuple(int(r) for r in senders),
-                    tuple(plan_buckets(lay, self.bucket_bytes, self.sync_wire) for lay in layouts),
-                    gids, tuple(self.group_ids.live(s) for s in range(len(layouts))))
+                    tuple(plan_buckets(lay, self.bucket_bytes, self.sync_wire) for lay in layouts))
 
     def checkpoint(self, cmd: messages.Checkpoint, t0: float) -> messages.Reply:
         for name in cmd.agents:
@@ -204,13 +208,15 @@ class TrainerRank:
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
                  bucket_bytes: int, keep_checkpoints: int = 3, sync_backend: str = "auto",
                  sync_wire: torch.dtype | None = None, bell: Doorbell | None = None,
-                 live: Liveness | None = None, sync_timeout_s: float = 0.0) -> int:
+                 live: Liveness | None = None, sync_timeout_s: float = 0.0, sync_groups=()) -> int:
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
     and forwards each command to the members (a non-spinning broadcast). `mover` holds the
     agents whose state is on this group, live (`mover.trainers`) or parked in host memory.
     `live`: disarmed at the Stop, so the orchestrator's end that follows is no loss.
-    `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut)."""
+    `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut).
+    `sync_groups`: the job's (trainer group, pool) sync groups, made here at start."""
     channels = SyncChannels(world, sync_backend, timeout_s=sync_timeout_s)
+    channels.open(sync_groups)
     rank = TrainerRank(world, group, mover, ckpt_dir, bucket_bytes, keep_checkpoints, channels, sync_wire)
     while True:
         cmd = recv_command(world, orch, bell) if rank.leader else None

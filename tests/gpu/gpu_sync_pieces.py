@@ -41,22 +41,36 @@ def _ranges(named, pieces):
 def check() -> str:
     import torch
     from mpi4py import MPI
+    from flexmarl_hpc.runtime import sync_groups as G
     from flexmarl_hpc.runtime import weight_sync as W
     torch.cuda.set_device(0)
     ch = W.SyncChannels(MPI.COMM_SELF, "nccl")
+    # the (trainer group, pool) pair as SyncChannels.open makes it, with one replica (rank 1)
+    # that cannot exist on one GPU (NCCL refuses two ranks on a device): each bucket's send
+    # to it is recorded instead (`W._isend`), everything else is the production sender
+    pair = G.Pair((0, 0), (0,), (1,), MPI.COMM_SELF, first={0: 0, 1: 1}, count={0: 1, 1: 1})
+    ch.pairs[pair.key] = pair
     named, bucket, wire = _weights(torch), 4 * MIB, torch.bfloat16
-    ids = W.GroupIds()
-    plan = W.Plan((0,), (W.plan_buckets(W.layout_of(named), bucket, wire),), (ids.use(0, ()),), (ids.live(0),))
-    sent, real = [], W.bcast_bucket
+    plan = W.Plan((0,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
+    sent, real, keep = [], W._isend, [False]
 
-    def recording(channels, members, gid, flat, dl):
-        work = real(channels, members, gid, flat, dl)
-        sent.append(flat.clone())       # before the sender refills it (stream order)
-        return work
+    def recording(channels, pair, flat, dst):
+        assert flat.device.type == "cuda" and dst == 1
+        if keep[0]:
+            sent.append(flat.clone())   # before the sender refills it (stream order)
+        return []
+    W._isend = recording
+    try:
+        return _measure(torch, W, ch, plan, named, bucket, wire, sent, keep)
+    finally:
+        W._isend = real
+
+
+def _measure(torch, W, ch, plan, named, bucket, wire, sent, keep) -> str:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    W.send_weights(ch, (), plan, 1, 0, named.items(), leader=True)
+    W.send_weights(ch, (1,), plan, 1, 0, named.items(), leader=False)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     line = (f"gpu sync pieces: sender peak {peak / MIB:.2f} MiB with {bucket // MIB} MiB buckets, largest tensor "
@@ -69,19 +83,16 @@ def check() -> str:
     # ranges, each gathered into a new device tensor: one range in flight beside the buffers
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    W.send_weights(ch, (), plan, 1, 0, _ranges(named, W.row_pieces(plan)), leader=True)
+    W.send_weights(ch, (1,), plan, 1, 0, _ranges(named, W.row_pieces(plan)), leader=False)
     torch.cuda.synchronize()
     ranged = torch.cuda.max_memory_allocated() - base
     widest = max((b - a) * v[0].numel() * v.element_size() for k, v in named.items()
                  for a, b in W.row_pieces(plan).get(k, []))
     line += f"; streamed as row ranges {ranged / MIB:.2f} MiB (2 buckets + a {widest / MIB:.0f} MiB fp32 range)"
     assert ranged <= 2 * bucket + widest, line
-    # the same sync again, each broadcast's bytes kept (a copy per bucket: after the peak was read)
-    W.bcast_bucket = recording
-    try:
-        W.send_weights(ch, (), plan, 2, 0, named.items(), leader=True)
-    finally:
-        W.bcast_bucket = real
+    # the same sync again, each bucket's bytes kept (a copy per bucket: after the peak was read)
+    keep[0] = True
+    W.send_weights(ch, (1,), plan, 2, 0, named.items(), leader=False)
     buf, got = torch.zeros(plan.span, dtype=torch.uint8, device="cuda"), {}
     for b, data in zip(plan.stages[0], sent):
         W.landing(b, buf).copy_(data)

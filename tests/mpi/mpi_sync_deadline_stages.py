@@ -18,7 +18,8 @@ from mpi4py import MPI
 
 from flexmarl_hpc.runtime import comm
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout
-from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, layout_of, plan_buckets,
+from flexmarl_hpc.config.sync_groups import SyncGroup
+from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, send_weights)
 from flexmarl_hpc.runtime.workers import first_error
 
@@ -26,12 +27,11 @@ world = MPI.COMM_WORLD
 rank = world.Get_rank()
 backend, timeout_s = sys.argv[1], float(sys.argv[2])
 channels = SyncChannels(world, backend, timeout_s=timeout_s)
+channels.open([SyncGroup(0, 0, (0, 1), (2,))])       # the trainer group's two stage senders, the pool
 DONE = 99
 # each tensor (800 B) in a bucket of its own (1 KiB): a whole bucket per next(buckets) below
 stages = [{"s0.a": torch.ones(200), "s0.b": torch.ones(200)}, {"s1.a": torch.ones(200), "s1.b": torch.ones(200)}]
-ids = GroupIds()
-plan = Plan((0, 1), tuple(plan_buckets(layout_of(s), 1024) for s in stages),
-            tuple(ids.use(s, (2,)) for s in range(2)), tuple(ids.live(s) for s in range(2)))
+plan = Plan((0, 1), tuple(plan_buckets(layout_of(s), 1024) for s in stages))
 group = world.Split(int(rank == 2), rank)          # the trainer group {0, 1} (collective on world)
 if rank == 2:
     v, got, buckets = receive_weights(channels, (0, 2))
@@ -49,7 +49,7 @@ else:
     except CollectiveTimeout as e:
         err = e
         waited = time.monotonic() - t0
-        assert waited >= timeout_s and (1, 2) not in channels.cache, (waited, channels.cache)
+        assert waited >= timeout_s and channels.pairs[0, 0].dead, waited
         print(f"rank {rank} CollectiveTimeout in {e.phase!r} after {waited:.2f} s", flush=True)
     assert streamed == list(stages[rank]), streamed
     reason = first_error(group, None if err is None else str(err))

@@ -10,7 +10,9 @@ the torch engine. Rank 0 writes a Qwen2-style HF safetensors checkpoint into DIR
 - train 3 steps; the optimizer step allocates less than the model on every rank (no full
   gather), and the token log-prob path never allocates full-vocabulary logits;
 - after each step a weight sync through the production handler (workers.TrainerRank.sync,
-  over BACKEND: mpi or gloo) to {4, 5}, then {4}, then {4, 5}: the replicas' weights are
+  over BACKEND: mpi or gloo, inside the one (trainer group, pool) group made at start, whose
+  senders config/sync_groups.stage_senders computes and megatron confirms) to {4, 5}, then
+  {4}, then {4, 5}: the replicas' weights are
   bit-equal to the trainer's gathered HF weights, and every trainer rank's peak extra bytes
   during a sync (bucket buffers included) stay within 2 buckets + 1.5 buckets (the one row
   range in flight, gathered piece by piece from the TP shards, and for an o_proj/down_proj
@@ -42,6 +44,7 @@ from flexmarl_hpc.rollout.torch_engine import TorchEngine  # noqa: E402
 from flexmarl_hpc.runtime import messages  # noqa: E402
 from flexmarl_hpc.runtime.memtrack import TensorBytes  # noqa: E402
 from flexmarl_hpc.runtime.weight_sync import SyncChannels, receive_weights  # noqa: E402
+from flexmarl_hpc.config.sync_groups import SyncGroup, stage_senders  # noqa: E402
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
@@ -52,6 +55,7 @@ V = 256
 ARGS = ModelArgs(V, 64, 4, 4, 2, 128, 16, rope_theta=5e4, tie_embeddings=False, qkv_bias=True)
 TRAINERS, REPLICAS = [0, 1, 2, 3], [4, 5]
 SYNCS = [(4, 5), (4,), (4, 5)]
+PAIR = SyncGroup(0, 0, stage_senders(0, len(TRAINERS), 2), tuple(REPLICAS))   # made at start, as run.py does
 
 
 def log(msg):
@@ -147,6 +151,9 @@ def trainer_side(world_group):
         f"allocated by the build: peak {peak} B, kept {kept} B, model {full} B")
     mover = StateMover(world, group, 0, lambda g: TRAINERS, {"a": tr}, build=None)
     channels = SyncChannels(world, backend)
+    channels.open([PAIR])
+    assert [MPI.Group.Translate_ranks(group.Get_group(), tr.sync_senders(), world.Get_group())] == \
+        [list(PAIR.senders)], (tr.sync_senders(), PAIR.senders)       # the pure senders == megatron's
     handler = TrainerRank(world, group, mover, folder / "ckpt", BUCKET, 1, channels, None)
     bound = send_bound()
     assert bound < full // 2, (bound, full)        # a model-sized buffer cannot pass unseen
@@ -169,6 +176,7 @@ def trainer_side(world_group):
                 f"largest HF tensor {largest_hf()} B; model {full} B); optimizer step peak "
                 f"{max(o for *_, o in peaks)} B")
     assert channels.buffer_allocations <= 2, channels.buffer_allocations
+    assert channels.comms_built == (rank in PAIR.senders), channels.comms_built
     channels.close()
 
 
@@ -176,19 +184,23 @@ def replica_side():
     from flexmarl_hpc.workflows.referential import ReferentialGame
     engine = TorchEngine({"a": ARGS}, ReferentialGame(["a", "b"]), max_batch=4)
     channels = SyncChannels(world, backend)
+    channels.open([PAIR])
     for targets in SYNCS:
         if rank not in targets:
             continue
         with TensorBytes() as mem:
             v, _, buckets = receive_weights(channels, (0,) + targets)
             engine.load_weights("a", v, buckets)
-        # one buffer, nothing else: a bucket, or the largest tensor sent in pieces (they land in it)
-        assert mem.peak <= max(BUCKET, largest_hf()) + 16, (mem.peak, BUCKET)
+        # one buffer, nothing else: a bucket, or the largest tensor sent in pieces (they land in it);
+        # a relay of the chain (4 in (4, 5)) a second bucket, for whole buckets in turn
+        relay = targets.index(rank) + 1 < len(targets)
+        assert mem.peak <= max(BUCKET, largest_hf()) + relay * BUCKET + 16, (mem.peak, BUCKET, relay)
         expect = world.recv(source=0)
         got = hf_state_dict(engine.models["a"])
         ok = set(got) == set(expect) and all(torch.equal(got[k], expect[k]) for k in expect)
         world.send("bit-equal" if ok else f"differs: {[k for k in expect if not torch.equal(got[k], expect[k])][:3]}",
                    dest=0)
+    assert channels.comms_built == 1, channels.comms_built
     channels.close()
 
 

@@ -3,9 +3,12 @@
     mpi_weight_sync.py BUCKET_BYTES BACKEND      (BACKEND: mpi or gloo; BUCKET_BYTES "third":
                                                   a third of the largest tensor)
 
-Two agents of different sizes go through member sets {0,1,2} and {0,2}, streamed in buckets;
-every rank must end with bit-equal weights, at most two bucket buffers on the sender and one
-on each replica however many member sets and models they served. Tensors larger than a
+Two agents of different sizes go through member sets {0,1,2} and {0,2}, streamed in buckets
+inside the one sync group of (trainer 0, pool {1,2}) made at start (a chain 0 -> 1 -> 2, or
+0 -> 2); every rank must end with bit-equal weights and one communicator (and, over gloo, one
+torch group), whatever the member sets, at most two bucket buffers on the sender and one
+on the chain's last replica (a relay: one more, of at most a bucket) however many member
+sets and models they served. Tensors larger than a
 bucket go in pieces: the sender's tensor bytes during each sync (runtime/memtrack) stay
 within two buckets, and a replica's one buffer within a bucket or the largest tensor.
 """
@@ -17,7 +20,8 @@ from mpi4py import MPI
 from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
 from flexmarl_hpc.rollout.torch_engine import TorchEngine
 from flexmarl_hpc.runtime.memtrack import TensorBytes
-from flexmarl_hpc.runtime.weight_sync import (GroupIds, Plan, SyncChannels, layout_of, plan_buckets,
+from flexmarl_hpc.config.sync_groups import SyncGroup
+from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, send_weights)
 from flexmarl_hpc.workflows.referential import ReferentialGame
 
@@ -31,6 +35,7 @@ LARGEST = big.intermediate_size * big.hidden_size * 4         # an MLP weight, f
 bucket = LARGEST // 3 if sys.argv[1] == "third" else int(sys.argv[1])
 backend = sys.argv[2]
 channels = SyncChannels(world, backend)
+channels.open([SyncGroup(0, 0, (0,), (1, 2))])
 task = ReferentialGame(["speaker", "listener"])
 # (agent, member set, version, wire): the big agent to both replicas, then the small one and
 # the big one again to {0,2}: rank 2 serves two member sets and two models out of one bucket
@@ -40,7 +45,6 @@ plan = [("listener", (0, 1, 2), 1, None), ("speaker", (0, 2), 1, None), ("listen
         ("listener", (0, 2), 3, None), ("speaker", (0, 1, 2), 2, torch.bfloat16)]
 if rank == 0:
     models = {"speaker": build_model(small, seed=7), "listener": build_model(big, seed=8)}
-    ids = GroupIds()
 
     def step(m):                                        # weights "after a step"
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -52,7 +56,7 @@ if rank == 0:
         step(models[agent])
         named = hf_state_dict(models[agent])
         targets = members[1:]
-        p = Plan((0,), (plan_buckets(layout_of(named), bucket, wire),), (ids.use(0, targets),), (ids.live(0),))
+        p = Plan((0,), (plan_buckets(layout_of(named), bucket, wire),))
         with TensorBytes() as mem:
             send_weights(channels, targets, p, version, 0, named.items(), leader=True)
         peaks.append(mem.peak)
@@ -80,7 +84,12 @@ else:
         for k in ref[agent]:
             assert got[k].dtype == ref[agent][k].dtype and torch.equal(got[k], ref[agent][k]), (agent, k)
     assert engine.version("listener") == (1 if rank == 1 else 3) and engine.version("speaker") == 2
-    assert channels._buffers[1] is None and channels.buffer_allocations == 1   # one bucket buffer
     assert channels._buffers[0].numel() <= max(bucket, LARGEST), channels._buffers[0].numel()
-    print(f"rank {rank} bit-identical v{engine.version('listener')} one buffer", flush=True)
+    if rank == 2:                  # always the chain's last link: one bucket buffer
+        assert channels._buffers[1] is None and channels.buffer_allocations == 1
+    else:                          # a relay in (0, 1, 2): whole buckets in two buffers in turn
+        assert channels._buffers[1] is None or channels._buffers[1].numel() <= bucket
+    print(f"rank {rank} bit-identical v{engine.version('listener')} buffers bounded", flush=True)
+assert channels.comms_built == 1 and channels.groups_built == (backend == "gloo"), \
+    (channels.comms_built, channels.groups_built)                 # the pair's, made at start
 channels.close()

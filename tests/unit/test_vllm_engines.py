@@ -208,41 +208,79 @@ def test_dtype_and_tensor_parallel_reach_the_engine(fake_vllm, tmp_path):
     assert fake_vllm.built[0].kwargs["gpu_memory_utilization"] == 0.85    # pool memory unknown
 
 
-def test_tp2_replica_receives_on_every_worker_with_headers_only(fake_vllm, tmp_path, monkeypatch):
-    """A TP2 replica in a weight sync: SyncChannels.group counts its two workers, both join
-    the data group at distinct ranks, and each bucket reaches both workers as a small
-    header, received by each worker from the group into its own buffer and loaded."""
-    from mpi4py import MPI
+class FakeP2P:
+    """A worker's (trainer group, pool) sync group: point-to-point sends land on a shared
+    wire, receives take from it in order (the chain sender's bytes are put there first)."""
+    wire: dict = {}
+    sends: list = []
+    joined: list = []
+    hang = False                      # a receive that never completes (the link before gone)
+
+    def __init__(self, store, rank, size):
+        self.rank = rank
+        FakeP2P.joined.append((rank, size))
+
+    def recv(self, tensors, src, tag):
+        q = FakeP2P.wire.get((src, self.rank), [])
+        done = bool(q) and not FakeP2P.hang
+        if done:
+            tensors[0].copy_(q.pop(0))
+        return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: done)
+
+    def send(self, tensors, dst, tag):
+        FakeP2P.wire.setdefault((self.rank, dst), []).append(tensors[0].clone())
+        FakeP2P.sends.append((self.rank, dst))
+        return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+
+
+def _fake_p2p(monkeypatch):
     from flexmarl_hpc.rollout import vllm_engine
-    from flexmarl_hpc.runtime import weight_sync as W
-    joined, sent = [], weights(SMALL, 4)
-
-    class FakeGroup:                  # a worker's data group: the root's bytes arrive in broadcast
-        hang = False                  # a broadcast that never completes (the root gone)
-
-        def __init__(self, store, rank, size):
-            joined.append((rank, size))
-
-        def broadcast(self, tensors, opts):
-            tensors[0].copy_(self.payload[:tensors[0].numel()])
-            return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: not self.hang)
-    monkeypatch.setattr(vllm_engine.torch.distributed, "TCPStore", lambda *a, **k: vllm_engine.torch.distributed.HashStore())
+    from flexmarl_hpc.runtime import sync_groups as G
+    FakeP2P.wire, FakeP2P.sends, FakeP2P.joined, FakeP2P.hang = {}, [], [], False
     timeouts = []
-    monkeypatch.setattr(W, "new_group", lambda backend, store, rank, size, timeout=None:
-                        timeouts.append(timeout) or FakeGroup(store, rank, size))
+    monkeypatch.setattr(vllm_engine.torch.distributed, "TCPStore",
+                        lambda *a, **k: vllm_engine.torch.distributed.HashStore())
+    monkeypatch.setattr(G, "new_group", lambda backend, store, rank, size, timeout=None, device=None:
+                        timeouts.append(timeout) or FakeP2P(store, rank, size))
+    monkeypatch.setattr(G.SyncChannels, "_serve", lambda self: ("host", 1))
+    return timeouts
+
+
+def _join(ch, remote):
+    """The replica's side of SyncChannels.open for a pair of this replica alone (one rank
+    here): its engine's workers join at the pair's ranks of this member."""
+    from mpi4py import MPI
+    from flexmarl_hpc.runtime import sync_groups as G
+    from flexmarl_hpc.runtime.deadline import Deadline
+    pair = G.Pair((0, 0), (), (MPI.COMM_WORLD.Get_rank(),), MPI.COMM_SELF)
+    ch._torch_group(pair, remote, Deadline(0))
+    return pair
+
+
+SENDER = 99                           # the chain's first link: a stage sender's rank
+
+
+def test_tp2_replica_receives_on_every_worker_with_headers_only(fake_vllm, tmp_path, monkeypatch):
+    """A TP2 replica in a weight sync: SyncChannels.open counts its two workers, both join
+    the pair's group at distinct ranks, and each bucket reaches both workers as a small
+    header: worker 0 receives it from the sender and forwards it to worker 1 (the chain),
+    each into its own buffer, and each loads it."""
+    from mpi4py import MPI
+    from flexmarl_hpc.runtime import weight_sync as W
+    timeouts, sent = _fake_p2p(monkeypatch), weights(SMALL, 4)
     e = make({"a": SMALL}, tmp_path, cuda=True, gpus_per_replica=2)
     remote = e.remote("a")
     llm = fake_vllm.built[0]
     ch = W.SyncChannels(MPI.COMM_WORLD, "gloo", timeout_s=42)
-    me = MPI.COMM_WORLD.Get_rank()
-    monkeypatch.setattr(W.SyncChannels, "_serve", lambda self: ("host", 1))
-    pg = ch.group((me,), 7, remote)                       # a one-member set: this replica alone
-    assert sorted(joined) == [(0, 2), (1, 2)]             # both TP workers, distinct ranks
+    pair = _join(ch, remote)
+    assert sorted(FakeP2P.joined) == [(0, 2), (1, 2)]    # both TP workers, distinct ranks
     bucket = W.plan_buckets(W.layout_of(sent), 1 << 30)[0]
     payload = torch.empty(bucket.total, dtype=torch.uint8)
     W.pack(sent, bucket, payload)
-    FakeGroup.payload = payload
-    e.load_weights("a", 1, [W.RemoteBucket(pg.prefix, bucket)])
+    FakeP2P.wire[SENDER, 0] = [payload]
+    links = (SENDER,) + tuple(pair.ranks(MPI.COMM_WORLD.Get_rank()))
+    e.load_weights("a", 1, [W.RemoteBucket(pair.pg.prefix, bucket, None, links)])
+    assert FakeP2P.sends == [(0, 1)]                      # worker 0 forwarded; the last link does not
     for w in llm.workers:             # each worker loaded the bucket it received itself
         got, = w.loaded
         assert all(torch.equal(got[k], sent[k]) for k in sent)
@@ -252,9 +290,9 @@ def test_tp2_replica_receives_on_every_worker_with_headers_only(fake_vllm, tmp_p
     # the sync's deadline in the workers: their group's timeout, and each bucket waited by
     # the seconds the replica has left (RemoteBucket.left_s)
     assert [t.total_seconds() for t in timeouts] == [42, 42]
-    FakeGroup.hang = True
+    FakeP2P.hang = True
     with pytest.raises(CollectiveTimeout, match="vLLM TP worker"):
-        e.load_weights("a", 2, [W.RemoteBucket(pg.prefix, bucket, 0.2)])
+        e.load_weights("a", 2, [W.RemoteBucket(pair.pg.prefix, bucket, 0.2, links)])
     assert e.version("a") == 1
     ch.close()
 
@@ -264,8 +302,8 @@ def test_tp2_workers_load_a_split_tensor_whole_after_its_last_piece(fake_vllm, t
     the worker lands them in place in one buffer of the tensor and loads the tensor once,
     whole, after its last piece (vLLM's weight loaders shard whole tensors); bit-equal."""
     from mpi4py import MPI
-    from flexmarl_hpc.rollout import vllm_engine
     from flexmarl_hpc.runtime import weight_sync as W
+    _fake_p2p(monkeypatch)
     sent = weights(SMALL, 4)
     buckets = W.plan_buckets(W.layout_of(sent), max(t.numel() * 4 for t in sent.values()) // 3)
     payloads, held, it = [], None, iter(sent.items())
@@ -274,22 +312,12 @@ def test_tp2_workers_load_a_split_tensor_whole_after_its_last_piece(fake_vllm, t
         held = W.fill_bucket(b, payloads[-1], it, held)
     split = {b.names[0] for b in buckets if b.piece is not None}
     assert "model.embed_tokens.weight" in split and len(buckets) > len(split) + 1
-
-    class FakeGroup:                  # the root's bytes of bucket i arrive in a worker's i-th broadcast
-        def __init__(self, store, rank, size):
-            self.i = 0
-
-        def broadcast(self, tensors, opts):
-            tensors[0].copy_(payloads[self.i])
-            self.i += 1
-            return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
-    monkeypatch.setattr(vllm_engine.torch.distributed, "TCPStore", lambda *a, **k: vllm_engine.torch.distributed.HashStore())
-    monkeypatch.setattr(W, "new_group", lambda backend, store, rank, size, timeout=None: FakeGroup(store, rank, size))
-    monkeypatch.setattr(W.SyncChannels, "_serve", lambda self: ("host", 1))
+    FakeP2P.wire[SENDER, 0] = payloads
     e = make({"a": SMALL}, tmp_path, cuda=True, gpus_per_replica=2)
     ch = W.SyncChannels(MPI.COMM_WORLD, "gloo")
-    pg = ch.group((MPI.COMM_WORLD.Get_rank(),), 7, e.remote("a"))
-    e.load_weights("a", 1, [W.RemoteBucket(pg.prefix, b) for b in buckets])
+    pair = _join(ch, e.remote("a"))
+    links = (SENDER,) + tuple(pair.ranks(MPI.COMM_WORLD.Get_rank()))
+    e.load_weights("a", 1, [W.RemoteBucket(pair.pg.prefix, b, None, links) for b in buckets])
     for w in fake_vllm.built[0].workers:
         assert len(w.loaded) == sum(b.complete for b in buckets)      # no load of a partial tensor
         got = [(k, v) for part in w.loaded for k, v in part.items()]

@@ -1,6 +1,7 @@
 """Structural tests of the NCCL branch of the weight stream (the CPU torch build has no
-ProcessGroupNCCL): a fake records how groups are built, freed and what is broadcast, on a
-one-rank member set; the same code runs over gloo and MPI for real in tests/mpi/."""
+ProcessGroupNCCL): a fake records how the pair's group is built and freed and what is sent
+point to point, from this rank (a stage sender) to the first link of a chain; the same code
+runs over gloo and MPI for real in tests/mpi/."""
 from __future__ import annotations
 
 import pytest
@@ -8,25 +9,31 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from flexmarl_hpc.runtime import sync_groups as G
 from flexmarl_hpc.runtime import weight_sync as W
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout
+
+TARGET = 1                            # a replica's world rank (the chain's next link)
 
 
 class FakeNCCL:
     built: list["FakeNCCL"] = []
-    hang = False                       # broadcasts that never complete (a member gone)
+    hang = False                       # sends that never complete (a member gone)
 
     class Options:
         _timeout = None
 
     def __init__(self, store, rank, size, opts):
         self.rank, self.size, self.opts, self.sent, self.down = rank, size, opts, [], False
-        self.aborted = False
+        self.aborted, self.bound = False, None
         FakeNCCL.built.append(self)
 
-    def broadcast(self, tensors, opts):
+    def eager_connect_single_device(self, device):
+        self.bound = device
+
+    def send(self, tensors, dst, tag):
         t = tensors[0]
-        self.sent.append((t.device.type, t.numel(), t.clone() if t.device.type == "cpu" else None, opts.rootRank))
+        self.sent.append((t.device.type, t.numel(), t.clone() if t.device.type == "cpu" else None, dst))
         done = not FakeNCCL.hang
         return type("Work", (), {"wait": lambda self: True, "is_completed": lambda self: done})()
 
@@ -37,46 +44,63 @@ class FakeNCCL:
         self.aborted = True
 
 
-def _sync(ch, ids, named, version, bucket, wire=None):
-    me = MPI.COMM_WORLD.Get_rank()
-    plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),), (ids.use(0, ()),), (ids.live(0),))
-    W.send_weights(ch, (), plan, version, 0, named.items(), leader=True)
-    return plan
-
-
 def _fake(monkeypatch):
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     FakeNCCL.built, FakeNCCL.hang = [], False
 
 
+def _channels(**kw) -> G.SyncChannels:
+    """Channels holding one pair: this rank the sender, TARGET the replica (as open makes it)."""
+    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", **kw)
+    me = MPI.COMM_WORLD.Get_rank()
+    pair = G.Pair((0, 0), (me,), (TARGET,), MPI.COMM_SELF, first={me: 0, TARGET: 1}, count={me: 1, TARGET: 1})
+    pair.pg = G.new_group("nccl", dist.HashStore(), 0, 2, ch.group_timeout, ch.device)
+    ch.pairs[pair.key] = pair
+    return ch
+
+
+def _sync(ch, named, version, bucket, wire=None):
+    plan = W.Plan((MPI.COMM_WORLD.Get_rank(),), (W.plan_buckets(W.layout_of(named), bucket, wire),))
+    W.send_weights(ch, (TARGET,), plan, version, 0, named.items(), leader=False)
+    return plan
+
+
 def test_buckets_live_on_the_device_and_the_sender_holds_two(monkeypatch):
-    """`meta` stands in for the GPU: every broadcast bucket must be a device tensor no larger
-    than a bucket, and the sender allocates its two buffers once for all syncs."""
+    """`meta` stands in for the GPU: every bucket sent must be a device tensor no larger than
+    a bucket, to the chain's first link, and the sender allocates its two buffers once."""
     _fake(monkeypatch)
-    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="meta")
+    ch = _channels(device="meta")
     named = {f"layer{i}.weight": torch.randn(64, 64) for i in range(8)}     # 8 x 16 KiB
-    ids = W.GroupIds()
     for version in (1, 2):
-        _sync(ch, ids, named, version, bucket=40 << 10)                    # 2 tensors a bucket
-    pg, = FakeNCCL.built                                                  # one group, reused
-    assert (pg.rank, pg.size, pg.opts._timeout) == (0, 1, W.GROUP_TIMEOUT)
-    assert len(pg.sent) == 8 and all(dev == "meta" and n <= 40 << 10 for dev, n, _, _ in pg.sent)
+        _sync(ch, named, version, bucket=40 << 10)                          # 2 tensors a bucket
+    pg, = FakeNCCL.built                                                  # the pair's group, reused
+    assert (pg.rank, pg.size, pg.opts._timeout) == (0, 2, W.GROUP_TIMEOUT)
+    assert len(pg.sent) == 8 and all(dev == "meta" and n <= 40 << 10 and dst == 1 for dev, n, _, dst in pg.sent)
     assert ch.buffer_allocations == 2 and all(b.device.type == "meta" for b in ch._buffers)
     ch.close()
     assert pg.down                                                        # freed, not left to GC
 
 
+def test_nccl_groups_are_bound_to_the_device_at_creation(monkeypatch):
+    """On a GPU the pair's NCCL communicator is made eagerly on the rank's device, so the
+    chain's send/recv run on it rather than on a 2-rank communicator per peer."""
+    _fake(monkeypatch)
+    pg = G.new_group("nccl", dist.HashStore(), 0, 3, device=torch.device("cuda", 1))
+    assert pg.bound == torch.device("cuda", 1)
+    assert G.new_group("nccl", dist.HashStore(), 0, 3, device=torch.device("cpu")).bound is None
+
+
 def test_bf16_wire_and_ints_as_they_are(monkeypatch):
     _fake(monkeypatch)
-    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu")
+    ch = _channels(device="cpu")
     named = {"a.weight": torch.randn(3, 5), "b.bias": torch.randn(7), "step": torch.tensor([4])}
     wire = W.wire_dtype("auto", "vllm", "nccl")
     assert wire is torch.bfloat16
-    plan = _sync(ch, W.GroupIds(), named, 1, bucket=1 << 20, wire=wire)
-    (_, _, flat, root), = FakeNCCL.built[0].sent
+    plan = _sync(ch, named, 1, bucket=1 << 20, wire=wire)
+    (_, _, flat, dst), = FakeNCCL.built[0].sent
     got = W.bucket_views(plan.stages[0][0], flat)
-    assert root == 0 and got["a.weight"].dtype == torch.bfloat16
+    assert dst == 1 and got["a.weight"].dtype == torch.bfloat16
     assert torch.equal(got["a.weight"], named["a.weight"].bfloat16())
     assert got["step"].dtype == torch.int64 and torch.equal(got["step"], named["step"])
     ch.close()
@@ -85,53 +109,36 @@ def test_bf16_wire_and_ints_as_they_are(monkeypatch):
 
 def test_nccl_sync_groups_time_out_with_weight_sync_timeout_s(monkeypatch):
     """weight_sync.timeout_s is the NCCL group's own timeout, and NCCL's async error handling
-    is on, so its watchdog ends a collective none of our waits watches."""
+    is on, so its watchdog ends a transfer none of our waits watches."""
     _fake(monkeypatch)
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
-    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu", timeout_s=42)
-    _sync(ch, W.GroupIds(), {"w": torch.ones(4)}, 1, bucket=1 << 20)
+    ch = _channels(device="cpu", timeout_s=42)
+    _sync(ch, {"w": torch.ones(4)}, 1, bucket=1 << 20)
     assert FakeNCCL.built[0].opts._timeout.total_seconds() == 42
     import os
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     ch.close()
 
 
-def test_a_bucket_that_never_completes_times_out_and_aborts_its_group(monkeypatch):
+def test_a_bucket_that_never_completes_times_out_and_abandons_its_pair(monkeypatch):
     """Each bucket's Work is waited for by the sync's deadline (is_completed polls), not a
     blocking wait(); at it the sender raises CollectiveTimeout having run the rest of the
-    stream (a megatron sender's TP gathers), its data group is aborted and the communicator
-    forgotten, and dropped ids give the set a new group (a new store prefix) next time."""
+    stream (a megatron sender's TP gathers), the pair's group is aborted, and a later sync
+    over the pair is refused by name (no new group is made for it)."""
     _fake(monkeypatch)
     FakeNCCL.hang = True
-    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu", timeout_s=0.3)
-    me = MPI.COMM_WORLD.Get_rank()
+    ch = _channels(device="cpu", timeout_s=0.3)
     named = {f"l{i}": torch.ones(256) for i in range(4)}                   # 4 buckets of 1 KiB
     streamed = []
-    ids = W.GroupIds()
-    plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), 1024),), (ids.use(0, ()),), (ids.live(0),))
+    plan = W.Plan((MPI.COMM_WORLD.Get_rank(),), (W.plan_buckets(W.layout_of(named), 1024),))
     with pytest.raises(CollectiveTimeout, match="a bucket"):
-        W.send_weights(ch, (), plan, 1, 0, ((k, streamed.append(k) or t) for k, t in named.items()), leader=True)
+        W.send_weights(ch, (TARGET,), plan, 1, 0, ((k, streamed.append(k) or t) for k, t in named.items()),
+                       leader=False)
     assert streamed == list(named)                                         # the stream ran to its end
     pg, = FakeNCCL.built
-    assert pg.aborted and not ch.groups and (me,) not in ch.cache and (me,) not in ch.layouts
-    ids.drop(())
-    assert ids.use(0, ()) != plan.gids[0]
-    ch.close()
-
-
-def test_groups_are_bounded_least_recently_used_closed(monkeypatch):
-    """A trainer keeps at most `cap` data groups; the plan's live ids make every member close
-    the others, and a set seen again gets a fresh group (a new id, a new store prefix)."""
-    _fake(monkeypatch)
-    ids = W.GroupIds(cap=2)
-    a, b, c = ids.use(0, (5,)), ids.use(0, (6,)), ids.use(0, (5,))
-    assert a == c and ids.use(0, (7,)) == 3 and ids.live(0) == (1, 3)     # (6,) closed
-    assert ids.use(0, (6,)) == 4 and ids.live(0) == (3, 4)                # (5,) closed, (6,) anew
-    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu")
-    me = MPI.COMM_WORLD.Get_rank()
-    ids = W.GroupIds(cap=1)
-    for v in range(3):
-        ch.group((me,), ids.use(0, (v,)))
-        ch.forget(me, ids.live(0))
-    assert len(ch.groups) == 1 and [pg.down for pg in FakeNCCL.built] == [True, True, False]
+    assert pg.aborted and ch.pairs[0, 0].dead
+    FakeNCCL.hang = False
+    with pytest.raises(RuntimeError, match="abandoned"):
+        _sync(ch, named, 2, bucket=1024)
+    assert len(FakeNCCL.built) == 1
     ch.close()

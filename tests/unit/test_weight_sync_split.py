@@ -1,7 +1,7 @@
 """Tensors larger than a bucket: the plan cuts them into pieces of whole rows, the sender's
 two buffers stay within two buckets (runtime/memtrack), and a receiver that lands each piece
 in place (`landing`) gets every tensor whole and bit-equal (`received`). One rank, a
-recording group standing in for the broadcast; the same code over gloo and MPI between
+recording group standing in for the pair's group (its sends to the chain's first link); the same code over gloo and MPI between
 ranks in tests/mpi/test_weight_sync.py, into vLLM's workers in test_vllm_engines.py."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from flexmarl_hpc.runtime import sync_groups as G
 from flexmarl_hpc.runtime import weight_sync as W
 from flexmarl_hpc.runtime.memtrack import TensorBytes
 
@@ -39,8 +40,8 @@ def test_a_bucket_smaller_than_a_row_is_refused_naming_the_field():
 
 
 class Recorder:
-    """A one-member data group that keeps a copy of every broadcast bucket (numpy: not a
-    torch allocation, so the sender's tensor bytes are its own)."""
+    """A pair's group that keeps a copy of every bucket sent (numpy: not a torch
+    allocation, so the sender's tensor bytes are its own)."""
     built: list["Recorder"] = []
 
     class Options:
@@ -50,7 +51,7 @@ class Recorder:
         self.sent = []
         Recorder.built.append(self)
 
-    def broadcast(self, tensors, opts):
+    def send(self, tensors, dst, tag):
         self.sent.append(tensors[0].numpy().copy())
         return type("Work", (), {"wait": lambda self: True, "is_completed": lambda self: True})()
 
@@ -67,10 +68,13 @@ def test_split_tensors_arrive_whole_and_bit_equal_with_the_sender_within_two_buc
     bucket = 30 * 8 * 4 // 3                                      # a third of the largest tensor
     ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu")
     me = MPI.COMM_WORLD.Get_rank()
-    plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),), (1,), ((1,),))
+    pair = G.Pair((0, 0), (me,), (1,), MPI.COMM_SELF, G.new_group("nccl", dist.HashStore(), 0, 2),
+                  {me: 0, 1: 1}, {me: 1, 1: 1})
+    ch.pairs[pair.key] = pair
+    plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
     assert sum(b.piece is not None for b in plan.stages[0]) >= 4           # embed and head
     with TensorBytes() as mem:
-        W.send_weights(ch, (), plan, 1, 0, named.items(), leader=True)
+        W.send_weights(ch, (1,), plan, 1, 0, named.items(), leader=False)
     assert 0 < mem.peak <= 2 * bucket, (mem.peak, bucket)        # not 2 x the 960 B tensor
     sent, = [r.sent for r in Recorder.built]
     assert len(sent) == len(plan.stages[0]) and all(s.size <= bucket for s in sent)
