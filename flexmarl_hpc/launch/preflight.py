@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from flexmarl_hpc.config.layout import RankLayout, layout_from_config
 from flexmarl_hpc.config.load import to_dict
-from flexmarl_hpc.config.resources import (component_mem, components, mem_mb, param_count, rollout_pools,
-                                           single_component, trainer_groups)
+from flexmarl_hpc.config.resources import (component_mem, components, last_trainer, mem_mb, param_count,
+                                           rollout_pools, single_component, trainer_groups)
 from flexmarl_hpc.config.schema import Config, ConfigError
 
 
@@ -378,7 +378,7 @@ def check_capacity(cfg: Config, partitions: dict[str, Partition], default: str, 
     layout = layout_from_config(cfg)
     if single:
         comp = single_component(cfg)
-        todo = [(components(cfg)[-1].where, comp, layout.world_size, comp.mem)]
+        todo = [(last_trainer(components(cfg)).where, comp, layout.world_size, comp.mem)]
     else:
         todo = [(c.where, c.slurm, c.ntasks, component_mem(cfg, c)) for c in components(cfg)]
     for where, comp, ntasks, mem in todo:

@@ -126,13 +126,15 @@ def booked(activity: str):
 
 class Orchestrator(WorkerFailures):
     def __init__(self, cfg: Config, task: Task, transport: Transport, layout: RankLayout,
-                 store: StoreFile, preempted=lambda: False, log=print):
+                 store: StoreFile, preempted=lambda: False, log=print, tools=None):
+        """`tools`: where episodes' tool calls run (tools/remote.py's RemotePool on the
+        layout's tool ranks); None: a process pool on this node."""
         self.cfg, self.task, self.transport, self.layout = cfg, task, transport, layout
         self.store, self.preempted, self.log = store, preempted, log
         self.clock = BusyClock()                 # rank 0's own time, a row of the timeline
         self.deadlines = Deadlines(cfg.run.worker_timeout)
         self.watchdog = Watchdog(cfg.run.worker_timeout, self.reward_hung)
-        self.exp = experience_for(cfg, WatchedTask(task, self.watchdog), store)
+        self.exp = experience_for(cfg, WatchedTask(task, self.watchdog), store, tools)
         self.aborting = False
         self.agents = cfg.agent_names
         self.state = initial_state(cfg, layout, log)
@@ -504,8 +506,8 @@ class Orchestrator(WorkerFailures):
 
     def stop_workers(self, code: int) -> None:
         self.drain()
-        targets = [r.rank for r in self.replicas] + [self.layout.group_leader(g)
-                                                     for g in range(self.layout.groups)]
+        targets = ([r.rank for r in self.replicas] + [self.layout.group_leader(g) for g in range(self.layout.groups)]
+                   + self.layout.tool_rank_list)
         for rank in targets:
             self.cmd(rank, messages.Stop(code), "stop")
         # every worker rank answers "stopped" last (group members too: the leader forwards

@@ -121,3 +121,26 @@ def test_a_step_no_episode_calls_an_agent_moves_its_version_without_samples(tmp_
         judge = f["steps/judge"][:]
         judge = judge[judge["superseded"] == 0]
         assert judge["step"].tolist() == [0, 1, 2, 3] and judge["n_samples"].tolist() == [2, 0, 2, 0]
+
+
+def test_tool_calls_run_on_a_tool_rank_and_a_crash_there_is_a_counted_outcome(tmp_path, mpiexec, chat_setup):
+    """tools.ranks=1: the job gets a tool rank after the trainers; every tool call and
+    ctx.call of the episodes runs there (the reward worker sees that rank's PMI_RANK, so the
+    solver's reward includes 0.5), a worker that dies mid-call gives the call `crashed`
+    in /tools, and the run ends normally (the tool rank answers the Stop)."""
+    model, data = chat_setup
+    p = run_training(tmp_path, "run.name=tl", "workflow.episode=tests.e2e.episodes:with_tools",
+                     "workflow.agents=[solver]", "workflow.inputs_per_step=2", "workflow.group_size=2",
+                     "workflow.max_new_tokens=4", f"workflow.dataset.train={data}", "workflow.dataset.eval=",
+                     f"model.checkpoint={model}", "rollout.max_model_len=512", "run.steps=2", "run.log_every=1",
+                     "trainer.micro_batch_size=4", "tools.ranks=1", "tools.workers=2",
+                     config="configs/math_team.yaml")
+    assert "1 tool ranks" in p.stdout and "step    2/2" in p.stdout, p.stdout[-2000:]
+    from flexmarl_hpc.store.tables import TOOL_OUTCOMES
+    with h5py.File(tmp_path / "tl.h5", "r") as f:
+        tools = f["tools"][:]
+        solver = f["samples/solver"][:]
+        assert int(f.attrs["world_size"]) == 4            # orchestrator, replica, trainer, tool rank
+    outcomes = Counter((t.decode(), TOOL_OUTCOMES[o]) for t, o in zip(tools["tool"], tools["outcome"]))
+    assert outcomes == {("calculator", "ok"): 8, ("python", "ok"): 8, ("die", "crashed"): 8, ("where", "ok"): 8}, outcomes
+    assert (solver["reward"] >= 0.5).all(), solver["reward"]       # `where` ran on a rank other than 0

@@ -33,6 +33,8 @@ def test_local_config_loads_and_overrides_apply():
     ("pipeline.overprovision=-1", "pipeline.overprovision", "expected >= 0"),
     ("agents.critic={hidden_size:", "agents.critic", "not valid YAML"),
     (("pipeline.overprovision=2", "run.mode=sync"), "pipeline.overprovision", "needs run.mode=flex"),
+    ("tools.ranks=1", "tools.ranks", "expected 0 without workflow.episode"),
+    ("tools.ranks=-1", "tools.ranks", "expected 0..256"),
 ])
 def test_bad_fields_are_named(override, field, expected):
     with pytest.raises(ConfigError) as e:
