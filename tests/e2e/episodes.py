@@ -51,4 +51,4 @@ async def with_tools(ctx, example):
     crashed = await ctx.call(die, timeout_s=60)
     rank = await ctx.call(where, timeout_s=60)
     ctx.metrics["ok"] = float(calc.output == str(example["answer"] * 2) and crashed.outcome == "crashed")
-    return {"solver": float(len(r.ids) % 2) + 0.5 * (rank.value not in (None, 0)) + 0.0 * len(py.output)}
+    return {"solver": float(len(r.ids) % 2) + 0.5 * (rank.value not in (None, 0, -1)) + 0.0 * len(py.output)}

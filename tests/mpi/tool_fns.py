@@ -11,8 +11,9 @@ def add(a, b):
 
 
 def where():
-    """The MPI rank whose worker process ran the call (inherited from the tool rank)."""
-    return int(os.environ.get("PMI_RANK", "-1"))
+    """The MPI rank whose worker process ran the call (inherited from the tool rank: mpiexec
+    sets PMI_RANK, srun SLURM_PROCID); -1 if neither is set."""
+    return int(os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "-1")))
 
 
 def boom():
