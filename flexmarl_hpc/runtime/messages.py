@@ -22,9 +22,10 @@ Interval = tuple[str, str, float, float]
 """(activity, agent, t0, t1): wall-clock seconds (time.time()) a worker spent on one thing;
 "wait" for gaps."""
 
-Request = tuple[str, list[int], int, int, int]
-"""One generation request: (sample_id, prompt tokens, seed, max_new_tokens, turn), the
-fields of rollout.base.GenRequest in order."""
+Request = tuple
+"""One generation request: (sample_id, prompt tokens, seed, max_new_tokens, turn[, sampling]),
+the fields of rollout.base.GenRequest in order; `sampling`, (temperature, top_p) of this
+request alone, only where an episode call set its own."""
 
 
 class Message:
