@@ -63,12 +63,15 @@ def draw(logprobs: torch.Tensor, u: torch.Tensor, top_p: float | torch.Tensor) -
     return tok
 
 
-def row_params(params: SamplingParams | list[SamplingParams], B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(temperature [B, 1], top_p [B]) of a batch: one SamplingParams for all, or one per row."""
+def row_params(params: SamplingParams | list[SamplingParams], B: int) -> tuple[torch.Tensor, ...]:
+    """(temperature [B, 1], top_p [B], greedy [B]) of a batch from one SamplingParams for all
+    or one per row; a greedy row (temperature 0) scores its log-probs at temperature 1."""
     rows = params if isinstance(params, list) else [params] * B
     if len(rows) != B:
         raise ValueError(f"{len(rows)} sampling params for a batch of {B}")
-    return (torch.tensor([[float(p.temperature)] for p in rows]), torch.tensor([float(p.top_p) for p in rows]))
+    temp = torch.tensor([[float(p.temperature)] for p in rows])
+    greedy = temp[:, 0] == 0
+    return torch.where(greedy[:, None], 1.0, temp), torch.tensor([float(p.top_p) for p in rows]), greedy
 
 
 @torch.no_grad()
@@ -106,9 +109,7 @@ def generate(model: CausalLM, prompts: list[list[int]], seeds: list[int], max_ne
     out_tok = torch.full((B, steps), pad_id, dtype=torch.long)
     out_lp = torch.zeros(B, steps)
     live = torch.ones(B, dtype=torch.bool)
-    temp, top_p = row_params(params, B)
-    greedy = temp[:, 0] == 0
-    temp = torch.where(greedy[:, None], 1.0, temp)        # greedy rows: log-probs at temperature 1
+    temp, top_p, greedy = row_params(params, B)
     for t in range(steps):
         logp = torch.log_softmax(masked_logits(logits, allow, temp), dim=-1)
         if greedy.all():
