@@ -263,8 +263,10 @@ def _validate_episode_run(cfg: Config, n_agents: int) -> None:
     if cfg.workflow.episode:
         _need(cfg.pipeline.overprovision == 0, "pipeline.overprovision",
               "expected 0 with workflow.episode (an example's calls are known only once it ends)")
-        _need(cfg.run.eval_every == 0, "run.eval_every", "expected 0 with workflow.episode: "
-              "evaluate checkpoints with scripts/eval_episodes.py")
+        _need(cfg.run.eval_every == 0 or bool(cfg.workflow.dataset.eval), "workflow.dataset.eval",
+              f"expected a held-out file with run.eval_every={cfg.run.eval_every} (the episodes it evaluates)")
+        _need(cfg.run.eval_samples == 0, "run.eval_samples",
+              f"expected 0 with workflow.episode (its evaluation is greedy), got {cfg.run.eval_samples}")
         without = [a for a in cfg.agent_names if not cfg.model_for(a).checkpoint]   # none: chat.py synthetic tokenizer
         _need(len(without) in (0, n_agents), "model.checkpoint", "expected a checkpoint folder with a tokenizer "
               f"and chat template for every agent of an episode workflow or for none, got none for {without}")

@@ -159,8 +159,12 @@ def check_local_memory(cfg: Config, task) -> None:
 
 
 def check_eval(cfg: Config, task) -> None:
-    """run.eval_every > 0 needs the task's held-out inputs, as many as run.eval_inputs."""
+    """run.eval_every > 0 needs the task's held-out inputs (an episode workflow: held-out
+    examples), as many as run.eval_inputs."""
     if not cfg.run.eval_every:
+        return
+    if cfg.workflow.episode:                     # the eval file's first run.eval_inputs examples
+        task.stream.heldout(cfg.run.eval_inputs)  # (DatasetError names workflow.dataset.eval)
         return
     name = cfg.workflow.task
     try:

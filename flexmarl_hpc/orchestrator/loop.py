@@ -168,7 +168,7 @@ class Orchestrator(WorkerFailures):
                 # /steps row, checkpoint, log line, metrics row and full store flush are made
                 self.record_steps()
                 self.maybe_log()
-                m = self.receive(wake=self.exp.waiting())
+                m = self.receive(wake=self.exp.waiting() or self.evals.waiting())
                 if m is not None:
                     self.handle(*m)
                 while (m := self.transport.poll()) is not None:
@@ -211,7 +211,8 @@ class Orchestrator(WorkerFailures):
                 self.next_step, versions, self.all_synced()):
             self.exp.admit_step(self.next_step)
             self.next_step += 1
-        self.evals.start(versions, self.store.now())
+        for line in self.evals.start(versions, self.store.now()):
+            self.log(line)
         # an agent with only eval work gets a replica too
         backlog = {agent: sum(self.exp.est_tokens(n) for n in self.exp.pending[agent])
                    + self.evals.pending_tokens(agent) for agent in self.agents}
@@ -347,7 +348,7 @@ class Orchestrator(WorkerFailures):
         st = self.state[agent]
         if st.syncing or st.inflight >= 2 or self.moving[st.location.group]:
             return
-        if self.evals.hold(agent) == st.version and not any(
+        if self.evals.keeps(agent, st.version) and not any(
                 r.held.get(agent) == st.version for r in self.replicas):
             return          # an evaluated version reaches a replica before it is trained past
         if not st.location.resident:
@@ -520,5 +521,6 @@ class Orchestrator(WorkerFailures):
         self.record_steps(checkpoints=False)
         self.maybe_log()
         self.exp.close()
+        self.evals.close()
         self.recorder.flush()
         self.recorder.close()

@@ -174,3 +174,41 @@ def test_a_dead_tool_rank_is_a_dead_worker_the_run_checkpoints_and_exits_75(tmp_
     assert "tool rank 0 (rank 3): its process has ended (liveness socket closed)" in log, (log[-2000:], err[-3000:])
     assert "exiting 75 to requeue" in log, log[-2000:]
     assert "rank 3 exited 137" in err, err[-3000:]          # the SIGKILL, not a clean exit
+
+
+def test_periodic_evaluation_of_an_episode_workflow_writes_its_metrics_and_changes_no_training(
+        tmp_path, mpiexec, chat_setup):
+    """run.eval_every=1: at versions 0, 1 and 2 one greedy episode per held-out example,
+    ctx.metrics averaged into /eval (analyze draws eval.png); the training samples are
+    those of the same run without evaluation, token for token."""
+    model, data = chat_setup
+    runs = {}
+    for name, extra in (("ev", ["run.eval_every=1", "run.eval_inputs=3", f"workflow.dataset.eval={data}"]),
+                        ("ne", [])):
+        out = tmp_path / name
+        p = run_training(out, *overrides(chat_setup, steps=2), f"run.name={name}", *extra,
+                         config="configs/math_team.yaml")
+        runs[name] = out / f"{name}.h5"
+    with h5py.File(runs["ev"], "r") as f:
+        ev = f["eval"][:]
+        assert sorted(set(ev["step"].tolist())) == [0, 1, 2]
+        assert {m.decode() for m in ev["metric"]} == {"k", "episodes_failed"} and set(ev["agent"]) == {b""}
+        assert (ev["n_inputs"] == 3).all() and (ev["version"] == ev["step"]).all()
+        k = ev[ev["metric"] == b"k"]["value"]
+        assert ((k >= 1) & (k <= 3)).all()                     # the skewed episode's solver count
+        train = {a: f[f"samples/{a}"][:] for a in f.attrs["agents"]}
+        tok_ev = {a: f[f"tokens/{a}"][:]["token"] for a in f.attrs["agents"]}
+        assert "eval at step    0 | task/" in (tmp_path / "ev" / "train.log").read_text()
+    with h5py.File(runs["ne"], "r") as f:
+        for a, rows in train.items():
+            other = f[f"samples/{a}"][:]
+            key = lambda r: (r["input_id"], r["traj"], r["turn"])
+            mine, theirs = sorted(rows, key=key), sorted(other, key=key)
+            assert [key(r) for r in mine] == [key(r) for r in theirs], a
+            seq = lambda toks, r: toks[r["token_offset"]:r["token_offset"] + r["prompt_len"] + r["response_len"]].tolist()
+            tok_ne = f[f"tokens/{a}"][:]["token"]
+            assert [seq(tok_ev[a], r) for r in mine] == [seq(tok_ne, r) for r in theirs], a
+    out = subprocess.run([sys.executable, "-m", "flexmarl_hpc.analyze", str(runs["ev"]), "--out", str(tmp_path / "figs")],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and (tmp_path / "figs" / "eval.png").exists(), out.stdout + out.stderr
