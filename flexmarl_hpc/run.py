@@ -4,6 +4,7 @@
     python -m flexmarl_hpc.run configs/local.yaml run.mode=flex trainer.lr=3e-4
     mpiexec -n 4 python -m flexmarl_hpc.run configs/local.yaml     # explicit launch
     srun --mpi=pmi2 --het-group=0 CMD : --het-group=1 CMD : ...  # inside a Slurm job
+    python -m flexmarl_hpc.run configs/math_team.yaml tools.ranks=1   # tool calls on a rank of their own
     python -m flexmarl_hpc.run --help-config                       # every field, with help
 
 Started outside MPI it checks the config, then re-executes itself under the venv's
@@ -24,7 +25,7 @@ from pathlib import Path
 from flexmarl_hpc.store.checkpoint import CheckpointError
 from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable
 from flexmarl_hpc.store.tables import StoreError
-from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, RankLayout, check_world, layout_from_config
+from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout, check_world, layout_from_config
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.launch.preflight import check_output_dir, preflight
@@ -176,11 +177,13 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     from flexmarl_hpc.config.resources import rollout_pools
     from flexmarl_hpc.config.sync_groups import sync_groups
     device = bind_rank(world, layout, tuple(p.gpus_per_replica for p in rollout_pools(cfg))).device
-    task = build_task(cfg)
+    task = None if role == TOOLS else build_task(cfg)
     out = cfg.output_dir
     bucket = int(cfg.weight_sync.bucket_mb * 2**20)
     bell = _doorbell(cfg, world)
     live = _liveness(world)
+    if role == TOOLS:
+        return _serve_tools(cfg, world, live)
     if role == ORCHESTRATOR:
         return _orchestrate(cfg, layout, world, task, bell, live)
     if role == ROLLOUT:
@@ -201,6 +204,17 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
                         cfg.weight_sync.backend, wire, bell, live, cfg.weight_sync.timeout_s,
                         sync_groups(cfg, layout))
+
+
+def _serve_tools(cfg: Config, world, live) -> int:
+    """A tool rank (tools.ranks > 0): its own pool of sandboxes and reward workers, serving
+    rank 0's episodes (flexmarl_hpc/tools/remote.py) until the Stop."""
+    from flexmarl_hpc.tools.pool import WorkerPool
+    from flexmarl_hpc.tools.registry import Tools
+    from flexmarl_hpc.tools.remote import tools_loop
+    pool = WorkerPool(Tools.from_config(cfg.tools), cfg.tools)
+    _started(world, live)
+    return tools_loop(world, 0, pool, live)
 
 
 def _started(world, live, log=None) -> None:
@@ -276,11 +290,16 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=N
                       chunk=cfg.store.chunk_rows)
     log(f"{cfg.run.name}: mode {cfg.run.mode}, agents {cfg.agent_names}, {layout.world_size} ranks "
         f"({layout.replicas} replicas, {layout.groups} trainer groups x "
-        f"{layout.ranks_per_group or '+'.join(map(str, layout.group_sizes))}); "
+        f"{layout.ranks_per_group or '+'.join(map(str, layout.group_sizes))}"
+        f"{f', {layout.tool_ranks} tool ranks' if layout.tool_ranks else ''}); "
         f"store {store.path}")
     transport = MpiTransport(world, bell, live)
+    tools = None
+    if layout.tool_ranks:
+        from flexmarl_hpc.tools.remote import RemotePool
+        tools = RemotePool(world, layout.tool_rank_list, cfg.tools)
     try:
-        orch = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log)
+        orch = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log, tools)
         _started(world, live, log)
         code = orch.run()
         transport.close()

@@ -7,6 +7,7 @@ components):
     rank 0                      orchestrator
     ranks 1 .. R                rollout replicas, pool after pool
     then the trainer groups     group after group (TP x PP x DP ranks each)
+    then the tool ranks         tools.ranks > 0: tool calls and reward functions (last component)
 
 Heterogeneous configs (flexmarl_hpc.config.resources) give pools and groups their own sizes and
 each its own het component; the uniform case is 3 components.
@@ -17,8 +18,8 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
-ORCHESTRATOR, ROLLOUT, TRAINER = "orchestrator", "rollout", "trainer"
-ROLES = (ORCHESTRATOR, ROLLOUT, TRAINER)
+ORCHESTRATOR, ROLLOUT, TRAINER, TOOLS = "orchestrator", "rollout", "trainer", "tools"
+ROLES = (ORCHESTRATOR, ROLLOUT, TRAINER, TOOLS)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class RankLayout:
     """Each pool is its own het component (else one rollout component)."""
     split_groups: bool = False
     """Each trainer group is its own het component (else one trainer component)."""
+    tool_ranks: int = 0
+    """Tool ranks (tools.ranks): one het component after the trainers; 0: none (the
+    orchestrator runs tools in a local process pool)."""
 
     def __post_init__(self) -> None:
         if not self.pool_sizes:
@@ -44,26 +48,38 @@ class RankLayout:
         if not self.group_sizes:
             object.__setattr__(self, "group_sizes", (self.ranks_per_group,) * self.groups)
         if (self.replicas < 1 or self.groups < 1 or min(self.pool_sizes + self.group_sizes) < 1
-                or sum(self.pool_sizes) != self.replicas or len(self.group_sizes) != self.groups):
+                or sum(self.pool_sizes) != self.replicas or len(self.group_sizes) != self.groups
+                or self.tool_ranks < 0):
             raise ValueError(f"layout needs >= 1 replica, group and rank per group: {self}")
 
     @classmethod
-    def of(cls, pool_sizes, group_sizes, split_pools: bool = True, split_groups: bool = True) -> "RankLayout":
+    def of(cls, pool_sizes, group_sizes, split_pools: bool = True, split_groups: bool = True,
+           tool_ranks: int = 0) -> "RankLayout":
         """Pools and groups of any sizes (flexmarl_hpc.config.resources)."""
         g = tuple(group_sizes)
         return cls(sum(pool_sizes), len(g), g[0] if len(set(g)) == 1 else 0, tuple(pool_sizes), g,
-                   split_pools, split_groups)
+                   split_pools, split_groups, tool_ranks)
 
     @property
     def world_size(self) -> int:
-        return 1 + self.replicas + sum(self.group_sizes)
+        return 1 + self.replicas + sum(self.group_sizes) + self.tool_ranks
+
+    @property
+    def workers(self) -> int:
+        """Replica and trainer ranks: the ranks whose busy time is the run's utilization."""
+        return self.replicas + sum(self.group_sizes)
 
     @property
     def component_sizes(self) -> tuple[int, ...]:
-        """Tasks per het-job component (orchestrator, rollout pool(s), trainer group(s))."""
+        """Tasks per het-job component (orchestrator, rollout pool(s), trainer group(s), tools)."""
         pools = self.pool_sizes if self.split_pools else (self.replicas,)
         groups = self.group_sizes if self.split_groups else (sum(self.group_sizes),)
-        return (1, *pools, *groups)
+        return (1, *pools, *groups, *((self.tool_ranks,) if self.tool_ranks else ()))
+
+    @property
+    def tool_rank_list(self) -> list[int]:
+        """World ranks of the tool ranks (the last ones)."""
+        return list(range(1 + self.workers, self.world_size))
 
     @property
     def orchestrator_rank(self) -> int:
@@ -99,24 +115,31 @@ class RankLayout:
             return ORCHESTRATOR, 0
         if rank <= self.replicas:
             return ROLLOUT, rank - 1
+        if rank > self.workers:
+            return TOOLS, rank - 1 - self.workers
         ends = list(itertools.accumulate(self.group_sizes))
         return TRAINER, bisect.bisect_right(ends, rank - 1 - self.replicas)
 
     def split_color(self, rank: int) -> int:
-        """Color for COMM_WORLD.Split: 0 orchestrator, 1 rollout pool, 2+g trainer group g."""
+        """Color for COMM_WORLD.Split: 0 orchestrator, 1 rollout pool, 2+g trainer group g,
+        2+groups the tool ranks."""
         role, idx = self.role_of(rank)
-        return {ORCHESTRATOR: 0, ROLLOUT: 1}.get(role, 2 + idx)
+        return {ORCHESTRATOR: 0, ROLLOUT: 1, TOOLS: 2 + self.groups}.get(role, 2 + idx)
 
 
-def layout_from_config(cfg) -> RankLayout:
-    """Pure: the layout of the config's pools and trainer groups (flexmarl_hpc.config.resources).
-    Without rollout.pools / trainer.named_groups it is the three-component layout."""
+def layout_from_config(cfg, tools: bool = True) -> RankLayout:
+    """Pure: the layout of the config's pools, trainer groups and tool ranks
+    (flexmarl_hpc.config.resources). Without rollout.pools / trainer.named_groups /
+    tools.ranks it is the three-component layout. `tools=False`: without the tool ranks
+    (the simulator, which runs tools in the orchestrator's process pool)."""
     from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
     pools, groups = rollout_pools(cfg), trainer_groups(cfg)
+    t = cfg.tools.ranks if tools else 0
     if not cfg.rollout.pools and not cfg.trainer.named_groups:
-        return RankLayout(cfg.rollout.replicas, cfg.num_trainer_groups, cfg.trainer.ranks_per_group)
+        return RankLayout(cfg.rollout.replicas, cfg.num_trainer_groups, cfg.trainer.ranks_per_group,
+                          tool_ranks=t)
     return RankLayout.of([p.replicas for p in pools], [g.ranks for g in groups],
-                         bool(cfg.rollout.pools), bool(cfg.trainer.named_groups))
+                         bool(cfg.rollout.pools), bool(cfg.trainer.named_groups), t)
 
 
 def check_world(layout: RankLayout, world_size: int) -> None:
@@ -127,4 +150,5 @@ def check_world(layout: RankLayout, world_size: int) -> None:
             + (f"(1 orchestrator + {layout.replicas} rollout.replicas + {layout.groups} trainer "
                f"groups x {layout.ranks_per_group} trainer.ranks_per_group)" if layout.ranks_per_group else
                f"(1 orchestrator + {layout.replicas} replicas + trainer groups of "
-               f"{'+'.join(map(str, layout.group_sizes))} ranks)"))
+               f"{'+'.join(map(str, layout.group_sizes))} ranks)")
+            + (f" + {layout.tool_ranks} tools.ranks" if layout.tool_ranks else ""))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TRAINER
+from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, TRAINER
 from flexmarl_hpc.config.schema import Config, ModelConfig, SlurmComponent, TrainerConfig
 
 
@@ -144,8 +144,9 @@ class Component:
     first_rank: int
     agents: tuple[str, ...]
     role: str = ORCHESTRATOR
-    """orchestrator, rollout or trainer: replicas get their GPU blocks from Slurm
-    (`--gpus-per-task`), trainer ranks see their node's GPUs (`--gpus-per-node`)."""
+    """orchestrator, rollout, trainer or tools: replicas get their GPU blocks from Slurm
+    (`--gpus-per-task`), trainer ranks see their node's GPUs (`--gpus-per-node`); tool
+    ranks (tools.ranks) run sandboxes and reward functions on CPUs."""
 
     @property
     def tasks_per_node(self) -> int:
@@ -153,7 +154,8 @@ class Component:
 
 
 def components(cfg: Config) -> list[Component]:
-    """Het-job components in rank order: orchestrator, pools..., trainer groups..."""
+    """Het-job components in rank order: orchestrator, pools..., trainer groups..., and the
+    tool ranks last (tools.ranks > 0), so every other rank keeps its number."""
     s = cfg.slurm
     out = [Component("orchestrator", "slurm.orchestrator", s.orchestrator, 1, 0, 0, ())]
     rank = 1
@@ -176,7 +178,15 @@ def components(cfg: Config) -> list[Component]:
     else:
         out.append(Component("trainer", "slurm.trainer", s.trainer, sum(g.ranks for g in groups), 1,
                              rank, tuple(cfg.agent_names), TRAINER))
+        rank += sum(g.ranks for g in groups)
+    if cfg.tools.ranks:
+        out.append(Component("tools", "slurm.tools", s.tools, cfg.tools.ranks, 0, rank, (), TOOLS))
     return out
+
+
+def last_trainer(comps: list[Component]) -> Component:
+    """The last trainer component: `--single` takes its partition and options."""
+    return [c for c in comps if c.role == TRAINER][-1]
 
 
 def component_table(cfg: Config) -> str:
@@ -195,6 +205,8 @@ def component_table(cfg: Config) -> str:
         elif c.name == "trainer":
             g0 = trainer_groups(cfg)[0]
             shape = f"{cfg.num_trainer_groups} groups x {g0.describe()}"
+        elif c.role == TOOLS:
+            shape = f"{c.ntasks} ranks x {cfg.tools.workers} tools.workers"
         else:
             shape = "-"
         rows.append((str(i), c.name, ranks, str(c.slurm.nodes), str(gpus), shape, ",".join(c.agents) or "-"))
@@ -246,6 +258,7 @@ def single_component(cfg: Config) -> SlurmComponent:
     per-node GPUs and set memory of them all (none set: `auto_mem` of the allocation), the (last)
     trainer component's partition and sbatch_options."""
     comps = components(cfg)
+    trainer = last_trainer(comps)
     nodes = sum(c.slurm.nodes for c in comps[1:])
     gpus, cpus = max(c.slurm.gpus_per_node for c in comps), max(c.slurm.cpus_per_task for c in comps)
     per_node = -(-sum(c.ntasks for c in comps) // nodes)
@@ -256,5 +269,5 @@ def single_component(cfg: Config) -> SlurmComponent:
         mem = WHOLE_NODE if WHOLE_NODE in mems else max(mems, key=mem_mb)
     return SlurmComponent(
         nodes=nodes, gpus_per_node=gpus, cpus_per_task=cpus, mem=mem,
-        partition=comps[-1].slurm.partition,
-        sbatch_options=list(comps[-1].slurm.sbatch_options))
+        partition=trainer.slurm.partition,
+        sbatch_options=list(trainer.slurm.sbatch_options))

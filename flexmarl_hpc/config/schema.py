@@ -445,6 +445,9 @@ class SlurmConfig:
     """Het component 1: the rollout pool."""
     trainer: SlurmComponent = field(default_factory=SlurmComponent)
     """Het component 2: the trainer groups."""
+    tools: SlurmComponent = field(default_factory=SlurmComponent)
+    """The last het component, with tools.ranks > 0: the tool ranks (CPU nodes; each rank
+    runs tools.workers sandboxes and reward functions at once, so give it that many CPUs)."""
 
 
 @dataclass

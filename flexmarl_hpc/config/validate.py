@@ -236,14 +236,7 @@ def validate(cfg: Config) -> None:
          f"expected at most {n_agents} (one per agent), got {cfg.num_trainer_groups}")
     need(cfg.pipeline.overprovision == 0 or cfg.run.mode == "flex", "pipeline.overprovision",
          "needs run.mode=flex (sync, the baseline, trains every input it admits)")
-    if cfg.workflow.episode:
-        need(cfg.pipeline.overprovision == 0, "pipeline.overprovision",
-             "expected 0 with workflow.episode (an example's calls are known only once it ends)")
-        need(cfg.run.eval_every == 0, "run.eval_every", "expected 0 with workflow.episode: "
-             "evaluate checkpoints with scripts/eval_episodes.py")
-        without = [a for a in cfg.agent_names if not cfg.model_for(a).checkpoint]   # none: chat.py synthetic tokenizer
-        need(len(without) in (0, n_agents), "model.checkpoint", "expected a checkpoint folder with a tokenizer "
-             f"and chat template for every agent of an episode workflow or for none, got none for {without}")
+    _validate_episode_run(cfg, n_agents)
 
     # --- device binding (flexmarl_hpc.runtime.devices) ---
     need(cfg.rollout.gpus_per_replica >= 1, "rollout.gpus_per_replica", "expected >= 1")
@@ -261,6 +254,22 @@ def validate(cfg: Config) -> None:
 
     _validate_trainer_engine(cfg.trainer, need)
     validate_resources(cfg)
+
+
+def _validate_episode_run(cfg: Config, n_agents: int) -> None:
+    """What an episode workflow (or its absence) asks of the other sections."""
+    _need(cfg.tools.ranks == 0 or bool(cfg.workflow.episode), "tools.ranks",
+          f"expected 0 without workflow.episode (only episode functions call tools), got {cfg.tools.ranks}")
+    if cfg.workflow.episode:
+        _need(cfg.pipeline.overprovision == 0, "pipeline.overprovision",
+              "expected 0 with workflow.episode (an example's calls are known only once it ends)")
+        _need(cfg.run.eval_every == 0 or bool(cfg.workflow.dataset.eval), "workflow.dataset.eval",
+              f"expected a held-out file with run.eval_every={cfg.run.eval_every} (the episodes it evaluates)")
+        _need(cfg.run.eval_samples == 0, "run.eval_samples",
+              f"expected 0 with workflow.episode (its evaluation is greedy), got {cfg.run.eval_samples}")
+        without = [a for a in cfg.agent_names if not cfg.model_for(a).checkpoint]   # none: chat.py synthetic tokenizer
+        _need(len(without) in (0, n_agents), "model.checkpoint", "expected a checkpoint folder with a tokenizer "
+              f"and chat template for every agent of an episode workflow or for none, got none for {without}")
 
 
 # -- trainer engine fields (megatron precision, overlap, pipeline schedule) ------------------

@@ -11,7 +11,7 @@ import math
 import re
 
 from flexmarl_hpc.config.layout import layout_from_config
-from flexmarl_hpc.config.resources import components, single_component
+from flexmarl_hpc.config.resources import components, last_trainer, single_component
 from flexmarl_hpc.config.schema import Config, ConfigError, SlurmComponent
 
 MPI_PLUGINS = ("pmi2", "pmix", "pmix_v3", "pmix_v4", "pmix_v5", "cray_shasta")
@@ -160,7 +160,7 @@ def check_gpus(cfg: Config, single: bool = False) -> None:
         need = [sum(w[j:j + per_node]) for j in range(max(1, layout.world_size - per_node + 1))]
         if max(need) > comp.gpus_per_node:
             raise ConfigError(
-                f"{comps[-1].where}.gpus_per_node: --single puts {per_node} ranks on a node (rank order: "
+                f"{last_trainer(comps).where}.gpus_per_node: --single puts {per_node} ranks on a node (rank order: "
                 f"orchestrator, replicas x {widths['rollout']} GPU, trainer ranks x 1 GPU), one node needs "
                 f"{max(need)} GPUs but the allocation has {comp.gpus_per_node} per node (the largest "
                 "gpus_per_node of the components); add nodes or GPUs, or use the het job")

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from flexmarl_hpc.config.layout import RankLayout, layout_from_config
 from flexmarl_hpc.config.load import to_dict
-from flexmarl_hpc.config.resources import (component_mem, components, mem_mb, param_count, rollout_pools,
-                                           single_component, trainer_groups)
+from flexmarl_hpc.config.resources import (component_mem, components, last_trainer, mem_mb, param_count,
+                                           rollout_pools, single_component, trainer_groups)
 from flexmarl_hpc.config.schema import Config, ConfigError
 
 
@@ -159,8 +159,12 @@ def check_local_memory(cfg: Config, task) -> None:
 
 
 def check_eval(cfg: Config, task) -> None:
-    """run.eval_every > 0 needs the task's held-out inputs, as many as run.eval_inputs."""
+    """run.eval_every > 0 needs the task's held-out inputs (an episode workflow: held-out
+    examples), as many as run.eval_inputs."""
     if not cfg.run.eval_every:
+        return
+    if cfg.workflow.episode:                     # the eval file's first run.eval_inputs examples
+        task.stream.heldout(cfg.run.eval_inputs)  # (DatasetError names workflow.dataset.eval)
         return
     name = cfg.workflow.task
     try:
@@ -378,7 +382,7 @@ def check_capacity(cfg: Config, partitions: dict[str, Partition], default: str, 
     layout = layout_from_config(cfg)
     if single:
         comp = single_component(cfg)
-        todo = [(components(cfg)[-1].where, comp, layout.world_size, comp.mem)]
+        todo = [(last_trainer(components(cfg)).where, comp, layout.world_size, comp.mem)]
     else:
         todo = [(c.where, c.slurm, c.ntasks, component_mem(cfg, c)) for c in components(cfg)]
     for where, comp, ntasks, mem in todo:

@@ -6,7 +6,8 @@
 A run is one heterogeneous job: component 0 the orchestrator (1 task), component 1 the
 rollout pool (rollout.replicas tasks), component 2 the trainer groups (groups x
 ranks_per_group tasks); with `rollout.pools` / `trainer.named_groups` one component per
-pool and per group, in that order (flexmarl_hpc.config.resources.components). One het step (`srun --het-group=0 ... : --het-group=1 ... :
+pool and per group, in that order, and with `tools.ranks` the tool ranks last (CPU only,
+slurm.tools) (flexmarl_hpc.config.resources.components). One het step (`srun --het-group=0 ... : --het-group=1 ... :
 --het-group=2 ...`, each component with its own --cpus-per-task) starts every rank in one
 MPI_COMM_WORLD; SLURM_PROCID counts across components in that order, which is the rank
 order of flexmarl_hpc.config.layout. Replica components bind one block of GPUs per task
@@ -208,7 +209,8 @@ def single_script(cfg: Config, config_path: str, overrides: list[str] = (), pyth
     world = layout_from_config(cfg).world_size
     lines = ["#!/bin/bash",
              f"# flexmarl_hpc run {cfg.run.name}: one allocation of {world} tasks "
-             "(rank 0 orchestrator, then rollout replicas, then trainer ranks)",
+             "(rank 0 orchestrator, then rollout replicas, then trainer ranks"
+             + (", then tool ranks)" if cfg.tools.ranks else ")"),
              *_job_wide(cfg),
              *_component(single_component(cfg), world, cfg.slurm.partition, "all ranks",
                          single_component(cfg).mem)]

@@ -171,7 +171,8 @@ class EpisodeTree(NodeQueues):
 
     def request(self, node: Node, version: int) -> tuple:
         call = self.call_of[id(node)]
-        return node.sample_id, node.prompt, self.request_seed(node, version), call.max_tokens, 0
+        req = (node.sample_id, node.prompt, self.request_seed(node, version), call.max_tokens, 0)
+        return req if call.sampling is None else (*req, call.sampling)
 
     # -- results -------------------------------------------------------------------------
     def record_generation(self, batch: list[tuple[Node, list[int], list[float]]], version: int,

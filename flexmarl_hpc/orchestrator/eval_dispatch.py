@@ -3,13 +3,14 @@ requests to the replicas and writes its finished rounds; `NoEvaluation` (run.eva
 has the same interface and does nothing, so the loop never asks whether there is one:
 
     evals = eval_dispatch(cfg, task, store, versions, clock, sinks)
-    evals.start(versions, store.now())               # each round of the loop
+    lines = evals.start(versions, store.now())       # each round of the loop (rounds now over)
     evals.dispatch(agent, replicas, binding, new_batch_id, send)
     if evals.owns(msg.batch_id):
         rank, lines = evals.generated(msg.batch_id, msg.outputs)
 
 Evaluation batches go to replicas holding the evaluated version; their answers never
-reach the experience store.
+reach the experience store. Fixed-turn workflows are evaluated by evaluation.Evaluator,
+episode workflows by episode_eval.EpisodeEvaluator (same interface).
 """
 from __future__ import annotations
 
@@ -35,7 +36,13 @@ class NoEvaluation:
     def finished(self) -> bool:
         return True
 
-    def start(self, versions: dict[str, int], now: float) -> None:
+    def start(self, versions: dict[str, int], now: float) -> list[str]:
+        return []
+
+    def waiting(self) -> bool:
+        return False
+
+    def close(self) -> None:
         pass
 
     def pending_tokens(self, agent: str) -> int:
@@ -43,6 +50,9 @@ class NoEvaluation:
 
     def hold(self, agent: str) -> int | None:
         return None
+
+    def keeps(self, agent: str, version: int) -> bool:
+        return False
 
     def dispatch(self, agent: str, replicas: list, binding: list[str], new_batch_id: Callable[[], int],
                  send: Callable[[int, messages.Command, str], None]) -> None:
@@ -58,8 +68,22 @@ class EvalDispatch:
         self.cfg, self.evaluator, self.store, self.clock, self.sinks = cfg, evaluator, store, clock, sinks
         self.batches: dict[int, tuple[int, str, int, list]] = {}     # id -> rank, agent, version, nodes
         self.skipped = evaluator.skipped
-        self.finished, self.start = evaluator.finished, evaluator.start
-        self.pending_tokens, self.hold = evaluator.pending_tokens, evaluator.hold
+        self.finished = evaluator.finished
+        self.pending_tokens, self.hold, self.keeps = evaluator.pending_tokens, evaluator.hold, evaluator.keeps
+
+    def start(self, versions: dict[str, int], now: float) -> list[str]:
+        """Open the rounds some agent has reached; the log lines of rounds that ended
+        meanwhile (an episode round can end between replies, after a tool call)."""
+        self.evaluator.start(versions, now)
+        take = getattr(self.evaluator, "take_results", None)
+        return self._write(take()) if take else []
+
+    def waiting(self) -> bool:
+        """Evaluation episodes wait on a tool: the loop must come back soon."""
+        return bool(getattr(self.evaluator, "waiting", lambda: False)())
+
+    def close(self) -> None:
+        getattr(self.evaluator, "close", lambda: None)()
 
     def owns(self, batch_id: int) -> bool:
         return batch_id in self.batches
@@ -88,8 +112,12 @@ class EvalDispatch:
         """Evaluation answers: never journalled; a finished round becomes /eval rows, sink
         scalars and a log line. Returns the replica's rank and the log lines."""
         rank, agent, version, nodes = self.batches.pop(batch_id)
+        return rank, self._write(self.evaluator.record(nodes, [t for t, _ in outputs], version, self.store.now()))
+
+    def _write(self, results) -> list[str]:
+        """Finished rounds -> /eval rows, sink scalars and log lines."""
         lines = []
-        for res in self.evaluator.record(nodes, [t for t, _ in outputs], version, self.store.now()):
+        for res in results:
             with self.clock("store"):
                 self.store.append_eval(res.rows)
                 self.store.flush()
@@ -98,7 +126,7 @@ class EvalDispatch:
             secs = res.rows["t_end"][0] - res.rows["t_start"][0]
             lines.append(f"eval at step {res.point:4d} | " + " ".join(f"{k} {v:.3f}" for k, v in res.summary.items())
                          + f" | {res.rows['n_inputs'][0]} held-out inputs, {secs:.1f} s")
-        return rank, lines
+        return lines
 
 
 def eval_dispatch(cfg: Config, task: Task, store: StoreFile, versions: dict[str, int], clock: BusyClock,
@@ -107,4 +135,7 @@ def eval_dispatch(cfg: Config, task: Task, store: StoreFile, versions: dict[str,
     if not cfg.run.eval_every:
         return NoEvaluation()
     done = set(store.eval.read()["step"].tolist())
+    if cfg.workflow.episode:
+        from flexmarl_hpc.orchestrator.episode_eval import EpisodeEvaluator
+        return EvalDispatch(cfg, EpisodeEvaluator(cfg, task, done, versions), store, clock, sinks)
     return EvalDispatch(cfg, Evaluator(cfg, task, done, versions), store, clock, sinks)

@@ -109,6 +109,10 @@ class Evaluator:
                 return p
         return None
 
+    def keeps(self, agent: str, version: int) -> bool:
+        """`agent` may not train past `version` before a replica holds it (it is evaluated)."""
+        return self.hold(agent) == version
+
     def finished(self) -> bool:
         return not self.todo
 

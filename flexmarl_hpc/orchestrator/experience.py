@@ -231,10 +231,14 @@ class EpisodeExperience(Journaled, EpisodeTree):
     their calls as /samples rows, their tool calls as /tools rows, each finished episode as
     an /episodes row (once: a replayed episode already recorded is not recorded again)."""
 
-    def __init__(self, cfg: Config, task, store: StoreFile):
-        from flexmarl_hpc.tools.pool import WorkerPool
-        from flexmarl_hpc.tools.registry import Tools
-        pool = WorkerPool(Tools.from_config(cfg.tools), cfg.tools)
+    def __init__(self, cfg: Config, task, store: StoreFile, tools=None):
+        """`tools`: the pool that runs tool calls (tools/remote.py's RemotePool with tool
+        ranks); None: a tools.pool.WorkerPool on this node."""
+        pool = tools
+        if pool is None:
+            from flexmarl_hpc.tools.pool import WorkerPool
+            from flexmarl_hpc.tools.registry import Tools
+            pool = WorkerPool(Tools.from_config(cfg.tools), cfg.tools)
         EpisodeTree.__init__(self, cfg, task, task.runner(cfg, tools=pool, record_tool=self._tool_done))
         self._journal_to(store)
         self.recorded: set[tuple[int, int]] = set()        # (example, episode) with an /episodes row
@@ -272,8 +276,9 @@ class EpisodeExperience(Journaled, EpisodeTree):
         self.recorded = {k for k in self.recorded if not step * n <= k[0] < (step + 1) * n}
 
 
-def experience_for(cfg: Config, task, store: StoreFile) -> Experience | EpisodeExperience:
-    """The experience of `cfg`'s workflow: episodes (workflow.episode) or fixed turns."""
+def experience_for(cfg: Config, task, store: StoreFile, tools=None) -> Experience | EpisodeExperience:
+    """The experience of `cfg`'s workflow: episodes (workflow.episode, their tool calls on
+    `tools`, default a local pool) or fixed turns."""
     if cfg.workflow.episode:
-        return EpisodeExperience(cfg, task, store)
+        return EpisodeExperience(cfg, task, store, tools)
     return Experience(cfg, task, store)

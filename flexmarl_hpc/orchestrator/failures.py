@@ -13,7 +13,7 @@ script requeues, and the run resumes from the checkpoints and the store).
 """
 from __future__ import annotations
 
-from flexmarl_hpc.config.layout import ROLLOUT, RankLayout
+from flexmarl_hpc.config.layout import ROLLOUT, TOOLS, RankLayout
 from flexmarl_hpc.runtime import messages
 
 EXIT_PREEMPTED = 75
@@ -24,6 +24,8 @@ def who(layout: RankLayout, rank: int) -> str:
     role, index = layout.role_of(rank)
     if role == ROLLOUT:
         return f"replica {index}"
+    if role == TOOLS:
+        return f"tool rank {index}"
     return f"trainer group {index} ({'leader' if layout.group_leader(index) == rank else 'member'})"
 
 
@@ -33,7 +35,8 @@ def checkpointable(state: dict, moving: dict[int, int], layout: RankLayout,
     trainer group, not on a group moving a state, and (`rank` a replica) not on a group
     with a weight sync in flight: that broadcast may wait for `rank` forever."""
     role, index = layout.role_of(rank)
-    blocked = {s.location.group for s in state.values() if s.syncing} if role == ROLLOUT else {index}
+    blocked = ({s.location.group for s in state.values() if s.syncing} if role == ROLLOUT
+               else set() if role == TOOLS else {index})     # a tool rank holds no trainer
     return [agent for agent, s in state.items()
             if s.leader != rank and s.location.group not in blocked and not moving[s.location.group]]
 

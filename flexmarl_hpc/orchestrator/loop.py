@@ -126,13 +126,15 @@ def booked(activity: str):
 
 class Orchestrator(WorkerFailures):
     def __init__(self, cfg: Config, task: Task, transport: Transport, layout: RankLayout,
-                 store: StoreFile, preempted=lambda: False, log=print):
+                 store: StoreFile, preempted=lambda: False, log=print, tools=None):
+        """`tools`: where episodes' tool calls run (tools/remote.py's RemotePool on the
+        layout's tool ranks); None: a process pool on this node."""
         self.cfg, self.task, self.transport, self.layout = cfg, task, transport, layout
         self.store, self.preempted, self.log = store, preempted, log
         self.clock = BusyClock()                 # rank 0's own time, a row of the timeline
         self.deadlines = Deadlines(cfg.run.worker_timeout)
         self.watchdog = Watchdog(cfg.run.worker_timeout, self.reward_hung)
-        self.exp = experience_for(cfg, WatchedTask(task, self.watchdog), store)
+        self.exp = experience_for(cfg, WatchedTask(task, self.watchdog), store, tools)
         self.aborting = False
         self.agents = cfg.agent_names
         self.state = initial_state(cfg, layout, log)
@@ -166,7 +168,7 @@ class Orchestrator(WorkerFailures):
                 # /steps row, checkpoint, log line, metrics row and full store flush are made
                 self.record_steps()
                 self.maybe_log()
-                m = self.receive(wake=self.exp.waiting())
+                m = self.receive(wake=self.exp.waiting() or self.evals.waiting())
                 if m is not None:
                     self.handle(*m)
                 while (m := self.transport.poll()) is not None:
@@ -209,7 +211,8 @@ class Orchestrator(WorkerFailures):
                 self.next_step, versions, self.all_synced()):
             self.exp.admit_step(self.next_step)
             self.next_step += 1
-        self.evals.start(versions, self.store.now())
+        for line in self.evals.start(versions, self.store.now()):
+            self.log(line)
         # an agent with only eval work gets a replica too
         backlog = {agent: sum(self.exp.est_tokens(n) for n in self.exp.pending[agent])
                    + self.evals.pending_tokens(agent) for agent in self.agents}
@@ -345,7 +348,7 @@ class Orchestrator(WorkerFailures):
         st = self.state[agent]
         if st.syncing or st.inflight >= 2 or self.moving[st.location.group]:
             return
-        if self.evals.hold(agent) == st.version and not any(
+        if self.evals.keeps(agent, st.version) and not any(
                 r.held.get(agent) == st.version for r in self.replicas):
             return          # an evaluated version reaches a replica before it is trained past
         if not st.location.resident:
@@ -504,8 +507,8 @@ class Orchestrator(WorkerFailures):
 
     def stop_workers(self, code: int) -> None:
         self.drain()
-        targets = [r.rank for r in self.replicas] + [self.layout.group_leader(g)
-                                                     for g in range(self.layout.groups)]
+        targets = ([r.rank for r in self.replicas] + [self.layout.group_leader(g) for g in range(self.layout.groups)]
+                   + self.layout.tool_rank_list)
         for rank in targets:
             self.cmd(rank, messages.Stop(code), "stop")
         # every worker rank answers "stopped" last (group members too: the leader forwards
@@ -518,5 +521,6 @@ class Orchestrator(WorkerFailures):
         self.record_steps(checkpoints=False)
         self.maybe_log()
         self.exp.close()
+        self.evals.close()
         self.recorder.flush()
         self.recorder.close()

@@ -160,7 +160,7 @@ class RunRecorder:
     def metrics_row(self, step: int, wall: float, stale: int) -> tuple[dict, float, float]:
         """Append global step `step`'s /metrics row; returns it, the workers' utilization and
         the orchestrator's busy share."""
-        workers = self.layout.world_size - 1
+        workers = self.layout.workers          # replicas and trainer ranks (not the tool ranks)
         busy = sum(v for k, v in self.window.items())
         util = busy / (workers * wall)
         orch = self.clock.take_busy() / wall

@@ -23,6 +23,13 @@ class GenRequest:
     seed: int
     max_new_tokens: int
     turn: int
+    sampling: tuple[float, float] | None = None
+    """(temperature, top_p) of this request alone (an episode call's `ctx.chat(temperature=,
+    top_p=)`); None: the batch's params."""
+
+    def params(self, batch: SamplingParams) -> SamplingParams:
+        """The sampling params this request is drawn with."""
+        return batch if self.sampling is None else SamplingParams(*self.sampling)
 
 
 class RolloutEngine(Protocol):
@@ -36,4 +43,5 @@ class RolloutEngine(Protocol):
         """Version of `agent` held, or None."""
 
     def generate(self, agent: str, requests: list[GenRequest], params: SamplingParams) -> list[Generation]:
-        """Sample every request with `agent`'s current weights; results in request order."""
+        """Sample every request with `agent`'s current weights (each with `r.params(params)`);
+        results in request order, each with the log-probs of the distribution it was drawn from."""

@@ -48,6 +48,7 @@ class TorchEngine:
         for i in range(0, len(requests), self.max_batch):
             chunk = requests[i:i + self.max_batch]
             out += generate(model, [r.prompt for r in chunk], [r.seed for r in chunk],
-                            [r.max_new_tokens for r in chunk], params, self.task.vocab.pad_id,
+                            [r.max_new_tokens for r in chunk], [r.params(params) for r in chunk],
+                            self.task.vocab.pad_id,
                             self.task.stop_tokens, [self.task.allowed_tokens(r.turn) for r in chunk])
         return out

@@ -262,7 +262,8 @@ class VLLMEngine:
         sps, prompts = [], []
         for r in requests:
             allowed = self.task.allowed_tokens(r.turn)
-            sps.append(VSP(temperature=params.temperature, top_p=params.top_p, max_tokens=r.max_new_tokens,
+            p = r.params(params)                  # an episode call's own temperature / top_p
+            sps.append(VSP(temperature=p.temperature, top_p=p.top_p, max_tokens=r.max_new_tokens,
                            seed=int(r.seed), logprobs=0, detokenize=False, ignore_eos=True,
                            stop_token_ids=stop or None,
                            allowed_token_ids=None if allowed is None else

@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TRAINER, RankLayout
+from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, TRAINER, RankLayout
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def choose_device(rank: int, peers: Sequence[tuple[int, str]], width: Mapping[st
 
 
 def role_widths(layout: RankLayout, gpus_per_replica: int) -> dict[str, int]:
-    return {ORCHESTRATOR: 0, ROLLOUT: gpus_per_replica, TRAINER: 1}
+    return {ORCHESTRATOR: 0, ROLLOUT: gpus_per_replica, TRAINER: 1, TOOLS: 0}
 
 
 def replica_widths(layout: RankLayout, per_pool: Sequence[int]) -> dict[int, int]:

@@ -22,9 +22,10 @@ Interval = tuple[str, str, float, float]
 """(activity, agent, t0, t1): wall-clock seconds (time.time()) a worker spent on one thing;
 "wait" for gaps."""
 
-Request = tuple[str, list[int], int, int, int]
-"""One generation request: (sample_id, prompt tokens, seed, max_new_tokens, turn), the
-fields of rollout.base.GenRequest in order."""
+Request = tuple
+"""One generation request: (sample_id, prompt tokens, seed, max_new_tokens, turn[, sampling]),
+the fields of rollout.base.GenRequest in order; `sampling`, (temperature, top_p) of this
+request alone, only where an episode call set its own."""
 
 
 class Message:
@@ -97,6 +98,27 @@ class Stop(Command):
     """Finish: release the sync channels, answer `Stopped`, and exit with `code`."""
     kind: ClassVar[str] = "stop"
     code: int
+
+
+@dataclass(frozen=True)
+class ToolRequest(Command):
+    """Run a bundled tool (tool rank, tools/remote.py); answered by `ToolDone` on TAG_TOOL."""
+    kind: ClassVar[str] = "tool"
+    call_id: int
+    tool: str
+    argument: str
+
+
+@dataclass(frozen=True)
+class CallRequest(Command):
+    """`fn(*args)` in a worker process of a tool rank; answered by `CallDone` on TAG_TOOL."""
+    kind: ClassVar[str] = "call"
+    call_id: int
+    payload: bytes
+    """pickle of (fn, args): fn travels by name (a module-level function whose module must
+    import on the tool rank), loaded there inside a try, so one that does not is that
+    call's error, not the rank's end."""
+    timeout_s: float
 
 
 # -- replies: worker -> orchestrator ----------------------------------------------------------
@@ -196,8 +218,31 @@ class Intervals(Reply):
     kind: ClassVar[str] = "intervals"
 
 
-COMMANDS = (Generate, Sync, Train, Move, Checkpoint, Stop)
-REPLIES = (Generated, Synced, TrainerSynced, SyncTimedOut, Trained, Stepped, Checkpointed, Moved, Stopped, Intervals)
+@dataclass(frozen=True)
+class ToolDone(Reply):
+    """A tool rank's answer to a `ToolRequest` (tools.registry.ToolCall's fields, without the
+    sandbox record)."""
+    kind: ClassVar[str] = "tool_done"
+    call_id: int
+    output: str
+    outcome: str
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class CallDone(Reply):
+    """A tool rank's answer to a `CallRequest` (tools.pool.Called's fields)."""
+    kind: ClassVar[str] = "call_done"
+    call_id: int
+    value: Any
+    outcome: str
+    latency_s: float
+    error: str
+
+
+COMMANDS = (Generate, Sync, Train, Move, Checkpoint, Stop, ToolRequest, CallRequest)
+REPLIES = (Generated, Synced, TrainerSynced, SyncTimedOut, Trained, Stepped, Checkpointed, Moved, Stopped, Intervals,
+           ToolDone, CallDone)
 
 
 # -- the wire ---------------------------------------------------------------------------------

@@ -194,7 +194,8 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
         raise ValueError(f"workers: expected one of {', '.join(WORKERS)}, got {workers!r}")
     if workers == "real" and work is not None:
         raise ValueError("workers='real' prices the real responses: a modelled Workload does not apply")
-    task, layout = build_task(cfg), layout_from_config(cfg)
+    # no tool ranks in a simulation: episodes' tool calls run in rank 0's process pool
+    task, layout = build_task(cfg), layout_from_config(cfg, tools=False)
     if workers == "real":
         from flexmarl_hpc.sim.inprocess import InProcessWorkers
         real_workers_fit(cfg, len(task.vocab))
@@ -264,7 +265,7 @@ def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2, devic
 
 def rank_devices(cfg: Config) -> dict[int, int]:
     """World rank -> accelerators it stands for (a replica rank holds its pool's width)."""
-    layout, pools = layout_from_config(cfg), rollout_pools(cfg)
+    layout, pools = layout_from_config(cfg, tools=False), rollout_pools(cfg)
     out = {}
     for r in range(1, layout.world_size):
         role, index = layout.role_of(r)

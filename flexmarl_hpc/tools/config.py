@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 NOBODY = 65534
+MAX_RANKS = 256
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,19 @@ class ToolsConfig:
     (sys.executable) if the sandbox uid can reach it, else /usr/bin/python3."""
     calc_max_digits: int = 1000
     """The calculator refuses results (and powers) with more digits than this."""
+    ranks: int = 0
+    """Tool ranks: a het component of their own (slurm.tools; under mpiexec, the last ranks),
+    each running `workers` calls at once; the orchestrator sends them its episodes' tool
+    calls and `ctx.call` functions over MPI. 0: a process pool on the orchestrator's node."""
 
     def __post_init__(self) -> None:
         from flexmarl_hpc.config.schema import ConfigError     # a section of it (no cycle at import)
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name != "python" and not (isinstance(v, (int, float)) and v > 0):
+            if f.name == "ranks":
+                if not (isinstance(v, int) and 0 <= v <= MAX_RANKS):
+                    raise ConfigError(f"tools.ranks: expected 0..{MAX_RANKS} (0: a local process pool), got {v!r}")
+            elif f.name != "python" and not (isinstance(v, (int, float)) and v > 0):
                 raise ConfigError(f"tools.{f.name}: expected a positive number, got {v!r}")
         if self.python and not os.access(self.python, os.X_OK):
             raise ConfigError(f"tools.python: expected an executable interpreter, got {self.python!r}")

@@ -80,6 +80,8 @@ class Call:
     thread: Thread = field(repr=False, default=None)
     messages: list = field(repr=False, default_factory=list)
     future: asyncio.Future = field(repr=False, default=None)
+    sampling: tuple[float, float] | None = None
+    """(temperature, top_p) this call asked for; None: the run's (rollout.temperature, top_p)."""
 
     def done(self, response: list[int], stop_ids: frozenset[int]) -> None:
         text = self.thread.conv.record(list(response))
@@ -119,10 +121,15 @@ class EpisodeContext:
         t.busy = True
         return t
 
-    async def chat(self, agent: str, messages: list[dict], *, max_tokens: int | None = None) -> Reply:
+    async def chat(self, agent: str, messages: list[dict], *, max_tokens: int | None = None,
+                   temperature: float | None = None, top_p: float | None = None) -> Reply:
         """Ask `agent` to answer `messages` (OpenAI-style dicts, `role` and `content`); the
         reply is sampled with the agent's current weights. max_tokens: at most
-        workflow.max_new_tokens (the default)."""
+        workflow.max_new_tokens (the default). temperature (> 0), top_p (in (0, 1]): this
+        call's own, default the run's rollout.temperature / rollout.top_p; the sample keeps
+        the log-probs it was drawn with, and the trainer's importance weight corrects for
+        the difference from rollout.temperature, at which it scores (docs/episodes.md)."""
+        sampling = self.runner.call_sampling(temperature, top_p)
         cap = self.runner.max_new_tokens
         if agent not in self.runner.agents:
             raise ValueError(f"ctx.chat: no agent {agent!r} (workflow.agents: {self.runner.agents})")
@@ -144,7 +151,7 @@ class EpisodeContext:
         self.calls[agent] = index + 1
         n = min(n, room)                      # the reply is cut where the context ends
         call = Call(self, agent, index, prompt, n, self.last_done, thread, messages,
-                    asyncio.get_running_loop().create_future())
+                    asyncio.get_running_loop().create_future(), sampling)
         self.runner.new_calls.append(call)
         return await call.future
 
@@ -185,13 +192,16 @@ class EpisodeRunner:
 
     def __init__(self, fn: Callable[..., Awaitable[dict]], agents: list[str], seed: int,
                  max_new_tokens: int, new_conversation: Callable[[str], Any], args: dict | None = None,
-                 tools=None, record_tool: Callable | None = None, limits: dict[str, int] | None = None):
+                 tools=None, record_tool: Callable | None = None, limits: dict[str, int] | None = None,
+                 sampling: tuple[float, float] = (1.0, 1.0)):
         self.fn, self.agents, self.seed = fn, list(agents), seed
         self.max_new_tokens, self.new_conversation = max_new_tokens, new_conversation
         self.args = dict(args or {})
         self.pool, self.record_tool = tools, record_tool
         self.limits = dict(limits or {})
         """Most tokens of one call (prompt + reply) per agent; missing: no limit."""
+        self.sampling = sampling
+        """The run's (rollout.temperature, rollout.top_p): what a call's own values replace."""
         self.loop = asyncio.new_event_loop()
         self.new_calls: list[Call] = []
         self.finished: list[Finished] = []
@@ -227,6 +237,19 @@ class EpisodeRunner:
             self.loop.run_forever()
             if not self.loop._ready:         # noqa: SLF001 - nothing left runnable
                 return
+
+    def call_sampling(self, temperature, top_p) -> tuple[float, float] | None:
+        """A call's own (temperature, top_p), the run's where one is not given; None when
+        neither is (the batch's params). ValueError naming the argument if out of range."""
+        if temperature is None and top_p is None:
+            return None
+        t = self.sampling[0] if temperature is None else temperature
+        p = self.sampling[1] if top_p is None else top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 100:
+            raise ValueError(f"ctx.chat(temperature={temperature!r}): expected a number in (0, 100]")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"ctx.chat(top_p={top_p!r}): expected a number in (0, 1]")
+        return float(t), float(p)
 
     def waiting(self) -> bool:
         """Some episode waits on a tool, a worker call or a timer (not on a reply)."""

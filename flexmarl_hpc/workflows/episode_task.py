@@ -64,7 +64,8 @@ class EpisodeTask(Task):
         w = cfg.workflow
         return EpisodeRunner(self.fn, cfg.agent_names, cfg.run.seed, w.max_new_tokens,
                              lambda agent: Conversation(self.chat_of[agent]), w.episode_args,
-                             tools, record_tool, self.context_limits(cfg))
+                             tools, record_tool, self.context_limits(cfg),
+                             (cfg.rollout.temperature, cfg.rollout.top_p))
 
     def render(self, path) -> str:
         return "episode call"

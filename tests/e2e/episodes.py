@@ -39,3 +39,16 @@ async def judge_on_even(ctx, example):
         await ctx.chat("judge", [{"role": "user", "content": "judge"}], max_tokens=2)
         return {"planner": float(ctx.episode), "judge": 1.0}
     return {"planner": float(ctx.episode)}
+
+
+async def with_tools(ctx, example):
+    """A solver, then a calculator call, a python call and a reward function that crashes
+    its worker (tests/mpi/tool_fns.py): run on a tool rank with tools.ranks > 0."""
+    r = await ctx.chat("solver", [{"role": "user", "content": example["question"]}], max_tokens=4)
+    calc = await ctx.tool("calculator", f"{example['answer']} * 2")
+    py = await ctx.tool("python", "import os; print(os.environ.get('PMI_RANK', 'none'))")
+    from tests.mpi.tool_fns import die, where
+    crashed = await ctx.call(die, timeout_s=60)
+    rank = await ctx.call(where, timeout_s=60)
+    ctx.metrics["ok"] = float(calc.output == str(example["answer"] * 2) and crashed.outcome == "crashed")
+    return {"solver": float(len(r.ids) % 2) + 0.5 * (rank.value not in (None, 0, -1)) + 0.0 * len(py.output)}

@@ -16,7 +16,7 @@ import h5py
 import pytest
 
 from tests.conftest import ROOT, run_training
-from tests.helpers import check_exactly_once, sigkill_tree
+from tests.helpers import check_exactly_once, sigkill_tree, wait_for
 
 STEPS, N_IN, GROUP = 6, 3, 2
 
@@ -121,3 +121,99 @@ def test_a_step_no_episode_calls_an_agent_moves_its_version_without_samples(tmp_
         judge = f["steps/judge"][:]
         judge = judge[judge["superseded"] == 0]
         assert judge["step"].tolist() == [0, 1, 2, 3] and judge["n_samples"].tolist() == [2, 0, 2, 0]
+
+
+def tool_overrides(chat_setup, name: str) -> list[str]:
+    model, data = chat_setup
+    return [f"run.name={name}", "workflow.episode=tests.e2e.episodes:with_tools", "workflow.agents=[solver]",
+            "workflow.inputs_per_step=2", "workflow.group_size=2", "workflow.max_new_tokens=4",
+            f"workflow.dataset.train={data}", "workflow.dataset.eval=", f"model.checkpoint={model}",
+            "rollout.max_model_len=512", "run.steps=2", "run.log_every=1", "trainer.micro_batch_size=4",
+            "tools.ranks=1", "tools.workers=2"]
+
+
+def test_tool_calls_run_on_a_tool_rank_and_a_crash_there_is_a_counted_outcome(tmp_path, mpiexec, chat_setup):
+    """tools.ranks=1: the job gets a tool rank after the trainers; every tool call and
+    ctx.call of the episodes runs there (the reward worker sees that rank's PMI_RANK, so the
+    solver's reward includes 0.5), a worker that dies mid-call gives the call `crashed`
+    in /tools, and the run ends normally (the tool rank answers the Stop)."""
+    p = run_training(tmp_path, *tool_overrides(chat_setup, "tl"), config="configs/math_team.yaml")
+    assert "1 tool ranks" in p.stdout and "step    2/2" in p.stdout, p.stdout[-2000:]
+    from flexmarl_hpc.store.tables import TOOL_OUTCOMES
+    with h5py.File(tmp_path / "tl.h5", "r") as f:
+        tools = f["tools"][:]
+        solver = f["samples/solver"][:]
+        assert int(f.attrs["world_size"]) == 4            # orchestrator, replica, trainer, tool rank
+    outcomes = Counter((t.decode(), TOOL_OUTCOMES[o]) for t, o in zip(tools["tool"], tools["outcome"]))
+    assert outcomes == {("calculator", "ok"): 8, ("python", "ok"): 8, ("die", "crashed"): 8, ("where", "ok"): 8}, outcomes
+    assert (solver["reward"] >= 0.5).all(), solver["reward"]       # `where` ran on a rank other than 0
+
+
+def test_a_dead_tool_rank_is_a_dead_worker_the_run_checkpoints_and_exits_75(tmp_path, mpiexec, chat_setup):
+    """The tool rank (world rank 3) SIGKILLs itself at its 3rd call (FLEXMARL_FAULT). Each
+    rank runs under a shell that outlives it, so mpiexec does not end the job for us (as
+    Slurm's het step without --kill-on-bad-exit, tests/mpi/test_dead_rank.py): the
+    orchestrator must notice the death itself (the liveness star), say which rank, checkpoint
+    and end the job with 75 to requeue (MPI_Abort, which takes every rank with it)."""
+    import shlex
+    import signal
+    ov = [*tool_overrides(chat_setup, "td"), "run.steps=50", f"run.output_dir={tmp_path}"]
+    rank = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "flexmarl_hpc.run", "configs/math_team.yaml", *ov])
+    cmd = [mpiexec, "-n", "4", "bash", "-c", f'{rank}; echo "rank $PMI_RANK exited $?" >&2; sleep 60']
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLEXMARL_FAULT": "tool_call:3:3"}
+    errs = tmp_path / "ranks.err"
+    with open(errs, "w") as err_file:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err_file,
+                             start_new_session=True)
+        try:
+            wait_for(lambda: "MPI_Abort(MPI_COMM_WORLD, 75)" in errs.read_text(), 240, "rank 0's MPI_Abort(75)")
+        finally:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=60)
+    err, log = errs.read_text(), (tmp_path / "train.log").read_text()
+    assert "tool rank 0 (rank 3): its process has ended (liveness socket closed)" in log, (log[-2000:], err[-3000:])
+    assert "exiting 75 to requeue" in log, log[-2000:]
+    assert "rank 3 exited 137" in err, err[-3000:]          # the SIGKILL, not a clean exit
+
+
+def test_periodic_evaluation_of_an_episode_workflow_writes_its_metrics_and_changes_no_training(
+        tmp_path, mpiexec, chat_setup):
+    """run.eval_every=1: at versions 0, 1 and 2 one greedy episode per held-out example,
+    ctx.metrics averaged into /eval (analyze draws eval.png); the training samples are
+    those of the same run without evaluation, token for token (pipeline.max_staleness 0:
+    with 1, which version a sample is drawn at depends on timing, with or without
+    evaluation). With max_staleness 1 (math_team's) the evaluated run ends too: 3 agents
+    time-sharing one replica deadlocked there before (docs/LOG.md)."""
+    model, data = chat_setup
+    runs = {}
+    evaluated = ["run.eval_every=1", "run.eval_inputs=3", f"workflow.dataset.eval={data}"]
+    for name, extra in (("ev", [*evaluated, "pipeline.max_staleness=0"]), ("ne", ["pipeline.max_staleness=0"]),
+                        ("s1", [*evaluated, "pipeline.max_staleness=1"])):
+        out = tmp_path / name
+        run_training(out, *overrides(chat_setup, steps=2), f"run.name={name}", *extra, config="configs/math_team.yaml")
+        runs[name] = out / f"{name}.h5"
+    with h5py.File(runs["s1"], "r") as f:
+        assert sorted(set(f["eval"][:]["step"].tolist())) == [0, 1, 2]
+    with h5py.File(runs["ev"], "r") as f:
+        ev = f["eval"][:]
+        assert sorted(set(ev["step"].tolist())) == [0, 1, 2]
+        assert {m.decode() for m in ev["metric"]} == {"k", "episodes_failed"} and set(ev["agent"]) == {b""}
+        assert (ev["n_inputs"] == 3).all() and (ev["version"] == ev["step"]).all()
+        k = ev[ev["metric"] == b"k"]["value"]
+        assert ((k >= 1) & (k <= 3)).all()                     # the skewed episode's solver count
+        train = {a: f[f"samples/{a}"][:] for a in f.attrs["agents"]}
+        tok_ev = {a: f[f"tokens/{a}"][:]["token"] for a in f.attrs["agents"]}
+        assert "eval at step    0 | task/" in (tmp_path / "ev" / "train.log").read_text()
+    with h5py.File(runs["ne"], "r") as f:
+        for a, rows in train.items():
+            other = f[f"samples/{a}"][:]
+            key = lambda r: (r["input_id"], r["traj"], r["turn"])
+            mine, theirs = sorted(rows, key=key), sorted(other, key=key)
+            assert [key(r) for r in mine] == [key(r) for r in theirs], a
+            seq = lambda toks, r: toks[r["token_offset"]:r["token_offset"] + r["prompt_len"] + r["response_len"]].tolist()
+            tok_ne = f[f"tokens/{a}"][:]["token"]
+            assert [seq(tok_ev[a], r) for r in mine] == [seq(tok_ne, r) for r in theirs], a
+    out = subprocess.run([sys.executable, "-m", "flexmarl_hpc.analyze", str(runs["ev"]), "--out", str(tmp_path / "figs")],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and (tmp_path / "figs" / "eval.png").exists(), out.stdout + out.stderr

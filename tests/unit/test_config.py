@@ -33,6 +33,8 @@ def test_local_config_loads_and_overrides_apply():
     ("pipeline.overprovision=-1", "pipeline.overprovision", "expected >= 0"),
     ("agents.critic={hidden_size:", "agents.critic", "not valid YAML"),
     (("pipeline.overprovision=2", "run.mode=sync"), "pipeline.overprovision", "needs run.mode=flex"),
+    ("tools.ranks=1", "tools.ranks", "expected 0 without workflow.episode"),
+    ("tools.ranks=-1", "tools.ranks", "expected 0..256"),
 ])
 def test_bad_fields_are_named(override, field, expected):
     with pytest.raises(ConfigError) as e:
@@ -171,3 +173,17 @@ def test_state_swaps_stay_inside_a_swap_domain_of_one_shape():
     assert swap_peers(groups, 0) == [0] and swap_peers(groups, 1) == [1, 2] and swap_peers(groups, 2) == [2, 1]
     assert initial_placement(cfg) == {"speaker": Location(0, True), "relay": Location(1, True),
                                       "listener": Location(1, False)}
+
+
+@pytest.mark.parametrize("override, field, expected", [
+    ("workflow.dataset.eval=", "workflow.dataset.eval", "expected a held-out file with run.eval_every=2"),
+    ("run.eval_samples=2", "run.eval_samples", "expected 0 with workflow.episode"),
+])
+def test_episode_evaluation_needs_an_eval_file_and_is_greedy(tmp_path, override, field, expected):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "1 + 1?", "answer": 2}\n')
+    ov = ["model.checkpoint=", f"workflow.dataset.train={data}", f"workflow.dataset.eval={data}", "run.eval_every=2"]
+    load_config(ROOT / "configs/math_team.yaml", ov)              # accepted as it is
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/math_team.yaml", [*ov, override])
+    assert str(e.value).startswith(field) and expected in str(e.value), str(e.value)

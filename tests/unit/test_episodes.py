@@ -297,3 +297,55 @@ def test_a_settled_agent_called_or_rewarded_again_fails_the_episode_but_keeps_it
     assert [f.error for f in tree.failed] == [f"ValueError: {error}"]
     assert planner.reward == float(reply_for(planner)[0] % 2)        # settled: kept
     assert tree.batch_of("planner", 0) == 1
+
+
+async def own_sampling(ctx, example):
+    """The planner at its own temperature, one solver at its own top_p, one at the run's."""
+    bad = ctx.args.get("bad")
+    if bad:
+        await ctx.chat("planner", [{"role": "user", "content": "p"}], **bad)
+    await ctx.chat("planner", [{"role": "user", "content": "p"}], temperature=0.5)
+    await asyncio.gather(ctx.chat("solver", [{"role": "user", "content": "a"}], top_p=0.9),
+                         ctx.chat("solver", [{"role": "user", "content": "b"}]))
+    return {"planner": 1.0, "solver": 1.0}
+
+
+def sampling_tree(**args):
+    cfg = config(n_in=1, group=1)
+    runner = EpisodeRunner(own_sampling, cfg.agent_names, cfg.run.seed, 8, lambda agent: WordConversation(),
+                           args=args, sampling=(0.7, 0.95))
+    task = Task(own_sampling)
+    task.runner = lambda cfg: runner
+    return EpisodeTree(cfg, task)
+
+
+def test_a_calls_own_temperature_and_top_p_reach_its_generation_request():
+    """ctx.chat(temperature=, top_p=): the request carries (temperature, top_p), the run's
+    (rollout.temperature, top_p) standing in for the one not given; a call without either
+    sends the 5-field request, sampled with the batch's params."""
+    from flexmarl_hpc.rollout.base import GenRequest
+    from flexmarl_hpc.learn.sampling import SamplingParams
+    tree = sampling_tree()
+    tree.admit_step(0)
+    (planner,) = tree.pending["planner"]
+    req = tree.request(planner, 0)
+    assert req[5:] == ((0.5, 0.95),) and GenRequest(*req).params(SamplingParams(0.7, 0.95)) == SamplingParams(0.5, 0.95)
+    answer(tree, "planner")
+    reqs = sorted(tree.request(n, 0)[5:] for n in tree.pending["solver"])
+    assert reqs == [(), ((0.7, 0.9),)]
+    batch = SamplingParams(0.7, 0.95)
+    assert GenRequest(*tree.request(tree.pending["solver"][0], 0)[:5]).params(batch) is batch
+    answer(tree, "solver")
+    assert not tree.failed
+    tree.close()
+
+
+@pytest.mark.parametrize("bad, error", [
+    ({"temperature": 0}, "ctx.chat(temperature=0): expected a number in (0, 100]"),
+    ({"top_p": 1.5}, "ctx.chat(top_p=1.5): expected a number in (0, 1]"),
+    ({"temperature": "hot"}, "ctx.chat(temperature='hot'): expected a number in (0, 100]")])
+def test_a_bad_temperature_or_top_p_fails_the_episode_naming_it(bad, error):
+    tree = sampling_tree(bad=bad)
+    tree.admit_step(0)
+    assert [f.error for f in tree.failed] == [f"ValueError: {error}"]
+    tree.close()

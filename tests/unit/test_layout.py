@@ -1,6 +1,6 @@
 import pytest
 
-from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TRAINER, RankLayout, check_world
+from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, TRAINER, RankLayout, check_world
 
 
 def test_rank_roles_in_component_order():
@@ -13,6 +13,22 @@ def test_rank_roles_in_component_order():
     assert lay.group_ranks(1) == [6, 7] and lay.group_leader(0) == 4
     assert lay.replica_ranks == [1, 2, 3]
     assert sorted({lay.split_color(r) for r in range(8)}) == [0, 1, 2, 3]
+
+
+def test_tool_ranks_come_last_and_every_other_rank_keeps_its_number():
+    """tools.ranks: one het component after the trainers, so the rank of every replica and
+    trainer rank, the trainer colors and the leaders stay what they are without it."""
+    base, lay = RankLayout(3, 2, 2), RankLayout(3, 2, 2, tool_ranks=2)
+    assert lay.world_size == 10 and lay.workers == base.workers == 7
+    assert lay.component_sizes == (1, 3, 4, 2)
+    assert [lay.role_of(r) for r in range(8)] == [base.role_of(r) for r in range(8)]
+    assert [lay.role_of(r) for r in (8, 9)] == [(TOOLS, 0), (TOOLS, 1)] and lay.tool_rank_list == [8, 9]
+    assert [lay.split_color(r) for r in range(10)] == [base.split_color(r) for r in range(8)] + [4, 4]
+    assert RankLayout.of([1, 2], [2, 1], tool_ranks=1).role_of(7) == (TOOLS, 0)
+    with pytest.raises(ValueError, match=r"needs 10 .* \+ 2 tools.ranks"):
+        check_world(lay, 8)
+    from flexmarl_hpc.orchestrator.failures import who
+    assert who(lay, 9) == "tool rank 1" and who(lay, 7).startswith("trainer group 1")
 
 
 def test_layout_errors():

@@ -54,3 +54,24 @@ def test_action_mask_and_top_p():
     assert draw(logp, torch.tensor([0.99]), 0.6).item() == 1
     assert draw(logp, torch.tensor([0.1]), 0.6).item() == 0
     assert draw(logp, torch.tensor([0.99]), 1.0).item() == 2
+
+
+def test_each_row_samples_at_its_own_temperature_and_keeps_that_distributions_logprobs():
+    """Per-row params (an episode call's own temperature / top_p): each row draws what it
+    draws alone with those params as the batch's, and its log-probs are of the distribution
+    it was drawn from (logits / its temperature), the behaviour log-probs the trainer's
+    importance weight divides by; at temperature 1 they would be others."""
+    model = build_model(ARGS, seed=3).eval()
+    prompts, seeds = [[1, 5, 6], [1, 7], [1, 8, 9], [1, 4]], [21, 22, 23, 24]
+    rows = [SamplingParams(0.5, 1.0), SamplingParams(1.0, 0.8), SamplingParams(0.0, 1.0), SamplingParams(2.0, 1.0)]
+    together = generate(model, prompts, seeds, [6] * 4, rows, pad_id=0, stop_ids=frozenset({2}))
+    for pr, s, p, g in zip(prompts, seeds, rows, together):
+        alone = generate(model, [pr], [s], [6], p, pad_id=0, stop_ids=frozenset({2}))[0]
+        assert g.tokens == alone.tokens
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+        with torch.no_grad():
+            logits = model(torch.tensor([pr + g.tokens]))[0]
+        at = lambda t: [torch.log_softmax(logits[len(pr) - 1 + j] / t, -1)[tok].item() for j, tok in enumerate(g.tokens)]
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(at(p.temperature or 1.0)), atol=1e-5, rtol=0)
+        if p.temperature not in (0.0, 1.0):
+            assert max(abs(a - b) for a, b in zip(g.logprobs, at(1.0))) > 1e-3

@@ -85,6 +85,32 @@ def test_single_allocation_script_matches_golden():
 
 
 
+TOOLS_SITE = ["run.output_dir=/scratch/flexmarl/{name}", "model.checkpoint=", "slurm.partition=gpu",
+              "slurm.trainer={gpus_per_node: 3, cpus_per_task: 4, partition: gpu-large}",
+              "slurm.rollout={gpus_per_node: 1, cpus_per_task: 4}", "tools.ranks=2", "tools.workers=8",
+              "slurm.tools={nodes: 2, cpus_per_task: 8, partition: cpu, sbatch_options: ['--constraint=amd']}"]
+
+
+def test_tools_component_script_matches_golden():
+    """tools.ranks: the tool ranks are the last het component, CPU only, with their own
+    partition, CPUs and options, in the same srun step; --single keeps the trainer's partition."""
+    cfg = load_config(ROOT / "configs/math_team.yaml", TOOLS_SITE)
+    text = hetjob_script(cfg, "configs/math_team.yaml", TOOLS_SITE, python="python")
+    golden("hetjob_tools.sbatch", text)
+    header, _, body = text.partition("\n\n")
+    comps = header.split("#SBATCH hetjob")
+    assert len(comps) == 4 and "component 3: tools" in comps[3]
+    assert [re.search(r"--ntasks=(\d+)", c).group(1) for c in comps] == ["1", "1", "3", "2"]
+    tools = comps[3]
+    assert "--nodes=2" in tools and "--ntasks-per-node=1" in tools and "--cpus-per-task=8" in tools
+    assert "--partition=cpu" in tools and "--constraint=amd" in tools and "gpus" not in tools
+    assert "--mem=8000M" in tools                     # auto: 8 CPUs x slurm.mem_per_cpu
+    assert ': --het-group=3 --cpus-per-task=8 "${CMD[@]}" &\n' in body
+    single = single_script(cfg, "configs/math_team.yaml", TOOLS_SITE, python="python")
+    assert "--ntasks=7" in single and "--partition=gpu-large" in single and "#SBATCH --constraint=amd" not in single
+    assert "then trainer ranks, then tool ranks)" in single
+
+
 def test_gpu_ranks_that_would_share_gpus_are_refused():
     # 3 replicas x 2 GPUs on 3 nodes of 1 GPU; 4 trainer ranks on 1 node of 2 GPUs
     with pytest.raises(ConfigError, match=r"^slurm.rollout.gpus_per_node: .* = 2 GPUs, but a node has 1"):

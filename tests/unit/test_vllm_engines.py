@@ -86,6 +86,7 @@ class FakeLLM:
         assert self.awake and sum(e.awake for e in FakeLLM.built) == 1 or not self.kwargs.get(
             "enable_sleep_mode"), "two engines awake at once"
         self.calls.append(("generate", len(prompts)))
+        self.sampling = list(sps)                  # the SamplingParams each prompt got
         tok = types.SimpleNamespace(logprob=-0.5)
         out = types.SimpleNamespace(token_ids=[3], logprobs=[{3: tok}])
         return [types.SimpleNamespace(outputs=[out]) for _ in prompts]
@@ -197,6 +198,19 @@ def test_cpu_keeps_architectures_resident_without_sleep(fake_vllm, tmp_path):
         assert "enable_sleep_mode" not in llm.kwargs and "gpu_memory_utilization" not in llm.kwargs
         assert llm.kwargs["dtype"] == "float32"
         assert not any(c[0] in ("sleep", "wake_up") for c in llm.calls)
+
+
+def test_a_requests_own_temperature_and_top_p_reach_its_vllm_sampling_params(fake_vllm, tmp_path):
+    """An episode call's ctx.chat(temperature=, top_p=) travels as GenRequest.sampling: its
+    prompt's vLLM SamplingParams carry them (processed log-probs: those of the distribution
+    drawn from), the other prompts of the batch keep the batch's params."""
+    e = make({"a": SMALL}, tmp_path, cuda=False)
+    e.load_weights("a", 1, weights(SMALL, 1))
+    reqs = [GenRequest("s0", [1, 4], 5, 2, 0, (0.3, 0.8)), GenRequest("s1", [1, 5], 6, 2, 0)]
+    e.generate("a", reqs, SamplingParams(0.9, 1.0))
+    got = [(sp["temperature"], sp["top_p"], sp["seed"]) for sp in fake_vllm.built[0].sampling]
+    assert got == [(0.3, 0.8, 5), (0.9, 1.0, 6)]
+    assert fake_vllm.built[0].kwargs["logprobs_mode"] == "processed_logprobs"
 
 
 def test_dtype_and_tensor_parallel_reach_the_engine(fake_vllm, tmp_path):

@@ -1,0 +1,20 @@
+"""Tool calls and reward functions on tool ranks of their own (flexmarl_hpc/tools/remote.py),
+on real MPI ranks: each failure of a call is its defined outcome, and a stalled tool rank
+costs its calls a `timeout`, never a hung episode.
+
+    .venv/bin/python -m pytest tests/mpi/test_tools_mpi.py
+"""
+from tests.conftest import run_mpi
+
+
+def test_tool_calls_on_two_tool_ranks_get_their_defined_outcomes(mpiexec):
+    p = run_mpi(mpiexec, 3, ["tests/mpi/mpi_tools.py"], timeout=240)
+    assert ("calls, answers per tool rank" in p.stdout and "['ok', 'ok', 'refused'" in p.stdout
+            and "'ok', 'error', 'crashed', 'timeout', 'error', 'ok'" in p.stdout and "stopped" in p.stdout), \
+        p.stdout + p.stderr
+
+
+def test_a_stalled_tool_rank_gives_its_call_a_timeout(mpiexec):
+    p = run_mpi(mpiexec, 2, ["tests/mpi/mpi_tools.py", "stall"], timeout=120, check=False,
+                env={"FLEXMARL_FAULT": "tool_call:1:1:stall"})
+    assert "ok: a stalled tool rank's call ended as timeout" in p.stdout, p.stdout + p.stderr
