@@ -5,9 +5,10 @@ calls run on the tool ranks' own pools, concurrently: answers, a refusal, a rais
 crashing and a slow function each get their defined outcome, a lambda is refused before
 it is sent, both ranks serve, then the orchestrator's Stop ends them (Stopped).
 
-`stall` (mpiexec -n 2, FLEXMARL_FAULT=tool_call:1:1:stall): the tool rank hangs inside
+`stall OUT` (mpiexec -n 2, FLEXMARL_FAULT=tool_call:1:1:stall): the tool rank hangs inside
 its first call; rank 0 gives the call up GRACE past its limit: a `timeout` outcome, not
-a hung episode. Rank 0 then ends the job (the stalled rank cannot be stopped).
+a hung episode; the verdict goes to the file OUT. Rank 0 then ends the job (the stalled
+rank cannot be stopped).
 
 A tool rank's pool forks its reward workers from a forkserver, which imports this script
 as __mp_main__: nothing at module level may import mpi4py (MPI_Init would fail there), so
@@ -46,7 +47,12 @@ def orchestrator(world, stall: bool) -> None:
         took = time.monotonic() - t0
         assert r.outcome == "timeout" and "tool rank 1 gave no answer" in r.output, r
         assert cfg.wall_s + 2.0 <= took < cfg.wall_s + 6.0, took
-        print(f"ok: a stalled tool rank's call ended as timeout after {took:.1f} s", flush=True)
+        line = f"ok: a stalled tool rank's call ended as timeout after {took:.1f} s"
+        print(line, flush=True)
+        # MPI_Abort can kill mpiexec's forwarding of stdout before that line gets through: the
+        # test reads the verdict from the file it names
+        with open(sys.argv[2], "w") as f:
+            f.write(line + "\n")
         world.Abort(0)
     res = asyncio.run(calls(pool))
     calc, py, unknown, loop, add, boom, die, slow, lam, *where = res
@@ -76,7 +82,7 @@ if __name__ == "__main__":
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     if world.Get_rank() == 0:
-        orchestrator(world, sys.argv[1:] == ["stall"])
+        orchestrator(world, sys.argv[1:2] == ["stall"])
     else:
         from flexmarl_hpc.tools.pool import WorkerPool
         from flexmarl_hpc.tools.registry import Tools
