@@ -63,7 +63,7 @@ from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.config.load import apply_override, load_config
 from flexmarl_hpc.config.resources import components
 from flexmarl_hpc.sim.driver import WORKERS, Workload, cost_model, measure, rank_devices, simulate_run
-from flexmarl_hpc.sim.hardware import HardwareError, HardwareProfile, load_hardware
+from flexmarl_hpc.sim.hardware import HardwareError, HardwareProfile, load_hardware, validate_hardware
 from flexmarl_hpc.sim.plan import rank_plans
 from flexmarl_hpc.sim.plan_config import (config_classes, describe_alloc, describe_classes, distinct, fragment,
                               fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
@@ -158,18 +158,29 @@ def run_config(path: str | Path):
         return load_config(tmp.name)
 
 
-def calibrate(h5: str, base: str = "cpu_local") -> HardwareProfile:
+def calibrate(h5: str, base: str = "cpu_local", external_cores: float = 0.0) -> HardwareProfile:
     """The `base` profile fitted to the real run `h5` (sim.calibrate; its own config gives the
-    model shape, max_batch and replicas)."""
+    model shape, max_batch and replicas). `external_cores`: the load other processes put on
+    the machine during that run (sim.hostload): its intervals are read as work on the cores
+    left, so the fitted profile is the unloaded machine's (its external_cores 0)."""
     from flexmarl_hpc.sim.calibrate import fit, observe
     if not Path(h5).is_file():
         raise ValueError(f"--calibrate: no such file {h5}")
     cfg, hw = run_config(h5), load_hardware(base)
+    loaded = with_load(hw, external_cores)
     shape = local_cost(cfg, hw).layout(cfg.agent_names[0]).model
     obs = observe(h5, max(cfg.rollout.max_batch, 1), cfg.rollout.replicas,
-                  shared_cores=hw.efficiency.shared_cores, waiting_share=hw.efficiency.waiting_share,
+                  shared_cores=loaded.efficiency.rank_cores(), waiting_share=hw.efficiency.waiting_share,
                   workers_poll=cfg.run.idle_wait == "poll")
     return fit(obs, hw, shape, h5)
+
+
+def with_load(hw: HardwareProfile, external_cores: float) -> HardwareProfile:
+    """`hw` on a machine where other processes keep `external_cores` busy (validated: less
+    than its shared_cores)."""
+    eff = dataclasses.replace(hw.efficiency, external_cores=float(external_cores))
+    return validate_hardware(dataclasses.replace(hw, efficiency=eff),
+                             f"{hw.name} with external_cores {external_cores}")
 
 
 def predict_variants(config: str, variants: list[str], hw: HardwareProfile, steps: int, out: Path,

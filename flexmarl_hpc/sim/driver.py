@@ -220,7 +220,7 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        orchestrator_s=eff.orchestrator_s if eff else 0.0,
                        orchestrator_step_s=eff.orchestrator_step_s if eff else 0.0,
                        latency_s=eff.message_latency_s if eff else 0.0,
-                       shared_cores=eff.shared_cores if eff else 0,
+                       shared_cores=eff.rank_cores() if eff else 0,
                        waiting_share=eff.waiting_share if eff else 0.0,
                        workers_poll=cfg.run.idle_wait == "poll",
                        orchestrator_byte_s=eff.orchestrator_byte_s if eff else 0.0,
