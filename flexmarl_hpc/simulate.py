@@ -62,13 +62,14 @@ from flexmarl_hpc.store.checkpoint import replace_file
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.config.load import apply_override, load_config
 from flexmarl_hpc.config.resources import components
-from flexmarl_hpc.sim.driver import WORKERS, Workload, cost_model, measure, rank_devices, simulate_run
+from flexmarl_hpc.sim.driver import (WORKERS, Workload, cost_model, measure, rank_devices, replica_ranks,
+                                     simulate_run, sync_per_generate)
 from flexmarl_hpc.sim.hardware import HardwareError, HardwareProfile, load_hardware, validate_hardware
 from flexmarl_hpc.sim.plan import rank_plans
 from flexmarl_hpc.sim.plan_config import (config_classes, describe_alloc, describe_classes, distinct, fragment,
                               fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
                               plan_workload)
-from flexmarl_hpc.sim.scale import parse_sizes, plot_scale, scale_points
+from flexmarl_hpc.sim.scale import bottleneck_table, parse_sizes, plot_scale, scale_points
 from flexmarl_hpc.sim.baselines import FRAGMENTS, SYNC_NO_LB, colocated_run, system_config
 from flexmarl_hpc.sim.perturb import Failure, Perturbation, checkpoint_load_s, with_failure
 from flexmarl_hpc.sim.paper_cli import check_paper, paper_main, paper_options
@@ -135,7 +136,8 @@ def run_variants(config: str, variants: list[str], hardware: str | HardwareProfi
             continue
         r = measure(path, rank_devices(cfg), devices=devices)
         r.update(wall_s=time.perf_counter() - wall, sim_s=sim.now - sim_t0(path), h5=str(path),
-                 orchestrator_share=sim.orchestrator_charged / max(sim.now - sim_t0(path), 1e-12))
+                 orchestrator_share=sim.orchestrator_charged / max(sim.now - sim_t0(path), 1e-12),
+                 sync_per_generate=sync_per_generate(path, replica_ranks(cfg)))
         results[v] = r
     if "step_s" in results.get("sync", {}):
         for r in results.values():
@@ -211,8 +213,9 @@ def calibrate_main(a: argparse.Namespace, out: Path) -> int:
     import numpy as np
     from flexmarl_hpc.sim.hardware import save_hardware
     try:
-        hw = calibrate(a.run, a.hardware)
-        pred = predict_variants(a.config, variant_list(a.variants), hw, a.steps, out, a.overrides, a.workers)
+        hw = calibrate(a.run, a.hardware, a.external_cores)
+        pred = predict_variants(a.config, variant_list(a.variants), with_load(hw, a.external_cores), a.steps, out,
+                                a.overrides, a.workers)
         measured: dict[str, list[float]] = {}
         for h5 in a.measured:
             measured.setdefault(variant_of(run_config(h5)), []).append(measure(Path(h5))["step_s"])
@@ -402,6 +405,7 @@ def scale_main(a: argparse.Namespace, out: Path) -> int:
     else:
         print(f"{a.config} on {a.hardware}, {a.steps} steps (simulated) per accelerator count; wall {wall:.1f} s")
         print(scale_table(rows, variants))
+        print(bottleneck_table(rows, variants))
         if a.png is not None and fitting:
             print(f"wrote {a.png}")
     if not fitting:
@@ -690,6 +694,9 @@ def calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measured", nargs="*", default=[], metavar="H5",
                    help="real runs of the variants, to print predicted vs measured")
     p.add_argument("--write-profile", type=Path, default=None, help="write the fitted profile here")
+    p.add_argument("--external-cores", type=float, default=0.0, metavar="X",
+                   help="cores other processes kept busy during --run (and the --measured runs): the fit "
+                        "reads the run on the cores left, the predictions run at that load (sim/hostload.py)")
     _workers_option(p)
 
 

@@ -262,6 +262,23 @@ def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2, devic
             "steps": int(len(t))}
 
 
+def sync_per_generate(path: Path, replicas: set[int]) -> float:
+    """Rank-seconds the `replicas` spent in weight syncs per rank-second generating, over the
+    whole run: how much of the rollout side the network takes (0: none)."""
+    with h5py.File(path, "r") as f:
+        iv = f["intervals"][:]
+    mine = np.isin(iv["rank"], list(replicas))
+    dur = (iv["t1"] - iv["t0"]) * mine
+    gen = float(dur[iv["activity"] == b"generate"].sum())
+    return float(dur[iv["activity"] == b"sync"].sum()) / max(gen, 1e-12)
+
+
+def replica_ranks(cfg: Config) -> set[int]:
+    """World ranks of the rollout replicas."""
+    layout = layout_from_config(cfg)
+    return {r for r in range(1, layout.world_size) if layout.role_of(r)[0] == ROLLOUT}
+
+
 def rank_devices(cfg: Config) -> dict[int, int]:
     """World rank -> accelerators it stands for (a replica rank holds its pool's width)."""
     layout, pools = layout_from_config(cfg), rollout_pools(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -15,7 +16,7 @@ from flexmarl_hpc.runtime.build import build_task
 from flexmarl_hpc.sim.cores import CoreShare, Job
 from flexmarl_hpc.sim.driver import cost_model, measure, simulate_run
 from flexmarl_hpc.sim.hardware import HardwareError, load_hardware, validate_hardware
-from flexmarl_hpc.sim.hostload import HostLoad, busy_seconds, reject_outliers
+from flexmarl_hpc.sim.hostload import HostLoad, LoadSampler, busy_seconds, pid_stat, reject_outliers, tree_ticks
 from flexmarl_hpc.simulate import calibrate, with_load
 from tests.conftest import ROOT
 from tests.unit.test_calibrate import REFERENTIAL, truth_profile
@@ -43,14 +44,28 @@ def test_external_load_is_the_machines_busy_time_less_the_commands_own():
     assert load.available(2.0) == pytest.approx(0.05)  # a saturated machine still ran it
 
 
+def test_pid_stat_and_the_process_tree():
+    text = "42 (py (x) y) S 7 42 7 0 -1 4194304 1 0 0 0 30 10 5 2 20 0 1 0 99 1 1"
+    assert pid_stat(text) == (7, 30 + 10, 5 + 2)
+    stats = {7: (1, 100, 9), 42: (7, 40, 7), 43: (42, 3, 0), 50: (1, 1000, 0)}
+    # 7's descendants and what 7 reaped, not 7's own 100 nor the unrelated 50
+    assert tree_ticks(stats, 7) == 9 + 47 + 3 and tree_ticks(stats, 42) == 7 + 3 and tree_ticks(stats, 99) == 0
+
+
 def test_a_child_that_burns_cpu_counts_as_the_commands_own_not_as_load():
-    """A child that spins for 0.2 s of its own CPU time (however long the machine makes that
-    take): its CPU is the command's, whatever else runs."""
-    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.2: pass"
-    with HostLoad.measure() as load:
+    """A child that spins for 0.3 s of its own CPU time (however long the machine makes that
+    take) and then sleeps 0.3 s: the sampler sees its CPU as this process's, whatever else runs."""
+    spin = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+            "time.sleep(0.3)")
+    with LoadSampler(period=0.05) as sampler:
+        t0 = time.time()
         subprocess.run([sys.executable, "-c", spin], check=True)
-    assert load.own_cores * load.wall_s >= 0.19
-    assert load.external_cores >= 0.0 and load.wall_s > 0
+        t1 = time.time()
+    load = sampler.window(t0, t1)
+    assert load.own_cores * load.wall_s >= 0.25
+    assert load.external_cores >= 0.0 and load.wall_s == pytest.approx(t1 - t0)
+    with pytest.raises(ValueError, match="window: expected"):
+        sampler.window(t0 - 100, t1)
 
 
 def test_reject_outliers_drops_the_run_far_from_its_repetitions_only():
@@ -112,3 +127,13 @@ def test_a_run_fitted_at_its_load_predicts_the_unloaded_machine_and_one_fitted_b
     assert steps["aware"] == pytest.approx(want, rel=0.05), (steps, want)
     assert abs(steps["blind"] / want - 1) > 0.2, (steps, want)
     assert np.isfinite(list(steps.values())).all()
+
+
+def test_the_cli_refuses_a_load_of_every_core_by_name(tmp_path, capsys):
+    from flexmarl_hpc.simulate import main
+    truth = truth_profile()
+    _, path = _real_looking_run(tmp_path, truth, "run")
+    code = main(["calibrate", str(ROOT / "configs/local.yaml"), *REFERENTIAL, "--run", str(path),
+                 "--external-cores", "2", "--out", str(tmp_path / "sim")])
+    assert code == 2
+    assert "'efficiency.external_cores': expected < shared_cores (2), got 2.0" in capsys.readouterr().err
