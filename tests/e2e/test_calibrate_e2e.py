@@ -28,9 +28,9 @@ differed):
   median of the kept runs'.
 Asserted: B's step time per mode within TOL_STEP and the flex/sync ratio within TOL_RATIO.
 Measured (docs/LOG.md, 2026-11-26): at load average 7.5-10.7 errors +3.7% / -0.9% / ratio
-+4.6%, the runs' steps 0.056-0.541 s; with 2 more busy processes at nice 0 for the first
-150 s, -7.4% / -13.1% / +6.6%, the starved B sync run (log error -0.81) rejected. ~4.5 min on
-the loaded machine, ~10 with the extra load.
++4.6%, the runs' steps 0.056-0.541 s; at 8.2-9.6 -12.8% / -10.1% / -3.0%; with 2 more busy
+processes at nice 0 for the first 150 s, -7.4% / -13.1% / +6.6%, the starved B sync run (log
+error -0.81) rejected. 2-4.5 min on the loaded machine, ~10 with the extra load.
 """
 from __future__ import annotations
 
