@@ -62,13 +62,14 @@ from flexmarl_hpc.store.checkpoint import replace_file
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.config.load import apply_override, load_config
 from flexmarl_hpc.config.resources import components
-from flexmarl_hpc.sim.driver import WORKERS, Workload, cost_model, measure, rank_devices, simulate_run
-from flexmarl_hpc.sim.hardware import HardwareError, HardwareProfile, load_hardware
+from flexmarl_hpc.sim.driver import (WORKERS, Workload, cost_model, measure, rank_devices, replica_ranks,
+                                     simulate_run, sync_per_generate)
+from flexmarl_hpc.sim.hardware import HardwareError, HardwareProfile, load_hardware, validate_hardware
 from flexmarl_hpc.sim.plan import rank_plans
 from flexmarl_hpc.sim.plan_config import (config_classes, describe_alloc, describe_classes, distinct, fragment,
                               fragment_nodes, fragment_yaml, merge_fragment, min_nodes, plan_nodes,
                               plan_workload)
-from flexmarl_hpc.sim.scale import parse_sizes, plot_scale, scale_points
+from flexmarl_hpc.sim.scale import bottleneck_table, parse_sizes, plot_scale, scale_points
 from flexmarl_hpc.sim.baselines import FRAGMENTS, SYNC_NO_LB, colocated_run, system_config
 from flexmarl_hpc.sim.perturb import Failure, Perturbation, checkpoint_load_s, with_failure
 from flexmarl_hpc.sim.paper_cli import check_paper, paper_main, paper_options
@@ -135,7 +136,8 @@ def run_variants(config: str, variants: list[str], hardware: str | HardwareProfi
             continue
         r = measure(path, rank_devices(cfg), devices=devices)
         r.update(wall_s=time.perf_counter() - wall, sim_s=sim.now - sim_t0(path), h5=str(path),
-                 orchestrator_share=sim.orchestrator_charged / max(sim.now - sim_t0(path), 1e-12))
+                 orchestrator_share=sim.orchestrator_charged / max(sim.now - sim_t0(path), 1e-12),
+                 sync_per_generate=sync_per_generate(path, replica_ranks(cfg)))
         results[v] = r
     if "step_s" in results.get("sync", {}):
         for r in results.values():
@@ -158,18 +160,29 @@ def run_config(path: str | Path):
         return load_config(tmp.name)
 
 
-def calibrate(h5: str, base: str = "cpu_local") -> HardwareProfile:
+def calibrate(h5: str, base: str = "cpu_local", external_cores: float = 0.0) -> HardwareProfile:
     """The `base` profile fitted to the real run `h5` (sim.calibrate; its own config gives the
-    model shape, max_batch and replicas)."""
+    model shape, max_batch and replicas). `external_cores`: the load other processes put on
+    the machine during that run (sim.hostload): its intervals are read as work on the cores
+    left, so the fitted profile is the unloaded machine's (its external_cores 0)."""
     from flexmarl_hpc.sim.calibrate import fit, observe
     if not Path(h5).is_file():
         raise ValueError(f"--calibrate: no such file {h5}")
     cfg, hw = run_config(h5), load_hardware(base)
+    loaded = with_load(hw, external_cores)
     shape = local_cost(cfg, hw).layout(cfg.agent_names[0]).model
     obs = observe(h5, max(cfg.rollout.max_batch, 1), cfg.rollout.replicas,
-                  shared_cores=hw.efficiency.shared_cores, waiting_share=hw.efficiency.waiting_share,
+                  shared_cores=loaded.efficiency.rank_cores(), waiting_share=hw.efficiency.waiting_share,
                   workers_poll=cfg.run.idle_wait == "poll")
     return fit(obs, hw, shape, h5)
+
+
+def with_load(hw: HardwareProfile, external_cores: float) -> HardwareProfile:
+    """`hw` on a machine where other processes keep `external_cores` busy (validated: less
+    than its shared_cores)."""
+    eff = dataclasses.replace(hw.efficiency, external_cores=float(external_cores))
+    return validate_hardware(dataclasses.replace(hw, efficiency=eff),
+                             f"{hw.name} with external_cores {external_cores}")
 
 
 def predict_variants(config: str, variants: list[str], hw: HardwareProfile, steps: int, out: Path,
@@ -200,8 +213,9 @@ def calibrate_main(a: argparse.Namespace, out: Path) -> int:
     import numpy as np
     from flexmarl_hpc.sim.hardware import save_hardware
     try:
-        hw = calibrate(a.run, a.hardware)
-        pred = predict_variants(a.config, variant_list(a.variants), hw, a.steps, out, a.overrides, a.workers)
+        hw = calibrate(a.run, a.hardware, a.external_cores)
+        pred = predict_variants(a.config, variant_list(a.variants), with_load(hw, a.external_cores), a.steps, out,
+                                a.overrides, a.workers)
         measured: dict[str, list[float]] = {}
         for h5 in a.measured:
             measured.setdefault(variant_of(run_config(h5)), []).append(measure(Path(h5))["step_s"])
@@ -391,6 +405,7 @@ def scale_main(a: argparse.Namespace, out: Path) -> int:
     else:
         print(f"{a.config} on {a.hardware}, {a.steps} steps (simulated) per accelerator count; wall {wall:.1f} s")
         print(scale_table(rows, variants))
+        print(bottleneck_table(rows, variants))
         if a.png is not None and fitting:
             print(f"wrote {a.png}")
     if not fitting:
@@ -679,6 +694,9 @@ def calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measured", nargs="*", default=[], metavar="H5",
                    help="real runs of the variants, to print predicted vs measured")
     p.add_argument("--write-profile", type=Path, default=None, help="write the fitted profile here")
+    p.add_argument("--external-cores", type=float, default=0.0, metavar="X",
+                   help="cores other processes kept busy during --run (and the --measured runs): the fit "
+                        "reads the run on the cores left, the predictions run at that load (sim/hostload.py)")
     _workers_option(p)
 
 

@@ -50,6 +50,9 @@ PAPER_MIX = "configs/paper_3x32b_7x14b.yaml"
 SCALE_COUNTS = "1,16,64,128,256,512,768,1024,3072"     # few: --check makes them all
 SCALE_VARIANTS = ["sync", "flex"]
 SCALE_PNG = "scale_paper_3x32b_7x14b.png"
+SCALE_OVERRIDES = ["workflow.episode_args.settle=true"]
+"""As `simulate paper`'s tasks: each agent's reward at its own reply (the config keeps them at
+the episode's end, so a plain run shows flex ~ sync)."""
 PAPER_CLASSES = "32b:3,14b:7"
 CLOSED_FORM_NODES = (6, 8, 12, 16, 24, 32, 48, 96, 192)
 
@@ -97,14 +100,14 @@ def sim_scale(ctx: Context) -> str:
     on the planner's split for it; the table, and the curve drawn from it."""
     variants = SCALE_VARIANTS
     rows = simulate.scale(PAPER_MIX, simulate.parse_sizes(SCALE_COUNTS), variants, "npu64_a3", 4,
-                          ctx.scratch / "scale")
+                          ctx.scratch / "scale", SCALE_OVERRIDES)
     if ctx.draw:
-        plot_scale(rows, variants, ctx.docs / SCALE_PNG, f"{Path(PAPER_MIX).name} on npu64_a3: simulated, "
+        plot_scale(rows, variants, ctx.docs / SCALE_PNG, f"{Path(PAPER_MIX).name} (settle) on npu64_a3: simulated, "
                                                         f"4 steps, closed-form planner's allocation per size")
-    command = (f"python -m flexmarl_hpc.simulate scale {PAPER_MIX} --counts {SCALE_COUNTS} "
-               f"--variants {','.join(variants)} --steps 4 --png docs/{SCALE_PNG}")
+    command = (f"python -m flexmarl_hpc.simulate scale {PAPER_MIX} {' '.join(SCALE_OVERRIDES)} --counts "
+               f"{SCALE_COUNTS} --variants {','.join(variants)} --steps 4 --png docs/{SCALE_PNG}")
     return f"![simulated step time and utilization against accelerators]({SCALE_PNG})\n\n" + command_block(
-        command, simulate.scale_table(rows, variants))
+        command, simulate.scale_table(rows, variants) + "\n" + simulate.bottleneck_table(rows, variants))
 
 
 def _paper_hw():

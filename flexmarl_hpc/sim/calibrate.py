@@ -75,7 +75,7 @@ class Observations:
 
 
 def observe(path: str | Path, max_batch: int, replicas: int, allow_simulated: bool = False,
-            shared_cores: int = 0, waiting_share: float = 0.0, workers_poll: bool = True) -> Observations:
+            shared_cores: float = 0, waiting_share: float = 0.0, workers_poll: bool = True) -> Observations:
     """Read a real run's HDF5 file. Rollout rank = 1 + replica index (the run's layout).
     `allow_simulated`: a simulated run too (tests: a run of known figures, read back).
     `shared_cores` > 0: the ranks shared that many cores, so each generate and train interval,

@@ -55,7 +55,7 @@ def waiting_pollers(computing, ranks: int, workers_poll: bool = True):
     return float(p) if p.ndim == 0 else p
 
 
-def core_rate(computing, cores: int, ranks: int = 0, waiting_share: float = 0.0,
+def core_rate(computing, cores: float, ranks: int = 0, waiting_share: float = 0.0,
               workers_poll: bool = True):
     """Fraction of a core each of `computing` ranks gets (scalar or array; 1 where none
     computes): `cores` shared with the waiting_pollers, `waiting_share` of a core each."""
@@ -66,7 +66,7 @@ def core_rate(computing, cores: int, ranks: int = 0, waiting_share: float = 0.0,
     return float(rate) if rate.ndim == 0 else rate
 
 
-def work_at_rate(t0: np.ndarray, t1: np.ndarray, cores: int, ranks: int = 0,
+def work_at_rate(t0: np.ndarray, t1: np.ndarray, cores: float, ranks: int = 0,
                  waiting_share: float = 0.0, workers_poll: bool = True) -> np.ndarray:
     """Seconds at a whole core of each compute interval [t0, t1) of a real run: the integral
     of `core_rate` over it, the concurrency counted from the intervals themselves (the
@@ -86,10 +86,10 @@ def work_at_rate(t0: np.ndarray, t1: np.ndarray, cores: int, ranks: int = 0,
 class CoreShare:
     """Jobs sharing `cores` (with `ranks` in all, those not computing waiting) from time `t` on."""
 
-    def __init__(self, cores: int, t: float, ranks: int = 0, waiting_share: float = 0.0,
+    def __init__(self, cores: float, t: float, ranks: int = 0, waiting_share: float = 0.0,
                  workers_poll: bool = True) -> None:
-        if cores < 1:
-            raise ValueError(f"cores: expected >= 1, got {cores}")
+        if not cores > 0:          # fractional: what other processes leave of a machine's cores
+            raise ValueError(f"cores: expected > 0, got {cores}")
         if waiting_share < 0:
             raise ValueError(f"waiting_share: expected >= 0, got {waiting_share}")
         self.cores, self.t = cores, t

@@ -221,7 +221,7 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        orchestrator_s=eff.orchestrator_s if eff else 0.0,
                        orchestrator_step_s=eff.orchestrator_step_s if eff else 0.0,
                        latency_s=eff.message_latency_s if eff else 0.0,
-                       shared_cores=eff.shared_cores if eff else 0,
+                       shared_cores=eff.rank_cores() if eff else 0,
                        waiting_share=eff.waiting_share if eff else 0.0,
                        workers_poll=cfg.run.idle_wait == "poll",
                        orchestrator_byte_s=eff.orchestrator_byte_s if eff else 0.0,
@@ -261,6 +261,23 @@ def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2, devic
             "samples_per_s": float(m["samples"][skip:].sum() / span),
             "util": float((per_rank * weight).sum() / ((devices or weight.sum()) * span)),
             "steps": int(len(t))}
+
+
+def sync_per_generate(path: Path, replicas: set[int]) -> float:
+    """Rank-seconds the `replicas` spent in weight syncs per rank-second generating, over the
+    whole run: how much of the rollout side the network takes (0: none)."""
+    with h5py.File(path, "r") as f:
+        iv = f["intervals"][:]
+    mine = np.isin(iv["rank"], list(replicas))
+    dur = (iv["t1"] - iv["t0"]) * mine
+    gen = float(dur[iv["activity"] == b"generate"].sum())
+    return float(dur[iv["activity"] == b"sync"].sum()) / max(gen, 1e-12)
+
+
+def replica_ranks(cfg: Config) -> set[int]:
+    """World ranks of the rollout replicas."""
+    layout = layout_from_config(cfg)
+    return {r for r in range(1, layout.world_size) if layout.role_of(r)[0] == ROLLOUT}
 
 
 def rank_devices(cfg: Config) -> dict[int, int]:

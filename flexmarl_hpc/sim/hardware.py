@@ -81,6 +81,14 @@ class Efficiency:
     """Share of a core each polling rank takes from those computing once `shared_cores` are
     full (its back-off wake-ups preempt them; which ranks poll follows run.idle_wait);
     measured by bench/bench_cores.py --pollers, not fitted."""
+    external_cores: float = 0.0
+    """Cores other processes kept busy while the run ran (a shared machine's load, measured
+    per run by sim/hostload.py, not fitted): the ranks share `shared_cores` minus it. 0 for a
+    profile, which describes the machine unloaded; set per run by the calibration."""
+
+    def rank_cores(self) -> float:
+        """The cores the ranks share (0: each rank has its device to itself)."""
+        return self.shared_cores - self.external_cores if self.shared_cores else 0.0
 
 
 _FRACTIONS = ("mfu_prefill", "mfu_decode", "mfu_train", "hbm", "link", "gpu_memory_utilization")
@@ -190,6 +198,12 @@ def validate_efficiency(eff: Efficiency, where: str) -> None:
             _check_number(v, f"{where}: field 'efficiency.{f.name}'", hi=1.0)
         else:
             _check_number(v, f"{where}: field 'efficiency.{f.name}'", lo_open=False)
+    if eff.external_cores and not eff.shared_cores:
+        raise HardwareError(f"{where}: field 'efficiency.external_cores': expected 0 without "
+                            f"shared_cores (it is load on shared cores), got {eff.external_cores!r}")
+    if eff.shared_cores and eff.external_cores >= eff.shared_cores:
+        raise HardwareError(f"{where}: field 'efficiency.external_cores': expected < shared_cores "
+                            f"({eff.shared_cores}), got {eff.external_cores!r}")
 
 
 def validate_hardware(hw: HardwareProfile, where: str = "hardware profile") -> HardwareProfile:

@@ -152,3 +152,17 @@ def plot_scale(rows: list[dict], variants: list[str], path: Path, title: str) ->
     finally:
         plt.close(fig)
     replace_file(path, png.getvalue())
+
+
+def bottleneck_table(rows: list[dict], variants: list[str]) -> str:
+    """Per fitting count and variant, what the orchestrator and the network take: the share
+    of the simulated time the orchestrator is charged for (1.0: it is the bottleneck) and the
+    replicas' rank-seconds in weight syncs per rank-second generating."""
+    lines = [f"{'accel':>6s} " + " ".join(f"{v + ': orch, sync/gen':>26s}" for v in variants)]
+    for r in rows:
+        if r["reason"]:
+            continue
+        cells = [f"{x['orchestrator_share']:11.2%} {x['sync_per_generate']:9.2f}"
+                 if "orchestrator_share" in x else f"{'failed':>21s}" for x in (r["variants"][v] for v in variants)]
+        lines.append(f"{r['devices_used']:6d} " + " ".join(f"{c:>26s}" for c in cells))
+    return "\n".join(lines)

@@ -157,7 +157,7 @@ class SimTransport:
     def __init__(self, layout: RankLayout, cost: CostModel, workers, t0: float | None = None,
                  charge_orchestrator: bool = False, orchestrator_s: float = 0.0,
                  orchestrator_step_s: float = 0.0, latency_s: float = 0.0,
-                 shared_cores: int = 0, waiting_share: float = 0.0, workers_poll: bool = True,
+                 shared_cores: float = 0, waiting_share: float = 0.0, workers_poll: bool = True,
                  network=None, perturb=None, orchestrator_byte_s: float = 0.0) -> None:
         self.layout, self.cost, self.workers = layout, cost, workers
         self.now = time.time() if t0 is None else t0

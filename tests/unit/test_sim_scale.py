@@ -86,6 +86,8 @@ def test_cli_sweeps_sizes_writes_json_and_a_png(tmp_path, capsys):
         assert set(r["variants"]) == {"sync", "flex"}
         for v, x in r["variants"].items():
             assert x["step_s"] > 0 and 0 < x["util"] <= 1, (r["devices"], v)
+            # what the network and the orchestrator take (the bottleneck table's figures)
+            assert 0 < x["sync_per_generate"] < 10 and 0 <= x["orchestrator_share"] < 1, (r["devices"], v, x)
         # the simulated config holds the planner's split: its components fill the nodes
         frag = yaml.safe_load((tmp_path / "o" / str(r["devices"]) / "flex" / "config.yaml").read_text())
         used = (sum(p["slurm"]["nodes"] for p in frag["rollout"]["pools"])
@@ -101,6 +103,7 @@ def test_cli_table_names_counts_and_variants(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "does not fit" in out and "flex" in out and "sync" in out and "step_s" in out
+    assert "flex: orch, sync/gen" in out and "sync: orch, sync/gen" in out
     # each variant is planned in its own mode: sync's barrier plan, flex's for every flex ablation,
     # the baselines' (verl, marti, mas-rl: synchronous loops) sync's
     assert [simulate.variant_mode(v) for v in simulate.VARIANTS] == ["sync"] + ["flex"] * 4 + ["sync"] * 3
