@@ -99,7 +99,8 @@ class Table:
         rows = np.asarray(rows, np.int64)
         if not len(rows):
             return
-        if rows.min() >= self.disk and not self._queued_new:
+        on_disk = rows.max() < self.disk      # most queued patches (a CONSUMED): one reduction
+        if not on_disk and not self._queued_new and rows.min() >= self.disk:
             if len(self.buf) > 1:
                 self.buf = [_join(self.buf, self.dtype)]
             _set(self.buf[0], rows - self.disk, fields)
@@ -107,7 +108,7 @@ class Table:
         # a scalar stays one (as _set and _patch_new treat it); lists become arrays
         fields = {k: v if isinstance(v, (np.ndarray, np.generic, int, float)) else np.asarray(v)
                   for k, v in fields.items()}
-        if not self._queued_new and rows.max() >= self.disk:   # then later ones must queue too
+        if not on_disk:                       # it hits buffered rows: later patches must queue too
             self._queued_new = True
         self.patches.append((rows, fields))
         self.dirty.add(self)
