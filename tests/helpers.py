@@ -80,6 +80,20 @@ def check_exactly_once(path, steps, dropped_ok=False):
             assert len(last) == len(ids) and [last[r] for r in range(len(ids))] == status.tolist()
 
 
+def check_batches_of_whole_inputs(path, inputs, extra):
+    """Over-provisioning: each step trains the samples of exactly `inputs` inputs, all of
+    them; the step's other inputs (at most `extra`) are dropped whole."""
+    with h5py.File(path, "r") as f:
+        for agent in f.attrs["agents"]:
+            g = f[f"samples/{agent}"]
+            step, inp, status = g["step"][:], g["input_id"][:], g["status"][:]
+            for s in np.unique(step):
+                m = step == s
+                trained, dropped = set(inp[m & (status == CONSUMED)]), set(inp[m & (status == DROPPED)])
+                assert len(trained) == inputs and not trained & dropped, (agent, s, trained, dropped)
+                assert len(dropped) <= extra
+
+
 def final_weights(out, agent):
     """The latest checkpoint's `model.*` tensors: a torch .pt file, or a megatron
     dist_checkpointing folder read back into one CPU rank (as export does)."""

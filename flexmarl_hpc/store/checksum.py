@@ -118,7 +118,7 @@ def stamp(raw: np.ndarray, s1: int, s2: int) -> np.ndarray:
     last 4 bytes (little-endian, as H5Z_filter_fletcher32's UINT32ENCODE)."""
     nonzero = s1 > 0                        # exact sums: zero only for all-zero bytes
     value = (_fold(s2 % _M, nonzero) << 16) | _fold(s1 % _M, nonzero)
-    raw[-4:] = np.frombuffer(value.to_bytes(4, "little"), np.uint8)
+    raw.data[-4:] = value.to_bytes(4, "little")      # the buffer itself: no array made (~0.4 us)
     return raw
 
 

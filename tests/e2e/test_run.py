@@ -12,7 +12,8 @@ import torch
 
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED
 from tests.conftest import ROOT, run_training
-from tests.helpers import SMALL, assert_same_run, check_exactly_once, check_group_intervals, final_weights
+from tests.helpers import (SMALL, assert_same_run, check_batches_of_whole_inputs, check_exactly_once,
+                           check_group_intervals, final_weights)
 
 def check_groups_differ(path, steps):
     """A GRPO group (the samples of one prompt) must not be copies of one sample: in the first
@@ -84,20 +85,6 @@ def test_preempted_run_resumes_with_nothing_lost(tmp_path, mpiexec, extra):
     check_exactly_once(tmp_path / "local.h5", 60, dropped_ok=bool(extra))
     if extra:
         check_batches_of_whole_inputs(tmp_path / "local.h5", inputs=4, extra=2)
-
-
-def check_batches_of_whole_inputs(path, inputs, extra):
-    """Over-provisioning: each step trains the samples of exactly `inputs` inputs, all of
-    them; the step's other inputs (at most `extra`) are dropped whole."""
-    with h5py.File(path, "r") as f:
-        for agent in f.attrs["agents"]:
-            g = f[f"samples/{agent}"]
-            step, inp, status = g["step"][:], g["input_id"][:], g["status"][:]
-            for s in np.unique(step):
-                m = step == s
-                trained, dropped = set(inp[m & (status == CONSUMED)]), set(inp[m & (status == DROPPED)])
-                assert len(trained) == inputs and not trained & dropped, (agent, s, trained, dropped)
-                assert len(dropped) <= extra
 
 
 def test_overprovisioned_steps_train_whole_inputs_once(tmp_path, mpiexec):

@@ -181,6 +181,25 @@ def test_each_full_chunk_of_a_patched_table_has_its_record(tmp_path):
     assert all(recs[c] == prefix_crc(rows[16 * c:16 * c + 16], "/samples/a") for c in recs)
 
 
+def test_the_chunk_log_spans_its_own_chunks_and_a_resume_appends_to_it(tmp_path):
+    """/chunk_crc is written as whole chunks of 512 entries (store.tables.CrcLog): past its
+    first chunk, and after a re-open that reads its last, partly filled chunk back, every
+    full chunk of /samples still has its record and the file verifies (HDF5 reads the log)."""
+    from flexmarl_hpc.store.checksum import chunk_crcs, prefix_crc
+    path = tmp_path / "s.h5"
+    for rows in (700, 500):                   # 350 full chunks, then 250 more after a re-open
+        s = StoreFile(path, AGENTS, {}, chunk=2)
+        s.samples["a"].append(sample_rows(s, "a", rows))
+        s.flush()
+        s.close()
+    assert not verify_path(path)
+    with h5py.File(path, "r") as f:
+        rows, recs = f["samples/a"][:], chunk_crcs(f)["/samples/a"]
+        assert len(f["chunk_crc"]) == 600                                   # once each
+    assert sorted(recs) == list(range(600))
+    assert all(recs[c] == prefix_crc(rows[2 * c:2 * c + 2], "/samples/a") for c in recs)
+
+
 def test_submit_refuses_a_damaged_store_before_sbatch_and_writes_nothing(tmp_path, monkeypatch):
     """Under Slurm the ranks start on compute nodes, so `submit` reads the store first (on
     the login node): a damaged one is refused before sbatch, the folder left as it was."""
