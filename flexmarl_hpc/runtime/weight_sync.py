@@ -251,7 +251,6 @@ def row_pieces(plan: Plan) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
-
 def wire_dtype(rollout_dtype: str, rollout_backend: str, sync_backend: str) -> torch.dtype | None:
     """The dtype floating weights travel in: the engines' (`rollout.dtype`; auto is bf16 for
     vLLM engines fed over NCCL, as they run bf16 on GPUs), None for as-trained (fp32)."""
@@ -259,7 +258,6 @@ def wire_dtype(rollout_dtype: str, rollout_backend: str, sync_backend: str) -> t
         use_bf16 = rollout_backend == "vllm" and resolve_backend(sync_backend) == "nccl"
         return torch.bfloat16 if use_bf16 else None
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[rollout_dtype]
-
 
 
 @dataclass(frozen=True)
@@ -273,21 +271,6 @@ class RemoteBucket:
     bucket: Bucket
     left_s: float | None = None
     chain: tuple[int, ...] = ()
-
-
-
-def receiver_grace(timeout_s: float) -> float:
-    """Receivers wait this much longer than the senders, so that where a sender is alive it
-    gives up first: its report frees its trainer group for the checkpoint that follows."""
-    return min(0.25 * timeout_s, 30.0) if timeout_s > 0 else 0.0
-
-
-def sync_deadline(channels: SyncChannels, members: tuple[int, ...], sender: bool) -> Deadline:
-    """The one deadline of every wait of a sync on this rank (0: none)."""
-    grace = 0.0 if sender else receiver_grace(channels.timeout_s)
-    return Deadline(channels.timeout_s + grace if channels.timeout_s > 0 else 0,
-                    f"weight sync over ranks {list(members)}")
-
 
 
 # ---------------------------------------------------------------------------------------
