@@ -269,6 +269,21 @@ def _liveness(world):
     return live
 
 
+def _exit_untaken(log, layout: RankLayout, rank: int) -> None:
+    """The liveness thread of rank 0: a worker has ended and the main thread has not taken
+    it in TAKE_GRACE_S, so it is stuck (inside MPI: runtime/liveness.py). Say so and end
+    rank 0 as a kill would (its liveness sockets close: every worker exits 75 within a
+    second); no checkpoint, the store's writes are journaled, the run resumes."""
+    from flexmarl_hpc.orchestrator.failures import EXIT_PREEMPTED, who
+    from flexmarl_hpc.runtime.liveness import TAKE_GRACE_S
+    log(f"{who(layout, rank)} (rank {rank}): its process has ended (liveness socket closed), and "
+        f"the orchestrator has not acted on it in {TAKE_GRACE_S:g} s (stuck inside MPI: a send to "
+        f"the dead rank can retry its connection forever); exiting {EXIT_PREEMPTED} to requeue "
+        "without a checkpoint (the run resumes from the last checkpoints and the store)")
+    sys.stderr.flush()
+    os._exit(EXIT_PREEMPTED)
+
+
 def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=None) -> int:
     import yaml
     from flexmarl_hpc.orchestrator.loop import Orchestrator
@@ -294,6 +309,8 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=N
         f"{f', {layout.tool_ranks} tool ranks' if layout.tool_ranks else ''}); "
         f"store {store.path}")
     transport = MpiTransport(world, bell, live)
+    if live is not None:
+        live.on_untaken = lambda rank: _exit_untaken(log, layout, rank)
     tools = None
     if layout.tool_ranks:
         from flexmarl_hpc.tools.remote import RemotePool

@@ -23,6 +23,13 @@ What the ranks do with it: a worker that loses the orchestrator prints one line 
 `exit_on_lost`; the orchestrator's transport (runtime/transport.py) turns a lost worker
 into `WorkerLost`, and the orchestrator takes its hung-worker path (checkpoint what still
 answers, flush the store, exit 75).
+
+Rank 0's main thread can itself be stuck when a worker dies: an isend to the dead rank
+made MPICH's libfabric provider retry its connection to the peer forever (seen under Slurm
+in about one replica kill of four; the stack: PMPI_Isend -> libfabric -> connect). So a loss
+nobody has taken (`take_lost`) within `TAKE_GRACE_S` runs `on_untaken` on the watching
+thread: run.py logs the loss and exits 75 there, as a SIGKILLed rank 0 would (every store
+write is journaled; the run resumes from its checkpoints and the store).
 """
 from __future__ import annotations
 
@@ -39,6 +46,9 @@ from flexmarl_hpc.runtime.doorbell import connect_star
 
 EXIT_LOST = 75
 """A worker's exit code when the orchestrator has ended: the requeue code (resumable)."""
+TAKE_GRACE_S = 10.0
+"""Rank 0: seconds a worker's loss may wait for the main thread (which looks every 0.5 s
+while it waits for replies) before `Liveness.on_untaken` runs."""
 KEEPALIVE = (5, 2, 3)
 """TCP keepalive (idle s, interval s, probes): a silent dead peer is found in ~11 s."""
 
@@ -51,6 +61,10 @@ class Liveness:
         self.expected: set[int] = set()
         self.armed = True
         self.lost: list[int] = []
+        self.taken = False
+        self.on_untaken: Callable[[int], None] | None = None
+        """Rank 0: called on the watching thread with a lost rank that nobody has taken in
+        TAKE_GRACE_S (the main thread is stuck); None: nothing happens."""
         self._lock = threading.Lock()
         self.selector = selectors.DefaultSelector()
         for rank, s in peers.items():
@@ -75,17 +89,34 @@ class Liveness:
         self.armed = False
 
     def take_lost(self) -> int | None:
-        """A peer that ended unexpectedly (each once), or None."""
+        """A peer that ended unexpectedly (each once), or None. Taking one says the caller
+        handles the failure: no `on_untaken` runs after it."""
         with self._lock:
             while self.lost:
                 rank = self.lost.pop(0)
                 if self.armed and rank not in self.expected:
+                    self.taken = True
                     return rank
         return None
+
+    def ended(self, rank: int) -> bool:
+        """`rank` has ended and its loss is not taken yet (not consumed: `take_lost` still
+        returns it)."""
+        with self._lock:
+            return rank in self.lost
 
     def _record(self, rank: int) -> None:
         with self._lock:
             self.lost.append(rank)
+        timer = threading.Timer(TAKE_GRACE_S, self._untaken, (rank,))
+        timer.daemon = True
+        timer.start()
+
+    def _untaken(self, rank: int) -> None:
+        with self._lock:
+            stuck = (not self.taken and self.armed and rank in self.lost and rank not in self.expected)
+        if stuck and self.on_untaken is not None:
+            self.on_untaken(rank)
 
     def _loop(self, on_lost: Callable[[int], None]) -> None:
         while self.selector.get_map():

@@ -64,6 +64,9 @@ class MpiTransport:
         self.sending: list[MPI.Request] = []
 
     def send(self, rank: int, msg: messages.Command) -> None:
+        if self.live is not None and self.live.ended(rank):
+            return                  # dead: an isend to it can hang in MPI (liveness.py); the
+                                    # next receive reports the loss
         self._reap()
         self.sending.append(self.comm.isend(messages.encode(msg), dest=rank, tag=TAG_CMD))
         if self.bell is not None:

@@ -31,3 +31,54 @@ def test_a_closed_peer_is_reported_once_unless_expected_or_disarmed():
     assert _lost_after_close(lambda live: None) == 1
     assert _lost_after_close(lambda live: live.expect(1)) is None
     assert _lost_after_close(lambda live: live.disarm()) is None
+
+
+def test_a_loss_nobody_takes_runs_on_untaken_and_a_taken_one_does_not(monkeypatch):
+    """Rank 0's main thread stuck inside MPI (an isend to the dead rank retrying its
+    connection forever) never takes the loss: the watching thread acts on it instead."""
+    from flexmarl_hpc.runtime import liveness
+    monkeypatch.setattr(liveness, "TAKE_GRACE_S", 0.2)
+
+    def run(take: bool) -> list[int]:
+        a, b = socket.socketpair()
+        live, called = Liveness({1: a}), []
+        live.on_untaken = called.append
+        live.watch()
+        b.close()
+        t0 = time.monotonic()
+        while not live.ended(1) and time.monotonic() - t0 < 2.0:
+            time.sleep(0.01)
+        assert live.ended(1)                    # seen, and not consumed by the look
+        if take:
+            assert live.take_lost() == 1 and not live.ended(1)
+        time.sleep(0.6)
+        return called
+
+    assert run(take=False) == [1]
+    assert run(take=True) == []
+
+
+def test_a_command_to_a_rank_known_dead_is_not_sent():
+    """MpiTransport.send: an isend to a dead rank can hang in the MPI library; the command is
+    dropped and the next receive reports the loss."""
+    from flexmarl_hpc.runtime import messages
+    from flexmarl_hpc.runtime.transport import MpiTransport
+
+    class Comm:
+        def __init__(self):
+            self.sent = []
+
+        def isend(self, wire, dest, tag):
+            self.sent.append(dest)
+            raise AssertionError("an isend reached a dead rank")
+
+    a, b = socket.socketpair()
+    live = Liveness({1: a})
+    live.watch()
+    b.close()
+    t0 = time.monotonic()
+    while not live.ended(1) and time.monotonic() - t0 < 2.0:
+        time.sleep(0.01)
+    comm = Comm()
+    MpiTransport(comm, None, live).send(1, messages.Stop(0))
+    assert comm.sent == []
