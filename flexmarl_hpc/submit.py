@@ -189,14 +189,13 @@ class SlurmRun(submitit.SlurmJob):
     def get_state(self, mode: str = "standard") -> str:
         """sacct's state (submitit's watcher), or slurmctld's while sacct lags behind a
         requeue or has no record yet (or no accounting at all). A terminal sacct state is
-        checked too: a job requeued by hand (`scontrol requeue`) after it ended FAILED
-        keeps that record in sacct until it starts again, while slurmctld has it PENDING."""
+        checked against slurmctld too, which is right while it remembers the job: a job
+        requeued by hand after it ended FAILED keeps that record in sacct until it starts
+        again, and ended COMPLETED while sacct still said FAILED (seen in
+        tests/slurm/test_dead_rank_slurm.py)."""
         st = (self.watcher.get_state(self.job_id, mode=mode).split() or ["UNKNOWN"])[0]
-        if st in TRANSIENT:
-            st = self.scontrol().get("JobState", st)
-        elif st in TERMINAL:
-            live = self.scontrol().get("JobState", st)     # {} once slurmctld forgot the job
-            st = st if live in TERMINAL else live
+        if st in TRANSIENT or st in TERMINAL:
+            st = self.scontrol().get("JobState", st)           # {} once slurmctld forgot it
         return st
 
     @property

@@ -1,7 +1,8 @@
 """SlurmRun.get_state when sacct and slurmctld disagree (flexmarl_hpc/submit.py): a job
 requeued by hand after it ended FAILED is still FAILED in sacct until it starts again,
-while slurmctld has it PENDING; a waiter that believed sacct gave up on a live job (seen
-in tests/slurm/test_dead_rank_slurm.py). Over a real cluster: tests/slurm."""
+while slurmctld has it PENDING, and its restart was seen COMPLETED by slurmctld while sacct
+said FAILED; a waiter that believed sacct gave up on a good run
+(tests/slurm/test_dead_rank_slurm.py). Over a real cluster: tests/slurm."""
 import pytest
 
 from flexmarl_hpc.submit import SlurmRun
@@ -31,6 +32,7 @@ def _run(sacct: str, ctld: dict) -> SlurmRun:
 @pytest.mark.parametrize("sacct, ctld, state", [
     ("FAILED", {"JobState": "PENDING", "Restarts": "1"}, "PENDING"),   # requeued by hand
     ("FAILED", {"JobState": "FAILED"}, "FAILED"),
+    ("FAILED", {"JobState": "COMPLETED", "Restarts": "1"}, "COMPLETED"),   # the restart ended
     ("FAILED", {}, "FAILED"),                                          # slurmctld forgot it
     ("COMPLETED", {"JobState": "COMPLETED"}, "COMPLETED"),
     ("REQUEUED", {"JobState": "RUNNING"}, "RUNNING"),
