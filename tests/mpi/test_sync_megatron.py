@@ -18,12 +18,14 @@ from tests.conftest import need, run_mpi
 pytestmark = pytest.mark.megatron
 
 
-@pytest.mark.parametrize("backend,bucket", [("gloo", 64 << 10), ("mpi", 64 << 10), ("gloo", 16 << 10)])
-def test_tp2_pp2_trainer_streams_bit_equal_weights_within_two_buckets(mpiexec, tmp_path, backend, bucket):
+@pytest.mark.parametrize("backend,bucket,wire", [("gloo", 64 << 10, "fp32"), ("mpi", 64 << 10, "fp32"),
+                                                 ("gloo", 16 << 10, "fp32"), ("gloo", 16 << 10, "bf16")])
+def test_tp2_pp2_trainer_streams_bit_equal_weights_within_two_buckets(mpiexec, tmp_path, backend, bucket, wire):
     """64 KiB: the embedding and LM head fill a bucket each; 16 KiB: they and the MLP
-    weights go in pieces (runtime/weight_sync.Piece)."""
+    weights go in pieces (runtime/weight_sync.Piece); bf16: the wire's dtype is not the
+    trainer's (each rank casts its rows, never a range-sized copy on the sender)."""
     need(importlib.util.find_spec("megatron") is not None, "megatron-core (pip install -r requirements-megatron.txt)")
-    p = run_mpi(mpiexec, 6, ["tests/mpi/mpi_sync_megatron.py", str(tmp_path / "ckpt"), backend, str(bucket)],
+    p = run_mpi(mpiexec, 6, ["tests/mpi/mpi_sync_megatron.py", str(tmp_path / "ckpt"), backend, str(bucket), wire],
                 timeout=240,
                 env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert "all sync checks passed" in p.stdout, p.stdout[-3000:]
