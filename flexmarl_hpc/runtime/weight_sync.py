@@ -284,17 +284,22 @@ class Destination(Allocate):
       a bucket (its range's bytes / TP in the wire dtype), so it always fits.
 
     Made from the plan on every rank of the group (the ranks that only send their rows need
-    `dtype`); `rows` and `scratch` run on the stage's sender only."""
+    `dtype`); `rows` and `scratch` run on the stage's sender only. `draining`: after a
+    CollectiveTimeout the rest of the stream still runs (its TP sends are the group's
+    collectives) into throwaway tensors (Allocate's), as send_weights drains it."""
 
     def __init__(self, plan: Plan):
         self.dtypes = {n: getattr(torch, d) for st in plan.stages for b in st for n, d in zip(b.names, b.dtypes)}
         self.views: dict[str, torch.Tensor] = {}
         self.spare = None                       # () -> the other bucket buffer, its send done
+        self.draining, self.error = False, None
 
     def dtype(self, name: str, own: torch.dtype) -> torch.dtype:
         return self.dtypes.get(name, own)
 
     def rows(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        if self.draining:
+            return super().rows(name, shape, like)
         v = self.views.get(name)
         if v is None or tuple(v.shape) != tuple(shape):
             raise RuntimeError(f"weight sync: the trainer assembles {name!r} {list(shape)} where the bucket being "
@@ -302,9 +307,15 @@ class Destination(Allocate):
         return v
 
     def scratch(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        if self.draining:
+            return super().scratch(nbytes, like)
         if self.spare is None:
             raise RuntimeError("weight sync: a column block to receive outside a bucket's fill (fill_stage)")
-        buf = self.spare()
+        try:
+            buf = self.spare()
+        except CollectiveTimeout as e:          # raised inside the stream it would end it, and its
+            self.error, self.draining = e, True     # TP collectives with it: fill_stage raises it
+            return super().scratch(nbytes, like)
         if buf.numel() < nbytes:
             raise RuntimeError(f"weight sync: a column block of {nbytes} B exceeds the other bucket buffer "
                                f"({buf.numel()} B)")
@@ -326,6 +337,8 @@ def fill_stage(buckets: Sequence[Bucket], it: Iterator[tuple[str, torch.Tensor]]
         flat = buffer(slot)[:bucket.total]
         dest.spare = partial(_spare, buffer, wait, 1 - slot)
         held = fill_bucket(bucket, flat, it, held, dest)
+        if dest.error is not None:                            # the other buffer's send timed out
+            raise dest.error
         send(slot, flat)
     dest.spare = None
     for slot in (0, 1):
@@ -444,7 +457,7 @@ def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, v
     (the trainer's sync_stream(pieces, dest)); None: a stream of ready tensors, copied."""
     me = channels.world.Get_rank()
     dl = sync_deadline(channels, (me,) + targets, sender=True)
-    it = iter(stream)
+    it, dest = iter(stream), dest or Destination(plan)
     used: list[Pair] = []
     try:
         if leader or stage is not None:
@@ -454,9 +467,10 @@ def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, v
             _announce(pairs, plan, version, dl)
             on_rendezvous()
         if stage is not None:
-            _send_stage(channels, pairs, plan, stage, it, dl, dest or Destination(plan))
+            _send_stage(channels, pairs, plan, stage, it, dl, dest)
     except CollectiveTimeout as e:
         channels.abandon(used, str(e))
+        dest.draining = True                    # the rest of the stream into throwaway tensors
         for _ in it:
             pass
         raise

@@ -2,8 +2,10 @@
 gloo) built from an HF safetensors checkpoint by slices, trained 3 steps and synced after
 each to two torch-engine replicas through the production handler (tests/mpi/mpi_sync_megatron.py
 says what each check measures: shards == checkpoint slices, build / optimizer step / sync
-tensor bytes against the model's, bit-equal replicas after every sync); and a TP 4 group's
-stream of the plan's pieces put together bit-equal (tests/mpi/mpi_sync_stream_tp4.py).
+tensor bytes against the model's, the sender's sync bytes within 2 buckets exactly, bit-equal
+replicas after every sync); and a TP 4 group's stream of the plan's pieces put together
+bit-equal, also filled in place into two bucket buffers that are all the sender allocates
+(tests/mpi/mpi_sync_stream_tp4.py).
 
     .venv/bin/python -m pytest tests/mpi/test_sync_megatron.py
 """

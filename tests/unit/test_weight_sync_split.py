@@ -209,3 +209,35 @@ def test_a_column_block_borrows_the_other_buffer_once_its_send_is_out():
     with pytest.raises(RuntimeError, match="a column block of 128 B exceeds the other bucket buffer"):
         dest.spare = lambda: buffers[0]
         dest.scratch(128, x)
+
+
+def test_a_timeout_while_borrowing_the_other_buffer_leaves_the_stream_running():
+    """The other buffer's send timing out inside `scratch` (inside the trainer's stream) must
+    not end the stream: its TP sends are the group's collectives, which send_weights drains
+    after a CollectiveTimeout. The timeout comes out of fill_stage after the bucket, and the
+    rest of the stream lands in throwaway tensors (`draining`), not in the bucket buffers."""
+    from flexmarl_hpc.runtime.deadline import CollectiveTimeout
+    buckets = W.plan_buckets([(k, (16,), torch.float32) for k in "abcd"], 64)
+    dest, seen, waits = W.Destination(W.Plan((0,), (buckets,))), [], []
+    buffers = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
+    x = torch.arange(16, dtype=torch.float32)
+
+    def wait(slot):
+        waits.append(slot)
+        if len(waits) == 3:                  # bucket b borrowing buffer 0: its send hangs
+            raise CollectiveTimeout("weight sync over ranks [0, 1]", "a bucket", 1.0, 1.0)
+
+    def stream():
+        for k in "abcd":
+            rows = dest.rows(k, (16,), x)
+            seen.append((k, any(rows.data_ptr() == b.data_ptr() for b in buffers)))
+            if k in "bc":
+                dest.scratch(32, x)
+            rows.copy_(x)
+            yield k, rows
+    it = iter(stream())
+    with pytest.raises(CollectiveTimeout, match="a bucket"):
+        W.fill_stage(buckets, it, dest, buffers.__getitem__, lambda slot, flat: None, wait)
+    dest.draining = True                     # as send_weights does before it drains
+    assert [k for k, _ in it] == ["c", "d"]
+    assert seen == [("a", True), ("b", True), ("c", False), ("d", False)]
