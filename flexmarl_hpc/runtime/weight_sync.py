@@ -9,7 +9,8 @@ into fixed-size buckets (`weight_sync.bucket_mb`) sent to the target replicas. A
 larger than a bucket (a 152k-row embedding or LM head) goes as pieces of whole rows, a
 bucket each (`Piece`), so the sender's two bucket buffers (one in flight while the next
 fills) never exceed two buckets, whatever the model, and a sharded trainer gathers one
-piece's rows at a time (`row_pieces`), never the whole tensor. A receiver has one buffer, of a bucket
+piece's rows at a time (`row_pieces`), never the whole tensor, straight into the bucket being
+filled (`Destination`): the sender's extra memory is its two bucket buffers. A receiver has one buffer, of a bucket
 or of the largest split tensor: each piece lands in place at its offset in that tensor
 (`landing`), which goes to the engine whole after its last piece (`received`; engines load
 whole tensors: vLLM's weight loaders shard a full tensor per TP rank). Receivers hand each
@@ -51,7 +52,8 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from functools import partial
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -216,12 +218,18 @@ def received(bucket: Bucket, buf: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def fill_bucket(bucket: Bucket, flat: torch.Tensor, it: Iterator[tuple[str, torch.Tensor]],
-                held: tuple[str, torch.Tensor] | None = None) -> tuple[str, torch.Tensor] | None:
+                held: tuple[str, torch.Tensor] | None = None, dest: "Destination | None" = None
+                ) -> tuple[str, torch.Tensor] | None:
     """Copy the bucket's tensors from the trainer's stream `it` into `flat`, cast to the
     wire dtype. A split tensor comes either as its pieces, one per bucket (a sharded trainer
     gathers only those rows: `row_pieces`), or whole at its first piece and `held` (a
-    reference, never a copy) until its last: returns what is held for the next bucket."""
+    reference, never a copy) until its last: returns what is held for the next bucket.
+    `dest`: the stream's Destination; it is pointed at this bucket's views before the stream
+    is drawn, and a tensor the stream assembled in place there (`Destination.rows`) is not
+    copied again."""
     views = bucket_views(bucket, flat)
+    if dest is not None:
+        dest.views = views
     p = bucket.piece
     for name in bucket.names:
         got, t = held or next(it)
@@ -235,9 +243,111 @@ def fill_bucket(bucket: Bucket, flat: torch.Tensor, it: Iterator[tuple[str, torc
         else:
             held = (got, t) if not bucket.complete else None
             t = t if p is None else t[p.first:p.stop]
-        views[name].copy_(t)
+        if t is not views[name]:                # else: assembled in place by the stream
+            views[name].copy_(t)
         del t                           # the stream's next tensor must not meet this one
     return held
+
+
+class Allocate:
+    """Where a trainer's `sync_stream` assembles a row range when no bucket waits for it
+    (tests, export): a new tensor per range and a new receive buffer per column block, in the
+    parameter's own dtype."""
+
+    def dtype(self, name: str, own: torch.dtype) -> torch.dtype:
+        """The dtype every TP rank sends its rows of HF tensor `name` in."""
+        return own
+
+    def rows(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """Where the sender assembles rows `shape` of `name` (on `like`'s device)."""
+        return like.new_empty(shape, dtype=self.dtype(name, like.dtype))
+
+    def scratch(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous byte buffer for one TP rank's column block (p2p needs contiguous)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+
+
+class Destination(Allocate):
+    """The stage sender's bucket buffers as its stream's destination, so that the sender's
+    extra memory during a sync is its two bucket buffers and nothing else (issue 28):
+
+    - `rows`: a row range lands in place, in the bucket being filled (`fill_bucket` points
+      `views` at it), at the wire dtype: the TP ranks' whole rows are received straight
+      into it, the sender's own copied (cast on copy), so no range-sized tensor exists;
+    - `dtype`: every TP rank casts its rows to the plan's (wire) dtype before sending, so a
+      received range never needs a converted copy on the sender (the cast is on the rank
+      that sends, which holds no bucket buffers);
+    - `scratch`: a column block (o_proj, down_proj: each TP rank holds columns of the same
+      rows) cannot land in place (a strided slice; p2p needs contiguous tensors): it is
+      received into the OTHER bucket buffer, after that buffer's send is out (`spare`, set
+      by `fill_stage`). Only such ranges lose the overlap of fill and send; a block is at most
+      a bucket (its range's bytes / TP in the wire dtype), so it always fits.
+
+    Made from the plan on every rank of the group (the ranks that only send their rows need
+    `dtype`); `rows` and `scratch` run on the stage's sender only. `draining`: after a
+    CollectiveTimeout the rest of the stream still runs (its TP sends are the group's
+    collectives) into throwaway tensors (Allocate's), as send_weights drains it."""
+
+    def __init__(self, plan: Plan):
+        self.dtypes = {n: getattr(torch, d) for st in plan.stages for b in st for n, d in zip(b.names, b.dtypes)}
+        self.views: dict[str, torch.Tensor] = {}
+        self.spare = None                       # () -> the other bucket buffer, its send done
+        self.draining, self.error = False, None
+
+    def dtype(self, name: str, own: torch.dtype) -> torch.dtype:
+        return self.dtypes.get(name, own)
+
+    def rows(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        if self.draining:
+            return super().rows(name, shape, like)
+        v = self.views.get(name)
+        if v is None or tuple(v.shape) != tuple(shape):
+            raise RuntimeError(f"weight sync: the trainer assembles {name!r} {list(shape)} where the bucket being "
+                               f"filled has {sorted(self.views)}; expected the plan's order (sync_layouts)")
+        return v
+
+    def scratch(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        if self.draining:
+            return super().scratch(nbytes, like)
+        if self.spare is None:
+            raise RuntimeError("weight sync: a column block to receive outside a bucket's fill (fill_stage)")
+        try:
+            buf = self.spare()
+        except CollectiveTimeout as e:          # raised inside the stream it would end it, and its
+            self.error, self.draining = e, True     # TP collectives with it: fill_stage raises it
+            return super().scratch(nbytes, like)
+        if buf.numel() < nbytes:
+            raise RuntimeError(f"weight sync: a column block of {nbytes} B exceeds the other bucket buffer "
+                               f"({buf.numel()} B)")
+        return buf[:nbytes]
+
+
+def fill_stage(buckets: Sequence[Bucket], it: Iterator[tuple[str, torch.Tensor]], dest: Destination,
+               buffer: Callable[[int], torch.Tensor], send: Callable[[int, torch.Tensor], None],
+               wait: Callable[[int], None]) -> None:
+    """A stage sender's loop over its buckets, two buffers in turn (`buffer(slot)`): wait for
+    the slot's last send, fill it from the stream, send it, so one fills while the other is in
+    flight. A column block borrows the other buffer (`Destination.scratch`) once its send is
+    out. The production sender's (_send_stage) and the memory check's on fake tensors
+    (sim/memory._send: `send`, `wait` do nothing there)."""
+    held = None
+    for i, bucket in enumerate(buckets):
+        slot = i % 2
+        wait(slot)                                            # its last bucket is out: reuse it
+        flat = buffer(slot)[:bucket.total]
+        dest.spare = partial(_spare, buffer, wait, 1 - slot)
+        held = fill_bucket(bucket, flat, it, held, dest)
+        if dest.error is not None:                            # the other buffer's send timed out
+            raise dest.error
+        send(slot, flat)
+    dest.spare = None
+    for slot in (0, 1):
+        wait(slot)
+
+
+def _spare(buffer: Callable[[int], torch.Tensor], wait: Callable[[int], None], slot: int) -> torch.Tensor:
+    wait(slot)
+    return buffer(slot)
 
 
 def row_pieces(plan: Plan) -> dict[str, list[tuple[int, int]]]:
@@ -336,17 +446,18 @@ def sync_deadline(channels: SyncChannels, members: tuple[int, ...], sender: bool
 
 def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, version: int,
                  stage: int | None, stream: Iterable[tuple[str, torch.Tensor]], leader: bool,
-                 on_rendezvous=lambda: None) -> None:
+                 on_rendezvous=lambda: None, dest: Destination | None = None) -> None:
     """A trainer rank's part of a sync to the replicas `targets` (world ranks). The group
     leader (plan.senders[0]) sends the plan (the rendezvous); the sender of `stage` streams
     its tensors into buckets, two buffers in turn (one in flight while the next fills), down
     each pair's chain; every other rank runs `stream` for its collectives (megatron's TP
     gathers) and sends nothing. CollectiveTimeout at the deadline (weight_sync.timeout_s):
     the pairs used are abandoned and the rest of `stream` still runs (its TP gathers are the
-    trainer group's collectives)."""
+    trainer group's collectives). `dest`: the Destination `stream` assembles its ranges in
+    (the trainer's sync_stream(pieces, dest)); None: a stream of ready tensors, copied."""
     me = channels.world.Get_rank()
     dl = sync_deadline(channels, (me,) + targets, sender=True)
-    it = iter(stream)
+    it, dest = iter(stream), dest or Destination(plan)
     used: list[Pair] = []
     try:
         if leader or stage is not None:
@@ -356,9 +467,10 @@ def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, v
             _announce(pairs, plan, version, dl)
             on_rendezvous()
         if stage is not None:
-            _send_stage(channels, pairs, plan, stage, it, dl)
+            _send_stage(channels, pairs, plan, stage, it, dl, dest)
     except CollectiveTimeout as e:
         channels.abandon(used, str(e))
+        dest.draining = True                    # the rest of the stream into throwaway tensors
         for _ in it:
             pass
         raise
@@ -367,7 +479,7 @@ def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, v
 
 
 def _send_stage(channels: SyncChannels, pairs: list[tuple[Pair, tuple[int, ...]]], plan: Plan, stage: int,
-                it: Iterator[tuple[str, torch.Tensor]], dl: Deadline) -> None:
+                it: Iterator[tuple[str, torch.Tensor]], dl: Deadline, dest: Destination) -> None:
     sender = plan.senders[stage]
     for p, _ in pairs:
         if sender not in p.senders:
@@ -377,15 +489,14 @@ def _send_stage(channels: SyncChannels, pairs: list[tuple[Pair, tuple[int, ...]]
     heads = [(p, chain(channels, p, sender, ts)[1]) for p, ts in pairs]
     works: list[list] = [[], []]
     largest = max((b.total for b in plan.stages[stage]), default=0)     # <= a bucket
-    held = None                                               # a split tensor between pieces
-    for i, bucket in enumerate(plan.stages[stage]):
-        slot = i % 2
-        _wait(channels, works[slot], dl)                      # its last bucket is out: reuse it
-        flat = channels.buffer(largest, slot)[:bucket.total]     # sized once per plan
-        held = fill_bucket(bucket, flat, it, held)
+
+    def wait(slot: int) -> None:
+        _wait(channels, works[slot], dl)
+        works[slot] = []
+
+    def send(slot: int, flat: torch.Tensor) -> None:
         works[slot] = [h for p, head in heads for h in _isend(channels, p, flat, head)]
-    for w in works:
-        _wait(channels, w, dl)
+    fill_stage(plan.stages[stage], it, dest, lambda slot: channels.buffer(largest, slot), send, wait)
 
 
 def receive_weights(channels: SyncChannels, members: tuple[int, ...], remote=None

@@ -29,7 +29,7 @@ from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout
-from flexmarl_hpc.runtime.weight_sync import (Plan, RemoteGroup, SyncChannels, layout_of, plan_buckets,
+from flexmarl_hpc.runtime.weight_sync import (Destination, Plan, RemoteGroup, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, row_pieces, send_weights)
 
 
@@ -154,10 +154,10 @@ class TrainerRank:
         with src.ready():
             plan = self.plan(src, targets, agent)
             stage = next((s for s, r in enumerate(src.sync_senders()) if r == self.group.Get_rank()), None)
+            dest = Destination(plan)            # the stream assembles its ranges in the buckets
             try:
-                send_weights(self.channels, targets, plan, version, stage, src.sync_stream(row_pieces(plan)),
-                             self.leader,
-                             on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)))
+                send_weights(self.channels, targets, plan, version, stage, src.sync_stream(row_pieces(plan), dest),
+                             self.leader, on_rendezvous=lambda: t.__setitem__(0, self.clock.waited(t0)), dest=dest)
             except CollectiveTimeout as e:
                 err = e
         self.clock.mark("sync", agent, t[0])
@@ -282,7 +282,7 @@ class _StateSource:
     def sync_senders(self) -> list[int]:
         return [0]
 
-    def sync_stream(self, pieces=None):
+    def sync_stream(self, pieces=None, dest=None):
         if self.group.Get_rank() == 0:                  # whole tensors (fill_bucket cuts them)
             yield from self.named.items()
 

@@ -4,8 +4,8 @@ Trainer ranks: the production code runs on fake tensors (sim/memtrack.py) over a
 process group (trainer/megatron/fake.py): `build.build_trainer`, one `forward_backward` at
 trainer.micro_batch_size rows of model.max_seq_len tokens (this rank's share, as the runtime
 cuts it), `optimizer_step`, then the sender side of a streamed weight sync (two buffers of the
-plan's largest bucket, `runtime/weight_sync.py`'s plan and views, filled from `sync_stream`'s
-row ranges gathered from the TP shards). Per distinct group shape these ranks run: every
+plan's largest bucket, `runtime/weight_sync.py`'s plan, views and fill loop, `sync_stream`'s
+row ranges gathered from the TP shards in place in them). Per distinct group shape these ranks run: every
 pipeline stage's sync sender (rank 0, the leader, is the first stage's; the last stage's
 sends the LM head) and the last rank (a rank that sends nothing); a node holds the leader and
 ranks_per_node - 1 ranks like the largest of the others.
@@ -133,21 +133,21 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
 
 def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
     """The sender's side of a streamed sync as runtime/weight_sync._send_stage runs it on a
-    GPU: two bucket buffers on the device (the plan's largest bucket: at most one, a larger
-    tensor goes in pieces), each HF tensor of the rank's stage assembled from the TP shards
-    (`sync_stream`: a tensor larger than a bucket one piece's rows at a time) and copied
-    into its buckets by `weight_sync.fill_bucket`; the broadcast moves nothing on the fake
-    process group."""
+    GPU, through the same loop (`weight_sync.fill_stage`): two bucket buffers on the device
+    (the plan's largest bucket: at most one, a larger tensor goes in pieces), each HF tensor
+    of the rank's stage assembled from the TP shards in place in the bucket being filled
+    (`sync_stream` with a `weight_sync.Destination`; a column block through the other
+    buffer); the broadcast moves nothing on the fake process group, and its waits return."""
     from flexmarl_hpc.runtime import weight_sync
     from flexmarl_hpc.sim.memtrack import device_scope
     buckets = weight_sync.plan_buckets(tr.sync_layouts()[tr.pp_rank], int(bucket_mb * 2**20), wire)
     largest = max((b.total for b in buckets), default=0)
     with device_scope():
         buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
-    pieces = weight_sync.row_pieces(weight_sync.Plan((0,), (buckets,)))
-    stream, held = iter(tr.sync_stream(pieces)), None
-    for i, bucket in enumerate(buckets):
-        held = weight_sync.fill_bucket(bucket, buffers[i % 2][:bucket.total], stream, held)
+    plan = weight_sync.Plan((0,), (buckets,))
+    dest = weight_sync.Destination(plan)
+    stream = iter(tr.sync_stream(weight_sync.row_pieces(plan), dest))
+    weight_sync.fill_stage(buckets, stream, dest, buffers.__getitem__, lambda slot, flat: None, lambda slot: None)
 
 
 def _trainer_job(job: tuple) -> list[Phase]:

@@ -55,11 +55,13 @@ class TrainerBackend(Protocol):
     def sync_senders(self) -> list[int]:
         """Group rank of each PP stage's sender."""
 
-    def sync_stream(self, pieces: dict[str, list[tuple[int, int]]] | None = None):
+    def sync_stream(self, pieces: dict[str, list[tuple[int, int]]] | None = None, dest=None):
         """Collective over the group: yields (HF name, tensor) on the stage senders, in
         `sync_layouts` order, one tensor at a time; a tensor `pieces` names (the plan's
         pieces, weight_sync.row_pieces) either whole or as those row ranges, one at a time
-        (a sharded trainer gathers only those rows)."""
+        (a sharded trainer gathers only those rows, in place in `dest.rows` where `dest`, a
+        weight_sync.Destination, is given: the bucket being filled; a trainer that yields
+        its own tensors may ignore it)."""
 
     def state(self) -> dict[str, torch.Tensor]:
         """Everything needed to continue training bit for bit, as named tensors."""

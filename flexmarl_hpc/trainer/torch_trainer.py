@@ -94,7 +94,7 @@ class TorchTrainer:
     def sync_senders(self) -> list[int]:
         return [0]
 
-    def sync_stream(self, pieces=None):
+    def sync_stream(self, pieces=None, dest=None):
         if self.group.Get_rank() == 0:                  # whole tensors (fill_bucket cuts them)
             yield from self.named_weights().items()
 

@@ -2,8 +2,9 @@
 
 `build_trainer` on cuda in bf16 (about 0.9 B parameters, one rank), one train step of a
 micro-batch of 4 x 2,048 tokens with full recompute, the optimizer step, then the weight
-stream a sync sends (`sync_stream` with the plan's pieces: one tensor, or one bucket-sized
-row range of a larger one, at a time). Each phase's device
+stream a sync sends filled into the sender's two bucket buffers on the device by its own loop
+(`weight_sync.fill_stage`; `sync_stream` with the plan's pieces assembles each tensor, or
+bucket-sized row range of a larger one, in place: `Destination`). Each phase's device
 peak (`torch.cuda.max_memory_allocated`) is compared with `simulate memory`'s fake-tensor
 prediction of the same rank (flexmarl_hpc.sim.memory.trainer_rank, run in a forked process
 on the CPU first): within 25%. Skipped with "no GPU" elsewhere.
@@ -78,11 +79,16 @@ def measure() -> list[dict]:
     phase("train step")
     tr.optimizer_step()
     phase("optimizer step")
-    from flexmarl_hpc.runtime import weight_sync as W     # the plan's pieces, as workers.TrainerRank.sync
+    from flexmarl_hpc.runtime import weight_sync as W     # the sender's loop, as _send_stage runs it
     buckets = W.plan_buckets(tr.sync_layouts()[0], int(cfg.weight_sync.bucket_mb * 2**20), None)
-    n = sum(t.numel() for _, t in tr.sync_stream(W.row_pieces(W.Plan((0,), (buckets,)))))
+    plan, largest = W.Plan((0,), (buckets,)), max(b.total for b in buckets)
+    buffers = [torch.empty(largest, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    dest = W.Destination(plan)                  # each range assembled in place in its bucket
+    W.fill_stage(buckets, iter(tr.sync_stream(W.row_pieces(plan), dest)), dest, buffers.__getitem__,
+                 lambda slot, flat: None, lambda slot: None)      # one rank: no replica to send to
+    del buffers
     phase("weight sync (send)")
-    print(f"streamed {n} elements", flush=True)
+    print(f"filled {len(buckets)} buckets, {sum(b.total for b in buckets)} bytes", flush=True)
     return [{"phase": k, "predicted": predicted.get(k), "measured": v} for k, v in measured.items()]
 
 

@@ -1,8 +1,8 @@
 """Sync pieces on a real GPU (one rank, NCCL): tensors larger than a bucket go in row pieces,
 so the sender's CUDA allocations during a sync stay within two buckets
-(torch.cuda.max_memory_allocated), or, streamed as a sharded trainer streams them (each split
-tensor as the plan's row ranges, `weight_sync.row_pieces`), two buckets + the one range in
-flight; and the bytes each broadcast carried, landed in place in
+(torch.cuda.max_memory_allocated), also streamed as a sharded trainer streams them (each split
+tensor as the plan's row ranges, `weight_sync.row_pieces`, assembled in place in the bucket
+being filled, `weight_sync.Destination`); and the bytes each broadcast carried, landed in place in
 one device buffer (`landing`, `received`), give every tensor back bit-equal to the bf16 cast
 of the trainer's (a non-contiguous one included).
 
@@ -28,14 +28,18 @@ def _weights(torch):
             "mlp": torch.randn(2816, 1024, generator=g, device="cuda")}
 
 
-def _ranges(named, pieces):
-    """The stream a sharded trainer sends: a split tensor as its row ranges, each a new tensor
-    (its TP gather, trainer/megatron/trainer.py `sync_stream`), the rest whole."""
+def _ranges(named, pieces, dest):
+    """The stream a sharded trainer sends: a split tensor as its row ranges, each assembled in
+    place in the bucket being filled (its TP gather, trainer/megatron/trainer.py `sync_stream`
+    with a Destination: `dest.rows`, cast to the wire dtype on copy), the rest whole."""
     for k, v in named.items():
         if k not in pieces:
             yield k, v
         for a, b in pieces.get(k, []):
-            yield k, v[a:b].clone()
+            rows = dest.rows(k, (b - a, *v.shape[1:]), v)
+            rows.copy_(v[a:b])
+            yield k, rows
+            del rows
 
 
 def check() -> str:
@@ -80,16 +84,15 @@ def _measure(torch, W, ch, plan, named, bucket, wire, sent, keep) -> str:
         return line + " (a tree without pieces: no asserts)"
     assert peak <= 2 * bucket, line
     # a sharded trainer (megatron's sync_stream) streams a split tensor as the plan's row
-    # ranges, each gathered into a new device tensor: one range in flight beside the buffers
+    # ranges, each gathered in place in the bucket being filled: nothing beside the buffers
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    W.send_weights(ch, (1,), plan, 1, 0, _ranges(named, W.row_pieces(plan)), leader=False)
+    dest = W.Destination(plan)
+    W.send_weights(ch, (1,), plan, 1, 0, _ranges(named, W.row_pieces(plan), dest), leader=False, dest=dest)
     torch.cuda.synchronize()
     ranged = torch.cuda.max_memory_allocated() - base
-    widest = max((b - a) * v[0].numel() * v.element_size() for k, v in named.items()
-                 for a, b in W.row_pieces(plan).get(k, []))
-    line += f"; streamed as row ranges {ranged / MIB:.2f} MiB (2 buckets + a {widest / MIB:.0f} MiB fp32 range)"
-    assert ranged <= 2 * bucket + widest, line
+    line += f"; streamed as row ranges in place {ranged / MIB:.2f} MiB (2 buckets)"
+    assert ranged <= 2 * bucket, line
     # the same sync again, each bucket's bytes kept (a copy per bucket: after the peak was read)
     keep[0] = True
     W.send_weights(ch, (1,), plan, 2, 0, named.items(), leader=False)

@@ -1,4 +1,4 @@
-"""mpiexec -n 6 python -m mpi4py tests/mpi/mpi_sync_megatron.py DIR BACKEND [BUCKET_BYTES]
+"""mpiexec -n 6 python -m mpi4py tests/mpi/mpi_sync_megatron.py DIR BACKEND [BUCKET_BYTES [bf16]]
 
 Ranks 0-3: one megatron trainer group, TP2 x PP2 (CPU, gloo); ranks 4-5: two replicas with
 the torch engine. Rank 0 writes a Qwen2-style HF safetensors checkpoint into DIR, then:
@@ -14,13 +14,19 @@ the torch engine. Rank 0 writes a Qwen2-style HF safetensors checkpoint into DIR
   senders config/sync_groups.stage_senders computes and megatron confirms) to {4, 5}, then
   {4}, then {4, 5}: the replicas' weights are
   bit-equal to the trainer's gathered HF weights, and every trainer rank's peak extra bytes
-  during a sync (bucket buffers included) stay within 2 buckets + 1.5 buckets (the one row
-  range in flight, gathered piece by piece from the TP shards, and for an o_proj/down_proj
-  range one TP rank's column block of it): bounded by the bucket size, not by the largest
-  parameter (with 16 KiB buckets the 64 KiB embedding, LM head and MLP weights each exceed
+  during a sync (bucket buffers included) stay within 2 buckets, exactly: the sender's two
+  bucket buffers, each row range assembled in place in the bucket being filled and an
+  o_proj/down_proj range's column blocks received through the other buffer
+  (weight_sync.Destination; a range-sized tensor beside the buffers fails it, as the code
+  before did at 2 buckets + 1.5): bounded by the bucket size, not by the largest parameter
+  (with 16 KiB buckets the 64 KiB embedding, LM head and MLP weights each exceed
   the bound alone, so a whole-parameter gather fails it); a replica's within one buffer (a
   bucket, or with BUCKET_BYTES below the embedding the largest tensor, whose pieces land in
   it).
+
+With `bf16` the weights travel in bf16 (weight_sync.wire_dtype, rollout.dtype=bf16) from the
+fp32 trainer: the TP ranks cast their rows before sending, the sender casts its own on copy
+into the bucket, and the replicas hold the bf16 rounding of the trainer's weights, bit for bit.
 
 Prints `ok ...` lines on rank 0 and `all sync checks passed`; any failure aborts the job.
 """
@@ -51,6 +57,7 @@ rank = world.Get_rank()
 torch.set_num_threads(1)
 folder, backend = Path(sys.argv[1]), sys.argv[2]
 BUCKET = int(sys.argv[3]) if len(sys.argv) > 3 else 64 << 10
+WIRE = torch.bfloat16 if sys.argv[4:] == ["bf16"] else None          # None: as trained (fp32)
 V = 256
 ARGS = ModelArgs(V, 64, 4, 4, 2, 128, 16, rope_theta=5e4, tie_embeddings=False, qkv_bias=True)
 TRAINERS, REPLICAS = [0, 1, 2, 3], [4, 5]
@@ -135,10 +142,10 @@ def largest_hf() -> int:
 
 
 def send_bound() -> int:
-    """A trainer rank's peak extra bytes during a sync: the sender's two bucket buffers, the
-    one row range in flight (a piece or a whole tensor: at most a bucket, fp32 as the wire
-    here) and, for a range split over TP by columns, the other rank's block (half a bucket)."""
-    return 2 * BUCKET + BUCKET + BUCKET // 2
+    """A trainer rank's peak extra bytes during a sync: the sender's two bucket buffers and
+    nothing else (row ranges land in the bucket being filled, a column block in the other
+    buffer; the ranks that only send their rows hold less: views of their shard)."""
+    return 2 * BUCKET
 
 
 def trainer_side(world_group):
@@ -154,25 +161,29 @@ def trainer_side(world_group):
     channels.open([PAIR])
     assert [MPI.Group.Translate_ranks(group.Get_group(), tr.sync_senders(), world.Get_group())] == \
         [list(PAIR.senders)], (tr.sync_senders(), PAIR.senders)       # the pure senders == megatron's
-    handler = TrainerRank(world, group, mover, folder / "ckpt", BUCKET, 1, channels, None)
+    handler = TrainerRank(world, group, mover, folder / "ckpt", BUCKET, 1, channels, WIRE)
     bound = send_bound()
     assert bound < full // 2, (bound, full)        # a model-sized buffer cannot pass unseen
     sender = group.Get_rank() in tr.sync_senders()
     for step, targets in enumerate(SYNCS):
         opt_peak, losses = train_step(tr, group, step)
+        # the bucket buffers a sync keeps for the next (SyncChannels.buffer) count in every
+        # sync's peak, so a later sync's transients have what they left: nothing
+        kept_buffers = sum(b.numel() for b in channels._buffers if b is not None)
         with TensorBytes() as mem:
             handler.sync(messages.Sync("a", tr.version, (0,) + targets), time.time())
-        assert mem.peak <= bound, (step, group.Get_rank(), sender, mem.peak, bound)
-        peaks = group.gather((group.Get_rank(), sender, mem.peak, opt_peak), root=0)
+        extra = kept_buffers + mem.peak
+        assert extra <= bound, (step, group.Get_rank(), sender, kept_buffers, mem.peak, bound)
+        peaks = group.gather((group.Get_rank(), sender, extra, opt_peak), root=0)
         expect = tr.named_weights()                     # collective: the full HF weights on rank 0
         if rank == 0:
             for r in targets:
-                world.send({k: v.clone() for k, v in expect.items()}, dest=r)
+                world.send({k: v.clone() if WIRE is None else v.to(WIRE).float() for k, v in expect.items()}, dest=r)
             got = [world.recv(source=r) for r in targets]
             assert all(g == "bit-equal" for g in got), got
             log(f"ok sync {step + 1} (v{tr.version}) to {targets}: bit-equal on every replica; sender "
-                f"peak extra {max(p for _, s, p, _ in peaks if s)} B, other ranks "
-                f"{max(p for _, s, p, _ in peaks if not s)} B (bound 3.5 buckets of {BUCKET} B = {bound} B; "
+                f"peak extra (its kept bucket buffers + the sync's allocations) {max(p for _, s, p, _ in peaks if s)} B, other ranks "
+                f"{max(p for _, s, p, _ in peaks if not s)} B (bound 2 buckets of {BUCKET} B = {bound} B; "
                 f"largest HF tensor {largest_hf()} B; model {full} B); optimizer step peak "
                 f"{max(o for *_, o in peaks)} B")
     assert channels.buffer_allocations <= 2, channels.buffer_allocations

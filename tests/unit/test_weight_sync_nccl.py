@@ -142,3 +142,30 @@ def test_a_bucket_that_never_completes_times_out_and_abandons_its_pair(monkeypat
         _sync(ch, named, 2, bucket=1024)
     assert len(FakeNCCL.built) == 1
     ch.close()
+
+
+@pytest.mark.parametrize("borrow", [False, True])
+def test_a_stream_filling_in_place_runs_to_its_end_past_a_timeout(monkeypatch, borrow):
+    """A megatron sender's stream assembles in the buckets (weight_sync.Destination); past the
+    deadline (at a bucket's wait, or while a column block borrows the other buffer: `borrow`)
+    the rest of it still runs, into throwaway tensors, so its TP sends meet their receives."""
+    _fake(monkeypatch)
+    FakeNCCL.hang = True
+    ch = _channels(device="cpu", timeout_s=0.3)
+    named = {f"l{i}": torch.ones(256) for i in range(4)}                   # 4 buckets of 1 KiB
+    plan = W.Plan((MPI.COMM_WORLD.Get_rank(),), (W.plan_buckets(W.layout_of(named), 1024),))
+    dest, streamed = W.Destination(plan), []
+
+    def stream():
+        for k, t in named.items():
+            rows = dest.rows(k, tuple(t.shape), t)
+            if borrow and k == "l1":
+                dest.scratch(512, t)            # waits for l0's send, which never completes
+            rows.copy_(t)
+            streamed.append(k)
+            yield k, rows
+    with pytest.raises(CollectiveTimeout, match="a bucket"):
+        W.send_weights(ch, (TARGET,), plan, 1, 0, stream(), leader=False, dest=dest)
+    assert streamed == list(named)
+    FakeNCCL.hang = False
+    ch.close()

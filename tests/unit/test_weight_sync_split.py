@@ -128,3 +128,116 @@ def test_a_stream_of_row_pieces_fills_the_buckets_a_whole_stream_does():
     first = next(b for b in buckets if b.piece is not None)
     with pytest.raises(RuntimeError, match=r"streamed 3 rows of 'embed' where the plan has its rows \[0, 10\)"):
         W.fill_bucket(first, torch.zeros(first.total, dtype=torch.uint8), iter([("embed", named["embed"][:3])]))
+
+
+def _in_place(named, pieces, dest):
+    """A sharded trainer's stream with a Destination (megatron `sync_stream`): each split
+    tensor's row ranges assembled in the bucket being filled (`dest.rows`, cast on copy)."""
+    for k, v in named.items():
+        for a, b in pieces.get(k, [(0, len(v))]):
+            rows = dest.rows(k, (b - a, *v.shape[1:]), v)
+            rows.copy_(v[a:b])
+            yield k, rows
+            del rows
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+def test_a_stream_assembled_in_place_adds_nothing_beside_the_two_buffers(monkeypatch, wire):
+    """The sender's extra memory is its two bucket buffers (issue 28): ranges assembled in
+    place through a Destination, bit-equal on landing; the same ranges as new tensors (the
+    Allocate default, what megatron's stream did before 2026-11-26) exceed 2 buckets."""
+    Recorder.built = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", Recorder, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    g = torch.Generator().manual_seed(1)
+    named = {"embed": torch.randn(30, 8, generator=g), "norm": torch.randn(8, generator=g),
+             "head": torch.randn(8, 30, generator=g).T, "mlp": torch.randn(12, 8, generator=g)}
+    bucket = 30 * 8 * 4 // 3
+    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu")
+    me = MPI.COMM_WORLD.Get_rank()
+    pair = G.Pair((0, 0), (me,), (1,), MPI.COMM_SELF, G.new_group("nccl", dist.HashStore(), 0, 2),
+                  {me: 0, 1: 1}, {me: 1, 1: 1})
+    ch.pairs[pair.key] = pair
+    plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
+    pieces = W.row_pieces(plan)
+    peaks = []
+    for dest in (W.Destination(plan), W.Allocate()):
+        kept = sum(b.numel() for b in ch._buffers if b is not None)     # the buffers a sync keeps
+        with TensorBytes() as mem:
+            W.send_weights(ch, (1,), plan, 1, 0, _in_place(named, pieces, dest), leader=False,
+                           dest=dest if isinstance(dest, W.Destination) else None)
+        peaks.append(kept + mem.peak)
+    largest = max(b.total for b in plan.stages[0])
+    assert peaks[0] == 2 * largest and peaks[1] > 2 * bucket, (peaks, largest, bucket)
+    sent, = [r.sent for r in Recorder.built]
+    buf, got = torch.zeros(plan.span, dtype=torch.uint8), {}
+    for b, data in zip(plan.stages[0], sent[:len(plan.stages[0])]):     # the in-place sync's
+        W.landing(b, buf).copy_(torch.from_numpy(data))
+        got.update({k: v.clone() for k, v in W.received(b, buf).items()})
+    for k, v in named.items():
+        assert torch.equal(got[k], v if wire is None else v.to(wire)), k
+    ch.close()
+
+
+def test_a_column_block_borrows_the_other_buffer_once_its_send_is_out():
+    """`Destination.scratch` (a column block's receive buffer) is the other bucket buffer,
+    handed out only after that buffer's send is waited for; buckets without a column block
+    keep the overlap (no wait on the other buffer while they fill)."""
+    layout = [(k, (16,), torch.float32) for k in "abc"]
+    buckets = W.plan_buckets(layout, 64)
+    assert len(buckets) == 3
+    plan = W.Plan((0,), (buckets,))
+    dest, events = W.Destination(plan), []
+    buffers = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
+    x = torch.arange(16, dtype=torch.float32)
+
+    def stream():
+        for k in "abc":
+            rows = dest.rows(k, (16,), x)
+            if k == "b":
+                events.append(("scratch", dest.scratch(32, x).data_ptr()))
+            rows.copy_(x)
+            yield k, rows
+    W.fill_stage(buckets, iter(stream()), dest, buffers.__getitem__,
+                 lambda slot, flat: events.append(("send", slot)), lambda slot: events.append(("wait", slot)))
+    assert events == [("wait", 0), ("send", 0),
+                      ("wait", 1), ("wait", 0), ("scratch", buffers[0].data_ptr()), ("send", 1),
+                      ("wait", 0), ("send", 0), ("wait", 0), ("wait", 1)]
+    assert torch.equal(buffers[1].view(torch.float32), x)
+    with pytest.raises(RuntimeError, match=r"assembles 'zz' \[4\] where the bucket being filled has \['c'\]"):
+        dest.rows("zz", (4,), x)
+    with pytest.raises(RuntimeError, match="a column block of 128 B exceeds the other bucket buffer"):
+        dest.spare = lambda: buffers[0]
+        dest.scratch(128, x)
+
+
+def test_a_timeout_while_borrowing_the_other_buffer_leaves_the_stream_running():
+    """The other buffer's send timing out inside `scratch` (inside the trainer's stream) must
+    not end the stream: its TP sends are the group's collectives, which send_weights drains
+    after a CollectiveTimeout. The timeout comes out of fill_stage after the bucket, and the
+    rest of the stream lands in throwaway tensors (`draining`), not in the bucket buffers."""
+    from flexmarl_hpc.runtime.deadline import CollectiveTimeout
+    buckets = W.plan_buckets([(k, (16,), torch.float32) for k in "abcd"], 64)
+    dest, seen, waits = W.Destination(W.Plan((0,), (buckets,))), [], []
+    buffers = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
+    x = torch.arange(16, dtype=torch.float32)
+
+    def wait(slot):
+        waits.append(slot)
+        if len(waits) == 3:                  # bucket b borrowing buffer 0: its send hangs
+            raise CollectiveTimeout("weight sync over ranks [0, 1]", "a bucket", 1.0, 1.0)
+
+    def stream():
+        for k in "abcd":
+            rows = dest.rows(k, (16,), x)
+            seen.append((k, any(rows.data_ptr() == b.data_ptr() for b in buffers)))
+            if k in "bc":
+                dest.scratch(32, x)
+            rows.copy_(x)
+            yield k, rows
+    it = iter(stream())
+    with pytest.raises(CollectiveTimeout, match="a bucket"):
+        W.fill_stage(buckets, it, dest, buffers.__getitem__, lambda slot, flat: None, wait)
+    dest.draining = True                     # as send_weights does before it drains
+    assert [k for k, _ in it] == ["c", "d"]
+    assert seen == [("a", True), ("b", True), ("c", False), ("d", False)]

@@ -28,7 +28,8 @@ Contract (same as TorchTrainer; tests/test_megatron.py checks it against TorchTr
 - `optimizer_step()`: DP reduce-scatter + TP/PP reductions, clip, Adam step, param
   all-gather; nothing leaves the group. A weight sync streams (`sync_stream`: each HF
   tensor, or each bucket-sized row range of a larger one, assembled in HF layout on each PP
-  stage's sender from the TP shards holding it; runtime/weight_sync.py); `named_weights()` is a collective full gather for tests
+  stage's sender from the TP shards holding it, in place in the bucket being filled:
+  runtime/weight_sync.py `Destination`); `named_weights()` is a collective full gather for tests
   and export.
 - Built shard by shard: `init` is a learn/weights.WeightSource (an HF checkpoint read by
   this rank's slices, or a seeded random init) or full HF tensors (tests).

@@ -20,6 +20,7 @@ from flexmarl_hpc.learn.convert import hf_row_sources, padded_vocab, sync_order
 from flexmarl_hpc.learn.grpo import MicroBatch, grpo_loss, stat_values, vocab_parallel_logprobs
 from flexmarl_hpc.learn.model import ModelArgs
 from flexmarl_hpc.learn.weights import WeightSource
+from flexmarl_hpc.runtime.weight_sync import Allocate
 from flexmarl_hpc.trainer.megatron import configs
 from flexmarl_hpc.trainer.megatron.dist import allgather_bytes, device, init_group_distributed, scope
 from flexmarl_hpc.trainer.megatron.dist_ckpt import DistCheckpoint
@@ -116,59 +117,65 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
         """Group rank of each PP stage's sender: its TP rank 0 of data-parallel replica 0."""
         return self._senders
 
-    def sync_stream(self, pieces: Mapping[str, Sequence[tuple[int, int]]] | None = None):
+    def sync_stream(self, pieces: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+                    dest: Allocate | None = None):
         """Collective over the group: each HF tensor of this rank's stage, or each row range
         of it that `pieces` names (the plan's pieces of a tensor larger than a bucket,
         weight_sync.row_pieces), assembled on the device of the stage's sender from the TP
-        shards holding those rows (convert.hf_row_sources) and yielded there. The sender holds
-        one such range at a time, never a whole parameter (a 1.3 GB embedding with 64 MiB
-        buckets: 64 MiB); the other TP ranks send views of their shard. Other data-parallel
-        replicas hold the same weights and take no part."""
+        shards holding those rows (convert.hf_row_sources) and yielded there. `dest` (the
+        same on every rank) says where: a sync's weight_sync.Destination assembles each range
+        in place in the bucket being filled, at the wire dtype, so the sender holds its two
+        bucket buffers and nothing more; the default (Allocate) a new tensor per range (tests,
+        export). Never a whole parameter (a 1.3 GB embedding with 64 MiB buckets: 64 MiB at a
+        time); the other TP ranks send views of their shard (cast to the wire dtype where it
+        differs). Other data-parallel replicas hold the same weights and take no part."""
         if self.dp_rank != 0:
             return
-        pieces = pieces or {}
+        pieces, dest = pieces or {}, dest or Allocate()
         local = self._local_params()
         for name, outs in sync_order(self.args, self.tp, self.pp_rank, self.pp):
             p = local[name].detach()
             for hf, shape in outs:
                 for first, stop in pieces.get(hf) or [(0, shape[0])]:
-                    rows = self._hf_rows(p, hf_row_sources(name, hf, self.args, self.tp, first, stop),
-                                         (stop - first, *shape[1:]))
+                    rows = self._hf_rows(p, hf, hf_row_sources(name, hf, self.args, self.tp, first, stop),
+                                         (stop - first, *shape[1:]), dest)
                     if rows is not None:
                         yield hf, rows
                     del rows                   # before the next range is gathered
 
-    def _hf_rows(self, p: torch.Tensor, sources, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """HF rows from their `sources` in the TP shards of `p`, on TP rank 0 (point to point
-        from each rank holding some: no rank sends what rank 0 does not need, and no buffer is
-        larger than the rows); None on the other TP ranks, which send their parts."""
+    def _hf_rows(self, p: torch.Tensor, hf: str, sources, shape: tuple[int, ...],
+                 dest: Allocate) -> torch.Tensor | None:
+        """HF rows from their `sources` in the TP shards of `p`, on TP rank 0 in `dest.rows`
+        (point to point from each rank holding some: no rank sends what rank 0 does not need;
+        whole rows land in place, a column block through `dest.scratch`); None on the other TP
+        ranks, which send their parts in `dest.dtype`."""
         from megatron.core import parallel_state as ps
         group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+        dt = dest.dtype(hf, p.dtype)
         with scope():
             if self.tp_rank != 0:
-                for w in [torch.distributed.isend(p[s.lo:s.hi], group=group, group_dst=0)
+                for w in [torch.distributed.isend(p[s.lo:s.hi].to(dt), group=group, group_dst=0)
                           for s in sources if s.rank == self.tp_rank]:
                     w.wait()
                 return None
             if len(sources) == 1 and sources[0].rank == 0 and (sources[0].col is None or self.tp == 1):
                 return p[sources[0].lo:sources[0].hi]          # already in HF layout: a view
-            out, works, part = p.new_empty(shape), [], None
+            out, works, block = dest.rows(hf, shape, p), [], None
             for s in sources:
-                if s.col is None:                      # whole rows: land in place
-                    if s.rank == 0:
-                        out[s.out_lo:s.out_hi].copy_(p[s.lo:s.hi])
-                    else:
-                        works.append(torch.distributed.irecv(out[s.out_lo:s.out_hi], group=group,
-                                                             group_src=s.rank))
-                    continue
-                c = p.shape[1]                         # a column block: one rank's at a time
+                at = out[s.out_lo:s.out_hi]
+                if s.col is not None:                  # a column block: one rank's at a time
+                    c = p.shape[1]
+                    at = at[:, s.col * c:(s.col + 1) * c]
                 if s.rank == 0:
-                    got = p[s.lo:s.hi]
-                else:
-                    part = p.new_empty((s.hi - s.lo, c)) if part is None else part
-                    torch.distributed.irecv(part, group=group, group_src=s.rank).wait()
-                    got = part
-                out[s.out_lo:s.out_hi, s.col * c:(s.col + 1) * c].copy_(got)
+                    at.copy_(p[s.lo:s.hi])             # cast on copy, where the wire's differs
+                elif s.col is None:                    # whole rows: received in place
+                    works.append(torch.distributed.irecv(at, group=group, group_src=s.rank))
+                else:                                  # strided there: via a contiguous block
+                    if block is None:
+                        n = (s.hi - s.lo) * c
+                        block = dest.scratch(n * dt.itemsize, p).view(dt).view(s.hi - s.lo, c)
+                    torch.distributed.irecv(block, group=group, group_src=s.rank).wait()
+                    at.copy_(block)
             for w in works:
                 w.wait()
         return out
