@@ -157,3 +157,25 @@ def test_the_table_holds_every_ratio_and_marks_misses():
 def test_a_simulated_baseline_counts_its_colocated_devices_once(tmp_path):
     r = run_system(dataclasses.replace(MA, chain_agents=3), "marti", HW, 3, tmp_path)
     assert r["step_s"] > 0 and 0 < r["busy"] < 1
+
+
+def test_fit_writes_the_best_point_and_the_table_runs_its_spec_fields(tmp_path, capsys, monkeypatch):
+    """`simulate paper --fit` on a one-point grid (a chain of 2): the parameters file names the
+    point, and the MA table that follows is that point's run (the same spec fields: its flex
+    step is the fit's), not TaskSpec's defaults (a chain of 8)."""
+    from flexmarl_hpc import simulate
+    from flexmarl_hpc.sim import paper, paper_cli
+    grid = {"hbm": (0.45,), "mfu_train": (0.15,), "replica_width": (4,), "chain_agents": (2,)}
+    seen = []
+
+    def one_point(hw, steps, out, log=print):
+        got = paper.fit_ma(hw, steps, out, grid=grid, log=log)
+        seen.append(got[2][0]["row"])
+        return got
+    monkeypatch.setattr(paper_cli, "fit_ma", one_point)
+    params = tmp_path / "fitted.yaml"
+    assert simulate.main(["paper", "--fit", "--steps", "3", "--write", str(params), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "chain_agents 2" in params.read_text() and "'hbm': 0.45" in params.read_text()
+    flex = next(line for line in out.splitlines() if line.strip().startswith("flex step, s"))
+    assert float(flex.split()[4]) == pytest.approx(seen[0]["flex"], abs=0.05), (flex, seen[0])
