@@ -40,10 +40,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from flexmarl_hpc import simulate  # noqa: E402
+from flexmarl_hpc.sim.capacity_cli import capacity  # noqa: E402
+from flexmarl_hpc.sim.compare_cli import compare_table  # noqa: E402
+from flexmarl_hpc.sim.plan_cli import plan, plan_report  # noqa: E402
+from flexmarl_hpc.sim.runs import run_variants, write_atomic  # noqa: E402
+from flexmarl_hpc.sim.scale_cli import scale, scale_table  # noqa: E402
 from flexmarl_hpc.sim import plan as sim_plan  # noqa: E402
 from flexmarl_hpc.sim.hardware import load_hardware  # noqa: E402
-from flexmarl_hpc.sim.scale import plot_scale  # noqa: E402
+from flexmarl_hpc.sim.scale import bottleneck_table, parse_sizes, plot_scale  # noqa: E402
 
 BLOCK = re.compile(r"<!-- figure: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /figure: (?P=name) -->", re.S)
 PAPER_MIX = "configs/paper_3x32b_7x14b.yaml"
@@ -80,18 +84,18 @@ def command_block(command: str, output: str, note: str = "") -> str:
 def sim_compare_paper_mix(ctx: Context) -> str:
     """sync vs flex on the paper's 3 x 32B + 7 x 14B mix, 48 nodes of 64 GB accelerators."""
     args = [PAPER_MIX, "--hardware", "npu64_a3", "--steps", "10"]
-    res = simulate.run_variants(PAPER_MIX, ["sync", "flex"], "npu64_a3", 10, ctx.scratch / "compare")
+    res = run_variants(PAPER_MIX, ["sync", "flex"], "npu64_a3", 10, ctx.scratch / "compare")
     return command_block(f"python -m flexmarl_hpc.simulate compare {' '.join(args)}",
-                         simulate.compare_table(PAPER_MIX, "npu64_a3", 10, res, wall=False),
+                         compare_table(PAPER_MIX, "npu64_a3", 10, res, wall=False),
                          "(the wall_s column, seconds this machine took, is left out)")
 
 
 def sim_plan_48(ctx: Context) -> str:
     """The closed-form planner's best 3 splits of 48 nodes for the paper's mix, simulated."""
     hw = load_hardware("npu64_a3")
-    rows, current = simulate.plan(PAPER_MIX, 48, "npu64_a3", 3, 4, ctx.scratch / "plan")
+    rows, current = plan(PAPER_MIX, 48, "npu64_a3", 3, 4, ctx.scratch / "plan")
     return command_block(f"python -m flexmarl_hpc.simulate plan {PAPER_MIX} --nodes 48 --top 3 --steps 4",
-                         simulate.plan_report(PAPER_MIX, [], 48, 4, hw, rows, current, wall=False),
+                         plan_report(PAPER_MIX, [], 48, 4, hw, rows, current, wall=False),
                          "(the wall_s column, seconds this machine took, is left out)")
 
 
@@ -99,15 +103,15 @@ def sim_scale(ctx: Context) -> str:
     """Step time and utilization of every variant against the accelerator count, each count
     on the planner's split for it; the table, and the curve drawn from it."""
     variants = SCALE_VARIANTS
-    rows = simulate.scale(PAPER_MIX, simulate.parse_sizes(SCALE_COUNTS), variants, "npu64_a3", 4,
-                          ctx.scratch / "scale", SCALE_OVERRIDES)
+    rows = scale(PAPER_MIX, parse_sizes(SCALE_COUNTS), variants, "npu64_a3", 4,
+                 ctx.scratch / "scale", SCALE_OVERRIDES)
     if ctx.draw:
         plot_scale(rows, variants, ctx.docs / SCALE_PNG, f"{Path(PAPER_MIX).name} (settle) on npu64_a3: simulated, "
                                                         f"4 steps, closed-form planner's allocation per size")
     command = (f"python -m flexmarl_hpc.simulate scale {PAPER_MIX} {' '.join(SCALE_OVERRIDES)} --counts "
                f"{SCALE_COUNTS} --variants {','.join(variants)} --steps 4 --png docs/{SCALE_PNG}")
     return f"![simulated step time and utilization against accelerators]({SCALE_PNG})\n\n" + command_block(
-        command, simulate.scale_table(rows, variants) + "\n" + simulate.bottleneck_table(rows, variants))
+        command, scale_table(rows, variants) + "\n" + bottleneck_table(rows, variants))
 
 
 def _paper_hw():
@@ -123,10 +127,16 @@ def sim_paper(ctx: Context) -> str:
 
 
 def sim_paper_fit(ctx: Context) -> str:
-    """The fit on MA: every grid point's loss (its residuals); slow (32 MA runs): --full only."""
+    """The fit on MA: every grid point's loss (its residuals); slow (36 MA runs): --full only."""
     from flexmarl_hpc.sim.paper import fit_ma
     _, _, points = fit_ma(load_hardware("npu64_a3"), 4, ctx.scratch / "fit", log=lambda s: None)
-    lines = [f"width {p['replica_width']} hbm {p['hbm']:<4} mfu_train {p['mfu_train']:<5} loss {p['loss']:6.3f}   "
+    return fit_block(points)
+
+
+def fit_block(points: list[dict]) -> str:
+    """sim_paper_fit's text from fit_ma's points."""
+    lines = [f"chain {p['chain_agents']} width {p['replica_width']} hbm {p['hbm']:<4} mfu_train {p['mfu_train']:<5} "
+             f"loss {p['loss']:6.3f}   "
              + "  ".join(f"{k} {p['row'][k]:.0f}" for k in ("mas-rl", "marti", "flex", "no-lb", "no-pipeline"))
              + f"  busy {p['row']['busy']:.1%}" for p in points]
     return command_block("python -m flexmarl_hpc.simulate paper --fit   # grid points (MA only)", "\n".join(lines))
@@ -198,7 +208,7 @@ def spread(xs: list[float], fmt: str = ".0f") -> str:
 def sim_capacity(ctx: Context, reps: int = 5) -> str:
     """The orchestrator's own samples/s (zero-cost workers, its real compute on the clock):
     a property of this CPU, so a bench figure."""
-    runs = [simulate.capacity("configs/local.yaml", 10, ctx.scratch / f"capacity{i}") for i in range(reps)]
+    runs = [capacity("configs/local.yaml", 10, ctx.scratch / f"capacity{i}") for i in range(reps)]
     out = (f"orchestrator capacity, configs/local.yaml, flex, 10 steps, {reps} runs: median [min, max]\n"
            f"  samples/s   {spread([r['samples_per_s'] for r in runs])}\n"
            f"  commands/s  {spread([r['commands_per_s'] for r in runs])}")
@@ -341,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
         text = path.read_text()
         new = replace_blocks(text, made)
         if new != text:
-            simulate.write_atomic(path, new)
+            write_atomic(path, new)
             print(f"figures: rewrote {path}", file=sys.stderr)
     return 0
 

@@ -13,6 +13,7 @@ refitted, and both are printed with every ratio's error.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -78,10 +79,10 @@ def run_task(spec: TaskSpec, hw: HardwareProfile, steps: int, out: Path, systems
     return row
 
 
-def paper_rows(hw: HardwareProfile, steps: int, out: Path, tasks=("MA", "CA"), replica_width: int = 0) -> dict:
-    """Both tasks (`replica_width`: 0 keeps the specs' own, else every task gets it)."""
-    specs = {t: TASKS[t] if not replica_width else dataclasses.replace(TASKS[t], replica_width=replica_width)
-             for t in tasks}
+def paper_rows(hw: HardwareProfile, steps: int, out: Path, tasks=("MA", "CA"), spec_fields: dict | None = None) -> dict:
+    """Both tasks (`spec_fields`: the fitted TaskSpec fields every task gets, e.g.
+    {"replica_width": 4, "chain_agents": 5}; None keeps the specs' own)."""
+    specs = {t: dataclasses.replace(TASKS[t], **(spec_fields or {})) for t in tasks}
     return {t: run_task(specs[t], hw, steps, out) for t in tasks}
 
 
@@ -113,9 +114,15 @@ def table(rows: dict, fitted_on: str | None = "MA") -> str:
 FIT_FIELDS = ("hbm", "mfu_train")
 """The efficiencies `fit_ma` fits (decode's achieved HBM bandwidth sets the rollout time,
 training's MFU the training time): the rest stay the profile's stated assumptions."""
-FIT_GRID = {"hbm": (0.2, 0.3, 0.45, 0.8), "mfu_train": (0.15, 0.3), "replica_width": (1, 2, 4, 8)}
-"""The fit's grid: the two efficiencies and the rollout engines' width (TaskSpec.replica_width,
-an unknown of the system, not of the hardware: its best value is TaskSpec's default)."""
+FIT_GRID = {"hbm": (0.2, 0.3, 0.45, 0.8), "mfu_train": (0.15, 0.3), "replica_width": (4, 8),
+            "chain_agents": (3, 5, 8, 10)}
+"""The fit's grid: the two efficiencies, the rollout engines' width and the chain's length
+(TaskSpec.replica_width and .chain_agents, unknowns of the system and the task, not of the
+hardware: their best values are TaskSpec's defaults). Chains up to 10, the agents of CA's
+config. Widths 1-2 left the grid on 2026-11-26: every such point of the 3-agent fit had loss
+>= 2.5, and wider replicas only grew better with longer chains (docs/LOG.md)."""
+SPEC_FIELDS = ("replica_width", "chain_agents")
+"""The fitted grid's TaskSpec fields (the rest are the profile's efficiencies)."""
 
 
 def loss(row: dict, task: str = "MA") -> float:
@@ -129,21 +136,21 @@ def with_efficiency(hw: HardwareProfile, **kw) -> HardwareProfile:
 
 
 def fit_ma(hw: HardwareProfile, steps: int, out: Path, grid: dict = FIT_GRID,
-           log=print) -> tuple[HardwareProfile, int, list[dict]]:
+           log=print) -> tuple[HardwareProfile, dict, list[dict]]:
     """Every point of `grid`, each a full MA run of the five systems; the point of least
-    `loss` wins. Returns the fitted profile, the fitted replica width and every point (the
-    residuals). Only MA enters: CA is predicted with the result."""
+    `loss` wins. Returns the fitted profile, the fitted TaskSpec fields (SPEC_FIELDS) and
+    every point (the residuals). Only MA enters: CA is predicted with the result."""
+    names = [*SPEC_FIELDS, *FIT_FIELDS]
     points = []
-    for width in grid["replica_width"]:
-        spec = dataclasses.replace(TASKS["MA"], replica_width=width)
-        for hbm in grid["hbm"]:
-            for mfu in grid["mfu_train"]:
-                trial = with_efficiency(hw, hbm=hbm, mfu_train=mfu)
-                row = run_task(spec, trial, steps, out / f"fit_{width}_{hbm}_{mfu}")
-                points.append({"replica_width": width, "hbm": hbm, "mfu_train": mfu, "loss": loss(row), "row": row})
-                log(f"fit: width {width} hbm {hbm} mfu_train {mfu}: loss {points[-1]['loss']:.3f}")
+    for values in itertools.product(*(grid[n] for n in names)):
+        point = dict(zip(names, values))
+        spec = dataclasses.replace(TASKS["MA"], **{n: point[n] for n in SPEC_FIELDS})
+        trial = with_efficiency(hw, **{n: point[n] for n in FIT_FIELDS})
+        row = run_task(spec, trial, steps, out / ("fit_" + "_".join(map(str, values))))
+        points.append({**point, "loss": loss(row), "row": row})
+        log("fit: " + " ".join(f"{n} {v}" for n, v in point.items()) + f": loss {points[-1]['loss']:.3f}")
     best = min(points, key=lambda p: p["loss"])
-    return with_efficiency(hw, hbm=best["hbm"], mfu_train=best["mfu_train"]), best["replica_width"], points
+    return (with_efficiency(hw, **{n: best[n] for n in FIT_FIELDS}), {n: best[n] for n in SPEC_FIELDS}, points)
 
 
 def sweep(hw: HardwareProfile, steps: int, out: Path, task: str = "MA") -> list[dict]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from flexmarl_hpc.sim.hardware import HARDWARE_DIR, load_hardware, save_hardware
-from flexmarl_hpc.sim.paper import FIT_FIELDS, fit_ma, paper_rows, sweep, sweep_table, table
+from flexmarl_hpc.sim.paper import FIT_FIELDS, SPEC_FIELDS, fit_ma, paper_rows, sweep, sweep_table, table
 from flexmarl_hpc.sim.workload import TASKS
 
 PARAMS = HARDWARE_DIR / "npu64_a3_paper.yaml"
@@ -38,18 +38,20 @@ def check_paper(a: argparse.Namespace) -> str | None:
 
 def paper_main(a: argparse.Namespace, out: Path) -> int:
     wall = time.perf_counter()
-    width = 0
+    fields = None
     if a.fit:
-        fitted, width, points = fit_ma(load_hardware("npu64_a3"), a.steps, out, log=lambda s: None)
+        fitted, fields, points = fit_ma(load_hardware("npu64_a3"), a.steps, out, log=lambda s: None)
         best = {f: getattr(fitted.efficiency, f) for f in FIT_FIELDS}
+        spec = ", ".join(f"{k} {v}" for k, v in fields.items())
         save_hardware(fitted, a.write, header=f"npu64_a3 with {', '.join(FIT_FIELDS)} fitted on the paper's MA task\n"
                       f"by `python -m flexmarl_hpc.simulate paper --fit` ({a.steps} steps): {best}, "
-                      f"with replica_width {width} (sim/workload.py TaskSpec.replica_width)")
-        print(f"fit on MA over {', '.join(FIT_FIELDS)} and replica_width: best {best}, replica_width {width}; "
+                      f"with {spec} (sim/workload.py TaskSpec)")
+        print(f"fit on MA over {', '.join(FIT_FIELDS + SPEC_FIELDS)}: best {best}, {spec}; "
               "every point (loss = squared log errors):")
         for p in points:
-            print(f"  width {p['replica_width']}  hbm {p['hbm']:<5} mfu_train {p['mfu_train']:<5} loss {p['loss']:.3f}")
-        print(f"wrote {a.write}; TaskSpec.replica_width (the table's) is {TASKS['MA'].replica_width}")
+            print("  " + "  ".join(f"{n} {p[n]:<5}" for n in SPEC_FIELDS + FIT_FIELDS) + f" loss {p['loss']:.3f}")
+        print(f"wrote {a.write}; TaskSpec's (the table's): "
+              + ", ".join(f"{n} {getattr(TASKS['MA'], n)}" for n in SPEC_FIELDS))
         hw, fitted_on = fitted, "MA"
     else:
         path = a.params or (PARAMS if PARAMS.exists() else Path("npu64_a3"))
@@ -57,7 +59,7 @@ def paper_main(a: argparse.Namespace, out: Path) -> int:
     if a.sweep:
         print(sweep_table(sweep(hw, a.steps, out)))
         return 0
-    rows = paper_rows(hw, a.steps, out, replica_width=width)
+    rows = paper_rows(hw, a.steps, out, spec_fields=fields)
     if a.json:
         print(json.dumps({**rows, "hardware": hw.name, "wall_s": time.perf_counter() - wall}, indent=1))
     else:

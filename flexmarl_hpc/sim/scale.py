@@ -3,7 +3,7 @@
 `simulate scale CONFIG --counts 1,2,...,3072` asks, per accelerator count, the same closed-form
 planner as `simulate plan` (sim/plan.py `rank_plans`, per mode: sync's best split for the sync
 variant, flex's for the flex variants) for the best split of that many devices among the
-config's pools and trainer groups, then simulates it (simulate.py). This module decides the
+config's pools and trainer groups, then simulates it (sim/scale_cli.py). This module decides the
 sizes and allocations; it runs nothing and writes only the PNG (`plot_scale`).
 
 Counts map to nodes of the hardware profile: `ceil(devices / devices_per_node)` nodes (the

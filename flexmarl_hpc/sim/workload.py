@@ -12,7 +12,7 @@ the relay chain here. Sources (docs/simulator.md, "The paper's tasks"):
 - paper (as reported, DESIGN.md): 4 queries x 16 branches = global batch 64, micro-batch 16,
   responses up to 8,192 tokens, MA = every agent its own Qwen2.5-14B, CA = 14B and 32B;
 - the configs' agent counts are the paper's scaling runs (15 x 14B; 3 x 32B + 7 x 14B): the
-  paper does not say how many agents MA and CA have (unknown);
+  paper does not say how many agents MA and CA chain (unknown: `chain_agents`, fitted on MA);
 - prompt, context carried and length medians are unknowns (the e-commerce data are not
   public), with defaults stated in `UNKNOWNS`.
 """
@@ -37,8 +37,13 @@ class TaskSpec:
     config: str
     """The config of its agents and allocation (the relay chain of their turns)."""
     agents: tuple[str, ...] = ()
-    """UNKNOWN (how many agents the paper's MA and CA chain): the config's agents the task
-    keeps, in chain order."""
+    """The config's agents the chain starts from (MA: 14B ones; CA: a 32B one, then 14B ones)."""
+    chain_agents: int = 8
+    """UNKNOWN (the paper does not say how many agents MA and CA chain; its scaling runs have
+    10 and 15): fitted on MA (`simulate paper --fit`: 8 of 3-10), CA takes the same count;
+    sweep 2-8. The chain's length. The
+    agents are `agents`, then the config's other agents in its order, the first `chain_agents`
+    of them, chained in the config's order (`chain`)."""
     queries: int = 4
     """Queries per step (paper: 4)."""
     branches: int = 16
@@ -76,7 +81,7 @@ class TaskSpec:
         paper's batch shape: `queries` inputs per step, `branches` samples at the first turn
         (global batch = queries x branches), micro-batch `micro_batch`."""
         out = copy.deepcopy(raw)
-        keep = set(self.agents)
+        keep = set(self.chain(raw))
         self._workflow(out["workflow"])
         out.setdefault("trainer", {})["micro_batch_size"] = self.micro_batch
         out["agents"] = {a: m for a, m in (out.get("agents") or {}).items() if a in keep}
@@ -98,19 +103,30 @@ class TaskSpec:
         out["rollout"]["pools"] = pools
         return out
 
+    def chain(self, raw: dict) -> list[str]:
+        """The chain's agents: `agents`, then the config dict's other workflow agents in its
+        order, the first `chain_agents`; named errors for an agent not in the config, a
+        count below 1 or above the config's agents."""
+        wf = raw["workflow"]
+        have = list(wf["agents"] if wf.get("episode") else dict.fromkeys(t["agent"] for t in wf["turns"]))
+        if set(self.agents) - set(have):
+            raise ValueError(f"task {self.name}: field 'agents': {sorted(set(self.agents) - set(have))} are not "
+                             f"in {self.config}")
+        if not 1 <= self.chain_agents <= len(have):
+            raise ValueError(f"task {self.name}: field 'chain_agents': expected 1 to {len(have)} (the agents of "
+                             f"{self.config}), got {self.chain_agents}")
+        pick = set((list(self.agents) + [a for a in have if a not in self.agents])[:self.chain_agents])
+        return [a for a in have if a in pick]
+
     def _workflow(self, wf: dict) -> None:
-        """The chain of `agents` with the batch shape: a text episode's agents, group and
+        """The chain (`chain`) with the batch shape: a text episode's agents, group and
         lengths (workflows/paper_text.py: `branches` episodes per query), or a relay's turns
         (`branches` samples at the first)."""
-        keep = set(self.agents)
+        keep = set(self.chain({"workflow": wf}))
         if wf.get("episode"):
             wf["agents"] = [a for a in wf["agents"] if a in keep]
-            have = set(wf["agents"])
         else:
             wf["turns"] = [t for t in wf["turns"] if t["agent"] in keep]
-            have = {t["agent"] for t in wf["turns"]}
-        if keep - have:
-            raise ValueError(f"task {self.name}: field 'agents': {sorted(keep - have)} are not in {self.config}")
         wf["inputs_per_step"] = self.queries
         if wf.get("episode"):
             wf["group_size"] = self.branches
@@ -156,6 +172,7 @@ UNKNOWNS: dict[str, tuple[float, ...]] = {
     "agent_skew": (0.0, 0.5, 1.0),
     "settle": (0, 1),
     "replica_width": (1, 2, 4, 8),
+    "chain_agents": (2, 3, 5, 8),
 }
 """Each unknown's sweep: low, (default,) high; the sweep runs the first and the last."""
 

@@ -40,7 +40,7 @@ import numpy as np
 from flexmarl_hpc.sim.driver import measure
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.sim.hostload import LoadSampler, reject_outliers
-from flexmarl_hpc.simulate import calibrate, predict_variants, with_load
+from flexmarl_hpc.sim.calibrate_cli import calibrate, predict_variants, with_load
 from tests.conftest import ROOT, run_training
 
 COMMON = ["run.log_every=1000", "run.checkpoint_every=0", "run.checkpoint_minutes=0", "run.resume=false"]

@@ -150,7 +150,7 @@ def test_the_paper_configs_run_the_text_episode_in_the_simulator(tmp_path, name)
 
 
 def test_compare_prices_an_episodes_own_lengths_and_a_relays_modelled_ones(tmp_path):
-    from flexmarl_hpc.simulate import priced
+    from flexmarl_hpc.sim.runs import priced
     from flexmarl_hpc.sim.driver import Workload
     hw = load_hardware("npu64_a3")
     assert priced(config(tmp_path, {}), hw, "synthetic")[1] is None

@@ -17,7 +17,7 @@ from flexmarl_hpc.sim.cores import CoreShare, Job
 from flexmarl_hpc.sim.driver import cost_model, measure, simulate_run
 from flexmarl_hpc.sim.hardware import HardwareError, load_hardware, validate_hardware
 from flexmarl_hpc.sim.hostload import HostLoad, LoadSampler, busy_seconds, pid_stat, reject_outliers, tree_ticks
-from flexmarl_hpc.simulate import calibrate, with_load
+from flexmarl_hpc.sim.calibrate_cli import calibrate, with_load
 from tests.conftest import ROOT
 from tests.unit.test_calibrate import REFERENTIAL, truth_profile
 

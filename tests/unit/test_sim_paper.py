@@ -33,18 +33,51 @@ def task_config(tmp_path: Path, spec, extra: dict | None = None):
 def test_a_task_keeps_its_agents_chain_and_fills_the_nodes_with_its_pools(tmp_path):
     """MA keeps 3 of the 15 agents: 3 one-node groups, so the pool grows to 47 - 3 = 44 nodes
     = 704 one-device replicas; 4 queries x 16 episodes of the text episode, with the spec's lengths."""
-    raw, cfg = task_config(tmp_path, dataclasses.replace(MA, replica_width=1))
+    raw, cfg = task_config(tmp_path, dataclasses.replace(MA, replica_width=1, chain_agents=3))
     assert cfg.agent_names == ["shop14_0", "shop14_1", "shop14_2"]
     (pool,) = raw["rollout"]["pools"]
     assert pool["slurm"]["nodes"] == 44 and pool["replicas"] == 704
-    (wide,) = task_config(tmp_path, dataclasses.replace(MA, replica_width=4))[0]["rollout"]["pools"]
+    (wide,) = task_config(tmp_path, dataclasses.replace(MA, replica_width=4, chain_agents=3))[0]["rollout"]["pools"]
     assert wide["replicas"] == 176 and wide["gpus_per_replica"] == 4
     assert raw["workflow"]["group_size"] == 16 and raw["workflow"]["agents"] == list(MA.agents)
     assert raw["workflow"]["episode_args"]["context_carried"] == MA.context_carried == 0.5
-    assert with_unknown(MA, "prompt_tokens", 512).apply(raw)["workflow"]["episode_args"]["prompt_tokens"] == 512
+    three = dataclasses.replace(MA, chain_agents=3)
+    assert with_unknown(three, "prompt_tokens", 512).apply(raw)["workflow"]["episode_args"]["prompt_tokens"] == 512
     assert raw["workflow"]["inputs_per_step"] == 4 and cfg.trainer.micro_batch_size == 16
     with pytest.raises(ValueError, match="field 'agents'"):
-        dataclasses.replace(MA, agents=("nobody",)).apply(raw)
+        dataclasses.replace(three, agents=("nobody",)).apply(raw)
+
+
+def test_a_longer_chain_adds_the_configs_next_agents_in_its_order(tmp_path):
+    """CA starts from 1 x 32B + 2 x 14B; 5 agents add the config's next two (the other 32B
+    ones), chained in the config's order; MA's 5 are its first five 14B agents. Out of range:
+    a named error."""
+    raw = yaml.safe_load((ROOT / CA.config).read_text())
+    assert dataclasses.replace(CA, chain_agents=3).chain(raw) == ["shop32_0", "shop14_0", "shop14_1"]
+    five = dataclasses.replace(CA, chain_agents=5)
+    assert five.chain(raw) == ["shop32_0", "shop32_1", "shop32_2", "shop14_0", "shop14_1"]
+    _, cfg = task_config(tmp_path, five)
+    assert cfg.agent_names == five.chain(raw) and len(cfg.trainer.named_groups) == 5
+    ma = yaml.safe_load((ROOT / MA.config).read_text())
+    assert with_unknown(MA, "chain_agents", 5).chain(ma) == [f"shop14_{i}" for i in range(5)]
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match="field 'chain_agents': expected 1 to 10"):
+            dataclasses.replace(CA, chain_agents=bad).chain(raw)
+
+
+def test_sequential_agents_cost_mas_rl_each_agents_tail_so_its_ratio_grows_with_the_chain(tmp_path):
+    """MAS-RL's pool serves one agent at a time: its step pays every agent's longest reply
+    in turn, while FlexMARL runs an agent's replies as soon as the earlier agent's are in. On
+    npu64_a3 MAS-RL / flex is 1.84x at 2 agents and 3.72x at 4; with MAS-RL's agents side
+    by side (pipeline.one_agent_at_a_time off: only its training and barrier sequential)
+    1.37x and 2.59x."""
+    spec = dataclasses.replace(MA, replica_width=4)
+    ratio = {}
+    for n in (2, 4):
+        s = dataclasses.replace(spec, chain_agents=n)
+        r = {x: run_system(s, x, HW, 3, tmp_path / str(n))["step_s"] for x in ("mas-rl", "flex")}
+        ratio[n] = r["mas-rl"] / r["flex"]
+    assert ratio[4] > 1.6 * ratio[2] and ratio[4] > 3.0, ratio
 
 
 def test_prompts_grow_by_the_context_each_turn_carries():
@@ -65,12 +98,12 @@ def test_marti_gives_each_agent_an_equal_colocated_share(tmp_path):
     """CA's 3 agents on 47 nodes: 15 nodes each; the 32B agent's replicas are 4 devices wide
     (the task's pool: wider than the smallest power of two holding 65.5 GB of weights with KV
     room, 2), the 14B ones 1; with replica_width 2 the 14B ones are 2 wide, the 32B ones 4."""
-    _, cfg = task_config(tmp_path, dataclasses.replace(CA, replica_width=1))
+    _, cfg = task_config(tmp_path, dataclasses.replace(CA, replica_width=1, chain_agents=3))
     frag = marti_fragment(cfg, HW, 47)
     pools, groups = frag["rollout"]["pools"], frag["trainer"]["named_groups"]
     assert [p["slurm"]["nodes"] for p in pools] == [15, 15, 15] and [g["ranks"] for g in groups] == [240] * 3
     assert [p["replicas"] for p in pools] == [60, 240, 240]
-    _, wide = task_config(tmp_path, dataclasses.replace(CA, replica_width=2))
+    _, wide = task_config(tmp_path, dataclasses.replace(CA, replica_width=2, chain_agents=3))
     assert [p["replicas"] for p in marti_fragment(wide, HW, 47)["rollout"]["pools"]] == [60, 120, 120]
     assert colocated_pairs(frag) == [(0, 0), (1, 1), (2, 2)]
     assert frag["run"]["mode"] == "sync" and frag["pipeline"]["load_balance"] is False
@@ -79,7 +112,7 @@ def test_marti_gives_each_agent_an_equal_colocated_share(tmp_path):
 
 
 def test_a_colocated_group_sits_on_its_pools_nodes(tmp_path):
-    raw, cfg = task_config(tmp_path, CA)
+    raw, cfg = task_config(tmp_path, dataclasses.replace(CA, chain_agents=3))
     frag = marti_fragment(cfg, HW, 47)
     from flexmarl_hpc.sim.plan_config import merge_fragment
     path = tmp_path / "marti.yaml"
@@ -122,5 +155,27 @@ def test_the_table_holds_every_ratio_and_marks_misses():
 
 
 def test_a_simulated_baseline_counts_its_colocated_devices_once(tmp_path):
-    r = run_system(MA, "marti", HW, 3, tmp_path)
+    r = run_system(dataclasses.replace(MA, chain_agents=3), "marti", HW, 3, tmp_path)
     assert r["step_s"] > 0 and 0 < r["busy"] < 1
+
+
+def test_fit_writes_the_best_point_and_the_table_runs_its_spec_fields(tmp_path, capsys, monkeypatch):
+    """`simulate paper --fit` on a one-point grid (a chain of 2): the parameters file names the
+    point, and the MA table that follows is that point's run (the same spec fields: its flex
+    step is the fit's), not TaskSpec's defaults (a chain of 8)."""
+    from flexmarl_hpc import simulate
+    from flexmarl_hpc.sim import paper, paper_cli
+    grid = {"hbm": (0.45,), "mfu_train": (0.15,), "replica_width": (4,), "chain_agents": (2,)}
+    seen = []
+
+    def one_point(hw, steps, out, log=print):
+        got = paper.fit_ma(hw, steps, out, grid=grid, log=log)
+        seen.append(got[2][0]["row"])
+        return got
+    monkeypatch.setattr(paper_cli, "fit_ma", one_point)
+    params = tmp_path / "fitted.yaml"
+    assert simulate.main(["paper", "--fit", "--steps", "3", "--write", str(params), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "chain_agents 2" in params.read_text() and "'hbm': 0.45" in params.read_text()
+    flex = next(line for line in out.splitlines() if line.strip().startswith("flex step, s"))
+    assert float(flex.split()[4]) == pytest.approx(seen[0]["flex"], abs=0.05), (flex, seen[0])

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from flexmarl_hpc import simulate
+from flexmarl_hpc.sim import runs
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.sim.plan import rank_plans
@@ -106,7 +107,7 @@ def test_cli_table_names_counts_and_variants(tmp_path, capsys):
     assert "flex: orch, sync/gen" in out and "sync: orch, sync/gen" in out
     # each variant is planned in its own mode: sync's barrier plan, flex's for every flex ablation,
     # the baselines' (verl, marti, mas-rl: synchronous loops) sync's
-    assert [simulate.variant_mode(v) for v in simulate.VARIANTS] == ["sync"] + ["flex"] * 4 + ["sync"] * 3
+    assert [runs.variant_mode(v) for v in runs.VARIANTS] == ["sync"] + ["flex"] * 4 + ["sync"] * 3
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -134,13 +135,13 @@ def test_when_no_count_fits_it_exits_1_and_draws_nothing(tmp_path, capsys):
 
 
 def test_a_failed_variant_is_shown_exits_1_and_the_rest_is_still_drawn(tmp_path, capsys, monkeypatch):
-    real = simulate.run_variants
+    real = runs.run_variants
 
     def stall_flex(config, variants, *a, **k):
         res = real(config, [v for v in variants if v != "flex"], *a, **k)
         return {**res, **({"flex": {"error": "waits with nothing in flight", "wall_s": 0.0}}
                           if "flex" in variants else {})}
-    monkeypatch.setattr(simulate, "run_variants", stall_flex)
+    monkeypatch.setattr(runs, "run_variants", stall_flex)
     png = tmp_path / "scale.png"
     code = simulate.main([LOCAL, *TINY, "--hardware", "cpu_local", "--scale", "4", "--steps", "3",
                           "--compare", "sync,flex", "--png", str(png), "--out", str(tmp_path / "o")])

@@ -12,6 +12,7 @@ import yaml
 
 from flexmarl_hpc import analyze
 from flexmarl_hpc import simulate
+from flexmarl_hpc.sim import runs
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.resources import components
 from flexmarl_hpc.sim.plan_config import merge_fragment
@@ -88,7 +89,7 @@ def test_the_clock_never_sleeps_and_runs_far_ahead_of_the_wall(tmp_path, monkeyp
         raise AssertionError(f"slept {s} s")
     monkeypatch.setattr(time, "sleep", no_sleep)
     wall = time.perf_counter()
-    res = simulate.run_variants(CONFIG, ["sync", "flex"], "npu64_a3", 4, tmp_path, TINY)
+    res = runs.run_variants(CONFIG, ["sync", "flex"], "npu64_a3", 4, tmp_path, TINY)
     wall = time.perf_counter() - wall
     simulated = sum(r["sim_s"] for r in res.values())
     assert simulated > 2 * wall, (simulated, wall)
@@ -172,7 +173,7 @@ def test_plan_refuses_bad_flags_in_one_line_and_keeps_the_old_file(tmp_path, cap
 def test_plan_exits_1_and_writes_nothing_when_every_simulated_plan_fails(tmp_path, capsys, monkeypatch):
     """E.g. a plan whose run stalls (the orchestrator waits with nothing in flight): the table
     says so and no fragment is recommended or written."""
-    monkeypatch.setattr(simulate, "run_variants",
+    monkeypatch.setattr(runs, "run_variants",
                         lambda *a, **k: {"flex": {"error": "waits with nothing in flight", "wall_s": 0.0}})
     frag = tmp_path / "plan.yaml"
     code = simulate.main([str(PAPER), "--plan", "--nodes", "48", "--top", "2", "--write", str(frag),
