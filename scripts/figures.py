@@ -176,15 +176,12 @@ def sim_plan_closed_form_scaling(ctx: Context) -> str:
             + "\n".join(rows))
 
 
-MEMORY_OVERRIDES = ["trainer.recompute=full", "trainer.pipeline_microbatches=4"]
-
-
 def sim_memory_paper_mix(ctx: Context) -> str:
     """simulate memory on the paper's mix: every distinct rank's peak device / host bytes per
     phase (the trainer ranks' production code on fake tensors), with recompute as needed."""
     from flexmarl_hpc.sim.memory import memory_report
-    text, code = memory_report(PAPER_MIX, MEMORY_OVERRIDES, "npu64_a3", False)
-    return command_block(f"python -m flexmarl_hpc.simulate memory {PAPER_MIX} {' '.join(MEMORY_OVERRIDES)}",
+    text, code = memory_report(PAPER_MIX, [], "npu64_a3", False)     # the config sets its recompute
+    return command_block(f"python -m flexmarl_hpc.simulate memory {PAPER_MIX}",
                          text, f"(exit code {code})")
 
 
