@@ -42,14 +42,18 @@ def longest_turn(cfg: Config, agent: str) -> tuple[int, int]:
     return turn, steps
 
 
-def torch_replica(cfg: Config, task, p: int, wire: torch.dtype | None,
-                  agents: tuple[str, ...] = ()) -> list[ReplicaPhase]:
+def torch_replica(cfg: Config, task, p: int, wire: torch.dtype | None, agents: tuple[str, ...] = (),
+                  relay: bool | None = None) -> list[ReplicaPhase]:
     """The phases of a replica of pool `p` (PHASES). `agents`: those it receives and runs
-    (default: every agent the pool serves, as a run's engine holds them all in the end)."""
+    (default: every agent the pool serves, as a run's engine holds them all in the end).
+    `relay`: whether it forwards the sync to a replica after it in the chain (None: the
+    pool's first replica, a relay where the pool has more than one)."""
     from flexmarl_hpc.config.resources import rollout_pools
     from flexmarl_hpc.runtime import build
     from flexmarl_hpc.sim.memtrack import track
-    agents = agents or tuple(rollout_pools(cfg)[p].agents)
+    pool = rollout_pools(cfg)[p]
+    agents = agents or tuple(pool.agents)
+    relay = pool.replicas > 1 if relay is None else relay
     out: list[ReplicaPhase] = []
     with track() as c:
         def phase(name: str) -> None:
@@ -58,18 +62,21 @@ def torch_replica(cfg: Config, task, p: int, wire: torch.dtype | None,
             c.reset_peak()
         engine = build.build_engine(cfg, task, "cpu", p)
         phase(PHASES[0])
-        buf = _receive(cfg, engine, agents, wire)
+        bufs = _receive(cfg, engine, agents, wire, relay)
         phase(PHASES[1])
         _generate(cfg, engine, agents)
         phase(PHASES[2])
-        del buf
+        del bufs
     return out
 
 
-def _receive(cfg: Config, engine, agents: tuple[str, ...], wire: torch.dtype | None) -> torch.Tensor:
+def _receive(cfg: Config, engine, agents: tuple[str, ...], wire: torch.dtype | None,
+             relay: bool) -> list[torch.Tensor]:
     """Each agent's sync into the engine, bucket by bucket through one receive buffer (the
     largest span of the agents' plans: SyncChannels.buffer grows it and frees the old one
-    first), which the run keeps for the next sync: returned, to stay alive."""
+    first) and, on a relay, a second of the largest bucket (weight_sync._receive_stage lands
+    buckets in turn in both, receiving the next while forwarding the last). The run keeps
+    them for the next sync: returned, to stay alive."""
     from flexmarl_hpc.runtime import weight_sync
     from flexmarl_hpc.sim.memory import _hf_shapes
     bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
@@ -78,10 +85,11 @@ def _receive(cfg: Config, engine, agents: tuple[str, ...], wire: torch.dtype | N
         layout = [(k, s, torch.float32) for k, s in _hf_shapes(engine.args_of[a]).items()]
         plans[a] = weight_sync.Plan((0,), (weight_sync.plan_buckets(layout, bucket_bytes, wire),))
     buf = torch.empty(max(pl.span for pl in plans.values()), dtype=torch.uint8)
+    second = [torch.empty(max(pl.largest for pl in plans.values()), dtype=torch.uint8)] if relay else []
     for v, a in enumerate(agents):
         # the bytes land in `weight_sync.landing(bucket, buf)`; on fake tensors they are shapes only
         engine.load_weights(a, v + 1, (weight_sync.received(b, buf) for b in plans[a].stages[0]))
-    return buf
+    return [buf] + second
 
 
 def _generate(cfg: Config, engine, agents: tuple[str, ...]) -> None:
