@@ -9,7 +9,9 @@ Real: `mpiexec -n 6` of this file's rank job. Every rank imports what a run's ra
 baseline), then a trainer rank runs the production code once: `build.build_trainer` over its
 group, one `forward_backward` of its share of the micro-batch, `optimizer_step`, and a weight
 sync through `workers.TrainerRank.sync` to both replicas inside the (trainer group, pool)
-group made at start; a replica receives it into a TorchEngine. Peak RSS: `ru_maxrss`. glibc's
+group made at start; a replica builds its engine (`build.build_engine`, a TorchEngine), receives the
+sync into it and generates rollout.max_batch requests of the longest prompt its turn allows.
+Peak RSS: `ru_maxrss`. glibc's
 mmap threshold is fixed at 128 KiB so freed tensors leave RSS (as tests/e2e/test_sim_memory_rss.py
 does).
 
@@ -17,9 +19,11 @@ Predicted: `sim/memory.trainer_rank` (the production code on fake tensors, the c
 `simulate memory` runs) for each of the four trainer ranks: the peak over its phases of
 device + host bytes (one RAM on CPU), plus gloo's staging copy of the distributed
 optimizer's param all-gather (one fp32 buffer of the rank's parameters: NCCL gathers in
-place; tests/e2e/test_sim_memory_rss.py measured it), plus the baseline. Replicas: the check
-models vLLM replicas only (accounted, not run), so a torch-engine replica has no prediction
-and its RSS is printed for reference.
+place; tests/e2e/test_sim_memory_rss.py measured it), plus the baseline. Replicas:
+`sim/torch_replica.torch_replica` (the check `simulate memory` runs for a torch-engine pool:
+the engine's build, the weight receive into it, the generate, on fake tensors) of the one
+agent synced, the first replica as the chain's relay (a second bucket buffer: it forwards
+each bucket to the second), plus the baseline.
 """
 from __future__ import annotations
 

@@ -10,7 +10,12 @@ pipeline stage's sync sender (rank 0, the leader, is the first stage's; the last
 sends the LM head) and the last rank (a rank that sends nothing); a node holds the leader and
 ranks_per_node - 1 ranks like the largest of the others.
 
-Replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
+Torch-engine replica ranks (rollout.backend torch): run, as the trainers are, on fake tensors
+(sim/torch_replica.py): `build.build_engine`, every served agent's weight receive (the
+receive buffer, a relay's second, the engine's load) and a generate at rollout.max_batch;
+host bytes (a CPU engine), checked on the node against the pool's --mem.
+
+vLLM replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
 use (it takes `gpu_memory_utilization` of every GPU's total memory, the pool's
 `vllm_engine.memory_fraction`, and refuses to start when that cannot hold the weights' TP
 shard and one sequence's KV cache), then a weight receive's one buffer beside it, of a bucket
@@ -39,6 +44,8 @@ from flexmarl_hpc.config.schema import Config
 GB = 1e9
 VLLM_GPU_MEMORY_UTILIZATION = 0.85
 """The fraction rollout/vllm_engine.py passes to vLLM's LLM(gpu_memory_utilization=...)."""
+REPLICA_HEAD = ("the torch engine run", "the pool's vLLM memory fraction + one bucket")
+"""What the report's head says a replica's rows are (torch pools, vLLM pools)."""
 
 
 @dataclass
@@ -400,8 +407,8 @@ def memory_report(config: str, overrides: list[str], hardware: str, as_json: boo
     if as_json:
         text = json_text(config, hw.name, rows, bad)
     else:
-        head = (f"{config}: peak memory per rank and phase (fake tensors, real code; replicas: the "
-                f"pool's vLLM memory fraction + one bucket, or the torch engine run), trainer device limit "
+        head = (f"{config}: peak memory per rank and phase (fake tensors, real code; replicas: "
+                f"{REPLICA_HEAD[cfg.rollout.backend == 'vllm']}), trainer device limit "
                 f"{hw.hbm_gb:.0f} GB ({hw.name}), micro-batch {cfg.trainer.micro_batch_size}, "
                 f"recompute {getattr(cfg.trainer, 'recompute', 'none')}")
         text = "\n".join([head, table(rows)] + send_peaks(rows)
