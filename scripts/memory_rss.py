@@ -10,7 +10,8 @@ baseline), then a trainer rank runs the production code once: `build.build_train
 group, one `forward_backward` of its share of the micro-batch, `optimizer_step`, and a weight
 sync through `workers.TrainerRank.sync` to both replicas inside the (trainer group, pool)
 group made at start; a replica builds its engine (`build.build_engine`, a TorchEngine), receives the
-sync into it and generates rollout.max_batch requests of the longest prompt its turn allows.
+sync into it and generates rollout.max_batch requests of the longest prompt its turn allows (the
+game's own prompts are a few tokens: these exercise the KV cache and prefill the check counts).
 Peak RSS: `ru_maxrss`. glibc's
 mmap threshold is fixed at 128 KiB so freed tensors leave RSS (as tests/e2e/test_sim_memory_rss.py
 does).
@@ -63,7 +64,7 @@ def rank_job(config: str, overrides: list[str]) -> None:
     from flexmarl_hpc.config.sync_groups import SyncGroup, stage_senders
     from flexmarl_hpc.learn.sampling import SamplingParams
     from flexmarl_hpc.rollout.base import GenRequest
-    from flexmarl_hpc.sim.torch_replica import longest_turn
+    from flexmarl_hpc.sim.torch_replica import generate_shape
     from flexmarl_hpc.runtime import build, messages
     from flexmarl_hpc.runtime.state_swap import StateMover
     from flexmarl_hpc.runtime.weight_sync import SyncChannels, receive_weights
@@ -93,7 +94,7 @@ def rank_job(config: str, overrides: list[str]) -> None:
         engine = build.build_engine(cfg, task, "cpu", 0)
         v, _, buckets = receive_weights(channels, (0,) + REPLICAS)
         engine.load_weights(agent, v, buckets)
-        turn, steps = longest_turn(cfg, agent)
+        turn, _, steps = generate_shape(cfg, task, agent, args.max_seq_len)
         prompt = [0] * (args.max_seq_len - steps)       # the longest the engine takes, as predicted
         engine.generate(agent, [GenRequest(f"s{i}", prompt, i, steps, turn) for i in range(cfg.rollout.max_batch)],
                         SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p))
@@ -140,15 +141,17 @@ def predicted(config: str, overrides: list[str]) -> dict[int, dict]:
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.runtime.build import build_task, model_args
     from flexmarl_hpc.sim.memory import run_jobs
-    from flexmarl_hpc.sim.torch_replica import torch_replica
+    from flexmarl_hpc.sim.torch_replica import generate_shape, torch_replica
     cfg = load_config(config, overrides)
     task = build_task(cfg)
-    args = model_args(cfg, task, cfg.agent_names[0])
+    agent = cfg.agent_names[0]
+    args = model_args(cfg, task, agent)
+    prompt = args.max_seq_len - generate_shape(cfg, task, agent, args.max_seq_len)[2]     # as the real run
     tp, pp = cfg.trainer.tensor_parallel, cfg.trainer.pipeline_parallel
     phases = run_jobs([(cfg, 0, r, None, 0) for r in TRAINERS], workers=2)
     out = {}
     for r in REPLICAS:                # the first forwards the sync to the second (weight_sync.chain)
-        ph = {p.name: p.host for p in torch_replica(cfg, task, 0, None, (cfg.agent_names[0],), r != REPLICAS[-1])}
+        ph = {p.name: p.host for p in torch_replica(cfg, task, 0, None, (agent,), r != REPLICAS[-1], prompt)}
         out[r] = {"phases": ph, "gloo": 0, "tensors": max(ph.values())}
     for r, ph in zip(TRAINERS, phases):
         gloo = 4 * rank_params(args, r // (len(TRAINERS) // pp), pp, tp)     # ranks tp fastest, then pp (DP 1)

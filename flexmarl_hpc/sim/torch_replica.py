@@ -9,9 +9,10 @@ by `TorchEngine.load_weights`, which builds the agent's model at its first load 
 it), then `generate` of rollout.max_batch requests per agent. The engine runs on the CPU:
 every byte is host memory (a CPU pool has no device limit; its node's --mem is the check).
 
-The generate's prompts are as long as the model allows (max_seq_len - max_new_tokens, its
-turns' largest budget): the task's prompt lengths are not in the config, and the KV cache
-and the prefill's attention scores grow with them, so this is the bound the check needs.
+The generate's prompts are the agent's longest the task makes (launch/preflight.turn_prompts,
+the walk preflight's length check runs: a few inputs, full-length responses), since its KV
+cache and its prefill's attention scores grow with them; where the walk gives none (an
+episode workflow, whose contexts grow with its dataset), as long as the model allows.
 """
 from __future__ import annotations
 
@@ -35,19 +36,30 @@ class ReplicaPhase:
 PHASES = ("engine start", "weight receive", "generate")
 
 
-def longest_turn(cfg: Config, agent: str) -> tuple[int, int]:
-    """(turn index, max_new_tokens) of `agent`'s turn with the largest response budget."""
-    turns = [(t.max_new_tokens, i) for i, t in enumerate(cfg.workflow.turns) if t.agent == agent]
-    steps, turn = max(turns, default=(1, 0))
-    return turn, steps
+def generate_shape(cfg: Config, task, agent: str, max_seq_len: int) -> tuple[int, int, int]:
+    """(turn index, prompt tokens, max_new_tokens) of `agent`'s longest generate: its turn
+    whose prompt plus budget is the longest on the preflight walk; without one (episode
+    workflows, a task rejecting the walk's filler), its largest budget after a prompt filling
+    the rest of max_seq_len."""
+    from flexmarl_hpc.launch.preflight import turn_prompts
+    walked = [] if cfg.workflow.episode else \
+        [(lp + turn.max_new_tokens, t, lp, turn.max_new_tokens) for t, turn, lp in turn_prompts(cfg, task)
+         if turn.agent == agent]
+    if walked:
+        return max(walked)[1:]
+    budget = cfg.workflow.max_new_tokens if cfg.workflow.episode else \
+        max((t.max_new_tokens for t in cfg.workflow.turns if t.agent == agent), default=1)
+    turn = next((i for i, t in enumerate(cfg.workflow.turns) if t.agent == agent), 0)
+    return turn, max(max_seq_len - budget, 1), budget
 
 
 def torch_replica(cfg: Config, task, p: int, wire: torch.dtype | None, agents: tuple[str, ...] = (),
-                  relay: bool | None = None) -> list[ReplicaPhase]:
+                  relay: bool | None = None, prompt_tokens: int = 0) -> list[ReplicaPhase]:
     """The phases of a replica of pool `p` (PHASES). `agents`: those it receives and runs
     (default: every agent the pool serves, as a run's engine holds them all in the end).
     `relay`: whether it forwards the sync to a replica after it in the chain (None: the
-    pool's first replica, a relay where the pool has more than one)."""
+    pool's first replica, a relay where the pool has more than one). `prompt_tokens` (> 0):
+    the generate's prompts (default: generate_shape's)."""
     from flexmarl_hpc.config.resources import rollout_pools
     from flexmarl_hpc.runtime import build
     from flexmarl_hpc.sim.memtrack import track
@@ -64,7 +76,7 @@ def torch_replica(cfg: Config, task, p: int, wire: torch.dtype | None, agents: t
         phase(PHASES[0])
         bufs = _receive(cfg, engine, agents, wire, relay)
         phase(PHASES[1])
-        _generate(cfg, engine, agents)
+        _generate(cfg, task, engine, agents, prompt_tokens)
         phase(PHASES[2])
         del bufs
     return out
@@ -92,12 +104,12 @@ def _receive(cfg: Config, engine, agents: tuple[str, ...], wire: torch.dtype | N
     return [buf] + second
 
 
-def _generate(cfg: Config, engine, agents: tuple[str, ...]) -> None:
+def _generate(cfg: Config, task, engine, agents: tuple[str, ...], prompt_tokens: int) -> None:
     """rollout.max_batch requests of each agent, as one `generate` batch (the engine's largest)."""
     from flexmarl_hpc.learn.sampling import SamplingParams
     from flexmarl_hpc.rollout.base import GenRequest
     for a in agents:
-        turn, steps = longest_turn(cfg, a)
-        prompt = [0] * max(engine.args_of[a].max_seq_len - steps, 1)
+        turn, lp, steps = generate_shape(cfg, task, a, engine.args_of[a].max_seq_len)
+        prompt = [0] * (prompt_tokens or lp)
         reqs = [GenRequest(f"s{i}", prompt, i, steps, turn) for i in range(cfg.rollout.max_batch)]
         engine.generate(a, reqs, SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p))

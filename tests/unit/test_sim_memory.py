@@ -247,7 +247,7 @@ def test_torch_replica_counts_the_received_weights_and_its_buffers():
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.runtime import build, weight_sync
     from flexmarl_hpc.sim.memory import _hf_shapes
-    from flexmarl_hpc.sim.torch_replica import torch_replica
+    from flexmarl_hpc.sim.torch_replica import generate_shape, torch_replica
     cfg = load_config(ROOT / "configs" / "local.yaml", SMALL_TORCH)
     task = build.build_task(cfg)
     agents = cfg.agent_names
@@ -263,8 +263,23 @@ def test_torch_replica_counts_the_received_weights_and_its_buffers():
     rope = last[1].live - weights - plan.span          # the models' rotary tables (small)
     assert 0 <= rope < 0.02 * weights, (last[1].live, weights, plan.span)
     assert relay[1].live - last[1].live == plan.largest
-    kv = 2 * args.num_layers * cfg.rollout.max_batch * args.num_kv_heads * args.max_seq_len * args.head_dim * 4
-    assert last[2].host >= last[1].live + kv
+    kv = 2 * args.num_layers * cfg.rollout.max_batch * args.num_kv_heads * args.head_dim * 4
+    _, lp, steps = generate_shape(cfg, task, agents[0], args.max_seq_len)
+    assert last[2].host >= last[1].live + kv * (lp + steps)
+    long = torch_replica(cfg, task, 0, None, relay=False, prompt_tokens=args.max_seq_len - steps)
+    assert long[2].host - last[2].host >= kv * (args.max_seq_len - lp - steps)    # the cache grows with the prompt
+
+
+def test_the_replicas_generate_takes_the_tasks_longest_prompt():
+    """generate_shape walks the task as preflight's length check does (full-length responses):
+    the referential game's speaker sees 2 tokens and says 2, its listener sees those and 1 more."""
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.sim.torch_replica import generate_shape
+    cfg = load_config(ROOT / "configs" / "local.yaml", SMALL_TORCH)
+    task = build_task(cfg)
+    assert generate_shape(cfg, task, "speaker", 64) == (0, 2, 2)
+    assert generate_shape(cfg, task, "listener", 64) == (1, 3, 1)
 
 
 def test_simulate_memory_checks_a_torch_pool_on_its_nodes_host_memory():
@@ -280,3 +295,18 @@ def test_simulate_memory_checks_a_torch_pool_on_its_nodes_host_memory():
     assert all(r["device_bytes"] == 0 and r["device_limit"] == 0 for r in rows)
     assert rows[-1]["node_host_bytes"] >= rows[2]["host_bytes"] > rows[1]["host_bytes"] > 0
     assert code == 0 and out["fits"]
+
+
+def test_preflight_length_check_still_walks_every_turn():
+    """check_lengths runs on turn_prompts (shared with generate_shape): a max_seq_len one
+    short of a turn's prompt + budget is refused naming it."""
+    import pytest
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.launch.preflight import check_lengths
+    from flexmarl_hpc.runtime.build import build_task
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["model.max_seq_len=4"])
+    check_lengths(cfg, build_task(cfg))
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["model.max_seq_len=3"])
+    with pytest.raises(ConfigError, match=r"model.max_seq_len: expected >= 4 \(turn 0 of agent 'speaker'"):
+        check_lengths(cfg, build_task(cfg))
