@@ -9,7 +9,10 @@ Real: `mpiexec -n 6` of this file's rank job. Every rank imports what a run's ra
 baseline), then a trainer rank runs the production code once: `build.build_trainer` over its
 group, one `forward_backward` of its share of the micro-batch, `optimizer_step`, and a weight
 sync through `workers.TrainerRank.sync` to both replicas inside the (trainer group, pool)
-group made at start; a replica receives it into a TorchEngine. Peak RSS: `ru_maxrss`. glibc's
+group made at start; a replica builds its engine (`build.build_engine`, a TorchEngine), receives the
+sync into it and generates rollout.max_batch requests of the longest prompt its turn allows (the
+game's own prompts are a few tokens: these exercise the KV cache and prefill the check counts).
+Peak RSS: `ru_maxrss`. glibc's
 mmap threshold is fixed at 128 KiB so freed tensors leave RSS (as tests/e2e/test_sim_memory_rss.py
 does).
 
@@ -17,9 +20,11 @@ Predicted: `sim/memory.trainer_rank` (the production code on fake tensors, the c
 `simulate memory` runs) for each of the four trainer ranks: the peak over its phases of
 device + host bytes (one RAM on CPU), plus gloo's staging copy of the distributed
 optimizer's param all-gather (one fp32 buffer of the rank's parameters: NCCL gathers in
-place; tests/e2e/test_sim_memory_rss.py measured it), plus the baseline. Replicas: the check
-models vLLM replicas only (accounted, not run), so a torch-engine replica has no prediction
-and its RSS is printed for reference.
+place; tests/e2e/test_sim_memory_rss.py measured it), plus the baseline. Replicas:
+`sim/torch_replica.torch_replica` (the check `simulate memory` runs for a torch-engine pool:
+the engine's build, the weight receive into it, the generate, on fake tensors) of the one
+agent synced, the first replica as the chain's relay (a second bucket buffer: it forwards
+each bucket to the second), plus the baseline.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ OVERRIDES = ["model.hidden_size=1024", "model.num_layers=8", "model.num_heads=16
              "trainer.backend=megatron", "trainer.ranks_per_group=4", "trainer.tensor_parallel=2",
              "trainer.pipeline_parallel=2", "trainer.pipeline_microbatches=2", "trainer.precision=fp32",
              "trainer.recompute=full", "weight_sync.bucket_mb=64", "weight_sync.backend=gloo",
-             "rollout.replicas=2"]
+             "rollout.replicas=2", "rollout.max_batch=16"]
 TRAINERS, REPLICAS = (0, 1, 2, 3), (4, 5)
 ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONWARNINGS": "ignore"}
 
@@ -57,7 +62,9 @@ def rank_job(config: str, overrides: list[str]) -> None:
     import flexmarl_hpc.trainer.megatron  # noqa: F401  (a trainer rank's imports, on every rank)
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.config.sync_groups import SyncGroup, stage_senders
-    from flexmarl_hpc.rollout.torch_engine import TorchEngine
+    from flexmarl_hpc.learn.sampling import SamplingParams
+    from flexmarl_hpc.rollout.base import GenRequest
+    from flexmarl_hpc.sim.torch_replica import generate_shape
     from flexmarl_hpc.runtime import build, messages
     from flexmarl_hpc.runtime.state_swap import StateMover
     from flexmarl_hpc.runtime.weight_sync import SyncChannels, receive_weights
@@ -84,9 +91,13 @@ def rank_job(config: str, overrides: list[str]) -> None:
         reply = handler.sync(messages.Sync(agent, tr.version, (0,) + REPLICAS), time.time())
         assert isinstance(reply, messages.TrainerSynced), reply
     else:
-        engine = TorchEngine({agent: args}, task, max_batch=4)
+        engine = build.build_engine(cfg, task, "cpu", 0)
         v, _, buckets = receive_weights(channels, (0,) + REPLICAS)
         engine.load_weights(agent, v, buckets)
+        turn, _, steps = generate_shape(cfg, task, agent, args.max_seq_len)
+        prompt = [0] * (args.max_seq_len - steps)       # the longest the engine takes, as predicted
+        engine.generate(agent, [GenRequest(f"s{i}", prompt, i, steps, turn) for i in range(cfg.rollout.max_batch)],
+                        SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p))
     channels.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"rank": rank, "base": base, "peak": peak}), flush=True)
@@ -124,18 +135,24 @@ def rank_params(args, pp_rank: int, pp: int, tp: int) -> int:
 
 def predicted(config: str, overrides: list[str]) -> dict[int, dict]:
     """Per trainer rank: the fake run's peak tensor bytes (sim/memory.trainer_rank) and gloo's
-    staging copy of the param all-gather."""
+    staging copy of the param all-gather; per replica: its fake run's (sim/torch_replica.py)."""
     import torch
     torch.set_num_threads(1)
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.runtime.build import build_task, model_args
     from flexmarl_hpc.sim.memory import run_jobs
+    from flexmarl_hpc.sim.torch_replica import generate_shape, torch_replica
     cfg = load_config(config, overrides)
     task = build_task(cfg)
-    args = model_args(cfg, task, cfg.agent_names[0])
+    agent = cfg.agent_names[0]
+    args = model_args(cfg, task, agent)
+    prompt = args.max_seq_len - generate_shape(cfg, task, agent, args.max_seq_len)[2]     # as the real run
     tp, pp = cfg.trainer.tensor_parallel, cfg.trainer.pipeline_parallel
     phases = run_jobs([(cfg, 0, r, None, 0) for r in TRAINERS], workers=2)
     out = {}
+    for r in REPLICAS:                # the first forwards the sync to the second (weight_sync.chain)
+        ph = {p.name: p.host for p in torch_replica(cfg, task, 0, None, (agent,), r != REPLICAS[-1], prompt)}
+        out[r] = {"phases": ph, "gloo": 0, "tensors": max(ph.values())}
     for r, ph in zip(TRAINERS, phases):
         gloo = 4 * rank_params(args, r // (len(TRAINERS) // pp), pp, tp)     # ranks tp fastest, then pp (DP 1)
         by = {p.name: p.total for p in ph}
@@ -146,7 +163,7 @@ def predicted(config: str, overrides: list[str]) -> dict[int, dict]:
 
 
 def table(real: dict[int, dict], fake: dict[int, dict]) -> tuple[str, list[float]]:
-    """The comparison, and each trainer rank's relative error of the predicted peak RSS."""
+    """The comparison, and each rank's relative error of the predicted peak RSS (trainers, then replicas)."""
     mib = 2 ** 20
     base = sorted(r["base"] for r in real.values())[len(real) // 2]
     lines = [f"baseline (RSS after the imports, median of {len(real)} ranks): {base / mib:.0f} MiB",
@@ -154,18 +171,14 @@ def table(real: dict[int, dict], fake: dict[int, dict]) -> tuple[str, list[float
              "predicted RSS  error"]
     errors = []
     for r in sorted(real):
-        m = real[r]
-        if r in fake:
-            f = fake[r]
-            pred = m["base"] + f["tensors"]
-            err = (m["peak"] - pred) / pred
-            errors.append(err)
-            lines.append(f"{r:>4}  trainer (pp {r // 2}, tp {r % 2})  {m['peak'] / mib:>10.0f} MiB  {m['base'] / mib:>4.0f}  "
-                         f"{(m['peak'] - m['base']) / mib:>6.0f} MiB | {f['tensors'] / mib:>8.0f} MiB ({f['gloo'] / mib:.0f})"
-                         f"  {pred / mib:>10.0f} MiB  {100 * err:+5.1f}%")
-        else:
-            lines.append(f"{r:>4}  replica (torch)      {m['peak'] / mib:>10.0f} MiB  {m['base'] / mib:>4.0f}  "
-                         f"{(m['peak'] - m['base']) / mib:>6.0f} MiB | not predicted (the check models vLLM replicas)")
+        m, f = real[r], fake[r]
+        pred = m["base"] + f["tensors"]
+        err = (m["peak"] - pred) / pred
+        errors.append(err)
+        role = f"trainer (pp {r // 2}, tp {r % 2})" if r in TRAINERS else f"replica {r - REPLICAS[0]} (torch)  "
+        lines.append(f"{r:>4}  {role}  {m['peak'] / mib:>10.0f} MiB  {m['base'] / mib:>4.0f}  "
+                     f"{(m['peak'] - m['base']) / mib:>6.0f} MiB | {f['tensors'] / mib:>8.0f} MiB ({f['gloo'] / mib:.0f})"
+                     f"  {pred / mib:>10.0f} MiB  {100 * err:+5.1f}%")
     return "\n".join(lines), errors
 
 
@@ -180,7 +193,10 @@ def main() -> None:
     text, errors = table(real, fake)
     print(f"$ python scripts/memory_rss.py   (configs/local.yaml {' '.join(OVERRIDES)})")
     print(text)
-    print(f"largest trainer-rank error {100 * max(abs(e) for e in errors):.1f}% (bound 20%)")
+    for r in REPLICAS:
+        print(f"replica rank {r} predicted per phase: " + ", ".join(
+            f"{name} {b / 2**20:.0f} MiB" for name, b in fake[r]["phases"].items()))
+    print(f"largest error over the {len(errors)} ranks {100 * max(abs(e) for e in errors):.1f}% (bound 20%)")
 
 
 if __name__ == "__main__":

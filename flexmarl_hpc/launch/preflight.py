@@ -189,37 +189,45 @@ def check_episode_lengths(cfg: Config, task) -> None:
                               f"{cfg.workflow.max_new_tokens}")
 
 
-def check_lengths(cfg: Config, task) -> None:
-    """Each turn's prompt plus its max_new_tokens fits the acting agent's max_seq_len (and
-    rollout.max_model_len): walk a few inputs down one branch, with full-length responses."""
+def turn_prompts(cfg: Config, task):
+    """(turn index, turn, prompt tokens) of each turn down one branch of a few inputs (the
+    run's first training inputs, and held-out ones where it evaluates), every response
+    full-length (its max_new_tokens of filler): the longest prompts a tree workflow makes.
+    Stops a branch where the task rejects the filler."""
     import numpy as np
-    from flexmarl_hpc.runtime.build import model_args
     from flexmarl_hpc.workflows.base import Path as TaskPath
-    if cfg.workflow.episode:
-        return check_episode_lengths(cfg, task)
-    turns = cfg.workflow.turns
     inputs = task.sample_inputs(np.random.default_rng(cfg.run.seed), 4)
     if cfg.run.eval_every:
         inputs += list(task.heldout_inputs(cfg.run.eval_inputs)[:4])
     for inp in inputs:
         path = TaskPath(inp)
-        for t, turn in enumerate(turns):
+        for t, turn in enumerate(cfg.workflow.turns):
             try:
-                lp = len(task.prompt(t, path))
+                prompt = task.prompt(t, path)
             except Exception:           # a task may reject the filler responses: check what we can
                 break
-            need = lp + turn.max_new_tokens
-            where = f"agents.{turn.agent}" if turn.agent in cfg.agents else "model"
-            limit = model_args(cfg, task, turn.agent).max_seq_len
-            if need > limit:
-                raise ConfigError(f"{where}.max_seq_len: expected >= {need} (turn {t} of agent "
-                                  f"{turn.agent!r}: a prompt of {lp} tokens + max_new_tokens "
-                                  f"{turn.max_new_tokens}), got {limit}")
-            if cfg.rollout.max_model_len and need > cfg.rollout.max_model_len:
-                raise ConfigError(f"rollout.max_model_len: expected >= {need} (turn {t} of agent "
-                                  f"{turn.agent!r}), got {cfg.rollout.max_model_len}")
-            filler = tuple(task.prompt(t, path)[-1:] or [0]) * turn.max_new_tokens
+            yield t, turn, len(prompt)
+            filler = tuple(prompt[-1:] or [0]) * turn.max_new_tokens
             path = TaskPath(path.input, path.responses + (filler,))
+
+
+def check_lengths(cfg: Config, task) -> None:
+    """Each turn's prompt plus its max_new_tokens fits the acting agent's max_seq_len (and
+    rollout.max_model_len): walk a few inputs down one branch, with full-length responses."""
+    from flexmarl_hpc.runtime.build import model_args
+    if cfg.workflow.episode:
+        return check_episode_lengths(cfg, task)
+    for t, turn, lp in turn_prompts(cfg, task):
+        need = lp + turn.max_new_tokens
+        where = f"agents.{turn.agent}" if turn.agent in cfg.agents else "model"
+        limit = model_args(cfg, task, turn.agent).max_seq_len
+        if need > limit:
+            raise ConfigError(f"{where}.max_seq_len: expected >= {need} (turn {t} of agent "
+                              f"{turn.agent!r}: a prompt of {lp} tokens + max_new_tokens "
+                              f"{turn.max_new_tokens}), got {limit}")
+        if cfg.rollout.max_model_len and need > cfg.rollout.max_model_len:
+            raise ConfigError(f"rollout.max_model_len: expected >= {need} (turn {t} of agent "
+                              f"{turn.agent!r}), got {cfg.rollout.max_model_len}")
 
 
 def check_backend_math(cfg: Config, task) -> None:

@@ -10,7 +10,12 @@ pipeline stage's sync sender (rank 0, the leader, is the first stage's; the last
 sends the LM head) and the last rank (a rank that sends nothing); a node holds the leader and
 ranks_per_node - 1 ranks like the largest of the others.
 
-Replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
+Torch-engine replica ranks (rollout.backend torch): run, as the trainers are, on fake tensors
+(sim/torch_replica.py): `build.build_engine`, every served agent's weight receive (the
+receive buffer, a relay's second, the engine's load) and a generate at rollout.max_batch;
+host bytes (a CPU engine), checked on the node against the pool's --mem.
+
+vLLM replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
 use (it takes `gpu_memory_utilization` of every GPU's total memory, the pool's
 `vllm_engine.memory_fraction`, and refuses to start when that cannot hold the weights' TP
 shard and one sequence's KV cache), then a weight receive's one buffer beside it, of a bucket
@@ -39,6 +44,8 @@ from flexmarl_hpc.config.schema import Config
 GB = 1e9
 VLLM_GPU_MEMORY_UTILIZATION = 0.85
 """The fraction rollout/vllm_engine.py passes to vLLM's LLM(gpu_memory_utilization=...)."""
+REPLICA_HEAD = ("the torch engine run", "the pool's vLLM memory fraction + one bucket")
+"""What the report's head says a replica's rows are (torch pools, vLLM pools)."""
 
 
 @dataclass
@@ -203,6 +210,16 @@ def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, 
             Row(name, where, "weight receive (one bucket)", engine + bucket, 0, device_limit, 0, node_limit)]
 
 
+def torch_replica_rows(cfg: Config, task, p: int, first_rank: int, wire: torch.dtype | None) -> list[Row]:
+    """A torch-engine replica of pool `p` (sim/torch_replica.py: its engine, weight receive
+    and generate run on fake tensors). It runs on the CPU: host bytes, no device limit; the
+    node row holds the pool's replicas a node against its --mem."""
+    from flexmarl_hpc.sim.torch_replica import torch_replica
+    name, where = f"pool {rollout_pools(cfg)[p].name}", f"rank {first_rank} (replica 0, CPU)"
+    return [Row(name, where, f"{ph.name} (torch engine)", 0, ph.host, 0)
+            for ph in torch_replica(cfg, task, p, wire)]
+
+
 def _engine_need(args, weight_bytes: int, tp: int, fraction: float = VLLM_GPU_MEMORY_UTILIZATION) -> int:
     """GPU memory vLLM needs to start: its budget (gpu_memory_utilization x total) must hold
     the weights' TP shard and the KV cache of at least one max_seq_len sequence (K and V, bf16),
@@ -276,9 +293,10 @@ def check_config(cfg: Config, hbm_gb: float, workers: int = 2, only: tuple[str, 
     comps = {c.name: c for c in components(cfg)}
     rows: list[Row] = []
     for p, pool in enumerate(rollout_pools(cfg)):
-        if cfg.rollout.backend == "vllm" and (not only or pool.name in only):
+        if not only or pool.name in only:
             comp = comps.get(f"pool {pool.name}", comps.get("rollout"))
-            got = replica_rows(cfg, task, p, comp.first_rank, pool_lim[p], 0, wire)
+            got = replica_rows(cfg, task, p, comp.first_rank, pool_lim[p], 0, wire) \
+                if cfg.rollout.backend == "vllm" else torch_replica_rows(cfg, task, p, comp.first_rank, wire)
             rows += got + [_node_row(f"pool {pool.name}", comp.first_rank, comp.tasks_per_node, "replicas",
                                      comp.tasks_per_node * max(r.host_bytes for r in got), node_limit(cfg, comp))]
     groups = trainer_groups(cfg)
@@ -389,8 +407,8 @@ def memory_report(config: str, overrides: list[str], hardware: str, as_json: boo
     if as_json:
         text = json_text(config, hw.name, rows, bad)
     else:
-        head = (f"{config}: peak memory per rank and phase (fake tensors, real code; replicas: the "
-                f"pool's vLLM memory fraction + one bucket), trainer device limit "
+        head = (f"{config}: peak memory per rank and phase (fake tensors, real code; replicas: "
+                f"{REPLICA_HEAD[cfg.rollout.backend == 'vllm']}), trainer device limit "
                 f"{hw.hbm_gb:.0f} GB ({hw.name}), micro-batch {cfg.trainer.micro_batch_size}, "
                 f"recompute {getattr(cfg.trainer, 'recompute', 'none')}")
         text = "\n".join([head, table(rows)] + send_peaks(rows)
@@ -413,10 +431,9 @@ def send_peaks(rows: list[Row]) -> list[str]:
 
 
 def unchecked(cfg: Config, only: tuple[str, ...] = ()) -> list[str]:
-    """The pools and groups the check skips: it runs megatron trainers and accounts vLLM replicas."""
-    out = [f"pool {p.name} (rollout.backend {cfg.rollout.backend})" for p in rollout_pools(cfg)
-           if cfg.rollout.backend != "vllm" and (not only or p.name in only)]
-    return out + [f"group {g.name} (backend {g.backend})" for g in trainer_groups(cfg)
+    """The groups the check skips: it runs megatron trainers (and every pool's replicas:
+    torch engines run, vLLM's accounted)."""
+    return [f"group {g.name} (backend {g.backend})" for g in trainer_groups(cfg)
                   if g.backend != "megatron" and (not only or g.name in only)]
 
 

@@ -220,3 +220,93 @@ def test_the_largest_stage_senders_send_is_reported_per_group():
             Row("pool p", "rank 0", "weight receive (one bucket)", int(50 * GB), 0, 0)]
     assert send_peaks(rows) == ["group a: weight sync send peak 27.5 GB, the largest of 2 stage sender(s), "
                                 "rank 17 (stage 1 sender)"]
+
+
+# a torch-engine replica at a small shape: the weights (two agents, 1.3 MB each in fp32)
+# outweigh the receive buffer of a 0.25 MiB bucket, so dropping either is seen
+SMALL_TORCH = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+               "model.intermediate_size=384", "model.max_seq_len=64", "rollout.max_batch=8",
+               "weight_sync.bucket_mb=0.25"]
+
+
+def _weight_bytes(args) -> int:
+    """fp32 bytes of an agent's model, counted from its parameters (a tied LM head once)."""
+    import torch
+    from flexmarl_hpc.learn.model import CausalLM
+    with torch.device("meta"):
+        return 4 * sum(p.numel() for p in CausalLM(args).parameters())
+
+
+def test_torch_replica_counts_the_received_weights_and_its_buffers():
+    """The replica's fake run (sim/torch_replica.py) holds, after the weight receive, every
+    served agent's weights (TorchEngine.load_weights builds and keeps each model) and the
+    receive buffer (the plan's span), a relay a second of the largest bucket; the generate
+    adds at least its KV cache. A mutation that skips the load, drops the buffer or the
+    relay's second, or the KV cache misses these counts."""
+    import torch
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.runtime import build, weight_sync
+    from flexmarl_hpc.sim.memory import _hf_shapes
+    from flexmarl_hpc.sim.torch_replica import generate_shape, torch_replica
+    cfg = load_config(ROOT / "configs" / "local.yaml", SMALL_TORCH)
+    task = build.build_task(cfg)
+    agents = cfg.agent_names
+    args = build.model_args(cfg, task, agents[0])
+    layout = [(k, s, torch.float32) for k, s in _hf_shapes(args).items()]
+    plan = weight_sync.Plan((0,), (weight_sync.plan_buckets(layout, int(0.25 * 2**20)),))
+    weights = sum(_weight_bytes(build.model_args(cfg, task, a)) for a in agents)
+    assert weights > 8 * plan.span                     # the check sees the weights, not just the buffer
+    last = torch_replica(cfg, task, 0, None, relay=False)
+    relay = torch_replica(cfg, task, 0, None, relay=True)
+    assert [p.name for p in last] == ["engine start", "weight receive", "generate"]
+    assert last[0].host < 0.01 * weights               # the engine builds its models at the first load
+    rope = last[1].live - weights - plan.span          # the models' rotary tables (small)
+    assert 0 <= rope < 0.02 * weights, (last[1].live, weights, plan.span)
+    assert relay[1].live - last[1].live == plan.largest
+    kv = 2 * args.num_layers * cfg.rollout.max_batch * args.num_kv_heads * args.head_dim * 4
+    _, lp, steps = generate_shape(cfg, task, agents[0], args.max_seq_len)
+    assert last[2].host >= last[1].live + kv * (lp + steps)
+    long = torch_replica(cfg, task, 0, None, relay=False, prompt_tokens=args.max_seq_len - steps)
+    assert long[2].host - last[2].host >= kv * (args.max_seq_len - lp - steps)    # the cache grows with the prompt
+
+
+def test_the_replicas_generate_takes_the_tasks_longest_prompt():
+    """generate_shape walks the task as preflight's length check does (full-length responses):
+    the referential game's speaker sees 2 tokens and says 2, its listener sees those and 1 more."""
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.sim.torch_replica import generate_shape
+    cfg = load_config(ROOT / "configs" / "local.yaml", SMALL_TORCH)
+    task = build_task(cfg)
+    assert generate_shape(cfg, task, "speaker", 64) == (0, 2, 2)
+    assert generate_shape(cfg, task, "listener", 64) == (1, 3, 1)
+
+
+def test_simulate_memory_checks_a_torch_pool_on_its_nodes_host_memory():
+    """A torch-engine pool gets its replica's rows (host bytes, no device limit) and a node
+    total against the pool's --mem, no longer "not checked"."""
+    from flexmarl_hpc.sim.memory import memory_report
+    text, code = memory_report(str(ROOT / "configs" / "local.yaml"), SMALL_TORCH, "npu64_a3", True,
+                               only=("rollout",))
+    out = json.loads(text)
+    rows = [r for r in out["rows"] if r["component"] == "pool rollout"]
+    assert [r["phase"] for r in rows] == ["engine start (torch engine)", "weight receive (torch engine)",
+                                          "generate (torch engine)", "node total"]
+    assert all(r["device_bytes"] == 0 and r["device_limit"] == 0 for r in rows)
+    assert rows[-1]["node_host_bytes"] >= rows[2]["host_bytes"] > rows[1]["host_bytes"] > 0
+    assert code == 0 and out["fits"]
+
+
+def test_preflight_length_check_still_walks_every_turn():
+    """check_lengths runs on turn_prompts (shared with generate_shape): a max_seq_len one
+    short of a turn's prompt + budget is refused naming it."""
+    import pytest
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.launch.preflight import check_lengths
+    from flexmarl_hpc.runtime.build import build_task
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["model.max_seq_len=4"])
+    check_lengths(cfg, build_task(cfg))
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["model.max_seq_len=3"])
+    with pytest.raises(ConfigError, match=r"model.max_seq_len: expected >= 4 \(turn 0 of agent 'speaker'"):
+        check_lengths(cfg, build_task(cfg))
