@@ -148,7 +148,7 @@ def predicted(config: str, overrides: list[str]) -> dict[int, dict]:
     args = model_args(cfg, task, agent)
     prompt = args.max_seq_len - generate_shape(cfg, task, agent, args.max_seq_len)[2]     # as the real run
     tp, pp = cfg.trainer.tensor_parallel, cfg.trainer.pipeline_parallel
-    phases = run_jobs([(cfg, 0, r, None, 0) for r in TRAINERS], workers=2)
+    phases = run_jobs([(cfg, 0, r, None, 0, args.max_seq_len) for r in TRAINERS], workers=2)   # the real step's length
     out = {}
     for r in REPLICAS:                # the first forwards the sync to the second (weight_sync.chain)
         ph = {p.name: p.host for p in torch_replica(cfg, task, 0, None, (agent,), r != REPLICAS[-1], prompt)}

@@ -35,6 +35,8 @@ def checkpoint_reader(folder: str | Path, device=None):
         if name not in where:
             raise KeyError(f"{folder}: tensor {name!r} missing from the checkpoint")
         sl = where[name].get_slice(name)
+        if _under_fake_mode():
+            return _slice_like(sl, dim, start, stop)
         if dim is None:
             t = sl[:]
         elif dim == 0:
@@ -43,6 +45,28 @@ def checkpoint_reader(folder: str | Path, device=None):
             t = sl[:, start:stop]
         return t if device is None else t.to(device)
     return read
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                       "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _under_fake_mode() -> bool:
+    """Inside FakeTensorMode (`simulate memory` runs the trainer build there): a tensor made
+    from a file's bytes cannot exist, and none is needed, only its shape and dtype."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def _slice_like(sl, dim: int | None, start: int, stop: int) -> torch.Tensor:
+    """An empty (fake) tensor of the slice's shape and dtype, read from the file's header only."""
+    shape = list(sl.get_shape())
+    if dim is not None:
+        shape[dim] = stop - start
+    dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+    if dtype is None:
+        raise ValueError(f"safetensors dtype {sl.get_dtype()!r}: expected one of {sorted(_SAFETENSORS_DTYPES)}")
+    return torch.empty(shape, dtype=dtype)
 
 
 def init_reader(args: ModelArgs, seed: int, std: float, reads: dict[str, list[tuple]], device=None):

@@ -84,6 +84,16 @@ def _hf_shapes(args) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in CausalLM(args).state_dict().items()}
 
 
+def train_tokens(cfg: Config, task, agent: str, max_seq_len: int) -> int:
+    """The longest sequence `agent` trains on (micro-batches are padded to their longest):
+    its longest prompt plus budget on the preflight walk (torch_replica.generate_shape), so a
+    checkpoint's 8,192-token context is not charged to a task of 60-token sequences; an
+    episode workflow's, max_seq_len. Within rollout.max_model_len where set."""
+    from flexmarl_hpc.sim.torch_replica import generate_shape
+    _, prompt, budget = generate_shape(cfg, task, agent, max_seq_len)
+    return min(prompt + budget, max_seq_len, cfg.rollout.max_model_len or max_seq_len)
+
+
 @dataclass(frozen=True)
 class Phase:
     """One phase of a trainer rank, in bytes."""
@@ -99,10 +109,11 @@ class Phase:
 
 
 def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
-                 limit: int = 0) -> list[Phase]:
+                 limit: int = 0, tokens: int = 0) -> list[Phase]:
     """The phases of rank `rank` of trainer group `g`: build, train step, optimizer step,
     weight sync (send, on a PP stage's sender only). Stops after a phase whose device peak is over `limit`
-    (> 0): on the device the run would end there."""
+    (> 0): on the device the run would end there. `tokens`: the micro-batch's sequence
+    length (0: `train_tokens`)."""
     from flexmarl_hpc.runtime import build
     from flexmarl_hpc.sim.memtrack import track
     from flexmarl_hpc.trainer.megatron.fake import fake_group
@@ -110,7 +121,8 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
     tcfg = group_trainer_config(cfg, group)
     agent = group.agents[0]
     args = build.model_args(cfg, task, agent)
-    full = _micro_batch(cfg.trainer.micro_batch_size, args.max_seq_len, args.vocab_size)
+    full = _micro_batch(cfg.trainer.micro_batch_size, tokens or train_tokens(cfg, task, agent, args.max_seq_len),
+                        args.vocab_size)
     size = group.ranks
     peers = [pickle.dumps(full.shard(r, size)) for r in range(size)]
     mine = full.shard(rank, size)
@@ -162,9 +174,9 @@ def _trainer_job(job: tuple) -> list[Phase]:
     import warnings
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    cfg, g, rank, wire, limit = job
+    cfg, g, rank, wire, limit, *tokens = job
     from flexmarl_hpc.runtime.build import build_task
-    return trainer_rank(cfg, build_task(cfg), g, rank, wire, limit)
+    return trainer_rank(cfg, build_task(cfg), g, rank, wire, limit, *tokens)
 
 
 def run_jobs(jobs: list[tuple], workers: int) -> list[list[Phase]]:
@@ -339,17 +351,20 @@ def _group_rows(cfg: Config, grp: Group, g: int, results: dict, comps: dict, lim
     """The group's rows per checked rank and phase (`phases`) and its node total: the leader
     and ranks-per-node - 1 ranks like the largest of the others, each also holding the parked
     training states of the group's other agents (state swap: host copies of a rank's
-    weights, grads and Adam moments, its device state after the optimizer step)."""
+    weights, grads and Adam moments, its device state after the optimizer step). A group
+    without GPUs trains on its CPUs: its "device" is the node's RAM, so each rank's whole
+    peak (device + host) counts toward the node's --mem, and no device limit applies."""
     name = f"group {grp.name}" if cfg.trainer.named_groups else "trainer"
     base = comps[name].first_rank + (0 if cfg.trainer.named_groups else
                                      sum(x.ranks for x in trainer_groups(cfg)[:g]))
+    cpu = comps[name].slurm.gpus_per_node == 0
     rows, ranks = [], checked_ranks(grp)
     for r in ranks if phases else []:
-        rows += [Row(f"group {grp.name}", f"rank {base + r} ({_role(grp, r)})", p.name, p.device, p.host, limit)
-                 for p in results[(g, r)]]
+        rows += [Row(f"group {grp.name}", f"rank {base + r} ({_role(grp, r)})", p.name, p.device, p.host,
+                     0 if cpu else limit) for p in results[(g, r)]]
     per_node = -(-grp.ranks // max(grp.slurm.nodes, 1))
-    host = {r: max(p.host for p in results[(g, r)]) + (len(grp.agents) - 1) * results[(g, r)][-1].device_live
-            for r in ranks}
+    host = {r: max(p.total if cpu else p.host for p in results[(g, r)])
+            + (len(grp.agents) - 1) * results[(g, r)][-1].device_live for r in ranks}
     node = host[0] + (per_node - 1) * max((host[r] for r in ranks if r), default=0)
     rows.append(_node_row(f"group {grp.name}", base, per_node, "ranks", node, node_limit(cfg, comps[name])))
     return rows

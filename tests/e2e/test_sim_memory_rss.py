@@ -59,7 +59,7 @@ from flexmarl_hpc.config.resources import param_count
 from flexmarl_hpc.sim.memory import trainer_rank
 cfg = load_config(sys.argv[1], sys.argv[2:])
 task = build_task(cfg)
-phases = trainer_rank(cfg, task, 0, 0, None)
+phases = trainer_rank(cfg, task, 0, 0, None, tokens=cfg.model.max_seq_len)     # the real step's length
 print(json.dumps({**{p.name: p.total for p in phases}, "params": param_count(cfg.model, len(task.vocab))}))
 """
 

@@ -37,7 +37,7 @@ from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.runtime.build import build_task
 from flexmarl_hpc.sim.memory import trainer_rank
 cfg = load_config(sys.argv[1], sys.argv[2:])
-print(json.dumps({p.name: p.device for p in trainer_rank(cfg, build_task(cfg), 0, 0, None)}))
+print(json.dumps({p.name: p.device for p in trainer_rank(cfg, build_task(cfg), 0, 0, None, tokens=cfg.model.max_seq_len)}))
 """
 
 

@@ -36,7 +36,7 @@ def test_fake_run_agrees_with_the_analytic_count_at_a_mid_size_shape():
     from flexmarl_hpc.sim.memory import analytic_device, run_jobs
     cfg = load_config(ROOT / "configs" / "local.yaml", MID)
     task = build_task(cfg)
-    build, train, opt, send = run_jobs([(cfg, 0, 0, None, 0)], 1)[0]   # its own process, as the CLI
+    build, train, opt, send = run_jobs([(cfg, 0, 0, None, 0, 1024)], 1)[0]   # its own process, as the CLI; 1024 tokens
     P = param_count(cfg.model, len(task.vocab))
     rows = cfg.trainer.micro_batch_size // 2            # DP 2
     a = analytic_device(P // 2, 2, True, rows, 1024, 1024, 16, 4, "full", 2)
@@ -310,3 +310,51 @@ def test_preflight_length_check_still_walks_every_turn():
     cfg = load_config(ROOT / "configs" / "local.yaml", ["model.max_seq_len=3"])
     with pytest.raises(ConfigError, match=r"model.max_seq_len: expected >= 4 \(turn 0 of agent 'speaker'"):
         check_lengths(cfg, build_task(cfg))
+
+
+def test_a_checkpoints_slices_are_read_as_shapes_under_fake_tensors(tmp_path):
+    """simulate memory builds a trainer from `model.checkpoint` under FakeTensorMode, where a
+    tensor cannot be made from the file's bytes ('could not determine the shape of object
+    type UntypedStorage' before): the reader gives each slice's shape and dtype from the
+    header; outside the fake mode it reads the bytes."""
+    import torch
+    from safetensors.torch import save_file
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from flexmarl_hpc.learn.weights import checkpoint_reader
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    save_file({"w": w, "b": torch.ones(4, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    read = checkpoint_reader(tmp_path)
+    assert torch.equal(read("w", 1, 2, 5), w[:, 2:5])
+    with FakeTensorMode():
+        rows, cols, whole = read("w", 0, 1, 3), read("w", 1, 2, 5), read("b")
+    assert all(isinstance(t, FakeTensor) for t in (rows, cols, whole))
+    assert (rows.shape, cols.shape, whole.shape) == ((2, 6), (4, 3), (4,))
+    assert (rows.dtype, whole.dtype) == (torch.float32, torch.bfloat16)
+
+
+def test_the_train_step_is_charged_the_tasks_longest_sequence_not_the_models_context():
+    """A micro-batch is padded to its longest sequence: a turn workflow's longest prompt +
+    budget (the preflight walk), not max_seq_len (a checkpoint's 8,192-token context charged
+    784 GB to SmolLM2's 60-token task); an episode workflow's max_seq_len."""
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.sim.memory import train_tokens
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["model.max_seq_len=4096"])
+    assert train_tokens(cfg, build_task(cfg), "listener", 4096) == 4
+    assert train_tokens(cfg, build_task(cfg), "listener", 3) == 3
+    paper = load_config(PAPER)
+    assert train_tokens(paper, build_task(paper), "shop14_0", 8192) == 8192
+
+
+def test_a_cpu_trainer_groups_training_memory_counts_on_its_nodes_ram():
+    """A group without GPUs trains on its CPUs: its ranks' whole peak (what the table calls
+    device) goes into the node's total against --mem, and no device limit applies (the
+    SmolLM2 configs' trainer nodes read 0.0 GB against 2000M before)."""
+    from flexmarl_hpc.sim.memory import memory_report
+    text, _ = memory_report(str(ROOT / "configs" / "local.yaml"), ["trainer.backend=megatron"], "npu64_a3",
+                            True, only=("group0",))
+    rows = [r for r in json.loads(text)["rows"] if r["component"] == "group group0"]
+    phases, node = rows[:-1], rows[-1]
+    assert phases and all(r["device_limit"] == 0 for r in phases)
+    assert node["phase"] == "node total"
+    assert node["node_host_bytes"] >= max(r["device_bytes"] for r in phases) > 0     # the peak of the two together
