@@ -314,7 +314,7 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=N
     tools = None
     if layout.tool_ranks:
         from flexmarl_hpc.tools.remote import RemotePool
-        tools = RemotePool(world, layout.tool_rank_list, cfg.tools)
+        tools = RemotePool(world, layout.tool_rank_list, cfg.tools, live=live)
     try:
         orch = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log, tools)
         _started(world, live, log)

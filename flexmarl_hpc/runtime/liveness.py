@@ -61,6 +61,8 @@ class Liveness:
         self.expected: set[int] = set()
         self.armed = True
         self.lost: list[int] = []
+        self.dead: set[int] = set()
+        """Every peer seen to end unexpectedly, taken or not: no MPI call may touch them."""
         self.taken = False
         self.on_untaken: Callable[[int], None] | None = None
         """Rank 0: called on the watching thread with a lost rank that nobody has taken in
@@ -100,14 +102,15 @@ class Liveness:
         return None
 
     def ended(self, rank: int) -> bool:
-        """`rank` has ended and its loss is not taken yet (not consumed: `take_lost` still
-        returns it)."""
+        """`rank` has ended unexpectedly (taken or not: this does not consume it). Sends to
+        it, and tests of sends to it, are skipped: either can hang in the MPI library."""
         with self._lock:
-            return rank in self.lost
+            return rank in self.dead
 
     def _record(self, rank: int) -> None:
         with self._lock:
             self.lost.append(rank)
+            self.dead.add(rank)
         timer = threading.Timer(TAKE_GRACE_S, self._untaken, (rank,))
         timer.daemon = True
         timer.start()

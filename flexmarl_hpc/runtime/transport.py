@@ -61,14 +61,14 @@ class MpiTransport:
         self.comm = comm
         self.bell = bell
         self.live = live
-        self.sending: list[MPI.Request] = []
+        self.sending: list[tuple[int, MPI.Request]] = []
 
     def send(self, rank: int, msg: messages.Command) -> None:
-        if self.live is not None and self.live.ended(rank):
-            return                  # dead: an isend to it can hang in MPI (liveness.py); the
-                                    # next receive reports the loss
+        if self._dead(rank):
+            return                  # an isend to it can hang in MPI (liveness.py); the next
+                                    # receive reports the loss
         self._reap()
-        self.sending.append(self.comm.isend(messages.encode(msg), dest=rank, tag=TAG_CMD))
+        self.sending.append((rank, self.comm.isend(messages.encode(msg), dest=rank, tag=TAG_CMD)))
         if self.bell is not None:
             self.bell.ring(rank)
 
@@ -112,11 +112,16 @@ class MpiTransport:
 
     def close(self) -> None:
         """Wait (without a spin) until every command sent has been received."""
-        waitall(self.sending)
+        self._reap()
+        waitall([r for _, r in self.sending])
         self.sending = []
 
     def _reap(self) -> None:
-        self.sending = [r for r in self.sending if not r.Test()]
+        self.sending = [(rank, r) for rank, r in self.sending if not self._dead(rank) and not r.Test()]
+
+    def _dead(self, rank: int) -> bool:
+        """A send to a rank that has ended is never tested again (the test can hang in MPI)."""
+        return self.live is not None and self.live.ended(rank)
 
     def _idle(self) -> bool:
         self._reap()

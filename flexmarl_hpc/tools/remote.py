@@ -49,10 +49,13 @@ async def _backoff(delay: float) -> float:
 class RemotePool:
     """Rank 0's end: WorkerPool's `tool`, `call` and `close`, served by the tool ranks."""
 
-    def __init__(self, comm, ranks: list[int], cfg: ToolsConfig, grace_s: float = GRACE_S):
+    def __init__(self, comm, ranks: list[int], cfg: ToolsConfig, grace_s: float = GRACE_S, live=None):
         if not ranks:
             raise ValueError("RemotePool: no tool ranks")
         self.comm, self.ranks, self.cfg, self.grace_s = comm, list(ranks), cfg, grace_s
+        self.live = live
+        """runtime/liveness.Liveness or None: a tool rank that has ended gets no call, and its
+        sends are never tested again (either can hang in MPI; the orchestrator ends the job)."""
         self.outstanding = dict.fromkeys(self.ranks, 0)
         """Calls sent to each rank and not answered yet (given-up ones included)."""
         self.served = dict.fromkeys(self.ranks, 0)
@@ -61,6 +64,7 @@ class RemotePool:
         """call id -> rank of the calls past their deadline (a late answer is dropped)."""
         self.pending: dict[int, asyncio.Future] = {}
         self.sending: list = []
+        """(rank, request) of each send not known complete."""
         self.next_id = 0
         self._free: asyncio.Semaphore | None = None      # made on the loop that first waits
         self._receiver: asyncio.Task | None = None
@@ -93,10 +97,13 @@ class RemotePool:
         if self._free is None:
             self._free = asyncio.Semaphore(len(self.ranks) * self.cfg.workers)
         async with self._free:
-            rank = min(self.ranks, key=lambda r: (self.outstanding[r], r))
+            alive = [r for r in self.ranks if not self._dead(r)]
+            if not alive:
+                return None, self.ranks[0]                # the job ends for the dead rank
+            rank = min(alive, key=lambda r: (self.outstanding[r], r))
             call_id, self.next_id = self.next_id, self.next_id + 1
             future = asyncio.get_running_loop().create_future()
-            self.sending.append(self.comm.isend(messages.encode(make(call_id)), dest=rank, tag=TAG_CMD))
+            self.sending.append((rank, self.comm.isend(messages.encode(make(call_id)), dest=rank, tag=TAG_CMD)))
             self.pending[call_id] = future
             self.outstanding[rank] += 1
             if self._receiver is None or self._receiver.done():
@@ -114,7 +121,7 @@ class RemotePool:
         call is pending; an answer to a given-up call only frees its rank's count)."""
         delay = MIN_SLEEP
         while self.pending:
-            self.sending = [r for r in self.sending if not r.Test()]
+            self.sending = [(r, q) for r, q in self.sending if not self._dead(r) and not q.Test()]
             got = poll(self.comm, tag=TAG_TOOL)
             if got is None:
                 delay = await _backoff(delay)
@@ -127,6 +134,9 @@ class RemotePool:
             future = self.pending.get(msg.call_id)
             if future is not None and not future.done():
                 future.set_result(msg)
+
+    def _dead(self, rank: int) -> bool:
+        return self.live is not None and self.live.ended(rank)
 
     def close(self) -> None:
         """Nothing to end here: the tool ranks stop at the orchestrator's Stop."""

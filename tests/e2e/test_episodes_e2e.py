@@ -166,11 +166,17 @@ def test_a_dead_tool_rank_is_a_dead_worker_the_run_checkpoints_and_exits_75(tmp_
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err_file,
                              start_new_session=True)
         try:
-            wait_for(lambda: "MPI_Abort(MPI_COMM_WORLD, 75)" in errs.read_text(), 240, "rank 0's MPI_Abort(75)")
+            # mpiexec's own exit code: MPI_Abort's message on stderr was lost in hydra's
+            # teardown in 2 of 15 trials (the job had ended with 75, the test waited 240 s)
+            wait_for(lambda: p.poll() is not None, 240, "the job to end (rank 0's MPI_Abort(75))")
         finally:
-            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)        # what is left of it, if anything
+            except ProcessLookupError:
+                pass
             p.wait(timeout=60)
     err, log = errs.read_text(), (tmp_path / "train.log").read_text()
+    assert p.returncode == 75, (p.returncode, err[-3000:])  # MPI_Abort(75): mpiexec exits with its code
     assert "tool rank 0 (rank 3): its process has ended (liveness socket closed)" in log, (log[-2000:], err[-3000:])
     assert "exiting 75 to requeue" in log, log[-2000:]
     assert "rank 3 exited 137" in err, err[-3000:]          # the SIGKILL, not a clean exit

@@ -50,7 +50,7 @@ def test_a_loss_nobody_takes_runs_on_untaken_and_a_taken_one_does_not(monkeypatc
             time.sleep(0.01)
         assert live.ended(1)                    # seen, and not consumed by the look
         if take:
-            assert live.take_lost() == 1 and not live.ended(1)
+            assert live.take_lost() == 1 and live.ended(1)     # taken, and still dead for sends
         time.sleep(0.6)
         return called
 
@@ -82,3 +82,49 @@ def test_a_command_to_a_rank_known_dead_is_not_sent():
     comm = Comm()
     MpiTransport(comm, None, live).send(1, messages.Stop(0))
     assert comm.sent == []
+
+
+def test_a_dead_tool_rank_gets_no_call_and_its_sends_are_not_tested():
+    """RemotePool (rank 0's end of the tool ranks): the same rule, for calls and for the
+    sends already posted to a rank that then ended."""
+    import asyncio
+    from flexmarl_hpc.config.schema import ToolsConfig
+    from flexmarl_hpc.tools.remote import RemotePool
+
+    class Req:
+        def Test(self):
+            raise AssertionError("a send to a dead rank was tested")
+
+    class Comm:
+        def __init__(self):
+            self.sent = []
+
+        def isend(self, wire, dest, tag):
+            self.sent.append(dest)
+            return Req()
+
+        def Iprobe(self, source=None, tag=None, status=None):
+            return False                        # no answer arrives
+
+    a, b = socket.socketpair()
+    live = Liveness({3: a})
+    live.watch()
+    comm = Comm()
+    pool = RemotePool(comm, [3], ToolsConfig(), live=live)
+    pool.sending.append((3, Req()))              # posted before the rank ended
+    b.close()
+    t0 = time.monotonic()
+    while not live.ended(3) and time.monotonic() - t0 < 2.0:
+        time.sleep(0.01)
+    done, rank = asyncio.run(pool._ask(lambda i: None, 1.0))
+    assert (done, rank, comm.sent) == (None, 3, [])
+    asyncio.run(pool._receive())                 # nothing pending: returns at once
+    pool.pending[0] = None                       # one pending call: a pass over the sends
+    pool.sending = [(3, Req())]
+
+    async def one_pass():
+        task = asyncio.ensure_future(pool._receive())
+        await asyncio.sleep(0.05)
+        task.cancel()
+    asyncio.run(one_pass())
+    assert pool.sending == []
