@@ -141,6 +141,13 @@ class Liveness:
             return True
 
 
+def peer_ended(live: Liveness | None, rank: int) -> bool:
+    """`rank` is known to have ended (`Liveness.ended`); False without a liveness star. The
+    senders to workers (runtime/transport.py, tools/remote.py) skip such a rank's sends and
+    tests of them: either can hang in the MPI library."""
+    return live is not None and live.ended(rank)
+
+
 def _keepalive(s: socket.socket) -> None:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle, interval, count = KEEPALIVE

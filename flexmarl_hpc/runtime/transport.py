@@ -18,7 +18,7 @@ from mpi4py import MPI
 from flexmarl_hpc.runtime.comm import TAG_CMD, TAG_REPLY, abort, poll, recv, recv_from, wait, waitall
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.doorbell import Doorbell
-from flexmarl_hpc.runtime.liveness import Liveness
+from flexmarl_hpc.runtime.liveness import Liveness, peer_ended
 
 LIVENESS_CHECK_S = 0.5
 """How often a waiting orchestrator looks whether a worker has ended (runtime/liveness.py)."""
@@ -120,8 +120,7 @@ class MpiTransport:
         self.sending = [(rank, r) for rank, r in self.sending if not self._dead(rank) and not r.Test()]
 
     def _dead(self, rank: int) -> bool:
-        """A send to a rank that has ended is never tested again (the test can hang in MPI)."""
-        return self.live is not None and self.live.ended(rank)
+        return peer_ended(self.live, rank)
 
     def _idle(self) -> bool:
         self._reap()

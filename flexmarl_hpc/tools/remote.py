@@ -29,6 +29,7 @@ from typing import Callable
 
 from flexmarl_hpc.runtime import faults, messages
 from flexmarl_hpc.runtime.comm import TAG_CMD, TAG_TOOL, poll, waitall
+from flexmarl_hpc.runtime.liveness import peer_ended
 from flexmarl_hpc.runtime.transport import send_reply
 from flexmarl_hpc.tools.config import ToolsConfig
 from flexmarl_hpc.tools.pool import Called, WorkerPool
@@ -136,7 +137,7 @@ class RemotePool:
                 future.set_result(msg)
 
     def _dead(self, rank: int) -> bool:
-        return self.live is not None and self.live.ended(rank)
+        return peer_ended(self.live, rank)
 
     def close(self) -> None:
         """Nothing to end here: the tool ranks stop at the orchestrator's Stop."""

@@ -56,6 +56,17 @@ class Recorder:
         return type("Work", (), {"wait": lambda self: True, "is_completed": lambda self: True})()
 
 
+def _nccl_channels_to_one_replica() -> tuple:
+    """SyncChannels with one recorded-NCCL pair from this rank to replica rank 1, and this
+    rank (the sender)."""
+    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu")
+    me = MPI.COMM_WORLD.Get_rank()
+    pair = G.Pair((0, 0), (me,), (1,), MPI.COMM_SELF, G.new_group("nccl", dist.HashStore(), 0, 2),
+                  {me: 0, 1: 1}, {me: 1, 1: 1})
+    ch.pairs[pair.key] = pair
+    return ch, me
+
+
 @pytest.mark.parametrize("wire", [None, torch.bfloat16])
 def test_split_tensors_arrive_whole_and_bit_equal_with_the_sender_within_two_buckets(monkeypatch, wire):
     Recorder.built = []
@@ -66,11 +77,7 @@ def test_split_tensors_arrive_whole_and_bit_equal_with_the_sender_within_two_buc
              "head": torch.randn(8, 30, generator=g).T,          # non-contiguous: rows are views
              "mlp": torch.randn(12, 8, generator=g), "step": torch.tensor([4, 5])}
     bucket = 30 * 8 * 4 // 3                                      # a third of the largest tensor
-    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu")
-    me = MPI.COMM_WORLD.Get_rank()
-    pair = G.Pair((0, 0), (me,), (1,), MPI.COMM_SELF, G.new_group("nccl", dist.HashStore(), 0, 2),
-                  {me: 0, 1: 1}, {me: 1, 1: 1})
-    ch.pairs[pair.key] = pair
+    ch, me = _nccl_channels_to_one_replica()
     plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
     assert sum(b.piece is not None for b in plan.stages[0]) >= 4           # embed and head
     with TensorBytes() as mem:
@@ -153,11 +160,7 @@ def test_a_stream_assembled_in_place_adds_nothing_beside_the_two_buffers(monkeyp
     named = {"embed": torch.randn(30, 8, generator=g), "norm": torch.randn(8, generator=g),
              "head": torch.randn(8, 30, generator=g).T, "mlp": torch.randn(12, 8, generator=g)}
     bucket = 30 * 8 * 4 // 3
-    ch = W.SyncChannels(MPI.COMM_WORLD, "nccl", device="cpu")
-    me = MPI.COMM_WORLD.Get_rank()
-    pair = G.Pair((0, 0), (me,), (1,), MPI.COMM_SELF, G.new_group("nccl", dist.HashStore(), 0, 2),
-                  {me: 0, 1: 1}, {me: 1, 1: 1})
-    ch.pairs[pair.key] = pair
+    ch, me = _nccl_channels_to_one_replica()
     plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
     pieces = W.row_pieces(plan)
     peaks = []
