@@ -147,6 +147,10 @@ class AgentLayout:
     """Link a weight sync crosses: trainer and replicas on other nodes, or the same node."""
     swap_link: Literal["host", "inter_node"] = "host"
     """Where a suspended trainer's state goes: host memory over PCIe, or another node."""
+    recompute: float = 0.0
+    """Fraction of the layers whose forward the backward runs again (megatron activation
+    recompute, `recompute_fraction`): 0 none or selective (core attention only, whose FLOPs the
+    6 x params count leaves out), 1 full uniform, a stage's recomputed share for full block."""
 
     @property
     def trainer_dp(self) -> int:
@@ -166,6 +170,8 @@ class AgentLayout:
             raise ValueError(f"{where}: field 'sync_link': expected inter_node or intra_node, got {self.sync_link!r}")
         if self.swap_link not in ("host", "inter_node"):
             raise ValueError(f"{where}: field 'swap_link': expected host or inter_node, got {self.swap_link!r}")
+        if not 0.0 <= self.recompute <= 1.0:
+            raise ValueError(f"{where}: field 'recompute': expected a fraction in [0, 1], got {self.recompute!r}")
         kv_room(hw, self.model, self.gpus_per_replica, where)
         need = TRAIN_RESIDENT_BYTES_PER_PARAM * self.model.params / self.trainer_devices
         if need > hw.hbm_bytes * hw.efficiency.gpu_memory_utilization:
@@ -331,15 +337,25 @@ def generate_s(hw: HardwareProfile, layout: AgentLayout, prefill_tokens: int, pr
 
 def train_compute_s(hw: HardwareProfile, layout: AgentLayout, tokens: int) -> float:
     """Forward + backward of `tokens` tokens on the trainer group (6 x params x tokens FLOPs),
-    plus its tensor-parallel all-reduces (4 per layer, not overlapped)."""
+    plus its tensor-parallel all-reduces (4 per layer, not overlapped); activation recompute
+    runs that share of the forward again (2 x params x tokens and 2 all-reduces per layer)."""
     if tokens <= 0:
         return 0.0
-    m = layout.model
-    flops = 6 * m.params * tokens / (layout.trainer_devices * hw.peak_flops * hw.efficiency.mfu_train)
+    m, again = layout.model, layout.recompute
+    flops = (6 + 2 * again) * m.params * tokens / (layout.trainer_devices * hw.peak_flops * hw.efficiency.mfu_train)
     per_dp = tokens / layout.trainer_dp
     tp = ring_allreduce_s(hw, per_dp * m.hidden * m.bytes_per_param, layout.trainer_tp,
-                          4 * math.ceil(m.layers / layout.trainer_pp))
+                          (4 + 2 * again) * math.ceil(m.layers / layout.trainer_pp))
     return flops + tp
+
+
+def recompute_fraction(recompute: str, method: str, num_layers: int, layers: int, pp: int) -> float:
+    """The share of a stage's layers megatron recomputes (trainer.recompute, recompute_method,
+    recompute_num_layers): full uniform all of them, full block the first `num_layers` of
+    each stage's layers / pp, none and selective 0 (see AgentLayout.recompute)."""
+    if recompute != "full":
+        return 0.0
+    return 1.0 if method == "uniform" else min(num_layers / max(layers // pp, 1), 1.0)
 
 
 def optimizer_s(hw: HardwareProfile, layout: AgentLayout) -> float:

@@ -41,7 +41,8 @@ from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.config.load import to_dict
 from flexmarl_hpc.config.layout import ROLLOUT, layout_from_config
 from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
-from flexmarl_hpc.sim.costs import AgentLayout, CostModel, LengthDistribution, ModelShape, shape_from_model_args
+from flexmarl_hpc.sim.costs import (AgentLayout, CostModel, LengthDistribution, ModelShape, recompute_fraction,
+                                    shape_from_model_args)
 from flexmarl_hpc.sim.hardware import HardwareProfile
 from flexmarl_hpc.sim.perturb import Perturbation, Perturber
 from flexmarl_hpc.sim.placement import sync_network
@@ -90,9 +91,12 @@ def cost_model(cfg: Config, hw: HardwareProfile, vocab: int = QWEN_VOCAB, bytes_
         shape = agent_shape(cfg, agent, vocab, bytes_per_param)
         pool = next(p for p in pools if agent in p.agents)
         group = next((g for g in groups if agent in g.agents), groups[0])
+        t = cfg.trainer
+        again = recompute_fraction(t.recompute, t.recompute_method, t.recompute_num_layers, shape.layers,
+                                   group.pipeline_parallel) if group.backend == "megatron" else 0.0
         agents[agent] = AgentLayout(shape, gpus_per_replica=pool.gpus_per_replica, trainer_devices=group.ranks,
                                 trainer_tp=group.tensor_parallel, trainer_pp=group.pipeline_parallel,
-                                max_num_seqs=max(cfg.rollout.max_batch, 1))
+                                max_num_seqs=max(cfg.rollout.max_batch, 1), recompute=again)
     return CostModel(hw, agents)
 
 

@@ -244,6 +244,34 @@ def test_train_step_is_six_flops_per_param_per_token(h100):
     assert train_compute_s(hw, lay, tokens) == pytest.approx(6 * QWEN25_14B.params * tokens / (8 * 989.4e12))
 
 
+def test_full_recompute_runs_the_forward_again(h100):
+    """Full recompute: 8 FLOPs per param and token, 6 TP all-reduces per layer (4 + the forward's
+    2 again); block recompute of 12 of a stage's 24 layers: half of that extra; the config's
+    trainer.recompute reaches the cost model; a fraction outside [0, 1] names the field."""
+    from flexmarl_hpc.sim.costs import recompute_fraction
+    hw = ideal(h100)
+    lay = AgentLayout(QWEN25_14B, trainer_devices=8)
+    tokens = 16 * 4096
+    full = dataclasses.replace(lay, recompute=1.0)
+    assert train_compute_s(hw, full, tokens) == pytest.approx(8 / 6 * train_compute_s(hw, lay, tokens))
+    tp2 = dataclasses.replace(lay, trainer_tp=2)
+    a, b = (train_compute_s(h100, dataclasses.replace(tp2, recompute=r), 1) for r in (0.0, 1.0))
+    assert b - 8 / 6 * a == pytest.approx((6 - 8 / 6 * 4) * 48 * 1e-5, abs=2e-6)   # 1 token: the latencies
+    assert recompute_fraction("full", "uniform", 2, 48, 2) == 1.0
+    assert recompute_fraction("full", "block", 12, 48, 2) == 0.5
+    assert recompute_fraction("selective", "uniform", 1, 48, 1) == recompute_fraction("none", "uniform", 1, 48, 1) == 0
+    with pytest.raises(ValueError, match="field 'recompute'"):
+        CostModel(h100, {"a": dataclasses.replace(lay, recompute=2.0)})
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.sim.driver import cost_model
+    from tests.conftest import ROOT
+    npu = load_hardware("npu64_a3")
+    mix = load_config(str(ROOT / "configs/paper_3x32b_7x14b.yaml"), ["run.output_dir=/nonexistent"])
+    assert mix.trainer.recompute == "full" and cost_model(mix, npu).layout("shop32_0").recompute == 1.0
+    none = load_config(str(ROOT / "configs/paper_3x32b_7x14b.yaml"), ["run.output_dir=/nonexistent", "trainer.recompute=none"])
+    assert cost_model(none, npu).layout("shop32_0").recompute == 0.0
+
+
 def test_train_scales_linearly_in_tokens_and_inversely_in_devices(h100):
     lay8 = AgentLayout(QWEN25_14B, trainer_devices=8, trainer_tp=2)
     lay16 = dataclasses.replace(lay8, trainer_devices=16)
