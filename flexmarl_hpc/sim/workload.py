@@ -66,6 +66,14 @@ class TaskSpec:
     """UNKNOWN (fitted on MA, `simulate paper --fit`; sweep 1-8): devices per rollout replica
     (its tensor parallelism), at least the config's (14B: 1, 32B: 4), for every system alike.
     The paper does not give its rollout engines' tensor parallelism."""
+    agents_per_group: int = 1
+    """UNKNOWN (fitted on MA, `simulate paper --fit`; sweep 1-4): agents per FlexMARL trainer
+    group. The paper's training engine binds trainers "on demand" through "agent-centric
+    resource allocation" and swaps the agents' training states (its abstract), so it needs fewer
+    trainer groups than agents; it does not say how many. The config's per-agent groups of one
+    shape are merged, `agents_per_group` agents to a group, every group of a shape in one swap
+    domain (any of them may take any of its agents); the nodes freed go to the pools. The
+    baselines keep their own allocations."""
     settle: bool = True
     """UNKNOWN (sweep false/true): each agent's reward is known once its own reply is in
     (a per-agent rule reward, ctx.settle), so its calls train while later agents run; false:
@@ -85,8 +93,10 @@ class TaskSpec:
         self._workflow(out["workflow"])
         out.setdefault("trainer", {})["micro_batch_size"] = self.micro_batch
         out["agents"] = {a: m for a, m in (out.get("agents") or {}).items() if a in keep}
-        groups = [g for g in out["trainer"]["named_groups"] if set(g["agents"]) <= keep]
+        groups = self._merged([g for g in out["trainer"]["named_groups"] if set(g["agents"]) <= keep])
         out["trainer"]["named_groups"] = groups
+        if any(len(g["agents"]) > 1 for g in groups):
+            out.setdefault("pipeline", {})["swap_states"] = True
         pools = []
         for p in out["rollout"]["pools"]:
             p["agents"] = [a for a in p["agents"] if a in keep]
@@ -101,6 +111,25 @@ class TaskSpec:
             per_node = p["slurm"]["gpus_per_node"] // p["gpus_per_replica"]
             p["slurm"]["nodes"], p["replicas"] = n, n * per_node
         out["rollout"]["pools"] = pools
+        return out
+
+    def _merged(self, groups: list[dict]) -> list[dict]:
+        """The one-agent groups `groups` merged `agents_per_group` agents to a group, per shape
+        (ranks, parallelism, backend, nodes), each shape one swap domain; as they are at 1."""
+        if self.agents_per_group < 1:
+            raise ValueError(f"task {self.name}: field 'agents_per_group': expected >= 1, got {self.agents_per_group}")
+        if self.agents_per_group == 1:
+            return groups
+        shapes: dict[tuple, list[dict]] = {}
+        for g in groups:
+            key = (g["ranks"], g.get("tensor_parallel", 1), g.get("pipeline_parallel", 1), g.get("backend"),
+                   g["slurm"]["nodes"])
+            shapes.setdefault(key, []).append(g)
+        out = []
+        for i, same in enumerate(shapes.values()):
+            for k in range(0, len(same), self.agents_per_group):
+                part = same[k:k + self.agents_per_group]
+                out.append({**part[0], "agents": [a for g in part for a in g["agents"]], "swap": f"shape{i}"})
         return out
 
     def chain(self, raw: dict) -> list[str]:
@@ -173,6 +202,7 @@ UNKNOWNS: dict[str, tuple[float, ...]] = {
     "settle": (0, 1),
     "replica_width": (1, 2, 4, 8),
     "chain_agents": (2, 3, 5, 8),
+    "agents_per_group": (1, 2, 4),
 }
 """Each unknown's sweep: low, (default,) high; the sweep runs the first and the last."""
 
