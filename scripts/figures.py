@@ -127,19 +127,12 @@ def sim_paper(ctx: Context) -> str:
 
 
 def sim_paper_fit(ctx: Context) -> str:
-    """The fit on MA: every grid point's loss (its residuals); slow (36 MA runs): --full only."""
-    from flexmarl_hpc.sim.paper import fit_ma
-    _, _, points = fit_ma(load_hardware("npu64_a3"), 4, ctx.scratch / "fit", log=lambda s: None)
-    return fit_block(points)
-
-
-def fit_block(points: list[dict]) -> str:
-    """sim_paper_fit's text from fit_ma's points."""
-    lines = [f"chain {p['chain_agents']} width {p['replica_width']} hbm {p['hbm']:<4} mfu_train {p['mfu_train']:<5} "
-             f"loss {p['loss']:6.3f}   "
-             + "  ".join(f"{k} {p['row'][k]:.0f}" for k in ("mas-rl", "marti", "flex", "no-lb", "no-pipeline"))
-             + f"  busy {p['row']['busy']:.1%}" for p in points]
-    return command_block("python -m flexmarl_hpc.simulate paper --fit   # grid points (MA only)", "\n".join(lines))
+    """The fit on MA: every grid point's loss (its residuals) and the goals it misses; slow (96 MA
+    runs, two at a time): --full only."""
+    from flexmarl_hpc.sim.paper import fit_ma, fit_table
+    _, _, points = fit_ma(load_hardware("npu64_a3"), 4, ctx.scratch / "fit", log=lambda s: None, jobs=2)
+    return command_block("python -m flexmarl_hpc.simulate paper --fit --jobs 2   # grid points (MA only)",
+                         fit_table(points))
 
 
 def sim_paper_sweep(ctx: Context) -> str:

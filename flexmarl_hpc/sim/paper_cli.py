@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from flexmarl_hpc.sim.hardware import HARDWARE_DIR, load_hardware, save_hardware
-from flexmarl_hpc.sim.paper import FIT_FIELDS, SPEC_FIELDS, fit_ma, paper_rows, sweep, sweep_table, table
+from flexmarl_hpc.sim.paper import FIT_FIELDS, SPEC_FIELDS, fit_ma, fit_table, paper_rows, sweep, sweep_table, table
 from flexmarl_hpc.sim.workload import TASKS
 
 PARAMS = HARDWARE_DIR / "npu64_a3_paper.yaml"
@@ -27,12 +27,16 @@ def paper_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=Path, default=None,
                    help=f"the profile to simulate on (default {PARAMS.name} if it exists, else npu64_a3)")
     p.add_argument("--steps", type=int, default=4, help="simulated steps per system (the first is not timed)")
-    p.add_argument("--out", type=Path, default=None, help="folder for the simulated runs (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for the simulated runs (default: a temp dir); --fit deletes each grid point's once measured")
+    p.add_argument("--jobs", type=int, default=1, help="--fit: grid points simulated at once, one process each")
 
 
 def check_paper(a: argparse.Namespace) -> str | None:
     if a.fit and a.sweep:
         return "--fit and --sweep: give one of them"
+    if a.jobs < 1:
+        return f"--jobs: expected >= 1, got {a.jobs}"
     return None
 
 
@@ -40,16 +44,15 @@ def paper_main(a: argparse.Namespace, out: Path) -> int:
     wall = time.perf_counter()
     fields = None
     if a.fit:
-        fitted, fields, points = fit_ma(load_hardware("npu64_a3"), a.steps, out, log=lambda s: None)
+        fitted, fields, points = fit_ma(load_hardware("npu64_a3"), a.steps, out, log=lambda s: None, jobs=a.jobs)
         best = {f: getattr(fitted.efficiency, f) for f in FIT_FIELDS}
         spec = ", ".join(f"{k} {v}" for k, v in fields.items())
         save_hardware(fitted, a.write, header=f"npu64_a3 with {', '.join(FIT_FIELDS)} fitted on the paper's MA task\n"
                       f"by `python -m flexmarl_hpc.simulate paper --fit` ({a.steps} steps): {best}, "
                       f"with {spec} (sim/workload.py TaskSpec)")
-        print(f"fit on MA over {', '.join(FIT_FIELDS + SPEC_FIELDS)}: best {best}, {spec}; "
-              "every point (loss = squared log errors):")
-        for p in points:
-            print("  " + "  ".join(f"{n} {p[n]:<5}" for n in SPEC_FIELDS + FIT_FIELDS) + f" loss {p['loss']:.3f}")
+        print(f"fit on MA over {', '.join(FIT_FIELDS + SPEC_FIELDS)}: best {best}, {spec}; every point "
+              "(loss: squared log errors of flex's step, the four ratios and busy):")
+        print(fit_table(points))
         print(f"wrote {a.write}; TaskSpec's (the table's): "
               + ", ".join(f"{n} {getattr(TASKS['MA'], n)}" for n in SPEC_FIELDS))
         hw, fitted_on = fitted, "MA"
