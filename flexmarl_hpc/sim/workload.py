@@ -2,13 +2,14 @@
 parameter (`UNKNOWNS`) that `simulate paper --sweep` varies.
 
 A spec drives the simulator through the existing workflow/Task mechanism: the task's config
-(its agents, their models, the relay chain of turns in `workflow.turns`) gets the paper's
-batch shape (`apply`: queries per step, branches of the first turn, micro-batch), and `workload` gives the modelled lengths the synthetic workers are priced
-with (sim.driver.Workload): per agent its prompt, which grows along the chain with the
-context the earlier turns added, and its response-length distribution, a lognormal whose
-median differs per agent (the paper's "skewed inter-agent request patterns"). The Python
-episode functions of the workflows issue (25) have not landed: when they do, they replace
-the relay chain here. Sources (docs/simulator.md, "The paper's tasks"):
+(its agents, their models, its text episode `workflows/paper_text.py`) gets the paper's batch
+shape (`apply`: queries per step, branches per query, micro-batch), its chain of agents and its
+trainer groups (`agents_per_group`), and the spec's unknowns as the episode's arguments: per
+agent its prompt, which grows along the chain with the context the earlier turns added, and
+its response-length distribution, a lognormal whose median differs per agent (the paper's
+"skewed inter-agent request patterns"). A config still on `workflow.turns` gets the relay
+chain and the modelled lengths (`prompts`, `lengths`: sim.driver.Workload).
+Sources (docs/simulator.md, "The paper's tables"):
 - paper (as reported, DESIGN.md): 4 queries x 16 branches = global batch 64, micro-batch 16,
   responses up to 8,192 tokens, MA = every agent its own Qwen2.5-14B, CA = 14B and 32B;
 - the configs' agent counts are the paper's scaling runs (15 x 14B; 3 x 32B + 7 x 14B): the
@@ -40,7 +41,7 @@ class TaskSpec:
     """The config's agents the chain starts from (MA: 14B ones; CA: a 32B one, then 14B ones)."""
     chain_agents: int = 8
     """UNKNOWN (the paper does not say how many agents MA and CA chain; its scaling runs have
-    10 and 15): fitted on MA (`simulate paper --fit`: 8 of 3-10), CA takes the same count;
+    10 and 15): fitted on MA (`simulate paper --fit`: 8 of 5, 8, 10), CA takes the same count;
     sweep 2-8. The chain's length. The
     agents are `agents`, then the config's other agents in its order, the first `chain_agents`
     of them, chained in the config's order (`chain`)."""
