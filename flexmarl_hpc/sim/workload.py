@@ -24,7 +24,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-
 from flexmarl_hpc.sim.costs import LengthDistribution
 
 
