@@ -85,13 +85,12 @@ def agent_shape(cfg: Config, agent: str, vocab: int, bytes_per_param: int = 2) -
 def cost_model(cfg: Config, hw: HardwareProfile, vocab: int = QWEN_VOCAB, bytes_per_param: int = 2) -> CostModel:
     """Each agent's model, replica width (its first pool) and trainer group (where it starts);
     bytes_per_param 4 for the CPU runs' fp32 models."""
-    pools, groups = rollout_pools(cfg), trainer_groups(cfg)
+    pools, groups, t = rollout_pools(cfg), trainer_groups(cfg), cfg.trainer
     agents = {}
     for agent in cfg.agent_names:
         shape = agent_shape(cfg, agent, vocab, bytes_per_param)
         pool = next(p for p in pools if agent in p.agents)
         group = next((g for g in groups if agent in g.agents), groups[0])
-        t = cfg.trainer
         again = recompute_fraction(t.recompute, t.recompute_method, t.recompute_num_layers, shape.layers,
                                    group.pipeline_parallel) if group.backend == "megatron" else 0.0
         agents[agent] = AgentLayout(shape, gpus_per_replica=pool.gpus_per_replica, trainer_devices=group.ranks,
