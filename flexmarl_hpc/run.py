@@ -238,7 +238,9 @@ def _started(world, live, log=None) -> None:
     if lost:
         log(f"rank {lost[0]}: its process ended before the run started (liveness socket closed); "
             "exiting 75 to requeue")
-        abort(world, 75)
+        from flexmarl_hpc.runtime import requeue
+        requeue.mark(f"rank {lost[0]} was lost before the run started")
+        abort(world, requeue.EXIT_REQUEUE)
 
 
 def _doorbell(cfg: Config, world):
@@ -281,6 +283,8 @@ def _exit_untaken(log, layout: RankLayout, rank: int) -> None:
         f"the dead rank can retry its connection forever); exiting {EXIT_PREEMPTED} to requeue "
         "without a checkpoint (the run resumes from the last checkpoints and the store)")
     sys.stderr.flush()
+    from flexmarl_hpc.runtime import requeue
+    requeue.mark(f"{who(layout, rank)} (rank {rank}) was lost")
     os._exit(EXIT_PREEMPTED)
 
 

@@ -424,6 +424,13 @@ class SlurmConfig:
     the run lock); past it the batch script ends the step and requeues the job, which a rank
     stuck in MPI_Init would otherwise hold to its time limit (docs/slurm.md, 'MPI
     start-up'). 0: no watchdog."""
+    max_restarts: int = 5
+    """Automatic requeues in a row that end without a new checkpoint (a start that fails
+    every time, a rank that dies before the next checkpoint) before the job stops for good
+    with one line naming the last cause. A requeue after which some agent checkpointed
+    resets the count, so a long run that is preempted or reaches its time limit many times
+    is not stopped. Counted in `logs/JOB.restarts` by the batch script (a start-up that never
+    gets through MPI_Init cannot write the store). 0: never requeue automatically."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run before srun (module loads, venv activation)."""
     env: dict[str, str] = field(default_factory=dict)

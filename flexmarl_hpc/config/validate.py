@@ -194,6 +194,7 @@ def _validate_engines(cfg: Config) -> None:
     s = cfg.slurm
     _int_in(s.signal_seconds, "slurm.signal_seconds", 0)
     _int_in(s.start_timeout, "slurm.start_timeout", 0)
+    _int_in(s.max_restarts, "slurm.max_restarts", 0, 1000)
     for name in ("orchestrator", "rollout", "trainer"):
         comp = getattr(s, name)
         _int_in(comp.nodes, f"slurm.{name}.nodes", 1)

@@ -38,9 +38,8 @@ from flexmarl_hpc.config.layout import ROLLOUT, TRAINER, layout_from_config
 from flexmarl_hpc.config.resources import component_mem, components, single_component
 from flexmarl_hpc.config.schema import Config, SlurmComponent
 from flexmarl_hpc.config.validate_slurm import OPTION_RE, check_gpus, validate_slurm
-
-EXIT_REQUEUE = 75
-"""EX_TEMPFAIL: the ranks checkpointed after SIGUSR1/SIGTERM; requeue the job."""
+from flexmarl_hpc.runtime.requeue import ENV as REQUEUE_FILE_ENV
+from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 COMPONENTS = ("orchestrator", "rollout", "trainer")
 """Het components in rank order."""
 
@@ -112,20 +111,20 @@ def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list
              # before the workers and srun would turn that into 143; a failing rank calls
              # MPI_Abort, which ends the whole step anyway
              f"CMD=({cmd})",
+             *_restart_gate(cfg),
              *_started_file(cfg),
              srun.format(cmd='"${CMD[@]}"') + " &",
              "SRUN=$!",
              *_start_watchdog(cfg.slurm.start_timeout),
              *_wait_srun(),
-             'echo "flexmarl_hpc: ranks exited $rc at $(date -Is)"',
+             'echo "flexmarl_hpc: ranks exited $rc at $(date -Is)$([ "$rc" = "$s" ] || echo " (srun: $s)")"',
              f"if [ $rc -eq {EXIT_REQUEUE} ]; then"]
     if cfg.slurm.requeue:
-        lines += [
+        lines += [*_count_restart(cfg),
             "  # The requeue ends this script. Slurm then holds the job for the credential lifetime",
             "  # (cred_expire, 120 s by default) from the moment it has ended, so only a client can",
             "  # release it early: `submit --wait` does, or scontrol update jobid=J StartTime=now.",
-            '  echo "flexmarl_hpc: exit 75 (checkpointed after a preemption signal or a lost rank, or the '
-            'start-up watchdog): requeueing"',
+            '  echo "flexmarl_hpc: exit 75 ($cause): requeueing"',
             '  scontrol requeue "$SLURM_JOB_ID" || echo "flexmarl_hpc: requeue refused '
             '(a preempted job is requeued by Slurm itself)"']
     else:
@@ -133,13 +132,58 @@ def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list
     return lines + ["fi", "exit $rc", ""]
 
 
+def _restart_gate(cfg: Config) -> list[str]:
+    """slurm.max_restarts: the count of requeues in a row that ended without a new checkpoint
+    lives in logs/JOB.restarts ("COUNT CAUSE", written by `_count_restart`). An incarnation
+    that finds it over the bound does not start: Slurm requeues a preempted job by itself,
+    past this script's own decision. `CKPT` is what every agent's `latest` names now."""
+    if not cfg.slurm.requeue:
+        return []
+    logs = shlex.quote(str(cfg.output_dir / "logs"))
+    ckpts = shlex.quote(str(cfg.output_dir / "checkpoints"))
+    return ["# restart bound (slurm.max_restarts): requeues in a row without a new checkpoint",
+            f'RESTARTS={logs}/"$SLURM_JOB_ID.restarts"',
+            f"ckpt_sig() {{ cat {ckpts}/*/latest 2>/dev/null | cksum; }}",
+            'CKPT=$(ckpt_sig)',
+            'read -r nfail cause < "$RESTARTS" 2>/dev/null || nfail=0',
+            f'if [ "$nfail" -gt {cfg.slurm.max_restarts} ]; then',
+            *_stop_line(cfg, "not starting"),
+            "  exit 1",
+            "fi"]
+
+
+def _count_restart(cfg: Config) -> list[str]:
+    """Inside `if [ $rc -eq 75 ]`: name the cause, count this incarnation if no agent
+    checkpointed during it (0 if one did), and stop instead of requeueing past the bound."""
+    return ['  cause="checkpointed after a preemption signal"',
+            f'  [ ! -e "${REQUEUE_FILE_ENV}" ] || cause=$(head -c 300 "${REQUEUE_FILE_ENV}")',
+            '  [ ! -e "$FLEXMARL_STARTED_FILE.timeout" ] || cause="the ranks were not through MPI '
+            f'start-up after {cfg.slurm.start_timeout} s (slurm.start_timeout)"',
+            '  if [ "$(ckpt_sig)" = "$CKPT" ]; then nfail=$((nfail + 1)); else nfail=0; fi',
+            '  echo "$nfail $cause" > "$RESTARTS"',
+            f'  if [ "$nfail" -gt {cfg.slurm.max_restarts} ]; then',
+            *(" " * 2 + line for line in _stop_line(cfg, "not requeueing")),
+            "    exit 1",
+            "  fi"]
+
+
+def _stop_line(cfg: Config, what: str) -> list[str]:
+    return [f'  echo "flexmarl_hpc: {what}: $nfail incarnations in a row ended without a new checkpoint '
+            f'(slurm.max_restarts={cfg.slurm.max_restarts}), the last: $cause. Fix that, then submit the '
+            'same command to resume."']
+
+
 def _started_file(cfg: Config) -> list[str]:
-    """The file through which rank 0 tells the batch script that start-up is over (run.py,
-    hold_run_lock), one per incarnation of the job."""
+    """The files through which the ranks tell the batch script, one pair per incarnation of
+    the job: rank 0 that start-up is over (run.py, hold_run_lock), and any rank that it
+    ends the job for a requeue, and why (runtime/requeue.py)."""
     logs = shlex.quote(str(cfg.output_dir / "logs"))
     return ["# rank 0 creates it once every rank is through MPI start-up (MPI_Init, the run lock)",
             f'export FLEXMARL_STARTED_FILE={logs}/"$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.started"',
-            'rm -f "$FLEXMARL_STARTED_FILE" "$FLEXMARL_STARTED_FILE.timeout"']
+            "# a rank that ends the job for a requeue (a lost or hung rank) writes the cause here:",
+            "# srun reports the other tasks' SIGKILL (137), not the rank's 75",
+            f'export {REQUEUE_FILE_ENV}={logs}/"$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.requeue"',
+            f'rm -f "$FLEXMARL_STARTED_FILE" "$FLEXMARL_STARTED_FILE.timeout" "${REQUEUE_FILE_ENV}"']
 
 
 def _start_watchdog(seconds: int) -> list[str]:
@@ -170,6 +214,7 @@ def _wait_srun() -> list[str]:
             "  fi",
             "  rc=$s",
             "done",
+            f'[ ! -e "${REQUEUE_FILE_ENV}" ] || rc={EXIT_REQUEUE}',
             f'[ ! -e "$FLEXMARL_STARTED_FILE.timeout" ] || rc={EXIT_REQUEUE}']
 
 

@@ -14,9 +14,9 @@ script requeues, and the run resumes from the checkpoints and the store).
 from __future__ import annotations
 
 from flexmarl_hpc.config.layout import ROLLOUT, TOOLS, RankLayout
-from flexmarl_hpc.runtime import messages
+from flexmarl_hpc.runtime import messages, requeue
 
-EXIT_PREEMPTED = 75
+EXIT_PREEMPTED = requeue.EXIT_REQUEUE
 
 
 def who(layout: RankLayout, rank: int) -> str:
@@ -82,6 +82,7 @@ class WorkerFailures:
         message). A second failure meanwhile ends the job at once."""
         if not self.aborting:
             self.aborting = True
+            requeue.mark(f"{who(self.layout, rank)} (rank {rank}) was lost or hung")
             self.deadlines.forget(rank)
             alive = checkpointable(self.state, self.moving, self.layout, rank)
             self.log(f"checkpointing {', '.join(alive) or 'no agent'}, flushing the store, "
@@ -96,6 +97,7 @@ class WorkerFailures:
         self.log(f"reward function (orchestrator, rank 0): no return from {what} for {secs:.0f} s "
                  f"(run.worker_timeout={self.cfg.run.worker_timeout:g}); flushing the store, "
                  f"exiting {EXIT_PREEMPTED} to requeue")
+        requeue.mark(f"a reward function hung on the orchestrator ({what})")
         self.abort(EXIT_PREEMPTED)
 
     def abort(self, code: int) -> None:

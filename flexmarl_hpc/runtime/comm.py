@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
+from flexmarl_hpc.runtime import requeue
 from flexmarl_hpc.runtime.doorbell import GRACE_S, SAFETY_S, Doorbell
 
 MIN_SLEEP, MAX_SLEEP = 2e-5, 5e-4
@@ -37,7 +38,11 @@ ABORT_GRACE_S = 1.0
 
 
 def abort(comm: MPI.Comm, code: int) -> None:
-    """End the whole job with `code`, after the reason printed just before has left."""
+    """End the whole job with `code`, after the reason printed just before has left. With
+    the requeue code the batch script is told first (runtime/requeue.py: srun would report
+    the other tasks' SIGKILL instead); a caller that knows the cause marks it before."""
+    if code == requeue.EXIT_REQUEUE:
+        requeue.mark("a rank ended the job with the requeue code")
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(ABORT_GRACE_S)

@@ -42,9 +42,10 @@ from typing import Callable
 
 from mpi4py import MPI
 
+from flexmarl_hpc.runtime import requeue
 from flexmarl_hpc.runtime.doorbell import connect_star
 
-EXIT_LOST = 75
+EXIT_LOST = requeue.EXIT_REQUEUE
 """A worker's exit code when the orchestrator has ended: the requeue code (resumable)."""
 TAKE_GRACE_S = 10.0
 """Rank 0: seconds a worker's loss may wait for the main thread (which looks every 0.5 s
@@ -172,5 +173,6 @@ def exit_on_lost(rank: int) -> Callable[[int], None]:
                          "resubmitted\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        requeue.mark(f"the orchestrator (rank {peer}) was lost")
         os._exit(EXIT_LOST)
     return lost
