@@ -106,6 +106,11 @@ def hold_run_lock(cfg: Config) -> bool:
     global _LOCK
     import atexit
     from flexmarl_hpc.runtime import faults
+    from flexmarl_hpc.runtime.stale_shm import clear_stale_segments
+    stale = clear_stale_segments()                 # else a requeued job hangs in MPI_Init
+    if stale:
+        print(f"flexmarl_hpc: removed {len(stale)} MPICH shared-memory segment(s) an earlier incarnation "
+              f"of this step left in /dev/shm ({', '.join(stale)})", file=sys.stderr, flush=True)
     faults.hit("mpi_start")                        # test-only: a rank hung before MPI_Init
     from mpi4py import MPI
     world = MPI.COMM_WORLD

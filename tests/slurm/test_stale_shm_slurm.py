@@ -1,0 +1,76 @@
+"""A requeued Slurm step gets through MPI_Init after its earlier incarnation was SIGKILLed.
+
+MPICH names each node's shared-memory slab after the PMI kvs name, which under srun is
+"JOB.STEP" and so the same for every incarnation of a requeued job: the killed incarnation's
+slab was left in /dev/shm, and the next one hung in MPI_Init (docs/LOG.md, 2026-11-29; the
+cause of the start-up watchdog test's restart loop in CI). The ranks clear it first
+(flexmarl_hpc/runtime/stale_shm.py, called by run.py before MPI_Init); this job does what
+run.py does, with two ranks on one node, in two incarnations.
+
+    pytest tests/slurm/test_stale_shm_slurm.py
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.helpers import wait_for
+
+FIRST = """
+import os, signal
+from mpi4py import MPI
+for _ in range(3):
+    MPI.COMM_WORLD.allreduce(1)                    # the node's slab in use, as in a run
+print("first incarnation: rank", MPI.COMM_WORLD.rank, "killed", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)               # a node failure: no MPI_Finalize
+"""
+SECOND = """
+import os
+from flexmarl_hpc.runtime.stale_shm import clear_stale_segments, segment_prefixes
+left = [n for n in os.listdir("/dev/shm") if n.startswith(segment_prefixes(os.environ["PMI_JOBID"]))]
+print("stale before MPI_Init:", sorted(left), "removed:", sorted(clear_stale_segments()), flush=True)
+from mpi4py import MPI
+print("second incarnation: rank", MPI.COMM_WORLD.rank, "sum", MPI.COMM_WORLD.allreduce(1), flush=True)
+"""
+
+
+@pytest.mark.slurm
+def test_a_requeued_step_starts_after_its_killed_incarnation_left_its_slab(slurm, tmp_path):
+    out = tmp_path / "job.out"
+    script = tmp_path / "job.sh"
+    (tmp_path / "first.py").write_text(FIRST)
+    (tmp_path / "second.py").write_text(SECOND)
+    script.write_text("\n".join([
+        "#!/bin/bash",
+        f"#SBATCH --nodes=1 --ntasks=2 --output={out} --open-mode=append --requeue --time=5",
+        f"export PYTHONPATH={ROOT}",
+        'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then',
+        f"  srun --mpi=pmi2 {sys.executable} {tmp_path / 'first.py'}",
+        '  scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused"',
+        "else",
+        f"  timeout 60 srun --mpi=pmi2 {sys.executable} {tmp_path / 'second.py'}",
+        '  echo "second srun exit $?"',
+        "fi", ""]))
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                         timeout=30, check=True).stdout.strip()
+    try:
+        wait_for(lambda: out.exists() and "killed" in out.read_text(), 120, "the first incarnation")
+        # the requeue hold (cred_expire) is released from outside, as submit --wait does
+        def second_done() -> bool:
+            state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
+                                   timeout=30).stdout.strip()
+            if state == "PENDING":
+                subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True,
+                               timeout=30)
+            return "second srun exit" in out.read_text()
+        wait_for(second_done, 150, "the second incarnation", poll=2)
+        text = out.read_text()
+        assert "second srun exit 0" in text, text           # 124: hung in MPI_Init for 60 s
+        assert text.count("second incarnation: rank") == 2 and text.count("sum 2") == 2, text
+        stale = [line for line in text.splitlines() if line.startswith("stale before MPI_Init")]
+        assert any("mpich_shm_" in line for line in stale), text  # the killed incarnation's slab was there
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
