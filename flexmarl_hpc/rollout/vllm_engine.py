@@ -79,12 +79,12 @@ class SyncWorker:
         store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timeout)
         groups = self.__dict__.setdefault("_flexmarl_groups", {})
         pg = new_group(backend, dist.PrefixStore(prefix, store), rank, size, timeout, torch.device(self.device))
-        groups[prefix] = (pg, rank)
+        groups[prefix] = (pg, rank, backend)
         return rank
 
     def flexmarl_leave(self, prefix: str) -> None:
         from flexmarl_hpc.runtime.sync_groups import _shutdown
-        pg, _ = self.__dict__.get("_flexmarl_groups", {}).pop(prefix, (None, 0))
+        pg = self.__dict__.get("_flexmarl_groups", {}).pop(prefix, (None,))[0]
         if pg is not None:
             _shutdown(pg)
 
@@ -103,13 +103,13 @@ class SyncWorker:
         if buf is None or buf.numel() < bucket.span:
             self._flexmarl_buffer = buf = None
             self._flexmarl_buffer = buf = torch.empty(bucket.span, dtype=torch.uint8, device=self.device)
-        pg, rank = self._flexmarl_groups[prefix]
+        pg, rank, backend = self._flexmarl_groups[prefix]
         at = chain.index(rank)
         dl = deadline.Deadline(0 if left_s is None else max(left_s, 1e-3), f"weight sync group {prefix}")
         region = landing(bucket, buf)
-        deadline.wait_works([pg.recv([region], chain[at - 1], 0)], dl, "a bucket (vLLM TP worker)")
+        deadline.wait_p2p([pg.recv([region], chain[at - 1], 0)], backend, dl, "a bucket (vLLM TP worker)")
         if at + 1 < len(chain):
-            deadline.wait_works([pg.send([region], chain[at + 1], 0)], dl, "a bucket (vLLM TP worker)")
+            deadline.wait_p2p([pg.send([region], chain[at + 1], 0)], backend, dl, "a bucket (vLLM TP worker)")
         whole = received(bucket, buf)
         if whole:
             _model(self).load_weights(weights=list(whole.items()))

@@ -18,9 +18,8 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 from flexmarl_hpc.runtime import requeue
-from flexmarl_hpc.runtime.doorbell import GRACE_S, SAFETY_S, Doorbell
-
-MIN_SLEEP, MAX_SLEEP = 2e-5, 5e-4
+from flexmarl_hpc.runtime.backoff import Backoff, until  # noqa: F401 (comm.until, comm.Backoff)
+from flexmarl_hpc.runtime.doorbell import Doorbell
 
 # message tags (one namespace for the whole job)
 TAG_CMD = 1          # orchestrator -> worker commands
@@ -49,15 +48,6 @@ def abort(comm: MPI.Comm, code: int) -> None:
     comm.Abort(code)
 
 
-class Backoff:
-    def __init__(self) -> None:
-        self.delay = MIN_SLEEP
-
-    def sleep(self) -> None:
-        time.sleep(self.delay)
-        self.delay = min(self.delay * 2, MAX_SLEEP)
-
-
 def recv(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
          status: MPI.Status | None = None, timeout: float | None = None,
          bell: Doorbell | None = None, may_sleep: Callable[[], bool] | None = None) -> Any:
@@ -68,24 +58,6 @@ def recv(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
     until(lambda: comm.Iprobe(source=source, tag=tag, status=st), timeout, bell, may_sleep,
           f"no message from rank {source} (tag {tag})")
     return comm.recv(source=st.Get_source(), tag=st.Get_tag(), status=st)
-
-
-def until(ready: Callable[[], bool], timeout: float | None = None, bell: Doorbell | None = None,
-          may_sleep: Callable[[], bool] | None = None, what: str = "nothing ready") -> None:
-    """Return once `ready()`; between looks, sleep in `bell` (woken by a ring, then poll for
-    its GRACE_S) or, without one, with back-off. TimeoutError after `timeout` seconds."""
-    b = Backoff()
-    t0 = time.monotonic()
-    woke = -float("inf")
-    while not ready():
-        now = time.monotonic()
-        if timeout is not None and now - t0 > timeout:
-            raise TimeoutError(f"{what} in {timeout} s")
-        if bell is not None and now - woke >= GRACE_S and (may_sleep is None or may_sleep()):
-            if bell.sleep(SAFETY_S if timeout is None else min(SAFETY_S, t0 + timeout - now)):
-                woke, b = time.monotonic(), Backoff()     # rung: the message is on its way
-        else:
-            b.sleep()
 
 
 def recv_from(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,

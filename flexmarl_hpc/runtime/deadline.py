@@ -11,22 +11,27 @@ until its wall-clock limit.
     #    and the orchestrator ends the job the hung-worker way: checkpoint, flush, exit 75
 
 Waiting never spins: each look (`Test`, `is_completed`) is followed by a back-off sleep
-(comm.until: 20 us .. 0.5 ms), so a rank waiting for a late member costs its node's cores
+(backoff.until: 20 us .. 0.5 ms), so a rank waiting for a late member costs its node's cores
 nothing. MPICH progresses a non-blocking collective only inside Test; measured here, an
 Ibcast waited this way is no slower than a blocking Bcast (bench/bench_sync_deadline.py).
 A collective abandoned at its deadline stays pending: its communicator or group must not be
 used again (sync_groups.SyncChannels.abandon).
+
+mpi4py is imported by the functions that wait on MPI, never at the top: vLLM's TP workers
+wait with `wait_works` / `wait_blocking` and must not load MPI (docs/backends.md#vllm-engines).
 """
 from __future__ import annotations
 
 import datetime
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
-from mpi4py import MPI
 
-from flexmarl_hpc.runtime.comm import TAG_JOIN, until
+from flexmarl_hpc.runtime.backoff import until
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 class CollectiveTimeout(TimeoutError):
@@ -67,6 +72,12 @@ def wait_request(req: MPI.Request, dl: Deadline, phase: str) -> None:
     wait_until(req.Test, dl, phase)
 
 
+def wait_requests(reqs: list[MPI.Request], dl: Deadline, phase: str) -> None:
+    """Every one of `reqs` by the deadline (left pending at it: see abandon)."""
+    from mpi4py import MPI
+    wait_until(lambda: MPI.Request.Testall(reqs), dl, phase)
+
+
 def bcast(comm: MPI.Comm, buf, root: int, dl: Deadline, phase: str) -> None:
     """`comm.Bcast(buf, root)` by the deadline."""
     wait_request(comm.Ibcast(buf, root=root), dl, phase)
@@ -75,6 +86,7 @@ def bcast(comm: MPI.Comm, buf, root: int, dl: Deadline, phase: str) -> None:
 def allreduce_sum(comm: MPI.Comm, buf, dl: Deadline, phase: str) -> None:
     """In-place SUM allreduce by the deadline. As a rendezvous it completes only once every
     member has joined (a broadcast may complete at its root while a member is missing)."""
+    from mpi4py import MPI
     wait_request(comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), dl, phase)
 
 
@@ -83,6 +95,7 @@ def join(world: MPI.Comm, members: tuple[int, ...], dl: Deadline, phase: str) ->
     deadline: each other member sends the root a token, the root answers each once all have.
     Ahead of a blocking set-up over the members (MPI_Comm_create_group has no non-blocking
     form, and waits forever for a member that never comes)."""
+    from flexmarl_hpc.runtime.comm import TAG_JOIN
     root, me = members[0], world.Get_rank()
     token = np.zeros(1, dtype=np.int8)
     if me == root:
@@ -90,7 +103,7 @@ def join(world: MPI.Comm, members: tuple[int, ...], dl: Deadline, phase: str) ->
         receive_by([world.Irecv(got[i:i + 1], source=m, tag=TAG_JOIN) for i, m in enumerate(members[1:])],
                     dl, phase)
         reqs = [world.Isend(token, dest=m, tag=TAG_JOIN) for m in members[1:]]
-        wait_until(lambda: MPI.Request.Testall(reqs), dl, phase)     # 1 byte: sent eagerly
+        wait_requests(reqs, dl, phase)                                # 1 byte: sent eagerly
         return
     wait_request(world.Isend(token, dest=root, tag=TAG_JOIN), dl, phase)
     receive_by([world.Irecv(token, source=root, tag=TAG_JOIN)], dl, phase)
@@ -100,7 +113,7 @@ def receive_by(reqs: list[MPI.Request], dl: Deadline, phase: str) -> None:
     """MPI requests by the deadline; at it, the ones still open are cancelled (a receive left
     posted would take a late member's token, and MPI_Finalize complains of it)."""
     try:
-        wait_until(lambda: MPI.Request.Testall(reqs), dl, phase)
+        wait_requests(reqs, dl, phase)
     except CollectiveTimeout:
         for r in reqs:
             if not r.Test():
@@ -130,3 +143,9 @@ def wait_blocking(works: Iterable, dl: Deadline, phase: str) -> None:
             if "imed out" not in str(e) and "imeout" not in str(e):
                 raise
             raise dl.expired(phase) from None
+
+
+def wait_p2p(works: Iterable, backend: str, dl: Deadline, phase: str) -> None:
+    """A torch group's send/recv Works by the deadline: gloo's complete only inside `wait()`
+    (`wait_blocking`), NCCL's are looked at (`wait_works`)."""
+    (wait_blocking if backend == "gloo" else wait_works)(works, dl, phase)

@@ -24,8 +24,10 @@ from __future__ import annotations
 import selectors
 import socket
 import time
+from typing import TYPE_CHECKING
 
-from mpi4py import MPI
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 GRACE_S = 2e-3
 """Seconds a woken rank polls MPI for the message its ring announced before sleeping again."""
@@ -106,6 +108,7 @@ def connect_star(world: MPI.Comm, root: int = 0) -> dict[int, socket.socket] | N
     sockets by peer rank (root: one per other rank; the others: one to root), or None on
     every rank if any connection failed. On one node the sockets use the loopback; across
     nodes `root`'s host name. Also the liveness star (flexmarl_hpc.runtime.liveness)."""
+    from mpi4py import MPI         # here: runtime/backoff.py imports this module, MPI-free
     rank, size = world.Get_rank(), world.Get_size()
     names = world.allgather(MPI.Get_processor_name())
     host = "127.0.0.1" if len(set(names)) == 1 else socket.gethostname()

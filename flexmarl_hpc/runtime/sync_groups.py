@@ -27,14 +27,16 @@ import pickle
 import socket
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from flexmarl_hpc.runtime import deadline, memtrack
 from flexmarl_hpc.runtime.deadline import Deadline
+
+if TYPE_CHECKING:              # no mpi4py at run time: vLLM's TP workers import this module
+    from mpi4py import MPI    # (flexmarl_join), and MPI aborts them (docs/backends.md#vllm-engines)
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 CPU_DEFAULT = "mpi"          # weight_sync.backend=auto without CUDA (see resolve_backend)

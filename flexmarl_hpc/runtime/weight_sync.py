@@ -57,7 +57,6 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from flexmarl_hpc.runtime import deadline
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout, Deadline
@@ -406,11 +405,9 @@ def _wait(channels: SyncChannels, handles: list, dl: Deadline, phase: str = "a b
     if not handles:
         return
     if channels.backend == "mpi":           # left pending at the deadline: the pair is abandoned
-        deadline.wait_until(lambda: MPI.Request.Testall(handles), dl, phase)
-    elif channels.backend == "gloo":        # gloo's send/recv Works complete only inside wait()
-        deadline.wait_blocking(handles, dl, phase)
+        deadline.wait_requests(handles, dl, phase)
     else:
-        deadline.wait_works(handles, dl, phase)
+        deadline.wait_p2p(handles, channels.backend, dl, phase)
 
 
 def chain(channels: SyncChannels, pair: Pair, sender: int, targets: Iterable[int]) -> tuple[int, ...]:
@@ -582,7 +579,7 @@ def _announce(pairs: list[tuple[Pair, tuple[int, ...]]], plan: Plan, version: in
             if changed:
                 sends.append(p.comm.Isend(payload, dest=p.rank(t), tag=TAG_PLAN))
             p.sent[t] = plan
-    deadline.wait_until(lambda: MPI.Request.Testall(sends), dl, "the plan")
+    deadline.wait_requests(sends, dl, "the plan")
 
 
 def _listen(pair: Pair, leader: int, dl: Deadline) -> tuple[Plan, int]:

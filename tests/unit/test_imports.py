@@ -1,12 +1,16 @@
 """The login-node side stays light: the config, the Slurm scripts and `submit` import no torch
-and no mpi4py, so `submit --dry-run` and `simulate` start in a second on a login node.
+and no mpi4py, so `submit --dry-run` and `simulate` start in a second on a login node. And what
+vLLM's TP workers import for our worker extension loads no MPI (they are processes spawned by
+an MPI rank, where initialising MPI aborts them: tests/mpi/test_vllm_workers_mpi.py).
 
     pytest tests/test_imports.py
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +24,9 @@ LIGHT = ["flexmarl_hpc.config.schema", "flexmarl_hpc.config.load", "flexmarl_hpc
 HEAVY = ("torch", "mpi4py")
 
 
-def heavy_modules_after(code: str) -> list[str]:
-    """The HEAVY modules in sys.modules after `code` ran in a fresh interpreter."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+def heavy_modules_after(code: str, heavy: tuple[str, ...] = HEAVY) -> list[str]:
+    """The `heavy` modules in sys.modules after `code` ran in a fresh interpreter."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {heavy!r} if m in sys.modules]))"
     p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr
@@ -44,3 +48,24 @@ def test_submit_dry_run_imports_no_torch_or_mpi():
 def test_the_probe_sees_torch():
     """The check can fail: a module that imports torch is reported."""
     assert heavy_modules_after("import torch") == ["torch"]
+
+
+def worker_imports() -> list[str]:
+    """The imports of our modules in SyncWorker's methods, as written: what a vLLM TP worker
+    process runs when the replica calls flexmarl_join / flexmarl_recv / flexmarl_leave."""
+    tree = ast.parse((ROOT / "flexmarl_hpc" / "rollout" / "vllm_engine.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SyncWorker")
+    return [ast.unparse(n) for n in ast.walk(cls) if isinstance(n, ast.ImportFrom) and n.module.startswith("flexmarl_hpc")]
+
+
+def test_what_a_vllm_worker_imports_loads_no_mpi():
+    import torch
+    from flexmarl_hpc.runtime.weight_sync import plan_buckets
+    imports = worker_imports()
+    assert any("sync_groups" in i for i in imports) and any("weight_sync" in i for i in imports), imports
+    # flexmarl_recv's arguments as collective_rpc pickles them: unpickling imports their classes
+    piece = plan_buckets([("w", (4, 8), torch.float32)], 64)[0]
+    header = pickle.dumps(("wsync_0_0/", piece, 1.0, (0, 1, 2)))
+    code = "\n".join(["import pickle", "import flexmarl_hpc.rollout.vllm_engine", *imports,
+                      f"pickle.loads({header!r})"])
+    assert heavy_modules_after(code, ("mpi4py", "mpi4py.MPI")) == []

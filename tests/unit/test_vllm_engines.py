@@ -222,6 +222,21 @@ def test_dtype_and_tensor_parallel_reach_the_engine(fake_vllm, tmp_path):
     assert fake_vllm.built[0].kwargs["gpu_memory_utilization"] == 0.85    # pool memory unknown
 
 
+class FakeWork:
+    """A gloo send/recv Work: completion seen inside `wait(timeout)`, which raises gloo's
+    timeout error if the transfer never came (the group here is gloo: no CUDA)."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout=None) -> None:
+        if not self.done:
+            raise RuntimeError(f"[gloo] Timed out waiting {timeout} for recv operation to complete")
+
+
 class FakeP2P:
     """A worker's (trainer group, pool) sync group: point-to-point sends land on a shared
     wire, receives take from it in order (the chain sender's bytes are put there first)."""
@@ -239,12 +254,12 @@ class FakeP2P:
         done = bool(q) and not FakeP2P.hang
         if done:
             tensors[0].copy_(q.pop(0))
-        return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: done)
+        return FakeWork(done)
 
     def send(self, tensors, dst, tag):
         FakeP2P.wire.setdefault((self.rank, dst), []).append(tensors[0].clone())
         FakeP2P.sends.append((self.rank, dst))
-        return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+        return FakeWork(True)
 
 
 def _fake_p2p(monkeypatch):
