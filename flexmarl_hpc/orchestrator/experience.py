@@ -189,6 +189,13 @@ class Journaled:
         self.journal.changes(ch, self.store.now(), version, replica)
         return ch
 
+    def admit_step(self, step: int) -> Changes:
+        """Admit a step; what that changed (episodes of earlier steps that ended on a tool
+        result while the new ones started) is journalled like a poll's."""
+        ch = super().admit_step(step)
+        self.journal.changes(ch, self.store.now())
+        return ch
+
     def poll(self) -> Changes:
         """What went on between replies (episodes finishing on a tool result), journalled."""
         ch = super().poll()
