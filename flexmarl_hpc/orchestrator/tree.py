@@ -59,6 +59,7 @@ class Node:
     row: int = -1                      # its row in the journal (set by the journal)
     trainer_step: int = -1
     parent_call: str = ""              # episode workflows: "agent/sample_id" of the call before
+    journalled: int = -1               # the last status the journal recorded (experience.py)
 
     @cached_property                   # asked for often (journal, seeds, keys); never changes
     def sample_id(self) -> str:

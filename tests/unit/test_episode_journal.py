@@ -14,7 +14,8 @@ import threading
 import pytest
 
 from flexmarl_hpc.config.schema import Config, WorkflowConfig
-from flexmarl_hpc.orchestrator.experience import EpisodeExperience
+from flexmarl_hpc.orchestrator.episodes import EpisodeTree
+from flexmarl_hpc.orchestrator.experience import EpisodeExperience, NotReady
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.tools.pool import Called
 from flexmarl_hpc.workflows.episode import EpisodeRunner
@@ -115,3 +116,28 @@ def test_episodes_that_end_while_the_next_step_is_admitted_journal_their_ready(h
     store.flush()
     check_journal(store.path)         # generated -> ready -> consumed, reward and advantage set
 
+
+def test_a_sample_the_journal_has_not_made_ready_is_refused_naming_it(held):
+    exp, pool, store, calls = held
+    pool.release()
+    EpisodeTree.poll(exp)             # the tree alone: READY in memory, never journalled
+    assert exp.ready_count("solver", 0) == 2
+    with pytest.raises(NotReady, match=r"^solver sample 0_0_0: not ready in the journal .*refused"):
+        exp.take_ready("solver", 0, 2)
+    assert exp.ready_count("solver", 0) == 2       # nothing consumed
+
+
+def test_a_sample_without_a_finite_advantage_is_refused_naming_it(held):
+    exp, pool, store, calls = held
+    pool.release()
+    exp.poll()
+    calls[1].advantage = float("nan")
+    with pytest.raises(NotReady, match=r"^solver sample 0_0_1: .*advantage nan"):
+        exp.take_ready("solver", 0, 2)
+
+
+@pytest.mark.parametrize("reward", [float("nan"), [1.0, float("inf")]])
+def test_an_episode_returning_a_reward_that_is_not_finite_fails_naming_the_agent(reward):
+    from flexmarl_hpc.workflows.episode import check_rewards
+    with pytest.raises(ValueError, match=r"reward for 'solver' is not a finite number"):
+        check_rewards({"solver": reward}, {"solver": 2 if isinstance(reward, list) else 1}, ["solver"])
