@@ -64,13 +64,19 @@ def run_mpi(mpiexec: str, n: int, args: list[str], timeout: float = 300, env: di
 
 def run_training(tmp: Path, *overrides: str, config: str = "configs/local.yaml", timeout: float = 300,
                  check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:
-    """`python -m flexmarl_hpc.run` (it launches its own mpiexec) into tmp."""
+    """`python -m flexmarl_hpc.run` (it launches its own mpiexec) into tmp. A run that exits
+    0 has its store checked by the journal rule (tests/helpers.py check_journal): every e2e
+    run goes through here, so every store they finish is held to it."""
     cmd = [python, "-m", "flexmarl_hpc.run", config, f"run.output_dir={tmp}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\n"
                              f"stderr:\n{p.stderr[-4000:]}")
+    if p.returncode == 0:
+        from tests.helpers import check_run_journal
+        out = [a.split("=", 1)[1] for a in cmd if a.startswith("run.output_dir=")][-1]
+        check_run_journal(Path(out))
     return p
 
 

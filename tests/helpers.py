@@ -50,7 +50,9 @@ SMALL_ANY_STEPS = ["workflow.inputs_per_step=4", "trainer.micro_batch_size=8", "
 def check_exactly_once(path, steps, dropped_ok=False):
     """Every generated sample trained exactly once, by the step it belongs to (or, with
     `dropped_ok`, dropped by over-provisioning and never trained); statuses and the event
-    log agree; each step's row list is exactly that step's trained samples."""
+    log agree; each step's row list is exactly that step's trained samples; and the journal
+    rule (check_journal) holds."""
+    check_journal(path)
     with h5py.File(path, "r") as f:
         for agent in f.attrs["agents"]:
             g = f[f"samples/{agent}"]
@@ -78,6 +80,61 @@ def check_exactly_once(path, steps, dropped_ok=False):
                     or (dropped_ok and s == DROPPED and prev in (GENERATED, READY)), f"row {row}: {prev} -> {s}"
                 last[row] = s
             assert len(last) == len(ids) and [last[r] for r in range(len(ids))] == status.tolist()
+
+
+# /events statuses as docs/store.md numbers them: the journal rule below reads the file
+# with h5py alone, not the writer's constants, so a writer bug cannot hide in both
+EV_GENERATED, EV_READY, EV_CONSUMED, EV_DROPPED = 0, 1, 2, 3
+EV_NEXT = {EV_GENERATED: (EV_READY, EV_DROPPED), EV_READY: (EV_CONSUMED, EV_GENERATED, EV_DROPPED),
+           EV_CONSUMED: (EV_GENERATED,), EV_DROPPED: ()}
+"""Each status a row's next event may have: generated -> ready -> consumed (or dropped);
+ready or consumed -> generated is a resume's requeue, the only way to be consumed again."""
+
+
+def check_journal(path) -> None:
+    """The journal's rule, over the committed rows of a store (plain h5py, docs/store.md):
+    every row's first event is GENERATED and each next one is allowed by EV_NEXT, so every
+    CONSUMED follows a READY, none is consumed twice without a requeue in between; every
+    READY event carries a finite reward and advantage; a row whose last event is CONSUMED
+    has a finite reward, advantage and t_ready in /samples. AssertionError naming the row."""
+    with h5py.File(path, "r", swmr=True) as f:
+        names = [t.decode() if isinstance(t, bytes) else t for t in f["commit"].attrs["tables"]]
+        commit = dict(zip(names, f["commit"][:].tolist()))
+        agents = [a.decode() if isinstance(a, bytes) else a for a in f.attrs["agents"]]
+        ev = f["events"][:commit["/events"]]
+        for a, agent in enumerate(agents):
+            rows = f[f"samples/{agent}"][:commit[f"/samples/{agent}"]]
+            last = _journal_walk(agent, rows, ev[ev["agent"] == a])
+            for r in (r for r, s in last.items() if s == EV_CONSUMED):
+                x = rows[r]
+                assert np.isfinite([x["reward"], x["advantage"], x["t_ready"]]).all(), \
+                    f"{path}: {agent} sample {x['sample_id'].decode()} consumed with reward {x['reward']}, " \
+                    f"advantage {x['advantage']}, t_ready {x['t_ready']} in /samples"
+
+
+def check_run_journal(out: Path) -> None:
+    """check_journal over the store of the run whose output folder is `out` (its config.yaml
+    names it); a run that wrote no config (--print-config) has no store to check."""
+    import yaml
+    if not (out / "config.yaml").exists():
+        return
+    name = yaml.safe_load((out / "config.yaml").read_text())["run"]["name"]
+    check_journal(out / f"{name}.h5")
+
+
+def _journal_walk(agent: str, rows: np.ndarray, ev: np.ndarray) -> dict[int, int]:
+    """Check one agent's events in order against EV_NEXT; returns each row's last status."""
+    last: dict[int, int] = {}
+    for row, s, reward, adv in zip(ev["row"].tolist(), ev["status"].tolist(), ev["reward"].tolist(),
+                                   ev["advantage"].tolist()):
+        sid = rows["sample_id"][row].decode() if row < len(rows) else f"row {row} (past /samples)"
+        prev = last.get(row)
+        ok = s == EV_GENERATED if prev is None else s in EV_NEXT[prev]
+        assert ok, f"{agent} sample {sid}: event {s} after {prev} (generated 0 -> ready 1 -> consumed 2)"
+        assert s != EV_READY or np.isfinite([reward, adv]).all(), \
+            f"{agent} sample {sid}: READY event with reward {reward}, advantage {adv}"
+        last[row] = s
+    return last
 
 
 def check_batches_of_whole_inputs(path, inputs, extra):

@@ -69,9 +69,14 @@ class EpisodeTree(NodeQueues):
         self.failed: list[Finished] = []                   # episodes that raised (to report)
 
     # -- creating work -------------------------------------------------------------------
-    def admit_step(self, step: int) -> None:
-        if step not in self.steps_admitted:
-            self._start_step(step)
+    def admit_step(self, step: int) -> Changes:
+        """Start `step`'s episodes. Its READY changes are the journal's too: running the
+        episodes' loop to start them also ends earlier episodes whose tool or worker result
+        came in since the last poll (an in-process pool's result is queued on the loop from
+        its executor's thread), making their calls READY here (issue 35)."""
+        if step in self.steps_admitted:
+            return Changes()
+        return Changes(ready=self._start_step(step))
 
     def _start_step(self, step: int) -> list[Node]:
         """Start the episodes of `step`'s examples and run them until they wait; returns

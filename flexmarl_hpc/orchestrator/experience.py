@@ -14,6 +14,8 @@ from __future__ import annotations
 from itertools import chain, compress, repeat
 from operator import attrgetter
 
+import math
+
 import numpy as np
 
 from flexmarl_hpc.config.schema import Config
@@ -51,6 +53,11 @@ def _parent_ids(nodes: list[Node]) -> list[str]:
         if not any(parents):
             return [""] * len(nodes)
     return [n.parent_call or (n.parent.sample_id if n.parent else "") for n in nodes]
+
+
+class NotReady(RuntimeError):
+    """A sample about to be handed to a trainer that the journal does not have READY with a
+    finite reward and advantage: training it would leave a consumed row without its reward."""
 
 
 class Journal:
@@ -117,6 +124,7 @@ class Journal:
         rows["prompt_len"], rows["response_len"] = plen, rlen
         first = tab.append(rows)
         any(map(setattr, nodes, repeat("row"), range(first, first + k)))   # n.row = i, in C
+        any(map(setattr, nodes, repeat("journalled"), repeat(GENERATED)))
         self._events(agent, np.arange(first, first + k), None, GENERATED, now, -1)
 
     def status(self, nodes: list[Node], status: int, now: float, trainer_step: int = -1) -> None:
@@ -135,6 +143,7 @@ class Journal:
             else:
                 fields.update(trainer_step=-1, t_consumed=np.nan)
             self.store.samples[agent].patch(rows, fields)
+            any(map(setattr, ns, repeat("journalled"), repeat(status)))
             self._events(agent, rows, fields, status, now, trainer_step)
 
     def _events(self, agent: str, rows: np.ndarray, fields, status: int, now: float,
@@ -171,7 +180,7 @@ class Journal:
                                 None, prompt=tok[o:o + pl], response=tok[o + pl:o + pl + rl],
                                 logprobs=lps[o + pl:o + pl + rl], version=row["policy_version"],
                                 replica=row["replica"], status=row["status"], row=i,
-                                trainer_step=row["trainer_step"]))
+                                trainer_step=row["trainer_step"], journalled=row["status"]))
         return out
 
 
@@ -189,6 +198,13 @@ class Journaled:
         self.journal.changes(ch, self.store.now(), version, replica)
         return ch
 
+    def admit_step(self, step: int) -> Changes:
+        """Admit a step; what that changed (episodes of earlier steps that ended on a tool
+        result while the new ones started) is journalled like a poll's."""
+        ch = super().admit_step(step)
+        self.journal.changes(ch, self.store.now())
+        return ch
+
     def poll(self) -> Changes:
         """What went on between replies (episodes finishing on a tool result), journalled."""
         ch = super().poll()
@@ -196,7 +212,9 @@ class Journaled:
         return ch
 
     def take_ready(self, agent: str, step: int, k: int) -> list[Node]:
-        """Mark up to k READY samples of (agent, step) CONSUMED, durably, and return them."""
+        """Mark up to k READY samples of (agent, step) CONSUMED, durably, and return them;
+        NotReady (nothing consumed) if one is not READY in the journal with its reward."""
+        refuse_unready(self.ready[agent].get(step, [])[:k])
         take = super().take_ready(agent, step, k)
         if take:
             self.journal.status(take, CONSUMED, self.store.now(), step)
@@ -216,6 +234,18 @@ class Journaled:
         self.journal.status(ch.dropped, DROPPED, now)
         self.store.flush()
         return max((n.step for n in nodes), default=first_step - 1)
+
+
+def refuse_unready(nodes: list[Node]) -> None:
+    """The last gate before a trainer: every sample READY, in memory and in the journal, with
+    a finite reward and advantage; else NotReady naming the first that is not (issue 35: a
+    READY change that missed the journal was trained, its row consumed with reward NaN)."""
+    for n in nodes:
+        r = math.nan if n.reward is None else n.reward
+        if n.status != READY or n.journalled != READY or not math.isfinite(r + n.advantage):
+            raise NotReady(f"{n.agent} sample {n.sample_id}: not ready in the journal (status {n.status}, "
+                           f"journalled {n.journalled}, reward {n.reward}, advantage {n.advantage}): "
+                           "its micro-batch is refused, not trained")
 
 
 class Experience(Journaled, Tree):

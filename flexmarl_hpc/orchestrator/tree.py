@@ -59,6 +59,7 @@ class Node:
     row: int = -1                      # its row in the journal (set by the journal)
     trainer_step: int = -1
     parent_call: str = ""              # episode workflows: "agent/sample_id" of the call before
+    journalled: int = -1               # the last status the journal recorded (experience.py)
 
     @cached_property                   # asked for often (journal, seeds, keys); never changes
     def sample_id(self) -> str:
@@ -139,10 +140,11 @@ class Tree(NodeQueues):
         self.dropping: list[Node] = []                         # generated, now DROPPED
 
     # -- creating work -------------------------------------------------------------------
-    def admit_step(self, step: int) -> None:
-        """Create the roots of `step` (inputs drawn from (seed, step)) as pending turn-0 nodes."""
+    def admit_step(self, step: int) -> Changes:
+        """Create the roots of `step` (inputs drawn from (seed, step)) as pending turn-0 nodes
+        (no status changes: EpisodeTree's admission can have some)."""
         if step in self.steps_admitted:
-            return
+            return Changes()
         self.steps_admitted.add(step)
         n_in = self.n_in + self.extra
         inputs = self.task.sample_inputs(np.random.default_rng([self.cfg.run.seed, step]), n_in)
@@ -151,6 +153,7 @@ class Tree(NodeQueues):
         for input_id, x in zip(self.input_ids(step), inputs):
             self.leaves_left[input_id] = self.leaves_per_input
             self._spawn(None, step, input_id, x)
+        return Changes()
 
     def input_ids(self, step: int) -> range:
         """The ids of a step's inputs (over-provisioned ones included)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -316,6 +317,9 @@ def check_rewards(rewards: Any, calls: dict[str, int], agents: list[str]) -> dic
             out[agent] = [float(x) for x in r]
         else:
             out[agent] = float(r)
+        if not all(map(math.isfinite, out[agent] if isinstance(out[agent], list) else [out[agent]])):
+            # a NaN would reach the trainer as a NaN advantage (the gate refuses it: issue 35)
+            raise ValueError(f"reward for {agent!r} is not a finite number: {r!r}")
     missing = [a for a, n in calls.items() if n and a not in out]
     if missing:
         raise ValueError(f"no reward for {missing} (called in the episode)")
