@@ -40,7 +40,9 @@ from flexmarl_hpc.config.schema import Config, SlurmComponent
 from flexmarl_hpc.config.validate_slurm import OPTION_RE, check_gpus, validate_slurm
 
 EXIT_REQUEUE = 75
-"""EX_TEMPFAIL: the ranks checkpointed after SIGUSR1/SIGTERM; requeue the job."""
+"""EX_TEMPFAIL: run the same command again (the sbatch script requeues on it): the ranks
+checkpointed after SIGUSR1/SIGTERM, a worker hung or died, or the disk filled. The one
+definition: runtime/liveness.py, orchestrator/failures.py and run.py import it."""
 COMPONENTS = ("orchestrator", "rollout", "trainer")
 """Het components in rank order."""
 
