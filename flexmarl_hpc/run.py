@@ -9,12 +9,14 @@
 
 Started outside MPI it checks the config, then re-executes itself under the venv's
 `mpiexec` with the number of ranks the layout needs. Exit codes: 0 done, 2 bad config or
-run.output_dir in use by another run (flexmarl_hpc.store.lock), 75 preempted after a clean
-checkpoint (the Slurm script requeues on it).
+run.output_dir in use by another run (flexmarl_hpc.store.lock), 75 (EXIT_REQUEUE: the Slurm
+script requeues on it) preempted after a clean checkpoint, a worker lost or hung, or a full
+disk; 1 any other error, a store found damaged included (docs/reliability.md).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import signal
@@ -22,6 +24,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.store.checkpoint import CheckpointError
 from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable
 from flexmarl_hpc.store.tables import StoreError
@@ -150,13 +153,28 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
     # the pre-launch check): one line naming the path, not a traceback
     except (CheckpointError, StoreError, StoreDamaged, StoreUnreadable) as e:
         what = "checkpoint" if isinstance(e, CheckpointError) else "store"
-        sys.stderr.write(f"[rank {world.Get_rank()}] {what} error: {e}\n")
-        abort(world, 1)
-        return 1
+        code = exit_code(e)
+        sys.stderr.write(f"[rank {world.Get_rank()}] {what} error: {e}"
+                         + (f" (exiting {code}: free space, then the same command resumes)\n"
+                            if code == EXIT_REQUEUE else "\n"))
+        if code == EXIT_REQUEUE:
+            from flexmarl_hpc.runtime import requeue
+            requeue.mark(f"{what} error: {e}")
+        abort(world, code)
+        return code
     except BaseException:
         sys.stderr.write(f"[rank {world.Get_rank()}] fatal error:\n{traceback.format_exc()}")
         abort(world, 1)
         return 1
+
+
+def exit_code(e: Exception) -> int:
+    """The job's exit code for a checkpoint or store error: EXIT_REQUEUE where the same
+    command succeeds once someone fixes the cause (a full disk or quota: the writes were
+    journaled, a resume discards what was not committed), 1 otherwise; a store found
+    damaged (StoreDamaged, StoreUnreadable) stays 1, as a requeue would find it damaged again."""
+    full = isinstance(e, (CheckpointError, StoreError)) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return EXIT_REQUEUE if full else 1
 
 
 _PREEMPTED = False
@@ -242,10 +260,10 @@ def _started(world, live, log=None) -> None:
     until(ready)
     if lost:
         log(f"rank {lost[0]}: its process ended before the run started (liveness socket closed); "
-            "exiting 75 to requeue")
+            f"exiting {EXIT_REQUEUE} to requeue")
         from flexmarl_hpc.runtime import requeue
         requeue.mark(f"rank {lost[0]} was lost before the run started")
-        abort(world, requeue.EXIT_REQUEUE)
+        abort(world, EXIT_REQUEUE)
 
 
 def _doorbell(cfg: Config, world):
@@ -281,16 +299,16 @@ def _exit_untaken(log, layout: RankLayout, rank: int) -> None:
     it in TAKE_GRACE_S, so it is stuck (inside MPI: runtime/liveness.py). Say so and end
     rank 0 as a kill would (its liveness sockets close: every worker exits 75 within a
     second); no checkpoint, the store's writes are journaled, the run resumes."""
-    from flexmarl_hpc.orchestrator.failures import EXIT_PREEMPTED, who
+    from flexmarl_hpc.orchestrator.failures import who
     from flexmarl_hpc.runtime.liveness import TAKE_GRACE_S
     log(f"{who(layout, rank)} (rank {rank}): its process has ended (liveness socket closed), and "
         f"the orchestrator has not acted on it in {TAKE_GRACE_S:g} s (stuck inside MPI: a send to "
-        f"the dead rank can retry its connection forever); exiting {EXIT_PREEMPTED} to requeue "
+        f"the dead rank can retry its connection forever); exiting {EXIT_REQUEUE} to requeue "
         "without a checkpoint (the run resumes from the last checkpoints and the store)")
     sys.stderr.flush()
     from flexmarl_hpc.runtime import requeue
     requeue.mark(f"{who(layout, rank)} (rank {rank}) was lost")
-    os._exit(EXIT_PREEMPTED)
+    os._exit(EXIT_REQUEUE)
 
 
 def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=None) -> int:

@@ -30,8 +30,13 @@ def preflight(cfg: Config, layout: RankLayout, local: bool):
     if local:
         check_local_ranks(cfg, layout)
     check_resumable(cfg, chunks=local)
+    if cfg.workflow.episode:             # user code imported in a child before this process does
+        from flexmarl_hpc.workflows.episode_check import check_episode
+        check_episode(cfg.workflow.episode, cfg.workflow.episode_args)
     from flexmarl_hpc.runtime.build import build_task, check_models
     task = build_task(cfg)
+    if cfg.workflow.episode:             # its dataset read (and refused) before the model checks
+        len(task.stream)
     check_models(cfg, task)
     if local:
         check_local_memory(cfg, task)

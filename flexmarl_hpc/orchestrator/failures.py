@@ -8,15 +8,14 @@ reward function hangs (timing.Watchdog).
     self.reward_hung(what, secs)
 
 Each says who and what in one line, checkpoints the agents whose trainer groups still
-answer, flushes the store and ends the whole job with EXIT_PREEMPTED (75: the sbatch
+answer, flushes the store and ends the whole job with EXIT_REQUEUE (75: the sbatch
 script requeues, and the run resumes from the checkpoints and the store).
 """
 from __future__ import annotations
 
 from flexmarl_hpc.config.layout import ROLLOUT, TOOLS, RankLayout
 from flexmarl_hpc.runtime import messages, requeue
-
-EXIT_PREEMPTED = requeue.EXIT_REQUEUE
+from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 
 
 def who(layout: RankLayout, rank: int) -> str:
@@ -86,19 +85,19 @@ class WorkerFailures:
             self.deadlines.forget(rank)
             alive = checkpointable(self.state, self.moving, self.layout, rank)
             self.log(f"checkpointing {', '.join(alive) or 'no agent'}, flushing the store, "
-                     f"exiting {EXIT_PREEMPTED} to requeue")
+                     f"exiting {EXIT_REQUEUE} to requeue")
             if alive:
                 self.checkpoint(alive, only=True)
-        self.abort(EXIT_PREEMPTED)
+        self.abort(EXIT_REQUEUE)
 
     def reward_hung(self, what: str, secs: float) -> None:
         """The watchdog thread: rank 0 itself is stuck in a reward function. The main thread
         cannot checkpoint, so flush what the store has and end the job for a requeue."""
         self.log(f"reward function (orchestrator, rank 0): no return from {what} for {secs:.0f} s "
                  f"(run.worker_timeout={self.cfg.run.worker_timeout:g}); flushing the store, "
-                 f"exiting {EXIT_PREEMPTED} to requeue")
+                 f"exiting {EXIT_REQUEUE} to requeue")
         requeue.mark(f"a reward function hung on the orchestrator ({what})")
-        self.abort(EXIT_PREEMPTED)
+        self.abort(EXIT_REQUEUE)
 
     def abort(self, code: int) -> None:
         try:

@@ -25,7 +25,8 @@ from flexmarl_hpc.config.resources import swap_peers, trainer_groups
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.orchestrator.eval_dispatch import eval_dispatch
 from flexmarl_hpc.orchestrator.experience import Node, experience_for
-from flexmarl_hpc.orchestrator.failures import EXIT_PREEMPTED, WorkerFailures
+from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
+from flexmarl_hpc.orchestrator.failures import WorkerFailures
 from flexmarl_hpc.orchestrator.pool_binding import pool_binding
 from flexmarl_hpc.orchestrator.recorder import RunRecorder
 from flexmarl_hpc.orchestrator.scheduler import Scheduler, route
@@ -502,8 +503,8 @@ class Orchestrator(WorkerFailures):
         self.log("preemption signal: draining, checkpointing every agent, flushing the store")
         self.drain()
         self.checkpoint(self.agents)
-        self.stop_workers(EXIT_PREEMPTED)
-        return EXIT_PREEMPTED
+        self.stop_workers(EXIT_REQUEUE)
+        return EXIT_REQUEUE
 
     def stop_workers(self, code: int) -> None:
         self.drain()

@@ -19,7 +19,7 @@ keepalive (`KEEPALIVE`: idle 5 s, then 3 probes 2 s apart, ~11 s). The watching 
 sleeps in epoll on the sockets: no wake-ups, no CPU, while everyone lives.
 
 What the ranks do with it: a worker that loses the orchestrator prints one line and exits
-`EXIT_LOST` (75, requeue: the run resumes from its checkpoints and the store), see
+`EXIT_REQUEUE` (75, requeue: the run resumes from its checkpoints and the store), see
 `exit_on_lost`; the orchestrator's transport (runtime/transport.py) turns a lost worker
 into `WorkerLost`, and the orchestrator takes its hung-worker path (checkpoint what still
 answers, flush the store, exit 75).
@@ -44,9 +44,8 @@ from mpi4py import MPI
 
 from flexmarl_hpc.runtime import requeue
 from flexmarl_hpc.runtime.doorbell import connect_star
+from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 
-EXIT_LOST = requeue.EXIT_REQUEUE
-"""A worker's exit code when the orchestrator has ended: the requeue code (resumable)."""
 TAKE_GRACE_S = 10.0
 """Rank 0: seconds a worker's loss may wait for the main thread (which looks every 0.5 s
 while it waits for replies) before `Liveness.on_untaken` runs."""
@@ -165,14 +164,14 @@ def connect(world: MPI.Comm, root: int = 0) -> Liveness | None:
 
 
 def exit_on_lost(rank: int) -> Callable[[int], None]:
-    """A worker's `on_lost`: one line saying why, then exit EXIT_LOST at once (the main
+    """A worker's `on_lost`: one line saying why, then exit EXIT_REQUEUE at once (the main
     thread is waiting for a command that will never come, maybe inside MPI)."""
     def lost(peer: int) -> None:
         sys.stderr.write(f"[rank {rank}] the orchestrator (rank {peer}) has ended (its liveness "
-                         f"socket closed): exiting {EXIT_LOST}; the run resumes when requeued or "
+                         f"socket closed): exiting {EXIT_REQUEUE}; the run resumes when requeued or "
                          "resubmitted\n")
         sys.stderr.flush()
         sys.stdout.flush()
         requeue.mark(f"the orchestrator (rank {peer}) was lost")
-        os._exit(EXIT_LOST)
+        os._exit(EXIT_REQUEUE)
     return lost

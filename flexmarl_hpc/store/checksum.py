@@ -16,6 +16,7 @@ docs/store.md says why the filter and what it cannot catch.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 import zlib
@@ -236,24 +237,32 @@ def committed(f: h5py.File) -> dict[str, int]:
     return out
 
 
+RETRIES = 2     # a live writer may be rewriting the chunk an SWMR reader reads: read it again
+
+
 def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None = None,
-                 full: dict[int, int] | None = None) -> list[Damage]:
+                 full: dict[int, int] | None = None, retries: int = RETRIES) -> list[Damage]:
     """The chunks of ds's first `rows` rows that fail their Fletcher-32 (or are missing or
     of the wrong size). One pass over the chunk index (H5Dchunk_iter), then each chunk's
     bytes read from `fd` (the file, opened by the caller) and checked here: a per-chunk
-    HDF5 look-up costs ~0.5 ms on a big file, this ~10 us plus the read."""
+    HDF5 look-up costs ~0.5 ms on a big file, this ~10 us plus the read. A chunk index
+    that cannot be read (damaged or cut off: see open_bounded) makes every chunk damaged."""
     if not rows:
         return []
     step, bad, where = ds.chunks[0], [], {}
-    ds.id.chunk_iter(lambda info: where.__setitem__(info.chunk_offset[0], info))
+    try:
+        ds.id.chunk_iter(lambda info: where.__setitem__(info.chunk_offset[0], info))
+    except (OSError, RuntimeError, ValueError):
+        where, retries = {}, 0
     size = step * ds.dtype.itemsize + 4
     for lo in range(0, rows, step):
         info = where.get(lo)
-        for attempt in range(RETRIES):
+        for attempt in range(retries + 1):
             if _chunk_ok(info, size, fd):
                 break
-            time.sleep(0.05 * (attempt + 1))           # the writer may be rewriting it: look again
-            info = _lookup(ds, lo)
+            if attempt < retries:
+                time.sleep(0.05 * (attempt + 1))       # the writer may be rewriting it: look again
+                info = _lookup(ds, lo)
         else:
             off = -1 if info is None or info.byte_offset is None else int(info.byte_offset)
             want = crc if lo + step > rows else (full or {}).get(lo // step)
@@ -274,9 +283,6 @@ def torn_chunk(ds: h5py.Dataset, info, rows: int, fd: int, crc: int) -> bool:
         prefix_crc(np.frombuffer(raw, ds.dtype), ds.name) == crc
 
 
-RETRIES = 3     # a live writer may be rewriting the chunk an SWMR reader reads: read it again
-
-
 def _lookup(ds: h5py.Dataset, lo: int):
     try:
         return ds.id.get_chunk_info_by_coord((lo,))
@@ -292,9 +298,10 @@ def _chunk_ok(info, size: int, fd: int) -> bool:
     return len(raw) == size and fletcher32(raw[:-4]) == int.from_bytes(raw[-4:], "little")
 
 
-def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",)) -> list[Damage]:
+def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",), retries: int = RETRIES) -> list[Damage]:
     """Every committed chunk of every checksummed table (whose name starts with one of
-    `only`), verified; the bad ones."""
+    `only`), verified; the bad ones. `retries`: look-ups again of a chunk that fails (0 for a
+    file no writer holds: salvage)."""
     bad: list[Damage] = []
     crcs, full = prefix_crcs(f), chunk_crcs(f)
     fd = os.open(f.filename, os.O_RDONLY)
@@ -303,7 +310,7 @@ def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",)) -> list[Damage]
             ds = f.get(name) if name.startswith(only) else None
             if ds is None or not has_checksums(ds):
                 continue
-            bad += chunk_damage(ds, min(rows, len(ds)), fd, crcs.get(name), full.get(name))
+            bad += chunk_damage(ds, min(rows, len(ds)), fd, crcs.get(name), full.get(name), retries)
     finally:
         os.close(fd)
     return bad
@@ -364,6 +371,26 @@ def open_read(path: Path) -> h5py.File:
         except OSError as e:
             raise StoreUnreadable(f"{path}: not a readable HDF5 file "
                                   f"({' '.join(str(e).split())[:200]})") from None
+
+
+def open_bounded(path: Path) -> h5py.File:
+    """The file opened read-only and SWMR (so a killed writer's flags and a truncated end
+    keep nothing out; the file is not changed) with ONE metadata read attempt: an SWMR
+    reader retries a metadata block whose checksum fails with a doubling sleep up to 100
+    times (H5C__load_entry: hours), which a block cut off by truncation or overwritten
+    fails every time. For a file no writer holds (salvage): a live writer's half-written
+    block then fails a read instead of being read again. h5py does not expose
+    H5Pset_metadata_read_attempts; its extension module links libhdf5, so dlsym finds it."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    lib = ctypes.CDLL(h5py.h5f.__file__)
+    if lib.H5Pset_metadata_read_attempts(ctypes.c_int64(fapl.id), ctypes.c_uint(1)) < 0:
+        raise StoreUnreadable(f"{path}: cannot bound HDF5's metadata read attempts")
+    try:
+        fid = h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ, fapl=fapl)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise StoreUnreadable(f"{path}: not a readable HDF5 file ({' '.join(str(e).split())[:200]})") from None
+    return h5py.File(fid)
 
 
 def verify_path(path: Path) -> list[Damage]:

@@ -21,7 +21,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from flexmarl_hpc.store.checksum import MUTABLE, Damage, committed, damaged_chunks, has_checksums, verify_path
+from flexmarl_hpc.store.checksum import (MUTABLE, Damage, StoreUnreadable, check_not_truncated, committed,
+                                         damaged_chunks, has_checksums, open_bounded, verify_path)
 from flexmarl_hpc.store.tables import CONSUMED, StoreFile
 
 
@@ -33,9 +34,11 @@ class Salvaged:
     lost_rows: dict[str, int] = field(default_factory=dict)        # table -> rows not copied
     lost_ids: dict[str, list[str]] = field(default_factory=dict)   # agent -> lost sample ids
     unreadable: dict[str, int] = field(default_factory=dict)       # agent -> lost rows, ids unknown
+    truncated: str = ""                                            # the truncation notice, if cut
 
     def lines(self) -> list[str]:
-        out = [f"salvage: {len(self.damage)} damaged chunk(s): " + "; ".join(
+        out = [f"salvage: {self.truncated}: the chunks past its end are lost"] if self.truncated else []
+        out += [f"salvage: {len(self.damage)} damaged chunk(s): " + "; ".join(
             d.line() + (" (torn: a kill cut its rewrite; its committed rows verify)" if d.torn else "")
             for d in self.damage)]
         out += [f"salvage: {t}: {n} committed rows lost" for t, n in self.lost_rows.items() if n]
@@ -99,6 +102,8 @@ def _event_holes(ev: np.ndarray, ok: np.ndarray) -> list[tuple[float, float]]:
 
 def _unexplained(rows: np.ndarray, ev: np.ndarray) -> np.ndarray:
     """Rows whose cached status (and trainer_step) the given events do not end in."""
+    if not len(ev):                     # no event left: no status is explained
+        return np.ones(len(rows), bool)
     last = np.full(len(rows), -1, np.int64)
     last[ev["row"]] = np.arange(len(ev))
     has = last >= 0
@@ -157,27 +162,13 @@ def salvage(src: Path, out: Path) -> Salvaged:
     src, out = Path(src), Path(out)
     if out.exists():
         raise ValueError(f"{out}: exists; salvage writes a new file (name another with --out)")
-    with h5py.File(src, "r", swmr=True) as f:        # a killed writer's flags stay as they are
-        if f.attrs.get("program") != "flexmarl_hpc" or "commit" not in f:
-            raise ValueError(f"{src}: not a flexmarl_hpc run file of schema version 3 or later")
-        if not has_checksums(f["events"]):
-            raise ValueError(f"{src}: written without chunk checksums (schema version "
-                             f"{int(f.attrs.get('schema_version', 0))}): nothing to verify rows against")
-        n = {t: min(k, len(f[t])) for t, k in committed(f).items() if t in f}
-        bad = damaged_chunks(f)
-        ok = {t: _good(k, bad, t) for t, k in n.items()}
-        data = {t: _read(f, t, k, ok[t]) for t, k in n.items()}
-        for d in bad:
-            if d.torn and d.table in data:
-                _torn_rows(f, d, data[d.table], ok[d.table])
-        attrs = {k: v for k, v in f.attrs.items()}
-        chunk = f[f"samples/{attrs['agents'][0]}"].chunks[0]
+    attrs, chunk, bad, ok, data = _load(src)
     agents = [str(a) for a in attrs["agents"]]
-    rep = Salvaged(out, bad)
+    rep = Salvaged(out, bad, truncated=_truncated(src))
     samples = {a: data[f"/samples/{a}"] for a in agents}
     lost = {a: _lost_samples(samples[a], ok[f"/samples/{a}"], ok[f"/tokens/{a}"], data["/events"],
                              ok["/events"], i) for i, a in enumerate(agents)}
-    lost = _trees(samples, lost)
+    lost = _orphans(samples, _trees(samples, lost), any((~ok[f"/samples/{a}"]).any() for a in agents))
     for a in agents:
         rep.lost_ids[a] = sorted(x.decode() for x in samples[a]["sample_id"][lost[a] & _good_ids(samples[a])])
         rep.unreadable[a] = int((~ok[f"/samples/{a}"] & ~_good_ids(samples[a])).sum())
@@ -190,6 +181,76 @@ def salvage(src: Path, out: Path) -> Salvaged:
          "lost_rows": rep.lost_rows, "unreadable_sample_rows": rep.unreadable}, indent=1))
     verify_path(out)
     return rep
+
+
+def _truncated(src: Path) -> str:
+    """The one-line truncation notice of src ('' for a whole file): its cut-off chunks are
+    reported as damaged, this says why."""
+    try:
+        check_not_truncated(src)
+    except StoreUnreadable as e:
+        return str(e)
+    return ""
+
+
+def _load(src: Path):
+    """(file attributes, rows per sample chunk, damaged chunks, verified-row masks, rows) of
+    src, read with bounded metadata retries (open_bounded): a truncated or damaged file is
+    read in seconds, and what HDF5 cannot read at all (the root group, /commit, a table's
+    header) is refused in one line naming it."""
+    with open_bounded(src) as f:
+        if f.attrs.get("program") != "flexmarl_hpc" or "commit" not in f:
+            raise ValueError(f"{src}: not a flexmarl_hpc run file of schema version 3 or later")
+        where = "/commit"
+        try:
+            counts = committed(f)
+            if not has_checksums(f["events"]):
+                raise ValueError(f"{src}: written without chunk checksums (schema version "
+                                 f"{int(f.attrs.get('schema_version', 0))}): nothing to verify rows against")
+            where = "its chunk checksums"
+            bad = damaged_chunks(f, retries=0)          # no writer holds it: a bad chunk stays bad
+            ok, data = {}, {}
+            for t, k in counts.items():
+                where = t
+                if t in f:
+                    ok[t] = _good(min(k, len(f[t])), bad, t)
+                    data[t] = _read(f, t, len(ok[t]), ok[t])
+            for d in bad:
+                if d.torn and d.table in data:
+                    _torn_rows(f, d, data[d.table], ok[d.table])
+            attrs = {k: v for k, v in f.attrs.items()}
+            chunk = f[f"samples/{attrs['agents'][0]}"].chunks[0]
+        except (OSError, RuntimeError, KeyError) as e:
+            raise ValueError(f"{src}: {where} cannot be read (its HDF5 metadata lies in damaged or "
+                             f"missing bytes: {' '.join(str(e).split())[:120]}); nothing was written") from None
+    return attrs, chunk, bad, ok, data
+
+
+def _orphans(samples: dict, lost: dict, unreadable: bool) -> dict:
+    """With a lost sample, its children (parent_id its id, or "<agent>/<id>" for an episode
+    call), theirs, and their trees: a kept child of a lost parent answers a prompt the store
+    no longer holds. A parent id found nowhere counts as lost only where some sample rows
+    are unreadable (it may be one of them)."""
+    while True:
+        keep = _ids(samples, {a: ~m for a, m in lost.items()})
+        gone = _ids(samples, lost)
+        new = {a: lost[a] | _good_ids(r) & np.fromiter(
+            (p != b"" and p not in keep and (unreadable or p in gone) for p in r["parent_id"].tolist()),
+            bool, len(r)) for a, r in samples.items()}
+        new = _trees(samples, new)
+        if all((new[a] == lost[a]).all() for a in samples):
+            return lost
+        lost = new
+
+
+def _ids(samples: dict, mask: dict) -> set[bytes]:
+    """The ids of the readable rows `mask` selects, bare and as "<agent>/<id>"."""
+    out: set[bytes] = set()
+    for a, r in samples.items():
+        ids = r["sample_id"][mask[a] & _good_ids(r)].tolist()
+        out.update(ids)
+        out.update(f"{a}/".encode() + x for x in ids)
+    return out
 
 
 def _write(out: Path, agents: list[str], attrs: dict, chunk: int, data: dict, ok: dict, lost: dict) -> None:

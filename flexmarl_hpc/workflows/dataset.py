@@ -35,10 +35,16 @@ from flexmarl_hpc.config.schema import DATASET_WHERE as WHERE, ConfigError, Data
 # ---------------------------------------------------------------------------------------
 # Loaders: each returns the file's rows as dicts, in file order
 # ---------------------------------------------------------------------------------------
+MAX_LINE_BYTES = 16 << 20
+"""Longest JSONL line (one example) read: a longer one is refused by its line number before
+it is read whole (a 2 GiB line grew the launcher past 12 GiB)."""
+
+
 def read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
+            line = _line(path, lineno, raw)
             if not line.strip():
                 continue
             try:
@@ -49,6 +55,17 @@ def read_jsonl(path: Path) -> list[dict]:
                 raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)
     return rows
+
+
+def _line(path: Path, lineno: int, raw: bytes) -> str:
+    """A JSONL line's text: at most MAX_LINE_BYTES, UTF-8; DatasetError naming file:line."""
+    if len(raw) > MAX_LINE_BYTES:
+        raise DatasetError(f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES >> 20} MiB; expected "
+                           "one example per line")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
 
 
 def read_parquet(path: Path) -> list[dict]:

@@ -337,8 +337,8 @@ def load_episode(spec: str) -> Callable:
     mod_name, _, fn_name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"workflow.episode: cannot import {spec!r}: {e}") from None
+    except (ImportError, AttributeError, ValueError, SyntaxError) as e:   # (launch: episode_check.py)
+        raise ConfigError(f"workflow.episode: cannot import {spec!r}: {' '.join(str(e).split())}") from None
     if not inspect.iscoroutinefunction(fn):
         raise ConfigError(f"workflow.episode: {spec!r} is not an `async def episode(ctx, example)`")
     return fn

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import asdict, dataclass, fields
 
 from flexmarl_hpc.workflows.mathcheck import answer_correct, extract_answer
 
@@ -77,20 +78,28 @@ async def correct(ctx, answer: str | None, gold) -> bool:
     return done.outcome == "ok" and bool(done.value)
 
 
-ARGS = {"extra_solver_cost": 0.1}
-"""workflow.episode_args this episode reads, with their defaults."""
+@dataclass(frozen=True)
+class MathTeamArgs:
+    """workflow.episode_args this episode reads, with their defaults."""
+    extra_solver_cost: float = 0.1
+
+    def __post_init__(self):
+        cost = self.extra_solver_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost <= 1:
+            raise ValueError(f"workflow.episode_args.extra_solver_cost: expected a number in [0, 1], got {cost!r}")
+
+
+ARGS = MathTeamArgs
+"""The episode_args declaration the launcher checks before any rank starts (episode_check.py)."""
 
 
 def episode_args(args: dict) -> dict:
     """ARGS overridden by workflow.episode_args; an unknown key or a bad value is refused by name."""
-    bad = sorted(set(args) - set(ARGS))
+    known = sorted(f.name for f in fields(ARGS))
+    bad = sorted(set(args) - set(known))
     if bad:
-        raise ValueError(f"workflow.episode_args: unknown {bad}, expected some of {sorted(ARGS)}")
-    out = {**ARGS, **args}
-    cost = out["extra_solver_cost"]
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost <= 1:
-        raise ValueError(f"workflow.episode_args.extra_solver_cost: expected a number in [0, 1], got {cost!r}")
-    return out
+        raise ValueError(f"workflow.episode_args: unknown {bad}, expected some of {known}")
+    return asdict(ARGS(**args))
 
 
 async def episode(ctx, example: dict) -> dict:

@@ -439,3 +439,68 @@ def test_pool_component_errors_name_the_pool(tmp_path):
     path.write_text(yaml.safe_dump(_hetero(lambda d: _set(d["rollout"]["pools"][0], slurm={"nodes": 2}))))
     with pytest.raises(ConfigError, match=r"rollout\.pools\[0\]\.slurm\.nodes: 2 nodes for 1 tasks"):
         prepare(str(path), [f"run.output_dir={tmp_path}"])
+
+
+# -- issue 38: episode workflows. Each of these gave a 33-line traceback (import errors, a
+# non-UTF-8 dataset), launched and trained 0 samples with rc 0 (episode_args), or read a
+# 2 GiB line whole (past 12 GiB) before the fix
+EPISODE = ["workflow.agents=[planner,solver,verifier]", "workflow.turns=[]", "run.eval_every=0",
+           "workflow.max_new_tokens=8", "model.max_seq_len=256"]
+MATH_TEAM = "workflow.episode=flexmarl_hpc.workflows.math_team:episode"
+EPISODE_CASES = [
+    ("episode-raises-on-import", ["workflow.episode=boom_ep:episode"],
+     "workflow.episode: importing 'boom_ep' raised RuntimeError: no GPU here (at {tmp}/boom_ep.py:3)"),
+    ("episode-syntax-error", ["workflow.episode=broken_ep:episode"],
+     "workflow.episode: 'broken_ep:episode': syntax error at {tmp}/broken_ep.py:2"),
+    ("dataset-not-utf8", [MATH_TEAM, "workflow.dataset.train={tmp}/latin1.jsonl"],
+     "{tmp}/latin1.jsonl:2: not UTF-8 (byte 0xe9"),
+    ("episode_args-unknown", [MATH_TEAM, "workflow.episode_args={bogus: 1}"],
+     "workflow.episode_args: unknown ['bogus'], expected some of ['extra_solver_cost']"),
+    ("episode_args-wrong-type", [MATH_TEAM, "workflow.episode_args={extra_solver_cost: abc}"],
+     "workflow.episode_args.extra_solver_cost: expected float, got 'abc'"),
+    ("dataset-2GiB-line", [MATH_TEAM, "workflow.dataset.train={tmp}/huge.jsonl"],
+     "{tmp}/huge.jsonl:2: a line longer than 16 MiB"),
+]
+
+
+def _episode_files(tmp: Path) -> None:
+    """The episode modules and datasets the cases name (the 2 GiB line is a hole: no disk)."""
+    (tmp / "boom_ep.py").write_text("import os\nX = 1\nraise RuntimeError('no GPU here')\n"
+                                    "async def episode(ctx, example):\n    return {}\n")
+    (tmp / "broken_ep.py").write_text("async def episode(ctx, example):\n    return {\n")
+    good = '{"question": "1 + 1?", "answer": 2}\n'
+    (tmp / "train.jsonl").write_text(good * 8)
+    (tmp / "latin1.jsonl").write_bytes(good.encode() + '{"question": "café?", "answer": 1}\n'.encode("latin-1"))
+    with open(tmp / "huge.jsonl", "wb") as f:
+        f.write(good.encode() + b'{"question": "')
+        f.seek(2 << 30)
+        f.write(b'", "answer": 2}\n')
+
+
+@pytest.mark.parametrize("case", EPISODE_CASES, ids=[c[0] for c in EPISODE_CASES])
+def test_a_bad_episode_or_dataset_is_one_line_before_launch(case, tmp_path, capsys, monkeypatch):
+    """rc 2, one line naming the file and line (or the key), no rank launched, nothing
+    written; the episode module is imported in a child process (episode_check.py)."""
+    name, spec, field = case
+    _episode_files(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")       # no __pycache__ in tmp_path
+    overrides = [s.replace("{tmp}", str(tmp_path)) for s in spec]
+    if not any(o.startswith("workflow.dataset.train=") for o in overrides):
+        overrides.append(f"workflow.dataset.train={tmp_path / 'train.jsonl'}")
+    argv = [LOCAL, f"run.output_dir={tmp_path / 'out'}", *EPISODE, *overrides]
+    _refused(name, argv, field.replace("{tmp}", str(tmp_path)), tmp_path, capsys, monkeypatch)
+
+
+def test_the_episode_check_passes_good_args_and_bounds_a_hanging_import(tmp_path, monkeypatch):
+    """Declared args of the right types pass (an int for a float field too), an episode
+    without ARGS takes any args, and an import that hangs is one line, not a hung launcher."""
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.workflows.episode_check import check_episode
+    check_episode("flexmarl_hpc.workflows.math_team:episode", {"extra_solver_cost": 0.02})
+    check_episode("flexmarl_hpc.workflows.math_team:episode", {"extra_solver_cost": 0})
+    check_episode("tests.e2e.episodes:skewed", {"anything": [1, 2]})
+    (tmp_path / "hangs_ep.py").write_text("import time\ntime.sleep(3600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^workflow.episode: importing 'hangs_ep:episode' did not finish in 3 s$"):
+        check_episode("hangs_ep:episode", {}, timeout=3)

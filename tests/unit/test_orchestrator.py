@@ -13,7 +13,8 @@ from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.build import build_task
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.layout import ROLLOUT, layout_from_config
-from flexmarl_hpc.orchestrator.loop import EXIT_PREEMPTED, Orchestrator
+from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
+from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.runtime.transport import Aborted, FakeTransport
 from tests.conftest import ROOT
@@ -264,7 +265,7 @@ def test_a_hung_replica_ends_the_job_with_the_requeue_code(tmp_path):
             orch.run()
     finally:
         store.close()
-    assert e.value.code == EXIT_PREEMPTED
+    assert e.value.code == EXIT_REQUEUE
     assert any("replica 0 (rank 1): no answer to generate batch 1" in ln for ln in lines), lines
     # the trainer groups still answer: both agents are checkpointed before the exit
     assert {a for _, c in transport.sent if isinstance(c, messages.Checkpoint) for a in c.agents} == set(orch.agents)
@@ -301,7 +302,7 @@ def test_a_sync_timeout_checkpoints_and_ends_the_job_with_the_requeue_code(tmp_p
             orch.run()
     finally:
         store.close()
-    assert e.value.code == EXIT_PREEMPTED
+    assert e.value.code == EXIT_REQUEUE
     leader = orch.state[agent].leader
     assert any(f"(rank {leader}): gave up on the weight sync of agent {agent} v1 over ranks [{leader}, " in ln
                and "the rendezvous not done" in ln for ln in lines), lines

@@ -348,7 +348,8 @@ def test_a_full_disk_is_one_line_and_the_file_reopens_at_its_last_commit(tmp_pat
                     s.flush()
                     out["committed"] = first + 64
             except StoreError as e:
-                out.update(msg=str(e), errno=e.errno)
+                from flexmarl_hpc.run import exit_code
+                out.update(msg=str(e), errno=e.errno, code=exit_code(e))
             finally:
                 report.write_text(json.dumps(out))
                 os._exit(0)
@@ -356,6 +357,7 @@ def test_a_full_disk_is_one_line_and_the_file_reopens_at_its_last_commit(tmp_pat
         out = json.loads(report.read_text())
         msg = out.get("msg", "")
         assert out.get("errno") == 28 and "\n" not in msg and str(path) in msg and "no space left" in msg, out
+        assert out["code"] == 75, out                         # the job's exit: requeue (it was 1)
         assert out["committed"] > 0
         subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
         s = StoreFile(path, AGENTS, {})
@@ -432,3 +434,30 @@ def test_a_reader_that_keeps_the_store_open_is_one_line_naming_the_file(tmp_path
     msg = str(e.value)
     assert "\n" not in msg and str(path) in msg and "open for 0.3 s" in msg, msg
     StoreFile(path, AGENTS, {}).close()              # the reader gone, it opens
+
+
+def test_a_full_disk_or_quota_requeues_and_a_damaged_store_does_not():
+    """run.py's exit code for a rank's store or checkpoint error: 75 (EXIT_REQUEUE, the one
+    definition: every other use imports it) where the same command works once there is room;
+    1 for a damaged store (a requeue would find it damaged again, and loop) or another error."""
+    import ast
+    import errno
+    from pathlib import Path
+    from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
+    from flexmarl_hpc.run import exit_code
+    from flexmarl_hpc.store.checkpoint import CheckpointError
+    from flexmarl_hpc.store.checksum import Damage, StoreDamaged, StoreUnreadable
+    from flexmarl_hpc.store.tables import StoreError
+    assert EXIT_REQUEUE == 75
+    assert exit_code(StoreError.of(Path("s.h5"), OSError(errno.ENOSPC, "No space left on device"))) == 75
+    assert exit_code(StoreError.of(Path("s.h5"), OSError(errno.EDQUOT, "Disk quota exceeded"))) == 75
+    assert exit_code(CheckpointError("v1.pt: no space left on device", errno.ENOSPC)) == 75
+    assert exit_code(CheckpointError("v1.pt: quota", errno.EDQUOT)) == 75
+    assert exit_code(StoreError.of(Path("s.h5"), OSError(errno.EIO, "I/O error"))) == 1
+    assert exit_code(StoreDamaged("s.h5", [Damage("/events", 0, 512, 100)])) == 1
+    assert exit_code(StoreUnreadable("s.h5: truncated HDF5 file")) == 1
+    package = Path(__file__).resolve().parents[2] / "flexmarl_hpc"
+    literal = [str(p.relative_to(package)) for p in sorted(package.rglob("*.py"))
+               for n in ast.walk(ast.parse(p.read_text())) if type(getattr(n, "value", None)) is int
+               and isinstance(n, ast.Constant) and n.value == 75]
+    assert literal == ["runtime/requeue.py"], literal
