@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import h5py
@@ -54,6 +55,22 @@ class Job:
     restarts: int = 0
     reason: str = ""
     stdout: str = ""
+    start_time: str = ""                 # scontrol's StartTime: when a pending job may start
+
+
+def hold_line(job: Job, now: datetime) -> str:
+    """A pending job's state with its reason, and for a requeue hold (BeginTime) how long it
+    still waits and how to end the wait."""
+    if job.state != "PENDING" or job.reason in ("", "None"):
+        return job.state
+    if job.reason != "BeginTime" or not job.start_time:
+        return f"PENDING ({job.reason})"
+    try:
+        wait = (datetime.fromisoformat(job.start_time) - now).total_seconds()
+    except ValueError:
+        return f"PENDING (held until {job.start_time})"
+    return (f"PENDING (requeue hold until {job.start_time}, {hms(max(wait, 0))} from now; "
+            f"`scontrol update jobid={job.job_id} StartTime=now` or `submit --wait` ends it)")
 
 
 def _cmd(args: list[str]) -> str:
@@ -74,7 +91,7 @@ def parse_scontrol(text: str, job_id: str) -> Job | None:
     first = recs[0]
     comps = [(f"{job_id}+{r['HetJobOffset']}", r.get("JobState", "?")) for r in recs if "HetJobOffset" in r]
     return Job(job_id, first.get("JobState", "UNKNOWN"), comps, int(first.get("Restarts", 0)),
-               first.get("Reason", "None"), first.get("StdOut", ""))
+               first.get("Reason", "None"), first.get("StdOut", ""), first.get("StartTime", ""))
 
 
 def parse_sacct(text: str, job_id: str) -> Job | None:
@@ -236,16 +253,18 @@ def stalled_for(pr: Progress, now: float) -> float | None:
     return idle if idle > max(STALL_FACTOR * pr.median_step_s, STALL_MIN_S) else None
 
 
-def progress_line(pr: Progress, now: float, running: bool = True) -> str:
-    """The steps line: bar, elapsed, then done / ETA, or STALLED (`running`: the job is
-    not known to be pending or over, so a silent store means a stuck run)."""
+def progress_line(pr: Progress, now: float, state: str = "RUNNING") -> str:
+    """The steps line: bar, elapsed, then done / ETA, or STALLED. `state`: the Slurm job's
+    (RUNNING without a job); a job that is not running gets no ETA and is never stalled."""
     head = (f"steps  {bar(pr.done, pr.total)} {pr.done}/{pr.total} "
             f"({100 * pr.done / max(pr.total, 1):.0f}%)  elapsed {hms(pr.t_run)}  ")
     if pr.done >= pr.total:
         return head + "done"
+    if state != "RUNNING":
+        return head + f"no ETA: the job is {state}"
     if not pr.done:
         return head + "ETA after the first step"
-    idle = stalled_for(pr, now) if running else None
+    idle = stalled_for(pr, now)
     if idle is not None:
         return head + (f"stalled: no step committed for {hms(idle)} (median step "
                        f"{pr.median_step_s:.2f} s); a rank may have died or hung, see the logs")
@@ -278,7 +297,7 @@ def render(run_dir: Path, job: Job | None, job_id: str | None, stale: float = 30
         if job is None:
             out.append(f"slurm  job {job_id}: unknown to squeue/scontrol/sacct (purged?)")
         else:
-            st = job.state + (f" ({job.reason})" if job.state == "PENDING" and job.reason not in ("", "None") else "")
+            st = hold_line(job, datetime.now())
             rq = f", requeued: restart {job.restarts}" if job.restarts else ""
             out.append(f"slurm  job {job_id}: {st}{rq}")
             if job.components:
@@ -287,7 +306,7 @@ def render(run_dir: Path, job: Job | None, job_id: str | None, stale: float = 30
     if pr.error:
         out.append(pr.error)
     else:
-        out.append(progress_line(pr, time.time(), job is None or job.state == "RUNNING"))
+        out.append(progress_line(pr, time.time(), "RUNNING" if job is None else job.state))
         out.append("reward " + "  ".join(f"{a} {r:.3f}" for a, r in pr.reward.items())
                    + (f"  (step {pr.done})" if pr.reward else ""))
         for agent, ev in pr.eval.items():

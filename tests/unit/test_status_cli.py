@@ -59,7 +59,24 @@ def test_status_says_stalled_when_no_step_came_for_much_longer_than_a_step(tmp_p
         line = status.progress_line(pr, time.time())
         assert ("stalled: no step committed for" in line) == stalled, (walls[0], age, line)
         assert ("ETA" in line) == (not stalled), line
-        # a job that is not running (pending, requeued) is not called stalled
-        assert "stalled" not in status.progress_line(pr, time.time(), running=False)
+        # a job that is not running (pending in a requeue hold, failed) is neither stalled nor given an ETA
+        for state in ("PENDING", "FAILED", "REQUEUED"):
+            line = status.progress_line(pr, time.time(), state)
+            assert line.endswith(f"no ETA: the job is {state}"), line
     pr = status.read_store(path, 12)                                     # every step done
     assert status.progress_line(pr, time.time()).endswith("done")
+
+
+def test_a_requeue_hold_shows_its_wait_and_how_to_end_it():
+    from datetime import datetime
+    sc = ("JobId=7 HetJobId=7 HetJobOffset=0 JobState=PENDING Reason=BeginTime Restarts=1 "
+          "StartTime=2026-11-29T04:02:00 StdOut=/scratch/runs/a/logs/7.out\n")
+    job = status.parse_scontrol(sc, "7")
+    assert job.start_time == "2026-11-29T04:02:00"
+    line = status.hold_line(job, datetime(2026, 11, 29, 4, 0, 30))
+    assert line == ("PENDING (requeue hold until 2026-11-29T04:02:00, 0:01:30 from now; "
+                    "`scontrol update jobid=7 StartTime=now` or `submit --wait` ends it)"), line
+    job.reason = "Resources"
+    assert status.hold_line(job, datetime(2026, 11, 29, 4, 0, 30)) == "PENDING (Resources)"
+    job.state = "RUNNING"
+    assert status.hold_line(job, datetime(2026, 11, 29, 4, 0, 30)) == "RUNNING"
