@@ -49,8 +49,14 @@ def allocate(backlog: dict[str, float], n: int) -> dict[str, int]:
     return counts
 
 
-def assign(counts: dict[str, int], current: list[str | None]) -> list[str]:
-    """Replica -> agent with the given counts, moving as few replicas as possible."""
+def assign(counts: dict[str, int], current: list[str | None],
+           servable: list[set[str]] | None = None) -> list[str]:
+    """Replica -> agent with the given counts, moving as few replicas as possible.
+
+    `servable[r]` (None: any agent): the agents replica r may move to now. A replica over
+    its agent's count that can serve none of the agents still short keeps its agent, so the
+    counts are then only approached; a replica is never taken off an agent for being
+    unservable, only moved onto one that is servable."""
     n = len(current)
     out: list[str | None] = [None] * n
     need = dict(counts)
@@ -61,7 +67,8 @@ def assign(counts: dict[str, int], current: list[str | None]) -> list[str]:
     todo = [agent for agent, k in need.items() for _ in range(k)]
     for r in range(n):
         if out[r] is None:
-            out[r] = todo.pop(0)
+            i = next((i for i, agent in enumerate(todo) if servable is None or agent in servable[r]), None)
+            out[r] = current[r] if i is None else todo.pop(i)
     return out
 
 
@@ -160,7 +167,22 @@ class Scheduler:
         than agents: `timeshare`. With a replica per agent available, the backlog-proportional
         allocation below keeps bindings stable: time-sharing there re-syncs every version to
         every replica, on the trainer leader's critical path (bench_modes, referential: flex
-        fell to 0.92x of sync with it, from 1.27x without)."""
+        fell to 0.92x of sync with it, from 1.27x without).
+
+        That allocation moves a replica only onto an agent in its `servable` set (issue 37:
+        with trainer groups shared by several agents, replicas were moved to a parked agent
+        whose group trained another one; push_weights cannot sync it then, so they idled).
+        It never takes a replica off an agent for being unservable (a training agent keeps its
+        replicas, at one agent a group too), and the counts keep every waiting agent's backlog.
+        No starvation: a parked agent with backlog is servable in every round its group is
+        free (no agent of it training or syncing, no move), which happens at least at each
+        step boundary of the resident agent (its next step's samples need that step's weights
+        first: with max_staleness 0 it cannot train across the boundary) and whenever the
+        resident has nothing to train. In that round it counts as starving, which skips the
+        cooldown, so it gets a replica, and push_weights syncs it in the same round; from
+        then on allocate keeps it at least one replica while it has backlog, and its samples
+        make it acquire the group. Blocking every parked agent instead deadlocks: it never
+        gets samples, so it never has the training work that makes it resident."""
         self.rounds_since_rebind += 1
         if self.one_agent and idle is not None:
             return one_at_a_time(backlog, binding, idle)
@@ -177,10 +199,14 @@ class Scheduler:
             else:                          # fewer replicas than agents: serve who has work
                 new = assign(allocate(backlog, self.num_replicas), binding)
         else:
+            # a starving agent no replica can serve now skips no cooldown: nothing may move to
+            # it yet, and the skip would only churn the other agents' replicas
+            reachable = set().union(*servable) if servable is not None else set(self.agents)
+            starving = any(backlog[agent] > 0 and agent not in binding for agent in reachable)
             if not starving and (self.rounds_since_rebind < self.cooldown
                                  or disparity(backlog, binding) <= self.threshold):
                 return None
-            new = assign(allocate(backlog, self.num_replicas), binding)
+            new = assign(allocate(backlog, self.num_replicas), binding, servable)
         if new == binding:
             return None
         self.rounds_since_rebind = 0

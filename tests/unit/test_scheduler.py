@@ -191,3 +191,61 @@ def test_one_agent_at_a_time_switches_every_replica_only_when_the_agent_is_done(
     s = Scheduler(["a", "b"], 3, "sync", one_agent=True)
     assert s.rebind({"a": 0.0, "b": 2.0}, ["a"] * 3, idle, [set()] * 3) == ["b"] * 3
     assert Scheduler(["a", "b"], 3, "sync").rebind({"a": 0.0, "b": 2.0}, ["a"] * 3, idle, [set()] * 3) != ["b"] * 3
+
+
+# ---------------------------------------------------------------------------------------
+# level 1 with shared trainer groups: replicas move only onto agents servable now
+# ---------------------------------------------------------------------------------------
+def test_rebind_moves_no_replica_onto_an_agent_it_cannot_serve_now():
+    """b shares a trainer group with a resident agent that is training: no replica holds b's
+    weights and none can be synced now, so a replica moved to b would idle (issue 37: flex
+    212 s a step against no-LB's 110 s at 4 agents a group). Its big backlog moves nothing."""
+    s = Scheduler(["a", "b", "c"], 4, "flex", threshold=0.2, cooldown=0)
+    binding = ["a", "a", "c", "c"]
+    servable = [{"a", "c"}] * 4                      # b's group is busy with another agent
+    new = s.rebind({"a": 10.0, "b": 1000.0, "c": 10.0}, binding, [True] * 4, servable)
+    assert new is None or "b" not in new
+    # once b's group is free (b syncable), b gets replicas at once (starving skips the cooldown)
+    s = Scheduler(["a", "b", "c"], 4, "flex", threshold=0.2, cooldown=100)
+    new = s.rebind({"a": 10.0, "b": 1000.0, "c": 10.0}, binding, [True] * 4, [{"a", "b", "c"}] * 4)
+    assert new is not None and new.count("b") >= 1
+
+
+def _shared_group_run(s: Scheduler, rounds: int) -> tuple[dict, int]:
+    """A toy run of the pure scheduler: agents a (resident) and b (parked) share trainer group
+    G, c has its own. A replica generates one unit a round for its agent if it holds that
+    agent's current version; it is synced to it when the agent's group is free (a sync takes
+    the group for a round); 4 units are a step: training takes the group 3 rounds (b first
+    swaps in: 4) and bumps the version. Returns each agent's steps and the rounds used."""
+    backlog, done, ver = {"a": 40.0, "b": 40.0, "c": 40.0}, {"a": 0, "b": 0, "c": 0}, {"a": 0, "b": 0, "c": 0}
+    binding, held, busy_until = ["a", "a", "c"], [("a", 0), ("a", 0), ("c", 0)], 0
+    for t in range(rounds):
+        free = {"c"} | ({"a", "b"} if t >= busy_until else set())
+        servable = [free | {x for x in ver if held[r] == (x, ver[x])} for r in range(3)]
+        new = s.rebind(backlog, binding, [True] * 3, servable)
+        if new is not None:
+            assert all(x == y or y in servable[r] for r, (x, y) in enumerate(zip(binding, new)))
+            binding = new
+        for r, x in enumerate(binding):
+            if held[r] != (x, ver[x]) and x in free:
+                held[r] = (x, ver[x])
+                busy_until = t + 1 if x != "c" else busy_until
+            elif held[r] == (x, ver[x]) and backlog[x] > 0:
+                backlog[x] -= 1
+                done[x] += 1
+        for x in ("a", "b", "c"):
+            if done[x] >= 4 and (x == "c" or t >= busy_until):
+                done[x] -= 4
+                ver[x] += 1
+                busy_until = t + (4 if x == "b" else 3) if x != "c" else busy_until
+        if not any(backlog.values()) and not any(done.values()):
+            return ver, t
+    return ver, rounds
+
+
+def test_a_parked_agent_with_backlog_is_not_starved():
+    """Blocking every parked agent deadlocks: b never gets a replica, so never a step to train,
+    so never the group. Here b is servable whenever G is free, gets a replica then, and every
+    agent trains all its 10 steps."""
+    ver, t = _shared_group_run(Scheduler(["a", "b", "c"], 3, "flex", threshold=0.2, cooldown=2), 2000)
+    assert ver == {"a": 10, "b": 10, "c": 10} and t < 2000
