@@ -11,10 +11,9 @@ consumed-but-uncommitted rows go back to READY, so no sample is lost or trained 
 """
 from __future__ import annotations
 
+import math
 from itertools import chain, compress, repeat
 from operator import attrgetter
-
-import math
 
 import numpy as np
 
