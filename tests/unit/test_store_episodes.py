@@ -77,7 +77,7 @@ def test_tool_and_episode_rows_read_back_after_a_flush_a_reopen_and_through_load
     s.record_tool(3.0, "verifier", 7, 1, 0, "calculator", "refused", 0.001)
     s.close()
     with h5py.File(path, "r") as f:
-        assert f.attrs["schema_version"] == 4
+        assert f.attrs["schema_version"] == 5
         counts = dict(zip(f["commit"].attrs["tables"], f["commit"][:]))
         assert counts["/tools"] == 3 and counts["/episodes"] == 1
         ep = f["episodes"][0]
@@ -172,12 +172,12 @@ def test_a_schema_3_store_is_read_by_analyze_and_refused_by_a_resume(tmp_path, c
     assert analyze_main([str(path), "--out", str(tmp_path / "figs")]) == 0
     assert "calls/episode a            mean 1.00  min 1  max 1" in capsys.readouterr().out
     assert (tmp_path / "figs" / "calls_per_episode.png").read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError, match="schema version 3; this flexmarl_hpc writes version 4"):
+    with pytest.raises(ValueError, match="schema version 3; this flexmarl_hpc writes version 5"):
         StoreFile(path, ["a", "b"], {})
     import flexmarl_hpc.submit as sub
     from flexmarl_hpc.config.schema import ConfigError
     monkeypatch.setattr(sub, "_slurm", lambda *a, **k: pytest.fail("sbatch was called"))
-    with pytest.raises(ConfigError, match="cannot resume: .*schema version 3; this flexmarl_hpc writes version 4"):
+    with pytest.raises(ConfigError, match="cannot resume: .*schema version 3; this flexmarl_hpc writes version 5"):
         sub.submit("configs/local.yaml", [f"run.output_dir={tmp_path}"], check_partitions=False)
     assert sha(path) == before
 
