@@ -245,10 +245,12 @@ def test_salvage_copies_tools_and_episodes_and_drops_the_episodes_of_lost_sample
     for i, t in [(0, 0), (0, 1), (1, 0), (1, 1)]:
         s.record_episode(1.0, 0, i, t, {"planner": 1}, {"planner": 1.0})
         s.record_tool(1.0, "planner", i, t, 0, "calculator", "ok", 0.01)
+    s.record_failure(1.0, 0, 1, 1, "KeyError", "'x'", "Traceback ...\nKeyError: 'x'\n")
     s.close()
     corrupt(path, "/tokens/planner", chunk=0, nbytes=16)    # input 0's two calls lose tokens
     rep = salvage(path, tmp_path / "new.h5")
     assert rep.lost_ids["planner"] == ["0_0_0", "0_0_1"] and rep.lost_rows["/episodes"] == 2
     run = load_run(tmp_path / "new.h5")
-    assert run.attrs["schema_version"] == 4 and len(run.tools) == 4
+    assert run.attrs["schema_version"] == 5 and len(run.tools) == 4
+    assert run.failures[["input_id", "traj", "kind", "message"]].values.tolist() == [[1, 1, "KeyError", "'x'"]]
     assert sorted(set(zip(run.episodes["input_id"], run.episodes["traj"]))) == [(1, 0), (1, 1)]
