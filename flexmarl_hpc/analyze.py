@@ -39,9 +39,15 @@ def print_summary(runs: list[Run], sums: list[dict]) -> None:
         print(f"== {run.path}  [{s['mode']}, config {s['config_digest']}, agents {', '.join(s['agents'])}]")
         print(f"   steps {s['steps_done']}/{s['steps_configured']}, wall {s['wall_s']:.1f} s, "
               f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} tokens/s")
-        if s["samples_dropped"]:
-            print(f"   dropped by over-provisioning: {s['samples_dropped']} samples "
+        fails = s["failures"]
+        if s["samples_dropped"] > fails["calls_dropped"]:
+            print(f"   dropped by over-provisioning: {s['samples_dropped'] - fails['calls_dropped']} samples "
                   f"(trained {s['samples']})")
+        if fails["episodes"]:
+            kinds = ", ".join(f"{k} {n}" for k, n in fails["by_kind"].items())
+            print(f"   failed episodes: {fails['episodes']} ({kinds}); their calls dropped: {fails['calls_dropped']}")
+            for k, msg in fails["first"].items():
+                print(f"     first {k}: {' '.join(msg.split())[:200]}")
         for a, r in s["per_agent"].items():
             if r["steps"]:
                 print(f"   {a:12s} reward first {r['reward_first']:.3f}  last {r['reward_last']:.3f}  "

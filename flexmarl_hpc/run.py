@@ -11,7 +11,8 @@ Started outside MPI it checks the config, then re-executes itself under the venv
 `mpiexec` with the number of ranks the layout needs. Exit codes: 0 done, 2 bad config or
 run.output_dir in use by another run (flexmarl_hpc.store.lock), 75 (EXIT_REQUEUE: the Slurm
 script requeues on it) preempted after a clean checkpoint, a worker lost or hung, or a full
-disk; 1 any other error, a store found damaged included (docs/reliability.md).
+disk; 1 any other error, a store found damaged included (docs/reliability.md), and a step in
+which more than workflow.max_failure_rate of the episodes failed (docs/episodes.md).
 """
 from __future__ import annotations
 

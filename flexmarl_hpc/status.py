@@ -6,11 +6,13 @@
 
 Shows the Slurm state of the job and of each het component (PENDING with its reason,
 RUNNING, requeued with the restart count, COMPLETED, FAILED with the log tail), a progress
-bar of steps with ETA (or "stalled" when no step came for long: STALL_FACTOR), per-agent reward (and eval, when the store has /eval), samples/s,
+bar of steps with ETA (or "stalled" when no step came for long: STALL_FACTOR), per-agent reward (and eval, when the store has /eval), failed
+episodes by kind (when the store has /failures rows), samples/s,
 utilization, the last checkpoint of each agent and the last warning/error lines of the log.
 
 The store is read with plain h5py in SWMR mode (`h5py.File(p, "r", swmr=True)`), so this
-works while the run writes, and only reads /metrics and /steps/<agent>, not the samples.
+works while the run writes, and only reads /metrics, /steps/<agent>, /eval and the `kind`
+column of /failures, not the samples.
 A job id leads to its run folder through `scontrol` (StdOut=<run_dir>/logs/<id>.out) while
 Slurm remembers the job, then through sacct's SubmitLine (`sbatch ... <run_dir>/job.sbatch`);
 a run folder leads to its newest job through the `logs/<id>.sbatch` that submit records.
@@ -155,6 +157,7 @@ class Progress:
     utilization: float = 0.0
     reward: dict[str, float] = field(default_factory=dict)
     eval: dict[str, dict[str, float]] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)      # failed episodes by kind
     error: str = ""
 
 
@@ -166,7 +169,7 @@ def read_store(path: Path, total: int) -> Progress:
         return pr
     try:
         with h5py.File(path, "r", swmr=True) as f:
-            verify_store(f, path, ("/metrics", "/steps/", "/eval"))      # the tables it reads
+            verify_store(f, path, ("/metrics", "/steps/", "/eval", "/failures"))      # the tables it reads
             m = f["metrics"]
             step, t = m["step"][:], m["t"][:]
             if len(step):
@@ -183,6 +186,7 @@ def read_store(path: Path, total: int) -> Progress:
                 if len(rows):
                     pr.reward[agent] = float(s["reward_mean"][rows[-1]])
             pr.eval = read_eval(f)
+            pr.failures = read_failures(f)
     except StoreDamaged as e:
         pr.error = f"store  {e}"
     except (OSError, KeyError) as e:                   # not created / not in SWMR mode yet
@@ -206,6 +210,16 @@ def read_eval(f: h5py.File) -> dict[str, dict[str, float]]:
         mode = r["mode"].decode()
         d[r["metric"].decode() + ("" if mode == "greedy" else f"/{mode}")] = float(r["value"])
     return out
+
+
+def read_failures(f: h5py.File) -> dict[str, int]:
+    """Failed episodes by kind (/failures, schema 5; committed rows only), most first."""
+    if "failures" not in f or "commit" not in f:
+        return {}
+    committed = dict(zip((str(x) for x in f["commit"].attrs["tables"]), f["commit"][:].tolist()))
+    kinds, counts = np.unique(f["failures"]["kind"][:committed.get("/failures", 0)], return_counts=True)
+    order = np.argsort(-counts, kind="stable")
+    return {kinds[i].decode("utf-8", "replace"): int(counts[i]) for i in order}
 
 
 def checkpoints(run_dir: Path) -> dict[str, tuple[str, float]]:
@@ -311,6 +325,9 @@ def render(run_dir: Path, job: Job | None, job_id: str | None, stale: float = 30
                    + (f"  (step {pr.done})" if pr.reward else ""))
         for agent, ev in pr.eval.items():
             out.append(f"eval   {agent} " + "  ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+        if pr.failures:
+            out.append(f"failed {sum(pr.failures.values())} episodes: "
+                       + ", ".join(f"{k} {n}" for k, n in pr.failures.items()) + "  (analyze: messages)")
         out.append(f"speed  {pr.samples_per_s:.1f} samples/s  utilization {100 * pr.utilization:.0f}% "
                    f"(mean of the last 10 steps)")
     ck = checkpoints(run_dir)

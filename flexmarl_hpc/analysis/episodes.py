@@ -5,6 +5,7 @@ load balancer meets) and what the tool calls did. Pure functions of a `load.Run`
     calls, source = calls_per_episode(run)     # one row per (episode, agent): calls
     calls_summary(run)["per_agent"]["solver"]  # episodes, mean, min, max, hist {calls: episodes}
     tool_stats(run)["python"]                  # calls, outcomes {name: n}, latency median/p95
+    failure_stats(run)                         # failed episodes, by kind, and calls dropped
 
 Where the calls come from (`source`), in this order:
   - `/episodes` (schema 4, a workflow that records its episodes): exact, an agent that made no
@@ -93,3 +94,22 @@ def tool_stats(run: Run) -> dict:
                           "latency_median_s": float(np.median(lat)),
                           "latency_p95_s": float(np.percentile(lat, 95))}
     return out
+
+
+def failure_stats(run: Run) -> dict:
+    """{"episodes": failed, "by_kind": {kind: n}, "first": {kind: its first message},
+    "calls_dropped": calls of failed episodes left out of training (status dropped)}."""
+    f = run.failures
+    if not len(f):
+        return {"episodes": 0, "by_kind": {}, "first": {}, "calls_dropped": 0}
+    first = f.sort_values("t").drop_duplicates("kind")
+    s = run.samples
+    failed = set(zip(f["input_id"].tolist(), f["traj"].tolist()))
+    dropped = 0
+    if len(s):
+        d = s[s["status_name"] == "dropped"]
+        dropped = sum(k in failed for k in zip(d["input_id"].tolist(), d["traj"].tolist()))
+    return {"episodes": int(len(f)),
+            "by_kind": {str(k): int(v) for k, v in f["kind"].value_counts().items()},
+            "first": dict(zip(first["kind"].astype(str), first["message"].astype(str))),
+            "calls_dropped": int(dropped)}

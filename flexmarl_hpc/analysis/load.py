@@ -12,9 +12,11 @@ and agent), `intervals` (per-rank busy/wait intervals), `metrics` (one row per g
 metric and mode; empty without run.eval_every), `tools` (one row per tool or reward-function
 call; `agent` "" for a reward function, `outcome` by name) and `episodes` (one row per finished
 episode and agent: `calls`, `reward`; both empty before schema 4, and `episodes` for runs whose
-workflow records none). `steps` and `metrics` hold only current rows: rows a
-resume rolled back (schema 2: `superseded`=1; schema 1: all but the last row of a step)
-are left out. Reads schema versions 1 to 4 (columns schema 1 lacks are absent). Bad input
+workflow records none), `failures` (one row per failed episode: `step`, `input_id`, `traj`,
+`t`, `kind`, `message`, `traceback`; schema 4 stored only a count, its /tools rows `episode`
+`reward_error`, read here as failures of kind "unknown"). `steps` and `metrics` hold only
+current rows: rows a resume rolled back (schema 2: `superseded`=1; schema 1: all but the
+last row of a step) are left out. Reads schema versions 1 to 5 (columns schema 1 lacks are absent). Bad input
 raises `AnalysisError` naming the file and what is wrong; files of another schema version
 say which versions this code reads.
 """
@@ -28,10 +30,10 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from flexmarl_hpc.analysis.episodes import calls_summary, tool_stats
+from flexmarl_hpc.analysis.episodes import calls_summary, failure_stats, tool_stats
 from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable, open_read, read_rows, verify_store
 from flexmarl_hpc.store.tables import (ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS,
-                    METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, TOOL_COLUMNS,
+                    FAILURE_COLUMNS, METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, TOOL_COLUMNS,
                     TOOL_OUTCOMES, episode_columns, eval_key)
 
 # the columns schema 1 had, where schema 2 added some
@@ -65,6 +67,7 @@ class Run:
     """One line when its data cannot be verified (a store written without checksums)."""
     tools: pd.DataFrame = field(default_factory=lambda: _tools(None, []))
     episodes: pd.DataFrame = field(default_factory=lambda: _episodes(None, []))
+    failures: pd.DataFrame = field(default_factory=lambda: _failures(None))
 
     @property
     def label(self) -> str:
@@ -177,6 +180,7 @@ def load_run(path: str | Path) -> Run:
             tools = _tools(table("tools", TOOL_COLUMNS) if version >= 4 and "tools" in f else None, agents)
             episodes = _episodes(_columns_v2(f, "episodes", episode_columns(len(agents)), path, committed, torn)
                                  if version >= 4 and "episodes" in f else None, agents)
+            failures = _failures(table("failures", FAILURE_COLUMNS) if version >= 5 else None, tools)
         except (KeyError, OSError, ValueError, RuntimeError) as e:
             raise AnalysisError(f"{path}: damaged file ({e})") from None
     try:
@@ -186,7 +190,7 @@ def load_run(path: str | Path) -> Run:
     events["agent"] = [agents[i] if 0 <= i < len(agents) else "?" for i in events["agent"]]
     return Run(path, attrs, config, pd.concat(samples, ignore_index=True) if samples else pd.DataFrame(),
                pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(), intervals, metrics,
-               events, agents, evals, notice=notice or "", tools=tools, episodes=episodes)
+               events, agents, evals, notice=notice or "", tools=tools, episodes=episodes, failures=failures)
 
 
 def _tools(df: pd.DataFrame | None, agents: list[str]) -> pd.DataFrame:
@@ -211,6 +215,22 @@ def _episodes(data: dict | None, agents: list[str]) -> pd.DataFrame:
     out["agent"] = np.tile(np.array(agents, object), len(data["step"]))
     out["calls"], out["reward"] = data["calls"].reshape(-1), data["reward"].reshape(-1)
     return pd.DataFrame(out)
+
+
+def _failures(df: pd.DataFrame | None, tools: pd.DataFrame | None = None) -> pd.DataFrame:
+    """/failures with its text decoded; before schema 5 (df None) the episodes the /tools rows
+    `episode` `reward_error` counted, of kind "unknown" (their error was not stored)."""
+    if df is None:
+        old = tools[(tools["tool"] == "episode") & (tools["outcome"] == "reward_error")] \
+            if tools is not None and len(tools) else tools
+        n = 0 if old is None else len(old)
+        get = (lambda c: old[c].to_numpy()) if n else (lambda c: np.zeros(0, "i8"))
+        return pd.DataFrame({"t": get("t").astype("f8"), "step": np.full(n, -1, "i8"), "input_id": get("input_id"),
+                             "traj": get("traj"), "kind": ["unknown"] * n, "message": [""] * n,
+                             "traceback": [""] * n})
+    for c in ("kind", "message", "traceback"):
+        df[c] = [b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b) for b in df[c]]
+    return df
 
 
 def _samples(df: pd.DataFrame, agent: str) -> pd.DataFrame:
@@ -289,7 +309,7 @@ def summary(run: Run) -> dict:
         "staleness": {int(k): int(v) for k, v in staleness(run).items()},
         "sync_s": float(secs.get("sync", 0.0)), "swap_s": float(secs.get("swap", 0.0)),
         "eval": eval_curves(run),
-        "calls_per_episode": calls_summary(run), "tools": tool_stats(run),
+        "calls_per_episode": calls_summary(run), "tools": tool_stats(run), "failures": failure_stats(run),
     }
 
 

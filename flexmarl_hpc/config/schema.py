@@ -182,6 +182,13 @@ class WorkflowConfig:
     """Episode workflows: most tokens of one chat reply (ctx.chat's max_tokens cap)."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """Episode workflows: the examples (workflows/dataset.py)."""
+    on_error: Literal["drop", "zero"] = "drop"
+    """Episode workflows: the calls of an episode that raised (or returned no usable reward).
+    drop: never trained (status `dropped` in the store); zero: trained with reward 0 beside the
+    example's other episodes. Either way the error is stored in /failures and logged."""
+    max_failure_rate: float = 0.5
+    """Episode workflows: the run stops (exit 1, checkpointed, store flushed) at the first step
+    in which more than this share of episodes failed (0: any failure stops it; 1: never)."""
 
 
 @dataclass

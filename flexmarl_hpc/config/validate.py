@@ -163,6 +163,8 @@ def _validate_episode(w: WorkflowConfig) -> None:
     _int_in(w.group_size, "workflow.group_size", 1, 1 << 16)
     _int_in(w.max_new_tokens, "workflow.max_new_tokens", 1, 1 << 20)
     _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
+    # (on_error's values and the rate's type are checked by the loader: Literal, float)
+    _float_in(w.max_failure_rate, "workflow.max_failure_rate", 0, 1)
 
 
 def _validate_engines(cfg: Config) -> None:

@@ -14,6 +14,12 @@ the step's last, partial one at the end. The loss of every call is scaled by
 1 / (episodes per step), a constant known up front (a sum over an episode's calls, a mean
 over episodes), so micro-batches can be trained before the batch size is known.
 
+A failed episode (it raised, or returned no usable reward: workflows/episode.py) is counted
+by kind (episode_failures.py, which also decides when the run must stop); its calls whose
+reward it did not settle are DROPPED (`workflow.on_error: drop`, never trained, left out of
+their GRPO groups and of the step's batch; a call still in flight is dropped when its reply
+comes, one not yet sent is never generated) or get reward 0 (`zero`).
+
 Resume replays: the episodes of unfinished steps run again from the start, and a call
 whose node the journal holds gets its recorded response at once (no replica is asked), so
 nothing is generated or trained twice. A replayed call whose prompt differs from the
@@ -29,7 +35,8 @@ import numpy as np
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.learn.grpo import call_advantages
 from flexmarl_hpc.orchestrator.tree import Changes, Node, NodeQueues
-from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY
+from flexmarl_hpc.orchestrator.episode_failures import EpisodeFailures
+from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.episode import Call, EpisodeRunner, Finished, call_reward
 
 
@@ -66,7 +73,12 @@ class EpisodeTree(NodeQueues):
         self.call_of: dict[int, Call] = {}                 # id(node) -> its call in flight
         self.resp_len_mean = {agent: float(w.max_new_tokens) / 2 for agent in self.agents}
         self.journal_ready: set[int] = set()               # id()s of nodes the journal has READY
-        self.failed: list[Finished] = []                   # episodes that raised (to report)
+        self.failed: list[Finished] = []                   # episodes that raised
+        self.failures = EpisodeFailures(w.max_failure_rate, self.n_in * self.group)
+        self.drop_failed = w.on_error == "drop"
+        self.dropped_of: dict[int, dict[str, int]] = {}    # step -> agent -> calls dropped
+        self.doomed: set[int] = set()                      # id()s of calls to drop at their reply
+        self.dropping: list[Node] = []                     # generated calls dropped, for Changes
 
     # -- creating work -------------------------------------------------------------------
     def admit_step(self, step: int) -> Changes:
@@ -76,20 +88,21 @@ class EpisodeTree(NodeQueues):
         its executor's thread), making their calls READY here (issue 35)."""
         if step in self.steps_admitted:
             return Changes()
-        return Changes(ready=self._start_step(step))
+        return self._start_step(step)
 
-    def _start_step(self, step: int) -> list[Node]:
+    def _start_step(self, step: int) -> Changes:
         """Start the episodes of `step`'s examples and run them until they wait; returns
-        the nodes made READY (on a replay: calls the journal answered)."""
+        the nodes made READY or DROPPED (on a replay: calls the journal answered)."""
         self.steps_admitted.add(step)
         self.step_left[step] = self.n_in
         self.agent_step_left[step] = dict.fromkeys(self.agents, self.n_in)
         self.calls_of[step] = dict.fromkeys(self.agents, 0)
+        self.dropped_of[step] = dict.fromkeys(self.agents, 0)
         for example_id, example in self.task.stream.batch(step, self.n_in):
             self.examples[example_id] = ExampleState(step, self.group, dict.fromkeys(self.agents, self.group))
             for e in range(self.group):
                 self.runner.start(step, example_id, e, example)
-        return self.advance().ready
+        return self.advance()
 
     def advance(self) -> Changes:
         """Step the episodes; queue their new calls (answering replayed ones from the
@@ -107,6 +120,7 @@ class EpisodeTree(NodeQueues):
                 ch.ready += self._agent_done(ctx, agent, ctx.settled, error=False)
             for f in done:
                 ch.ready += self._episode_done(f)
+            ch.dropped, self.dropping = ch.dropped + self.dropping, []
 
     def _new_call(self, call: Call) -> None:
         ctx = call.episode
@@ -132,31 +146,53 @@ class EpisodeTree(NodeQueues):
 
     def _episode_done(self, f: Finished) -> list[Node]:
         ctx = f.ctx
-        if f.error:
+        if f.failure is not None:
             self.failed.append(f)
+            self.failures.add(ctx.step, ctx.example_id, ctx.episode, f.failure)
         st = self.examples[ctx.example_id]
         ready = []
         for agent in self.agents:
             if agent not in ctx.settled:
-                ready += self._agent_done(ctx, agent, f.rewards, bool(f.error))
+                ready += self._agent_done(ctx, agent, f.rewards, f.failure is not None)
         st.left -= 1
         if not st.left:
             self.step_left[st.step] -= 1
+            if not self.step_left[st.step]:
+                self.failures.step_done(st.step)
         return ready
 
     def _agent_done(self, ctx, agent: str, rewards: dict, error: bool) -> list[Node]:
         """`agent` is done in episode `ctx` (settled, or the episode ended): its calls get
-        their rewards (0 if the episode failed); once every episode of the example is done
-        with the agent, its calls of the example become READY."""
+        their rewards (if the episode failed: dropped, or 0 by workflow.on_error); once every
+        episode of the example is done with the agent, its calls of the example become READY."""
         st = self.examples[ctx.example_id]
         for i in range(ctx.calls.get(agent, 0)):
             node = self.nodes[(agent, f"{ctx.example_id}_{i}_{ctx.episode}")]
-            st.calls.append((node, ctx.episode, 0.0 if error else call_reward(rewards, agent, i)))
+            if not (error and self.drop_failed and self._drop(node)):
+                st.calls.append((node, ctx.episode, 0.0 if error else call_reward(rewards, agent, i)))
         st.agent_left[agent] -= 1
         if st.agent_left[agent]:
             return []
         self.agent_step_left[st.step][agent] -= 1
         return self._agent_ready(st, agent)
+
+    def _drop(self, node: Node) -> bool:
+        """Leave a failed episode's call out of training (False: it cannot be, a call a
+        trainer holds from before a resume with another on_error: it keeps reward 0)."""
+        if node.status == CONSUMED:
+            return False
+        self.dropped_of[node.step][node.agent] += 1
+        if node.status == GENERATED:             # journalled READY before a resume: now DROPPED
+            node.status = DROPPED
+            self.journal_ready.discard(id(node))
+            self.dropping.append(node)
+        elif node.status == -1 and node in self.pending[node.agent]:
+            self.pending[node.agent].remove(node)     # never generated: no row
+            self.call_of.pop(id(node))
+            node.status = DROPPED
+        elif node.status == -1:
+            self.doomed.add(id(node))            # on a replica: dropped when its reply comes
+        return True
 
     def _agent_ready(self, st: ExampleState, agent: str) -> list[Node]:
         ready = []
@@ -190,9 +226,26 @@ class EpisodeTree(NodeQueues):
             mean = self.resp_len_mean[node.agent]
             self.resp_len_mean[node.agent] = 0.95 * mean + 0.05 * len(toks)
             call = self.call_of.pop(id(node))
+            if id(node) in self.doomed or node.reward is not None:
+                self._late(node, ch)             # its episode ended while it was generated
+                continue
             call.done(node.response, self.task.stop_tokens)
-        ch.ready += self.advance().ready
+        more = self.advance()
+        ch.ready += more.ready
+        ch.dropped += more.dropped
         return ch
+
+    def _late(self, node: Node, ch: Changes) -> None:
+        """A call whose episode failed while it was in flight: dropped, or (on_error zero,
+        its reward 0 and advantage set with its group's) READY now."""
+        if id(node) in self.doomed:
+            self.doomed.discard(id(node))
+            node.status = DROPPED
+            ch.dropped.append(node)
+        else:
+            node.status = READY
+            self.ready[node.agent][node.step].append(node)
+            ch.ready.append(node)
 
     def waiting(self) -> bool:
         """Some episode waits on a tool or a timer: the loop must not block on replies."""
@@ -209,7 +262,7 @@ class EpisodeTree(NodeQueues):
         (else None)."""
         if self.agent_step_left.get(step, {}).get(agent, 1):
             return None
-        return self.calls_of[step][agent]
+        return self.calls_of[step][agent] - self.dropped_of[step][agent]
 
     def loss_scale(self, agent: str, step: int) -> float:
         return 1.0 / (self.n_in * self.group)
@@ -228,12 +281,14 @@ class EpisodeTree(NodeQueues):
                 self.journal_ready.add(id(n))    # which may be after this returns (tools)
             self.nodes[(n.agent, n.sample_id)] = n
         last = max((n.step for n in nodes), default=first_step - 1)
-        ready = []
+        ch = Changes()
         for step in range(first_step, last + 1):
-            ready += self._start_step(step)
+            more = self._start_step(step)
+            ch.ready += more.ready
+            ch.dropped += more.dropped
         # a journalled call no replayed episode asks for (only a nondeterministic episode
         # could) stays GENERATED in the file and is never trained
-        return requeue, Changes(ready=ready)
+        return requeue, ch
 
     def close(self) -> None:
         """End the episodes' loop and its tool workers."""
@@ -249,3 +304,6 @@ class EpisodeTree(NodeQueues):
         self.step_left.pop(step, None)
         self.agent_step_left.pop(step, None)
         self.calls_of.pop(step, None)
+        self.dropped_of.pop(step, None)
+        self.failures.counts.pop(step, None)
+        self.failures.first.pop(step, None)

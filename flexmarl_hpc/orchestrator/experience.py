@@ -285,9 +285,10 @@ class EpisodeExperience(Journaled, EpisodeTree):
         ctx = f.ctx
         if (ctx.example_id, ctx.episode) not in self.recorded:
             self.recorded.add((ctx.example_id, ctx.episode))
-            if f.error:                          # the episode raised: its calls got reward 0
-                self.store.record_tool(self.store.now(), None, ctx.example_id, ctx.episode, -1,
-                                       "episode", "reward_error", 0.0)
+            if f.failure is not None:            # why, for analyze and status (issue 40)
+                e = f.failure
+                self.store.record_failure(self.store.now(), ctx.step, ctx.example_id, ctx.episode,
+                                          e.kind, e.message, e.traceback)
             rewards = {a: float(np.mean(r)) if isinstance(r, list) else r for a, r in f.rewards.items()
                        if not isinstance(r, list) or r}
             self.store.record_episode(self.store.now(), ctx.step, ctx.example_id, ctx.episode,

@@ -1,11 +1,13 @@
 """What the orchestrator does when a worker fails: hangs (a command unanswered for
 run.worker_timeout), dies (its liveness socket closes: runtime/liveness.py), a weight sync
 passes its deadline (weight_sync.timeout_s: a member reports SyncTimedOut), or rank 0's own
-reward function hangs (timing.Watchdog).
+reward function hangs (timing.Watchdog); and when too many episodes fail (an episode
+function's bug: exit 1, no requeue).
 
     class Orchestrator(WorkerFailures): ...      # orchestrator/loop.py
     self.stop_hung(rank, what, secs) / self.stop_lost(rank) / self.sync_timed_out(rank, msg)
     self.reward_hung(what, secs)
+    self.stop_preempted() / self.stop_failing()     # a clean stop: drained, checkpointed
 
 Each says who and what in one line, checkpoints the agents whose trainer groups still
 answer, flushes the store and ends the whole job with EXIT_REQUEUE (75: the sbatch
@@ -16,6 +18,9 @@ from __future__ import annotations
 from flexmarl_hpc.config.layout import ROLLOUT, TOOLS, RankLayout
 from flexmarl_hpc.runtime import messages, requeue
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
+
+EXIT_EPISODES = 1
+"""The exit code of a run stopped by failing episodes (workflow.max_failure_rate)."""
 
 
 def who(layout: RankLayout, rank: int) -> str:
@@ -41,8 +46,36 @@ def checkpointable(state: dict, moving: dict[int, int], layout: RankLayout,
 
 
 class WorkerFailures:
-    """Mixin of Orchestrator (uses its cfg, layout, state, moving, deadlines, aborting,
-    checkpoint, record_steps, recorder, transport and log)."""
+    """Mixin of Orchestrator (uses its cfg, layout, state, moving, deadlines, aborting, exp,
+    checkpoint, drain, stop_workers, record_steps, recorder, transport and log)."""
+
+    def episodes_failing(self) -> bool:
+        """Log what the episodes' failures have to say (episode_failures.py); True once more
+        than workflow.max_failure_rate of a step's episodes failed."""
+        failures = self.exp.failures
+        if failures is None:
+            return False
+        for line in failures.take_lines():
+            self.log(line)
+        return failures.stop is not None
+
+    def stop_preempted(self) -> int:
+        self.log("preemption signal: draining, checkpointing every agent, flushing the store")
+        self.drain()
+        self.checkpoint(self.agents)
+        self.stop_workers(EXIT_REQUEUE)
+        return EXIT_REQUEUE
+
+    def stop_failing(self) -> int:
+        """Too many episodes failed: one line saying so, with the first traceback, then stop
+        as on preemption (drain, checkpoint, flush) but exit EXIT_EPISODES, not a requeue:
+        the same episodes would fail again."""
+        self.log(f"{self.exp.failures.stop}\nexiting {EXIT_EPISODES} (checkpointed, store flushed; "
+                 "fix the episode function, then the same command resumes)")
+        self.drain()
+        self.checkpoint(self.agents)
+        self.stop_workers(EXIT_EPISODES)
+        return EXIT_EPISODES
 
     def stop_hung(self, rank: int, what: str, secs: float) -> None:
         """A worker left a command unanswered for run.worker_timeout: say who and what,

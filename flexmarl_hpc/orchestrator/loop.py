@@ -25,7 +25,6 @@ from flexmarl_hpc.config.resources import swap_peers, trainer_groups
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.orchestrator.eval_dispatch import eval_dispatch
 from flexmarl_hpc.orchestrator.experience import Node, experience_for
-from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.orchestrator.failures import WorkerFailures
 from flexmarl_hpc.orchestrator.pool_binding import pool_binding
 from flexmarl_hpc.orchestrator.recorder import RunRecorder
@@ -174,6 +173,8 @@ class Orchestrator(WorkerFailures):
                     self.handle(*m)
                 while (m := self.transport.poll()) is not None:
                     self.handle(*m)
+            if self.episodes_failing():
+                return self.stop_failing()
             self.checkpoint(self.agents)
             self.stop_workers(0)
             return 0
@@ -200,8 +201,10 @@ class Orchestrator(WorkerFailures):
                      "versions are past them)")
 
     def finished(self) -> bool:
+        """Every step trained and evaluated, or too many episodes failed (episodes_failing)."""
         steps = self.cfg.run.steps
-        return all(s.version >= steps and s.inflight == 0 for s in self.state.values()) and self.evals.finished()
+        return self.episodes_failing() or (all(s.version >= steps and s.inflight == 0 for s in self.state.values())
+                                           and self.evals.finished())
 
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self) -> None:
@@ -498,13 +501,6 @@ class Orchestrator(WorkerFailures):
                or any(s.inflight or s.syncing for s in self.state.values()) or any(self.ckpt_pending.values())
                or any(self.moving.values())):
             self.handle(*self.receive())
-
-    def stop_preempted(self) -> int:
-        self.log("preemption signal: draining, checkpointing every agent, flushing the store")
-        self.drain()
-        self.checkpoint(self.agents)
-        self.stop_workers(EXIT_REQUEUE)
-        return EXIT_REQUEUE
 
     def stop_workers(self, code: int) -> None:
         self.drain()

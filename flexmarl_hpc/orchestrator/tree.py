@@ -86,6 +86,8 @@ class NodeQueues:
     pending: dict[str, deque[Node]]
     ready: dict[str, dict[int, list[Node]]]
     resp_len_mean: dict[str, float]
+    failures = None
+    """Episode workflows: their failed episodes (episode_failures.EpisodeFailures)."""
 
     def request_seed(self, node: Node, version: int) -> int:
         return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)

@@ -273,8 +273,8 @@ def _write(out: Path, agents: list[str], attrs: dict, chunk: int, data: dict, ok
             keep |= inside & (rows >= 0)
         ev, ev["row"] = ev[keep], rows[keep]
         s.events.append(ev)
-        for t in ("intervals", "metrics", "eval", "tools", "episodes"):
-            if f"/{t}" in data:             # a schema-3 source has no /tools, /episodes
+        for t in ("intervals", "metrics", "eval", "tools", "episodes", "failures"):
+            if f"/{t}" in data:             # an older source has no /tools, /episodes (3), /failures (4)
                 s.tables[f"/{t}"].append(data[f"/{t}"][ok[f"/{t}"]])
         s.flush()
     finally:

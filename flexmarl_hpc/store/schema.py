@@ -8,8 +8,8 @@ import numpy as np
 
 from flexmarl_hpc.store.checksum import MUTABLE
 
-SCHEMA_VERSION = 4                 # 3: Fletcher-32 on every chunk; 4: /tools and /episodes
-READS = (1, 2, 3, 4)                  # versions flexmarl_hpc.analysis.load reads
+SCHEMA_VERSION = 5                 # 3: Fletcher-32 on every chunk; 4: /tools and /episodes; 5: /failures
+READS = (1, 2, 3, 4, 5)               # versions flexmarl_hpc.analysis.load reads
 GENERATED, READY, CONSUMED, DROPPED = 0, 1, 2, 3
 STATUS_NAMES = {GENERATED: "generated", READY: "ready", CONSUMED: "consumed", DROPPED: "dropped"}
 
@@ -48,6 +48,12 @@ TOOL_COLUMNS = {"t": "f8", "agent": "i2", "input_id": "i8", "traj": "i8", "call"
 # reward); docs/tools.md and docs/store.md say what each means
 TOOL_OUTCOMES = ("ok", "error", "timeout", "killed_cpu", "memory", "file_size", "crashed",
                  "refused", "launch_failed", "reward_error")
+
+# /failures: one row per failed episode (schema 5). Fixed-size text, cut to fit: the message's
+# first bytes, the traceback's last (its innermost frames, where the error is), UTF-8
+FAILURE_TEXT = {"kind": 64, "message": 512, "traceback": 4096}
+FAILURE_COLUMNS = {"t": "f8", "step": "i8", "input_id": "i8", "traj": "i8",
+                   **{k: f"S{n}" for k, n in FAILURE_TEXT.items()}}
 
 
 def episode_columns(n_agents: int) -> dict[str, str]:

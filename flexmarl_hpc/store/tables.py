@@ -30,7 +30,8 @@ from flexmarl_hpc.store.repair import clear_open_flags
 # the schema and the table writer live in their own modules; their names are imported here
 # too, as every reader of the store has always imported them from this one
 from flexmarl_hpc.store.schema import (ADDED, CONSUMED, DEFAULTS, DROPPED,  # noqa: F401
-                                       EVAL_COLUMNS, EVENT_COLUMNS, GENERATED, INTERVAL_COLUMNS,
+                                       EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT,
+                                       GENERATED, INTERVAL_COLUMNS,
                                        METRIC_COLUMNS, READS, READY, SAMPLE_COLUMNS, SCHEMA_VERSION,
                                        STATUS_FIELDS, STATUS_NAMES, STEP_COLUMNS, TOKEN_COLUMNS,
                                        TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of,
@@ -118,6 +119,7 @@ class StoreFile:
         self.eval = mk("eval", EVAL_COLUMNS, 256)
         self.tools = mk("tools", TOOL_COLUMNS, 512)
         self.episodes = mk("episodes", episode_columns(len(self.agents)), 256)
+        self.failures = mk("failures", FAILURE_COLUMNS, 64)
         self.tables = {t.ds.name: t for t in self._all()}
         self._table_list = list(self.tables.values())
         self._due = False               # a light flush wrote rows other than /events, uncommitted
@@ -152,7 +154,7 @@ class StoreFile:
     def _all(self) -> list[Table]:
         return [*self.samples.values(), *self.tokens.values(), *self.steps.values(),
                 *self.step_rows.values(), self.intervals, self.events, self.metrics, self.eval,
-                self.tools, self.episodes]
+                self.tools, self.episodes, self.failures]
 
     def _recover(self, torn: list) -> None:
         """Cut every table back to its committed rows, mend the torn appends (boundary chunks
@@ -267,6 +269,16 @@ class StoreFile:
             for a, v in values.items():
                 row[field][0, self._agent_index(a, f"/episodes {field}")] = v
         self.episodes.append(row)
+
+    def record_failure(self, now: float, step: int, input_id: int, traj: int, kind: str, message: str,
+                       traceback: str) -> None:
+        """Queue one /failures row: episode (input_id, traj) of `step` failed with an exception of
+        type `kind` (committed by the next flush; text cut to FAILURE_TEXT's sizes)."""
+        row = np.zeros(1, self.failures.dtype)
+        row["t"], row["step"], row["input_id"], row["traj"] = now, step, input_id, traj
+        for name, text in (("kind", kind), ("message", message), ("traceback", traceback)):
+            row[name] = _fit(text, FAILURE_TEXT[name], keep_end=name == "traceback")
+        self.failures.append(row)
 
     def _agent_index(self, agent: str, field: str) -> int:
         if agent not in self.agents:
@@ -436,6 +448,15 @@ def _ascii(text: str, size: int, field: str) -> bytes:
     if not b or len(b) > size:
         raise ValueError(f"{field} {text!r}: expected 1 to {size} ascii characters")
     return b
+
+
+def _fit(text: str, size: int, keep_end: bool = False) -> bytes:
+    """`text` as UTF-8 of at most `size` bytes: its start (or end), cut at a character."""
+    b = str(text).encode("utf-8", "backslashreplace")
+    if len(b) <= size:
+        return b
+    cut = b[len(b) - size:] if keep_end else b[:size]
+    return cut.decode("utf-8", "ignore").encode("utf-8")
 
 
 def _last_per_row(rows: np.ndarray, n: int) -> np.ndarray:

@@ -11,7 +11,9 @@ referenced from YAML as `workflow.episode: my_pkg.my_module:episode` (docs/episo
 sample of that agent: its prompt is the agent's own conversation so far, token for token
 (workflows/chat.py: earlier responses are never re-tokenised), its response the sampled
 tokens. The return value gives each agent a reward: one float for all its calls, or a list
-with one per call. An episode that raises gives every call of it reward 0 (a counted event).
+with one per call. An episode that raises is failed: its error (type, message, traceback) is
+kept for the store's /failures and the log, and its calls are dropped from training or given
+reward 0 (`workflow.on_error`, orchestrator/episodes.py).
 `ctx.settle(agent, reward)` gives an agent its reward mid-episode (its rule reward is known
 from its own replies): that agent is done in this episode (no more calls), and its calls can
 be trained once every episode of the example has settled it, while later agents still run;
@@ -29,6 +31,7 @@ import asyncio
 import importlib
 import inspect
 import math
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -180,12 +183,31 @@ class EpisodeContext:
         return await self.runner.call(self, fn, *args, timeout_s=timeout_s)
 
 
+@dataclass(frozen=True)
+class EpisodeError:
+    """Why an episode failed: the exception's type name (the failure's kind), its message and
+    the formatted traceback (store /failures, train.log)."""
+    kind: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def of(cls, e: BaseException) -> "EpisodeError":
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        return cls(type(e).__name__, str(e), tb)
+
+
 @dataclass
 class Finished:
-    """An episode that returned (or raised)."""
+    """An episode that returned (or raised: `failure`)."""
     ctx: EpisodeContext
     rewards: dict[str, float | list[float]]
-    error: str = ""
+    failure: EpisodeError | None = None
+
+    @property
+    def error(self) -> str:
+        """'Kind: message', or "" for an episode that returned."""
+        return "" if self.failure is None else f"{self.failure.kind}: {self.failure.message}"
 
 
 class EpisodeRunner:
@@ -226,7 +248,7 @@ class EpisodeRunner:
             unsettled = {a: n for a, n in ctx.calls.items() if a not in ctx.settled}
             self.finished.append(Finished(ctx, {**check_rewards(rewards, unsettled, self.agents), **ctx.settled}))
         except Exception as e:          # noqa: BLE001 - the user's episode: a counted event
-            self.finished.append(Finished(ctx, dict(ctx.settled), f"{type(e).__name__}: {e}"))
+            self.finished.append(Finished(ctx, dict(ctx.settled), EpisodeError.of(e)))
         finally:
             self.running -= 1
 

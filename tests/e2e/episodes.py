@@ -52,3 +52,18 @@ async def with_tools(ctx, example):
     rank = await ctx.call(where, timeout_s=60)
     ctx.metrics["ok"] = float(calc.output == str(example["answer"] * 2) and crashed.outcome == "crashed")
     return {"solver": float(len(r.ids) % 2) + 0.5 * (rank.value not in (None, 0, -1)) + 0.0 * len(py.output)}
+
+
+async def fails_always(ctx, example):
+    """Every episode asks an agent that is not in workflow.agents (test_episode_failures_e2e)."""
+    await ctx.chat("critic", [{"role": "user", "content": example["question"]}], max_tokens=2)
+    return {"planner": 1.0}
+
+
+async def fails_one_in_ten(ctx, example):
+    """Episode 0 of every fifth example reads a key the example lacks, after its planner call:
+    one episode in ten with group_size 2 (test_episode_failures_e2e)."""
+    r = await ctx.chat("planner", [{"role": "user", "content": example["question"]}], max_tokens=4)
+    if ctx.example_id % 5 == 0 and ctx.episode == 0:
+        return {"planner": example["no_such_key"]}
+    return {"planner": float(len(r.ids) % 2)}

@@ -12,7 +12,7 @@ import pytest
 from flexmarl_hpc.config.schema import Config, WorkflowConfig
 from flexmarl_hpc.learn.grpo import call_advantages
 from flexmarl_hpc.orchestrator.episodes import EpisodeTree, ReplayMismatch
-from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY
+from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.episode import EpisodeRunner
 
 STOP = 2
@@ -63,9 +63,9 @@ class Task:
                              lambda agent: WordConversation())
 
 
-def config(n_in=2, group=3):
+def config(n_in=2, group=3, **workflow):
     cfg = Config(workflow=WorkflowConfig(episode="tests:skewed", agents=["planner", "solver"],
-                                         group_size=group, inputs_per_step=n_in, max_new_tokens=8))
+                                         group_size=group, inputs_per_step=n_in, max_new_tokens=8, **workflow))
     return cfg
 
 
@@ -178,14 +178,71 @@ async def broken(ctx, example):
     return {"planner": 1.0}
 
 
-def test_an_episode_that_raises_gives_its_calls_reward_zero_and_is_counted():
-    tree = EpisodeTree(config(n_in=1, group=2), Task(broken))
+def test_an_episode_that_raises_gives_its_calls_reward_zero_with_on_error_zero():
+    tree = EpisodeTree(config(n_in=1, group=2, on_error="zero"), Task(broken))
     tree.admit_step(0)
     serve(tree)
     by_ep = {n.traj: n.reward for n in tree.nodes.values()}
     assert by_ep == {0: 1.0, 1: 0.0}
     assert [f.error for f in tree.failed] == ["KeyError: 'no such field'"]
     assert tree.batch_of("solver", 0) == 0                   # never called: an empty step
+    assert tree.batch_of("planner", 0) == 2
+
+
+def test_an_episode_that_raises_has_its_calls_dropped_by_default_and_its_traceback_kept():
+    tree = EpisodeTree(config(n_in=1, group=2), Task(broken))
+    ready = tree.admit_step(0).ready
+    answered = serve(tree)
+    good, bad = sorted(answered, key=lambda n: n.traj)
+    assert (good.status, good.reward, bad.status, bad.reward) == (READY, 1.0, DROPPED, None)
+    assert good.advantage == 0.0                             # its group is itself alone
+    assert tree.batch_of("planner", 0) == 1 and tree.ready_count("planner", 0) == 1
+    (f,) = tree.failed
+    assert (f.failure.kind, f.failure.message) == ("KeyError", "'no such field'")
+    assert 'raise KeyError("no such field")' in f.failure.traceback and not ready
+    lines = tree.failures.take_lines()
+    assert lines[0].startswith("episode failed (first KeyError): step 0, example 0, episode 1")
+    assert lines[1:] == ["step 0: 1 of 2 episodes failed (KeyError 1)"]
+    assert tree.failures.stop is None                        # 1 of 2 is not more than 0.5
+
+
+def test_more_than_max_failure_rate_of_a_steps_episodes_failing_says_stop():
+    tree = EpisodeTree(config(n_in=1, group=2, max_failure_rate=0.4), Task(broken))
+    tree.admit_step(0)
+    serve(tree)
+    assert tree.failures.stop.startswith("stopping the run: 1 of the 2 episodes of step 0 failed (KeyError 1), "
+                                         "more than workflow.max_failure_rate=0.4; first (example 0, episode 1)")
+    assert "Traceback (most recent call last)" in tree.failures.stop
+
+
+async def fails_in_flight(ctx, example):
+    """A solver call goes out, then the episode raises while it is on a replica."""
+    solver = asyncio.ensure_future(ctx.chat("solver", [{"role": "user", "content": "s"}]))
+    await ctx.chat("planner", [{"role": "user", "content": "p"}])
+    if ctx.episode == 0:
+        raise ValueError("bad parse")
+    await solver
+    return {"planner": 1.0, "solver": 1.0}
+
+
+@pytest.mark.parametrize("on_error", ["drop", "zero"])
+def test_a_call_in_flight_when_its_episode_fails_is_dropped_or_trained_at_reward_zero(on_error):
+    """The reply of a call whose episode already failed: dropped (on_error drop) or READY
+    with reward 0 (zero); before, it stayed GENERATED and the step never completed."""
+    tree = EpisodeTree(config(n_in=1, group=2, on_error=on_error), Task(fails_in_flight))
+    tree.admit_step(0)
+    solvers = list(tree.pending["solver"])
+    tree.take_pending("solver", {id(n) for n in solvers})            # on a replica
+    answer(tree, "planner")
+    assert [f.error for f in tree.failed] == ["ValueError: bad parse"]
+    ch = tree.record_generation([(n, reply_for(n), [-0.5] * 2) for n in solvers], 0, 0)
+    s0 = next(n for n in solvers if n.traj == 0)
+    if on_error == "drop":
+        assert s0.status == DROPPED and s0 in ch.dropped and tree.batch_of("solver", 0) == 1
+    else:
+        assert s0.status == READY and s0.reward == 0.0 and s0 in ch.ready and tree.batch_of("solver", 0) == 2
+    assert tree.ready_count("solver", 0) == tree.batch_of("solver", 0)
+    tree.close()
 
 
 async def bad_return(ctx, example):

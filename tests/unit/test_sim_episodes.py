@@ -124,10 +124,17 @@ def test_a_checkpoint_for_some_agents_only_is_refused_by_name(tmp_path):
 def test_a_call_past_the_context_fails_its_episode_and_the_run_goes_on(tmp_path):
     cfg = config(tmp_path, {"b": [1, 3]}, prompt_tokens=900)
     cfg.model.max_seq_len = 1024          # the chain's carried context overflows c's prompt
+    cfg.workflow.max_failure_rate = 1.0   # most episodes fail here: the run must still go on
     path = simulate(tmp_path, cfg)
-    check_exactly_once(path, 3)
+    check_exactly_once(path, 3, dropped_ok=True)      # the failed episodes' calls: dropped
     with h5py.File(path, "r") as f:
         assert len(f["samples/c"]) < len(f["samples/a"])          # some c calls never happened
+        failed = set(zip(f["failures"]["input_id"][:].tolist(), f["failures"]["traj"][:].tolist()))
+        assert failed and set(f["failures"]["kind"][:].tolist()) == {b"ContextFull"}
+        for agent in ("a", "b"):
+            s = f[f"samples/{agent}"][:]
+            dropped = set(zip(s["input_id"][s["status"] == 3].tolist(), s["traj"][s["status"] == 3].tolist()))
+            assert dropped <= failed and (agent == "b" or dropped == failed)
 
 
 @pytest.mark.parametrize("name", ["paper_3x32b_7x14b", "paper_15x14b", "paper_5x32b"])

@@ -77,7 +77,7 @@ def test_tool_and_episode_rows_read_back_after_a_flush_a_reopen_and_through_load
     s.record_tool(3.0, "verifier", 7, 1, 0, "calculator", "refused", 0.001)
     s.close()
     with h5py.File(path, "r") as f:
-        assert f.attrs["schema_version"] == 4
+        assert f.attrs["schema_version"] == 5
         counts = dict(zip(f["commit"].attrs["tables"], f["commit"][:]))
         assert counts["/tools"] == 3 and counts["/episodes"] == 1
         ep = f["episodes"][0]
@@ -172,12 +172,12 @@ def test_a_schema_3_store_is_read_by_analyze_and_refused_by_a_resume(tmp_path, c
     assert analyze_main([str(path), "--out", str(tmp_path / "figs")]) == 0
     assert "calls/episode a            mean 1.00  min 1  max 1" in capsys.readouterr().out
     assert (tmp_path / "figs" / "calls_per_episode.png").read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError, match="schema version 3; this flexmarl_hpc writes version 4"):
+    with pytest.raises(ValueError, match="schema version 3; this flexmarl_hpc writes version 5"):
         StoreFile(path, ["a", "b"], {})
     import flexmarl_hpc.submit as sub
     from flexmarl_hpc.config.schema import ConfigError
     monkeypatch.setattr(sub, "_slurm", lambda *a, **k: pytest.fail("sbatch was called"))
-    with pytest.raises(ConfigError, match="cannot resume: .*schema version 3; this flexmarl_hpc writes version 4"):
+    with pytest.raises(ConfigError, match="cannot resume: .*schema version 3; this flexmarl_hpc writes version 5"):
         sub.submit("configs/local.yaml", [f"run.output_dir={tmp_path}"], check_partitions=False)
     assert sha(path) == before
 
@@ -245,10 +245,12 @@ def test_salvage_copies_tools_and_episodes_and_drops_the_episodes_of_lost_sample
     for i, t in [(0, 0), (0, 1), (1, 0), (1, 1)]:
         s.record_episode(1.0, 0, i, t, {"planner": 1}, {"planner": 1.0})
         s.record_tool(1.0, "planner", i, t, 0, "calculator", "ok", 0.01)
+    s.record_failure(1.0, 0, 1, 1, "KeyError", "'x'", "Traceback ...\nKeyError: 'x'\n")
     s.close()
     corrupt(path, "/tokens/planner", chunk=0, nbytes=16)    # input 0's two calls lose tokens
     rep = salvage(path, tmp_path / "new.h5")
     assert rep.lost_ids["planner"] == ["0_0_0", "0_0_1"] and rep.lost_rows["/episodes"] == 2
     run = load_run(tmp_path / "new.h5")
-    assert run.attrs["schema_version"] == 4 and len(run.tools) == 4
+    assert run.attrs["schema_version"] == 5 and len(run.tools) == 4
+    assert run.failures[["input_id", "traj", "kind", "message"]].values.tolist() == [[1, 1, "KeyError", "'x'"]]
     assert sorted(set(zip(run.episodes["input_id"], run.episodes["traj"]))) == [(1, 0), (1, 1)]
