@@ -48,6 +48,8 @@ def _resolve(m: ModelConfig, explicit: set[str], where: str) -> ModelConfig:
         return m
     path = Path(m.checkpoint) / "config.json"
     shapes = checkpoint_shapes(m.checkpoint, f"{where}.checkpoint")
+    if _saved_before_resolution(m, explicit):
+        explicit = set()
     for key, value in shapes.items():
         if key in explicit and getattr(m, key) != value:
             raise ConfigError(f"{where}.{key}: {getattr(m, key)!r} in the config, {value!r} in {path} "
@@ -95,3 +97,13 @@ def _read_args(folder: str, where: str) -> ModelArgs:
         raise ConfigError(f"{where}: {path}: no {e.args[0]!r} (expected a Llama/Qwen2 config.json)") from None
     except (ValueError, TypeError) as e:            # the reader's refusals name the key
         raise ConfigError(f"{where}: {Path(folder)}: {e}") from None
+
+
+def _saved_before_resolution(m: ModelConfig, explicit: set[str]) -> bool:
+    """A run's resolved config.yaml (or HDF5 config_yaml) written before load_config read
+    checkpoints states every field, its shapes at ModelConfig's defaults, which the runtime
+    never used (it built the model from config.json): export and analysis of such a run take
+    the checkpoint's shapes instead of refusing them."""
+    every = {f.name for f in dataclasses.fields(ModelConfig)}
+    default = ModelConfig()
+    return explicit >= every and all(getattr(m, k) == getattr(default, k) for k in SHAPE_KEYS)

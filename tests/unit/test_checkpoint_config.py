@@ -99,3 +99,18 @@ def test_print_config_shows_the_checkpoints_shapes(tmp_path, capsys):
     assert main([str(ARITH), f"model.checkpoint={ckpt}", "--print-config"]) == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]
     assert (model["num_heads"], model["hidden_size"], model["num_layers"], model["max_seq_len"]) == (8, 128, 4, 512)
+
+
+def test_a_config_saved_before_shapes_were_resolved_still_loads(tmp_path):
+    """config.yaml of an older run states every model field, its shapes at the defaults the
+    runtime never used; export and analysis of that run take the checkpoint's. A config saved
+    now states the checkpoint's shapes and loads as it is."""
+    from flexmarl_hpc.config.load import save_config, to_dict
+    from flexmarl_hpc.config.schema import ModelConfig
+    ckpt = checkpoint(tmp_path / "ckpt")
+    raw = yaml.safe_load(ARITH.read_text())
+    raw["model"] = to_dict(ModelConfig(checkpoint=str(ckpt)))
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(raw))
+    assert load_config(tmp_path / "old.yaml").model.num_heads == 8
+    save_config(load_config(ARITH, [f"model.checkpoint={ckpt}"]), tmp_path / "new.yaml")
+    assert load_config(tmp_path / "new.yaml").model.hidden_size == 128
