@@ -271,6 +271,25 @@ def _validate_episode_run(cfg: Config, n_agents: int) -> None:
         without = [a for a in cfg.agent_names if not cfg.model_for(a).checkpoint]   # none: chat.py synthetic tokenizer
         _need(len(without) in (0, n_agents), "model.checkpoint", "expected a checkpoint folder with a tokenizer "
               f"and chat template for every agent of an episode workflow or for none, got none for {without}")
+        for agent in cfg.agent_names:
+            _check_tokenizer_files(cfg, agent)
+
+
+EPISODE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""What an episode workflow reads from each checkpoint folder (workflows/chat.py ChatTokenizer):
+the tokenizer, and the special tokens and chat template (the template may instead be a
+chat_template.jinja beside tokenizer_config.json)."""
+
+
+def _check_tokenizer_files(cfg: Config, agent: str) -> None:
+    folder = cfg.model_for(agent).checkpoint
+    if not folder or not Path(folder).is_dir():
+        return                      # random init (synthetic tokenizer), or refused at load already
+    missing = [f for f in EPISODE_TOKENIZER_FILES if not (Path(folder) / f).is_file()]
+    where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
+    _need(not missing, where, f"{folder} has no {' and no '.join(missing)}: an episode workflow needs "
+          f"the checkpoint's tokenizer and chat template ({', '.join(EPISODE_TOKENIZER_FILES)}; copy "
+          "them from the model the weights came from)")
 
 
 # -- trainer engine fields (megatron precision, overlap, pipeline schedule) ------------------

@@ -114,3 +114,19 @@ def test_a_config_saved_before_shapes_were_resolved_still_loads(tmp_path):
     assert load_config(tmp_path / "old.yaml").model.num_heads == 8
     save_config(load_config(ARITH, [f"model.checkpoint={ckpt}"]), tmp_path / "new.yaml")
     assert load_config(tmp_path / "new.yaml").model.hidden_size == 128
+
+
+MATH_TEAM = ROOT / "configs" / "math_team.yaml"
+
+
+@pytest.mark.parametrize("present, missing", [((), "tokenizer.json and no tokenizer_config.json"),
+                                              (("tokenizer.json",), "tokenizer_config.json:")])
+def test_an_episode_workflow_names_the_tokenizer_files_it_lacks(tmp_path, capsys, present, missing):
+    from flexmarl_hpc.run import main
+    ckpt = checkpoint(tmp_path / "ckpt")
+    for name in present:
+        (ckpt / name).write_text("{}")
+    rc = main([str(MATH_TEAM), f"model.checkpoint={ckpt}", f"run.output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"config error: model.checkpoint: {ckpt} has no {missing}"), err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
