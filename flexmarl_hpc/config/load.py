@@ -4,8 +4,8 @@
     cfg = load_config("configs/local.yaml", ["trainer.lr=1e-4", "run.steps=50"])
     save_config(cfg, cfg.output_dir / "config.yaml")
 
-`load_config` validates (config/validate.py) before it returns: a config it hands out
-passed every pure check. Everything here runs on a login node before any rank starts.
+`load_config` takes each checkpoint's shapes from its config.json (config/checkpoint.py), then
+validates (config/validate.py) before it returns: a config it hands out passed every pure check. Everything here runs on a login node before any rank starts.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from flexmarl_hpc.config.checkpoint import resolve_checkpoints
 from flexmarl_hpc.config.schema import Config, ConfigError, join
 from flexmarl_hpc.config.strict_yaml import YAMLLimitError, strict_load
 from flexmarl_hpc.config.validate import validate
@@ -151,7 +152,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"{p}: expected a mapping at the top level")
     for o in overrides:
         apply_override(data, o)
-    cfg = from_dict(Config, data)
+    # a checkpoint's config.json gives its model's shapes before anything checks them;
+    # `data` tells the fields the user set (refused if they disagree) from the defaults
+    cfg = resolve_checkpoints(from_dict(Config, data), data)
     validate(cfg)
     return cfg
 

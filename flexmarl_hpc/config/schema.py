@@ -106,7 +106,9 @@ class ModelConfig:
     init_std: float = 0.02
     """Std of the random init (ignored when `checkpoint` is set)."""
     checkpoint: str = ""
-    """Local HF checkpoint folder (safetensors + config.json) to start from; empty: random init."""
+    """Local HF checkpoint folder (safetensors + config.json) to start from; empty: random init.
+    Its config.json sets the shape fields above (leave them out; one set that disagrees is
+    refused), config/checkpoint.py."""
 
 
 @dataclass

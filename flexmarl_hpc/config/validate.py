@@ -128,10 +128,10 @@ def _validate_model(m: ModelConfig, where: str) -> None:
 def _validate_bucket_row(cfg: Config, agent: str) -> None:
     """A tensor larger than a sync bucket goes in pieces of whole rows (runtime/weight_sync):
     a bucket must hold one row of each, in fp32 (the widest wire dtype). A checkpoint's
-    shapes are read later, by the plan itself."""
+    shapes are its config.json's here (config/checkpoint.py, run by load_config)."""
     m = cfg.model_for(agent)
     row = 4 * max(m.hidden_size, m.intermediate_size)
-    _need(bool(m.checkpoint) or row <= cfg.weight_sync.bucket_mb * 2**20, "weight_sync.bucket_mb",
+    _need(row <= cfg.weight_sync.bucket_mb * 2**20, "weight_sync.bucket_mb",
           f"a bucket of {cfg.weight_sync.bucket_mb} MiB cannot hold one row of {agent}'s weights "
           f"({row} B: 4 x max(hidden_size, intermediate_size)); expected at least {row / 2**20:.4g} MiB")
 
@@ -273,6 +273,25 @@ def _validate_episode_run(cfg: Config, n_agents: int) -> None:
         without = [a for a in cfg.agent_names if not cfg.model_for(a).checkpoint]   # none: chat.py synthetic tokenizer
         _need(len(without) in (0, n_agents), "model.checkpoint", "expected a checkpoint folder with a tokenizer "
               f"and chat template for every agent of an episode workflow or for none, got none for {without}")
+        for agent in cfg.agent_names:
+            _check_tokenizer_files(cfg, agent)
+
+
+EPISODE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""What an episode workflow reads from each checkpoint folder (workflows/chat.py ChatTokenizer):
+the tokenizer, and the special tokens and chat template (the template may instead be a
+chat_template.jinja beside tokenizer_config.json)."""
+
+
+def _check_tokenizer_files(cfg: Config, agent: str) -> None:
+    folder = cfg.model_for(agent).checkpoint
+    if not folder or not Path(folder).is_dir():
+        return                      # random init (synthetic tokenizer), or refused at load already
+    missing = [f for f in EPISODE_TOKENIZER_FILES if not (Path(folder) / f).is_file()]
+    where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
+    _need(not missing, where, f"{folder} has no {' and no '.join(missing)}: an episode workflow needs "
+          f"the checkpoint's tokenizer and chat template ({', '.join(EPISODE_TOKENIZER_FILES)}; copy "
+          "them from the model the weights came from)")
 
 
 # -- trainer engine fields (megatron precision, overlap, pipeline schedule) ------------------
@@ -328,7 +347,8 @@ def _validate_pools(cfg: Config) -> None:
                 m = cfg.model_for(a)
                 _need(m.num_heads % p.gpus_per_replica == 0 and m.num_kv_heads % p.gpus_per_replica == 0,
                       f"{w}.gpus_per_replica", f"vLLM's tensor parallelism {p.gpus_per_replica} does not "
-                      f"divide the {m.num_heads} heads / {m.num_kv_heads} KV heads of agent {a!r}")
+                      f"divide the {m.num_heads} heads / {m.num_kv_heads} KV heads of agent {a!r}"
+                      f"{_shape_source(m)}")
     served = {a for p in rollout_pools(cfg) for a in p.agents}
     for a in agents:
         _need(a in served, "rollout.pools", f"no pool can serve agent {a!r} (its weights take "
@@ -373,14 +393,20 @@ def _validate_groups(cfg: Config) -> None:
             pp_where = f"{w}.pipeline_parallel" if named else "trainer.pipeline_parallel"
             _need(m.num_heads % g.tensor_parallel == 0 and m.num_kv_heads % g.tensor_parallel == 0, tp_where,
                   f"{g.tensor_parallel} does not divide the {m.num_heads} heads / "
-                  f"{m.num_kv_heads} KV heads of agent {a!r}")
+                  f"{m.num_kv_heads} KV heads of agent {a!r}{_shape_source(m)}")
             _need(m.num_layers % g.pipeline_parallel == 0, pp_where,
-                  f"{g.pipeline_parallel} does not divide the {m.num_layers} layers of agent {a!r}")
+                  f"{g.pipeline_parallel} does not divide the {m.num_layers} layers of agent {a!r}{_shape_source(m)}")
     for i, g in enumerate(groups):
         for h in swap_peers(groups, i)[1:]:
             _need(groups[h].shape == g.shape, f"{groups[h].where}.swap",
                   f"swap domain {g.swap!r} joins {g.name} ({g.describe()}) and {groups[h].name} "
                   f"({groups[h].describe()}); states swap only between groups of the same shape")
+
+
+def _shape_source(m: ModelConfig) -> str:
+    """Where a model's shapes come from, for messages: a checkpoint's config.json (load_config
+    read them from it) or the config's model fields."""
+    return f" (from {Path(m.checkpoint) / 'config.json'})" if m.checkpoint else ""
 
 
 def _uniform(key: str) -> str:

@@ -3,6 +3,7 @@ by the real orchestrator over synthetic workers, with the synthetic ChatML token
 random-init models (workflows/chat.py)."""
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import yaml
 
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.schema import ConfigError
+from flexmarl_hpc.learn.hf_config import ModelArgs
 from flexmarl_hpc.sim.driver import cost_model, simulate_run
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.workflows.chat import Conversation, SyntheticChatTokenizer
@@ -116,6 +118,8 @@ def test_a_checkpoint_for_some_agents_only_is_refused_by_name(tmp_path):
     raw = yaml.safe_load((ROOT / "configs/math_team.yaml").read_text())
     raw["agents"] = {"planner": {"checkpoint": ""}}
     raw["model"] = {"checkpoint": str(tmp_path)}
+    # a checkpoint folder's config.json is read at load (config/checkpoint.py)
+    (tmp_path / "config.json").write_text(json.dumps(ModelArgs(64, 32, 2, 4, 4, 64, 128).to_hf_config()))
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=r"model.checkpoint: .*or for none, got none for \[.planner.\]"):
         load_config(tmp_path / "c.yaml")
