@@ -3,7 +3,7 @@ and no mpi4py, so `submit --dry-run` and `simulate` start in a second on a login
 vLLM's TP workers import for our worker extension loads no MPI (they are processes spawned by
 an MPI rank, where initialising MPI aborts them: tests/mpi/test_vllm_workers_mpi.py).
 
-    pytest tests/test_imports.py
+    pytest tests/unit/test_imports.py
 """
 from __future__ import annotations
 
