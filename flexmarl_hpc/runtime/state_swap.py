@@ -36,15 +36,8 @@ import torch
 from mpi4py import MPI
 
 from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.runtime.messages import Location  # defined there for MPI-free importers; state_swap.Location too
 from flexmarl_hpc.runtime.weight_sync import bucket_views, dict_bucket, host_bytes, pack
-
-
-@dataclass(frozen=True)
-class Location:
-    group: int
-    """Trainer group whose ranks hold the state."""
-    resident: bool
-    """True: live on the group's device as a trainer; False: parked in the group's host memory."""
 
 
 class HostBuffers:

@@ -1,5 +1,6 @@
 """The login-node side stays light: the config, the Slurm scripts and `submit` import no torch
-and no mpi4py, so `submit --dry-run` and `simulate` start in a second on a login node. And what
+and no mpi4py, so `submit --dry-run` and `simulate` start in a second on a login node; the
+orchestrator's loop imports neither, and a simulation never initialises MPI. And what
 vLLM's TP workers import for our worker extension loads no MPI (they are processes spawned by
 an MPI rank, where initialising MPI aborts them: tests/mpi/test_vllm_workers_mpi.py).
 
@@ -43,6 +44,21 @@ def test_submit_dry_run_imports_no_torch_or_mpi():
             f"    assert main([{LOCAL!r}, '--dry-run', '--no-partition-check']) == 0\n"
             f"    assert main([{LOCAL!r}, '--dry-run', '--no-partition-check', '--single']) == 0")
     assert heavy_modules_after(code) == []
+
+
+def test_the_orchestrator_imports_no_torch_or_mpi():
+    """Importing mpi4py.MPI initialises MPI: the orchestrator's loop is imported by simulate and
+    unit tests, which give it other transports (the MPI one is imported by run.py)."""
+    assert heavy_modules_after("import flexmarl_hpc.orchestrator.loop") == []
+
+
+def test_a_simulation_starts_no_mpi(tmp_path):
+    """The real orchestrator on the simulated clock (torch may load to pack micro-batches)."""
+    code = ("import contextlib, io\nfrom flexmarl_hpc.simulate import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            f"    assert main(['compare', {LOCAL!r}, 'workflow.inputs_per_step=2', 'run.steps=3', "
+            f"'--variants', 'flex', '--out', {str(tmp_path)!r}]) == 0")
+    assert heavy_modules_after(code, ("mpi4py",)) == []
 
 
 def test_the_probe_sees_torch():
