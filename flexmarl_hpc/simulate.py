@@ -18,7 +18,8 @@ workflow and rewards over sim.transport.SimTransport. Its workers (--workers) ar
 (responses of modelled length, training skipped: any model size) or real (the real engine
 and trainers in this process, for small models: the run trains what an MPI run of the config
 trains, and only the clock is modelled, from the lengths the policy really generates).
-Both are priced by sim.costs (see sim/driver.py for what is modelled and README "Scale"). Each writes
+Both are priced by sim.costs (see sim/driver.py for what is modelled and docs/simulator.md
+"Cost model assumptions"). Each writes
 `<out>/<variant>/<run>.h5` (the run schema, attrs simulated=True and hardware), which
 `python -m flexmarl_hpc.analyze` reads unchanged. Printed per variant: step_s (median gap
 between global steps after the first 2), accelerator utilization, samples/s and the ratio of

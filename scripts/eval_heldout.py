@@ -5,7 +5,7 @@ greedily, through the workflow's turns, and `task.eval_metrics` scores the leave
     python scripts/eval_heldout.py configs/smollm2_learn.yaml -n 128            # zero-shot
     python scripts/eval_heldout.py runs/smollm2_learn -n 128 --all --json out.json
     python scripts/eval_heldout.py runs/smollm2_learn -n 121 --all --paired   # + flips vs the base
-    python scripts/eval_heldout.py --plot out.json docs/smollm2_learn.png   # the curve
+    python scripts/eval_heldout.py --plot out.json docs/smollm2_learn_eval.png   # the curve
     python scripts/eval_heldout.py --plot curve.jsonl docs/math_team_heldout.png --keys team_correct
     python scripts/eval_heldout.py runs/math_team -n 200 --paired            # an episode workflow
     python scripts/eval_heldout.py runs/math_team -n 200 --paired --rows runs/math_team/eval

@@ -44,8 +44,7 @@ class RunConfig:
     """torch intra-op threads per MPI rank (ranks usually outnumber cores)."""
     idle_wait: Literal["doorbell", "poll"] = "doorbell"
     """How the orchestrator and its workers wait for each other's messages. `doorbell`: asleep
-    in the kernel until the sender rings a TCP socket it shares with them (flexmarl_hpc.
-    doorbell; no CPU while idle; falls back to `poll` if the sockets cannot be opened).
+    in the kernel until the sender rings a TCP socket it shares with them (runtime/doorbell.py; no CPU while idle; falls back to `poll` if the sockets cannot be opened).
     `poll`: MPI probes with back-off sleeps (20 us .. 0.5 ms), each wake-up preempting a rank
     that computes on a node whose cores are full."""
     checkpoint_every: int = 10
@@ -252,7 +251,7 @@ class TrainerConfig:
     mu), one step each; pi_old is the trainer's policy before the batch's first pass. The
     replay runs inside the trainer group, so a step is still one policy version."""
     entropy_coef: float = 0.0
-    """Entropy bonus (the referential game needs ~0.05, see DESIGN.md)."""
+    """Entropy bonus (the referential game needs ~0.05: docs/architecture.md "The entropy bonus")."""
     kl_coef: float = 0.0
     """KL penalty to the frozen initial policy (k3 estimator; 0: no reference model)."""
     tis_cap: float = 2.0

@@ -18,7 +18,7 @@ is padded to Vp rows (`padded_vocab`), a function of the model alone, never of T
 dist_checkpointing checkpoint reshards to any other TP; padding rows are zero and are cut
 off on the way back. Any tensor in a parameter's layout converts the same way (Adam
 moments). Pure tensor code: both directions are tested to round-trip bit for bit
-(tests/test_convert.py).
+(tests/unit/test_convert.py).
 """
 from __future__ import annotations
 

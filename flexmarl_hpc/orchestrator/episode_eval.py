@@ -21,7 +21,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from flexmarl_hpc.config.schema import Config
-from flexmarl_hpc.learn.sampling import sample_seed
 from flexmarl_hpc.orchestrator.evaluation import GREEDY, EvalResult, eval_points
 from flexmarl_hpc.workflows.episode import Call
 
@@ -122,6 +121,7 @@ class EpisodeEvaluator:
 
     def request(self, n: EvalCall) -> tuple:
         """A GenRequest without the call's own sampling: evaluation is greedy."""
+        from flexmarl_hpc.learn.sampling import sample_seed  # torch: not at import (tests/unit/test_imports.py)
         return (n.sample_id, n.prompt, sample_seed(self.cfg.run.seed, n.agent, n.point, n.sample_id),
                 n.call.max_tokens, 0)
 

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flexmarl_hpc.config.schema import Config
-from flexmarl_hpc.learn.grpo import call_advantages
 from flexmarl_hpc.orchestrator.tree import Changes, Node, NodeQueues
 from flexmarl_hpc.orchestrator.episode_failures import EpisodeFailures
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
@@ -197,6 +196,7 @@ class EpisodeTree(NodeQueues):
     def _agent_ready(self, st: ExampleState, agent: str) -> list[Node]:
         ready = []
         mine = [(n, e, r) for n, e, r in st.calls if n.agent == agent]
+        from flexmarl_hpc.learn.grpo import call_advantages  # torch: not at import (tests/unit/test_imports.py)
         adv = call_advantages([(e, n.turn, r) for n, e, r in mine])
         for (n, _, r), a in zip(mine, adv):
             n.reward, n.advantage = r, float(a)

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Callable
 
 from flexmarl_hpc.config.schema import Config
-from flexmarl_hpc.learn.sampling import SamplingParams
 from flexmarl_hpc.orchestrator.evaluation import GREEDY, Evaluator, sink_scalars
 from flexmarl_hpc.orchestrator.sinks import Sinks
 from flexmarl_hpc.runtime import messages
@@ -101,6 +100,7 @@ class EvalDispatch:
             if not nodes:
                 continue
             self.evaluator.take(nodes)
+            from flexmarl_hpc.learn.sampling import SamplingParams  # torch: not at import (tests/unit/test_imports.py)
             params = SamplingParams(0.0 if nodes[0].mode == GREEDY else ro.temperature, ro.top_p)
             bid = new_batch_id()
             self.batches[bid] = (r.rank, agent, version, nodes)

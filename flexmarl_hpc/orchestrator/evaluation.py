@@ -20,7 +20,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from flexmarl_hpc.config.schema import Config
-from flexmarl_hpc.learn.sampling import sample_seed
 from flexmarl_hpc.store.tables import eval_key
 from flexmarl_hpc.workflows.base import Path, Task
 
@@ -151,6 +150,7 @@ class Evaluator:
     def request(self, n: EvalNode) -> tuple:
         """(sample_id, prompt, seed, max_new_tokens, turn): a replica's GenRequest."""
         budget = self.task.response_budget(n.turn, n.sample_id, self.turns[n.turn].max_new_tokens)
+        from flexmarl_hpc.learn.sampling import sample_seed  # torch: not at import (tests/unit/test_imports.py)
         return (n.sample_id, n.prompt, sample_seed(self.cfg.run.seed, n.agent, n.point, n.sample_id),
                 budget, n.turn)
 

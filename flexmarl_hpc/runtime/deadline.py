@@ -13,7 +13,7 @@ until its wall-clock limit.
 Waiting never spins: each look (`Test`, `is_completed`) is followed by a back-off sleep
 (backoff.until: 20 us .. 0.5 ms), so a rank waiting for a late member costs its node's cores
 nothing. MPICH progresses a non-blocking collective only inside Test; measured here, an
-Ibcast waited this way is no slower than a blocking Bcast (bench/bench_sync_deadline.py).
+Ibcast waited this way is no slower than a blocking Bcast (`bench/bench_weight_sync.py`, docs/LOG.md 2026-11-25 "hung collectives").
 A collective abandoned at its deadline stays pending: its communicator or group must not be
 used again (sync_groups.SyncChannels.abandon).
 

@@ -16,7 +16,29 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:                   # no torch/MPI import for a module of plain data
     from flexmarl_hpc.learn.sampling import SamplingParams
-    from flexmarl_hpc.runtime.state_swap import Location
+
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where an agent's training state is (`Move`'s ends; runtime/state_swap.py moves it).
+    Here, not in state_swap, which imports torch and MPI: the orchestrator and the simulator
+    use it without either."""
+    group: int
+    """Trainer group whose ranks hold the state."""
+    resident: bool
+    """True: live on the group's device as a trainer; False: parked in the group's host memory."""
+
+
+class WorkerLost(Exception):
+    """A transport's `receive`: worker `rank` has ended (its liveness socket closed) without
+    stopping. Here, not in runtime/transport.py (MPI), so the orchestrator can catch it
+    without importing MPI."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"rank {rank} has ended")
+        self.rank = rank
+
 
 Interval = tuple[str, str, float, float]
 """(activity, agent, t0, t1): wall-clock seconds (time.time()) a worker spent on one thing;

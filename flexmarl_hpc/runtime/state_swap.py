@@ -23,7 +23,8 @@ Different groups: rank i of the source group sends its `state()` to rank i of th
 destination group over MPI (one header + one flat byte buffer, a non-blocking send/receive
 waited for without spinning); the destination builds a trainer the first time it gets the
 agent. Trainers without the interface keep the old path everywhere: parked as a host copy
-of `state()`, rebuilt and loaded on swap-in. Bit for bit either way (tests/test_state_swap.py).
+of `state()`, rebuilt and loaded on swap-in. Bit for bit either way (tests/unit/test_state_swap.py; rank to rank
+tests/mpi/test_state_swap_mpi.py).
 """
 from __future__ import annotations
 
@@ -35,15 +36,8 @@ import torch
 from mpi4py import MPI
 
 from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.runtime.messages import Location  # defined there for MPI-free importers; state_swap.Location too
 from flexmarl_hpc.runtime.weight_sync import bucket_views, dict_bucket, host_bytes, pack
-
-
-@dataclass(frozen=True)
-class Location:
-    group: int
-    """Trainer group whose ranks hold the state."""
-    resident: bool
-    """True: live on the group's device as a trainer; False: parked in the group's host memory."""
 
 
 class HostBuffers:

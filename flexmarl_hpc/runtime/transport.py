@@ -19,17 +19,10 @@ from flexmarl_hpc.runtime.comm import TAG_CMD, TAG_REPLY, abort, poll, recv, rec
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.doorbell import Doorbell
 from flexmarl_hpc.runtime.liveness import Liveness, peer_ended
+from flexmarl_hpc.runtime.messages import WorkerLost  # noqa: F401 (transport.WorkerLost)
 
 LIVENESS_CHECK_S = 0.5
 """How often a waiting orchestrator looks whether a worker has ended (runtime/liveness.py)."""
-
-
-class WorkerLost(Exception):
-    """`receive`: worker `rank` has ended (its liveness socket closed) without stopping."""
-
-    def __init__(self, rank: int) -> None:
-        super().__init__(f"rank {rank} has ended")
-        self.rank = rank
 
 
 class Transport(Protocol):

@@ -4,7 +4,7 @@ SimTransport, priced by sim.costs.CostModel, with one of two kinds of workers:
 - "synthetic" (large models): no model runs; described below;
 - "real" (small models): sim.inprocess.InProcessWorkers, the real engine and trainers in this
   process, so the responses, their lengths, the rewards and the trained weights are those of
-  an MPI run of the config (tests/test_sim_equals_mpi.py); only the clock is modelled, from
+  an MPI run of the config (tests/e2e/test_sim_equals_mpi.py); only the clock is modelled, from
   the real lengths (use it with a calibrated profile: `simulate --calibrate ... --workers real`).
 
 Synthetic workers:

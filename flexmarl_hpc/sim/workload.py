@@ -10,7 +10,7 @@ its response-length distribution, a lognormal whose median differs per agent (th
 "skewed inter-agent request patterns"). A config still on `workflow.turns` gets the relay
 chain and the modelled lengths (`prompts`, `lengths`: sim.driver.Workload).
 Sources (docs/simulator.md, "The paper's tables"):
-- paper (as reported, DESIGN.md): 4 queries x 16 branches = global batch 64, micro-batch 16,
+- paper (as a public reading note of its Tables 2-3 reports it): 4 queries x 16 branches = global batch 64, micro-batch 16,
   responses up to 8,192 tokens, MA = every agent its own Qwen2.5-14B, CA = 14B and 32B;
 - the configs' agent counts are the paper's scaling runs (15 x 14B; 3 x 32B + 7 x 14B): the
   paper does not say how many agents MA and CA chain (unknown: `chain_agents`, fitted on MA);

@@ -36,10 +36,12 @@ import traceback
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path as FsPath
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 
@@ -65,6 +67,7 @@ class Vocab:
         return [self.tokens[i] for i in ids]
 
     def mask(self, toks: Sequence[str]) -> torch.Tensor:
+        import torch  # not at import: the orchestrator and simulate import Task without torch
         m = torch.zeros(len(self), dtype=torch.bool)
         m[self.encode(toks)] = True
         return m
@@ -114,6 +117,7 @@ class TokenizerVocab:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def mask(self, toks: Sequence[str]) -> torch.Tensor:
+        import torch  # not at import: the orchestrator and simulate import Task without torch
         m = torch.zeros(len(self), dtype=torch.bool)
         m[self.encode(toks)] = True
         return m

@@ -106,7 +106,7 @@ class EpisodeContext:
         self.rng = np.random.default_rng([runner.seed, example_id, episode])
         """This episode's random numbers (seeded by run seed, example and episode index)."""
         self.metrics: dict[str, float] = {}
-        """What an evaluation averages over episodes (scripts/eval_episodes.py), e.g. accuracy."""
+        """What an evaluation averages over episodes (scripts/eval_heldout.py), e.g. accuracy."""
         self.calls: dict[str, int] = {}
         self.settled: dict[str, float | list[float]] = {}
         """Agents given their reward by `settle` (done in this episode)."""

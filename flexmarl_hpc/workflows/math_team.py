@@ -16,7 +16,7 @@ solver (workflow.episode_args; default 0.1: at 0.1 the planner of the 44-step ru
 docs/episodes.md learned to always ask one, and the skew went away). Each
 agent is called a different number of times per episode (1 planner, 1-3 solvers each
 with 1-2 turns, 1 verifier): the skew the scheduler balances. `ctx.metrics["team_correct"]`
-is what scripts/eval_episodes.py averages.
+is what scripts/eval_heldout.py averages.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Episodes run in one process against in-process models: evaluation of checkpoints
-(scripts/eval_episodes.py) and quick checks of an episode function, with the very runner a
+(scripts/eval_heldout.py) and quick checks of an episode function, with the very runner a
 training run uses (workflows/episode.py) and the same sampler as the torch replicas.
 
     results = run_episodes(task, cfg, models, examples, GREEDY)

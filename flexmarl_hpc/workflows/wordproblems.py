@@ -1,5 +1,5 @@
 """Grade-school word problems with integer answers, generated from a seed (no download):
-the dataset of configs/math_team (scripts/make_math_team_data.py writes it).
+the dataset of configs/math_team.yaml (scripts/make_math_team_data.py writes it).
 
     problems = generate(seed=0, n=2000)      # [Problem(question, answer, steps, expression)]
 

@@ -1,13 +1,20 @@
 """The documentation's links and commands resolve.
 
-    pytest -q tests/test_docs.py
+    pytest -q tests/unit/test_docs.py
 
 Every relative link of README.md and docs/*.md points to an existing file (and, with
 `#anchor`, to a heading of it), and every `python -m flexmarl_hpc.<cli> [subcommand]` quoted
 in them (a fenced code block or a backtick span) answers `--help` with exit code 0.
+
+Every repository path written anywhere (`flexmarl_hpc/run.py`, tests/unit/test_docs.py,
+`configs/*.yaml`, and package-relative ones like `sim/driver.py`) in the docs, the module
+docstrings, the config help texts and the configs' comments exists, or is a run's output; a
+bare markdown name (LOG.md) is one of the root's, docs/ or tests/ (the design brief is not in the
+repository, so it is not cited).
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -23,6 +30,15 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
 CLI = re.compile(r"python -m flexmarl_hpc\.([A-Za-z_][\w.]*)((?:[ \t]+[^\s`#|]+)*)")
 SUBCOMMAND = re.compile(r"[a-z][a-z_-]*")
+
+
+TOP = ("flexmarl_hpc", "tests", "scripts", "docs", "configs", "bench", "slurm", "data", "runs")
+# a path ends on a word character or a glob star, so "docs/x.md." and "`runs/{name}`" cut cleanly
+REPO_PATH = re.compile(rf"(?<![\w./-])(?:{'|'.join(TOP)})/[\w./*-]*[\w*]")
+BARE_MD = re.compile(r"(?<![\w./-])[\w-]+\.md\b")
+# What docs quote as examples but a run or a script writes (both git-ignored), not the repository.
+OUTPUTS = ("runs",              # run folders (run.out_dir) that every run writes
+           "data/math_team")    # scripts/make_math_team_data.py writes it
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -96,6 +112,72 @@ def help_fails(cli: str, sub: str) -> str | None:
         # argparse would take an unknown word for a positional argument and still print help
         return f"'{sub}' is not a subcommand ({' '.join(usage.split())[:200]})"
     return None
+
+
+def prose(root: Path = ROOT) -> list[tuple[str, str]]:
+    """(where, text) of every place that names repository paths: the docs, the module
+    docstrings, the config help texts (schema.py's attribute docstrings) and config comments."""
+    mds = [*doc_files(root), root / "tests" / "README.md"]
+    out = [(str(md.relative_to(root)), md.read_text(encoding="utf-8")) for md in mds if md.exists()]
+    for py in sorted(p for d in ("flexmarl_hpc", "tests", "scripts", "bench") for p in (root / d).rglob("*.py")):
+        tree = ast.parse(py.read_text(encoding="utf-8"))
+        out.append((str(py.relative_to(root)), ast.get_docstring(tree) or ""))
+        if py.name == "schema.py":
+            out += [(f"{py.relative_to(root)}:{n.lineno}", n.value.value) for n in ast.walk(tree)
+                    if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)]
+    yamls = [*sorted((root / "configs").rglob("*.yaml")), root / "environment.yml"]
+    return out + [(str(y.relative_to(root)), y.read_text(encoding="utf-8")) for y in yamls if y.exists()]
+
+
+def package_dirs(root: Path) -> list[str]:
+    pkg = root / "flexmarl_hpc"
+    return sorted(p.name for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()) if pkg.exists() else []
+
+
+def missing_paths(texts: list[tuple[str, str]], root: Path = ROOT) -> list[str]:
+    """'where: path' for each repository path named in `texts` that is not there (a glob:
+    that matches nothing); `sim/driver.py` is looked up under flexmarl_hpc/."""
+    def there(path: str) -> bool:
+        return any(root.glob(path)) if "*" in path else (root / path).exists()
+    sub = package_dirs(root)
+    relative = re.compile(rf"(?<![\w./-])(?:{'|'.join(sub)})/[\w./*-]*\.(?:py|yaml)\b") if sub else None
+    bad = []
+    for where, text in texts:
+        for path in dict.fromkeys(REPO_PATH.findall(text)):
+            if not there(path) and not any(path == o or path.startswith(o + "/") for o in OUTPUTS):
+                bad.append(f"{where}: {path}")
+        for path in dict.fromkeys(relative.findall(text) if relative else []):
+            if not there(f"flexmarl_hpc/{path}") and not there(path):
+                bad.append(f"{where}: {path}")
+        for name in dict.fromkeys(BARE_MD.findall(text)):      # "LOG.md" for docs/LOG.md
+            if not any(there(f"{d}/{name}") for d in (".", "docs", "tests")):
+                bad.append(f"{where}: {name}")
+    return bad
+
+
+def test_every_repository_path_named_exists():
+    assert missing_paths(prose()) == []
+
+
+def test_the_path_check_catches_a_moved_file(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "flexmarl_hpc" / "sim").mkdir(parents=True)
+    for f in ("docs/x.md", "flexmarl_hpc/sim/__init__.py", "flexmarl_hpc/sim/driver.py", "flexmarl_hpc/run.py"):
+        (tmp_path / f).write_text("")
+    (tmp_path / "README.md").write_text(
+        "`flexmarl_hpc/run.py`, docs/x.md. `sim/driver.py`, `docs/*.md`, `runs/{name}`, runs/local/local.h5\n"
+        "Old: tests/test_docs.py, `sim/gone.py`, `configs/*.yaml`, scripts/eval_episodes.py, x.md, DESIGN.md.\n")
+    (tmp_path / "flexmarl_hpc" / "run.py").write_text('"""See bench/bench_sync_deadline.py."""\n')
+    assert missing_paths(prose(tmp_path), tmp_path) == [
+        "README.md: tests/test_docs.py", "README.md: configs/*.yaml", "README.md: scripts/eval_episodes.py",
+        "README.md: sim/gone.py", "README.md: DESIGN.md", "flexmarl_hpc/run.py: bench/bench_sync_deadline.py"]
+
+
+def test_the_docs_list_every_message():
+    """architecture.md names every command and reply of runtime/messages.py."""
+    from flexmarl_hpc.runtime.messages import COMMANDS, REPLIES
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert [c.__name__ for c in COMMANDS + REPLIES if f"`{c.__name__}`" not in text] == []
 
 
 def test_every_relative_link_resolves():

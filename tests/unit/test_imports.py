@@ -1,9 +1,10 @@
 """The login-node side stays light: the config, the Slurm scripts and `submit` import no torch
-and no mpi4py, so `submit --dry-run` and `simulate` start in a second on a login node. And what
+and no mpi4py, so `submit --dry-run` and `simulate` start in a second on a login node; the
+orchestrator's loop imports neither, and a simulation never initialises MPI. And what
 vLLM's TP workers import for our worker extension loads no MPI (they are processes spawned by
 an MPI rank, where initialising MPI aborts them: tests/mpi/test_vllm_workers_mpi.py).
 
-    pytest tests/test_imports.py
+    pytest tests/unit/test_imports.py
 """
 from __future__ import annotations
 
@@ -45,6 +46,21 @@ def test_submit_dry_run_imports_no_torch_or_mpi():
     assert heavy_modules_after(code) == []
 
 
+def test_the_orchestrator_imports_no_torch_or_mpi():
+    """Importing mpi4py.MPI initialises MPI: the orchestrator's loop is imported by simulate and
+    unit tests, which give it other transports (the MPI one is imported by run.py)."""
+    assert heavy_modules_after("import flexmarl_hpc.orchestrator.loop") == []
+
+
+def test_a_simulation_starts_no_mpi(tmp_path):
+    """The real orchestrator on the simulated clock (torch may load to pack micro-batches)."""
+    code = ("import contextlib, io\nfrom flexmarl_hpc.simulate import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            f"    assert main(['compare', {LOCAL!r}, 'workflow.inputs_per_step=2', 'run.steps=3', "
+            f"'--variants', 'flex', '--out', {str(tmp_path)!r}]) == 0")
+    assert heavy_modules_after(code, ("mpi4py",)) == []
+
+
 def test_the_probe_sees_torch():
     """The check can fail: a module that imports torch is reported."""
     assert heavy_modules_after("import torch") == ["torch"]
@@ -69,3 +85,61 @@ def test_what_a_vllm_worker_imports_loads_no_mpi():
     code = "\n".join(["import pickle", "import flexmarl_hpc.rollout.vllm_engine", *imports,
                       f"pickle.loads({header!r})"])
     assert heavy_modules_after(code, ("mpi4py", "mpi4py.MPI")) == []
+
+
+def module_imports(tree: ast.Module, mods: set[str]) -> set[str]:
+    """Our modules that `tree` imports when it is imported: its top-level imports (inside module
+    level if/try too), not those in functions nor under `if TYPE_CHECKING`. `from pkg import x`
+    depends on pkg.x when that is a module, else on pkg."""
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for n in body:
+            if isinstance(n, ast.If):
+                visit(n.orelse if "TYPE_CHECKING" in ast.unparse(n.test) else n.body + n.orelse)
+            elif isinstance(n, ast.Try):
+                visit(n.body + n.orelse + n.finalbody + [s for h in n.handlers for s in h.body])
+            elif isinstance(n, ast.Import):
+                found.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+                found.update(f"{n.module}.{a.name}" if f"{n.module}.{a.name}" in mods else n.module for a in n.names)
+    visit(tree.body)
+    return {m for m in found if m in mods}
+
+
+def import_cycles(package: Path) -> list[list[str]]:
+    """The file-level import cycles of `package` (strongly connected sets of modules, sorted)."""
+    files = {".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in package.rglob("*.py")}
+    graph = {m: module_imports(ast.parse(p.read_text(encoding="utf-8")), set(files)) - {m} for m, p in files.items()}
+    reach = {m: set() for m in graph}
+    for m in graph:                                  # graph of ~250 files: a search from each is fine
+        todo = list(graph[m])
+        while todo:
+            n = todo.pop()
+            if n not in reach[m]:
+                reach[m].add(n)
+                todo.extend(graph[n])
+    cycles = {tuple(sorted(n for n in reach[m] if m in reach[n])) for m in graph if m in reach[m]}
+    return sorted(list(c) for c in cycles)
+
+
+def test_no_file_level_import_cycle():
+    """One direction of dependency (issue 39): no module imports, at import time, one that imports
+    it back. The pairs that only meet through a function-level import (config.schema and
+    tools.config, config.layout and config.resources, runtime.build and workflows.episode_task,
+    sim.memory and sim.torch_replica, analysis.load and analysis.episodes) are not counted."""
+    assert import_cycles(ROOT / "flexmarl_hpc") == []
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "sub/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("import pkg.c\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.d\n"
+                              "from pkg import a\n\ndef f():\n    import pkg.d\n")
+    (pkg / "d.py").write_text("import pkg.c\n")
+    assert import_cycles(pkg) == [["pkg.a", "pkg.c", "pkg.sub.b"]]

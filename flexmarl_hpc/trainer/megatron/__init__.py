@@ -18,7 +18,7 @@ the TP ranks, so both backends optimise the same function.
     trainer.py    MegatronTrainer: the schedule, the vocab-parallel loss, the optimizer step
     compat.py     megatron-core on a CUDA-less torch (CPU, gloo)
 
-Contract (same as TorchTrainer; tests/test_megatron.py checks it against TorchTrainer):
+Contract (same as TorchTrainer; tests/mpi/test_megatron.py checks it against TorchTrainer):
 - `forward_backward(mb, scale, last)`: `mb` is this rank's share as the runtime cuts it
   (rows rank::size of the micro-batch). With TP or PP the group re-forms the micro-batch
   (a small allgather of token ids) and each data-parallel replica takes its rows, cut into

@@ -26,7 +26,7 @@ Two parts:
     with megatron_compat.cpu_mode():
         ...  # build / run megatron-core
 
-Check: `.venv/bin/python -m pytest tests/test_megatron.py`; other megatron-core releases in a
+Check: `.venv/bin/python -m pytest tests/mpi/test_megatron.py`; other megatron-core releases in a
 side venv: `bash scripts/check_megatron_versions.sh 0.19.2 0.18.2 0.17.1`.
 """
 from __future__ import annotations
