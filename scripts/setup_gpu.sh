@@ -5,9 +5,9 @@
 # Installs requirements-gpu.lock: every package at an exact version, checked against its hash
 # (pip --require-hashes), wheels only: PyPI's CUDA torch 2.13.0, vllm 0.32.0, megatron-core
 # and the rest of requirements*.txt; then this package (editable), and prints what it has.
-# Needs PyPI or a mirror of it (about 6 GB of wheels). A site pip config that offers another
-# torch build fails the hash check instead of installing it. Not run in CI (no GPU there):
-# docs/environment.md, which also says why Transformer Engine is not in the lock.
+# Needs PyPI or a mirror of it (several GB of CUDA wheels; torch alone is 527 MB). A site pip
+# config that offers another torch build fails the hash check instead of installing it. Not
+# run in CI (no GPU there): docs/environment.md, which also says why Transformer Engine is not in the lock.
 # Re-running is a no-op unless the lock or pyproject.toml changed (a stamp holds their hash).
 set -euo pipefail
 usage() { echo "usage: [PYTHON=python3.11] bash scripts/setup_gpu.sh [VENV_DIR]  (default .venv-gpu)" >&2; exit 2; }
@@ -24,6 +24,7 @@ stamp="$VENV/.flexmarl-gpu-stamp"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup_gpu] installing the locked packages (requirements-gpu.lock) into $VENV"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  echo '*' > "$VENV/.gitignore"    # a venv inside the repo must never be committed
   "$VENV/bin/python" -m pip install -q pip==26.3
   "$VENV/bin/python" -m pip install -q --require-hashes --only-binary=:all: -r requirements-gpu.lock
   "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .

@@ -145,7 +145,7 @@ def test_vllm_candidate_lock_is_hashed_and_cpu_only():
     ([], {"PYTHON": "false"}, "PYTHON=false is not Python 3.11"),
 ])
 def test_setup_gpu_refuses_bad_arguments_before_installing(tmp_path, args, env, says):
-    """setup_gpu.sh cannot run here (no GPU, ~6 GB of CUDA wheels); its syntax and its
+    """setup_gpu.sh cannot run here (no GPU, several GB of CUDA wheels); its syntax and its
     argument checks can: each refusal is one line, exit 2, before any venv exists."""
     script = str(ROOT / "scripts/setup_gpu.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
