@@ -18,7 +18,7 @@ if [ ! -x "$TOOL/bin/pip-compile" ]; then
   echo '*' > "$TOOL/.gitignore"
   "$TOOL/bin/python" -m pip install -q pip-tools==7.6.2
 fi
-[ -x "$TOOL/bin/uv" ] || "$TOOL/bin/python" -m pip install -q uv==0.13.8
+[ "${LOCK_GPU:-0}" = 0 ] || [ -x "$TOOL/bin/uv" ] || "$TOOL/bin/python" -m pip install -q uv==0.13.8
 compile() {
   "$TOOL/bin/pip-compile" -q --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
     --no-emit-find-links "$@"
