@@ -52,3 +52,13 @@ async def with_tools(ctx, example):
     rank = await ctx.call(where, timeout_s=60)
     ctx.metrics["ok"] = float(calc.output == str(example["answer"] * 2) and crashed.outcome == "crashed")
     return {"solver": float(len(r.ids) % 2) + 0.5 * (rank.value not in (None, 0, -1)) + 0.0 * len(py.output)}
+
+
+async def slow_tools(ctx, example):
+    """A solver, then a sandboxed python call and a reward function that take half a minute
+    each: the tool rank's sandbox launcher and reward worker are mid-call when
+    test_a_killed_tool_rank_leaves_no_process_behind kills that rank."""
+    r = await ctx.chat("solver", [{"role": "user", "content": example["question"]}], max_tokens=4)
+    from tests.mpi.tool_fns import sleepy
+    await asyncio.gather(ctx.tool("python", "import time; time.sleep(30)"), ctx.call(sleepy, 30, timeout_s=60))
+    return {"solver": float(len(r.ids) % 2)}
