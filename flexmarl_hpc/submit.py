@@ -51,6 +51,7 @@ from flexmarl_hpc.config.load import load_config, save_config
 from flexmarl_hpc.config.resources import component_table, single_component
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.config.validate_slurm import parse_time, validate_slurm
+from flexmarl_hpc.launch.owner import check_owner
 from flexmarl_hpc.launch.preflight import (Partition, check_capacity, check_output_dir, check_resumable,
                                           cluster_partitions)
 from flexmarl_hpc.launch.sbatch import EXIT_REQUEUE, hetjob_script, sbatch_option_items, single_script
@@ -98,6 +99,15 @@ def prepare(config_path: str, overrides: list[str], single: bool = False,
                     overrides)
 
 
+def check_writable(cfg: Config) -> None:
+    """Refuse (ConfigError, one line) a run folder another run holds (its lock), a Slurm job
+    may still write (pending, held, requeued: it holds no lock yet), or whose store is
+    truncated, damaged or foreign; the folder stays as it was, config.yaml included."""
+    check_free(cfg.output_dir)
+    check_owner(cfg.output_dir)
+    check_resumable(cfg)
+
+
 def submit(config_path: str, overrides: list[str] = (), single: bool = False,
            check_partitions: bool = True) -> "SlurmRun":
     """Validate, write config.yaml + job.sbatch into run.output_dir, sbatch it.
@@ -107,8 +117,7 @@ def submit(config_path: str, overrides: list[str] = (), single: bool = False,
     parts = cluster_partitions() if check_partitions else None
     cfg, script, _ = prepare(config_path, list(overrides), single, parts)
     out = cfg.output_dir
-    check_free(out)               # a resubmission while the first job runs: refused, config.yaml kept
-    check_resumable(cfg)          # a truncated, damaged or foreign store: refused before sbatch, untouched
+    check_writable(cfg)           # before anything in the folder is written
     (out / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     path = out / "job.sbatch"
@@ -388,13 +397,18 @@ def submit_sweep(config_path: str, overrides: list[str], sweep: str,
     if len({layout_from_config(c).world_size for c in cfgs}) != 1:
         raise ConfigError(f"--sweep {sweep}: the values change the number of ranks; "
                           "one array needs one shape (submit them separately)")
+    for c in cfgs:                      # every task's folder, before any is written
+        check_writable(c)
     for c in cfgs:
-        c.output_dir.mkdir(parents=True, exist_ok=True)
+        (c.output_dir / "logs").mkdir(parents=True, exist_ok=True)
         save_config(c, c.output_dir / "config.yaml")
     ex = submitit.SlurmExecutor(folder=base.output_dir / "sweep_logs", python=shlex.quote(sys.executable))
     ex.update_parameters(**sweep_parameters(cfgs[0]))
     config_abs = str(Path(config_path).resolve())
     jobs = ex.map_array(SweepRun(), [config_abs] * len(variants), variants)
+    for j, c in zip(jobs, cfgs):        # the folder names its job, as submit's do (launch/owner.py)
+        (c.output_dir / "logs" / f"{j.job_id}.job").write_text(
+            f"array task {j.job_id} of a sweep; its logs: {base.output_dir / 'sweep_logs'}\n")
     return [SweepTask(j, c.output_dir) for j, c in zip(jobs, cfgs)]
 
 

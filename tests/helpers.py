@@ -38,6 +38,35 @@ def sigkill_tree(p: subprocess.Popen) -> None:
     p.communicate(timeout=60)
     psutil.wait_procs(tree, timeout=60)
 
+def tagged_processes(tag: str) -> dict[int, str]:
+    """pid -> command line of each live process whose environ has FLEXMARL_FAULT_TAG=tag: a
+    job's ranks and whatever they started with their environment (scripts/faults.py)."""
+    import psutil
+    found = {}
+    for q in psutil.process_iter():
+        try:
+            if q.status() != psutil.STATUS_ZOMBIE and q.environ().get("FLEXMARL_FAULT_TAG") == tag:
+                found[q.pid] = " ".join(q.cmdline())[:160]
+        except (psutil.Error, OSError):
+            continue                                 # gone meanwhile, or not ours to read
+    return found
+
+
+def left_behind(tag: str, below: list) -> dict[int, str]:
+    """pid -> command line of what is still alive of a job: its tagged processes, and `below`
+    (psutil.Process objects taken before a kill: children that dropped the tag, such as the
+    sandbox's launcher with its minimal environment)."""
+    import psutil
+    left = tagged_processes(tag)
+    for q in below:
+        try:
+            if q.is_running() and q.status() != psutil.STATUS_ZOMBIE:
+                left.setdefault(q.pid, " ".join(q.cmdline())[:160])
+        except psutil.Error:
+            continue
+    return left
+
+
 SMALL = ["run.steps=6", "run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
          "model.hidden_size=32", "model.intermediate_size=64"]
 

@@ -320,7 +320,7 @@ def check_resumable(cfg: Config, chunks: bool = True) -> None:
             if chunks:
                 verify_store(f, path)
             old = yaml.safe_load(f.attrs.get("config_yaml", "")) or {}
-    except (OSError, ValueError, yaml.YAMLError) as e:
+    except (OSError, ValueError, RuntimeError, yaml.YAMLError) as e:    # RuntimeError: h5py, a garbled superblock
         raise ConfigError(f"run.output_dir: cannot resume: {' '.join(str(e).split())}; move the file "
                           "away (or salvage it) or set run.resume=false and another run.output_dir") from None
     new = to_dict(cfg)

@@ -315,6 +315,7 @@ class StoreFile:
             # holds. Nothing more is committed; the resume starts from the last commit.
             return
         work, commit = plan
+        undo = None
         try:
             for t in work:
                 t.write(patch_disk=full or not t.mirror)
@@ -326,6 +327,8 @@ class StoreFile:
                 self.f.flush()
                 faults.hit("store_flush")
             if commit:
+                # a light flush writes /commit before its only HDF5 flush: kept to undo
+                undo = None if full else (self.commit[:], self.commit_crc[:])
                 self._commit(counts if full else self.flushed)
             if not full:
                 faults.hit("store_flush")
@@ -335,7 +338,19 @@ class StoreFile:
             self._due = not full and any(t is not self.events for t in work)
         except (OSError, RuntimeError) as e:    # h5py raises either for a failed write/flush
             self.failed = StoreError.of(self.path, e)
+            if undo is not None:
+                self._uncommit(*undo)
             raise self.failed from None
+
+    def _uncommit(self, counts: np.ndarray, crcs: np.ndarray) -> None:
+        """After a light flush failed: put back in memory the /commit and /commit_crc it wrote
+        before its failed HDF5 flush, or the close would write them (what the failed flush
+        left in HDF5's memory is unknown: they may name rows no chunk holds)."""
+        try:
+            self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, crcs, mtype=h5py.h5t.NATIVE_INT64)
+            self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
+        except (OSError, RuntimeError):
+            pass                        # then the close fails too, and the file keeps its last commit
 
     def _plan(self, full: bool) -> tuple[list, bool] | None:
         """(the tables to write, whether to commit) of a flush; None: it would change no byte

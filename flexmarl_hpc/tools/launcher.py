@@ -5,11 +5,12 @@ child. Standard library only, because it is started as a script with `python -I 
 
 (`tools/sandbox.py` writes the spec and starts it; nobody else should). Spec keys: python,
 script, workdir, report (a file path), env, uid, gid, limits {cpu_s, memory_bytes,
-file_bytes, nproc}.
+file_bytes, nproc}, parent (the caller's pid).
 
 Process tree, where the OS allows each step (what was in force is written to the report):
 
-    launcher (root, new net + mount + pid namespaces; the parent kills its process group)
+    launcher (root, new net + mount + pid namespaces; the parent kills its process group;
+              SIGKILL when the parent dies: a SIGKILLed rank kills nothing itself)
       init   (pid 1 of the new pid namespace: private /tmp, /dev/shm, /var/tmp, a new /proc)
         code (rlimits, uid/gid dropped, no new privileges, SIGKILL when init dies)
 
@@ -122,6 +123,9 @@ def supervise(spec: dict, iso: dict, report, root: bool) -> int:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != spec.get("parent", os.getppid()):
+        return LAUNCH_FAILED                        # the caller died before the prctl
     report = open(spec["report"], "w")              # opened before /tmp is hidden
     os.chdir(spec["workdir"])                       # likewise: the cwd survives the tmpfs mount
     root = os.geteuid() == 0

@@ -13,13 +13,13 @@ replaced, so a slow or crashing function never blocks or breaks the other calls.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from flexmarl_hpc.tools import lifeline
 from flexmarl_hpc.tools.config import ToolsConfig
 from flexmarl_hpc.tools.registry import ToolCall, Tools
 
@@ -35,8 +35,9 @@ class Called:
 
 
 def _executor() -> ProcessPoolExecutor:
-    # forkserver: workers are forked from a clean server, not from a caller holding threads
-    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver"))
+    # forkserver: workers are forked from a clean server, not from a caller holding threads;
+    # the server and the workers die with this rank (lifeline.py)
+    return ProcessPoolExecutor(1, mp_context=lifeline.forkserver_context(), initializer=lifeline.worker_init)
 
 
 def _kill(executor: ProcessPoolExecutor) -> None:

@@ -98,7 +98,7 @@ def _prepare(code: str, cfg: ToolsConfig) -> tuple[Path, dict]:
             os.chown(p, cfg.uid, cfg.uid)
     spec = {"python": cfg.interpreter(), "script": "main.py", "workdir": str(work),
             "report": str(base / "report.json"), "env": ENV, "uid": cfg.uid, "gid": cfg.uid,
-            "limits": {"cpu_s": cfg.cpu_s, "memory_bytes": cfg.memory_mb << 20,
+            "parent": os.getpid(), "limits": {"cpu_s": cfg.cpu_s, "memory_bytes": cfg.memory_mb << 20,
                        "file_bytes": cfg.file_mb << 20, "nproc": cfg.nproc}}
     return base, spec
 

@@ -67,3 +67,13 @@ async def fails_one_in_ten(ctx, example):
     if ctx.example_id % 5 == 0 and ctx.episode == 0:
         return {"planner": example["no_such_key"]}
     return {"planner": float(len(r.ids) % 2)}
+
+
+async def slow_tools(ctx, example):
+    """A solver, then a sandboxed python call and a reward function that take half a minute
+    each: the tool rank's sandbox launcher and reward worker are mid-call when
+    test_a_killed_tool_rank_leaves_no_process_behind kills that rank."""
+    r = await ctx.chat("solver", [{"role": "user", "content": example["question"]}], max_tokens=4)
+    from tests.mpi.tool_fns import sleepy
+    await asyncio.gather(ctx.tool("python", "import time; time.sleep(30)"), ctx.call(sleepy, 30, timeout_s=60))
+    return {"solver": float(len(r.ids) % 2)}

@@ -223,3 +223,60 @@ def test_periodic_evaluation_of_an_episode_workflow_writes_its_metrics_and_chang
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and (tmp_path / "figs" / "eval.png").exists(), out.stdout + out.stderr
+
+
+def test_a_killed_tool_rank_leaves_no_process_behind(tmp_path, mpiexec, chat_setup):
+    """No process outlives its job (issue 35): SIGKILL the tool rank once it has its reward
+    pool (multiprocessing's forkserver, resource tracker and workers) and a sandbox mid-call;
+    5 s after every rank has ended no process of the job is left: none carrying its tag
+    (mpiexec included, which waits for the output its ranks' children hold open), none that
+    was below the tool rank (the sandbox's launcher has a minimal environment).
+    The tool rank runs in a session of its own (setsid), as under Slurm where nothing kills
+    a dead task's process group for it; mpiexec kills that of each process it started.
+    Before flexmarl_hpc/tools/lifeline.py the forkserver, the tracker and a worker lived on
+    under PID 1, the launcher until its call ended, and mpiexec with them. The Slurm form: tests/slurm/test_orphans_slurm.py."""
+    import signal
+    import uuid
+
+    import psutil
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import faults
+    from tests.helpers import left_behind
+    tag = uuid.uuid4().hex
+    ov = [*tool_overrides(chat_setup, "or"), "workflow.episode=tests.e2e.episodes:slow_tools", "tools.wall_s=60",
+          f"run.output_dir={tmp_path}"]
+    own_session = 'if [ "$PMI_RANK" = 3 ]; then exec setsid -w "$@"; else exec "$@"; fi'
+    cmd = [mpiexec, "-n", "4", "bash", "-c", own_session, "rank",
+           sys.executable, "-m", "flexmarl_hpc.run", "configs/math_team.yaml", *ov]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLEXMARL_FAULT_TAG": tag}
+
+    def pool_started():
+        """(the tool rank's pid, the processes below it) once a sandbox and a reward worker
+        are mid-call there (tests/e2e/episodes.py:slow_tools)."""
+        tool = faults.rank_pids(tag, "flexmarl_hpc.run").get(3)
+        try:
+            below = psutil.Process(tool).children(recursive=True) if tool else []
+            cmds = [" ".join(q.cmdline()) for q in below]
+            # the server and a worker (forked from it: the same command line)
+            served = sum("multiprocessing.forkserver" in c for c in cmds)
+            return served >= 2 and any("tools/launcher.py" in c for c in cmds) and (tool, below)
+        except psutil.Error:                         # one ended while we looked
+            return False
+
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    left, below = {}, []
+    try:
+        tool, below = wait_for(pool_started, 240, "the tool rank's reward pool")
+        os.kill(tool, signal.SIGKILL)
+        wait_for(lambda: not faults.rank_pids(tag, "flexmarl_hpc.run"), 120, "every rank to end")
+        time.sleep(5.0)
+        left = left_behind(tag, below)
+        print(f"killed tool rank {tool} with {len(below)} processes below it; 5 s after the last rank: {left}")
+    finally:
+        for pid in left_behind(tag, below):          # a failing test leaves nothing either
+            os.kill(pid, signal.SIGKILL)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+    assert not left, f"5 s after the job ended these were left: {left}"

@@ -145,6 +145,38 @@ def test_reload_requeues_what_the_trainers_lost_and_regenerates_nothing(plain, r
         assert (rows["status"] == CONSUMED).all() and (rows["trainer_step"] == rows["step"]).all()
 
 
+def test_a_reload_with_agents_at_different_versions_keeps_each_agents_trained_samples_consumed(plain):
+    """The speaker's checkpoint holds step 0 (version 1), the listener's none (version 0): the
+    resume reloads from step 0 (the lowest version), and every committed CONSUMED sample an
+    agent's restored trainer contains (trainer_step < that agent's version) stays CONSUMED,
+    in memory and in the file, with no new event; only what each trainer lost is requeued."""
+    cfg, task, path = plain
+    store = StoreFile(path, cfg.agent_names, {})
+    exp = Experience(cfg, task, store)
+    run_step(exp, 0)                              # both agents train step 0
+    run_step(exp, 1, consume=4)
+    store.flush()
+    before = {a: file_state(path, a) for a in cfg.agent_names}
+    store.f.close()                               # "crash"
+
+    store = StoreFile(path, cfg.agent_names, {})
+    exp = Experience(cfg, task, store)
+    versions = {"speaker": 1, "listener": 0}
+    assert exp.reload(min(versions.values()), versions) == 1
+    store.flush()
+    for a in cfg.agent_names:
+        rows, ev = file_state(path, a)
+        old_rows, old_ev = before[a]
+        kept = (old_rows["status"] == CONSUMED) & (old_rows["trainer_step"] < versions[a])
+        assert kept.sum() == (exp.batch_size[a] if versions[a] else 0)
+        assert (rows["status"][kept] == CONSUMED).all() and (rows["trainer_step"][kept] == 0).all(), a
+        assert all((ev["row"] == r).sum() == (old_ev["row"] == r).sum() for r in np.nonzero(kept)[0]), a
+        assert (rows["status"][~kept] == READY).all(), a                     # the rest: trainable again
+        assert [exp.ready_count(a, s) for s in (0, 1)] == [0 if versions[a] else exp.batch_size[a],
+                                                          exp.batch_size[a]], a
+    store.close()
+
+
 def test_an_answer_with_more_log_probs_than_tokens_is_refused_by_name(exp):
     """Each response's log-probs go to its own token positions in the pool: one too many
     would land on the next sample's prompt, so the journal refuses it and names the sample."""
