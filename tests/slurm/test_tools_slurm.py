@@ -46,3 +46,44 @@ def test_tool_calls_run_on_the_tools_het_component(slurm, tmp_path):
     assert outcomes == {("calculator", "ok"): 8, ("python", "ok"): 8, ("die", "crashed"): 8, ("where", "ok"): 8}, \
         outcomes
     assert (solver["reward"] >= 0.5).all(), solver["reward"]      # `where` ran on the tool rank, not rank 0
+
+
+@pytest.mark.slurm
+def test_a_killed_tool_rank_ends_the_job_which_slurm_requeues_and_the_run_completes_exactly_once(
+        slurm, tmp_path, monkeypatch):
+    """issue 35: a lost tool rank ends in a requeue by Slurm alone (the requeue file, not
+    srun's 137), and the restarted job trains every sample once."""
+    import os
+    import signal
+    import uuid
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import faults
+    from make_tiny_chat_model import make
+    from flexmarl_hpc.submit import submit
+    from tests.helpers import check_exactly_once, job_tails, steps_logged, wait_for
+    model = make(tmp_path / "tiny-chat", hidden=32, layers=2, max_seq_len=512)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(8)))
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("FLEXMARL_FAULT_TAG", tag)        # sbatch exports it: the ranks carry it
+    steps, out = 12, tmp_path / "run"
+    ov = ["run.name=tk", "workflow.episode=tests.e2e.episodes:with_tools", "workflow.agents=[solver]",
+          "workflow.inputs_per_step=2", "workflow.group_size=2", "workflow.max_new_tokens=4",
+          f"workflow.dataset.train={data}", "workflow.dataset.eval=", f"model.checkpoint={model}",
+          "rollout.max_model_len=512", f"run.steps={steps}", "run.log_every=1", "trainer.micro_batch_size=4",
+          "tools.ranks=1", "tools.workers=2", "slurm.tools={cpus_per_task: 2}", "slurm.start_timeout=60",
+          f"run.output_dir={out}"]
+    run = submit(str(ROOT / "configs/math_team.yaml"), ov)
+    try:
+        wait_for(lambda: steps_logged(run) >= 2, 300, "2 steps")
+        tool = wait_for(lambda: faults.rank_pids(tag, "flexmarl_hpc.run").get(3), 30, "the tool rank")
+        os.kill(tool, signal.SIGKILL)
+        wait_for(lambda: "requeueing" in run.stdout() or "not requeueing" in run.stdout(), 120,
+                 "the batch script's end")
+        assert "exit 75 (tool rank 0 (rank 3) was lost or hung): requeueing" in run.stdout(), job_tails(run)
+        h5 = run.result(timeout=600)                      # wait() releases the requeue hold
+        assert f"job {run.job_id} restart 1" in run.stdout(), job_tails(run)
+        assert steps_logged(run) == steps
+        check_exactly_once(h5, steps)
+    finally:
+        run.cancel(check=False)

@@ -61,17 +61,18 @@ class DistCheckpoint:
                     (tmp / "flexmarl.json").write_text(json.dumps({"version": self.version}))
                 faults.hit("checkpoint_write")        # test-only: no-op unless FLEXMARL_FAULT is set
         except OSError as e:
-            err = str(e)
+            err = f"{e.errno or 0}\t{e}"              # the errno travels: a full disk exits 75
         errs = [e.decode() for e in allgather_bytes(self.group, err.encode()) if e]
         entry = folder / "none"
         if self.leader and not errs:
             try:
                 entry = publish(folder, self.version, tmp, keep)
             except OSError as e:
-                errs = [str(e)]
+                errs = [f"{e.errno or 0}\t{e}"]
         errs = comm.bcast_obj(self.group, errs, 0)
         if errs:
-            raise CheckpointError(errs[0])
+            code, _, message = errs[0].partition("\t")
+            raise CheckpointError(message, int(code) or None)
         return entry
 
     def load_checkpoint(self, folder: str | Path, report: Callable[[str], None] = print) -> int | None:
