@@ -127,19 +127,38 @@ def slurm_job(job_id: str) -> Job | None:
     return live
 
 
+JOB_ID = re.compile(r"\d+(_\d+)?")
+"""A Slurm job id, or a sweep's array task (ARRAYID_TASK)."""
+
+
+def _id_key(job_id: str) -> tuple[int, int]:
+    job, _, task = job_id.partition("_")
+    return int(job), int(task or -1)
+
+
 def find_run(target: str) -> tuple[Path, str | None]:
-    """(run folder, newest job id or None) of a run folder or a job id."""
+    """(run folder, newest job id or None) of a run folder or a job id. A sweep's array task
+    (`29_0`) writes its Slurm log under the sweep's base folder; its own run folder is the
+    one whose `logs/29_0.job` names it (submit_sweep writes it)."""
     p = Path(target)
     if p.is_dir():
         ids = [f.stem for f in (p / "logs").glob("*.sbatch") if f.stem.isdigit()]
-        return p.resolve(), max(ids, key=int) if ids else None
-    if not re.fullmatch(r"\d+", target):
+        ids += [f.stem for f in (p / "logs").glob("*.job") if JOB_ID.fullmatch(f.stem)]
+        return p.resolve(), max(ids, key=_id_key) if ids else None
+    if not JOB_ID.fullmatch(target):
         raise StatusError(f"{target}: no such run folder, and not a Slurm job id")
     job = slurm_job(target)
     if job is None or not job.stdout:
         raise StatusError(f"job {target}: neither scontrol nor sacct knows it (or where it writes); "
                           f"pass its run folder instead")
-    return Path(job.stdout).parent.parent, target
+    folder = Path(job.stdout).parent.parent
+    if "_" in target and not (folder / "logs" / f"{target}.job").exists():
+        task = next(folder.glob(f"*/logs/{target}.job"), None)
+        if task is None:
+            raise StatusError(f"job {target}: no run folder under {folder} names it (logs/{target}.job); "
+                              "pass its run folder instead")
+        folder = task.parent.parent
+    return folder, target
 
 
 # ---------------------------------------------------------------------------------------

@@ -80,3 +80,24 @@ def test_a_requeue_hold_shows_its_wait_and_how_to_end_it():
     assert status.hold_line(job, datetime(2026, 11, 29, 4, 0, 30)) == "PENDING (Resources)"
     job.state = "RUNNING"
     assert status.hold_line(job, datetime(2026, 11, 29, 4, 0, 30)) == "RUNNING"
+
+
+def test_a_sweeps_array_task_resolves_to_its_own_run_folder(tmp_path, monkeypatch):
+    """`status 29_1` (JOBID_TASK) finds the task's folder, not the sweep's base folder where
+    submitit writes the array's Slurm logs; a task folder shows its array task's id."""
+    base = tmp_path / "sweep"
+    for i, value in enumerate(("1e-3", "1e-4")):
+        logs = base / f"trainer.lr={value}" / "logs"
+        logs.mkdir(parents=True)
+        (logs / f"29_{i}.job").write_text("array task\n")
+    (base / "sweep_logs").mkdir()
+    monkeypatch.setattr(status, "slurm_job", lambda job_id: status.Job(
+        job_id, "RUNNING", stdout=str(base / "sweep_logs" / f"{job_id}_0_log.out")))
+    assert status.find_run("29_1") == (base / "trainer.lr=1e-4", "29_1")
+    assert status.find_run(str(base / "trainer.lr=1e-3")) == ((base / "trainer.lr=1e-3").resolve(), "29_0")
+    try:
+        status.find_run("29_7")
+        raise AssertionError("an array task no folder names was found")
+    except status.StatusError as e:
+        assert "logs/29_7.job" in str(e)
+    assert "not a Slurm job id" in status_cli("29_x").stderr
