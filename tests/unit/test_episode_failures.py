@@ -45,12 +45,17 @@ def experience(path):
     return EpisodeExperience(cfg, Task(), store, tools=NoPool()), store
 
 
-def test_a_failed_episode_is_stored_with_its_traceback_and_its_calls_dropped(tmp_path):
-    exp, store = experience(tmp_path / "s.h5")
+def generate_step_0(exp) -> None:
+    """Admit step 0 and answer each of its pending solver calls, as a replica would."""
     exp.admit_step(0)
     calls = list(exp.pending["solver"])
     exp.take_pending("solver", {id(n) for n in calls})
     exp.record_generation([(n, [5, 6, STOP], [-0.5] * 3) for n in calls], 0, 0)
+
+
+def test_a_failed_episode_is_stored_with_its_traceback_and_its_calls_dropped(tmp_path):
+    exp, store = experience(tmp_path / "s.h5")
+    generate_step_0(exp)
     assert exp.batch_of("solver", 0) == 2 and exp.ready_count("solver", 0) == 2
     taken = exp.take_ready("solver", 0, 2)
     assert sorted(n.traj for n in taken) == [0, 3]
@@ -81,10 +86,7 @@ def test_a_failed_episode_is_stored_with_its_traceback_and_its_calls_dropped(tmp
 
 def test_a_resume_replaying_the_step_keeps_the_calls_dropped_and_the_failures_once(tmp_path):
     exp, store = experience(tmp_path / "s.h5")
-    exp.admit_step(0)
-    calls = list(exp.pending["solver"])
-    exp.take_pending("solver", {id(n) for n in calls})
-    exp.record_generation([(n, [5, 6, STOP], [-0.5] * 3) for n in calls], 0, 0)
+    generate_step_0(exp)
     exp.close()
     store.close()                                      # killed before training: a resume
     exp, store = experience(tmp_path / "s.h5")

@@ -221,6 +221,18 @@ def test_submit_refuses_a_damaged_store_before_sbatch_and_writes_nothing(tmp_pat
     assert sha(path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["local.h5"]
 
 
+
+def flush_on_a_full_disk(s, monkeypatch, **flush_kw) -> None:
+    """One `s.flush(**flush_kw)` whose HDF5 flush fails with ENOSPC (StoreError), then the
+    file's own flush back: there is room again."""
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    real = s.f.flush
+    monkeypatch.setattr(s.f, "flush", full)
+    with pytest.raises(StoreError, match="no space left"):
+        s.flush(**flush_kw)
+    monkeypatch.setattr(s.f, "flush", real)
+
 def test_after_a_failed_flush_nothing_more_is_committed(tmp_path, monkeypatch):
     """A flush that fails (a full disk) leaves HDF5's in-memory state unknown: a later flush
     that succeeds could commit rows whose chunk index entries the failed one lost (the
@@ -231,13 +243,7 @@ def test_after_a_failed_flush_nothing_more_is_committed(tmp_path, monkeypatch):
     first = s.samples["a"].append(sample_rows(s, "a", 50))
     s.events.append(event_rows(s, "a", np.arange(first, first + 50), GENERATED))
 
-    def full(*a, **k):
-        raise OSError(28, "No space left on device")
-    real = s.f.flush
-    monkeypatch.setattr(s.f, "flush", full)
-    with pytest.raises(StoreError, match="no space left"):
-        s.flush()
-    monkeypatch.setattr(s.f, "flush", real)      # room again (the checkpoint's cleanup)
+    flush_on_a_full_disk(s, monkeypatch)        # then room again (the checkpoint's cleanup)
     more = s.samples["a"].append(sample_rows(s, "a", 20))
     s.events.append(event_rows(s, "a", np.arange(more, more + 20), GENERATED))
     s.flush()
@@ -261,13 +267,7 @@ def test_a_failed_light_flush_after_one_that_wrote_rows_commits_nothing_new(tmp_
     more = s.samples["a"].append(sample_rows(s, "a", 20))
     s.events.append(event_rows(s, "a", np.arange(more, more + 20), GENERATED))
 
-    def full(*a, **k):
-        raise OSError(28, "No space left on device")
-    real = s.f.flush
-    monkeypatch.setattr(s.f, "flush", full)
-    with pytest.raises(StoreError, match="no space left"):
-        s.flush(full=False)
-    monkeypatch.setattr(s.f, "flush", real)      # room again
+    flush_on_a_full_disk(s, monkeypatch, full=False)   # then room again
     s.flush(full=False)
     s.flush()
     s.close()
