@@ -162,6 +162,40 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker("realrun")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the item, so the journal check below runs only after a
+    test that passed (a failing test's store would only add a second, confusing error)."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"_report_{rep.when}", rep)
+
+
+JOURNAL_TIERS = ("mpi", "e2e", "slurm")
+
+
+@pytest.fixture(autouse=True)
+def _journal_rule(request, tmp_path_factory):
+    """Every store a real run wrote during a passing test (any *.h5 with /commit and /events
+    under this session's pytest tmp folder, new or changed since the test started, whatever
+    started the run: run_training, a CLI, srun, a killed job) is held to the journal rule
+    (tests/helpers.py check_journal). A test that damages or forges a store on purpose says
+    so with @pytest.mark.damages_store("why"), and its stores are not checked."""
+    from tests.helpers import check_stores_changed, h5_mtimes
+    if not any(request.node.get_closest_marker(m) for m in JOURNAL_TIERS):
+        yield
+        return
+    # by file and mtime, not by a start time: a store the previous test damaged a moment
+    # before this one started must not be counted as this test's
+    base = tmp_path_factory.getbasetemp()
+    before = h5_mtimes(base)
+    yield
+    rep = getattr(request.node, "_report_call", None)
+    if rep is None or not rep.passed or request.node.get_closest_marker("damages_store"):
+        return
+    check_stores_changed(base, before)
+
+
 @pytest.hookimpl(trylast=True)                  # after --durations, next to the skip reasons
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line that GPU tests did not run here, so a green run without a GPU is not read as

@@ -124,8 +124,11 @@ def check_journal(path) -> None:
     """The journal's rule, over the committed rows of a store (plain h5py, docs/store.md):
     every row's first event is GENERATED and each next one is allowed by EV_NEXT, so every
     CONSUMED follows a READY, none is consumed twice without a requeue in between; every
-    READY event carries a finite reward and advantage; a row whose last event is CONSUMED
-    has a finite reward, advantage and t_ready in /samples. AssertionError naming the row."""
+    READY event carries a finite reward and advantage; a row whose last event is CONSUMED,
+    and whose /samples status says so too, has a finite reward, advantage and t_ready there
+    (a killed writer's /samples columns may lag its journal: the resume replays them, so a
+    row still marked generated there is judged by its events alone). AssertionError naming
+    the row."""
     with h5py.File(path, "r", swmr=True) as f:
         names = [t.decode() if isinstance(t, bytes) else t for t in f["commit"].attrs["tables"]]
         commit = dict(zip(names, f["commit"][:].tolist()))
@@ -134,7 +137,7 @@ def check_journal(path) -> None:
         for a, agent in enumerate(agents):
             rows = f[f"samples/{agent}"][:commit[f"/samples/{agent}"]]
             last = _journal_walk(agent, rows, ev[ev["agent"] == a])
-            for r in (r for r, s in last.items() if s == EV_CONSUMED):
+            for r in (r for r, s in last.items() if s == EV_CONSUMED and rows["status"][r] == EV_CONSUMED):
                 x = rows[r]
                 assert np.isfinite([x["reward"], x["advantage"], x["t_ready"]]).all(), \
                     f"{path}: {agent} sample {x['sample_id'].decode()} consumed with reward {x['reward']}, " \
@@ -149,6 +152,33 @@ def check_run_journal(out: Path) -> None:
         return
     name = yaml.safe_load((out / "config.yaml").read_text())["run"]["name"]
     check_journal(out / f"{name}.h5")
+
+
+def h5_mtimes(root: Path) -> dict[Path, int]:
+    """Each *.h5 under root with its mtime in ns: what check_stores_changed compares against."""
+    return {p: p.stat().st_mtime_ns for p in Path(root).rglob("*.h5")}
+
+
+def check_stores_changed(root: Path, before: dict[Path, int]) -> int:
+    """check_journal over every store under root that is new or changed since `before`
+    (h5_mtimes; a store: an HDF5 file with /commit and /events). Returns how many."""
+    n = 0
+    for path, mtime in sorted(h5_mtimes(root).items()):
+        if before.get(path) == mtime or not _is_store(path):
+            continue
+        check_journal(path)
+        n += 1
+    return n
+
+
+def _is_store(path: Path) -> bool:
+    """An HDF5 file with the store's /commit and /events (checkpoints and sinks are not)."""
+    try:
+        with h5py.File(path, "r", swmr=True) as f:
+            return "commit" in f and "events" in f
+    except OSError:
+        # a file HDF5 cannot open at all is no store a passing run left behind
+        return False
 
 
 def _journal_walk(agent: str, rows: np.ndarray, ev: np.ndarray) -> dict[int, int]:

@@ -83,6 +83,7 @@ def _expect_error(path, capsys, needle):
     assert err.count("\n") == 1
 
 
+@pytest.mark.damages_store("copies of a store with an old schema, a table deleted, or cut in half")
 def test_bad_inputs_give_one_clear_line(two_runs, tmp_path, capsys):
     _expect_error(tmp_path / "missing.h5", capsys, "no such file")
     (tmp_path / "text.h5").write_text("not hdf5")

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import ROOT, run_training
 from tests.helpers import check_exactly_once
 
+pytestmark = pytest.mark.damages_store("each test damages, truncates or forges a copy of a finished store")
 STEPS = 20
 TABLES = ["/samples/speaker", "/tokens/listener", "/steps/speaker", "/step_rows/listener", "/intervals",
           "/events", "/metrics", "/eval"]

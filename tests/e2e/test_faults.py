@@ -9,6 +9,7 @@ import sys
 
 import h5py
 import numpy as np
+import pytest
 
 from tests.conftest import ROOT
 
@@ -21,6 +22,7 @@ PLAN = [("orchestrator", 0, "store_append", 60, 0), ("replica", 1, None, 10, 0.3
         ("trainer leader", 2, "checkpoint_write", 2, 0), ("trainer member", 5, None, 20, 0.2)]
 
 
+@pytest.mark.damages_store("bad.h5: a copy forged to train a sample twice and mark one ready without its event")
 def test_one_kill_per_role_resumes_with_nothing_lost(tmp_path, mpiexec):
     args = argparse.Namespace(out=tmp_path, bound=60, timeout=900)
     for n, plan_row in enumerate(PLAN):
