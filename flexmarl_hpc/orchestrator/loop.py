@@ -201,6 +201,9 @@ class Orchestrator(WorkerFailures):
                 if last >= logged else "nothing uncommitted in the store"
             self.log(f"resumed at versions {versions}, {reloaded}, {superseded} step/metric rows "
                      f"superseded" + "".join(f"; store: {r}" for r in self.store.repaired))
+            for step, gone in sorted(self.exp.lost_inputs.items()):
+                self.log(f"step {step}: inputs {sorted(gone)} are not in the store (salvaged) and an "
+                         "agent's checkpoint is past the step: trained without them")
         elif self.store.repaired:
             self.log("store: " + "; ".join(self.store.repaired))
         self.recorder.replay_eval_to_sinks()
