@@ -27,6 +27,7 @@ from pathlib import Path
 
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.store.checkpoint import CheckpointError
+from flexmarl_hpc.orchestrator.tree import StoreInconsistent
 from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable
 from flexmarl_hpc.store.tables import StoreError
 from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout, check_world, layout_from_config
@@ -152,7 +153,7 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
     # reports its own error
     # a full disk, or a store found damaged when the orchestrator re-opens it (damaged after
     # the pre-launch check): one line naming the path, not a traceback
-    except (CheckpointError, StoreError, StoreDamaged, StoreUnreadable) as e:
+    except (CheckpointError, StoreError, StoreDamaged, StoreUnreadable, StoreInconsistent) as e:
         what = "checkpoint" if isinstance(e, CheckpointError) else "store"
         code = exit_code(e)
         sys.stderr.write(f"[rank {world.Get_rank()}] {what} error: {e}"

@@ -312,6 +312,7 @@ class Tree(NodeQueues):
         then READY again; generated ones are reused as they are, so nothing is sampled or
         trained twice. Returns (the requeued nodes, the changes to journal after them);
         `Changes.ready` leaves out nodes already READY in the journal."""
+        check_linked(nodes, self.turns)
         requeue, was_ready = [], set()
         for n in nodes:
             if n.status == CONSUMED and n.trainer_step >= versions[n.agent]:
@@ -345,7 +346,6 @@ class Tree(NodeQueues):
                 else:
                     self._spawn(node, node.step, node.input_id, node.root_input)
         self._unqueue(self.dropped)             # roots of dropped inputs, spawned again above
-        self._check_linked(first_step)
         # consumed-and-committed nodes went through _group_ready without changing status
         ch = Changes(dropped=[n for n in self.dropping if n.status == DROPPED],
                      ready=[n for n in ready if id(n) not in was_ready])
@@ -381,15 +381,6 @@ class Tree(NodeQueues):
         for i in gone:
             self.leaves_left.pop(i, None)
 
-    def _check_linked(self, first_step: int) -> None:
-        """Every restored sample of a later turn hangs under its parent's row; one whose
-        parent has no row (a store salvaged without its orphans) cannot be replayed: refused
-        in one line, before the resume writes anything."""
-        for n in self.nodes.values():
-            if n.step >= first_step and n.turn > 0 and n.parent is None:
-                raise StoreInconsistent(f"{n.agent} sample {n.sample_id} (step {n.step}) has no parent row "
-                                        "in the store; salvage it (python -m flexmarl_hpc.analyze salvage)")
-
     def forget_step(self, step: int) -> None:
         """Drop finished trees of a fully trained step from memory (the journal keeps them)."""
         for key in [k for k, n in self.nodes.items() if n.step == step]:
@@ -402,6 +393,20 @@ class Tree(NodeQueues):
             self.dropped.discard(i)
         self.joined.pop(step, None)
         self.lost_inputs.pop(step, None)
+
+
+def check_linked(nodes: list[Node], turns) -> None:
+    """Every journalled sample of a later turn has its parent's row (turn t-1, trajectory
+    traj // samples of turn t); one without (a store salvaged by a release that kept
+    orphans) cannot be replayed: refused in one line, before the resume writes anything."""
+    have = {(n.agent, n.sample_id) for n in nodes}
+    for n in nodes:
+        if n.turn > 0:
+            parent = (turns[n.turn - 1].agent, f"{n.input_id}_{n.turn - 1}_{n.traj // turns[n.turn].samples}")
+            if parent not in have:
+                raise StoreInconsistent(f"{n.agent} sample {n.sample_id} (step {n.step}) has no parent row "
+                                        f"({parent[0]} {parent[1]}) in the store; salvage it "
+                                        "(python -m flexmarl_hpc.analyze salvage)")
 
 
 def global_batch(cfg: Config, agent: str) -> int:
