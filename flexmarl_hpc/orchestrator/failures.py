@@ -21,6 +21,8 @@ from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 
 EXIT_EPISODES = 1
 """The exit code of a run stopped by failing episodes (workflow.max_failure_rate)."""
+EXIT_STALLED = 1
+"""The exit code of a stalled run (stop_stalled): a bug to report, not a fault to requeue."""
 
 
 def who(layout: RankLayout, rank: int) -> str:
@@ -76,6 +78,20 @@ class WorkerFailures:
         self.checkpoint(self.agents)
         self.stop_workers(EXIT_EPISODES)
         return EXIT_EPISODES
+
+    def stop_stalled(self) -> int:
+        """Nothing outstanding on any rank and nothing the scheduler can hand out: no reply
+        will come. Say what each agent waits for, checkpoint, flush and exit EXIT_STALLED
+        (not a requeue: the same state would stall again)."""
+        waits = "; ".join(f"{a} at version {s.version}: {self.exp.ready_count(a, s.version)} ready, "
+                          f"{len(self.exp.pending[a])} to generate, batch {self.exp.batch_of(a, s.version)}"
+                          for a, s in self.state.items())
+        self.log(f"stalled: no command outstanding on any rank and none to send ({waits}); "
+                 f"checkpointing, flushing the store, exiting {EXIT_STALLED}")
+        self.drain()
+        self.checkpoint(self.agents)
+        self.stop_workers(EXIT_STALLED)
+        return EXIT_STALLED
 
     def stop_hung(self, rank: int, what: str, secs: float) -> None:
         """A worker left a command unanswered for run.worker_timeout: say who and what,
