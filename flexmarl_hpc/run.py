@@ -27,14 +27,13 @@ from pathlib import Path
 
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.store.checkpoint import CheckpointError
-from flexmarl_hpc.orchestrator.tree import StoreInconsistent
-from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable
+from flexmarl_hpc.store.checksum import StoreDamaged, StoreInconsistent, StoreUnreadable
 from flexmarl_hpc.store.tables import StoreError
 from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout, check_world, layout_from_config
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.launch.preflight import check_output_dir, preflight
-from flexmarl_hpc.store.lock import RunLock, acquire, check_free
+from flexmarl_hpc.store.lock import RunLock, acquire, empty_record, hand_down, launched_by_holder
 
 MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -87,13 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         if under_mpi():
             if not hold_run_lock(cfg):
                 return 2
-        else:
-            check_free(cfg.output_dir)
+        else:                                     # held from here on, by mpiexec after the exec
+            launcher_lock = acquire(cfg.output_dir, lambda line: print(line, file=sys.stderr, flush=True))
         preflight(cfg, layout, local=not under_mpi())
     except ConfigError as e:
+        if not under_mpi() and "launcher_lock" in locals():
+            launcher_lock.release()
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if not under_mpi():
+        hand_down(launcher_lock)
         cmd = [mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "flexmarl_hpc.run",
                args.config, *args.overrides]
         print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", flush=True)
@@ -125,7 +127,10 @@ def hold_run_lock(cfg: Config) -> bool:
             _LOCK = acquire(cfg.output_dir, lambda line: print(line, file=sys.stderr, flush=True))
             atexit.register(_LOCK.release)
         except ConfigError as e:
-            refused = str(e)
+            if launched_by_holder(cfg.output_dir):     # our launcher took it (store/lock.py)
+                atexit.register(empty_record, cfg.output_dir)
+            else:
+                refused = str(e)
     refused = world.bcast(refused, root=0)
     if refused and world.Get_rank() == 0:
         print(f"config error: {refused}", file=sys.stderr, flush=True)

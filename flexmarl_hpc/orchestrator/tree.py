@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.store.checksum import StoreInconsistent
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.base import Path, Task
 
@@ -65,10 +66,6 @@ class Node:
 
     def path(self) -> Path:
         return Path.to(self)
-
-
-class StoreInconsistent(ValueError):
-    """The journalled trees cannot be replayed (a row without its parent's)."""
 
 
 @dataclass

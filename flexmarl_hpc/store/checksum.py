@@ -145,6 +145,11 @@ class Damage:
         return f"{self.table} rows {self.lo}-{self.hi - 1} (chunk at file offset {self.offset})"
 
 
+class StoreInconsistent(ValueError):
+    """Verified rows that cannot be replayed (a journalled sample without its parent's row,
+    orchestrator/tree.py); the message is one line."""
+
+
 class StoreDamaged(ValueError):
     """A store whose committed data fail their checksums; the message is one line."""
 

@@ -227,7 +227,7 @@ def test_a_reload_refuses_a_sample_whose_parent_row_is_gone_before_writing(plain
     """A listener row whose speaker parent is not in the store (salvaged by a release that
     kept orphans): one clear error, raised before the reload journals anything (the
     TypeError deep in a reward function was issue 38's crash)."""
-    from flexmarl_hpc.orchestrator.tree import StoreInconsistent
+    from flexmarl_hpc.store.checksum import StoreInconsistent
     versions = {"speaker": 0, "listener": 0}
     exp, store = reload_without(plain, versions, lambda n: not (n.agent == "speaker" and n.input_id == 2))
     n_events = len(store.events.read())
