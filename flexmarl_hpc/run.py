@@ -33,7 +33,7 @@ from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout,
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.launch.preflight import check_output_dir, preflight
-from flexmarl_hpc.store.lock import RunLock, acquire, empty_record, hand_down, launched_by_holder
+from flexmarl_hpc.store.lock import RunLock, acquire, drop_inherited, empty_record, hand_down, launched_by_holder
 
 MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -114,6 +114,7 @@ def hold_run_lock(cfg: Config) -> bool:
     import atexit
     from flexmarl_hpc.runtime import faults
     from flexmarl_hpc.runtime.stale_shm import clear_stale_segments
+    drop_inherited(cfg.output_dir)                 # the launcher's lock: mpiexec's alone
     stale = clear_stale_segments()                 # else a requeued job hangs in MPI_Init
     if stale:
         print(f"flexmarl_hpc: removed {len(stale)} MPICH shared-memory segment(s) an earlier incarnation "

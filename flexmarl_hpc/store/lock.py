@@ -209,14 +209,30 @@ def hand_down(lock: RunLock) -> None:
     recognises the holder as its own launcher (launched_by_holder)."""
     if lock.fd is not None:
         os.set_inheritable(lock.fd, True)
-    os.environ[LAUNCHER_ENV] = str(os.getpid())
+    os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{-1 if lock.fd is None else lock.fd}"
+
+
+def drop_inherited(out: Path) -> None:
+    """Every rank: close the launcher's lock fd if it came down to this process (mpiexec may
+    pass its fds on), so only mpiexec holds the lock and no process a rank starts can keep
+    it past the job. Closing it drops no lock: flock belongs to the open file description,
+    which mpiexec keeps open, and a lockf lock is mpiexec's own (not inherited by a fork)."""
+    _, _, fd = os.environ.get(LAUNCHER_ENV, "").partition(":")
+    if not fd.isdigit():
+        return
+    try:
+        mine, lock = os.fstat(int(fd)), os.stat(Path(out) / LOCK_NAME)
+    except OSError:
+        return
+    if (mine.st_dev, mine.st_ino) == (lock.st_dev, lock.st_ino):
+        os.close(int(fd))
 
 
 def launched_by_holder(out: Path) -> bool:
     """Whether `out`'s lock is held by this process's own launcher: the record names this
     host and the PID the launcher left in LAUNCHER_ENV, and that PID is an ancestor of
     this process (mpiexec, which the launcher became)."""
-    want = os.environ.get(LAUNCHER_ENV, "")
+    want = os.environ.get(LAUNCHER_ENV, "").partition(":")[0]
     try:
         fd = os.open(Path(out) / LOCK_NAME, os.O_RDONLY)
     except OSError:
