@@ -33,7 +33,7 @@ from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout,
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.launch.preflight import check_output_dir, preflight
-from flexmarl_hpc.store.lock import RunLock, acquire, drop_inherited, empty_record, hand_down, launched_by_holder
+from flexmarl_hpc.store.lock import RunLock, acquire, check_free, drop_inherited, empty_record, hand_down, launched_by_holder
 
 MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -86,12 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         if under_mpi():
             if not hold_run_lock(cfg):
                 return 2
-        else:                                     # held from here on, by mpiexec after the exec
-            launcher_lock = acquire(cfg.output_dir, lambda line: print(line, file=sys.stderr, flush=True))
+        else:
+            check_free(cfg.output_dir)
         preflight(cfg, layout, local=not under_mpi())
+        if not under_mpi():                       # held from here on, by mpiexec after the exec:
+            # taken after the checks (a refused config leaves no folder behind), before any rank
+            launcher_lock = acquire(cfg.output_dir, lambda line: print(line, file=sys.stderr, flush=True))
     except ConfigError as e:
-        if not under_mpi() and "launcher_lock" in locals():
-            launcher_lock.release()
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if not under_mpi():
