@@ -31,7 +31,7 @@ from flexmarl_hpc.orchestrator.pool_binding import pool_binding
 from flexmarl_hpc.orchestrator.recorder import RunRecorder
 from flexmarl_hpc.orchestrator.scheduler import Scheduler, route
 from flexmarl_hpc.runtime import messages
-from flexmarl_hpc.runtime.messages import Location, WorkerLost
+from flexmarl_hpc.runtime.messages import Location
 from flexmarl_hpc.runtime.timing import BusyClock, Deadlines, Watchdog, WatchedTask
 from flexmarl_hpc.store.checkpoint import latest_version
 from flexmarl_hpc.store.tables import StoreFile
@@ -43,15 +43,6 @@ if TYPE_CHECKING:    # runtime/transport.py imports MPI; simulate and unit tests
 
 UNKNOWN_BATCH = 1 << 40
 """`remaining` samples of a step whose batch size is not known yet (episode workflows)."""
-EPISODE_POLL_S = 0.02
-"""How often the loop looks at episodes waiting on a tool while no reply arrives."""
-SIGNAL_CHECK_S = 1.0
-"""Longest wait for a reply before the loop looks at the preemption flag again: a signal's
-handler only sets the flag, and Python resumes an interrupted epoll wait by itself."""
-STALL_S = 10.0
-"""Seconds the orchestrator may wait with no command outstanding anywhere before the run
-counts as stalled: no reply can come, so nothing would ever change (issue 38: a resume
-waited for samples no version could make, every rank in epoll_wait for good)."""
 
 
 @dataclass
@@ -414,35 +405,6 @@ class Orchestrator(WorkerFailures):
         """Send a command; `what` names it if the rank then stops answering."""
         self.transport.send(rank, msg)
         self.deadlines.sent(rank, what)
-
-    def receive(self, wake: bool = False, loop: bool = False) -> tuple[int, messages.Reply] | None:
-        """The next reply as (source rank, message), waiting without a spin; a rank that
-        leaves its command unanswered for run.worker_timeout seconds, or whose process ends
-        (runtime/liveness.py), ends the job with the requeue code. `wake`: episodes wait on
-        tools: return None after EPISODE_POLL_S if nothing came, so they can go on. `loop`
-        (the main loop): also None within SIGNAL_CHECK_S of a preemption signal, and after
-        STALL_S with no command outstanding (`self.stalled` set)."""
-        idle = None
-        while True:
-            timeout = self.deadlines.next_deadline()
-            if timeout is None:
-                idle = self.store.now() if idle is None else idle
-            slice_s = SIGNAL_CHECK_S if timeout is None else min(timeout, SIGNAL_CHECK_S)
-            if wake:
-                slice_s = min(slice_s, EPISODE_POLL_S)
-            try:
-                return self.transport.receive(slice_s)
-            except WorkerLost as e:
-                self.stop_lost(e.rank)
-            except TimeoutError:
-                late = self.deadlines.overdue()
-                if late is not None:
-                    self.stop_hung(*late)
-                if wake or (loop and self.preempted()):
-                    return None
-                if loop and idle is not None and timeout is None and self.store.now() - idle > STALL_S:
-                    self.stalled = True
-                    return None
 
     # -- results -------------------------------------------------------------------------
     @booked("handle")

@@ -338,7 +338,7 @@ def test_evaluation_batches_carry_their_own_sampling_params(tmp_path):
 def stalled(tmp_path, monkeypatch, preempted=None):
     """A run that waits for a listener sample no one will make (issue 38's resume waited on
     samples no version could sample): every command answered, nothing outstanding."""
-    import flexmarl_hpc.orchestrator.loop as loop
+    import flexmarl_hpc.orchestrator.failures as loop
     monkeypatch.setattr(loop, "SIGNAL_CHECK_S", 0.05, raising=False)
     orch, transport, store, lines = make(tmp_path)
     orch.exp.batch_size["listener"] += 1          # one sample more than its step has
@@ -348,7 +348,7 @@ def stalled(tmp_path, monkeypatch, preempted=None):
 
 
 def test_a_run_with_nothing_outstanding_stops_as_stalled_instead_of_waiting_for_ever(tmp_path, monkeypatch):
-    import flexmarl_hpc.orchestrator.loop as loop
+    import flexmarl_hpc.orchestrator.failures as loop
     from flexmarl_hpc.orchestrator.failures import EXIT_STALLED
     monkeypatch.setattr(loop, "STALL_S", 0.3, raising=False)
     orch, transport, store, lines = stalled(tmp_path, monkeypatch)
@@ -366,7 +366,7 @@ def test_a_preemption_signal_during_a_stall_is_acted_on_within_a_second(tmp_path
     """The signal handler only sets a flag and Python resumes an interrupted epoll wait:
     the loop must look at the flag while it waits (issue 38: SIGTERM ignored for 65 s)."""
     import time
-    import flexmarl_hpc.orchestrator.loop as loop
+    import flexmarl_hpc.orchestrator.failures as loop
     monkeypatch.setattr(loop, "STALL_S", 3600.0, raising=False)
     monkeypatch.setattr(loop, "SIGNAL_CHECK_S", 1.0, raising=False)
     t_signal = [None]
