@@ -33,7 +33,7 @@ from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout,
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.launch.preflight import check_output_dir, preflight
-from flexmarl_hpc.store.lock import RunLock, acquire, check_free, drop_inherited, empty_record, hand_down, launched_by_holder
+from flexmarl_hpc.store.lock import RunLock, acquire, drop_inherited, empty_record, hand_down, launched_by_holder
 
 MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -83,16 +83,19 @@ def main(argv: list[str] | None = None) -> int:
         # before anything in it is read, repaired or written (the store's open-flag repair in
         # preflight's check_resumable, config.yaml, train.log)
         check_output_dir(cfg)
+        launcher_lock = None
         if under_mpi():
             if not hold_run_lock(cfg):
                 return 2
-        else:
-            check_free(cfg.output_dir)
+        elif cfg.output_dir.is_dir():             # taken now: a late second run is refused here,
+            launcher_lock = take_lock(cfg)        # before its pre-launch checks (seconds)
         preflight(cfg, layout, local=not under_mpi())
-        if not under_mpi():                       # held from here on, by mpiexec after the exec:
-            # taken after the checks (a refused config leaves no folder behind), before any rank
-            launcher_lock = acquire(cfg.output_dir, lambda line: print(line, file=sys.stderr, flush=True))
+        if not under_mpi() and launcher_lock is None:
+            # a new folder: taken after the checks, so a refused config leaves no folder behind
+            launcher_lock = take_lock(cfg)
     except ConfigError as e:
+        if launcher_lock is not None:
+            launcher_lock.release()
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if not under_mpi():
@@ -102,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
     return run_rank(cfg, layout)
+
+
+def take_lock(cfg: Config) -> RunLock:
+    """The launcher's lock on run.output_dir, held by mpiexec after the exec (hand_down)."""
+    return acquire(cfg.output_dir, lambda line: print(line, file=sys.stderr, flush=True))
 
 
 _LOCK: RunLock | None = None          # rank 0's lock on run.output_dir, held until the process ends

@@ -120,6 +120,7 @@ def test_late_concurrent_starts_are_refused_by_their_own_launcher_before_any_ran
     waits = []
     for rnd in range(2):
         out = tmp_path / f"round{rnd}"
+        out.mkdir()                                        # the same folder again (a resume, a rerun)
         runs, t_prev = [], 0.0
         for offset in (0.0, 0.0, 0.5, 1.5):                # the first, then the late ones
             time.sleep(offset - t_prev)
