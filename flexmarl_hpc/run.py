@@ -27,13 +27,13 @@ from pathlib import Path
 
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.store.checkpoint import CheckpointError
-from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable
+from flexmarl_hpc.store.checksum import StoreDamaged, StoreInconsistent, StoreUnreadable
 from flexmarl_hpc.store.tables import StoreError
 from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout, check_world, layout_from_config
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.launch.preflight import check_output_dir, preflight
-from flexmarl_hpc.store.lock import RunLock, acquire, check_free
+from flexmarl_hpc.store.lock import RunLock, acquire, drop_inherited, empty_record, hand_down, launched_by_holder
 
 MPI_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -83,21 +83,33 @@ def main(argv: list[str] | None = None) -> int:
         # before anything in it is read, repaired or written (the store's open-flag repair in
         # preflight's check_resumable, config.yaml, train.log)
         check_output_dir(cfg)
+        launcher_lock = None
         if under_mpi():
             if not hold_run_lock(cfg):
                 return 2
-        else:
-            check_free(cfg.output_dir)
+        elif cfg.output_dir.is_dir():             # taken now: a late second run is refused here,
+            launcher_lock = take_lock(cfg)        # before its pre-launch checks (seconds)
         preflight(cfg, layout, local=not under_mpi())
+        if not under_mpi() and launcher_lock is None:
+            # a new folder: taken after the checks, so a refused config leaves no folder behind
+            launcher_lock = take_lock(cfg)
     except ConfigError as e:
+        if launcher_lock is not None:
+            launcher_lock.release()
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if not under_mpi():
+        hand_down(launcher_lock)
         cmd = [mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "flexmarl_hpc.run",
                args.config, *args.overrides]
         print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
     return run_rank(cfg, layout)
+
+
+def take_lock(cfg: Config) -> RunLock:
+    """The launcher's lock on run.output_dir, held by mpiexec after the exec (hand_down)."""
+    return acquire(cfg.output_dir, lambda line: print(line, file=sys.stderr, flush=True))
 
 
 _LOCK: RunLock | None = None          # rank 0's lock on run.output_dir, held until the process ends
@@ -111,6 +123,7 @@ def hold_run_lock(cfg: Config) -> bool:
     import atexit
     from flexmarl_hpc.runtime import faults
     from flexmarl_hpc.runtime.stale_shm import clear_stale_segments
+    drop_inherited(cfg.output_dir)                 # the launcher's lock: mpiexec's alone
     stale = clear_stale_segments()                 # else a requeued job hangs in MPI_Init
     if stale:
         print(f"flexmarl_hpc: removed {len(stale)} MPICH shared-memory segment(s) an earlier incarnation "
@@ -124,7 +137,10 @@ def hold_run_lock(cfg: Config) -> bool:
             _LOCK = acquire(cfg.output_dir, lambda line: print(line, file=sys.stderr, flush=True))
             atexit.register(_LOCK.release)
         except ConfigError as e:
-            refused = str(e)
+            if launched_by_holder(cfg.output_dir):     # our launcher took it (store/lock.py)
+                atexit.register(empty_record, cfg.output_dir)
+            else:
+                refused = str(e)
     refused = world.bcast(refused, root=0)
     if refused and world.Get_rank() == 0:
         print(f"config error: {refused}", file=sys.stderr, flush=True)
@@ -152,7 +168,7 @@ def run_rank(cfg: Config, layout: RankLayout) -> int:
     # reports its own error
     # a full disk, or a store found damaged when the orchestrator re-opens it (damaged after
     # the pre-launch check): one line naming the path, not a traceback
-    except (CheckpointError, StoreError, StoreDamaged, StoreUnreadable) as e:
+    except (CheckpointError, StoreError, StoreDamaged, StoreUnreadable, StoreInconsistent) as e:
         what = "checkpoint" if isinstance(e, CheckpointError) else "store"
         code = exit_code(e)
         sys.stderr.write(f"[rank {world.Get_rank()}] {what} error: {e}"

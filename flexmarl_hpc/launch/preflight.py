@@ -318,7 +318,7 @@ def check_resumable(cfg: Config, chunks: bool = True) -> None:
         with open_read(path) as f:
             check_file(f, path)
             if chunks:
-                verify_store(f, path)
+                verify_store(f, path, counts=True)        # no writer holds it (the lock)
             old = yaml.safe_load(f.attrs.get("config_yaml", "")) or {}
     except (OSError, ValueError, RuntimeError, yaml.YAMLError) as e:    # RuntimeError: h5py, a garbled superblock
         raise ConfigError(f"run.output_dir: cannot resume: {' '.join(str(e).split())}; move the file "

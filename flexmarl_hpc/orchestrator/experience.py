@@ -232,7 +232,7 @@ class Journaled:
         self.journal.status(ch.ready, READY, now)
         self.journal.status(ch.dropped, DROPPED, now)
         self.store.flush()
-        return max((n.step for n in nodes), default=first_step - 1)
+        return max([n.step for n in nodes] + list(self.lost_inputs), default=first_step - 1)
 
 
 def refuse_unready(nodes: list[Node]) -> None:

@@ -17,10 +17,22 @@ from __future__ import annotations
 
 from flexmarl_hpc.config.layout import ROLLOUT, TOOLS, RankLayout
 from flexmarl_hpc.runtime import messages, requeue
+from flexmarl_hpc.runtime.messages import WorkerLost
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 
 EXIT_EPISODES = 1
 """The exit code of a run stopped by failing episodes (workflow.max_failure_rate)."""
+EPISODE_POLL_S = 0.02
+"""How often the loop looks at episodes waiting on a tool while no reply arrives."""
+SIGNAL_CHECK_S = 1.0
+"""Longest wait for a reply before the loop looks at the preemption flag again: a signal's
+handler only sets the flag, and Python resumes an interrupted epoll wait by itself."""
+STALL_S = 10.0
+"""Seconds the orchestrator may wait with no command outstanding anywhere before the run
+counts as stalled: no reply can come, so nothing would ever change (issue 38: a resume
+waited for samples no version could make, every rank in epoll_wait for good)."""
+EXIT_STALLED = 1
+"""The exit code of a stalled run (stop_stalled): a bug to report, not a fault to requeue."""
 
 
 def who(layout: RankLayout, rank: int) -> str:
@@ -47,7 +59,8 @@ def checkpointable(state: dict, moving: dict[int, int], layout: RankLayout,
 
 class WorkerFailures:
     """Mixin of Orchestrator (uses its cfg, layout, state, moving, deadlines, aborting, exp,
-    checkpoint, drain, stop_workers, record_steps, recorder, transport and log)."""
+    checkpoint, drain, stop_workers, record_steps, recorder, transport, store, preempted and
+    log): `receive` (the waits that find failures) and what each failure does."""
 
     def episodes_failing(self) -> bool:
         """Log what the episodes' failures have to say (episode_failures.py); True once more
@@ -76,6 +89,49 @@ class WorkerFailures:
         self.checkpoint(self.agents)
         self.stop_workers(EXIT_EPISODES)
         return EXIT_EPISODES
+
+    def receive(self, wake: bool = False, loop: bool = False) -> tuple[int, messages.Reply] | None:
+        """The next reply as (source rank, message), waiting without a spin; a rank that
+        leaves its command unanswered for run.worker_timeout seconds, or whose process ends
+        (runtime/liveness.py), ends the job with the requeue code. `wake`: episodes wait on
+        tools: return None after EPISODE_POLL_S if nothing came, so they can go on. `loop`
+        (the main loop): also None within SIGNAL_CHECK_S of a preemption signal, and after
+        STALL_S with no command outstanding (`self.stalled` set)."""
+        idle = None
+        while True:
+            timeout = self.deadlines.next_deadline()
+            if timeout is None:
+                idle = self.store.now() if idle is None else idle
+            slice_s = SIGNAL_CHECK_S if timeout is None else min(timeout, SIGNAL_CHECK_S)
+            if wake:
+                slice_s = min(slice_s, EPISODE_POLL_S)
+            try:
+                return self.transport.receive(slice_s)
+            except WorkerLost as e:
+                self.stop_lost(e.rank)
+            except TimeoutError:
+                late = self.deadlines.overdue()
+                if late is not None:
+                    self.stop_hung(*late)
+                if wake or (loop and self.preempted()):
+                    return None
+                if loop and idle is not None and timeout is None and self.store.now() - idle > STALL_S:
+                    self.stalled = True
+                    return None
+
+    def stop_stalled(self) -> int:
+        """Nothing outstanding on any rank and nothing the scheduler can hand out: no reply
+        will come. Say what each agent waits for, checkpoint, flush and exit EXIT_STALLED
+        (not a requeue: the same state would stall again)."""
+        waits = "; ".join(f"{a} at version {s.version}: {self.exp.ready_count(a, s.version)} ready, "
+                          f"{len(self.exp.pending[a])} to generate, batch {self.exp.batch_of(a, s.version)}"
+                          for a, s in self.state.items())
+        self.log(f"stalled: no command outstanding on any rank and none to send ({waits}); "
+                 f"checkpointing, flushing the store, exiting {EXIT_STALLED}")
+        self.drain()
+        self.checkpoint(self.agents)
+        self.stop_workers(EXIT_STALLED)
+        return EXIT_STALLED
 
     def stop_hung(self, rank: int, what: str, secs: float) -> None:
         """A worker left a command unanswered for run.worker_timeout: say who and what,

@@ -31,7 +31,7 @@ from flexmarl_hpc.orchestrator.pool_binding import pool_binding
 from flexmarl_hpc.orchestrator.recorder import RunRecorder
 from flexmarl_hpc.orchestrator.scheduler import Scheduler, route
 from flexmarl_hpc.runtime import messages
-from flexmarl_hpc.runtime.messages import Location, WorkerLost
+from flexmarl_hpc.runtime.messages import Location
 from flexmarl_hpc.runtime.timing import BusyClock, Deadlines, Watchdog, WatchedTask
 from flexmarl_hpc.store.checkpoint import latest_version
 from flexmarl_hpc.store.tables import StoreFile
@@ -43,8 +43,6 @@ if TYPE_CHECKING:    # runtime/transport.py imports MPI; simulate and unit tests
 
 UNKNOWN_BATCH = 1 << 40
 """`remaining` samples of a step whose batch size is not known yet (episode workflows)."""
-EPISODE_POLL_S = 0.02
-"""How often the loop looks at episodes waiting on a tool while no reply arrives."""
 
 
 @dataclass
@@ -144,6 +142,7 @@ class Orchestrator(WorkerFailures):
         self.watchdog = Watchdog(cfg.run.worker_timeout, self.reward_hung)
         self.exp = experience_for(cfg, WatchedTask(task, self.watchdog), store, tools)
         self.aborting = False
+        self.stalled = False                     # receive(loop=True): nothing can come
         self.agents = cfg.agent_names
         self.state = initial_state(cfg, layout, log)
         self.moving: dict[int, int] = defaultdict(int)      # group -> state moves in flight
@@ -176,7 +175,9 @@ class Orchestrator(WorkerFailures):
                 # /steps row, checkpoint, log line, metrics row and full store flush are made
                 self.record_steps()
                 self.maybe_log()
-                m = self.receive(wake=self.exp.waiting() or self.evals.waiting())
+                m = self.receive(wake=self.exp.waiting() or self.evals.waiting(), loop=True)
+                if self.stalled:
+                    return self.stop_stalled()
                 if m is not None:
                     self.handle(*m)
                 while (m := self.transport.poll()) is not None:
@@ -201,6 +202,9 @@ class Orchestrator(WorkerFailures):
                 if last >= logged else "nothing uncommitted in the store"
             self.log(f"resumed at versions {versions}, {reloaded}, {superseded} step/metric rows "
                      f"superseded" + "".join(f"; store: {r}" for r in self.store.repaired))
+            for step, gone in sorted(self.exp.lost_inputs.items()):
+                self.log(f"step {step}: inputs {sorted(gone)} are not in the store (salvaged) and an "
+                         "agent's checkpoint is past the step: trained without them")
         elif self.store.repaired:
             self.log("store: " + "; ".join(self.store.repaired))
         self.recorder.replay_eval_to_sinks()
@@ -401,26 +405,6 @@ class Orchestrator(WorkerFailures):
         """Send a command; `what` names it if the rank then stops answering."""
         self.transport.send(rank, msg)
         self.deadlines.sent(rank, what)
-
-    def receive(self, wake: bool = False) -> tuple[int, messages.Reply] | None:
-        """The next reply as (source rank, message), waiting without a spin; a rank that
-        leaves its command unanswered for run.worker_timeout seconds, or whose process ends
-        (runtime/liveness.py), ends the job with the requeue code. `wake`: episodes wait on
-        tools: return None after EPISODE_POLL_S if nothing came, so they can go on."""
-        while True:
-            timeout = self.deadlines.next_deadline()
-            if wake:
-                timeout = EPISODE_POLL_S if timeout is None else min(timeout, EPISODE_POLL_S)
-            try:
-                return self.transport.receive(timeout)
-            except WorkerLost as e:
-                self.stop_lost(e.rank)
-            except TimeoutError:
-                late = self.deadlines.overdue()
-                if late is not None:
-                    self.stop_hung(*late)
-                if wake:
-                    return None
 
     # -- results -------------------------------------------------------------------------
     @booked("handle")

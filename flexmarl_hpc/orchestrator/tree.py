@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.store.checksum import StoreInconsistent
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.base import Path, Task
 
@@ -84,6 +85,8 @@ class NodeQueues:
     pending: dict[str, deque[Node]]
     ready: dict[str, dict[int, list[Node]]]
     resp_len_mean: dict[str, float]
+    lost_inputs: dict[int, set[int]] = {}
+    """step -> inputs a resume cannot sample again (Tree._find_lost); never written here."""
     failures = None
     """Episode workflows: their failed episodes (episode_failures.EpisodeFailures)."""
 
@@ -139,6 +142,9 @@ class Tree(NodeQueues):
         self.joined: dict[int, list[int]] = defaultdict(list)  # step -> inputs in its batch
         self.dropped: set[int] = set()                         # inputs left out
         self.dropping: list[Node] = []                         # generated, now DROPPED
+        # step -> inputs whose whole tree a salvage lost in a step some agent's checkpoint
+        # already holds: no version can sample them again, so the step trains without them
+        self.lost_inputs: dict[int, set[int]] = {}
 
     # -- creating work -------------------------------------------------------------------
     def admit_step(self, step: int) -> Changes:
@@ -276,12 +282,14 @@ class Tree(NodeQueues):
 
     # -- training ------------------------------------------------------------------------
     def batch_of(self, agent: str, step: int) -> int | None:
-        """Samples of `agent` in `step`: fixed by the turns."""
-        return self.batch_size[agent]
+        """Samples of `agent` in `step`: fixed by the turns, less the trees of lost inputs
+        (each input's tree has the same shape)."""
+        lost = len(self.lost_inputs.get(step, ()))
+        return self.batch_size[agent] * (self.n_in - lost) // self.n_in
 
     def loss_scale(self, agent: str, step: int) -> float:
-        """Each sample's loss weight: 1 / the agent's global batch (a mean over samples)."""
-        return 1.0 / self.batch_size[agent]
+        """Each sample's loss weight: 1 / the agent's batch of the step (a mean over samples)."""
+        return 1.0 / max(1, self.batch_of(agent, step))
 
     def poll(self) -> Changes:
         """Nothing runs between replies in a fixed-turn workflow."""
@@ -301,6 +309,7 @@ class Tree(NodeQueues):
         then READY again; generated ones are reused as they are, so nothing is sampled or
         trained twice. Returns (the requeued nodes, the changes to journal after them);
         `Changes.ready` leaves out nodes already READY in the journal."""
+        check_linked(nodes, self.turns)
         requeue, was_ready = [], set()
         for n in nodes:
             if n.status == CONSUMED and n.trainer_step >= versions[n.agent]:
@@ -313,8 +322,11 @@ class Tree(NodeQueues):
                 self.dropped.add(n.input_id)
             self.nodes[(n.agent, n.sample_id)] = n
         last = max((n.step for n in nodes), default=first_step - 1)
+        self._find_lost(nodes, first_step, max(versions.values(), default=0))
+        last = max([last, *self.lost_inputs])
         for step in range(first_step, last + 1):
             self.admit_step(step)
+            self._forget_lost(step)
         ready: list[Node] = []
         by_turn = defaultdict(list)
         for n in self.nodes.values():
@@ -337,6 +349,35 @@ class Tree(NodeQueues):
         self.dropping = []
         return requeue, ch
 
+    def _find_lost(self, nodes: list[Node], first_step: int, ahead: int) -> None:
+        """Inputs of steps before `ahead` (the furthest restored version) with no row at all:
+        an agent trained those steps, so every input of them had its tree generated; one
+        without rows was lost (salvage drops whole trees). Sampling it again would take
+        weights of its step that agent no longer has, so the step goes on without it (with
+        over-provisioning: dropped, as an input left out is). Later steps' missing inputs
+        are sampled again, as after any kill."""
+        have = {n.input_id for n in nodes}
+        for step in range(first_step, ahead):
+            gone = set(self.input_ids(step)) - have
+            if gone and self.extra:
+                self.dropped |= gone
+            elif gone:
+                self.lost_inputs[step] = gone
+
+    def _forget_lost(self, step: int) -> None:
+        """Take a step's lost inputs out again after admit_step spawned their roots: out of
+        the queues, the nodes and the turns' counts (sync mode's barrier waits on those)."""
+        gone = self.lost_inputs.get(step, set())
+        if not gone:
+            return
+        self._unqueue(gone)
+        for key in [k for k, n in self.nodes.items() if n.input_id in gone]:
+            del self.nodes[key]
+        for t in range(len(self.turns)):
+            self.turn_left[(step, t)] -= len(gone) * math.prod(x.samples for x in self.turns[:t + 1])
+        for i in gone:
+            self.leaves_left.pop(i, None)
+
     def forget_step(self, step: int) -> None:
         """Drop finished trees of a fully trained step from memory (the journal keeps them)."""
         for key in [k for k, n in self.nodes.items() if n.step == step]:
@@ -348,6 +389,21 @@ class Tree(NodeQueues):
             self.held.pop(i, None)
             self.dropped.discard(i)
         self.joined.pop(step, None)
+        self.lost_inputs.pop(step, None)
+
+
+def check_linked(nodes: list[Node], turns) -> None:
+    """Every journalled sample of a later turn has its parent's row (turn t-1, trajectory
+    traj // samples of turn t); one without (a store salvaged by a release that kept
+    orphans) cannot be replayed: refused in one line, before the resume writes anything."""
+    have = {(n.agent, n.sample_id) for n in nodes}
+    for n in nodes:
+        if n.turn > 0:
+            parent = (turns[n.turn - 1].agent, f"{n.input_id}_{n.turn - 1}_{n.traj // turns[n.turn].samples}")
+            if parent not in have:
+                raise StoreInconsistent(f"{n.agent} sample {n.sample_id} (step {n.step}) has no parent row "
+                                        f"({parent[0]} {parent[1]}) in the store; salvage it "
+                                        "(python -m flexmarl_hpc.analyze salvage)")
 
 
 def global_batch(cfg: Config, agent: str) -> int:

@@ -137,8 +137,17 @@ class Damage:
     offset: int               # its byte offset in the file
     torn: bool = False        # a boundary chunk whose committed rows verify (torn_append)
 
+    why: str = ""             # not a chunk's checksum: what else disagrees (count_damage)
+
     def line(self) -> str:
+        if self.why:
+            return f"/commit's count of {self.table} ({self.hi} rows): {self.why}"
         return f"{self.table} rows {self.lo}-{self.hi - 1} (chunk at file offset {self.offset})"
+
+
+class StoreInconsistent(ValueError):
+    """Verified rows that cannot be replayed (a journalled sample without its parent's row,
+    orchestrator/tree.py); the message is one line."""
 
 
 class StoreDamaged(ValueError):
@@ -298,10 +307,36 @@ def _chunk_ok(info, size: int, fd: int) -> bool:
     return len(raw) == size and fletcher32(raw[:-4]) == int.from_bytes(raw[-4:], "little")
 
 
-def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",), retries: int = RETRIES) -> list[Damage]:
+def count_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None,
+                 full: dict[int, int] | None) -> Damage | None:
+    """/commit's count of `ds` against the records written with it: /commit_crc (the crc
+    of the boundary chunk's first `rows % chunk` rows, 0 at a chunk start) and /chunk_crc
+    (logged once a commit filled a chunk, so no entry lies past the count). A count changed
+    in the file (lowered: the resume would cut committed rows) fails one of them; /commit has
+    no checksum of its own. Only for a file no writer holds: a live writer updates the two
+    in one HDF5 flush, which an SWMR reader may see half done."""
+    step, k = ds.chunks[0], rows % ds.chunks[0]
+    past = [c for c in (full or {}) if (c + 1) * step > rows]
+    if past:
+        return Damage(ds.name, 0, rows, -1, why=f"/chunk_crc has chunk {max(past)} (rows up to "
+                      f"{(max(past) + 1) * step - 1}) committed full")
+    if crc is None:
+        return None
+    info = _lookup(ds, rows - k) if k else None
+    raw = os.pread(fd, k * ds.dtype.itemsize, info.byte_offset) if info is not None else b""
+    mine = prefix_crc(np.frombuffer(raw, ds.dtype), ds.name) if k and len(raw) == k * ds.dtype.itemsize else 0
+    if (k and mine != crc) or (not k and crc != 0):
+        return Damage(ds.name, 0, rows, -1, why="/commit_crc of its last chunk does not match the rows "
+                      "it names (the count or its record changed)")
+    return None
+
+
+def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",), retries: int = RETRIES,
+                   counts: bool = False) -> list[Damage]:
     """Every committed chunk of every checksummed table (whose name starts with one of
     `only`), verified; the bad ones. `retries`: look-ups again of a chunk that fails (0 for a
-    file no writer holds: salvage)."""
+    file no writer holds: salvage). `counts`: /commit's counts checked too (count_damage;
+    a file no writer holds)."""
     bad: list[Damage] = []
     crcs, full = prefix_crcs(f), chunk_crcs(f)
     fd = os.open(f.filename, os.O_RDONLY)
@@ -310,20 +345,24 @@ def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",), retries: int = 
             ds = f.get(name) if name.startswith(only) else None
             if ds is None or not has_checksums(ds):
                 continue
-            bad += chunk_damage(ds, min(rows, len(ds)), fd, crcs.get(name), full.get(name), retries)
+            mine = chunk_damage(ds, min(rows, len(ds)), fd, crcs.get(name), full.get(name), retries)
+            if counts and not mine and rows <= len(ds):
+                mine = [d for d in [count_damage(ds, rows, fd, crcs.get(name), full.get(name))] if d]
+            bad += mine
     finally:
         os.close(fd)
     return bad
 
 
-def verify_store(f: h5py.File, path, only: tuple[str, ...] = ("/",), torn: list | None = None) -> str | None:
+def verify_store(f: h5py.File, path, only: tuple[str, ...] = ("/",), torn: list | None = None,
+                 counts: bool = False) -> str | None:
     """Raise StoreDamaged if a committed chunk (of the tables `only` names, by prefix) fails
     its checksum; return a one-line notice
     for a store written without checksums (schema <= 2), None for a verified one."""
     if not any(has_checksums(f[n]) for n in committed(f) if n in f):
         return (f"{path}: written without chunk checksums (schema version "
                 f"{int(f.attrs.get('schema_version', 0))}); its data cannot be verified")
-    found = damaged_chunks(f, only)
+    found = damaged_chunks(f, only, counts=counts)
     bad = [d for d in found if not d.torn]
     if torn is not None:                # a torn append is no damage: the caller may mend it
         torn += [d for d in found if d.torn]
@@ -399,6 +438,6 @@ def verify_path(path: Path) -> list[Damage]:
     with open_read(Path(path)) as f:
         if f.attrs.get("program") != "flexmarl_hpc":
             raise StoreUnreadable(f"{path}: not a flexmarl_hpc run file (no program=flexmarl_hpc attribute)")
-        if verify_store(f, path, torn=(torn := [])) is not None:
+        if verify_store(f, path, torn=(torn := []), counts=True) is not None:
             return []
         return torn

@@ -198,6 +198,78 @@ def acquire(out: Path, notice: Callable[[str], None] = print) -> RunLock:
     return RunLock(path, fd, method, me)
 
 
+LAUNCHER_ENV = "FLEXMARL_LAUNCHER_LOCK"
+"""Set by the launcher to its PID before it becomes mpiexec, holding the lock (hand_down)."""
+
+
+def hand_down(lock: RunLock) -> None:
+    """The launcher keeps the lock across its exec of mpiexec (the fd made inheritable: the
+    lock stays with mpiexec, this PID, until the job ends), so a second run is refused at
+    its own launcher's lock attempt, not 10-18 s later at its rank 0 (issue 38). Rank 0
+    recognises the holder as its own launcher (launched_by_holder)."""
+    if lock.fd is not None:
+        os.set_inheritable(lock.fd, True)
+    os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{-1 if lock.fd is None else lock.fd}"
+
+
+def drop_inherited(out: Path) -> None:
+    """Every rank: close the launcher's lock fd if it came down to this process (mpiexec may
+    pass its fds on), so only mpiexec holds the lock and no process a rank starts can keep
+    it past the job. Closing it drops no lock: flock belongs to the open file description,
+    which mpiexec keeps open, and a lockf lock is mpiexec's own (not inherited by a fork)."""
+    _, _, fd = os.environ.get(LAUNCHER_ENV, "").partition(":")
+    if not fd.isdigit():
+        return
+    try:
+        mine, lock = os.fstat(int(fd)), os.stat(Path(out) / LOCK_NAME)
+    except OSError:
+        return
+    if (mine.st_dev, mine.st_ino) == (lock.st_dev, lock.st_ino):
+        os.close(int(fd))
+
+
+def launched_by_holder(out: Path) -> bool:
+    """Whether `out`'s lock is held by this process's own launcher: the record names this
+    host and the PID the launcher left in LAUNCHER_ENV, and that PID is an ancestor of
+    this process (mpiexec, which the launcher became)."""
+    want = os.environ.get(LAUNCHER_ENV, "").partition(":")[0]
+    try:
+        fd = os.open(Path(out) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        holder = read_holder(fd)
+    finally:
+        os.close(fd)
+    if not want.isdigit() or holder is None or holder.pid != int(want) or holder.host != socket.gethostname():
+        return False
+    return int(want) in _ancestors()
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getppid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
+def empty_record(out: Path) -> None:
+    """Rank 0 of a run whose launcher holds the lock, at its clean end: empty the record (the
+    next run prints no take-over notice); the lock itself ends with mpiexec."""
+    try:
+        fd = os.open(Path(out) / LOCK_NAME, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
 # ---------------------------------------------------------------------------------------
 # what the record says about a holder that the lock calls alive
 # ---------------------------------------------------------------------------------------

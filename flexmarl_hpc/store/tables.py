@@ -388,22 +388,36 @@ class StoreFile:
         return any(t.disk for t in self.samples.values())
 
     def supersede(self, versions: dict[str, int], first_logged: int) -> int:
-        """Mark /steps rows whose version the trainers no longer have (a resume rolled
-        them back) and /metrics rows of global steps >= first_logged as superseded; they
-        are written again as the run redoes them. Returns how many rows it marked."""
-        n = 0
+        """Derive every `superseded` flag of /steps and /metrics again (docs/store.md: each
+        resume sets them; a flag is never taken from the file): a row is current iff it is
+        the last row of its step and its step survives the resume (/steps: its version is
+        one the trainers have; /metrics: its step < first_logged). Rows a resume rolled
+        back are marked; a current row found marked (a flipped byte a torn-write repair
+        kept) is set back. Returns how many rows it marked."""
+        marked = 0
         for a, t in self.steps.items():
             rows = t.read()
-            old = np.nonzero((rows["version"] > versions[a]) & (rows["superseded"] == 0))[0]
-            if len(old):
-                t.patch(old, {"superseded": 1})
-            n += len(old)
+            marked += self._derive(t, rows, rows["version"] <= versions[a], f"/steps/{a}")
         rows = self.metrics.read()
-        old = np.nonzero((rows["step"] >= first_logged) & (rows["superseded"] == 0))[0]
-        if len(old):
-            self.metrics.patch(old, {"superseded": 1})
+        marked += self._derive(self.metrics, rows, rows["step"] < first_logged, "/metrics")
         self.flush()
-        return n + len(old)
+        return marked
+
+    def _derive(self, t: Table, rows: np.ndarray, kept: np.ndarray, name: str) -> int:
+        """Patch `superseded` of `rows` to: not (the last row of its step and `kept`)."""
+        last = np.zeros(len(rows), bool)
+        if len(rows):
+            _, idx = np.unique(rows["step"][::-1], return_index=True)
+            last[len(rows) - 1 - idx] = True
+        want = (~(last & kept)).astype(rows.dtype["superseded"])
+        diff = want != rows["superseded"]                   # any other byte value too
+        on, off = np.nonzero(diff & (want == 1))[0], np.nonzero(diff & (want == 0))[0]
+        for which, v in ((on, 1), (off, 0)):
+            if len(which):
+                t.patch(which, {"superseded": v})
+        if len(off):
+            self.repaired.append(f"cleared the superseded flag of {len(off)} current {name} rows")
+        return len(on)
 
     def close(self) -> None:
         if not self.f.id.valid:

@@ -106,3 +106,47 @@ def test_second_run_refused_first_untouched(tmp_path, mpiexec):
     shared, solo = fingerprint(out), fingerprint(alone)
     print(f"\nfingerprints with a refused second run: {shared}\nfingerprints of the run alone: {solo}")
     assert shared == solo
+
+
+def test_late_concurrent_starts_are_refused_by_their_own_launcher_before_any_rank_starts(tmp_path, mpiexec):
+    """Issue 38: a second run started 0-1.5 s after the first passed the launcher's lock probe
+    (the first's rank 0 had not locked yet) and started 4 ranks, refused 10-18 s later. The
+    launcher now takes the lock itself and hands it to mpiexec: of runs started 0, 0.5 and
+    1.5 s after a first one on the same folder, exactly one launches and every other is
+    refused by its own launcher (rc 2, one line, nothing launched). 5 rounds; the refusal
+    times are printed (median [min, max]), the order is what is asserted."""
+    from statistics import median
+    from tests.helpers import sigkill_tree
+    waits = []
+    for rnd in range(2):
+        out = tmp_path / f"round{rnd}"
+        out.mkdir()                                        # the same folder again (a resume, a rerun)
+        runs, t_prev = [], 0.0
+        for offset in (0.0, 0.0, 0.5, 1.5):                # the first, then the late ones
+            time.sleep(offset - t_prev)
+            t_prev = offset
+            cmd = [sys.executable, "-m", "flexmarl_hpc.run", "configs/local.yaml", f"run.output_dir={out}",
+                   "run.steps=3", "run.eval_every=0"]
+            runs.append((time.monotonic(), subprocess.Popen(
+                cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+        try:
+            ended, deadline = {}, time.monotonic() + 60
+            while len(ended) < 3 and time.monotonic() < deadline:
+                for i, (t0, p) in enumerate(runs):
+                    if i not in ended and p.poll() is not None:
+                        ended[i] = (time.monotonic() - t0, p.returncode, *p.communicate())
+                time.sleep(0.02)
+            ended = list(ended.values())
+        finally:
+            for _, p in runs:
+                if p.poll() is None:
+                    sigkill_tree(p)
+        assert len(ended) == 3, [(rc, e) for _, rc, _, e in ended]
+        for secs, rc, o, e in ended:
+            assert rc == 2 and "launching" not in o, (rc, o, e)
+            assert e.startswith(f"config error: run.output_dir: {out} is in use by another run") \
+                and e.count("\n") == 1, e
+            waits.append(secs)
+    print(f"\nrefused after {median(waits):.2f} s [{min(waits):.2f}, {max(waits):.2f}] (median [min, max] "
+          f"of {len(waits)} late starts)")

@@ -186,3 +186,52 @@ def test_an_answer_with_more_log_probs_than_tokens_is_refused_by_name(exp):
     batch[1] = (nodes[1], [3, 4], [-1.0, -1.0, -1.0])
     with pytest.raises(ValueError, match=f"speaker sample {nodes[1].sample_id}: 3 log-probs for 2"):
         exp.record_generation(batch, 0, 0)
+
+
+def reload_without(plain, versions, keep):
+    """Two steps, the speaker's checkpoint at 1, then a reload from a store that lost rows:
+    `keep(node)` says which journalled nodes survived (a salvaged store)."""
+    cfg, task, path = plain
+    store = StoreFile(path, cfg.agent_names, {})
+    exp = Experience(cfg, task, store)
+    run_step(exp, 0)
+    run_step(exp, 1, consume=4)
+    store.flush()
+    store.f.close()
+    store = StoreFile(path, cfg.agent_names, {})
+    exp = Experience(cfg, task, store)
+    load = exp.journal.load
+    exp.journal.load = lambda first: [n for n in load(first) if keep(n)]
+    return exp, store
+
+
+def test_a_reload_trains_a_step_an_agent_is_past_without_the_inputs_salvage_lost(plain):
+    """Input 0 (step 0) and input 2 (step 1) lost whole: the speaker's checkpoint holds step 0,
+    so no weights remain to sample input 0 again: the listener's step 0 goes on without it
+    (half its batch), nothing pending for it. Step 1 is ahead of every checkpoint: input 2 is
+    sampled again (its roots pending), its batch whole (issue 38: the resume waited for ever)."""
+    versions = {"speaker": 1, "listener": 0}
+    exp, store = reload_without(plain, versions, lambda n: n.input_id not in (0, 2))
+    assert exp.reload(0, versions) == 1
+    assert exp.lost_inputs == {0: {0}}
+    half = exp.batch_size["listener"] // 2
+    assert exp.batch_of("listener", 0) == exp.ready_count("listener", 0) == half
+    assert exp.loss_scale("listener", 0) == 1 / half
+    assert sorted({n.input_id for n in exp.pending["speaker"]}) == [2]
+    assert not exp.pending["listener"] and exp.batch_of("listener", 1) == exp.batch_size["listener"]
+    assert all(n.input_id != 0 for n in exp.nodes.values())
+    store.close()
+
+
+def test_a_reload_refuses_a_sample_whose_parent_row_is_gone_before_writing(plain):
+    """A listener row whose speaker parent is not in the store (salvaged by a release that
+    kept orphans): one clear error, raised before the reload journals anything (the
+    TypeError deep in a reward function was issue 38's crash)."""
+    from flexmarl_hpc.store.checksum import StoreInconsistent
+    versions = {"speaker": 0, "listener": 0}
+    exp, store = reload_without(plain, versions, lambda n: not (n.agent == "speaker" and n.input_id == 2))
+    n_events = len(store.events.read())
+    with pytest.raises(StoreInconsistent, match=r"listener sample 2_1_\d+ \(step 1\) has no parent row"):
+        exp.reload(0, versions)
+    assert len(store.events.read()) == n_events
+    store.close()

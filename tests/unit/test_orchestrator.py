@@ -333,3 +333,53 @@ def test_evaluation_batches_carry_their_own_sampling_params(tmp_path):
     assert evals and any(c.params.temperature == 0.0 for c in evals)
     assert len(evals) < len(gens)
     assert any(ln.startswith("eval at step") for ln in lines), lines
+
+
+def stalled(tmp_path, monkeypatch, preempted=None):
+    """A run that waits for a listener sample no one will make (issue 38's resume waited on
+    samples no version could sample): every command answered, nothing outstanding."""
+    import flexmarl_hpc.orchestrator.failures as loop
+    monkeypatch.setattr(loop, "SIGNAL_CHECK_S", 0.05, raising=False)
+    orch, transport, store, lines = make(tmp_path)
+    orch.exp.batch_size["listener"] += 1          # one sample more than its step has
+    if preempted is not None:
+        orch.preempted = preempted
+    return orch, transport, store, lines
+
+
+def test_a_run_with_nothing_outstanding_stops_as_stalled_instead_of_waiting_for_ever(tmp_path, monkeypatch):
+    import flexmarl_hpc.orchestrator.failures as loop
+    from flexmarl_hpc.orchestrator.failures import EXIT_STALLED
+    monkeypatch.setattr(loop, "STALL_S", 0.3, raising=False)
+    orch, transport, store, lines = stalled(tmp_path, monkeypatch)
+    try:
+        assert orch.run() == EXIT_STALLED
+    finally:
+        store.close()
+    line = next(ln for ln in lines if ln.startswith("stalled:"))
+    assert "listener at version 0:" in line and f"batch {orch.exp.batch_size['listener']}" in line, line
+    assert {a for _, c in transport.sent if isinstance(c, messages.Checkpoint) for a in c.agents} == set(orch.agents)
+    assert sum(isinstance(c, messages.Stop) for _, c in transport.sent) > 0
+
+
+def test_a_preemption_signal_during_a_stall_is_acted_on_within_a_second(tmp_path, monkeypatch):
+    """The signal handler only sets a flag and Python resumes an interrupted epoll wait:
+    the loop must look at the flag while it waits (issue 38: SIGTERM ignored for 65 s)."""
+    import time
+    import flexmarl_hpc.orchestrator.failures as loop
+    monkeypatch.setattr(loop, "STALL_S", 3600.0, raising=False)
+    monkeypatch.setattr(loop, "SIGNAL_CHECK_S", 1.0, raising=False)
+    t_signal = [None]
+
+    def preempted():                              # "SIGTERM" 0.5 s into the stall
+        if t_signal[0] is None and orch.state["speaker"].version >= 1 and not orch.batches:
+            t_signal[0] = time.monotonic() + 0.5
+        return t_signal[0] is not None and time.monotonic() >= t_signal[0]
+
+    orch, transport, store, lines = stalled(tmp_path, monkeypatch, preempted)
+    try:
+        assert orch.run() == EXIT_REQUEUE
+    finally:
+        store.close()
+    assert time.monotonic() - t_signal[0] < 1.5
+    assert any(ln.startswith("preemption signal") for ln in lines), lines

@@ -461,3 +461,40 @@ def test_a_full_disk_or_quota_requeues_and_a_damaged_store_does_not():
                for n in ast.walk(ast.parse(p.read_text())) if type(getattr(n, "value", None)) is int
                and isinstance(n, ast.Constant) and n.value == 75]
     assert literal == ["runtime/requeue.py"], literal
+
+
+def step_row(step, version):
+    return {"step": [step], "version": [version], "t_end": [0.0], "n_samples": [1], "n_micro": [1], "loss": [0],
+            "reward_mean": [step], "entropy": [0], "kl": [0], "grad_norm": [0], "staleness_max": [0],
+            "staleness_mean": [0], "rows_offset": [0], "rows_len": [0]}
+
+
+@pytest.mark.parametrize("table", ["/steps/a", "/metrics"])
+def test_a_flipped_superseded_byte_is_derived_again_by_the_resume(tmp_path, table):
+    """Issue 38: a `superseded` byte set to 1 in the file passes as a torn write (the column is
+    left out of the crc record) and the step vanished from the record. The resume derives
+    every flag again (last row of its step, kept by the restored versions), so it is 0 again."""
+    path = tmp_path / "s.h5"
+    s = StoreFile(path, AGENTS, {})
+    for step in range(3):
+        for a in AGENTS:
+            s.steps[a].append(step_row(step, step + 1))
+        s.metrics.append({c: [step] for c in ("step", "t", "wall", "samples", "tokens", "samples_per_s",
+                                                "rollout_s", "train_s", "sync_s", "swap_s", "utilization",
+                                                "staleness_max")})
+    s.flush()
+    s.close()
+    with h5py.File(path, "r") as f:
+        ds = f[table]
+        at = ds.id.get_chunk_info(0).byte_offset + ds.dtype.itemsize + ds.dtype.fields["superseded"][1]
+    with open(path, "r+b") as fh:                   # row 1 (step 1), committed
+        fh.seek(at)
+        fh.write(b"\x01")
+    s = StoreFile(path, AGENTS, {})
+    assert any(f"rewrote the torn chunk of {table}" in r for r in s.repaired), s.repaired
+    assert s.supersede({"a": 3, "b": 3}, first_logged=3) == 0
+    assert any(f"cleared the superseded flag of 1 current {table} rows" in r for r in s.repaired), s.repaired
+    s.close()
+    with h5py.File(path, "r") as f:
+        assert f[table]["superseded"].tolist() == [0, 0, 0]
+    assert load_run(path).metrics.step.tolist() == [0, 1, 2]

@@ -135,8 +135,12 @@ def test_checksums_follow_random_appends_and_patches_of_odd_sized_rows(tmp_path)
         ev = event_rows(s, "a", np.arange(k) + s.events.n, GENERATED)
         ev["t"] = rng.random(k)
         s.events.append(ev)
-        if s.events.n > 3:
-            rows = rng.choice(s.events.n, size=min(5, s.events.n), replace=False)
+        # rows of full committed chunks and uncommitted rows: the committed rows of the last
+        # chunk are fixed once written (/commit_crc holds their crc, checked on re-open)
+        k = int(s.commit[list(s.tables).index("/events")])
+        free = np.r_[0:k // s.events.chunk * s.events.chunk, k:s.events.n]
+        if len(free) > 3:
+            rows = rng.choice(free, size=min(5, len(free)), replace=False)
             s.events.patch(rows, {"t": rng.random(len(rows)), "status": int(rng.integers(0, 4))})
         s.flush(full=bool(i % 3 == 0))
     s.close()
@@ -379,3 +383,25 @@ def test_salvage_names_the_children_of_samples_in_a_damaged_chunk(tmp_path):
     assert lost["b"] == rep.lost_ids["b"]
     with h5py.File(tmp_path / "new.h5", "r") as f:
         assert len(f["samples/a"]) == 136 and len(f["samples/b"]) == 136
+
+
+@pytest.mark.parametrize("table, lower", [("/events", 100), ("/samples/a", 100), ("/samples/a", 44)],
+                         ids=["events-in-a-chunk", "samples-past-a-full-chunk", "samples-to-a-chunk-start"])
+def test_a_lowered_commit_count_is_refused_and_the_file_left_as_it_was(tmp_path, table, lower):
+    """Issue 38: /commit has no checksum of its own; a count lowered by damage made the resume
+    cut committed rows (100 trained samples recorded as not consumed). The records written with
+    each count disagree with it: /commit_crc (the crc of the boundary chunk's committed rows)
+    and /chunk_crc (a full chunk logged past the count). Refused before anything changes."""
+    path = tmp_path / "s.h5"
+    written(path).close()                               # 300 rows, /samples chunks of 64
+    with h5py.File(path, "r+") as f:
+        i = [str(t) for t in f["commit"].attrs["tables"]].index(table)
+        counts = f["commit"][:]
+        counts[i] -= lower
+        f["commit"][:] = counts
+    before = sha(path)
+    with pytest.raises(StoreDamaged, match=f"/commit's count of {table} \\({300 - lower} rows\\)"):
+        StoreFile(path, AGENTS, {})
+    assert sha(path) == before
+    with pytest.raises(StoreDamaged):
+        verify_path(path)
