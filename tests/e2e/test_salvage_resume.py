@@ -20,6 +20,9 @@ import pytest
 from tests.conftest import ROOT, run_training
 from tests.helpers import SMALL, check_exactly_once, check_journal
 
+# the damaged original stays beside the salvaged store; the resumed store is checked by the
+# journal rule in the test itself (check_journal)
+pytestmark = pytest.mark.damages_store("the damaged original is kept beside the salvaged store")
 STEPS, CKPT = 10, 4
 ARGS = [*SMALL, f"run.steps={STEPS}", f"run.checkpoint_every={CKPT}", "store.chunk_rows=32", "run.eval_every=0"]
 VERSIONS = {"speaker": 8, "listener": 4}          # restored versions: the kill between the two
