@@ -59,6 +59,18 @@ class Group:
                 f"{self.backend}")
 
 
+def steps_in_flight(max_staleness: int) -> int:
+    """How many consecutive steps may hold samples at once (pipeline.max_staleness): the
+    slowest agent's step and max_staleness + 1 beyond it (Scheduler.may_admit: an agent
+    samples up to max_staleness steps ahead of its version, and one step more while a slower
+    agent still trains). As many versions of an agent's weights may still be asked for, by a
+    request of the oldest of them. The scheduler's admission, preflight's memory estimate of
+    the samples, and the simulator's kept weights (sim/inprocess.py) all read this window."""
+    if max_staleness < 0:
+        raise ValueError(f"pipeline.max_staleness: expected >= 0, got {max_staleness}")
+    return max_staleness + 2
+
+
 # ---------------------------------------------------------------------------------------
 # model sizes
 # ---------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from flexmarl_hpc.config.layout import RankLayout, layout_from_config
 from flexmarl_hpc.config.load import to_dict
 from flexmarl_hpc.config.resources import (component_mem, components, last_trainer, mem_mb, param_count,
-                                           rollout_pools, single_component, trainer_groups)
+                                           rollout_pools, single_component, steps_in_flight, trainer_groups)
 from flexmarl_hpc.config.schema import Config, ConfigError
 
 
@@ -125,7 +125,7 @@ def estimate_memory(cfg: Config, models: dict) -> MemoryEstimate:
         replicas += pool.replicas * per
     w = cfg.workflow
     nodes_per_input = sum(math.prod(t.samples for t in w.turns[:i + 1]) for i in range(len(w.turns)))
-    steps = cfg.pipeline.max_staleness + 2
+    steps = steps_in_flight(cfg.pipeline.max_staleness)
     samples = steps * (w.inputs_per_step + cfg.pipeline.overprovision) * nodes_per_input * (
         SAMPLE_BYTES + TOKEN_BYTES * max(seq.values()))
     world = 1 + sum(p.replicas for p in rollout_pools(cfg)) + sum(g.ranks for g in trainer_groups(cfg))
