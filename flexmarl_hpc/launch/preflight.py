@@ -105,9 +105,10 @@ def estimate_memory(cfg: Config, models: dict, cuda: bool = True) -> MemoryEstim
     gives, vocabulary included). A sequence is at most min(max_seq_len, rollout.max_model_len).
     Per trainer rank: its agents' params x 16 bytes / (TP x PP), plus a micro-batch's logits
     and their gradient; per replica: its pool's agents' weights (replica_bytes_per_weight:
-    4 bytes on the torch engine, else rollout.dtype's; `cuda`: the replicas run on GPUs) plus a full rollout batch's KV cache and logits; the orchestrator:
-    SAMPLE_BYTES + TOKEN_BYTES x sequence per tree node of the steps in flight (max_staleness
-    + 2 steps of inputs_per_step + overprovision inputs, each a tree of samples); each rank
+    4 bytes on the torch engine, else rollout.dtype's; `cuda`: the replicas run on GPUs)
+    plus a full rollout batch's KV cache and logits; the orchestrator: SAMPLE_BYTES +
+    TOKEN_BYTES x sequence per tree node of the steps in flight (steps_in_flight steps of
+    inputs_per_step + overprovision inputs, each a tree of samples); each rank
     RANK_MEMORY besides. Meant as an upper estimate, for refusing what cannot fit (measured on
     configs/local.yaml: docs/LOG.md)."""
     width = replica_bytes_per_weight(cfg.rollout, cuda)
