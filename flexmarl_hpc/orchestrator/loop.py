@@ -140,8 +140,7 @@ class Orchestrator(WorkerFailures):
         layout's tool ranks); None: a process pool on this node. `clock`: the run's (the
         transport's: a simulation's is sim.transport.SimTransport.clock), the store's too."""
         if store.clock is not clock:
-            raise ValueError(f"{store.path}: the store reads another clock than the orchestrator "
-                             "(pass the run's clock to both)")
+            raise ValueError(f"{store.path}: the store reads another clock than the orchestrator")
         self.cfg, self.task, self.transport, self.layout = cfg, task, transport, layout
         self.store, self.preempted, self.log = store, preempted, log
         self.clock = BusyClock(clock)            # rank 0's own time, a row of the timeline
