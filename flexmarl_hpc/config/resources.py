@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, TRAINER
-from flexmarl_hpc.config.schema import Config, ModelConfig, SlurmComponent, TrainerConfig
+from flexmarl_hpc.config.schema import Config, ModelConfig, RolloutConfig, SlurmComponent, TrainerConfig
 
 
 FIT_FRACTION = 0.9
@@ -59,6 +59,18 @@ class Group:
                 f"{self.backend}")
 
 
+def steps_in_flight(max_staleness: int) -> int:
+    """How many consecutive steps may hold samples at once (pipeline.max_staleness): the
+    slowest agent's step and max_staleness + 1 beyond it (Scheduler.may_admit: an agent
+    samples up to max_staleness steps ahead of its version, and one step more while a slower
+    agent still trains). As many versions of an agent's weights may still be asked for, by a
+    request of the oldest of them. The scheduler's admission, preflight's memory estimate of
+    the samples, and the simulator's kept weights (sim/inprocess.py) all read this window."""
+    if max_staleness < 0:
+        raise ValueError(f"pipeline.max_staleness: expected >= 0, got {max_staleness}")
+    return max_staleness + 2
+
+
 # ---------------------------------------------------------------------------------------
 # model sizes
 # ---------------------------------------------------------------------------------------
@@ -75,10 +87,18 @@ def param_count(m: ModelConfig, vocab: int = 0) -> int:
     return m.num_layers * layer + emb + m.hidden_size
 
 
+def replica_bytes_per_weight(rollout: RolloutConfig, cuda: bool = True) -> int:
+    """Bytes one weight takes on a rollout replica: the torch engine runs fp32 (validate
+    refuses it another dtype); vLLM runs rollout.dtype, auto being bf16 on a GPU and fp32 on
+    CPU (rollout/vllm_engine.engine_dtype). The pools' fit and preflight's memory read it."""
+    if rollout.backend == "torch" or rollout.dtype == "fp32" or (rollout.dtype == "auto" and not cuda):
+        return 4
+    return 2
+
+
 def weight_gb(cfg: Config, agent: str) -> float:
-    """GB of an agent's weights on a replica (bf16 unless rollout.dtype says fp32)."""
-    width = 4 if cfg.rollout.dtype == "fp32" else 2
-    return param_count(cfg.model_for(agent)) * width / 1e9
+    """GB of an agent's weights on a replica of a GPU pool."""
+    return param_count(cfg.model_for(agent)) * replica_bytes_per_weight(cfg.rollout) / 1e9
 
 
 def fits(cfg: Config, agent: str, gpus_per_replica: int, gpu_memory_gb: float) -> bool:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from flexmarl_hpc.config.layout import RankLayout, layout_from_config
 from flexmarl_hpc.config.load import to_dict
 from flexmarl_hpc.config.resources import (component_mem, components, last_trainer, mem_mb, param_count,
-                                           rollout_pools, single_component, trainer_groups)
+                                           replica_bytes_per_weight, rollout_pools, single_component,
+                                           steps_in_flight, trainer_groups)
 from flexmarl_hpc.config.schema import Config, ConfigError
 
 
@@ -98,18 +99,19 @@ class MemoryEstimate:
         return self.ranks + self.trainer + self.replicas + self.samples
 
 
-def estimate_memory(cfg: Config, models: dict) -> MemoryEstimate:
+def estimate_memory(cfg: Config, models: dict, cuda: bool = True) -> MemoryEstimate:
     """Memory (bytes) a run of `cfg` needs, over all its ranks: a pure function of the config
     and each agent's model shape (`models`: agent -> ModelArgs, as runtime.build.model_args
     gives, vocabulary included). A sequence is at most min(max_seq_len, rollout.max_model_len).
     Per trainer rank: its agents' params x 16 bytes / (TP x PP), plus a micro-batch's logits
-    and their gradient; per replica: its pool's agents' weights (4 bytes on the torch engine,
-    else rollout.dtype) plus a full rollout batch's KV cache and logits; the orchestrator:
-    SAMPLE_BYTES + TOKEN_BYTES x sequence per tree node of the steps in flight (max_staleness
-    + 2 steps of inputs_per_step + overprovision inputs, each a tree of samples); each rank
+    and their gradient; per replica: its pool's agents' weights (replica_bytes_per_weight:
+    4 bytes on the torch engine, else rollout.dtype's; `cuda`: the replicas run on GPUs)
+    plus a full rollout batch's KV cache and logits; the orchestrator: SAMPLE_BYTES +
+    TOKEN_BYTES x sequence per tree node of the steps in flight (steps_in_flight steps of
+    inputs_per_step + overprovision inputs, each a tree of samples); each rank
     RANK_MEMORY besides. Meant as an upper estimate, for refusing what cannot fit (measured on
     configs/local.yaml: docs/LOG.md)."""
-    width = 4 if cfg.rollout.dtype == "fp32" or cfg.rollout.backend == "torch" else 2
+    width = replica_bytes_per_weight(cfg.rollout, cuda)
     params = {a: param_count(m, m.vocab_size) for a, m in models.items()}
     seq = {a: min(m.max_seq_len, cfg.rollout.max_model_len or m.max_seq_len) for a, m in models.items()}
     logits = {a: cfg.trainer.micro_batch_size * seq[a] * m.vocab_size * 4 * 2 for a, m in models.items()}
@@ -125,7 +127,7 @@ def estimate_memory(cfg: Config, models: dict) -> MemoryEstimate:
         replicas += pool.replicas * per
     w = cfg.workflow
     nodes_per_input = sum(math.prod(t.samples for t in w.turns[:i + 1]) for i in range(len(w.turns)))
-    steps = cfg.pipeline.max_staleness + 2
+    steps = steps_in_flight(cfg.pipeline.max_staleness)
     samples = steps * (w.inputs_per_step + cfg.pipeline.overprovision) * nodes_per_input * (
         SAMPLE_BYTES + TOKEN_BYTES * max(seq.values()))
     world = 1 + sum(p.replicas for p in rollout_pools(cfg)) + sum(g.ranks for g in trainer_groups(cfg))
@@ -146,11 +148,12 @@ def mem_available() -> int | None:
 
 def check_local_memory(cfg: Config, task) -> None:
     """A local run's estimate (estimate_memory) fits this machine's available memory."""
+    import torch                                 # runtime.build imports it anyway
     from flexmarl_hpc.runtime.build import model_args
     avail = mem_available()
     if avail is None:
         return
-    est = estimate_memory(cfg, {a: model_args(cfg, task, a) for a in cfg.agent_names})
+    est = estimate_memory(cfg, {a: model_args(cfg, task, a) for a in cfg.agent_names}, torch.cuda.is_available())
     if est.total <= avail:
         return
     parts = {"workflow.inputs_per_step": est.samples, "rollout.max_batch": est.replicas,

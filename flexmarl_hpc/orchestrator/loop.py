@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from flexmarl_hpc.clock import REAL, Clock
 from flexmarl_hpc.config.layout import RankLayout
 from flexmarl_hpc.config.resources import swap_peers, trainer_groups
 from flexmarl_hpc.config.schema import Config
@@ -132,13 +133,16 @@ def booked(activity: str):
 
 class Orchestrator(WorkerFailures):
     def __init__(self, cfg: Config, task: Task, transport: Transport, layout: RankLayout,
-                 store: StoreFile, preempted=lambda: False, log=print, tools=None):
+                 store: StoreFile, preempted=lambda: False, log=print, tools=None, clock: Clock = REAL):
         """`tools`: where episodes' tool calls run (tools/remote.py's RemotePool on the
-        layout's tool ranks); None: a process pool on this node."""
+        layout's tool ranks); None: a process pool on this node. `clock`: the run's (the
+        transport's: a simulation's is sim.transport.SimTransport.clock), the store's too."""
+        if store.clock is not clock:
+            raise ValueError(f"{store.path}: the store reads another clock than the orchestrator")
         self.cfg, self.task, self.transport, self.layout = cfg, task, transport, layout
         self.store, self.preempted, self.log = store, preempted, log
-        self.clock = BusyClock()                 # rank 0's own time, a row of the timeline
-        self.deadlines = Deadlines(cfg.run.worker_timeout)
+        self.clock = BusyClock(clock)            # rank 0's own time, a row of the timeline
+        self.deadlines = Deadlines(cfg.run.worker_timeout, clock)
         self.watchdog = Watchdog(cfg.run.worker_timeout, self.reward_hung)
         self.exp = experience_for(cfg, WatchedTask(task, self.watchdog), store, tools)
         self.aborting = False

@@ -9,11 +9,11 @@ global steps, the run.loggers sinks, and when a checkpoint is due.
     for line in rec.log_steps(done): log(line)       # every global step all agents finished
 
 The HDF5 store stays the source of truth: the sinks read the steps' rows back from it. Its
-clock is `time.time()` (sim.driver.sim_clock points this module at the simulated one).
+clock is the orchestrator's (`clock.source`, the run's flexmarl_hpc.clock.Clock: simulated
+in a simulation), as is the store's.
 """
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import Callable
 
@@ -37,10 +37,11 @@ class RunRecorder:
         self.sinks = open_sinks(cfg, store, first_step)     # run.loggers; HDF5 stays the source
         self.iv_rows: dict[str, list] = defaultdict(list)   # intervals not yet in the store
         self.window = defaultdict(float)    # busy seconds by activity since the last log line
-        self.t_last = time.time()
+        self.time = clock.source.time         # the run's clock: wall seconds, checkpoint timer
+        self.t_last = self.time()
         self.samples_since = 0
         self.tokens_since = 0
-        self.ckpt_time = {agent: time.time() for agent in self.agents}   # run.checkpoint_minutes
+        self.ckpt_time = {agent: self.time() for agent in self.agents}   # run.checkpoint_minutes
         self.step_summary: dict[tuple, object] = {}     # per (agent, step): reward, staleness
         self.tis: dict[tuple, float] = {}               # per (agent, step): mean importance weight
         self.stepped: list[tuple] = []                  # finished steps not yet in /steps
@@ -103,7 +104,7 @@ class RunRecorder:
             self.store.flush(full=False)
         due = [agent for agent, version, *_ in done if checkpoints and self.checkpoint_due(agent, version)]
         for agent in due:
-            self.ckpt_time[agent] = time.time()
+            self.ckpt_time[agent] = self.time()
         return due
 
     def append_step(self, agent: str, version: int, stats: dict, nodes: list, reward: float,
@@ -128,7 +129,7 @@ class RunRecorder:
         if version >= run.steps:
             return False
         by_steps = run.checkpoint_every > 0 and version % run.checkpoint_every == 0
-        by_time = 0 < run.checkpoint_minutes * 60 <= time.time() - self.ckpt_time[agent]
+        by_time = 0 < run.checkpoint_minutes * 60 <= self.time() - self.ckpt_time[agent]
         return by_steps or by_time
 
     # -- global steps: /metrics, sinks, log lines ------------------------------------------
@@ -140,7 +141,7 @@ class RunRecorder:
         while self.logged_step < done:
             step = self.logged_step
             self.logged_step += 1
-            now = time.time()
+            now = self.time()
             wall = max(now - self.t_last, 1e-9)
             info = {agent: self.step_info(agent, step) for agent in self.agents}
             tis = self.tis_text(step)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from flexmarl_hpc.config.resources import steps_in_flight
+
 
 def allocate(backlog: dict[str, float], n: int) -> dict[str, int]:
     """Replicas per agent, proportional to backlog (largest remainder).
@@ -216,14 +218,15 @@ class Scheduler:
     def may_admit(self, step: int, versions: dict[str, int], synced: bool) -> bool:
         """May the roots of `step` be created? sync: only once every agent is at `step`
         and the replicas hold it. flex: once some agent may sample it (within
-        max_staleness of its version), at most one step ahead of the slowest agent's
-        window. An agent that finished its step samples its part of the next one while a
+        max_staleness of its version), inside the window of steps in flight from the slowest
+        agent's step (config.resources.steps_in_flight: one step beyond that agent's
+        staleness). An agent that finished its step samples its part of the next one while a
         slower agent still trains; may_generate keeps each request at its own agent's
         version, so the samples (and the weights) are the same as without the lookahead."""
         if self.mode == "sync":
             return all(v == step for v in versions.values()) and synced
         return step <= max(versions.values()) + self.max_staleness and \
-            step <= min(versions.values()) + self.max_staleness + 1
+            step < min(versions.values()) + steps_in_flight(self.max_staleness)
 
     def may_generate(self, step: int, version: int, prev_turn_left: int) -> bool:
         """May a request of `step` be sampled with weights of `version`? (sync also waits for

@@ -7,9 +7,9 @@ rank, in whose environment importing mpi4py aborts the process (PMI_Init, exit 1
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
+from flexmarl_hpc.clock import REAL
 from flexmarl_hpc.runtime.doorbell import GRACE_S, SAFETY_S, Doorbell
 
 MIN_SLEEP, MAX_SLEEP = 2e-5, 5e-4
@@ -20,7 +20,7 @@ class Backoff:
         self.delay = MIN_SLEEP
 
     def sleep(self) -> None:
-        time.sleep(self.delay)
+        REAL.sleep(self.delay)
         self.delay = min(self.delay * 2, MAX_SLEEP)
 
 
@@ -29,14 +29,14 @@ def until(ready: Callable[[], bool], timeout: float | None = None, bell: Doorbel
     """Return once `ready()`; between looks, sleep in `bell` (woken by a ring, then poll for
     its GRACE_S) or, without one, with back-off. TimeoutError after `timeout` seconds."""
     b = Backoff()
-    t0 = time.monotonic()
+    t0 = REAL.monotonic()
     woke = -float("inf")
     while not ready():
-        now = time.monotonic()
+        now = REAL.monotonic()
         if timeout is not None and now - t0 > timeout:
             raise TimeoutError(f"{what} in {timeout} s")
         if bell is not None and now - woke >= GRACE_S and (may_sleep is None or may_sleep()):
             if bell.sleep(SAFETY_S if timeout is None else min(SAFETY_S, t0 + timeout - now)):
-                woke, b = time.monotonic(), Backoff()     # rung: the message is on its way
+                woke, b = REAL.monotonic(), Backoff()     # rung: the message is on its way
         else:
             b.sleep()

@@ -12,11 +12,11 @@ Communicators are always passed in.
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any, Callable
 
 from mpi4py import MPI
 
+from flexmarl_hpc.clock import REAL
 from flexmarl_hpc.runtime import requeue
 from flexmarl_hpc.runtime.backoff import Backoff, until  # noqa: F401 (comm.until, comm.Backoff)
 from flexmarl_hpc.runtime.doorbell import Doorbell
@@ -44,7 +44,7 @@ def abort(comm: MPI.Comm, code: int) -> None:
         requeue.mark("a rank ended the job with the requeue code")
     sys.stdout.flush()
     sys.stderr.flush()
-    time.sleep(ABORT_GRACE_S)
+    REAL.sleep(ABORT_GRACE_S)
     comm.Abort(code)
 
 

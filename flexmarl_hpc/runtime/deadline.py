@@ -23,11 +23,11 @@ wait with `wait_works` / `wait_blocking` and must not load MPI (docs/backends.md
 from __future__ import annotations
 
 import datetime
-import time
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
+from flexmarl_hpc.clock import REAL
 from flexmarl_hpc.runtime.backoff import until
 
 if TYPE_CHECKING:
@@ -48,16 +48,16 @@ class Deadline:
 
     def __init__(self, timeout_s: float, what: str = "collective") -> None:
         self.timeout_s, self.what = float(timeout_s), what
-        self.start = time.monotonic()
+        self.start = REAL.monotonic()
 
     def left(self) -> float | None:
         """Seconds until the deadline (at least 0), or None without one."""
         if self.timeout_s <= 0:
             return None
-        return max(self.start + self.timeout_s - time.monotonic(), 0.0)
+        return max(self.start + self.timeout_s - REAL.monotonic(), 0.0)
 
     def expired(self, phase: str) -> CollectiveTimeout:
-        return CollectiveTimeout(self.what, phase, self.timeout_s, time.monotonic() - self.start)
+        return CollectiveTimeout(self.what, phase, self.timeout_s, REAL.monotonic() - self.start)
 
 
 def wait_until(ready: Callable[[], bool], dl: Deadline, phase: str) -> None:

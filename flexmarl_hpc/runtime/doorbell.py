@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import selectors
 import socket
-import time
 from typing import TYPE_CHECKING
+
+from flexmarl_hpc.clock import REAL
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -135,9 +136,9 @@ def connect_star(world: MPI.Comm, root: int = 0) -> dict[int, socket.socket] | N
             ok = 0
     else:
         server.settimeout(CONNECT_TIMEOUT_S)
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        deadline = REAL.monotonic() + CONNECT_TIMEOUT_S
         try:
-            while len(peers) < size - 1 and time.monotonic() < deadline:
+            while len(peers) < size - 1 and REAL.monotonic() < deadline:
                 s, _ = server.accept()
                 s.settimeout(CONNECT_TIMEOUT_S)
                 peers[int.from_bytes(_recv_exact(s, 4), "little")] = s

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+
+from flexmarl_hpc.clock import REAL
 
 _SPEC = os.environ.get("FLEXMARL_FAULT", "")
 _seen: dict[str, int] = {}
@@ -35,7 +36,7 @@ def _hit(point: str, before=None) -> None:
         if before is not None:                    # the state a kill mid-write leaves (store_torn)
             before()
         while "stall" in how:                     # hung: no CPU, never back
-            time.sleep(3600)
+            REAL.sleep(3600)
         os.kill(os.getpid(), signal.SIGKILL)      # no handler, no cleanup: a node failure
 
 

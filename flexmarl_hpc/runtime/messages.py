@@ -41,7 +41,7 @@ class WorkerLost(Exception):
 
 
 Interval = tuple[str, str, float, float]
-"""(activity, agent, t0, t1): wall-clock seconds (time.time()) a worker spent on one thing;
+"""(activity, agent, t0, t1): seconds since the epoch on the run's clock (WorkerClock's) a worker spent on one thing;
 "wait" for gaps."""
 
 Request = tuple

@@ -7,15 +7,19 @@
 orchestrator is a row of the timeline like every other rank. Activities nest (a store
 write inside `handle`): the inner one is cut out of the outer, so intervals never overlap.
 
+Each takes the run's clock (flexmarl_hpc.clock: the machine's in a job, the simulated one in
+a simulation), except `Watchdog`, which guards this process against a real hang.
+
 `Deadlines` knows, per worker rank, the commands sent and not yet answered. Workers run
 their commands in arrival order, so only the oldest one of a rank is running: its clock
 starts when it was sent or when the rank answered the one before, whichever is later.
 """
 from __future__ import annotations
 
-import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
+
+from flexmarl_hpc.clock import REAL, Clock
 
 
 class WorkerClock:
@@ -23,12 +27,16 @@ class WorkerClock:
     runs, the gaps between them booked as 'wait'; they travel to the orchestrator with each reply.
     Flat, unlike BusyClock: a worker does one command at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = REAL) -> None:
         self.items: list[tuple[str, str, float, float]] = []
-        self.last = time.time()
+        self.source = clock
+        self.last = clock.time()
+
+    def now(self) -> float:
+        return self.source.time()
 
     def mark(self, activity: str, agent: str, t0: float) -> None:
-        t1 = time.time()
+        t1 = self.source.time()
         # a gap is waiting (for the next command); one under 0.1 ms is not worth a row: a
         # coarser cut leaves back-to-back micro-batches' gaps unbooked
         if t0 - self.last > 1e-4:
@@ -39,7 +47,7 @@ class WorkerClock:
     def waited(self, t0: float) -> float:
         """Book everything since the last activity as waiting (for the command that arrived at
         t0, then for the other members of a collective); returns now."""
-        now = time.time()
+        now = self.source.time()
         self.items.append(("wait", "", min(self.last, t0), now))
         self.last = now
         return now
@@ -52,21 +60,22 @@ class WorkerClock:
 class BusyClock:
     """The orchestrator's clock: `with clock("handle"):` books nested activities (see above)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = REAL) -> None:
         self.items: list[tuple[str, str, float, float]] = []
         self.busy: dict[str, float] = defaultdict(float)     # seconds by activity, since reset
         self.stack: list[str] = []
-        self.t = time.time()
+        self.source = clock
+        self.t = clock.time()
 
     @contextmanager
     def __call__(self, activity: str):
-        now = time.time()
+        now = self.source.time()
         self._book(self.stack[-1] if self.stack else "wait", now)
         self.stack.append(activity)
         try:
             yield
         finally:
-            self._book(self.stack.pop(), time.time())
+            self._book(self.stack.pop(), self.source.time())
 
     def _book(self, activity: str, now: float) -> None:
         start, self.t = self.t, now
@@ -92,22 +101,22 @@ class BusyClock:
 
 
 class Deadlines:
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
+    def __init__(self, timeout: float, clock: Clock = REAL) -> None:
+        self.timeout, self.clock = timeout, clock
         self.asked: dict[int, deque[str]] = defaultdict(deque)
         self.since: dict[int, float] = {}
 
     def sent(self, rank: int, what: str) -> None:
         q = self.asked[rank]
         if not q:
-            self.since[rank] = time.monotonic()
+            self.since[rank] = self.clock.monotonic()
         q.append(what)
 
     def answered(self, rank: int) -> None:
         q = self.asked.get(rank)
         if q:
             q.popleft()
-            self.since[rank] = time.monotonic()
+            self.since[rank] = self.clock.monotonic()
 
     def forget(self, rank: int) -> None:
         """Stop timing a rank already reported as hung."""
@@ -121,11 +130,11 @@ class Deadlines:
     def next_deadline(self) -> float | None:
         """Seconds until the first running command is overdue (None: nothing outstanding)."""
         starts = [self.since[r] for r, q in self.asked.items() if q]
-        return None if not starts else max(min(starts) + self.timeout - time.monotonic(), 0.0)
+        return None if not starts else max(min(starts) + self.timeout - self.clock.monotonic(), 0.0)
 
     def overdue(self) -> tuple[int, str, float] | None:
         """(rank, command, seconds) of the longest-running command past the timeout."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         late = [(now - self.since[r], r, q[0]) for r, q in self.asked.items()
                 if q and now - self.since[r] > self.timeout]
         if not late:
@@ -137,11 +146,13 @@ class Deadlines:
 class Watchdog:
     """Bounds a call that runs on rank 0 itself (a reward function): a thread that wakes at
     most once a second (never a spin) and calls `on_hang(what, seconds)` once a call has run
-    for longer than `timeout`. `on_hang` runs on that thread and must end the process."""
+    for longer than `timeout`. `on_hang` runs on that thread and must end the process.
+    On the machine's clock in a simulation too: a reward function that hangs hangs this
+    process, and simulated time stands still while it runs."""
 
     def __init__(self, timeout: float, on_hang) -> None:
         import threading
-        self.timeout, self.on_hang = timeout, on_hang
+        self.timeout, self.on_hang, self.clock = timeout, on_hang, REAL
         self.current: tuple[str, float] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="watchdog", daemon=True)
@@ -150,8 +161,8 @@ class Watchdog:
     def _loop(self) -> None:
         while not self._stop.wait(min(self.timeout / 4, 1.0)):
             cur = self.current
-            if cur is not None and time.monotonic() - cur[1] > self.timeout:
-                self.on_hang(cur[0], time.monotonic() - cur[1])
+            if cur is not None and self.clock.monotonic() - cur[1] > self.timeout:
+                self.on_hang(cur[0], self.clock.monotonic() - cur[1])
                 return
 
     def close(self) -> None:
@@ -168,14 +179,14 @@ class WatchedTask:
         return getattr(self._task, name)
 
     def reward(self, path):
-        self._watchdog.current = ("a reward call", time.monotonic())
+        self._watchdog.current = ("a reward call", self._watchdog.clock.monotonic())
         try:
             return self._task.reward(path)
         finally:
             self._watchdog.current = None
 
     def eval_metrics(self, path):
-        self._watchdog.current = ("an eval_metrics call", time.monotonic())
+        self._watchdog.current = ("an eval_metrics call", self._watchdog.clock.monotonic())
         try:
             return self._task.eval_metrics(path)
         finally:

@@ -9,12 +9,12 @@ leaders keep their communicator for collectives (weight broadcasts, group comman
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Callable, Iterable, Protocol
 
 from mpi4py import MPI
 
+from flexmarl_hpc.clock import REAL
 from flexmarl_hpc.runtime.comm import TAG_CMD, TAG_REPLY, abort, poll, recv, recv_from, wait, waitall
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.doorbell import Doorbell
@@ -70,16 +70,16 @@ class MpiTransport:
             return self._receive(timeout)
         # in slices: between them, a worker that has ended is reported. Only when nothing
         # arrived for a slice, so a worker's last replies (its Stopped) are read before its end
-        end = None if timeout is None else time.monotonic() + timeout
+        end = None if timeout is None else REAL.monotonic() + timeout
         while True:
-            left = None if end is None else max(end - time.monotonic(), 0.0)
+            left = None if end is None else max(end - REAL.monotonic(), 0.0)
             try:
                 return self._receive(LIVENESS_CHECK_S if left is None else min(left, LIVENESS_CHECK_S))
             except TimeoutError:
                 lost = self.live.take_lost()
                 if lost is not None:
                     raise WorkerLost(lost) from None
-                if end is not None and time.monotonic() >= end:
+                if end is not None and REAL.monotonic() >= end:
                     raise
 
     def _receive(self, timeout: float | None) -> tuple[int, messages.Reply]:
@@ -164,7 +164,7 @@ class FakeTransport:
             return self.queue.popleft()
         if timeout is None:
             raise RuntimeError("the orchestrator waits for a reply with no command outstanding")
-        time.sleep(timeout)
+        REAL.sleep(timeout)
         raise TimeoutError(f"no reply in {timeout} s")
 
     def poll(self) -> tuple[int, messages.Reply] | None:

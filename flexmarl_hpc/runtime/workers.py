@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,7 +47,7 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
     failed: set[str] = set()                 # agents whose sync this replica gave up on
     while True:
         cmd = recv_command(world, orch, bell)
-        t0 = time.time()
+        t0 = clock.now()
         if isinstance(cmd, messages.Generate) and cmd.agent in failed:
             continue      # queued behind that sync; the orchestrator is ending the job (SyncTimedOut)
         if isinstance(cmd, messages.Generate):
@@ -221,7 +220,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
     while True:
         cmd = recv_command(world, orch, bell) if rank.leader else None
         cmd = comm.bcast_obj(group, cmd, 0)
-        t0 = time.time()
+        t0 = rank.clock.now()
         if isinstance(cmd, messages.Stop):
             if live is not None:
                 live.disarm()

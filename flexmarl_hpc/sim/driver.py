@@ -16,18 +16,18 @@ reward runs on real text: for a random synthetic policy it is a random reward), 
 compute is skipped; its time is that of micro-batches of modelled tokens (each row the
 prompt plus the distribution's mean length: a micro-batch of 16 averages the tail).
 
-Clock: everything the orchestrator timestamps (its busy intervals schedule/handle/store/log,
-/metrics t, /steps, the store's elapsed time) reads the simulated clock (`sim_clock`), so the
-HDF5 file is one coherent simulated timeline. The orchestrator's own work costs the
-profile's modelled seconds (per reply, per optimizer step, per message byte), or its real
-compute when `charge_orchestrator` adds it to the clock (the capacity measurement does).
-Weight syncs are flows on the profile's fabric (sim.placement), except on shared cores (one
-machine). Hang detection (time.monotonic) stays on the real clock.
+Clock: the store and the orchestrator are built with the transport's simulated clock
+(`SimTransport.clock`, a flexmarl_hpc.clock.SimulatedClock), so everything they timestamp (its
+busy intervals schedule/handle/store/log, /metrics t, /steps, the store's elapsed time) and
+the command deadlines are simulated time: the HDF5 file is one coherent simulated timeline.
+The orchestrator's own work costs the profile's modelled seconds (per reply, per optimizer
+step, per message byte), or its real compute when `charge_orchestrator` adds it to the clock
+(the capacity measurement does). Weight syncs are flows on the profile's fabric
+(sim.placement), except on shared cores (one machine). The reward watchdog
+(runtime.timing.Watchdog) stays on the real clock: a hung reward function hangs this process.
 """
 from __future__ import annotations
 
-import contextlib
-import time
 import types
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -142,30 +142,6 @@ class ModelledCost:
         return self.cost.state_bytes(agent)
 
 
-@contextlib.contextmanager
-def sim_clock(sim: SimTransport):
-    """The run recorder's, the store's and BusyClock's time.time() read `sim.now` meanwhile (the
-    orchestrator's other modules take their time from the store: `store.now()`)."""
-    from flexmarl_hpc.orchestrator import recorder
-    from flexmarl_hpc.store import tables as store
-    from flexmarl_hpc.runtime import timing
-    fake = types.SimpleNamespace(time=lambda: sim.now, monotonic=time.monotonic,
-                                 perf_counter=time.perf_counter, sleep=_no_sleep)
-    mods = (recorder, store, timing)
-    saved = [m.time for m in mods]
-    for m in mods:
-        m.time = fake
-    try:
-        yield
-    finally:
-        for m, t in zip(mods, saved):
-            m.time = t
-
-
-def _no_sleep(secs: float) -> None:
-    raise RuntimeError("simulation: something tried to sleep on the simulated clock")
-
-
 WORKERS = ("synthetic", "real")
 """The kinds of simulated workers (`simulate --workers`)."""
 REAL_WORKERS_MAX_PARAMS = 2_000_000_000
@@ -208,18 +184,13 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{cfg.run.name}.h5"
     path.unlink(missing_ok=True)
-    store = StoreFile(path, cfg.agent_names,
-                      {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False), "mode": cfg.run.mode,
-                       "world_size": layout.world_size, "simulated": True, "hardware": hardware,
-                       "sim_workers": workers},
-                      chunk=cfg.store.chunk_rows)
     hw = getattr(cost, "hw", None)                  # a CostModel's profile
     eff = getattr(hw, "efficiency", None)
     if work is not None:
         cost = ModelledCost(cost, work)
     if wrap is not None:                            # a baseline's own costs (sim.baselines.Colocated)
         cost = wrap(cost)
-    sim = SimTransport(layout, cost, content, t0=store.t0,
+    sim = SimTransport(layout, cost, content,
                        charge_orchestrator=charge_orchestrator,
                        orchestrator_s=eff.orchestrator_s if eff else 0.0,
                        orchestrator_step_s=eff.orchestrator_step_s if eff else 0.0,
@@ -231,9 +202,13 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        # a fabric for the syncs where there is one: not on shared cores (one machine)
                        network=(sync_network(cfg, layout, hw, colocate) if eff and not eff.shared_cores else None),
                        perturb=Perturber(perturb, layout.world_size) if perturb and perturb.active else None)
+    store = StoreFile(path, cfg.agent_names,
+                      {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False), "mode": cfg.run.mode,
+                       "world_size": layout.world_size, "simulated": True, "hardware": hardware,
+                       "sim_workers": workers},
+                      chunk=cfg.store.chunk_rows, clock=sim.clock)
     try:
-        with sim_clock(sim):
-            code = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None).run()
+        code = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None, clock=sim.clock).run()
     finally:
         store.close()
     if code != 0:

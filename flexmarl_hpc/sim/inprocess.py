@@ -13,6 +13,7 @@ from mpi4py import MPI
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.build import build_engine, build_trainer
 from flexmarl_hpc.store.checkpoint import save_checkpoint
+from flexmarl_hpc.config.resources import steps_in_flight
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.rollout.base import GenRequest
 from flexmarl_hpc.learn.sampling import SamplingParams
@@ -29,7 +30,7 @@ class InProcessWorkers:
         self.engine = build_engine(cfg, task)
         self.trainers = {agent: build_trainer(cfg, task, agent, MPI.COMM_SELF) for agent in cfg.agent_names}
         self.params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
-        self.keep = cfg.pipeline.max_staleness + 1      # versions a request may still ask for
+        self.window = steps_in_flight(cfg.pipeline.max_staleness)   # versions a request may still ask for
         self.ckpt_dir, self.keep_ckpt = cfg.output_dir / "checkpoints", cfg.run.keep_checkpoints
         self.published: dict[tuple[str, int], dict] = {}
         self.acc: dict[str, dict[str, float]] = {}
@@ -47,7 +48,8 @@ class InProcessWorkers:
         # a copy: the trainer's parameters change under it before a replica loads them
         self.published[cmd.agent, cmd.version] = {k: v.detach().clone()
                                                   for k, v in tr.named_weights().items()}
-        for key in [k for k in self.published if k[0] == cmd.agent and k[1] < cmd.version - self.keep]:
+        old = cmd.version - self.window               # the newest `window` versions stay
+        for key in [k for k in self.published if k[0] == cmd.agent and k[1] <= old]:
             del self.published[key]
 
     def train(self, cmd: messages.Train) -> dict[str, float]:

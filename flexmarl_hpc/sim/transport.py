@@ -34,6 +34,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from flexmarl_hpc.clock import SimulatedClock
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.config.layout import ROLLOUT, RankLayout
 from flexmarl_hpc.sim.cores import CoreShare, Job
@@ -152,7 +153,7 @@ class _Meeting:
 
 class SimTransport:
     """The orchestrator's Transport, on a simulated clock (`now`, seconds since the epoch
-    like time.time(), starting at `t0`)."""
+    like time.time(), starting at `t0`; `clock` reads it, for the run's other parts)."""
 
     def __init__(self, layout: RankLayout, cost: CostModel, workers, t0: float | None = None,
                  charge_orchestrator: bool = False, orchestrator_s: float = 0.0,
@@ -161,6 +162,7 @@ class SimTransport:
                  network=None, perturb=None, orchestrator_byte_s: float = 0.0) -> None:
         self.layout, self.cost, self.workers = layout, cost, workers
         self.now = time.time() if t0 is None else t0
+        self.clock = SimulatedClock(self)            # the run's clock: pass it to StoreFile and Orchestrator
         self.free_at: dict[int, float] = {}          # worker rank -> end of its last command
         self.events: list[tuple[float, int, int, messages.Reply]] = []     # (t, seq, src, reply)
         self.seq = 0

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
+
+from flexmarl_hpc.clock import REAL
 
 FLETCHER32 = h5py.h5z.FILTER_FLETCHER32
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -270,7 +271,7 @@ def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None = None,
             if _chunk_ok(info, size, fd):
                 break
             if attempt < retries:
-                time.sleep(0.05 * (attempt + 1))       # the writer may be rewriting it: look again
+                REAL.sleep(0.05 * (attempt + 1))       # the writer may be rewriting it: look again
                 info = _lookup(ds, lo)
         else:
             off = -1 if info is None or info.byte_offset is None else int(info.byte_offset)

@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from flexmarl_hpc.clock import REAL
 from flexmarl_hpc.config.schema import ConfigError
 
 LOCK_NAME = ".lock"
@@ -56,7 +57,7 @@ class Holder:
     @staticmethod
     def me() -> "Holder":
         return Holder(socket.gethostname(), os.getpid(), os.environ.get("SLURM_JOB_ID", ""),
-                      datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                      datetime.fromtimestamp(REAL.time(), timezone.utc).isoformat(timespec="seconds"))
 
     def describe(self) -> str:
         return (f"host {self.host}, PID {self.pid}, Slurm job {self.job or 'none'}, "

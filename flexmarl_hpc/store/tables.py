@@ -16,7 +16,6 @@ open-for-write flags (`store.repair`).
 """
 from __future__ import annotations
 
-import time
 from functools import partial
 from operator import attrgetter
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from flexmarl_hpc.clock import REAL, Clock
 from flexmarl_hpc.runtime import faults
 from flexmarl_hpc.store.checksum import CRC_DTYPE, verify_path
 from flexmarl_hpc.store.repair import clear_open_flags
@@ -70,24 +70,25 @@ def open_for_write(path: Path, wait_s: float | None = None) -> h5py.File:
     refused at once (errno 11). A requeued job whose store a `status --follow` was reading
     at that moment failed (tests/slurm/test_status.py). After `wait_s`: a StoreError."""
     wait_s = OPEN_WAIT_S if wait_s is None else wait_s
-    end = time.monotonic() + wait_s
+    end = REAL.monotonic() + wait_s          # another process's lock: real time, simulated run or not
     while True:
         try:
             return h5py.File(path, "a", libver="latest")
         except BlockingIOError:
-            if time.monotonic() >= end:
+            if REAL.monotonic() >= end:
                 raise StoreError(f"{path}: another process has had the store open for {wait_s:g} s "
                                  "(its HDF5 file lock refuses this writer); close it (an h5py "
                                  "session reading it?) and run the same command again") from None
-            time.sleep(0.05)
+            REAL.sleep(0.05)
 
 
 class StoreFile:
     """The run's HDF5 file: creates it, or re-opens it for a resume (repairing what an
-    unclean exit left), buffers writes and commits them in `flush()`."""
+    unclean exit left), buffers writes and commits them in `flush()`. `clock`: the run's
+    (flexmarl_hpc.clock): its creation time, t0, and `now()`, the time every row is stamped with."""
 
-    def __init__(self, path: Path, agents: list[str], attrs: dict, chunk: int = 1024):
-        self.path = Path(path)
+    def __init__(self, path: Path, agents: list[str], attrs: dict, chunk: int = 1024, clock: Clock = REAL):
+        self.path, self.clock = Path(path), clock
         self.agents = list(agents)
         fresh = not self.path.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +100,7 @@ class StoreFile:
         self.f = open_for_write(self.path)
         if fresh:
             self.f.attrs.update({"schema_version": SCHEMA_VERSION, "program": "flexmarl_hpc",
-                                 "created": time.time(), "t0": time.time(), "agents": self.agents,
+                                 "created": clock.time(), "t0": clock.time(), "agents": self.agents,
                                  **attrs})
         else:
             check_file(self.f, self.path)
@@ -286,7 +287,7 @@ class StoreFile:
         return self.agents.index(agent)
 
     def now(self) -> float:
-        return time.time() - self.t0
+        return self.clock.time() - self.t0
 
     def flush(self, full: bool = True) -> None:
         """Write every buffered row and patch, then commit: data first, then /commit, each

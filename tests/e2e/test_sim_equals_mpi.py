@@ -28,11 +28,10 @@ TINY = ("run.steps=4", "workflow.inputs_per_step=2", "trainer.micro_batch_size=8
 def simulate(out, *overrides):
     cfg = load_config(str(ROOT / "configs/local.yaml"), [f"run.output_dir={out}", *overrides])
     task, layout = build_task(cfg), layout_from_config(cfg)
-    store = StoreFile(out / f"{cfg.run.name}.h5", cfg.agent_names, {})
-    sim = SimTransport(layout, ConstantCost(generate=1.0, train=0.3, sync=0.1), InProcessWorkers(cfg, task),
-                       t0=store.t0)
+    sim = SimTransport(layout, ConstantCost(generate=1.0, train=0.3, sync=0.1), InProcessWorkers(cfg, task))
+    store = StoreFile(out / f"{cfg.run.name}.h5", cfg.agent_names, {}, clock=sim.clock)
     try:
-        assert Orchestrator(cfg, task, sim, layout, store, log=lambda line: None).run() == 0
+        assert Orchestrator(cfg, task, sim, layout, store, log=lambda line: None, clock=sim.clock).run() == 0
     finally:
         store.close()
 

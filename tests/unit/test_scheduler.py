@@ -249,3 +249,29 @@ def test_a_parked_agent_with_backlog_is_not_starved():
     agent trains all its 10 steps."""
     ver, t = _shared_group_run(Scheduler(["a", "b", "c"], 3, "flex", threshold=0.2, cooldown=2), 2000)
     assert ver == {"a": 10, "b": 10, "c": 10} and t < 2000
+
+
+def test_the_window_of_steps_in_flight_is_the_schedulers_admission():
+    """config.resources.steps_in_flight is what may_admit admits at most beyond the slowest
+    agent's step (over every spread of two agents' versions), and what preflight sizes the
+    samples' memory by (the simulator's kept weights read it too: sim/inprocess.py)."""
+    from itertools import product
+    from types import SimpleNamespace
+
+    from flexmarl_hpc.config.load import load_config, to_dict
+    from flexmarl_hpc.config.resources import steps_in_flight
+    from flexmarl_hpc.launch.preflight import estimate_memory
+    from tests.conftest import ROOT
+    for s in range(4):
+        sched = Scheduler(["a", "b"], 2, "flex", max_staleness=s)
+        widest = 0
+        for va, vb in product(range(10), repeat=2):
+            low = min(va, vb)
+            admitted = [t for t in range(low, 30) if sched.may_admit(t, {"a": va, "b": vb}, synced=True)]
+            assert admitted == list(range(low, low + len(admitted))), (s, va, vb)
+            widest = max(widest, len(admitted))
+        assert widest == steps_in_flight(s)
+    cfg = {s: load_config(ROOT / "configs/local.yaml", [f"pipeline.max_staleness={s}"]) for s in (0, 2)}
+    models = {a: SimpleNamespace(**to_dict(cfg[0].model_for(a)), vocab_size=64) for a in cfg[0].agent_names}
+    samples = {s: estimate_memory(c, models).samples for s, c in cfg.items()}
+    assert samples[2] * steps_in_flight(0) == samples[0] * steps_in_flight(2)

@@ -24,9 +24,9 @@ def simulate(tmp_path, cost, *overrides, charge=False):
                        "workflow.inputs_per_step=2", "trainer.micro_batch_size=8", "run.eval_every=0",
                        *overrides])
     task, layout = build_task(cfg), layout_from_config(cfg)
-    store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})
-    sim = SimTransport(layout, cost, SyntheticWorkers(task), t0=store.t0, charge_orchestrator=charge)
-    orch = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None)
+    sim = SimTransport(layout, cost, SyntheticWorkers(task), charge_orchestrator=charge)
+    store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {}, clock=sim.clock)
+    orch = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None, clock=sim.clock)
     try:
         assert orch.run() == 0
         iv = store.intervals.read()
@@ -54,8 +54,12 @@ def test_flex_overlaps_what_sync_serializes(tmp_path):
 def test_zero_cost_workers_leave_only_the_orchestrators_own_time(tmp_path):
     """Free workers: the simulated run takes no time, unless the orchestrator's real
     compute is charged to the clock (how its own limit is measured)."""
-    assert simulate(tmp_path / "free", ConstantCost())[0] == 0.0
-    assert simulate(tmp_path / "charged", ConstantCost(), charge=True)[0] > 0.0
+    free, iv = simulate(tmp_path / "free", ConstantCost())
+    # the orchestrator's own row is on the simulated clock too: no time passed, nothing booked
+    assert free == 0.0 and not np.any(iv["rank"] == 0)
+    charged, iv = simulate(tmp_path / "charged", ConstantCost(), charge=True)
+    rank0 = iv[iv["rank"] == 0]
+    assert charged > 0.0 and len(rank0) and rank0["t1"].max() <= charged
 
 
 def test_every_rank_reports_simulated_intervals_that_never_overlap(tmp_path):
@@ -63,7 +67,7 @@ def test_every_rank_reports_simulated_intervals_that_never_overlap(tmp_path):
                      "trainer.ranks_per_group=2")
     ranks = set(iv["rank"].tolist())
     assert ranks >= {1, 2, 3, 4, 5}, "a trainer group member reported nothing"
-    for r in ranks - {0}:              # rank 0's own intervals are real time
+    for r in ranks:                    # rank 0's own too: on the simulated clock like the rest
         mine = iv[iv["rank"] == r]
         t0, t1 = np.sort(mine["t0"]), mine["t1"][np.argsort(mine["t0"])]
         assert (t1 >= t0).all() and (t0[1:] >= t1[:-1] - 1e-9).all(), f"rank {r} overlaps itself"
