@@ -1,0 +1,72 @@
+"""End to end: a writer + critic written only against the official `openai` client
+(flexmarl_hpc/workflows/openai_writer_critic.py, unchanged) trained by the real MPI job on a
+tiny random chat model through the per-episode OpenAI-compatible endpoint (workflow.agent):
+every completion is a sample of the agent named as the model, trained exactly once; the
+text the program got is the decoding of the sampled ids; and a writer's follow-up request
+(its draft sent back with the critic's note) reuses its earlier prompt and sampled ids
+token for token."""
+from __future__ import annotations
+
+import json
+import sys
+
+import h5py
+import pytest
+
+from tests.conftest import ROOT, run_training
+from tests.helpers import check_exactly_once
+
+STEPS, N_IN, GROUP = 3, 2, 2
+
+
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_chat_model import make
+    d = tmp_path_factory.mktemp("openai")
+    model = make(d / "tiny-chat", hidden=32, layers=2, max_seq_len=512)
+    data = d / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i % 7}?", "answer": i + i % 7}) + "\n"
+                            for i in range(40)))
+    return model, data
+
+
+def test_an_unchanged_openai_program_trains_token_exact(tmp_path, mpiexec, chat_setup):
+    model, data = chat_setup
+    p = run_training(tmp_path, "run.name=oa", f"workflow.inputs_per_step={N_IN}", f"workflow.group_size={GROUP}",
+                     f"workflow.dataset.train={data}", f"model.checkpoint={model}", f"run.steps={STEPS}",
+                     "workflow.max_new_tokens=8", "tools.workers=2", config="configs/openai_writer_critic.yaml")
+    assert f"step    {STEPS}/{STEPS}" in p.stdout and "failed" not in p.stdout, p.stdout[-3000:]
+    check_exactly_once(tmp_path / "oa.h5", STEPS)
+    sys.path.insert(0, str(ROOT))
+    from flexmarl_hpc.workflows.chat import ChatTokenizer
+    tok = ChatTokenizer(model)
+    with h5py.File(tmp_path / "oa.h5", "r") as f:
+        rows = {a: f[f"samples/{a}"][:] for a in ("writer", "critic")}
+        toks = {a: f[f"tokens/{a}"][:]["token"] for a in ("writer", "critic")}
+    ids = lambda a, r, lo, hi: toks[a][r["token_offset"] + lo:r["token_offset"] + hi].tolist()
+    prompt = lambda a, r: ids(a, r, 0, r["prompt_len"])
+    response = lambda a, r: ids(a, r, r["prompt_len"], r["prompt_len"] + r["response_len"])
+    w, c = rows["writer"], rows["critic"]
+    assert len(w) >= STEPS * N_IN * GROUP and len(c) >= STEPS * N_IN * GROUP
+    grown = 0
+    for r in w:
+        key = (r["input_id"], r["traj"], r["turn"])
+        # the critic's prompt holds the text the program got: the writer's sampled ids, decoded
+        critic = c[(c["input_id"] == key[0]) & (c["traj"] == key[1]) & (c["turn"] == key[2])]
+        body = [i for i in response("writer", r) if i not in tok.stop_ids]
+        assert len(critic) == 1 and f"Answer: {tok.decode(body, skip_special_tokens=False)}\n" in \
+            tok.decode(prompt("critic", critic[0]), skip_special_tokens=False)
+        if r["turn"] == 0:
+            # the first request: exactly the chat template's rendering of the program's messages
+            q = tok.decode(prompt("writer", r), skip_special_tokens=False)
+            question = q.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+            assert prompt("writer", r) == tok.encode(tok.render(
+                [{"role": "system", "content": "Answer with the number only."}, {"role": "user", "content": question}]))
+        else:
+            # a follow-up extends the earlier call's prompt and sampled ids verbatim
+            first = w[(w["input_id"] == key[0]) & (w["traj"] == key[1]) & (w["turn"] == key[2] - 1)][0]
+            assert prompt("writer", r)[:first["prompt_len"] + first["response_len"]] == \
+                prompt("writer", first) + response("writer", first)
+            grown += 1
+    assert grown > 0, "no writer follow-up happened: the test checks nothing about reuse"
