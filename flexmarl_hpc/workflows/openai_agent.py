@@ -62,8 +62,14 @@ class Endpoint:
     transcript: list[dict] = field(default_factory=list)
     requests: int = 0
 
+    retokenized: int = 0
+    """Requests whose history holds an assistant message yet continues none of the agent's
+    conversations (the program edited or dropped a message): tokenised fresh."""
+
     async def complete(self, req: ChatRequest, request_id: str) -> dict | ApiError:
         self.requests += 1
+        fresh = self.edited(req)
+        self.retokenized += fresh
         try:
             replies = await asyncio.gather(*(self.ctx.chat(req.agent, req.messages, max_tokens=req.max_tokens,
                                                            temperature=req.temperature, top_p=req.top_p)
@@ -76,8 +82,15 @@ class Endpoint:
         for r in replies:
             text, stopped = cut_at_stop(r.text, req.stop)
             choices.append(Choice(text, "length" if r.truncated and not stopped else "stop", r.prompt_len, len(r.ids)))
-            self.transcript.append({"agent": req.agent, "call": r.call, "messages": req.messages, "reply": text})
+            self.transcript.append({"agent": req.agent, "call": r.call, "messages": req.messages, "reply": text,
+                                    "retokenized": fresh})
         return completion(request_id, req.agent, choices)
+
+    def edited(self, req: ChatRequest) -> bool:
+        """The request carries a history (an assistant message) that extends none of the
+        agent's idle conversations: its prompt is tokenised fresh, not from sampled ids."""
+        return any(m["role"] == "assistant" for m in req.messages) and \
+            not any(t.continued_by(req.messages) for t in self.ctx.threads.get(req.agent, ()))
 
 
 class Server:
