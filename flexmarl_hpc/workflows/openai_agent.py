@@ -42,6 +42,10 @@ class AgentProgramError(RuntimeError):
     """The user's program raised, crashed or returned no usable rewards (the episode fails)."""
 
 
+class WorkerTraceback(Exception):
+    """The traceback of the user's program in its worker process (the cause of an AgentProgramError)."""
+
+
 class AgentTimeout(RuntimeError):
     """The user's program ran past workflow.agent_timeout_s (its worker process is killed)."""
 
@@ -211,7 +215,10 @@ def _value(called, what: str):
     if called.outcome == "timeout":
         raise AgentTimeout(f"{what}: {called.error}")
     if called.outcome != "ok":
-        raise AgentProgramError(f"{what}: {called.outcome}: {called.error}")
+        # the worker's traceback rides as the cause: the /failures row and train.log show the
+        # line of the user's program that raised, not only this one
+        raise AgentProgramError(f"{what}: {called.outcome}: {called.error}") from \
+            (WorkerTraceback(called.traceback) if called.traceback else None)
     return called.value
 
 

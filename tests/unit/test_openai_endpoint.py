@@ -152,5 +152,17 @@ def test_an_async_program_with_a_reward_function_and_a_raising_program(pool):
     assert f.failure is None and f.rewards == {"critic": 0.75}, f.failure
     f, calls, _ = run_episode(pool, "raising_program")
     assert f.failure.kind == "AgentProgramError" and "KeyError" in f.failure.message and not calls
+    assert 'raise KeyError("answer")' in f.failure.traceback      # the program's own line
     f, _, _ = run_episode(pool, "async_program")           # returns None and no workflow.reward
     assert f.failure.kind == "AgentProgramError" and "workflow.reward" in f.failure.message
+
+
+def test_the_program_is_checked_before_launch_in_a_child():
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.workflows.episode_check import check_episode
+    check_episode("os.path:join", {}, field="workflow.agent")          # (a, *p): takes two arguments
+    with pytest.raises(ConfigError, match=r"^workflow.agent: 'json:dumps' is not a function taking "
+                                          r"\(base_url, example\)$"):
+        check_episode("json:dumps", {}, field="workflow.agent")
+    with pytest.raises(ConfigError, match=r"^workflow.reward: importing 'no_such_module' raised ModuleNotFoundError"):
+        check_episode("no_such_module:reward", {}, field="workflow.reward")
