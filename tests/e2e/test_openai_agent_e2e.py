@@ -1,22 +1,26 @@
 """End to end: a writer + critic written only against the official `openai` client
 (flexmarl_hpc/workflows/openai_writer_critic.py, unchanged) trained by the real MPI job on a
-tiny random chat model through the per-episode OpenAI-compatible endpoint (workflow.agent):
-every completion is a sample of the agent named as the model, trained exactly once; the
-text the program got is the decoding of the sampled ids; and a writer's follow-up request
-(its draft sent back with the critic's note) reuses its earlier prompt and sampled ids
-token for token."""
+tiny random chat model through the per-episode OpenAI-compatible endpoint (workflow.agent),
+SIGKILLed mid-run and resumed by the same command (one test, one pair of runs: the CI
+budget): every completion is a sample of the agent named as the model, trained exactly
+once across the kill; the text the program got is the decoding of the sampled ids; and a
+writer's follow-up request (its draft sent back with the critic's note) reuses its earlier
+prompt and sampled ids token for token."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import time
 
 import h5py
 import pytest
 
 from tests.conftest import ROOT, run_training
-from tests.helpers import check_exactly_once
+from tests.helpers import check_exactly_once, sigkill_tree
 
-STEPS, N_IN, GROUP = 3, 2, 2
+STEPS, N_IN, GROUP = 4, 2, 2
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +35,25 @@ def chat_setup(tmp_path_factory):
     return model, data
 
 
-def test_an_unchanged_openai_program_trains_token_exact(tmp_path, mpiexec, chat_setup):
+def test_an_unchanged_openai_program_trains_token_exact_once_across_a_kill(tmp_path, mpiexec, chat_setup):
     model, data = chat_setup
-    p = run_training(tmp_path, "run.name=oa", f"workflow.inputs_per_step={N_IN}", f"workflow.group_size={GROUP}",
-                     f"workflow.dataset.train={data}", f"model.checkpoint={model}", f"run.steps={STEPS}",
-                     "workflow.max_new_tokens=8", "tools.workers=2", config="configs/openai_writer_critic.yaml")
-    assert f"step    {STEPS}/{STEPS}" in p.stdout and "failed" not in p.stdout, p.stdout[-3000:]
+    over = ["run.name=oa", f"workflow.inputs_per_step={N_IN}", f"workflow.group_size={GROUP}",
+            f"workflow.dataset.train={data}", f"model.checkpoint={model}", f"run.steps={STEPS}",
+            "workflow.max_new_tokens=8", "tools.workers=2", "run.checkpoint_every=2"]
+    args = [sys.executable, "-m", "flexmarl_hpc.run", "configs/openai_writer_critic.yaml",
+            f"run.output_dir={tmp_path}", *over]
+    p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    log, t0 = tmp_path / "train.log", time.time()
+    while not log.exists() or f"step    2/{STEPS}" not in log.read_text():
+        assert time.time() - t0 < 300 and p.poll() is None, "run did not get to step 2"
+        time.sleep(0.05)
+    sigkill_tree(p)
+    with h5py.File(tmp_path / "oa.h5", "r", swmr=True) as f:
+        assert 0 < len(f["episodes"]) < STEPS * N_IN * GROUP
+    q = run_training(tmp_path, *over, config="configs/openai_writer_critic.yaml")
+    assert "resumed at versions" in q.stdout and f"step    {STEPS}/{STEPS}" in q.stdout, q.stdout[-3000:]
+    assert "failed" not in log.read_text(), log.read_text()[-3000:]
     check_exactly_once(tmp_path / "oa.h5", STEPS)
     sys.path.insert(0, str(ROOT))
     from flexmarl_hpc.workflows.chat import ChatTokenizer
@@ -44,6 +61,9 @@ def test_an_unchanged_openai_program_trains_token_exact(tmp_path, mpiexec, chat_
     with h5py.File(tmp_path / "oa.h5", "r") as f:
         rows = {a: f[f"samples/{a}"][:] for a in ("writer", "critic")}
         toks = {a: f[f"tokens/{a}"][:]["token"] for a in ("writer", "critic")}
+        ep = f["episodes"][:]          # each episode recorded once, none lost to the kill
+        assert sorted(zip(ep["input_id"].tolist(), ep["traj"].tolist())) == \
+            [(i, e) for i in range(STEPS * N_IN) for e in range(GROUP)]
     ids = lambda a, r, lo, hi: toks[a][r["token_offset"] + lo:r["token_offset"] + hi].tolist()
     prompt = lambda a, r: ids(a, r, 0, r["prompt_len"])
     response = lambda a, r: ids(a, r, r["prompt_len"], r["prompt_len"] + r["response_len"])
