@@ -147,6 +147,9 @@ class Server:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"           # keep-alive: the client reuses its connection
+    # headers and body go out as two writes: with Nagle's algorithm the body waits for the
+    # client's delayed ACK (bench/bench_openai_endpoint.py: 103 -> 49 ms a completion)
+    disable_nagle_algorithm = True
 
     def do_POST(self):                      # noqa: N802 - http.server's name
         token, tail = self._route()
