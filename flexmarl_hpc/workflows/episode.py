@@ -95,7 +95,7 @@ class Call:
         self.thread.busy = False
         self.episode.last_done = self
         truncated = not response or response[-1] not in stop_ids
-        self.future.set_result(Reply(text, tuple(response), self.index, truncated, len(self.prompt)))
+        self.future.set_result(Reply(text, tuple(response), self.index, truncated, prompt_len=len(self.prompt)))
 
 
 class EpisodeContext:

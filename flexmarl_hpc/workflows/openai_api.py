@@ -164,8 +164,12 @@ def _stop(v) -> tuple[str, ...]:
 
 
 def _no_tools(body: dict) -> None:
-    # TODO(issue 41, tools): serve `tools` through the chat template and parse the reply's tool
-    # calls with the model's own format once ctx.chat(tools=) lands (branch `tools`)
+    # TODO(issue 41, tools): once ctx.chat(tools=) and Reply.tool_calls land (branch `tools`,
+    # workflows/toolcalls.py): ChatRequest.tools -> ctx.chat(tools=); each parsed ToolRequest
+    # -> {"id", "type": "function", "function": {"name", "arguments": json.dumps(...)}} with
+    # finish_reason "tool_calls"; and an incoming assistant message with tool_calls is mapped
+    # back (by its call ids) to the recorded {"role": "assistant", "content": raw text}, so the
+    # follow-up with the `tool` messages still continues the sampled ids.
     if body.get("tools"):
         raise _Bad("tools", "tools: not served yet (tool calls through the endpoint are to come)", "unsupported_parameter")
     if body.get("tool_choice") not in (None, "none", "auto"):
