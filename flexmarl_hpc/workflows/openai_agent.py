@@ -103,7 +103,7 @@ class Server:
     def __init__(self, loop: asyncio.AbstractEventLoop, agents: list[str], max_new_tokens: int, wait_s: float):
         self.loop, self.agents, self.max_new_tokens, self.wait_s = loop, list(agents), max_new_tokens, wait_s
         self.routes: dict[str, Endpoint] = {}
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.httpd = _QuietServer(("127.0.0.1", 0), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.owner = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="openai-endpoint", daemon=True)
@@ -143,6 +143,13 @@ class Server:
             return 503, ApiError(503, f"the episode ended before the reply ({type(e).__name__})", None,
                                  "unavailable", "server_error").body()
         return (out.status, out.body()) if isinstance(out, ApiError) else (200, out)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        # a program killed at its timeout leaves its request's socket closed: the late reply
+        # finds no reader, which is no error of the run (socketserver would print a traceback)
+        pass
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -83,6 +83,10 @@ async def async_program(base_url, example):
     return None if r.choices[0].message.content == "ab" else {"critic": 0.0}
 
 
+def sleeping_program(base_url, example):
+    time.sleep(30)
+
+
 def raising_program(base_url, example):
     raise KeyError("answer")
 
@@ -102,11 +106,11 @@ def pool():
     p.close()
 
 
-def run_episode(pool, spec, reward=""):
+def run_episode(pool, spec, reward="", timeout_s=60.0):
     """One episode of `spec`; every call is answered 'a', 'b', <eos> (cut at its max_tokens)."""
     tok = SyntheticChatTokenizer()
     w = WorkflowConfig(agent=f"{__name__}:{spec}", reward=reward and f"{__name__}:{reward}", agents=AGENTS,
-                       agent_timeout_s=60)
+                       agent_timeout_s=timeout_s)
     from flexmarl_hpc.workflows.episode import EpisodeRunner
     runner = EpisodeRunner(agent_episode(w), AGENTS, 0, 16, lambda a: Conversation(tok), {}, tools=pool)
     runner.start(0, 0, 0, {"question": "2+3?"})
@@ -155,6 +159,8 @@ def test_an_async_program_with_a_reward_function_and_a_raising_program(pool):
     assert 'raise KeyError("answer")' in f.failure.traceback      # the program's own line
     f, _, _ = run_episode(pool, "async_program")           # returns None and no workflow.reward
     assert f.failure.kind == "AgentProgramError" and "workflow.reward" in f.failure.message
+    f, _, _ = run_episode(pool, "sleeping_program", timeout_s=1.0)      # its worker is killed
+    assert f.failure.kind == "AgentTimeout" and "no result in 1.0 s" in f.failure.message, f.failure
 
 
 def test_the_program_is_checked_before_launch_in_a_child():
