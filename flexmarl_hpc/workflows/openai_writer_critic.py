@@ -3,7 +3,7 @@
 Nothing here knows about training: it runs unchanged against any OpenAI-compatible server
 that serves models named `writer` and `critic` (vLLM, a hosted API behind a gateway):
 
-    python -m flexmarl_hpc.workflows.openai_writer_critic http://localhost:8000/v1 "What is 2 + 3?"
+    python -m flexmarl_hpc.workflows.openai_writer_critic http://localhost:8000/v1 "What is 2 + 3?" --answer 5
 
 and trains with `workflow.agent: flexmarl_hpc.workflows.openai_writer_critic:main`
 (configs/openai_writer_critic.yaml, docs/episodes.md#agents-written-against-openai). The
@@ -13,8 +13,8 @@ extends the earlier one and its sampled ids are reused), up to ROUNDS drafts.
 """
 from __future__ import annotations
 
+import argparse
 import re
-import sys
 
 from openai import OpenAI
 
@@ -50,4 +50,9 @@ def _number(text: str) -> str:
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1], {"question": sys.argv[2], "answer": None}))
+    ap = argparse.ArgumentParser(description="One episode against an OpenAI-compatible server; prints the rewards.")
+    ap.add_argument("base_url", help="e.g. http://localhost:8000/v1 (serving models 'writer' and 'critic')")
+    ap.add_argument("question")
+    ap.add_argument("--answer", default=None, help="the right answer (the rewards compare with it)")
+    a = ap.parse_args()
+    print(main(a.base_url, {"question": a.question, "answer": a.answer}))
