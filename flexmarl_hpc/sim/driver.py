@@ -197,6 +197,11 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
         raise ValueError(f"workers: expected one of {', '.join(WORKERS)}, got {workers!r}")
     if workers == "real" and work is not None:
         raise ValueError("workers='real' prices the real responses: a modelled Workload does not apply")
+    if cfg.workflow.agent:
+        # the program runs on the wall clock in a worker and its requests arrive over HTTP;
+        # the discrete-event clock never waits for them (TODO issue 41: price its calls)
+        raise ValueError("workflow.agent: an `openai` program is not simulated (it runs on the wall "
+                         "clock in a worker process); simulate an episode function with its call pattern")
     # no tool ranks in a simulation: episodes' tool calls run in rank 0's process pool
     task, layout = build_task(cfg), layout_from_config(cfg, tools=False)
     if workers == "real":

@@ -172,3 +172,11 @@ def test_the_program_is_checked_before_launch_in_a_child():
         check_episode("json:dumps", {}, field="workflow.agent")
     with pytest.raises(ConfigError, match=r"^workflow.reward: importing 'no_such_module' raised ModuleNotFoundError"):
         check_episode("no_such_module:reward", {}, field="workflow.reward")
+
+
+def test_the_simulator_refuses_an_openai_program_by_name(tmp_path):
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.sim.driver import simulate_run
+    cfg = load_config("configs/openai_writer_critic.yaml", ["model.checkpoint="])
+    with pytest.raises(ValueError, match=r"^workflow.agent: an `openai` program is not simulated"):
+        simulate_run(cfg, None, tmp_path, "npu64_a3")
