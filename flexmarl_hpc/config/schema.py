@@ -121,6 +121,8 @@ class TurnConfig:
 
 
 DATASET_WHERE = "workflow.dataset"
+AGENT_EPISODE = "flexmarl_hpc.workflows.openai_agent:episode"
+"""workflow.episode when workflow.agent is set: the adapter that serves an `openai` program."""
 
 
 
@@ -190,6 +192,23 @@ class WorkflowConfig:
     max_failure_rate: float = 0.5
     """Episode workflows: the run stops (exit 1, checkpointed, store flushed) at the first step
     in which more than this share of episodes failed (0: any failure stops it; 1: never)."""
+    agent: str = ""
+    """A program written against the `openai` client, `module:function` taking
+    `(base_url, example)` (sync or async; docs/episodes.md#agents-written-against-openai).
+    Set, each episode serves it an OpenAI-compatible endpoint whose models are
+    workflow.agents, and workflow.episode is the built-in adapter that runs it."""
+    reward: str = ""
+    """With workflow.agent: a reward function `module:function` taking (example, the
+    program's return value, transcript) and returning {agent: reward}; empty: the program
+    returns {agent: reward} itself."""
+    agent_timeout_s: float = 600.0
+    """With workflow.agent: most seconds one episode's program (and its reward function)
+    may run, 1 .. 86400; past it the worker is killed and the episode fails (AgentTimeout)."""
+
+    def __post_init__(self) -> None:
+        # the adapter is an ordinary episode function: every `if workflow.episode` path serves it
+        if self.agent and not self.episode:
+            self.episode = AGENT_EPISODE
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 from flexmarl_hpc.config.resources import (FIT_FRACTION, Group, fits, rollout_pools, swap_peers,
                                            trainer_groups, weight_gb)
-from flexmarl_hpc.config.schema import (Config, ConfigError, ModelConfig, RunConfig, TrainerConfig,
+from flexmarl_hpc.config.schema import (AGENT_EPISODE, Config, ConfigError, ModelConfig, RunConfig, TrainerConfig,
                                         WorkflowConfig, join)
 
 
@@ -137,6 +137,8 @@ def _validate_bucket_row(cfg: Config, agent: str) -> None:
 
 
 def _validate_workflow(w: WorkflowConfig) -> None:
+    _need(not w.reward or bool(w.agent), "workflow.reward",
+          f"expected none without workflow.agent (an episode function returns its rewards), got {w.reward!r}")
     if w.episode:
         return _validate_episode(w)
     _need(len(w.turns) > 0, "workflow.turns", "expected at least one turn")
@@ -165,6 +167,17 @@ def _validate_episode(w: WorkflowConfig) -> None:
     _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
     # (on_error's values and the rate's type are checked by the loader: Literal, float)
     _float_in(w.max_failure_rate, "workflow.max_failure_rate", 0, 1)
+    if w.agent:
+        _validate_agent(w)
+
+
+def _validate_agent(w: WorkflowConfig) -> None:
+    """workflow.agent: an `openai` program served by the built-in adapter episode."""
+    _need(":" in w.agent, "workflow.agent", f"expected 'module:function', got {w.agent!r}")
+    _need(w.episode == AGENT_EPISODE, "workflow.episode",
+          f"expected none with workflow.agent (the agent program is the episode), got {w.episode!r}")
+    _need(not w.reward or ":" in w.reward, "workflow.reward", f"expected 'module:function', got {w.reward!r}")
+    _float_in(w.agent_timeout_s, "workflow.agent_timeout_s", 1, 86400)
 
 
 def _validate_engines(cfg: Config) -> None:
@@ -263,6 +276,11 @@ def _validate_episode_run(cfg: Config, n_agents: int) -> None:
     """What an episode workflow (or its absence) asks of the other sections."""
     _need(cfg.tools.ranks == 0 or bool(cfg.workflow.episode), "tools.ranks",
           f"expected 0 without workflow.episode (only episode functions call tools), got {cfg.tools.ranks}")
+    # the endpoint listens on the orchestrator's loopback: a program on a tool rank of another
+    # node could not reach it (TODO issue 41: a relay on the tool rank)
+    _need(cfg.tools.ranks == 0 or not cfg.workflow.agent, "tools.ranks",
+          f"expected 0 with workflow.agent (the program runs in the orchestrator node's worker pool), "
+          f"got {cfg.tools.ranks}")
     if cfg.workflow.episode:
         _need(cfg.pipeline.overprovision == 0, "pipeline.overprovision",
               "expected 0 with workflow.episode (an example's calls are known only once it ends)")

@@ -34,6 +34,9 @@ def preflight(cfg: Config, layout: RankLayout, local: bool):
     if cfg.workflow.episode:             # user code imported in a child before this process does
         from flexmarl_hpc.workflows.episode_check import check_episode
         check_episode(cfg.workflow.episode, cfg.workflow.episode_args)
+        for field in ("agent", "reward"):        # an `openai` program and its reward function
+            if getattr(cfg.workflow, field):
+                check_episode(getattr(cfg.workflow, field), {}, field=f"workflow.{field}")
     from flexmarl_hpc.runtime.build import build_task, check_models
     task = build_task(cfg)
     if cfg.workflow.episode:             # its dataset read (and refused) before the model checks

@@ -158,6 +158,14 @@ def real_workers_fit(cfg: Config, vocab: int) -> None:
                           f"{REAL_WORKERS_MAX_PARAMS / 1e9:.0f}B; use --workers synthetic for models this size")
 
 
+def refuse_agent_program(cfg: Config) -> None:
+    """The program of workflow.agent runs on the wall clock in a worker and its requests arrive
+    over HTTP; the discrete-event clock never waits for them (TODO issue 41: price its calls)."""
+    if cfg.workflow.agent:
+        raise ValueError("workflow.agent: an `openai` program is not simulated (it runs on the wall "
+                         "clock in a worker process); simulate an episode function with its call pattern")
+
+
 def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | None = None,
                  charge_orchestrator: bool = False, workers: str = "synthetic",
                  perturb: Perturbation | None = None, wrap=None,
@@ -173,6 +181,7 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
         raise ValueError(f"workers: expected one of {', '.join(WORKERS)}, got {workers!r}")
     if workers == "real" and work is not None:
         raise ValueError("workers='real' prices the real responses: a modelled Workload does not apply")
+    refuse_agent_program(cfg)
     # no tool ranks in a simulation: episodes' tool calls run in rank 0's process pool
     task, layout = build_task(cfg), layout_from_config(cfg, tools=False)
     if workers == "real":

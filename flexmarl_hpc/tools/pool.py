@@ -32,6 +32,8 @@ class Called:
     """'ok', 'error' (it raised), 'timeout' or 'crashed' (its process died)."""
     latency_s: float
     error: str = ""
+    traceback: str = ""
+    """Where the function raised: its traceback in the worker (outcome 'error')."""
 
 
 def _executor() -> ProcessPoolExecutor:
@@ -87,7 +89,8 @@ class WorkerPool:
                 raise
             except Exception as e:                      # noqa: BLE001 - the function's own error
                 self._slots.append(slot)
-                return Called(None, "error", time.perf_counter() - t0, f"{type(e).__name__}: {e}")
+                return Called(None, "error", time.perf_counter() - t0, f"{type(e).__name__}: {e}",
+                              str(e.__cause__ or ""))      # concurrent.futures' _RemoteTraceback
             self._slots.append(slot)
             return Called(value, "ok", time.perf_counter() - t0)
 

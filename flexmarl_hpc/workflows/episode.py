@@ -53,6 +53,8 @@ class Reply:
     """This agent's call index in the episode (0 for its first call)."""
     truncated: bool
     """It hit max_tokens without a stop token."""
+    prompt_len: int = 0
+    """Tokens of the call's prompt (the OpenAI endpoint's usage)."""
 
 
 @dataclass(eq=False)
@@ -93,7 +95,7 @@ class Call:
         self.thread.busy = False
         self.episode.last_done = self
         truncated = not response or response[-1] not in stop_ids
-        self.future.set_result(Reply(text, tuple(response), self.index, truncated))
+        self.future.set_result(Reply(text, tuple(response), self.index, truncated, prompt_len=len(self.prompt)))
 
 
 class EpisodeContext:
@@ -232,6 +234,10 @@ class EpisodeRunner:
         """(episode, agent) settled since the last `take_settled`."""
         self.running = 0
         self.tools_in_flight = 0
+        self.closers: list[Callable[[], None]] = []
+        """Run at `close`, after the episodes are cancelled (the OpenAI endpoint's server)."""
+        self.agent_wait_s = 3600.0
+        """Most seconds an OpenAI endpoint request waits for its reply (workflow.agent_timeout_s)."""
 
     def start(self, step: int, example_id: int, episode: int, example: dict) -> EpisodeContext:
         ctx = EpisodeContext(self, step, example_id, episode, self.args)
@@ -319,6 +325,8 @@ class EpisodeRunner:
             t.cancel()
         if tasks:
             self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        for close in self.closers:
+            close()
         if self.pool is not None:
             self.pool.close()
         self.loop.close()

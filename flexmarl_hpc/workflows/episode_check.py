@@ -28,20 +28,22 @@ IMPORT_TIMEOUT_S = 120.0
 """How long the child may take to import the episode's module (a torch import is ~10 s)."""
 
 
-def check_episode(spec: str, args: dict, timeout: float = IMPORT_TIMEOUT_S) -> None:
+def check_episode(spec: str, args: dict, timeout: float = IMPORT_TIMEOUT_S, field: str = "workflow.episode") -> None:
     """Import `spec` in a child process with this interpreter's sys.path and check `args`
-    against its declaration; raises ConfigError with the child's one line."""
+    against its declaration (or, for a `field` of PROGRAMS, its arguments); raises
+    ConfigError with the child's one line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+    which = [spec] if field == "workflow.episode" else ["--field", field, spec]
     try:
-        p = subprocess.run([sys.executable, "-m", "flexmarl_hpc.workflows.episode_check", spec],
+        p = subprocess.run([sys.executable, "-m", "flexmarl_hpc.workflows.episode_check", *which],
                            input=json.dumps(args, default=str), capture_output=True, text=True,
                            timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        raise ConfigError(f"workflow.episode: importing {spec!r} did not finish in {timeout:.0f} s") from None
+        raise ConfigError(f"{field}: importing {spec!r} did not finish in {timeout:.0f} s") from None
     if p.returncode != 0:
         lines = p.stderr.strip().splitlines() or [f"the check exited {p.returncode}"]
-        line = lines[-1] if lines[-1].startswith("workflow.episode") else \
-            f"workflow.episode: importing {spec!r} ended the process ({lines[-1][:300]})"
+        line = lines[-1] if lines[-1].startswith(field) else \
+            f"{field}: importing {spec!r} ended the process ({lines[-1][:300]})"
         raise ConfigError(line.removeprefix("config error: ")) from None
 
 
@@ -53,22 +55,39 @@ def _where(e: BaseException) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
-def load(spec: str):
+PROGRAMS = {"workflow.agent": 2, "workflow.reward": 3}
+"""Fields naming a plain function (sync or async) and the positional arguments it is given:
+the `openai` program (base_url, example), the reward (example, result, transcript)."""
+
+
+def load(spec: str, field: str = "workflow.episode"):
     """(module, function) of `module:function`; ConfigError (one line naming file:line) on
     any error its import raises."""
     mod_name, _, fn_name = spec.partition(":")
     try:
         module = importlib.import_module(mod_name)
     except SyntaxError as e:
-        raise ConfigError(f"workflow.episode: {spec!r}: syntax error at {_where(e)}: {e.msg}") from None
+        raise ConfigError(f"{field}: {spec!r}: syntax error at {_where(e)}: {e.msg}") from None
     except BaseException as e:             # noqa: BLE001 (SystemExit too: user code at import time)
         msg = " ".join(str(e).split())[:200]
-        raise ConfigError(f"workflow.episode: importing {mod_name!r} raised {type(e).__name__}: {msg} "
+        raise ConfigError(f"{field}: importing {mod_name!r} raised {type(e).__name__}: {msg} "
                           f"(at {_where(e)})") from None
     fn = getattr(module, fn_name, None)
-    if not inspect.iscoroutinefunction(fn):
-        raise ConfigError(f"workflow.episode: {spec!r} is not an `async def episode(ctx, example)`")
+    if field in PROGRAMS:
+        _check_program(spec, fn, field)
+    elif not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"{field}: {spec!r} is not an `async def episode(ctx, example)`")
     return module, fn
+
+
+def _check_program(spec: str, fn, field: str) -> None:
+    """A function (sync or async) that takes PROGRAMS[field] positional arguments."""
+    n = PROGRAMS[field]
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except (TypeError, ValueError):
+        what = "(base_url, example)" if n == 2 else "(example, result, transcript)"
+        raise ConfigError(f"{field}: {spec!r} is not a function taking {what}") from None
 
 
 def check_args(declared, args: dict) -> None:
@@ -115,6 +134,9 @@ def _name(hint) -> str:
 
 def main(argv: list[str]) -> int:
     try:
+        if len(argv) == 3 and argv[0] == "--field":          # workflow.agent / workflow.reward
+            load(argv[2], argv[1])
+            return 0
         module, _ = load(argv[0])
         declared = getattr(module, "ARGS", None)
         if dataclasses.is_dataclass(declared) and isinstance(declared, type):

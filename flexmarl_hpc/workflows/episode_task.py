@@ -14,12 +14,13 @@ from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.workflows.base import Task, TokenizerVocab
 from flexmarl_hpc.workflows.chat import ChatTokenizer, Conversation, SyntheticChatTokenizer
 from flexmarl_hpc.workflows.episode import EpisodeRunner, load_episode
+from flexmarl_hpc.workflows.openai_agent import agent_episode
 
 
 class EpisodeTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.fn = load_episode(cfg.workflow.episode)
+        self.fn = agent_episode(cfg.workflow) if cfg.workflow.agent else load_episode(cfg.workflow.episode)
         folders = {agent: cfg.model_for(agent).checkpoint for agent in cfg.agent_names}
         self.synthetic = not any(folders.values())
         if self.synthetic:                  # random init everywhere: no tokenizer to read
@@ -62,10 +63,12 @@ class EpisodeTask(Task):
     def runner(self, cfg: Config, tools=None, record_tool=None) -> EpisodeRunner:
         """A runner of this workflow's episodes (`tools`: a tools.pool.WorkerPool)."""
         w = cfg.workflow
-        return EpisodeRunner(self.fn, cfg.agent_names, cfg.run.seed, w.max_new_tokens,
-                             lambda agent: Conversation(self.chat_of[agent]), w.episode_args,
-                             tools, record_tool, self.context_limits(cfg),
-                             (cfg.rollout.temperature, cfg.rollout.top_p))
+        runner = EpisodeRunner(self.fn, cfg.agent_names, cfg.run.seed, w.max_new_tokens,
+                               lambda agent: Conversation(self.chat_of[agent]), w.episode_args,
+                               tools, record_tool, self.context_limits(cfg),
+                               (cfg.rollout.temperature, cfg.rollout.top_p))
+        runner.agent_wait_s = w.agent_timeout_s
+        return runner
 
     def render(self, path) -> str:
         return "episode call"

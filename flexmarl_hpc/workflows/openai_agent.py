@@ -1,0 +1,266 @@
+"""Agents written against the official `openai` client, trained unchanged (`workflow.agent`).
+
+    def main(base_url, example):            # workflow.agent: my_pkg.my_agent:main (or async def)
+        client = OpenAI(base_url=base_url, api_key="-")
+        r = client.chat.completions.create(model="writer", messages=[...])
+        return {"writer": 1.0}               # or nothing, with workflow.reward
+
+Each episode is `episode` below (an ordinary episode function on the orchestrator's loop):
+it opens its own base URL on a loopback HTTP server of the runner and runs the user's
+program with it in a worker process of the tool pool (`ctx.call`, never on the
+orchestrator's loop). Each `POST /v1/chat/completions` is parsed (openai_api.py) and
+becomes `ctx.chat` calls of the agent named as the model, on the episode's loop: the same
+chat template, the same token-exact conversations, the same scheduling, staleness and
+store as any episode's calls. The server runs in threads (the standard library's
+`http.server`: no protocol written here); a request waits on its calls' future, which the
+orchestrator completes while it steps the episodes (it polls them every 20 ms while the
+program, a worker call, is in flight: docs/episodes.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+import json
+import os
+import secrets
+import threading
+from concurrent.futures import CancelledError as FutureCancelled, TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from flexmarl_hpc.config.schema import AGENT_EPISODE  # noqa: F401 - workflow.episode of these runs
+from flexmarl_hpc.workflows.episode import ContextFull
+from flexmarl_hpc.workflows.openai_api import ApiError, ChatRequest, Choice, completion, cut_at_stop, models, parse_request
+
+MAX_BODY = 64 << 20
+"""Largest request body read (64 MiB): a longer one is refused before it is read."""
+
+
+class AgentProgramError(RuntimeError):
+    """The user's program raised, crashed or returned no usable rewards (the episode fails)."""
+
+
+class WorkerTraceback(Exception):
+    """The traceback of the user's program in its worker process (the cause of an AgentProgramError)."""
+
+
+class AgentTimeout(RuntimeError):
+    """The user's program ran past workflow.agent_timeout_s (its worker process is killed)."""
+
+
+@dataclass(frozen=True)
+class AgentProgram:
+    """What the episode needs of the config (workflow.agent, .reward, .agent_timeout_s)."""
+    spec: str
+    reward: str = ""
+    timeout_s: float = 600.0
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """One episode's endpoint: its requests become its calls; `transcript` is what the
+    reward function gets (agent, messages, reply text per call, in order of replies)."""
+    ctx: object
+    transcript: list[dict] = field(default_factory=list)
+    requests: int = 0
+
+    retokenized: int = 0
+    """Requests whose history holds an assistant message yet continues none of the agent's
+    conversations (the program edited or dropped a message): tokenised fresh."""
+
+    async def complete(self, req: ChatRequest, request_id: str) -> dict | ApiError:
+        self.requests += 1
+        fresh = self.edited(req)
+        self.retokenized += fresh
+        try:
+            replies = await asyncio.gather(*(self.ctx.chat(req.agent, req.messages, max_tokens=req.max_tokens,
+                                                           temperature=req.temperature, top_p=req.top_p)
+                                             for _ in range(req.n)))
+        except ContextFull as e:
+            return ApiError(400, str(e), "messages", "context_length_exceeded")
+        except ValueError as e:                 # e.g. an agent settled in this episode
+            return ApiError(400, str(e), None, "invalid_request")
+        choices = []
+        for r in replies:
+            text, stopped = cut_at_stop(r.text, req.stop)
+            choices.append(Choice(text, "length" if r.truncated and not stopped else "stop", r.prompt_len, len(r.ids)))
+            self.transcript.append({"agent": req.agent, "call": r.call, "messages": req.messages, "reply": text,
+                                    "retokenized": fresh})
+        return completion(request_id, req.agent, choices)
+
+    def edited(self, req: ChatRequest) -> bool:
+        """The request carries a history (an assistant message) that extends none of the
+        agent's idle conversations: its prompt is tokenised fresh, not from sampled ids."""
+        return any(m["role"] == "assistant" for m in req.messages) and \
+            not any(t.continued_by(req.messages) for t in self.ctx.threads.get(req.agent, ()))
+
+
+class Server:
+    """The runner's loopback HTTP server: episode `token` is served under /ep/<token>/v1."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, agents: list[str], max_new_tokens: int, wait_s: float):
+        self.loop, self.agents, self.max_new_tokens, self.wait_s = loop, list(agents), max_new_tokens, wait_s
+        self.routes: dict[str, Endpoint] = {}
+        self.httpd = _QuietServer(("127.0.0.1", 0), _Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.owner = self
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="openai-endpoint", daemon=True)
+        self.thread.start()
+
+    def open(self, endpoint: Endpoint) -> tuple[str, str]:
+        """(token, base URL) of a new route; the token is random, so one episode's program
+        cannot reach another's by guessing."""
+        token = secrets.token_hex(12)
+        self.routes[token] = endpoint
+        return token, f"http://127.0.0.1:{self.httpd.server_address[1]}/ep/{token}/v1"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def answer(self, token: str, tail: str, body: bytes) -> tuple[int, dict]:
+        """(status, JSON) for a POST to /ep/<token>/<tail>, from a server thread."""
+        endpoint = self.routes.get(token)
+        if endpoint is None:
+            return 404, ApiError(404, "no such episode endpoint (it has ended)", None, "not_found").body()
+        if tail != "v1/chat/completions":
+            return 404, ApiError(404, f"POST /{tail}: only POST /v1/chat/completions is served", None,
+                                 "not_found").body()
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            return 400, ApiError(400, f"the body is not JSON: {e}").body()
+        req = parse_request(data, self.agents, self.max_new_tokens)
+        if isinstance(req, ApiError):
+            return req.status, req.body()
+        request_id = f"chatcmpl-{token[:8]}-{endpoint.requests}"
+        try:
+            fut = asyncio.run_coroutine_threadsafe(endpoint.complete(req, request_id), self.loop)
+            out = fut.result(self.wait_s)
+        except (RuntimeError, FutureCancelled, FutureTimeout) as e:       # the run ends or stops
+            return 503, ApiError(503, f"the episode ended before the reply ({type(e).__name__})", None,
+                                 "unavailable", "server_error").body()
+        return (out.status, out.body()) if isinstance(out, ApiError) else (200, out)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        # a program killed at its timeout leaves its request's socket closed: the late reply
+        # finds no reader, which is no error of the run (socketserver would print a traceback)
+        pass
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"           # keep-alive: the client reuses its connection
+    # headers and body go out as two writes: with Nagle's algorithm the body waits for the
+    # client's delayed ACK (bench/bench_openai_endpoint.py: 103 -> 49 ms a completion)
+    disable_nagle_algorithm = True
+
+    def do_POST(self):                      # noqa: N802 - http.server's name
+        token, tail = self._route()
+        n = int(self.headers.get("Content-Length") or 0)
+        if n > MAX_BODY:
+            self.close_connection = True
+            return self._send(413, ApiError(413, f"a body of {n} bytes: at most {MAX_BODY}").body())
+        body = self.rfile.read(n)
+        self._send(*self.server.owner.answer(token, tail, body))
+
+    def do_GET(self):                       # noqa: N802
+        token, tail = self._route()
+        owner = self.server.owner
+        if token in owner.routes and tail == "v1/models":
+            return self._send(200, models(owner.agents))
+        self._send(404, ApiError(404, f"GET /{tail}: only GET /v1/models is served", None, "not_found").body())
+
+    def _route(self) -> tuple[str, str]:
+        parts = self.path.split("?")[0].strip("/").split("/", 2)
+        return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == "ep" else ("", "/".join(parts))
+
+    def _send(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:   # one line per request would flood train.log
+        pass
+
+
+def server_of(runner) -> Server:
+    """The runner's server, started on its first agent episode and closed with the runner."""
+    server = getattr(runner, "openai_server", None)
+    if server is None:
+        server = runner.openai_server = Server(runner.loop, runner.agents, runner.max_new_tokens,
+                                               runner.agent_wait_s)
+        runner.closers.append(server.close)
+    return server
+
+
+async def episode(ctx, example, *, program: AgentProgram):
+    """The episode of an `openai` program: its own endpoint, the program run in a worker with
+    it, then the rewards (the program's, or workflow.reward's)."""
+    server = server_of(ctx.runner)
+    endpoint = Endpoint(ctx)
+    token, base_url = server.open(endpoint)
+    try:
+        ran = await ctx.call(run_program, program.spec, base_url, example, timeout_s=program.timeout_s)
+    finally:
+        del server.routes[token]
+    result = _value(ran, f"workflow.agent {program.spec!r}")
+    if not program.reward:
+        if result is None:
+            raise AgentProgramError(f"workflow.agent {program.spec!r} returned None: return "
+                                    "{agent: reward} or name a reward function in workflow.reward")
+        return result
+    scored = await ctx.call(run_reward, program.reward, example, result, endpoint.transcript,
+                            timeout_s=program.timeout_s)
+    return _value(scored, f"workflow.reward {program.reward!r}")
+
+
+def _value(called, what: str):
+    if called.outcome == "timeout":
+        raise AgentTimeout(f"{what}: {called.error}")
+    if called.outcome != "ok":
+        # the worker's traceback rides as the cause: the /failures row and train.log show the
+        # line of the user's program that raised, not only this one
+        raise AgentProgramError(f"{what}: {called.outcome}: {called.error}") from \
+            (WorkerTraceback(called.traceback) if called.traceback else None)
+    return called.value
+
+
+def agent_episode(w) -> functools.partial:
+    """The episode function of workflow `w` (workflow.agent set)."""
+    return functools.partial(episode, program=AgentProgram(w.agent, w.reward, w.agent_timeout_s))
+
+
+@functools.cache
+def load_program(spec: str):
+    """`module:function` of the user's program or reward function (a worker imports it once)."""
+    mod_name, _, fn_name = spec.partition(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    if not callable(fn):
+        raise TypeError(f"{spec!r} is not a function")
+    return fn
+
+
+def run_program(spec: str, base_url: str, example: dict):
+    """In a worker process: the user's program on `(base_url, example)`, awaited when it is
+    async. The URL is also OPENAI_BASE_URL (and OPENAI_API_KEY, when unset, a placeholder),
+    so a program that builds `OpenAI()` from the environment runs unchanged too."""
+    os.environ["OPENAI_BASE_URL"] = base_url
+    os.environ.setdefault("OPENAI_API_KEY", "flexmarl")
+    return _awaited(load_program(spec)(base_url, example))
+
+
+def run_reward(spec: str, example: dict, result, transcript: list[dict]):
+    """In a worker process: workflow.reward on (example, the program's return value, the
+    transcript: one {agent, call, messages, reply} per call, in order of replies)."""
+    return _awaited(load_program(spec)(example, result, transcript))
+
+
+def _awaited(out):
+    return asyncio.run(out) if inspect.iscoroutine(out) else out
