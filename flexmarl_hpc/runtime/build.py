@@ -75,9 +75,12 @@ def build_engine(cfg: Config, task: Task, device: str = "cpu", pool: int = 0):
     args_of = {agent: model_args(cfg, task, agent) for agent in cfg.agent_names if agent in p.agents}
     if cfg.rollout.backend == "vllm":
         from flexmarl_hpc.rollout.vllm_engine import VLLMEngine
-        # the pool's GPUs per replica are vLLM's tensor_parallel_size
+        from flexmarl_hpc.config.gpu_memory import replica_sync_comms
+        # the pool's GPUs per replica are vLLM's tensor_parallel_size; its fraction leaves the
+        # bucket and the sync communicators each worker joins after the engine started
         return VLLMEngine(args_of, task, dataclasses.replace(cfg.rollout, gpus_per_replica=p.gpus_per_replica),
-                          gpu_memory_gb=p.gpu_memory_gb, bucket_bytes=int(cfg.weight_sync.bucket_mb * 2**20))
+                          gpu_memory_gb=p.gpu_memory_gb, bucket_bytes=int(cfg.weight_sync.bucket_mb * 2**20),
+                          sync_comms=len(replica_sync_comms(cfg, pool)))
     from flexmarl_hpc.rollout.torch_engine import TorchEngine
     _cpu_only("rollout.backend=torch", device)
     return TorchEngine(args_of, task, cfg.rollout.max_batch)
