@@ -242,6 +242,14 @@ class VLLMEngine:
         eng.bound = (agent, version)
         self.versions[agent] = version
 
+    def start(self) -> None:
+        """Build every architecture's engine now (at start-up, inside run.build_timeout_s):
+        on GPUs the sync groups' set-up would otherwise build them (`remote`), inside
+        run.comm_setup_timeout_s. With sleep mode the last one built stays awake."""
+        first = {arch_key(args): agent for agent, args in self.args_of.items()}
+        for agent in first.values():
+            self._engine(agent)
+
     def remote(self, agent: str):
         """On GPUs the engine's TP workers receive a sync of `agent` themselves (see
         SyncChannels.group); None on CPU, where this process receives."""
