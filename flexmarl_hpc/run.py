@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -204,6 +205,7 @@ def _on_signal(signum, frame) -> None:
 
 def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     import torch
+    t0 = time.monotonic()                       # start-up's build phase begins (run.build_timeout_s)
     from flexmarl_hpc.runtime.build import build_engine, build_mover, build_task
     torch.set_num_threads(cfg.run.threads_per_rank)
     for sig in (signal.SIGUSR1, signal.SIGTERM):
@@ -223,64 +225,71 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     bell = _doorbell(cfg, world)
     live = _liveness(world)
     if role == TOOLS:
-        return _serve_tools(cfg, world, live)
+        return _serve_tools(cfg, world, live, t0)
     if role == ORCHESTRATOR:
-        return _orchestrate(cfg, layout, world, task, bell, live)
+        return _orchestrate(cfg, layout, world, task, bell, live, t0)
     if role == ROLLOUT:
         from flexmarl_hpc.learn.sampling import SamplingParams
         from flexmarl_hpc.runtime.workers import replica_loop
+        from flexmarl_hpc.runtime.workers import replica_channels
         engine = build_engine(cfg, task, device, layout.pool_of(index))
+        if hasattr(engine, "start"):            # vLLM builds its engines now, not in the first sync group
+            engine.start()
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
-        _started(world, live)
+        channels = _started(cfg, world, live, t0, lambda setup: replica_channels(
+            world, engine, cfg.weight_sync.backend, cfg.weight_sync.timeout_s, sync_groups(cfg, layout), setup))
         return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell, live,
-                            cfg.weight_sync.timeout_s, sync_groups(cfg, layout))
-    from flexmarl_hpc.runtime.workers import restore_trainers, trainer_loop
+                            cfg.weight_sync.timeout_s, sync_groups(cfg, layout), channels)
+    from flexmarl_hpc.runtime.workers import restore_trainers, trainer_channels, trainer_loop
     mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
     from flexmarl_hpc.runtime.weight_sync import wire_dtype
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
-    _started(world, live)
+    channels = _started(cfg, world, live, t0, lambda setup: trainer_channels(
+        world, cfg.weight_sync.backend, cfg.weight_sync.timeout_s, sync_groups(cfg, layout), setup))
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
                         cfg.weight_sync.backend, wire, bell, live, cfg.weight_sync.timeout_s,
-                        sync_groups(cfg, layout))
+                        sync_groups(cfg, layout), channels)
 
 
-def _serve_tools(cfg: Config, world, live) -> int:
+def _serve_tools(cfg: Config, world, live, t0: float) -> int:
     """A tool rank (tools.ranks > 0): its own pool of sandboxes and reward workers, serving
     rank 0's episodes (flexmarl_hpc/tools/remote.py) until the Stop."""
     from flexmarl_hpc.tools.pool import WorkerPool
     from flexmarl_hpc.tools.registry import Tools
     from flexmarl_hpc.tools.remote import tools_loop
     pool = WorkerPool(Tools.from_config(cfg.tools), cfg.tools)
-    _started(world, live)
+    _started(cfg, world, live, t0)
     return tools_loop(world, 0, pool, live)
 
 
-def _started(world, live, log=None) -> None:
-    """Every rank (collective), once built: the orchestrator sends its first command when
-    every worker is in its loop, so neither run.worker_timeout nor a weight sync's deadline
-    (weight_sync.timeout_s: the first sync's members would wait for a trainer still
-    building) counts another rank's start-up, which takes minutes for a large model. Waits
-    without a spin; rank 0 (`log`) watches the liveness star meanwhile: a worker that ends
-    while building ends the job with 75 instead of leaving rank 0 in the barrier."""
-    from flexmarl_hpc.runtime.comm import abort, until
-    req, lost = world.Ibarrier(), []
-
-    def ready() -> bool:
-        if req.Test():
-            return True
-        if log is not None and live is not None:
-            lost.extend(r for r in [live.take_lost()] if r is not None)
-        return bool(lost)
-
-    until(ready)
-    if lost:
-        log(f"rank {lost[0]}: its process ended before the run started (liveness socket closed); "
-            f"exiting {EXIT_REQUEUE} to requeue")
-        from flexmarl_hpc.runtime import requeue
-        requeue.mark(f"rank {lost[0]} was lost before the run started")
-        abort(world, EXIT_REQUEUE)
+def _started(cfg: Config, world, live, t0: float, open_comms=None, log=None, who=str):
+    """Every rank (collective), once built: start-up's two phases (runtime/startup.py), each
+    with its own deadline and measured on every rank, rank 0 (`log`) writing both to
+    train.log. "build" (run.build_timeout_s from `t0`): every engine and trainer built;
+    "comm" (run.comm_setup_timeout_s): `open_comms(setup deadline)` makes this rank's
+    weight-sync communicators (workers; its result is returned). The orchestrator sends its
+    first command after both, so neither run.worker_timeout nor a sync's weight_sync.timeout_s
+    counts another rank's start-up. A phase past its deadline ends the job (exit 1, naming
+    the field); a worker that ends meanwhile ends it with 75."""
+    from flexmarl_hpc.runtime import startup
+    from flexmarl_hpc.runtime.deadline import CollectiveTimeout, Deadline
+    from flexmarl_hpc.runtime import faults
+    busy = open_comms is not None              # the orchestrator and tool ranks build nothing here
+    if busy:
+        faults.hit("build")                    # test-only: no-op unless FLEXMARL_FAULT is set
+    try:
+        startup.started(world, live, "build", time.monotonic() - t0 if busy else 0.0, cfg.run.build_timeout_s,
+                        t0, log, who)
+        t1 = time.monotonic()
+        setup = Deadline(cfg.run.comm_setup_timeout_s, "start-up", "run.comm_setup_timeout_s", "every rank was built")
+        channels = open_comms(setup) if busy else None
+        startup.started(world, live, "comm", time.monotonic() - t1 if busy else 0.0, cfg.run.comm_setup_timeout_s,
+                        t1, log, who)
+    except (startup.StartupTimeout, CollectiveTimeout) as e:
+        return sys.exit(startup.timed_out(world, e, log))
+    return channels
 
 
 def _doorbell(cfg: Config, world):
@@ -328,7 +337,7 @@ def _exit_untaken(log, layout: RankLayout, rank: int) -> None:
     os._exit(EXIT_REQUEUE)
 
 
-def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=None) -> int:
+def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=None, t0: float = 0.0) -> int:
     import yaml
     from flexmarl_hpc.orchestrator.loop import Orchestrator
     from flexmarl_hpc.store.tables import StoreFile
@@ -361,7 +370,8 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=N
         tools = RemotePool(world, layout.tool_rank_list, cfg.tools, live=live)
     try:
         orch = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log, tools)
-        _started(world, live, log)
+        from flexmarl_hpc.orchestrator.failures import who
+        _started(cfg, world, live, t0 or time.monotonic(), None, log, lambda r: who(layout, r))
         code = orch.run()
         transport.close()
     finally:

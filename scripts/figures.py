@@ -170,12 +170,20 @@ def sim_plan_closed_form_scaling(ctx: Context) -> str:
 
 
 def sim_memory_paper_mix(ctx: Context) -> str:
-    """simulate memory on the paper's mix: every distinct rank's peak device / host bytes per
-    phase (the trainer ranks' production code on fake tensors), with recompute as needed."""
+    """simulate memory on the paper's mix at Qwen2.5-14B/32B's real shapes and vocabulary:
+    checkpoint folders of safetensors headers only (scripts/qwen_headers.py), the config's
+    models replaced by them; the temporary folder is printed as $QWEN."""
+    import importlib.util
+    import tempfile
     from flexmarl_hpc.sim.memory import memory_report
-    text, code = memory_report(PAPER_MIX, [], "npu64_a3", False)     # the config sets its recompute
-    return command_block(f"python -m flexmarl_hpc.simulate memory {PAPER_MIX}",
-                         text, f"(exit code {code})")
+    spec = importlib.util.spec_from_file_location("qwen_headers", ROOT / "scripts" / "qwen_headers.py")
+    qh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qh)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = qh.make(Path(tmp))
+        text, code = memory_report(str(config), [], "npu64_a3", False)
+    return command_block("python scripts/qwen_headers.py $QWEN && python -m flexmarl_hpc.simulate memory "
+                         "$QWEN/paper_3x32b_7x14b_qwen.yaml", text.replace(tmp, "$QWEN"), f"(exit code {code})")
 
 
 def machine() -> str:

@@ -67,6 +67,14 @@ class RunConfig:
     """Seconds a replica, trainer group or reward function may take to answer one command
     before it counts as hung: the job then reports it, checkpoints what still answers and
     exits 75 (requeue) instead of sitting until the wall-clock limit."""
+    build_timeout_s: float = 3600.0
+    """Most seconds from a rank's start until every rank has built its engine or trainer
+    (vLLM: load, compile, CUDA graphs; megatron: its shard's reads), 0 < x <= 86400. Past it
+    the job ends (exit 1) naming this field; train.log reports each run's slowest build."""
+    comm_setup_timeout_s: float = 1800.0
+    """Most seconds, once every rank is built, to set up every weight-sync communicator
+    (one per trainer group and pool, made in order, config/sync_groups.py), 0 < x <= 86400.
+    Past it the job ends (exit 1) naming this field; train.log reports the set-up's time."""
     eval_every: int = 0
     """Evaluate every agent on the task's held-out inputs (Task.heldout_inputs) every N
     optimizer steps, and before the first and after the last (0: never). It runs through the

@@ -42,6 +42,10 @@ def _int_in(value: int, where: str, lo: int, hi: int | None = None, note: str = 
     _need(ok, where, f"expected {rng}{note}, got {value}")
 
 
+MAX_STARTUP_S = 86400.0
+"""A start-up phase's deadline is at most a day (a typo of minutes for seconds is refused)."""
+
+
 def _float_in(value: float, where: str, lo: float, hi: float | None = None, lo_open: bool = False,
               hi_open: bool = False) -> None:
     ok = (value > lo if lo_open else value >= lo) and (
@@ -100,6 +104,8 @@ def _validate_run(r: RunConfig) -> None:
     _int_in(r.checkpoint_every, "run.checkpoint_every", 0, note=" (0: by minutes only)")
     _float_in(r.checkpoint_minutes, "run.checkpoint_minutes", 0)
     _float_in(r.worker_timeout, "run.worker_timeout", 0, lo_open=True)
+    _float_in(r.build_timeout_s, "run.build_timeout_s", 0, MAX_STARTUP_S, lo_open=True)
+    _float_in(r.comm_setup_timeout_s, "run.comm_setup_timeout_s", 0, MAX_STARTUP_S, lo_open=True)
     _int_in(r.keep_checkpoints, "run.keep_checkpoints", 1)
     _int_in(r.log_every, "run.log_every", 1)
     _int_in(r.eval_every, "run.eval_every", 0, MAX_STEPS, note=" (0: no evaluation)")

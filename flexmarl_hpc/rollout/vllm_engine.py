@@ -129,20 +129,22 @@ def _model(worker):
     return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
 
-NCCL_RESERVE_GB = 1.0        # a communicator's buffers and CUDA context headroom per worker
-
-
-def memory_fraction(gpu_memory_gb: float, bucket_bytes: int) -> float:
-    """vLLM's `gpu_memory_utilization`: the GPU minus what a weight sync needs on each worker
-    (its bucket buffer, NCCL's buffers), as a fraction of the GPU; 0.85 when the pool does
-    not say its GPU memory (`gpu_memory_gb: 0`)."""
+def memory_fraction(gpu_memory_gb: float, bucket_bytes: int, sync_comms: int = 1) -> float:
+    """vLLM's `gpu_memory_utilization`: the GPU minus what a weight sync adds on each worker
+    after vLLM sized its KV cache (its bucket buffer with the allocator's rounding, and the
+    NCCL buffers of the `sync_comms` sync communicators it joins: config/gpu_memory.py), as
+    a fraction of the GPU (GB = 1e9 B, as `simulate memory` counts it); 0.85 when the pool
+    does not say its GPU memory (`gpu_memory_gb: 0`). Floored to 4 digits, so the sum
+    stays within the GPU."""
+    from flexmarl_hpc.config.gpu_memory import FRAGMENTATION, nccl_comm_bytes
     if gpu_memory_gb <= 0:
         return 0.85
-    need = bucket_bytes / 2**30 + NCCL_RESERVE_GB
-    if need >= 0.5 * gpu_memory_gb:
-        raise ValueError(f"weight_sync.bucket_mb: a bucket of {bucket_bytes / 2**20:.0f} MiB leaves under half of "
-                         f"a {gpu_memory_gb} GB GPU to vLLM; expected a bucket well below the GPU memory")
-    return round(min(0.92, 1.0 - need / gpu_memory_gb), 4)
+    need = bucket_bytes * (1 + FRAGMENTATION) + max(sync_comms, 1) * nccl_comm_bytes()
+    if need >= 0.5 * gpu_memory_gb * 1e9:
+        raise ValueError(f"weight_sync.bucket_mb: a bucket of {bucket_bytes / 2**20:.0f} MiB and {sync_comms} sync "
+                         f"communicator(s) leave under half of a {gpu_memory_gb} GB GPU to vLLM; expected a "
+                         "bucket well below the GPU memory, or fewer trainer groups feeding the pool")
+    return min(0.92, math.floor((1.0 - need / (gpu_memory_gb * 1e9)) * 1e4) / 1e4)
 
 
 def write_config(folder: Path, args: ModelArgs) -> None:
@@ -192,18 +194,19 @@ class VLLMEngine:
 
     def __init__(self, args_of: dict[str, ModelArgs], task, cfg, dtype: str | None = None,
                  workdir: str | None = None, cuda: bool | None = None, gpu_memory_gb: float = 0.0,
-                 bucket_bytes: int = 1 << 30):
+                 bucket_bytes: int = 1 << 30, sync_comms: int = 1):
         """`cfg` is the RolloutConfig (max_batch, temperature, top_p, dtype, gpus_per_replica:
         the engine's tensor-parallel size on GPUs, 1 on CPU); `dtype` (a vLLM dtype name)
         overrides cfg.dtype; `cuda`: whether the engines run on a GPU (None:
         torch.cuda.is_available()); `gpu_memory_gb`, `bucket_bytes`: the pool's GPU memory
-        and the sync's bucket, for vLLM's memory fraction."""
+        and the sync's bucket, `sync_comms` the sync communicators each worker joins, for
+        vLLM's memory fraction."""
         self.args_of, self.task, self.cfg = args_of, task, cfg
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self.dtype = dtype or engine_dtype(getattr(cfg, "dtype", "auto"), self.cuda)
         self.sleep_mode = self.cuda                    # vLLM: CUDA/ROCm only
         self.tp = getattr(cfg, "gpus_per_replica", 1) if self.cuda else 1
-        self.memory = memory_fraction(gpu_memory_gb, bucket_bytes) if self.cuda else None
+        self.memory = memory_fraction(gpu_memory_gb, bucket_bytes, sync_comms) if self.cuda else None
         self.root = Path(tempfile.mkdtemp(prefix="flexmarl-vllm-", dir=workdir))
         self.engines: dict[str, _Engine] = {}          # arch_key -> engine
         self.versions: dict[str, int] = {}
@@ -238,6 +241,14 @@ class VLLMEngine:
         eng.llm.reset_prefix_cache()         # cached prompt KV belongs to the old weights
         eng.bound = (agent, version)
         self.versions[agent] = version
+
+    def start(self) -> None:
+        """Build every architecture's engine now (at start-up, inside run.build_timeout_s):
+        on GPUs the sync groups' set-up would otherwise build them (`remote`), inside
+        run.comm_setup_timeout_s. With sleep mode the last one built stays awake."""
+        first = {arch_key(args): agent for agent, args in self.args_of.items()}
+        for agent in first.values():
+            self._engine(agent)
 
     def remote(self, agent: str):
         """On GPUs the engine's TP workers receive a sync of `agent` themselves (see

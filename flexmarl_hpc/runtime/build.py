@@ -75,12 +75,33 @@ def build_engine(cfg: Config, task: Task, device: str = "cpu", pool: int = 0):
     args_of = {agent: model_args(cfg, task, agent) for agent in cfg.agent_names if agent in p.agents}
     if cfg.rollout.backend == "vllm":
         from flexmarl_hpc.rollout.vllm_engine import VLLMEngine
-        # the pool's GPUs per replica are vLLM's tensor_parallel_size
+        from flexmarl_hpc.config.gpu_memory import replica_sync_comms
+        from flexmarl_hpc.runtime.weight_sync import wire_dtype
+        # the pool's GPUs per replica are vLLM's tensor_parallel_size; its fraction leaves the
+        # receive buffer and the sync communicators each worker joins after the engine started
+        wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
         return VLLMEngine(args_of, task, dataclasses.replace(cfg.rollout, gpus_per_replica=p.gpus_per_replica),
-                          gpu_memory_gb=p.gpu_memory_gb, bucket_bytes=int(cfg.weight_sync.bucket_mb * 2**20))
+                          gpu_memory_gb=p.gpu_memory_gb, bucket_bytes=receive_span(cfg, args_of.values(), wire),
+                          sync_comms=len(replica_sync_comms(cfg, pool)))
     from flexmarl_hpc.rollout.torch_engine import TorchEngine
     _cpu_only("rollout.backend=torch", device)
     return TorchEngine(args_of, task, cfg.rollout.max_batch)
+
+
+def receive_span(cfg: Config, args_of, wire) -> int:
+    """Bytes of a replica's receive buffer for models `args_of` (ModelArgs): the largest
+    bucket or tensor sent in pieces at the wire dtype (weight_sync.Plan.span: a split
+    tensor's pieces land in place in it; with Qwen's 152,064-token vocabulary the embedding,
+    1.56 GB in bf16, is larger than a 1 GiB bucket)."""
+    import torch
+    from flexmarl_hpc.learn.model import CausalLM
+    from flexmarl_hpc.runtime.weight_sync import plan_buckets
+    bucket, span = int(cfg.weight_sync.bucket_mb * 2**20), 0
+    for args in args_of:
+        with torch.device("meta"):
+            layout = [(k, tuple(v.shape), torch.float32) for k, v in CausalLM(args).state_dict().items()]
+        span = max([span] + [b.span for b in plan_buckets(layout, bucket, wire)])
+    return span
 
 
 def build_trainer(cfg: Config, task: Task, agent: str, group_comm, device: str = "cpu", group: int = 0):

@@ -37,17 +37,20 @@ if TYPE_CHECKING:
 class CollectiveTimeout(TimeoutError):
     """A collective did not complete by its deadline."""
 
-    def __init__(self, what: str, phase: str, timeout_s: float, waited_s: float) -> None:
+    def __init__(self, what: str, phase: str, timeout_s: float, waited_s: float,
+                 field: str = "weight_sync.timeout_s", began: str = "the sync began") -> None:
         self.what, self.phase, self.timeout_s, self.waited_s = what, phase, timeout_s, waited_s
-        super().__init__(f"{what}: {phase} not done {waited_s:.1f} s after the sync began "
-                         f"(weight_sync.timeout_s={timeout_s:g})")
+        super().__init__(f"{what}: {phase} not done {waited_s:.1f} s after {began} "
+                         f"({field}={timeout_s:g})")
 
 
 class Deadline:
     """A point in time `timeout_s` from now (0: none, wait forever), for several waits."""
 
-    def __init__(self, timeout_s: float, what: str = "collective") -> None:
+    def __init__(self, timeout_s: float, what: str = "collective", field: str = "weight_sync.timeout_s",
+                 began: str = "the sync began") -> None:
         self.timeout_s, self.what = float(timeout_s), what
+        self.field, self.began = field, began          # named in the timeout's message
         self.start = REAL.monotonic()
 
     def left(self) -> float | None:
@@ -57,7 +60,8 @@ class Deadline:
         return max(self.start + self.timeout_s - REAL.monotonic(), 0.0)
 
     def expired(self, phase: str) -> CollectiveTimeout:
-        return CollectiveTimeout(self.what, phase, self.timeout_s, REAL.monotonic() - self.start)
+        return CollectiveTimeout(self.what, phase, self.timeout_s, REAL.monotonic() - self.start, self.field,
+                                 self.began)
 
 
 def wait_until(ready: Callable[[], bool], dl: Deadline, phase: str) -> None:

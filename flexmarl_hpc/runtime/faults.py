@@ -10,7 +10,7 @@ table's rows written, /commit not yet; `store_flush`, data flushed, /commit not 
 `store_torn`, a chunk rewritten with its new bytes but its old checksum, as a kill inside the
 write leaves it, /commit not yet; `ppo_replay`, a trainer rank between a replay pass of
 trainer.ppo_epochs and its optimizer step; `sync_join`, a replica given a weight sync, before
-it joins.
+it joins; `build`, a worker rank with its engine or trainer built, before start-up's barrier.
 Unset (every real run), `hit` is a function that returns at once.
 """
 from __future__ import annotations

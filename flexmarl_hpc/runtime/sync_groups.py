@@ -122,12 +122,14 @@ class SyncChannels:
         _open.add(self)
 
     # -- the pairs ------------------------------------------------------------------------
-    def open(self, groups: Sequence, remote_of: Callable | None = None) -> None:
+    def open(self, groups: Sequence, remote_of: Callable | None = None, setup: Deadline | None = None) -> None:
         """Make this rank's pairs among `groups` (config/sync_groups.SyncGroup: every rank
         passes the same list, in the same order; each member makes its pairs in that order,
         so the blocking creations cannot wait on each other in a cycle). `remote_of(group)`:
         the engine whose own workers join that group instead of this process (vLLM's TP
-        workers on GPUs), or None."""
+        workers on GPUs), or None. `setup`: one deadline for all the groups (start-up's
+        run.comm_setup_timeout_s), instead of weight_sync.timeout_s for each: a group's
+        members wait for every earlier group's set-up, which a per-group deadline counted."""
         me = self.world.Get_rank()
         for g in groups:
             if me not in g.members:
@@ -135,7 +137,7 @@ class SyncChannels:
             key = (g.group, g.pool)
             if key in self.pairs:
                 raise ValueError(f"weight sync: two groups of trainer group {g.group} and pool {g.pool}")
-            dl = Deadline(self.timeout_s, f"weight sync group of trainer group {g.group} and pool {g.pool}")
+            dl = setup or Deadline(self.timeout_s, f"weight sync group of trainer group {g.group} and pool {g.pool}")
             deadline.join(self.world, g.members, dl, "joining (every member arriving)")
             mpi_group = self.world.Get_group().Incl(list(g.members))
             comm = self.world.Create_group(mpi_group, _tag(g.members))

@@ -27,22 +27,40 @@ from flexmarl_hpc.runtime.liveness import Liveness
 from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
-from flexmarl_hpc.runtime.deadline import CollectiveTimeout
+from flexmarl_hpc.runtime.deadline import CollectiveTimeout, Deadline
 from flexmarl_hpc.runtime.weight_sync import (Destination, Plan, RemoteGroup, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, row_pieces, send_weights)
 
 
-def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
-                 bucket_bytes: int, sync_backend: str = "auto", bell: Doorbell | None = None,
-                 live: Liveness | None = None, sync_timeout_s: float = 0.0, sync_groups=()) -> int:
-    """`live`: disarmed at the Stop, so the orchestrator's end that follows is no loss.
-    `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut).
-    `sync_groups`: config/sync_groups.sync_groups, the job's (trainer group, pool) groups,
-    made here at start (an engine whose own workers receive, vLLM's on GPUs, joins them)."""
+def replica_channels(world: MPI.Comm, engine, sync_backend: str = "auto", sync_timeout_s: float = 0.0,
+                     sync_groups=(), setup: Deadline | None = None) -> SyncChannels:
+    """A replica's sync channels, its groups made (an engine whose own workers receive,
+    vLLM's on GPUs, joins them); `setup`: their set-up's one deadline (start-up)."""
     channels = SyncChannels(world, sync_backend, timeout_s=sync_timeout_s)
     remote = getattr(engine, "remote", None)
     channels.open(sync_groups, None if remote is None or channels.backend == "mpi" else
-                  lambda g: remote(g.agents[0]))
+                  lambda g: remote(g.agents[0]), setup)
+    return channels
+
+
+def trainer_channels(world: MPI.Comm, sync_backend: str = "auto", sync_timeout_s: float = 0.0,
+                     sync_groups=(), setup: Deadline | None = None) -> SyncChannels:
+    """A trainer rank's sync channels, its groups made; `setup` as replica_channels'."""
+    channels = SyncChannels(world, sync_backend, timeout_s=sync_timeout_s)
+    channels.open(sync_groups, None, setup)
+    return channels
+
+
+def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: SamplingParams,
+                 bucket_bytes: int, sync_backend: str = "auto", bell: Doorbell | None = None,
+                 live: Liveness | None = None, sync_timeout_s: float = 0.0, sync_groups=(),
+                 channels: SyncChannels | None = None) -> int:
+    """`live`: disarmed at the Stop, so the orchestrator's end that follows is no loss.
+    `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut).
+    `sync_groups`: config/sync_groups.sync_groups, the job's (trainer group, pool) groups,
+    made here at start unless `channels` (replica_channels) already holds them."""
+    if channels is None:
+        channels = replica_channels(world, engine, sync_backend, sync_timeout_s, sync_groups)
     clock = WorkerClock()
     failed: set[str] = set()                 # agents whose sync this replica gave up on
     while True:
@@ -207,15 +225,17 @@ class TrainerRank:
 def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover, ckpt_dir: Path,
                  bucket_bytes: int, keep_checkpoints: int = 3, sync_backend: str = "auto",
                  sync_wire: torch.dtype | None = None, bell: Doorbell | None = None,
-                 live: Liveness | None = None, sync_timeout_s: float = 0.0, sync_groups=()) -> int:
+                 live: Liveness | None = None, sync_timeout_s: float = 0.0, sync_groups=(),
+                 channels: SyncChannels | None = None) -> int:
     """Every rank of a trainer group runs this; rank 0 of `group` talks to the orchestrator
     and forwards each command to the members (a non-spinning broadcast). `mover` holds the
     agents whose state is on this group, live (`mover.trainers`) or parked in host memory.
     `live`: disarmed at the Stop, so the orchestrator's end that follows is no loss.
     `sync_timeout_s`: weight_sync.timeout_s (a sync past it is reported, SyncTimedOut).
-    `sync_groups`: the job's (trainer group, pool) sync groups, made here at start."""
-    channels = SyncChannels(world, sync_backend, timeout_s=sync_timeout_s)
-    channels.open(sync_groups)
+    `sync_groups`: the job's (trainer group, pool) sync groups, made here at start unless
+    `channels` (trainer_channels) already holds them."""
+    if channels is None:
+        channels = trainer_channels(world, sync_backend, sync_timeout_s, sync_groups)
     rank = TrainerRank(world, group, mover, ckpt_dir, bucket_bytes, keep_checkpoints, channels, sync_wire)
     while True:
         cmd = recv_command(world, orch, bell) if rank.leader else None

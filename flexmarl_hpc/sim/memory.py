@@ -18,9 +18,15 @@ host bytes (a CPU engine), checked on the node against the pool's --mem.
 vLLM replica ranks: vLLM cannot run here, so a replica is accounted, not run: vLLM's documented
 use (it takes `gpu_memory_utilization` of every GPU's total memory, the pool's
 `vllm_engine.memory_fraction`, and refuses to start when that cannot hold the weights' TP
-shard and one sequence's KV cache), then a weight receive's one buffer beside it, of a bucket
-or of the largest tensor sent in pieces (`weight_sync.plan_buckets` at the wire dtype). No host copies: agents
+shard and one rollout.max_model_len sequence's KV cache), then a weight receive's one buffer
+beside it, of a bucket or of the largest tensor sent in pieces (`build.receive_span` at the
+wire dtype), and the sync communicators its workers join. No host copies: agents
 sharing an engine are re-sent by the trainer.
+
+GPU ranks also hold what no tensor shows (config/gpu_memory.py, each with its source): a
+CUDA context, each NCCL communicator (counted per rank from the layout) and the allocator's
+fragmentation; the table prints each beside the tensors, and each refusal says its remedy.
+A checkpoint save is counted from the trainer's real DDP buffers (`save_spike`).
 
 Limits: a rank's device memory is its pool's `gpu_memory_gb`, a trainer rank's the hardware
 profile's `hbm_gb` (groups have no memory field); a node's host memory is its component's
@@ -44,7 +50,7 @@ from flexmarl_hpc.config.schema import Config
 GB = 1e9
 VLLM_GPU_MEMORY_UTILIZATION = 0.85
 """The fraction rollout/vllm_engine.py passes to vLLM's LLM(gpu_memory_utilization=...)."""
-REPLICA_HEAD = ("the torch engine run", "the pool's vLLM memory fraction + one bucket")
+REPLICA_HEAD = ("the torch engine run", "the pool's vLLM memory fraction + one bucket + sync communicators")
 """What the report's head says a replica's rows are (torch pools, vLLM pools)."""
 
 
@@ -64,6 +70,18 @@ class Row:
     """Peak host bytes of the rank's node (0: not a node total row)."""
     node_limit: int = 0
     """The node's --mem in bytes (0: not set, not checked)."""
+    tensor_bytes: int = -1
+    """Peak device bytes of the rank's tensors (-1: device_bytes, no allowances added)."""
+    context: int = 0
+    """The CUDA context counted on top (config/gpu_memory.py)."""
+    nccl: int = 0
+    """The NCCL communicators' buffers counted on top."""
+    comms: int = 0
+    """How many NCCL communicators the rank holds."""
+    fragmentation: int = 0
+    """The caching allocator's rounding and fragmentation counted on top."""
+    remedy: str = ""
+    """What would make this row fit, said when it does not."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,11 +161,41 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
         if phase("train step"):
             return out
         tr.optimizer_step()
-        if phase("optimizer step") or rank not in tr.sync_senders():
+        if phase("optimizer step"):
+            return out
+        per_stage = size // tcfg.pipeline_parallel
+        out.append(save_spike(tr, out[-1].device_live, c.live["host"], per_stage // tcfg.tensor_parallel,
+                              rank % per_stage // tcfg.tensor_parallel))
+        if (limit and out[-1].device > limit) or rank not in tr.sync_senders():
             return out
         _send(tr, cfg.weight_sync.bucket_mb, wire)
         phase("weight sync (send)")
     return out
+
+
+def save_spike(tr, device_live: int, host_live: int, dp: int, dp_rank: int = 0) -> Phase:
+    """A checkpoint save's peak (trainer/megatron/dist_ckpt.py: format fully_reshardable,
+    mem_efficient), counted from this rank's real DDP buffers, since the save itself writes
+    files. megatron-core 0.16's `get_parameter_state_dp_zero(use_gloo_comm=True)`
+    (distrib_optimizer.py), for each buffer's bucket and each of param, exp_avg, exp_avg_sq,
+    all on the host: every rank its local shard (12 B x numel / DP over the three states);
+    DP rank 0 also the "world" tensors of all three states (12 B x the buffers' unpadded
+    numel), the DP ranks' shards received (4 B x numel) and their concatenation (4 B x numel).
+    Then dist_checkpointing stages the rank's model shard on the host (its weights' bytes;
+    only one DP replica writes a shard, so this overstates DP ranks > 0). No device bytes.
+    With one DP rank dist_ckpt.py writes the states into the world tensors directly. Without
+    trainer.overlap_grad_reduce megatron makes one bucket of the whole buffer."""
+    opts = tr._dist_optimizers()
+    buckets = [b.grad_data.numel() for o in opts for buf in o.buffers for b in buf.buckets] or [0]
+    world = sum(buf.numel_unpadded for o in opts for buf in o.buffers)
+    weights = sum(p.numel() * p.element_size() for p in tr.model.parameters())
+    big = max(buckets)
+    if dp == 1:
+        host = 12 * world
+    else:
+        host = int(12 * big / dp) + ((12 * world + 8 * big) if dp_rank == 0 else 0)
+    host += weights
+    return Phase("checkpoint save", device_live, host_live + host, device_live + host_live + host, device_live)
 
 
 def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
@@ -198,28 +246,43 @@ def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, 
                  wire: torch.dtype | None) -> list[Row]:
     """A replica of pool `p`, on each of its GPUs (one vLLM TP worker each): vLLM's budget, the
     pool's memory fraction (rollout/vllm_engine.memory_fraction, which leaves a weight sync its
-    bucket and NCCL's buffers), must hold the weights' TP shard and one max_seq_len sequence's
-    KV cache or vLLM refuses to start; a weight receive then adds one buffer beside it, of a
+    bucket and its sync communicators' NCCL buffers), must hold the weights' TP shard and one
+    rollout.max_model_len sequence's KV cache or vLLM refuses to start; vLLM's own CUDA
+    context, TP communicator and allocator slack are inside that budget (it measures them
+    before sizing its KV cache). A weight receive then adds, outside it: one buffer of a
     bucket or of the largest tensor larger than a bucket (its pieces land in place:
-    weight_sync.Plan.span, SyncWorker.flexmarl_recv). Host: nothing
-    model-sized (agents sharing an engine are re-sent by the trainer, not kept)."""
+    weight_sync.Plan.span, SyncWorker.flexmarl_recv) with the allocator's rounding, and one
+    NCCL communicator per trainer group feeding the pool (config/gpu_memory.py). Host:
+    nothing model-sized (agents sharing an engine are re-sent by the trainer, not kept)."""
+    from flexmarl_hpc.config.gpu_memory import allowances, replica_sync_comms
     from flexmarl_hpc.rollout.vllm_engine import memory_fraction
     from flexmarl_hpc.runtime import build, weight_sync
     pool = rollout_pools(cfg)[p]
     bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
-    fraction = memory_fraction(pool.gpu_memory_gb, bucket_bytes) if pool.gpu_memory_gb else \
+    comms = len(replica_sync_comms(cfg, p))
+    models = [build.model_args(cfg, task, a) for a in pool.agents]
+    bucket = build.receive_span(cfg, models, wire)              # a split tensor lands whole
+    fraction = memory_fraction(pool.gpu_memory_gb, bucket, comms) if pool.gpu_memory_gb else \
         VLLM_GPU_MEMORY_UTILIZATION
-    start = bucket = 0
-    for a in pool.agents:
-        args = build.model_args(cfg, task, a)
+    start = 0
+    for args in models:
         layout = [(k, shape, torch.float32) for k, shape in _hf_shapes(args).items()]
         buckets = weight_sync.plan_buckets(layout, bucket_bytes, wire)
-        bucket = max(bucket, max(b.span for b in buckets))      # a split tensor lands whole
-        start = max(start, _engine_need(args, sum(b.total for b in buckets), pool.gpus_per_replica, fraction))
+        start = max(start, _engine_need(args, sum(b.total for b in buckets), pool.gpus_per_replica, fraction,
+                                        cfg.rollout.max_model_len))
     engine = max(int(fraction * device_limit), start)
+    extra = allowances(bucket, comms, context=False)
     name, where = f"pool {pool.name}", f"rank {first_rank} (replica 0, GPU 0)"
-    return [Row(name, where, "engine start (vLLM fraction)", engine, 0, device_limit, 0, node_limit),
-            Row(name, where, "weight receive (one bucket)", engine + bucket, 0, device_limit, 0, node_limit)]
+    over_start = (f"raise pool {pool.name}'s gpus_per_replica (TP {pool.gpus_per_replica}: each GPU holds 1/TP "
+                  "of the weights and KV cache) or lower rollout.max_model_len")
+    over_recv = (f"lower weight_sync.bucket_mb ({cfg.weight_sync.bucket_mb:g}) or feed pool {pool.name} from fewer "
+                 f"trainer groups ({comms} sync communicators a GPU)")
+    if engine > int(fraction * device_limit):     # vLLM needs more than its fraction: no room is left
+        over_recv = over_start + " (vLLM needs more than its memory fraction to start, so the receive has no room)"
+    return [Row(name, where, "engine start (vLLM fraction)", engine, 0, device_limit, 0, node_limit,
+                remedy=over_start),
+            Row(name, where, "weight receive (one bucket)", engine + bucket + extra.total, 0, device_limit, 0,
+                node_limit, engine + bucket, 0, extra.nccl, extra.comms, extra.fragmentation, over_recv)]
 
 
 def torch_replica_rows(cfg: Config, task, p: int, first_rank: int, wire: torch.dtype | None) -> list[Row]:
@@ -232,11 +295,15 @@ def torch_replica_rows(cfg: Config, task, p: int, first_rank: int, wire: torch.d
             for ph in torch_replica(cfg, task, p, wire)]
 
 
-def _engine_need(args, weight_bytes: int, tp: int, fraction: float = VLLM_GPU_MEMORY_UTILIZATION) -> int:
+def _engine_need(args, weight_bytes: int, tp: int, fraction: float = VLLM_GPU_MEMORY_UTILIZATION,
+                 max_model_len: int = 0) -> int:
     """GPU memory vLLM needs to start: its budget (gpu_memory_utilization x total) must hold
-    the weights' TP shard and the KV cache of at least one max_seq_len sequence (K and V, bf16),
-    else it refuses; so total >= (weights / tp + kv) / utilization."""
-    kv = 2 * args.num_layers * args.num_kv_heads * args.head_dim * args.max_seq_len * 2 // tp
+    the weights' TP shard and the KV cache of at least one sequence of the engine's
+    max_model_len (rollout.max_model_len within the model's max_seq_len, as
+    rollout/vllm_engine.py passes it; K and V, bf16), else it refuses; so total >= (weights /
+    tp + kv) / utilization."""
+    tokens = min(max_model_len or args.max_seq_len, args.max_seq_len)
+    kv = 2 * args.num_layers * args.num_kv_heads * args.head_dim * tokens * 2 // tp
     return int((weight_bytes // tp + kv) / fraction)
 
 
@@ -349,25 +416,71 @@ def _role(grp: Group, r: int) -> str:
 def _group_rows(cfg: Config, grp: Group, g: int, results: dict, comps: dict, limit: int,
                 phases: bool = True) -> list[Row]:
     """The group's rows per checked rank and phase (`phases`) and its node total: the leader
-    and ranks-per-node - 1 ranks like the largest of the others, each also holding the parked
-    training states of the group's other agents (state swap: host copies of a rank's
-    weights, grads and Adam moments, its device state after the optimizer step). A group
-    without GPUs trains on its CPUs: its "device" is the node's RAM, so each rank's whole
-    peak (device + host) counts toward the node's --mem, and no device limit applies."""
+    and ranks-per-node - 1 ranks like the largest of the others, each also holding the
+    pinned host copies of its agents' training states (state swap: a rank's weights, grads
+    and Adam moments, its device state after the optimizer step; runtime/state_swap.py's
+    HostBuffers are kept for reuse once an agent was parked, also while it is resident
+    again, so a group of n > 1 agents holds n of them; one agent is never parked). On GPUs
+    each phase adds the rank's CUDA context, its NCCL communicators and the allocator's
+    fragmentation (config/gpu_memory.py). A group without GPUs trains on its CPUs: its
+    "device" is the node's RAM, so each rank's whole peak (device + host) counts toward the
+    node's --mem, and no device limit applies."""
+    from flexmarl_hpc.config.gpu_memory import allowances, trainer_comms
     name = f"group {grp.name}" if cfg.trainer.named_groups else "trainer"
     base = comps[name].first_rank + (0 if cfg.trainer.named_groups else
                                      sum(x.ranks for x in trainer_groups(cfg)[:g]))
     cpu = comps[name].slurm.gpus_per_node == 0
     rows, ranks = [], checked_ranks(grp)
     for r in ranks if phases else []:
-        rows += [Row(f"group {grp.name}", f"rank {base + r} ({_role(grp, r)})", p.name, p.device, p.host,
-                     0 if cpu else limit) for p in results[(g, r)]]
+        comms = len(trainer_comms(cfg, g, r))
+        for p in results[(g, r)]:
+            a = allowances(0 if cpu else p.device, 0 if cpu else comms, context=not cpu)
+            rows.append(Row(f"group {grp.name}", f"rank {base + r} ({_role(grp, r)})", p.name,
+                            p.device + a.total, p.host, 0 if cpu else limit, 0, 0, p.device, a.context, a.nccl,
+                            a.comms, a.fragmentation, trainer_remedy(cfg, grp, p.name)))
     per_node = -(-grp.ranks // max(grp.slurm.nodes, 1))
+    parked = len(grp.agents) if len(grp.agents) > 1 else 0
     host = {r: max(p.total if cpu else p.host for p in results[(g, r)])
-            + (len(grp.agents) - 1) * results[(g, r)][-1].device_live for r in ranks}
-    node = host[0] + (per_node - 1) * max((host[r] for r in ranks if r), default=0)
+            + parked * results[(g, r)][-1].device_live for r in ranks}
+    node = node_host(grp, per_node, host)
     rows.append(_node_row(f"group {grp.name}", base, per_node, "ranks", node, node_limit(cfg, comps[name])))
+    rows[-1].remedy = (f"raise group {grp.name}'s slurm.mem or slurm.mem_per_gpu, or spread its {grp.ranks} "
+                       f"ranks over more nodes (slurm.nodes {grp.slurm.nodes})")
     return rows
+
+
+def node_host(grp: Group, per_node: int, host: dict[int, int]) -> int:
+    """A node's host bytes from its checked ranks' (`host`: group rank -> bytes). A
+    checkpoint save gathers the optimizer state on DP rank 0 (save_spike): a node of
+    `per_node` ranks holds per_node / DP of those (megatron's order: TP fastest, then DP),
+    each like the largest checked one (every stage's sender is one), and the rest like the
+    largest checked rank of another DP rank (the last rank); with DP 1 every rank is one."""
+    dp = grp.ranks // (grp.tensor_parallel * grp.pipeline_parallel)
+    per_stage = grp.ranks // grp.pipeline_parallel
+    zero = [v for r, v in host.items() if r % per_stage < grp.tensor_parallel]
+    rest = [v for r, v in host.items() if r % per_stage >= grp.tensor_parallel] or zero
+    n_zero = per_node if dp == 1 else -(-per_node // dp)
+    return n_zero * max(zero) + (per_node - n_zero) * max(rest)
+
+
+def trainer_remedy(cfg: Config, grp: Group, phase: str) -> str:
+    """What would make a trainer rank's `phase` fit: states shrink with TP x PP, activations
+    with recompute and a smaller micro-batch, the save's gather with DDP buckets, the send with
+    the bucket."""
+    states = (f"raise group {grp.name}'s tensor_parallel or pipeline_parallel (TP {grp.tensor_parallel} x "
+              f"PP {grp.pipeline_parallel}: each rank holds 1/(TP x PP) of the states)")
+    if phase == "train step":
+        t = cfg.trainer
+        if getattr(t, "recompute", "none") != "full":
+            return f"turn on trainer.recompute: full (now {getattr(t, 'recompute', 'none')}), or " + states
+        return (f"lower trainer.micro_batch_size ({t.micro_batch_size} -> {max(t.micro_batch_size // 2, 1)}) "
+                f"or raise trainer.pipeline_microbatches ({t.pipeline_microbatches}), or " + states)
+    if phase == "checkpoint save" and not cfg.trainer.overlap_grad_reduce:
+        return ("turn on trainer.overlap_grad_reduce (the save gathers one DDP bucket at a time; without it the "
+                "bucket is the rank's whole buffer), or " + states)
+    if phase == "weight sync (send)":
+        return f"lower weight_sync.bucket_mb ({cfg.weight_sync.bucket_mb:g}), or " + states
+    return states
 
 
 def _mem(nbytes: int) -> str:
@@ -377,32 +490,39 @@ def _mem(nbytes: int) -> str:
 
 
 def failures(rows: list[Row]) -> list[str]:
-    """One line per rank over its device memory or node over its --mem."""
+    """One line per rank over its device memory or node over its --mem, with its remedy."""
     out = []
+    fix = lambda r: f"; remedy: {r.remedy}" if r.remedy else ""       # noqa: E731
     for r in rows:
         if r.device_limit and r.device_bytes > r.device_limit:
             out.append(f"{r.component} {r.rank}: {r.phase} needs {r.device_bytes / GB:.1f} GB of device "
-                       f"memory, more than its {r.device_limit / GB:.0f} GB")
+                       f"memory, more than its {r.device_limit / GB:.0f} GB{fix(r)}")
         if r.node_limit and r.node_host_bytes > r.node_limit:
             out.append(f"{r.component} {r.rank}: {r.node_host_bytes / GB:.1f} GB of host memory, more than "
-                       f"the node's --mem {_mem(r.node_limit)}")
+                       f"the node's --mem {_mem(r.node_limit)}{fix(r)}")
     return out
 
 
 def table(rows: list[Row]) -> str:
-    """Per component and rank: each phase's peak device and host GB, and node totals."""
-    lines = [f"{'component':16s} {'rank':34s} {'phase':30s} {'device GB':>10s} {'host GB':>9s}",
-             "-" * 103]
+    """Per component and rank: each phase's peak device GB (its tensors, then each allowance a
+    GPU adds: CUDA context, NCCL communicators (count), fragmentation, config/gpu_memory.py;
+    "-": inside vLLM's budget or not counted), host GB, and node totals."""
+    lines = [f"{'component':16s} {'rank':34s} {'phase':30s} {'tensors':>8s} {'context':>8s} {'NCCL (n)':>10s} "
+             f"{'frag':>5s} {'device GB':>10s} {'host GB':>8s}", "-" * 138]
     for r in rows:
         if r.phase != "node total":
             mark = "  OVER" if r.device_limit and r.device_bytes > r.device_limit else ""
-            lines.append(f"{r.component:16s} {r.rank:34s} {r.phase:30s} {r.device_bytes / GB:10.1f} "
-                         f"{r.host_bytes / GB:9.1f}{mark}")
+            tensors = r.device_bytes if r.tensor_bytes < 0 else r.tensor_bytes
+            gb = lambda v: f"{v / GB:.1f}" if v else "-"                       # noqa: E731
+            nccl = f"{r.nccl / GB:.1f} ({r.comms})" if r.comms else "-"
+            lines.append(f"{r.component:16s} {r.rank:34s} {r.phase:30s} {tensors / GB:8.1f} {gb(r.context):>8s} "
+                         f"{nccl:>10s} {gb(r.fragmentation):>5s} {r.device_bytes / GB:10.1f} "
+                         f"{r.host_bytes / GB:8.1f}{mark}")
         if r.node_host_bytes or r.phase == "node total":
             lim = f"--mem {_mem(r.node_limit)}" if r.node_limit else "--mem 0: whole node, unchecked"
             mark = "  OVER" if r.node_limit and r.node_host_bytes > r.node_limit else ""
             lines.append(f"{r.component:16s} {'node ' + r.rank.split(' (')[0] + ' is on':34s} "
-                         f"{'node host total':30s} {'':>10s} {r.node_host_bytes / GB:9.1f}  ({lim}){mark}")
+                         f"{'node host total':30s} {'':>45s} {r.node_host_bytes / GB:8.1f}  ({lim}){mark}")
     return "\n".join(lines)
 
 
@@ -426,10 +546,29 @@ def memory_report(config: str, overrides: list[str], hardware: str, as_json: boo
                 f"{REPLICA_HEAD[cfg.rollout.backend == 'vllm']}), trainer device limit "
                 f"{hw.hbm_gb:.0f} GB ({hw.name}), micro-batch {cfg.trainer.micro_batch_size}, "
                 f"recompute {getattr(cfg.trainer, 'recompute', 'none')}")
-        text = "\n".join([head, table(rows)] + send_peaks(rows)
+        text = "\n".join([head, *allowance_lines(cfg), table(rows)] + send_peaks(rows)
                           + [f"not checked: {n}" for n in unchecked(cfg, only)]
                           + [f"FAILS: {b}" for b in bad] + (["fits"] if not bad else []))
     return text, 1 if bad else 0
+
+
+def allowance_lines(cfg: Config) -> list[str]:
+    """The report's statement of each GPU allowance with its source, and each model's
+    vocabulary with where it comes from."""
+    from flexmarl_hpc.config import gpu_memory as gm
+    from flexmarl_hpc.runtime.build import build_task, model_args
+    task = build_task(cfg)
+    vocab = {}
+    for a in cfg.agent_names:
+        m = cfg.model_for(a)
+        src = f"{m.checkpoint}/config.json" if m.checkpoint else "the task's tokenizer"
+        vocab.setdefault((model_args(cfg, task, a).vocab_size, src), []).append(a)
+    return [f"GPU allowances: CUDA context {gm.CUDA_CONTEXT_BYTES / GB:.2f} GB a process (pytorch#86509, eager "
+            f"loading); NCCL {gm.nccl_comm_bytes() / GB:.2f} GB a communicator (max of {gm.NCCL_CHANNELS} "
+            f"channels x {gm.NCCL_RING_PEERS} ring peers x (NCCL_BUFFSIZE 4 MiB + LL128 4.69 MiB + LL 0.5 MiB) and "
+            f"688 MB measured, NVIDIA/nccl#964); fragmentation {gm.FRAGMENTATION:.0%} of the tensors "
+            "(an allowance, to be measured on a GPU)"] + \
+        [f"vocabulary {v:,} ({src}): {', '.join(names)}" for (v, src), names in vocab.items()]
 
 
 def send_peaks(rows: list[Row]) -> list[str]:

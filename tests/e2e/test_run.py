@@ -46,6 +46,9 @@ def test_sync_run_trains_every_sample_exactly_once(sync_run):
     check_exactly_once(out / "local.h5", 6)
     check_groups_differ(out / "local.h5", steps=(0, 1))
     assert (out / "config.yaml").is_file() and (out / "train.log").is_file()
+    log = (out / "train.log").read_text()            # start-up's two phases, measured on every rank
+    assert "start-up: engines and trainers built in " in log and "; run.build_timeout_s bounds it)" in log
+    assert "start-up: weight-sync communicators set up in " in log
     with h5py.File(out / "local.h5", "r") as f:
         roles = set(f["intervals"]["role"].tolist())
         assert {b"rollout", b"trainer"} <= roles

@@ -321,6 +321,24 @@ def check_reshard(folder):
         assert b.version == 1
         log(f"ok checkpoint: TP2 save ({t_save:.1f} s) -> TP{tp}xPP{pp}xDP{world.Get_size() // (tp * pp)} load ({t_load:.1f} s): "
             f"vocab {V} padded to {padded_vocab(args)} at every TP, weights and Adam moments identical (max |diff| {d:.1e}), version {b.version}")
+    check_dp2_save(args, b, folder)
+
+
+def check_dp2_save(args, b, folder):
+    """The TP1 x PP2 trainer `b` relaid to TP1 x DP2 saves (megatron's gather of the
+    optimizer state over DP, to DP rank 0 over gloo: dist_ckpt._META) and a TP2 trainer
+    loads that entry bit-equal."""
+    want = b.state()
+    init_group_distributed(world, 1, 1, relayout=True)
+    c = MegatronTrainer(args, cfg_for(1, 1), world, 1.0, hf_state_dict(init_model(args, seed=8)))
+    c.load_state(want)
+    c.save_checkpoint(f"{folder}_dp2")
+    init_group_distributed(world, 2, 1, relayout=True)
+    e = MegatronTrainer(args, cfg_for(2, 1), world, 1.0, hf_state_dict(init_model(args, seed=9)))
+    e.load_checkpoint(f"{folder}_dp2")
+    d = maxdiff({k: v for k, v in e.state().items() if k != "rng"}, {k: v for k, v in want.items() if k != "rng"})
+    assert d < 1e-7, f"a DP 2 save loaded into TP 2 differs by {d}"
+    log(f"ok checkpoint: TP1xDP2 save -> TP2xDP1 load: weights and Adam moments identical (max |diff| {d:.1e})")
 
 def check_lean_save(trainer, folder):
     """A save on one DP rank (each TP rank here): the optimizer state gathered without

@@ -70,6 +70,7 @@ def test_ppo_epochs_replay_matches_torch_with_tp2_and_pp2(megatron):
 def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
     out = _run(megatron, 2, "ckpt", str(tmp_path / "ckpt"))
     assert "-> TP1xPP1xDP2 load" in out and "-> TP1xPP2xDP1 load" in out
+    assert "ok checkpoint: TP1xDP2 save -> TP2xDP1 load" in out          # the DP gather, mem-efficient
     assert "vocab 23 padded to 128 at every TP" in out
     assert "gathered without copies == megatron's" in out
     # published through checkpoint.py: a folder entry with its sha256 manifest

@@ -36,7 +36,7 @@ def test_fake_run_agrees_with_the_analytic_count_at_a_mid_size_shape():
     from flexmarl_hpc.sim.memory import analytic_device, run_jobs
     cfg = load_config(ROOT / "configs" / "local.yaml", MID)
     task = build_task(cfg)
-    build, train, opt, send = run_jobs([(cfg, 0, 0, None, 0, 1024)], 1)[0]   # its own process, as the CLI; 1024 tokens
+    build, train, opt, save, send = run_jobs([(cfg, 0, 0, None, 0, 1024)], 1)[0]   # its own process, as the CLI; 1024 tokens
     P = param_count(cfg.model, len(task.vocab))
     rows = cfg.trainer.micro_batch_size // 2            # DP 2
     a = analytic_device(P // 2, 2, True, rows, 1024, 1024, 16, 4, "full", 2)
@@ -45,8 +45,15 @@ def test_fake_run_agrees_with_the_analytic_count_at_a_mid_size_shape():
           f"{(train.device - build.device_live) / GB:.3f} GB, analytic {(a['activations'] + a['buffer']) / GB:.3f} GB")
     assert abs(opt.device_live - states) <= 0.02 * states
     assert abs((train.device - build.device_live) - (a["activations"] + a["buffer"])) <= 0.10 * a["activations"]
-    assert [p.name for p in (build, train, opt, send)] == ["build", "train step", "optimizer step",
-                                                          "weight sync (send)"]
+    assert [p.name for p in (build, train, opt, save, send)] == ["build", "train step", "optimizer step",
+                                                                "checkpoint save", "weight sync (send)"]
+    # the save (megatron's fully_reshardable gather over gloo to DP rank 0, which rank 0 is;
+    # one DDP bucket of the rank's whole buffer without overlap_grad_reduce): nothing on the
+    # device; on the host 12 B of world states + the bf16 weights + 8 B + 12 B / 2 of
+    # per-bucket copies a param
+    mine = P // 2
+    assert save.device == opt.device_live
+    assert 28 * mine <= save.host <= 28.3 * mine + opt.host, (save.host, opt.host, mine)
 
 
 class _Stage:
@@ -96,9 +103,9 @@ def test_every_pipeline_stages_sender_runs_its_send_within_the_bucket_bound():
     grp = trainer_groups(cfg)[0]
     assert sender_ranks(grp) == [0, 2] and checked_ranks(grp) == [0, 2, 3]
     first, last, idle = run_jobs([(cfg, 0, r, None, 0) for r in (0, 2, 3)], 2)
-    assert [p.name for p in idle] == ["build", "train step", "optimizer step"]
+    assert [p.name for p in idle] == ["build", "train step", "optimizer step", "checkpoint save"]
     for phases in (first, last):
-        opt, send = phases[2], phases[3]
+        opt, send = phases[2], phases[4]
         assert send.name == "weight sync (send)"
         extra = send.device - opt.device_live
         print(f"send extra {extra / 2**20:.2f} MiB")
@@ -113,6 +120,9 @@ def test_refuses_a_32b_trainer_at_tp1_pp1_naming_the_rank():
     over = [r for r in rows if r.rank.startswith("rank 353") and r.phase == "build"][0]
     assert over.device_bytes > 32e9 * 6                  # bf16 weights + fp32 grads of all 32B params
     assert {r.phase for r in rows if r.rank.startswith("rank 353")} == {"build", "node total"}   # stops there
+    # TP 1 x PP 1 x DP 32: the default, data-parallel and (shop32_0, p32) sync communicators
+    assert (over.comms, over.context > 0, over.fragmentation) == (3, True, int(0.1 * over.tensor_bytes))
+    assert "; remedy: raise group shop32_0's tensor_parallel or pipeline_parallel (TP 1 x PP 1" in bad[0]
 
 
 def test_tp8_pp2_build_fits_where_tp1_does_not():
@@ -150,29 +160,43 @@ def test_refuses_a_32b_agent_on_a_tp1_replica_naming_the_rank():
     engine, receive = replica_rows(tp1, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
     bad = failures([engine, receive])
     assert bad and bad[0].startswith("pool p32 rank 1 (replica 0, GPU 0): engine start")
-    fraction = memory_fraction(64, int(cfg.weight_sync.bucket_mb * 2**20))
+    from flexmarl_hpc.runtime.build import model_args, receive_span
+    span = receive_span(cfg, [model_args(cfg, task, "shop32_0")], torch.bfloat16)   # the receive buffer
+    fraction = memory_fraction(64, span, 3)                                         # 3 groups feed p32
     assert engine.device_bytes > 32e9 * 2 / fraction                     # the bf16 weights alone
-    # TP 4 (the paper's): vLLM takes its fraction, a receive adds one bucket, within 64 GB
+    assert "remedy: raise pool p32's gpus_per_replica (TP 1" in bad[0]
+    # TP 4 (the paper's): vLLM takes its fraction, a receive adds one bucket (with the
+    # allocator's rounding) and its 3 sync communicators' NCCL buffers, within 64 GB
+    from flexmarl_hpc.config.gpu_memory import nccl_comm_bytes
     engine4, receive4 = replica_rows(cfg, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
     assert engine4.device_bytes == int(fraction * 64 * GB)
-    assert 0 < receive4.device_bytes - engine4.device_bytes <= cfg.weight_sync.bucket_mb * 2**20
+    assert (receive4.comms, receive4.nccl, receive4.context) == (3, 3 * nccl_comm_bytes(), 0)
+    assert receive4.device_bytes - engine4.device_bytes == \
+        receive4.tensor_bytes - engine4.device_bytes + receive4.nccl + receive4.fragmentation
+    assert receive4.tensor_bytes - engine4.device_bytes == span <= cfg.weight_sync.bucket_mb * 2**20
     assert receive4.device_bytes <= 64 * GB and not failures([engine4, receive4])
     assert engine4.host_bytes == receive4.host_bytes == 0                # no host copies
 
 
 def test_cli_exit_code_and_json_name_the_rank(capsys, tmp_path):
-    """Exit 1 names the rank over. The paper's p32 (TP 4) fits; with 16 GiB buckets its
-    receive does not: memory_fraction leaves vLLM's remainder as (bucket GiB + 1) GB of a GB-sized
-    GPU, and fraction x 64 GB + a 17.2 GB bucket is over 64 GB. A TP 1 copy of p32 is refused
-    before the check, by the config's own weights-fit rule, naming the field (exit 2)."""
+    """Exit 1 names the rank over, with a remedy. The paper's p32 (TP 4) fits; at TP 2 on 36
+    GB GPUs vLLM needs more than its fraction (which leaves the receive buffer and 3 sync
+    communicators free) to hold the 32B TP shard, so the receive has no room beside it: raise
+    TP. A TP 1 copy of p32 is refused before the check, by the config's own weights-fit rule,
+    naming the field (exit 2)."""
     from flexmarl_hpc import simulate
     assert simulate.main(["memory", PAPER, "--only", "p32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fits"]
-    assert simulate.main(["memory", PAPER, "weight_sync.bucket_mb=16384", "--only", "p32", "--json"]) == 1
+    tp2 = tmp_path / "paper_tp2.yaml"
+    tp2.write_text(open(PAPER).read().replace("gpus_per_replica: 4, gpu_memory_gb: 64, agents: [shop32",
+                                              "gpus_per_replica: 2, gpu_memory_gb: 36, agents: [shop32"))
+    assert simulate.main(["memory", str(tp2), "--only", "p32", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert not out["fits"] and out["failures"] == [
-        "pool p32 rank 1 (replica 0, GPU 0): weight receive (one bucket) needs 64.1 GB of device memory, "
-        "more than its 64 GB"]
+        "pool p32 rank 1 (replica 0, GPU 0): weight receive (one bucket) needs 38.7 GB of device memory, more than "
+        "its 36 GB; remedy: raise pool p32's gpus_per_replica (TP 2: each GPU holds 1/TP of the weights and KV "
+        "cache) or lower rollout.max_model_len (vLLM needs more than its memory fraction to start, so the "
+        "receive has no room)"]
     assert simulate.main(["memory", _tp1_p32(tmp_path), "--only", "p32"]) == 2
     assert "rollout.pools[0].gpus_per_replica: pool too small for agent 'shop32_0'" in capsys.readouterr().err
     assert simulate.main(["memory", PAPER, "--only", "nope"]) == 2
@@ -202,14 +226,17 @@ def test_a_node_over_its_mem_is_named():
     tight = dataclasses.replace(comp, slurm=dataclasses.replace(grp.slurm, mem="128G"))
     rows = _group_rows(cfg, group, 0, results, {**comps, "group shop32_0": tight}, int(64 * GB))
     bad = failures(rows)
-    assert rows[-1].node_host_bytes == int(40 * GB) + 15 * int(10 * GB)
+    # DP 2: half a node's ranks are DP rank 0 (the save gathers on them), each like rank 0
+    assert rows[-1].node_host_bytes == 8 * int(40 * GB) + 8 * int(10 * GB)
     first = comp.first_rank
-    assert bad == [f"group shop32_0 rank {first} (16 ranks a node): 190.0 GB of host "
-                   f"memory, more than the node's --mem 128G (137.4 GB)"]
-    assert not failures(_group_rows(cfg, group, 0, results, comps, int(64 * GB)))     # 190 GB within 768G
-    # two more agents on the group: each rank parks their states (2 GB each) on the host
+    assert bad == [f"group shop32_0 rank {first} (16 ranks a node): 400.0 GB of host "
+                   f"memory, more than the node's --mem 128G (137.4 GB); remedy: raise group shop32_0's "
+                   f"slurm.mem or slurm.mem_per_gpu, or spread its 32 ranks over more nodes (slurm.nodes 2)"]
+    assert not failures(_group_rows(cfg, group, 0, results, comps, int(64 * GB)))     # 400 GB within 768G
+    # two more agents on the group: each rank keeps a pinned host copy of every agent's state
+    # (2 GB each), the resident one's too (state_swap.HostBuffers are kept for reuse)
     three = dataclasses.replace(group, agents=["shop32_0", "x", "y"])
-    assert _group_rows(cfg, three, 0, results, comps, int(64 * GB))[-1].node_host_bytes == int(190 * GB) + 16 * int(4 * GB)
+    assert _group_rows(cfg, three, 0, results, comps, int(64 * GB))[-1].node_host_bytes == int(400 * GB) + 16 * int(6 * GB)
 
 
 def test_the_largest_stage_senders_send_is_reported_per_group():
@@ -358,3 +385,99 @@ def test_a_cpu_trainer_groups_training_memory_counts_on_its_nodes_ram():
     assert phases and all(r["device_limit"] == 0 for r in phases)
     assert node["phase"] == "node total"
     assert node["node_host_bytes"] >= max(r["device_bytes"] for r in phases) > 0     # the peak of the two together
+
+
+def test_a_train_step_refusal_suggests_recompute_then_a_smaller_micro_batch():
+    """Activations: recompute first; with recompute on, halve the micro-batch or cut it in more
+    pipeline chunks. States (build, optimizer step): raise TP or PP. A save over: DDP buckets."""
+    from flexmarl_hpc.sim.memory import trainer_remedy
+    cfg = _paper()
+    grp = cfg.trainer.named_groups[3]
+    assert trainer_remedy(cfg, grp, "train step").startswith(
+        "lower trainer.micro_batch_size (16 -> 8) or raise trainer.pipeline_microbatches (4)")
+    none = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, recompute="none"))
+    assert trainer_remedy(none, grp, "train step").startswith("turn on trainer.recompute: full (now none)")
+    assert trainer_remedy(cfg, grp, "build") == ("raise group shop14_0's tensor_parallel or pipeline_parallel "
+                                                 "(TP 4 x PP 1: each rank holds 1/(TP x PP) of the states)")
+    assert trainer_remedy(cfg, grp, "checkpoint save").startswith("turn on trainer.overlap_grad_reduce")
+    assert trainer_remedy(cfg, grp, "weight sync (send)").startswith("lower weight_sync.bucket_mb (1024)")
+
+
+def test_vllm_starts_at_rollout_max_model_len_not_the_models_context():
+    """vLLM's KV cache for one sequence is sized at rollout.max_model_len (within the model's
+    max_seq_len), as rollout/vllm_engine.py passes it: a 32,768-token context's cache is 4x
+    an 8,192-token one's."""
+    from flexmarl_hpc.learn.hf_config import ModelArgs
+    from flexmarl_hpc.sim.memory import _engine_need
+    args = ModelArgs(vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40, num_kv_heads=8,
+                     intermediate_size=27648, max_seq_len=32768)
+    kv = lambda n: 2 * 64 * 8 * 128 * n * 2 // 4                     # noqa: E731  K and V, bf16, TP 4
+    assert _engine_need(args, 0, 4, 0.5, 8192) == int(kv(8192) / 0.5)
+    assert _engine_need(args, 0, 4, 0.5) == int(kv(32768) / 0.5)
+    assert _engine_need(args, 0, 4, 0.5, 65536) == int(kv(32768) / 0.5)     # capped at the model's
+
+
+class _Bucket:
+    def __init__(self, n):
+        import torch
+        self.grad_data = torch.empty(n, device="meta")
+
+
+class _Buffer:
+    def __init__(self, sizes):
+        self.buckets = [_Bucket(n) for n in sizes]
+        self.numel_unpadded = sum(sizes) - 8                               # padding between buckets
+
+
+class _Saver:
+    """What save_spike reads of a megatron trainer: its distributed optimizers' DDP buffers
+    and its model's (bf16) parameters."""
+
+    def __init__(self, sizes):
+        import torch
+        self.opt = type("O", (), {"buffers": [_Buffer(sizes)]})()
+        self.model = torch.nn.Linear(10, 10, bias=False).to(torch.bfloat16)
+
+    def _dist_optimizers(self):
+        return [self.opt]
+
+
+def test_the_checkpoint_save_spike_is_megatrons_gather_to_dp_rank_0():
+    from flexmarl_hpc.sim.memory import save_spike
+    tr = _Saver([1000, 400])
+    world = 1400 - 8
+    p = save_spike(tr, 50, 7, dp=4)                                     # DP rank 0: the gather's root
+    assert (p.name, p.device_live, p.device) == ("checkpoint save", 50, 50)        # all on the host (gloo)
+    assert p.host == 7 + 12 * world + 200 + 8 * 1000 + int(12 * 1000 / 4)   # world states, weights, copies
+    other = save_spike(tr, 50, 7, dp=4, dp_rank=1)                      # its local shards and weights only
+    assert other.host == 7 + 200 + int(12 * 1000 / 4)
+    one = save_spike(tr, 50, 7, dp=1)                                   # dist_ckpt.py's DP-1 path
+    assert (one.device, one.host) == (50, 7 + 12 * world + 200)
+
+
+def test_the_report_states_each_allowance_and_the_checkpoints_vocabulary(tmp_path):
+    """A Qwen2.5 checkpoint folder of headers only (scripts/qwen_headers.py, a sparse file):
+    the report names its config.json's 152,064-token vocabulary, and each allowance's source."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("qwen_headers", ROOT / "scripts" / "qwen_headers.py")
+    qh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qh)
+    config = qh.make(tmp_path)                          # both folders, the paper config on them
+    folder = tmp_path / "qwen2.5-14b-instruct"
+    shards = [f.stat() for f in folder.glob("model-*-of-*.safetensors")]
+    assert len(shards) == 8 and sum(f.st_size for f in shards) > 29e9         # its full size, sparse
+    assert sum(f.st_blocks for f in shards) * 512 < 2**20                     # no bytes on disk
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.sim.memory import allowance_lines
+    cfg = load_config(config)
+    assert (cfg.model.max_seq_len, cfg.rollout.max_model_len) == (32768, 8192)   # config.json's context
+    # the 14B pool's receive buffer is Qwen's embedding in bf16, larger than the 1 GiB bucket:
+    # vLLM's fraction leaves that much (rollout/vllm_engine.memory_fraction), not a bucket
+    import torch
+    from flexmarl_hpc.runtime.build import build_task, model_args, receive_span
+    assert receive_span(cfg, [model_args(cfg, build_task(cfg), "shop14_0")], torch.bfloat16) == 152064 * 5120 * 2
+    lines = allowance_lines(cfg)
+    assert "CUDA context 0.67 GB a process (pytorch#86509" in lines[0] and "NVIDIA/nccl#964" in lines[0]
+    assert lines[1:] == [f"vocabulary 152,064 ({tmp_path}/qwen2.5-32b-instruct/config.json): shop32_0, shop32_1, "
+                         "shop32_2",
+                         f"vocabulary 152,064 ({folder}/config.json): " + ", ".join(f"shop14_{i}" for i in range(7))]

@@ -24,7 +24,13 @@ from flexmarl_hpc.store.checkpoint import CheckpointError, newest_valid, publish
 from flexmarl_hpc.trainer.megatron.dist import allgather_bytes, scope
 from flexmarl_hpc.trainer.megatron.hf_state import torch_adam
 
-_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+_META = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
+"""The format: reshardable across TP/PP/DP. mem_efficient: with DP > 1 the save gathers the
+optimizer state to DP rank 0 over gloo (megatron-core 0.16 distrib_optimizer.
+sharded_param_state_fully_reshardable) instead of all-gathering it to every rank through the
+GPU: 12 B a parameter of the rank's shard on the host of every rank ran the paper config's
+trainer nodes to 1.3 TB in `simulate memory` (docs/simulator.md); loading is the same either
+way."""
 
 
 class DistCheckpoint:
