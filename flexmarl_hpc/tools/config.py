@@ -24,7 +24,8 @@ class ToolsConfig:
     memory_mb: int = 512
     """Address space of the sandboxed code in MiB (RLIMIT_AS); a bigger allocation fails."""
     file_mb: int = 16
-    """Largest file the sandboxed code may write, in MiB (RLIMIT_FSIZE)."""
+    """Largest file the sandboxed code may write, in MiB (RLIMIT_FSIZE); as root also all it
+    writes in total (the minimal root's one writable tmpfs, tools/launcher.py)."""
     nproc: int = 32
     """Processes of the sandbox uid (RLIMIT_NPROC); counted over every sandbox of that uid
     running on the machine at once, so it must cover `workers` calls."""

@@ -101,5 +101,6 @@ class Tools:
         if name in self.functions:
             return self.functions[name]
         if name not in ("calculator", "python"):
-            raise KeyError(f"tool {name!r}: expected one of {sorted(['calculator', 'python', *self.functions])}")
+            raise KeyError(f"tool {name!r}: expected one of "
+                           f"{', '.join(map(repr, ['calculator', 'python', *self.functions]))}")
         return getattr(self, name)
