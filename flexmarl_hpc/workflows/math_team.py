@@ -57,6 +57,9 @@ async def solve(ctx, q: str) -> tuple[str | None, list[int]]:
     """One solver thread: its final answer and the solver call indices it used."""
     messages, tools = solver_prompt(q), [ctx.tool_schema("calculator")]
     reply = await ctx.chat("solver", messages, tools=tools)
+    # what an evaluation averages per episode: the calculator calls asked for, and unreadable ones
+    ctx.metrics["tool_calls"] = ctx.metrics.get("tool_calls", 0.0) + len(reply.tool_calls)
+    ctx.metrics["tool_errors"] = ctx.metrics.get("tool_errors", 0.0) + len(reply.tool_errors)
     if not (reply.tool_calls or reply.tool_errors):
         return extract_answer(reply.text, require_marker=True), [reply.call]
     first = reply.call

@@ -73,7 +73,7 @@ def test_two_solvers_one_with_the_calculator_and_the_verifier_picks_the_right_an
     # call 0: first solver's first turn, 1: second solver, 2: first solver's second turn
     assert f.rewards["solver"] == [1.0, 0.1, 1.0]
     assert f.rewards["planner"] == 0.9 and f.rewards["verifier"] == 1.0
-    assert f.ctx.metrics == {"team_correct": 1.0, "solvers": 2.0}
+    assert f.ctx.metrics == {"team_correct": 1.0, "solvers": 2.0, "tool_calls": 1.0, "tool_errors": 0.0}
 
 
 def test_a_malformed_tool_call_is_reported_to_the_solver_not_raised():
@@ -90,6 +90,7 @@ def test_a_malformed_tool_call_is_reported_to_the_solver_not_raised():
     assert not f.error, f.error
     assert f.ctx.calls["solver"] == 2 and f.rewards["solver"] == [1.0, 1.0]
     assert seen[0]["role"] == "tool" and seen[0]["content"].startswith("error: cannot read the tool call: invalid JSON")
+    assert (f.ctx.metrics["tool_calls"], f.ctx.metrics["tool_errors"]) == (0.0, 1.0)
 
 
 def test_unmarked_answers_earn_nothing_and_the_team_is_wrong():
