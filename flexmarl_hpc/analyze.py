@@ -4,6 +4,8 @@
     python -m flexmarl_hpc.analyze runs/sync/local.h5 runs/flex/local.h5 --out figs/
     python -m flexmarl_hpc.analyze runs/local/local.h5 --json              # machine-readable
     python -m flexmarl_hpc.analyze salvage runs/local/local.h5 [--out NEW.h5]   # a damaged store
+    python -m flexmarl_hpc.analyze runs/math_team/math_team.h5 --transcripts [--step N] [--agent A]
+                                   [--worst K] [--html page.html]   # what the agents said
 
 Figures (PNG, into --out, default `<first run's folder>/figures`): rewards.png,
 entropy_kl.png, timeline.png (per-rank Gantt; per role and pool/group beyond 64 ranks), utilization.png, staleness.png,
@@ -360,6 +362,21 @@ def salvage_main(argv: list[str]) -> int:
     return 0
 
 
+def _transcripts(a) -> int:
+    from flexmarl_hpc.analysis.transcripts import transcripts_main
+    if len(a.files) != 1 or (a.worst is not None and a.worst < 1):
+        print("analyze: --transcripts: expected one run file (and --worst K with K >= 1)", file=sys.stderr)
+        return 2
+    try:
+        print(transcripts_main(load_run(a.files[0]), a.step, a.agent, a.worst, a.tokenizer, a.html))
+    except AnalysisError as e:
+        print(f"analyze: {e}", file=sys.stderr)
+        return 2
+    if a.html:
+        print(f"page: {a.html}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["salvage"]:
@@ -370,7 +387,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="figure folder (default: <first file's folder>/figures)")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON, no figures")
     ap.add_argument("--no-plots", action="store_true", help="summary only")
+    ap.add_argument("--transcripts", action="store_true",
+                    help="print the episodes as conversations (analysis/transcripts.py), no summary")
+    ap.add_argument("--step", type=int, help="--transcripts: only this step's episodes")
+    ap.add_argument("--agent", help="--transcripts: episodes where this agent was called (--worst: by its rewards)")
+    ap.add_argument("--worst", type=int, help="--transcripts: the K episodes of lowest mean reward")
+    ap.add_argument("--html", type=Path, help="--transcripts: also write them as one HTML page")
+    ap.add_argument("--tokenizer", help="--transcripts: decode with this checkpoint folder, not the run's")
     a = ap.parse_args(argv)
+    if a.transcripts:
+        return _transcripts(a)
     runs, sums = [], []
     names = distinct_names(a.files)                 # runs of one name: their folders tell them apart
     for p, name in zip(a.files, names):

@@ -197,6 +197,9 @@ class WorkflowConfig:
     """Episode workflows: the calls of an episode that raised (or returned no usable reward).
     drop: never trained (status `dropped` in the store); zero: trained with reward 0 beside the
     example's other episodes. Either way the error is stored in /failures and logged."""
+    tool_formats: dict[str, str] = field(default_factory=dict)
+    """Episode workflows: {agent: format} of the tool calls its model writes (ctx.chat with
+    tools=; workflows/toolcalls.py FORMATS); an agent not listed: hermes (Qwen2.5, Hermes)."""
     max_failure_rate: float = 0.5
     """Episode workflows: the run stops (exit 1, checkpointed, store flushed) at the first step
     in which more than this share of episodes failed (0: any failure stops it; 1: never)."""

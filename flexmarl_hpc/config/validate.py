@@ -173,6 +173,10 @@ def _validate_episode(w: WorkflowConfig) -> None:
     _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
     # (on_error's values and the rate's type are checked by the loader: Literal, float)
     _float_in(w.max_failure_rate, "workflow.max_failure_rate", 0, 1)
+    from flexmarl_hpc.workflows.toolcalls import FORMATS     # pure, stdlib only
+    for agent, fmt in w.tool_formats.items():
+        _need(agent in w.agents, f"workflow.tool_formats.{agent}", f"expected an agent of {w.agents}")
+        _need(fmt in FORMATS, f"workflow.tool_formats.{agent}", f"expected one of {sorted(FORMATS)}, got {fmt!r}")
     if w.agent:
         _validate_agent(w)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 NOBODY = 65534
@@ -24,7 +24,8 @@ class ToolsConfig:
     memory_mb: int = 512
     """Address space of the sandboxed code in MiB (RLIMIT_AS); a bigger allocation fails."""
     file_mb: int = 16
-    """Largest file the sandboxed code may write, in MiB (RLIMIT_FSIZE)."""
+    """Largest file the sandboxed code may write, in MiB (RLIMIT_FSIZE); as root also all it
+    writes in total (the minimal root's one writable tmpfs, tools/launcher.py)."""
     nproc: int = 32
     """Processes of the sandbox uid (RLIMIT_NPROC); counted over every sandbox of that uid
     running on the machine at once, so it must cover `workers` calls."""
@@ -43,6 +44,9 @@ class ToolsConfig:
     """Tool ranks: a het component of their own (slurm.tools; under mpiexec, the last ranks),
     each running `workers` calls at once; the orchestrator sends them its episodes' tool
     calls and `ctx.call` functions over MPI. 0: a process pool on the orchestrator's node."""
+    functions: dict[str, str] = field(default_factory=dict)
+    """User tools: {name: 'module:function'}, a module-level def in a stdlib-only file, run
+    in the sandbox like model-written code (tools/functions.py; never imported by the run)."""
 
     def __post_init__(self) -> None:
         from flexmarl_hpc.config.schema import ConfigError     # a section of it (no cycle at import)
@@ -51,10 +55,25 @@ class ToolsConfig:
             if f.name == "ranks":
                 if not (isinstance(v, int) and 0 <= v <= MAX_RANKS):
                     raise ConfigError(f"tools.ranks: expected 0..{MAX_RANKS} (0: a local process pool), got {v!r}")
+            elif f.name == "functions":
+                self._check_functions()
             elif f.name != "python" and not (isinstance(v, (int, float)) and v > 0):
                 raise ConfigError(f"tools.{f.name}: expected a positive number, got {v!r}")
         if self.python and not os.access(self.python, os.X_OK):
             raise ConfigError(f"tools.python: expected an executable interpreter, got {self.python!r}")
+
+    def _check_functions(self) -> None:
+        from flexmarl_hpc.config.schema import ConfigError
+        from flexmarl_hpc.tools.functions import BUILTIN_SCHEMAS, read_function
+        if not isinstance(self.functions, dict):
+            raise ConfigError(f"tools.functions: expected {{name: 'module:function'}}, got {self.functions!r}")
+        for name, spec in self.functions.items():
+            if not isinstance(name, str) or not name.isidentifier() or name in BUILTIN_SCHEMAS:
+                raise ConfigError(f"tools.functions: {name!r} is no identifier or shadows a built-in tool")
+            try:
+                read_function(name, spec if isinstance(spec, str) else repr(spec))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def interpreter(self) -> str:
         if self.python:

@@ -11,25 +11,41 @@ Process tree, where the OS allows each step (what was in force is written to the
 
     launcher (root, new net + mount + pid namespaces; the parent kills its process group;
               SIGKILL when the parent dies: a SIGKILLed rank kills nothing itself)
-      init   (pid 1 of the new pid namespace: private /tmp, /dev/shm, /var/tmp, a new /proc)
+      init   (pid 1 of the new pid namespace: builds a minimal root and pivots into it)
         code (rlimits, uid/gid dropped, no new privileges, SIGKILL when init dies)
 
 Killing the launcher kills init (parent-death signal), and the kernel kills every process of
 a pid namespace when its init dies, so code that calls setsid() cannot outlive the call.
 The code is not pid 1 because pid 1 ignores signals it has no handler for (a SIGSEGV it
 sends itself, SIGXCPU), which would change what a crash looks like.
+
+The minimal root (as root, `minimal_root`): a small tmpfs, read-only after set-up, holding
+read-only binds of the system's /usr, /bin, /sbin and /lib* (or their symlinks), the
+interpreter's own tree when it lives elsewhere, /etc/ld.so.cache and /etc/localtime only,
+/dev/null, zero, full, random and urandom, a new /proc, and one writable tmpfs of
+`file_bytes` at /tmp (the code in /tmp/work; /dev/shm and /var/tmp are links to it), so the
+code's disk use in total is capped. Nothing else of the host is there: no /run, /var, /home,
+checkout, run folder or dataset, and no host Unix socket (abstract ones are the network
+namespace's). Where it cannot be built, the earlier private /tmp, /dev/shm and /var/tmp over
+the host's root are used (the report says `private_root: false`).
 """
 from __future__ import annotations
 
 import ctypes
 import json
 import os
+import platform
 import resource
 import signal
 import sys
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}.get(platform.machine())
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib64", "lib32", "libx32")
+ETC_FILES = ("ld.so.cache", "localtime")
+DEV_FILES = ("null", "zero", "full", "random", "urandom")
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 LAUNCH_FAILED = 125                     # the exit code of a launcher that could not start the code
 libc = ctypes.CDLL(None, use_errno=True)
@@ -76,6 +92,105 @@ def private_mounts(iso: dict) -> None:
         if _mount(".", "/tmp/work", "", MS_BIND):
             os.chdir("/tmp/work")
     iso["private_proc"] = bool(iso["pid"]) and _mount("proc", "/proc", "proc", flags | MS_NOEXEC)
+
+
+def _must_mount(source: str, target: str, fstype: str, flags: int, data: str = "") -> None:
+    if not _mount(source, target, fstype, flags, data):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+def _bind_ro(source: str, target: str) -> None:
+    _must_mount(source, target, "", MS_BIND | MS_REC)
+    _must_mount("none", target, "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+
+
+def _mkdirs_like_host(new: str, path: str) -> None:
+    """`path` under the new root, each directory with the host's owner and mode (a 0700
+    /root stays closed to the sandbox uid)."""
+    cur = ""
+    for part in path.strip("/").split("/"):
+        cur += "/" + part
+        if not os.path.isdir(new + cur):
+            st = os.stat(cur)
+            os.mkdir(new + cur)
+            os.chown(new + cur, st.st_uid, st.st_gid)
+            os.chmod(new + cur, st.st_mode & 0o7777)
+
+
+def _interpreter_trees(python: str) -> list[str]:
+    """The install prefixes of the interpreter (as given and resolved) outside the system dirs."""
+    out = []
+    for exe in (python, os.path.realpath(python)):
+        prefix = os.path.dirname(os.path.dirname(os.path.abspath(exe)))
+        top = prefix.strip("/").split("/")[0]
+        if prefix != "/" and top not in SYSTEM_DIRS and os.path.isdir(prefix) and prefix not in out:
+            out.append(prefix)
+    return out
+
+
+def _populate(new: str, spec: dict) -> None:
+    """The read-only part of the minimal root under `new`."""
+    for d in SYSTEM_DIRS:
+        host = "/" + d
+        if os.path.islink(host):
+            os.symlink(os.readlink(host), new + host)
+        elif os.path.isdir(host):
+            os.mkdir(new + host)
+            _bind_ro(host, new + host)
+    for tree in _interpreter_trees(spec["python"]):
+        _mkdirs_like_host(new, tree)
+        _bind_ro(tree, new + tree)
+    os.makedirs(new + "/etc", exist_ok=True)
+    os.mkdir(new + "/dev")
+    for d, names, ro in (("/etc/", ETC_FILES, True), ("/dev/", DEV_FILES, False)):
+        for name in names:
+            if os.path.exists(d + name):
+                open(new + d + name, "w").close()          # a file to bind onto
+                _bind_ro(d + name, new + d + name) if ro else _must_mount(d + name, new + d + name, "", MS_BIND)
+
+
+def _pivot(new: str) -> None:
+    """Make `new` the root and drop the host's (chroot where pivot_root is not known)."""
+    if SYS_PIVOT_ROOT is None:
+        os.chroot(new)
+        os.chdir("/")
+        return
+    os.mkdir(new + "/.old")
+    if libc.syscall(SYS_PIVOT_ROOT, new.encode(), (new + "/.old").encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pivot_root: {os.strerror(err)}")
+    os.chdir("/")
+    if libc.umount2(b"/.old", MNT_DETACH) != 0:
+        raise OSError(ctypes.get_errno(), "umount the host's root")
+    os.rmdir("/.old")
+
+
+def minimal_root(spec: dict, iso: dict) -> None:
+    """Pivot into the minimal root (module docstring); the code's directory is /tmp/work."""
+    code = open(spec["script"], "rb").read()
+    new = os.path.join(os.path.dirname(os.path.abspath(spec["workdir"])), "root")
+    os.mkdir(new, 0o755)
+    _must_mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    _populate(new, spec)
+    # the one writable place, capped: every file the code writes counts against file_bytes
+    os.mkdir(new + "/tmp")
+    _must_mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+                f"size={int(spec['limits']['file_bytes'])},mode=1777")
+    os.symlink("/tmp", new + "/dev/shm")
+    os.mkdir(new + "/var")
+    os.symlink("/tmp", new + "/var/tmp")
+    os.mkdir(new + "/tmp/work", 0o700)
+    with open(new + "/tmp/work/" + spec["script"], "wb") as f:
+        f.write(code)
+    for p in (new + "/tmp/work", new + "/tmp/work/" + spec["script"]):
+        os.chown(p, spec["uid"], spec["gid"])
+    os.mkdir(new + "/proc")
+    _pivot(new)
+    iso["private_proc"] = bool(iso["pid"]) and _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _must_mount("none", "/", "", MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir("/tmp/work")
+    iso["private_root"] = iso["private_tmp"] = True
 
 
 def limit(spec: dict) -> None:
@@ -131,14 +246,21 @@ def main(argv: list[str]) -> int:
     root = os.geteuid() == 0
     uid = spec["uid"] if root else os.geteuid()     # before a user namespace shows it as 65534
     iso = namespaces(root)
-    iso.update(uid=uid, private_tmp=False, private_proc=False)
+    iso.update(uid=uid, private_tmp=False, private_proc=False, private_root=False)
     if iso["pid"]:
         init = os.fork()                            # the first child is pid 1 of the namespace
         if init:
             _, status = os.waitpid(init, 0)
             return os.waitstatus_to_exitcode(status) & 0xFF
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if iso["mount"]:
+    if iso["mount"] and root:
+        _mount("none", "/", "", MS_REC | MS_PRIVATE)       # nothing propagates back to the host
+        try:
+            minimal_root(spec, iso)
+        except OSError as e:                                # set up under a fresh mount only
+            os.write(2, f"sandbox launcher: no minimal root ({e}); private /tmp only\n".encode())
+            private_mounts(iso)
+    elif iso["mount"]:
         private_mounts(iso)
     return supervise(spec, iso, report, root)
 

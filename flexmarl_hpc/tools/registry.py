@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flexmarl_hpc.tools.calculator import CalculatorError, evaluate
 from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.tools.functions import FunctionSpec, function_program, read_function
 from flexmarl_hpc.tools.sandbox import SandboxResult, run_code
 
 
@@ -66,17 +67,40 @@ class PythonExecutor:
         return ToolCall(self.name, output, r.outcome, r.wall_s, r)
 
 
+class UserTool:
+    """A user's function (tools.functions) run in the sandbox: its argument is the JSON of
+    its keyword arguments; its output the return value (tools/functions.py)."""
+
+    def __init__(self, spec: FunctionSpec, cfg: ToolsConfig):
+        self.spec, self.cfg, self.name = spec, cfg, spec.name
+
+    async def __call__(self, arguments_json: str) -> ToolCall:
+        r = await run_code(function_program(self.spec, arguments_json), self.cfg)
+        output = r.stdout if r.outcome == "ok" else f"{r.stderr}[{r.outcome}]"
+        return ToolCall(self.name, output, r.outcome, r.wall_s, r)
+
+
 @dataclass(frozen=True)
 class Tools:
     calculator: Calculator
     python: PythonExecutor
+    functions: dict[str, UserTool] = field(default_factory=dict)
+    """The user's tools by name (tools.functions)."""
 
     @classmethod
     def from_config(cls, cfg: ToolsConfig) -> "Tools":
-        return cls(Calculator(cfg), PythonExecutor(cfg))
+        user = {name: UserTool(read_function(name, spec), cfg) for name, spec in cfg.functions.items()}
+        return cls(Calculator(cfg), PythonExecutor(cfg), user)
+
+    @property
+    def specs(self) -> dict[str, FunctionSpec]:
+        return {name: t.spec for name, t in self.functions.items()}
 
     def get(self, name: str):
         """The tool called `name` (as a model names it in a tool call)."""
+        if name in self.functions:
+            return self.functions[name]
         if name not in ("calculator", "python"):
-            raise KeyError(f"tool {name!r}: expected one of 'calculator', 'python'")
+            raise KeyError(f"tool {name!r}: expected one of "
+                           f"{', '.join(map(repr, ['calculator', 'python', *self.functions]))}")
         return getattr(self, name)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 Message = dict[str, Any]
@@ -52,13 +53,35 @@ def _token_string(value):
     return value.get("content") if isinstance(value, dict) else value
 
 
+HERMES_TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>{tools}"
+                "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                "within <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, "
+                "\"arguments\": <args-json-object>}}\n</tool_call>")
+"""Qwen2.5's tools section of the system message, for templates that render no tools."""
+
+
+def tools_in_system(messages: Sequence[Message], tools: Sequence[dict]) -> list[Message]:
+    """The messages with the tools written into the system message as Qwen2.5's template
+    writes them (one is added when there is none): how a template that ignores `tools`
+    (SmolLM2's) still shows the model its tools, in the format the hermes parser reads."""
+    block = HERMES_TOOLS.format(tools="".join("\n" + _tojson(t) for t in tools))
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": str(messages[0].get("content") or "") + block}, *messages[1:]]
+    return [{"role": "system", "content": block.lstrip("\n")}, *messages]
+
+
 class ChatTemplate:
     """A checkpoint's chat template and the special-token strings it may refer to."""
 
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
         self.source = source
         self.special_tokens = dict(special_tokens or {})      # bos_token, eos_token, ... as in HF
-        self.template = _environment().from_string(source)
+        env = _environment()
+        self.template = env.from_string(source)
+        self.reads_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+        """The template renders `tools` itself (Qwen2.5, Hermes); else render() writes them
+        into the system message (tools_in_system)."""
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ChatTemplate":
@@ -87,6 +110,8 @@ class ChatTemplate:
                 raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got {m!r}")
             # OpenAI-style None fields (content=None, tool_calls=None) are dropped, as HF does
             chat.append({k: v for k, v in m.items() if v is not None})
+        if kwargs.get("tools") and not self.reads_tools:
+            chat = tools_in_system(chat, kwargs["tools"])
         return self.template.render(messages=chat, add_generation_prompt=add_generation_prompt,
                                     **{"tools": None, "documents": None, **self.special_tokens, **kwargs})
 
@@ -140,8 +165,9 @@ class Conversation:
         self.text = ""
         self.rerendered = 0
 
-    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        rendered = self.tok.render(messages, add_generation_prompt=True, **self.template_kwargs)
+    def prompt_ids(self, messages: Sequence[Message], **kwargs) -> list[int]:
+        """The prompt's ids; kwargs (`tools=[...]`) reach the template with template_kwargs."""
+        rendered = self.tok.render(messages, add_generation_prompt=True, **{**self.template_kwargs, **kwargs})
         if self.ids and rendered.startswith(self.text):
             self.ids = self.ids + self.tok.encode(rendered[len(self.text):])
         else:

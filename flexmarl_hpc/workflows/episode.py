@@ -37,6 +37,8 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
+from flexmarl_hpc.workflows.toolcalls import ToolCallError, ToolRequest, parser_for, tool_message
+
 
 class ContextFull(ValueError):
     """A conversation outgrew its agent's context; the episode fails (its calls: reward 0)."""
@@ -55,6 +57,17 @@ class Reply:
     """It hit max_tokens without a stop token."""
     prompt_len: int = 0
     """Tokens of the call's prompt (the OpenAI endpoint's usage)."""
+    tool_calls: tuple[ToolRequest, ...] = ()
+    """The tool calls in the reply (a call made with `tools=`), parsed in the agent's
+    model.tool_format; run them with `ctx.run_tools(reply)`."""
+    tool_errors: tuple[ToolCallError, ...] = ()
+    """Tool-call blocks that could not be read (bad JSON, no name): reported, not raised."""
+
+    @property
+    def message(self) -> dict:
+        """The reply as the assistant message that continues its conversation token for token
+        (its text as sampled, tool-call blocks included)."""
+        return {"role": "assistant", "content": self.text}
 
 
 @dataclass(eq=False)
@@ -88,6 +101,8 @@ class Call:
     future: asyncio.Future = field(repr=False, default=None)
     sampling: tuple[float, float] | None = None
     """(temperature, top_p) this call asked for; None: the run's (rollout.temperature, top_p)."""
+    tools: list | None = None
+    """The tool schemas the prompt was rendered with; their calls are parsed from the reply."""
 
     def done(self, response: list[int], stop_ids: frozenset[int]) -> None:
         text = self.thread.conv.record(list(response))
@@ -95,7 +110,12 @@ class Call:
         self.thread.busy = False
         self.episode.last_done = self
         truncated = not response or response[-1] not in stop_ids
-        self.future.set_result(Reply(text, tuple(response), self.index, truncated, prompt_len=len(self.prompt)))
+        calls, errors = [], []
+        if self.tools:
+            parse = parser_for(self.episode.runner.tool_formats.get(self.agent, "hermes"))
+            calls, errors = parse(text, f"{self.agent}-{self.index}")
+        self.future.set_result(Reply(text, tuple(response), self.index, truncated, prompt_len=len(self.prompt),
+                                     tool_calls=tuple(calls), tool_errors=tuple(errors)))
 
 
 class EpisodeContext:
@@ -128,13 +148,18 @@ class EpisodeContext:
         return t
 
     async def chat(self, agent: str, messages: list[dict], *, max_tokens: int | None = None,
-                   temperature: float | None = None, top_p: float | None = None) -> Reply:
+                   temperature: float | None = None, top_p: float | None = None,
+                   tools: list[dict] | None = None) -> Reply:
         """Ask `agent` to answer `messages` (OpenAI-style dicts, `role` and `content`); the
         reply is sampled with the agent's current weights. max_tokens: at most
         workflow.max_new_tokens (the default). temperature (> 0), top_p (in (0, 1]): this
         call's own, default the run's rollout.temperature / rollout.top_p; the sample keeps
         the log-probs it was drawn with, and the trainer's importance weight corrects for
-        the difference from rollout.temperature, at which it scores (docs/episodes.md)."""
+        the difference from rollout.temperature, at which it scores (docs/episodes.md).
+        tools: OpenAI-style function schemas (`ctx.tool_schema(name)`), rendered by the
+        agent's chat template; the reply's tool calls are then parsed (`Reply.tool_calls`)."""
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"ctx.chat(tools=...): expected a list of JSON schema dicts, got {tools!r:.200}")
         sampling = self.runner.call_sampling(temperature, top_p)
         cap = self.runner.max_new_tokens
         if agent not in self.runner.agents:
@@ -147,7 +172,7 @@ class EpisodeContext:
         index = self.calls.get(agent, 0)
         messages = [dict(m) for m in messages]
         thread = self.thread_for(agent, messages)
-        prompt = thread.conv.prompt_ids(messages)
+        prompt = thread.conv.prompt_ids(messages, tools=tools) if tools else thread.conv.prompt_ids(messages)
         room = self.runner.limits.get(agent, 1 << 62) - len(prompt)
         if room < 1:
             thread.busy = False
@@ -157,7 +182,7 @@ class EpisodeContext:
         self.calls[agent] = index + 1
         n = min(n, room)                      # the reply is cut where the context ends
         call = Call(self, agent, index, prompt, n, self.last_done, thread, messages,
-                    asyncio.get_running_loop().create_future(), sampling)
+                    asyncio.get_running_loop().create_future(), sampling, tools)
         self.runner.new_calls.append(call)
         return await call.future
 
@@ -178,6 +203,32 @@ class EpisodeContext:
         the orchestrator's loop; never raises: a failed call's output is an error string
         and its `outcome` says why. Recorded in the store's /tools."""
         return await self.runner.tool(self, name, argument)
+
+    def tool_schema(self, name: str) -> dict:
+        """The JSON schema of a tool by name (built-in, or a user's: tools.functions), for
+        `ctx.chat(..., tools=[...])`."""
+        from flexmarl_hpc.tools.functions import schema
+        return schema(name, self.runner.user_tools)
+
+    async def run_tools(self, reply: Reply) -> list[dict]:
+        """Run the reply's tool calls at once, each in the sandbox or on its worker, and return
+        their results as `tool` messages in the reply's order; an unreadable block or
+        arguments that do not fit the tool get an error message (the model's to read)."""
+        from flexmarl_hpc.tools.functions import argument_text
+
+        async def one(req: ToolRequest) -> dict:
+            try:
+                text = argument_text(req.name, req.arguments, self.runner.user_tools)
+            except ValueError as e:
+                if self.runner.record_tool is not None:
+                    self.runner.record_tool(self, req.name, "refused", 0.0)
+                return tool_message(req.id, req.name, f"error: {e}")
+            return tool_message(req.id, req.name, (await self.tool(req.name, text)).output)
+
+        done = dict(zip([r.id for r in reply.tool_calls], await asyncio.gather(*map(one, reply.tool_calls))))
+        done.update({e.id: tool_message(e.id, "", f"error: cannot read the tool call: {e.error}")
+                     for e in reply.tool_errors})
+        return [done[k] for k in sorted(done, key=lambda cid: int(cid.rsplit("-", 1)[1]))]
 
     async def call(self, fn: Callable, *args, timeout_s: float | None = None):
         """`fn(*args)` (a module-level function: a reward, a test harness) in a worker process;
@@ -218,7 +269,8 @@ class EpisodeRunner:
     def __init__(self, fn: Callable[..., Awaitable[dict]], agents: list[str], seed: int,
                  max_new_tokens: int, new_conversation: Callable[[str], Any], args: dict | None = None,
                  tools=None, record_tool: Callable | None = None, limits: dict[str, int] | None = None,
-                 sampling: tuple[float, float] = (1.0, 1.0)):
+                 sampling: tuple[float, float] = (1.0, 1.0), tool_formats: dict[str, str] | None = None,
+                 user_tools: dict | None = None):
         self.fn, self.agents, self.seed = fn, list(agents), seed
         self.max_new_tokens, self.new_conversation = max_new_tokens, new_conversation
         self.args = dict(args or {})
@@ -227,6 +279,10 @@ class EpisodeRunner:
         """Most tokens of one call (prompt + reply) per agent; missing: no limit."""
         self.sampling = sampling
         """The run's (rollout.temperature, rollout.top_p): what a call's own values replace."""
+        self.tool_formats = dict(tool_formats or {})
+        """Each agent's model.tool_format (default hermes): how its replies' tool calls are parsed."""
+        self.user_tools = dict(user_tools or {})
+        """tools.functions read from their files (tools/functions.py FunctionSpec), by name."""
         self.loop = asyncio.new_event_loop()
         self.new_calls: list[Call] = []
         self.finished: list[Finished] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cached_property
 
 from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.tools.functions import read_function
 from flexmarl_hpc.workflows.base import Task, TokenizerVocab
 from flexmarl_hpc.workflows.chat import ChatTokenizer, Conversation, SyntheticChatTokenizer
 from flexmarl_hpc.workflows.episode import EpisodeRunner, load_episode
@@ -66,7 +67,8 @@ class EpisodeTask(Task):
         runner = EpisodeRunner(self.fn, cfg.agent_names, cfg.run.seed, w.max_new_tokens,
                                lambda agent: Conversation(self.chat_of[agent]), w.episode_args,
                                tools, record_tool, self.context_limits(cfg),
-                               (cfg.rollout.temperature, cfg.rollout.top_p))
+                               (cfg.rollout.temperature, cfg.rollout.top_p), w.tool_formats,
+                               {n: read_function(n, spec) for n, spec in cfg.tools.functions.items()})
         runner.agent_wait_s = w.agent_timeout_s
         return runner
 

@@ -2,9 +2,10 @@
 
     planner   reads the problem and decides how many solvers to ask (1-3; a reply without
               one of those digits asks 2, the middle choice)
-    solver    each solves it in free text (up to workflow.max_new_tokens); it may write
-              <calc>expression</calc> once: the calculator tool runs it and the solver is
-              asked again with the result in its own, growing conversation
+    solver    each solves it in free text (up to workflow.max_new_tokens); it is given the
+              calculator as a tool (its schema through the chat template) and may call it
+              in its model's tool-call format: the calls run, and the solver is asked again
+              with their results as `tool` messages in its own, growing conversation
     verifier  sees the candidate answers and names the one it believes; that is the
               team's answer (unparsable: the first solver's)
 
@@ -26,7 +27,6 @@ from dataclasses import asdict, dataclass, fields
 
 from flexmarl_hpc.workflows.mathcheck import answer_correct, extract_answer
 
-CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
 SYSTEM = {"role": "system", "content": "You are a helpful assistant who is good at arithmetic."}
 
 
@@ -36,8 +36,8 @@ def planner_prompt(q: str) -> list[dict]:
 
 
 def solver_prompt(q: str) -> list[dict]:
-    return [SYSTEM, {"role": "user", "content": f"{q}\nYou may write <calc>expression</calc> to use a "
-                     "calculator. End your reply with 'Answer: <number>'."}]
+    return [SYSTEM, {"role": "user", "content": f"{q}\nYou may call the calculator. End your reply "
+                     "with 'Answer: <number>'."}]
 
 
 def verifier_prompt(q: str, candidates: list[str]) -> list[dict]:
@@ -55,17 +55,18 @@ def n_solvers(text: str) -> int:
 
 async def solve(ctx, q: str) -> tuple[str | None, list[int]]:
     """One solver thread: its final answer and the solver call indices it used."""
-    messages = solver_prompt(q)
-    reply = await ctx.chat("solver", messages)
-    m = CALC.search(reply.text)
-    if m is None:
+    messages, tools = solver_prompt(q), [ctx.tool_schema("calculator")]
+    reply = await ctx.chat("solver", messages, tools=tools)
+    # what an evaluation averages per episode: the calculator calls asked for, and unreadable ones
+    ctx.metrics["tool_calls"] = ctx.metrics.get("tool_calls", 0.0) + len(reply.tool_calls)
+    ctx.metrics["tool_errors"] = ctx.metrics.get("tool_errors", 0.0) + len(reply.tool_errors)
+    if not (reply.tool_calls or reply.tool_errors):
         return extract_answer(reply.text, require_marker=True), [reply.call]
     first = reply.call
-    result = await ctx.tool("calculator", m.group(1))
-    messages += [{"role": "assistant", "content": reply.text},
-                 {"role": "user", "content": f"Calculator: {result.output}\nNow end with the line "
-                  "'Answer: <number>'."}]
-    reply = await ctx.chat("solver", messages, max_tokens=min(64, ctx.runner.max_new_tokens))
+    # the reply as sampled, then each call's result (or why it could not run) as a tool message
+    messages += [reply.message, *await ctx.run_tools(reply),
+                 {"role": "user", "content": "Now end with the line 'Answer: <number>'."}]
+    reply = await ctx.chat("solver", messages, tools=tools, max_tokens=min(64, ctx.runner.max_new_tokens))
     return extract_answer(reply.text, require_marker=True), [first, reply.call]
 
 

@@ -16,8 +16,8 @@ class TextConversation:
     """Ids stand for whole scripted texts (id 1000 + index in `texts`)."""
     texts: list[str] = []
 
-    def prompt_ids(self, messages):
-        self.last = messages
+    def prompt_ids(self, messages, **template_kwargs):
+        self.last, self.kwargs = messages, template_kwargs
         return [3] * len(messages)
 
     def record(self, ids):
@@ -50,7 +50,8 @@ def run(script, args=None):
 
 def test_two_solvers_one_with_the_calculator_and_the_verifier_picks_the_right_answer():
     TextConversation.texts = []
-    solvers = iter(["<calc>3 + 4</calc>", "Answer: 5"])     # the first solver asks the calculator
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}}\n</tool_call>'
+    solvers = iter([call, "Answer: 5"])     # the first solver asks the calculator
 
     def scripted(agent, messages):
         last = messages[-1]["content"]
@@ -59,8 +60,10 @@ def test_two_solvers_one_with_the_calculator_and_the_verifier_picks_the_right_an
         if agent == "verifier":
             assert "- 7" in last and "- 5" in last          # both marked answers are candidates
             return "7"
-        if last.startswith("Calculator:"):                  # its own conversation, grown
-            assert "Calculator: 7" in last and messages[-2]["content"] == "<calc>3 + 4</calc>"
+        if last.startswith("Now end"):                      # its own conversation, grown
+            assert messages[-2] == {"role": "tool", "tool_call_id": "solver-0-0", "name": "calculator",
+                                    "content": "7"}
+            assert messages[-3] == {"role": "assistant", "content": call}    # the reply as sampled
             return "So Answer: 7"
         return next(solvers)
 
@@ -70,7 +73,24 @@ def test_two_solvers_one_with_the_calculator_and_the_verifier_picks_the_right_an
     # call 0: first solver's first turn, 1: second solver, 2: first solver's second turn
     assert f.rewards["solver"] == [1.0, 0.1, 1.0]
     assert f.rewards["planner"] == 0.9 and f.rewards["verifier"] == 1.0
-    assert f.ctx.metrics == {"team_correct": 1.0, "solvers": 2.0}
+    assert f.ctx.metrics == {"team_correct": 1.0, "solvers": 2.0, "tool_calls": 1.0, "tool_errors": 0.0}
+
+
+def test_a_malformed_tool_call_is_reported_to_the_solver_not_raised():
+    TextConversation.texts = []
+    seen = []
+
+    def scripted(agent, messages):
+        if agent == "solver" and messages[-1]["content"].startswith("Now end"):
+            seen.append(messages[-2])
+            return "Answer: 7"
+        return {"planner": "1", "solver": '<tool_call>{"name": "calculator", "arguments": {"expr', "verifier": "7"}[agent]
+
+    f = run(scripted)
+    assert not f.error, f.error
+    assert f.ctx.calls["solver"] == 2 and f.rewards["solver"] == [1.0, 1.0]
+    assert seen[0]["role"] == "tool" and seen[0]["content"].startswith("error: cannot read the tool call: invalid JSON")
+    assert (f.ctx.metrics["tool_calls"], f.ctx.metrics["tool_errors"]) == (0.0, 1.0)
 
 
 def test_unmarked_answers_earn_nothing_and_the_team_is_wrong():

@@ -214,3 +214,79 @@ def test_without_root_the_result_says_which_isolation_was_in_force(isolation):
     assert iso["network"] in ("userns+netns", "host")
     if iso["network"] == "userns+netns":
         assert stdout.splitlines()[1].startswith("refused"), stdout
+
+
+# Escape classes of issue 40: the filesystem beyond /tmp, host Unix sockets, host files, and
+# the total disk the code may fill. Each was seen to escape the sandbox before the minimal root.
+
+def test_writes_to_world_writable_host_directories_do_not_persist(isolation):
+    need_root(isolation, "mount")
+    tag = os.urandom(6).hex()
+    targets = [Path(d) / f"flexmarl-escape-{tag}" for d in ("/run/lock", "/var/tmp", "/dev/shm", "/tmp")
+               if os.path.isdir(d)]
+    code = ("import os\n"
+            f"for t in {[str(t) for t in targets]!r}:\n"
+            "    try:\n        os.makedirs(os.path.dirname(t), exist_ok=True)\n"
+            "        open(t, 'w').write('x')\n        print('wrote', t)\n"
+            "    except OSError as e:\n        print('refused', t, type(e).__name__)\n")
+    try:
+        r = run_code_sync(code, CFG)
+        assert r.outcome == "ok", r
+        assert [t for t in targets if t.exists()] == [], r.stdout
+    finally:
+        for t in targets:
+            t.unlink(missing_ok=True)
+
+
+def test_a_unix_socket_of_the_host_is_unreachable(isolation):
+    need_root(isolation, "mount")
+    path = Path("/run/lock") / f"flexmarl-{os.urandom(6).hex()}.sock"        # world-writable, not /tmp
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        path.chmod(0o777)
+        server.listen()
+        code = ("import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                f"try:\n    s.connect({str(path)!r})\n    print('connected')\n"
+                "except OSError as e:\n    print('refused', type(e).__name__)\n")
+        try:
+            r = run_code_sync(code, CFG)
+            server.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                server.accept()
+        finally:
+            path.unlink(missing_ok=True)
+    assert r.outcome == "ok" and r.stdout.startswith("refused"), r
+
+
+def test_a_host_file_given_by_path_cannot_be_read(isolation):
+    """A world-readable file of the checkout (a dataset's answer file), the home folders and
+    the host's /etc are not in the sandbox's root."""
+    need_root(isolation, "mount")
+    answers = Path.cwd() / f".flexmarl-answers-{os.urandom(6).hex()}.jsonl"
+    answers.write_text('{"answer": 42}\n')
+    answers.chmod(0o644)
+    code = ("import os\n"
+            f"for p in ({str(answers)!r}, '/etc/passwd', '/home', '/var/log', '/run'):\n"
+            "    try:\n        print('READ', p, open(p).read()[:20] if os.path.isfile(p) else os.listdir(p))\n"
+            "    except OSError as e:\n        print('refused', p, type(e).__name__)\n")
+    try:
+        r = run_code_sync(code, CFG)
+    finally:
+        answers.unlink()
+    assert r.outcome == "ok" and "READ" not in r.stdout, r.stdout
+
+
+def test_disk_use_past_file_mb_in_total_fails(isolation):
+    """file_mb caps each file and, with the minimal root, everything the code writes: many
+    files below the per-file limit, in every writable place, add up to at most file_mb."""
+    need_root(isolation, "mount")
+    cfg = ToolsConfig(cpu_s=5, wall_s=20, memory_mb=256, nproc=16, file_mb=4)
+    code = ("import os\ntotal = 0\nchunk = b'x' * (1 << 20)\n"
+            "for i in range(6):\n    for k, d in enumerate(('.', '/tmp', '/dev/shm', '/var/tmp')):\n"
+            "        try:\n            with open(os.path.join(d, f'f{i}_{k}'), 'wb') as f:\n"
+            "                f.write(chunk)\n            total += len(chunk)\n"
+            "        except OSError as e:\n            pass\n"
+            "print(total >> 20)\n")
+    r = run_code_sync(code, cfg)
+    assert r.outcome == "ok", r
+    assert int(r.stdout.split()[-1]) <= cfg.file_mb, r.stdout
