@@ -79,7 +79,9 @@ class TaskSpec:
     every reward at the episode's end. The paper's micro-batch pipeline trains a micro-batch
     "as soon as" its samples are in, which presumes the former."""
     seed: int = 0
-    """Seed of the agents' medians and of the lengths."""
+    """The workload seed: of the agents' medians (episode_args.seed) and of the run
+    (run.seed: each episode's draws of lengths and rewards); `simulate paper` takes every
+    figure over seeds 0..4."""
 
     def apply(self, raw: dict, nodes: int = 47) -> dict:
         """A copy of the config dict `raw` as the task: only the turns of `agents` (the
@@ -88,6 +90,7 @@ class TaskSpec:
         paper's batch shape: `queries` inputs per step, `branches` samples at the first turn
         (global batch = queries x branches), micro-batch `micro_batch`."""
         out = copy.deepcopy(raw)
+        out.setdefault("run", {})["seed"] = self.seed
         keep = set(self.chain(raw))
         self._workflow(out["workflow"])
         out.setdefault("trainer", {})["micro_batch_size"] = self.micro_batch
