@@ -270,3 +270,40 @@ def test_misses_and_the_bound_between_mas_rl_and_martis_goals():
                         {"row": far, "loss": 1.0, "replica_width": 4, "chain_agents": 8,
                          "agents_per_group": 1, "hbm": 0.45, "mfu_train": 0.15}])
     assert "1 of 2" in text and "needs >= 3.34" in text and "paper 5.25" in text and "largest is 5.25" in text
+
+
+def test_compare_over_workload_seeds_moves_the_episodes_seed_and_spreads_each_figure():
+    """`simulate compare --workload-seeds N`: a text episode's config gets the run's seed and the
+    episode's; a relay only the run's. Two seeds of sync 300 / 330 s and flex 150 / 110 s give
+    flex 130.0 [110.0, 150.0] and vs sync 2.50 [2.00, 3.00]x."""
+    from flexmarl_hpc.sim.compare_cli import seed_overrides, seeds_table
+    assert seed_overrides(str(ROOT / CA.config), 3) == ["run.seed=3", "workflow.episode_args.seed=3"]
+    assert seed_overrides(str(ROOT / "configs/relay3.yaml"), 3) == ["run.seed=3"]
+    runs = [{"sync": {"step_s": 300.0, "speedup_vs_sync": 1.0}, "flex": {"step_s": 150.0, "speedup_vs_sync": 2.0}},
+            {"sync": {"step_s": 330.0, "speedup_vs_sync": 1.0}, "flex": {"step_s": 110.0, "speedup_vs_sync": 3.0}}]
+    text = seeds_table("c.yaml", "npu64_a3", 8, runs)
+    assert "workload seeds 0-1" in text and "130.0 [110.0, 150.0]" in text and "2.50 [2.00, 3.00]x" in text
+
+
+def test_paper_json_gives_every_system_and_ratio_over_the_seeds(capsys, monkeypatch, tmp_path):
+    """`simulate paper --json` (runs replaced by the paper's own rows at 5 seeds): per task and
+    system mean, min, max, seeds (5) and values; every ratio; busy with its parts."""
+    import json
+    from flexmarl_hpc import simulate
+    from flexmarl_hpc.sim import paper_cli
+    seen = {}
+
+    def fake(hw, steps, out, spec_fields=None, seeds=5, jobs=1, keep=False):
+        seen.update(steps=steps, seeds=seeds, jobs=jobs)
+        return {t: [{**PAPER[t], "busy_parts": {"generate": 0.2, "sync": 0.1}}] * seeds for t in ("MA", "CA")}
+    monkeypatch.setattr(paper_cli, "paper_rows", fake)
+    assert simulate.main(["paper", "--json", "--out", str(tmp_path)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert seen == {"steps": 8, "seeds": 5, "jobs": 2}                   # the defaults: 8 steps, 5 seeds
+    for t in ("MA", "CA"):
+        for s in ("mas-rl", "marti", "flex", "no-lb", "no-pipeline"):
+            assert got[t][s]["seeds"] == 5 and got[t][s]["mean"] == pytest.approx(PAPER[t][s])
+            assert got[t][s]["min"] == got[t][s]["max"] == pytest.approx(PAPER[t][s])
+        assert got[t]["ratios"]["without LB"]["mean"] == pytest.approx(PAPER[t]["no-lb"] / PAPER[t]["flex"])
+        assert got[t]["busy"]["parts"] == {"generate": 0.2, "sync": 0.1} and got[t]["busy"]["seeds"] == 5
+    assert simulate.main(["paper", "--seeds", "0"]) == 2
