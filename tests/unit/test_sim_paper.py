@@ -40,7 +40,7 @@ def test_a_task_keeps_its_agents_chain_and_fills_the_nodes_with_its_pools(tmp_pa
     (wide,) = task_config(tmp_path, dataclasses.replace(MA, replica_width=4, chain_agents=3))[0]["rollout"]["pools"]
     assert wide["replicas"] == 176 and wide["gpus_per_replica"] == 4
     assert raw["workflow"]["group_size"] == 16 and raw["workflow"]["agents"] == list(MA.agents)
-    assert raw["workflow"]["episode_args"]["context_carried"] == MA.context_carried == 0.5
+    assert raw["workflow"]["episode_args"]["context_carried"] == MA.context_carried == 0.1
     three = dataclasses.replace(MA, chain_agents=3)
     assert with_unknown(three, "prompt_tokens", 512).apply(raw)["workflow"]["episode_args"]["prompt_tokens"] == 512
     assert raw["workflow"]["inputs_per_step"] == 4 and cfg.trainer.micro_batch_size == 16
