@@ -58,7 +58,7 @@ from typing import Callable
 from flexmarl_hpc.sim.calibrate_cli import calibrate_main, calibrate_options, check_calibrate
 from flexmarl_hpc.sim.capacity_cli import capacity_main, capacity_options
 from flexmarl_hpc.sim.cli_options import check_common
-from flexmarl_hpc.sim.compare_cli import compare_main, compare_options
+from flexmarl_hpc.sim.compare_cli import check_compare, compare_main, compare_options
 from flexmarl_hpc.sim.driver import WORKERS
 from flexmarl_hpc.sim.memory_cli import memory_main, memory_options
 from flexmarl_hpc.sim.paper_cli import check_paper, paper_main, paper_options
@@ -77,7 +77,7 @@ class Command:
 
 COMMANDS = {
     "compare": Command("simulate the variants of a config and compare their step times",
-                       compare_options, lambda a: None, compare_main),
+                       compare_options, check_compare, compare_main),
     "plan": Command("rank splits of --nodes among pools and groups; simulate the best --top",
                     plan_options, check_plan, plan_main),
     "scale": Command("the planner's best split per accelerator count, simulated per variant",

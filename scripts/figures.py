@@ -54,9 +54,10 @@ PAPER_MIX = "configs/paper_3x32b_7x14b.yaml"
 SCALE_COUNTS = "1,16,64,128,256,512,768,1024,3072"     # few: --check makes them all
 SCALE_VARIANTS = ["sync", "flex"]
 SCALE_PNG = "scale_paper_3x32b_7x14b.png"
-SCALE_OVERRIDES = ["workflow.episode_args.settle=true"]
-"""As `simulate paper`'s tasks: each agent's reward at its own reply (the config keeps them at
-the episode's end, so a plain run shows flex ~ sync)."""
+SCALE_OVERRIDES: list[str] = []
+"""None since 2026-11-29: the config's episode is `simulate paper`'s workload (settle true)."""
+SEEDS = 5
+"""Workload seeds of the stochastic simulator figures (paper, compare): mean [min, max]."""
 PAPER_CLASSES = "32b:3,14b:7"
 CLOSED_FORM_NODES = (6, 8, 12, 16, 24, 32, 48, 96, 192)
 
@@ -82,12 +83,14 @@ def command_block(command: str, output: str, note: str = "") -> str:
 
 
 def sim_compare_paper_mix(ctx: Context) -> str:
-    """sync vs flex on the paper's 3 x 32B + 7 x 14B mix, 48 nodes of 64 GB accelerators."""
-    args = [PAPER_MIX, "--hardware", "npu64_a3", "--steps", "10"]
-    res = run_variants(PAPER_MIX, ["sync", "flex"], "npu64_a3", 10, ctx.scratch / "compare")
+    """sync vs flex on the paper's 3 x 32B + 7 x 14B mix, 48 nodes of 64 GB accelerators, over
+    workload seeds 0-4 (mean [min, max])."""
+    from flexmarl_hpc.sim.compare_cli import seed_overrides, seeds_table
+    runs = [run_variants(PAPER_MIX, ["sync", "flex"], "npu64_a3", 8, ctx.scratch / f"compare{k}",
+                         seed_overrides(PAPER_MIX, k)) for k in range(SEEDS)]
+    args = [PAPER_MIX, "--hardware", "npu64_a3", "--steps", "8", "--variants", "sync,flex", "--workload-seeds", str(SEEDS)]
     return command_block(f"python -m flexmarl_hpc.simulate compare {' '.join(args)}",
-                         compare_table(PAPER_MIX, "npu64_a3", 10, res, wall=False),
-                         "(the wall_s column, seconds this machine took, is left out)")
+                         seeds_table(PAPER_MIX, "npu64_a3", 8, runs))
 
 
 def sim_plan_48(ctx: Context) -> str:
@@ -106,9 +109,9 @@ def sim_scale(ctx: Context) -> str:
     rows = scale(PAPER_MIX, parse_sizes(SCALE_COUNTS), variants, "npu64_a3", 4,
                  ctx.scratch / "scale", SCALE_OVERRIDES)
     if ctx.draw:
-        plot_scale(rows, variants, ctx.docs / SCALE_PNG, f"{Path(PAPER_MIX).name} (settle) on npu64_a3: simulated, "
+        plot_scale(rows, variants, ctx.docs / SCALE_PNG, f"{Path(PAPER_MIX).name} on npu64_a3: simulated, seed 0, "
                                                         f"4 steps, closed-form planner's allocation per size")
-    command = (f"python -m flexmarl_hpc.simulate scale {PAPER_MIX} {' '.join(SCALE_OVERRIDES)} --counts "
+    command = (f"python -m flexmarl_hpc.simulate scale {' '.join([PAPER_MIX, *SCALE_OVERRIDES])} --counts "
                f"{SCALE_COUNTS} --variants {','.join(variants)} --steps 4 --png docs/{SCALE_PNG}")
     return f"![simulated step time and utilization against accelerators]({SCALE_PNG})\n\n" + command_block(
         command, scale_table(rows, variants) + "\n" + bottleneck_table(rows, variants))
@@ -120,26 +123,28 @@ def _paper_hw():
 
 
 def sim_paper(ctx: Context) -> str:
-    """Tables 2-3 against the simulator on the fitted parameters file, MA fitted, CA predicted."""
+    """Tables 2-3 against the simulator on the fitted parameters file, MA fitted, CA predicted,
+    every figure over workload seeds 0-4, 8 steps, two runs at a time (`simulate paper`'s
+    defaults)."""
     from flexmarl_hpc.sim.paper import paper_rows, table
-    rows = paper_rows(_paper_hw(), 4, ctx.scratch / "paper")
+    rows = paper_rows(_paper_hw(), 8, ctx.scratch / "paper", seeds=SEEDS, jobs=2)
     return command_block("python -m flexmarl_hpc.simulate paper", table(rows, "MA"))
 
 
 def sim_paper_fit(ctx: Context) -> str:
-    """The fit on MA: every grid point's loss (its residuals) and the goals it misses; slow (96 MA
-    runs, two at a time): --full only."""
+    """The fit on MA: every grid point's loss (its residuals, on the seeds' mean) and the goals
+    it misses; slow (96 points x 5 seeds x 5 systems, two at a time): --full only."""
     from flexmarl_hpc.sim.paper import fit_ma, fit_table
-    _, _, points = fit_ma(load_hardware("npu64_a3"), 4, ctx.scratch / "fit", log=lambda s: None, jobs=2)
+    _, _, points = fit_ma(load_hardware("npu64_a3"), 8, ctx.scratch / "fit", log=lambda s: None, jobs=2)
     return command_block("python -m flexmarl_hpc.simulate paper --fit --jobs 2   # grid points (MA only)",
                          fit_table(points))
 
 
 def sim_paper_sweep(ctx: Context) -> str:
-    """Each unknown of the MA spec at its low and high value: slow (11 MA runs): --full only."""
+    """Each unknown of the MA spec at its low and high value, over 5 seeds: slow: --full only."""
     from flexmarl_hpc.sim.paper import sweep, sweep_table
     return command_block("python -m flexmarl_hpc.simulate paper --sweep",
-                         sweep_table(sweep(_paper_hw(), 4, ctx.scratch / "sweep")))
+                         sweep_table(sweep(_paper_hw(), 8, ctx.scratch / "sweep")))
 
 
 def sim_plan_closed_form_48(ctx: Context) -> str:

@@ -8,6 +8,7 @@ Both sides live here so the array names and dtypes are written down once.
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -36,11 +37,13 @@ def pack_microbatch(nodes: Sequence[Sample], task: Task) -> dict:
     B, T = len(nodes), int(L.max()) if len(nodes) else 1       # B = 0: an empty step
     col = np.arange(T)
     ids = np.full((B, T), task.vocab.pad_id, dtype=np.int64)
+    # chain.from_iterable walks the parts in C: a generator per token was most of the
+    # simulator's packing time on the paper tasks (8k-token replies)
     ids[col < L[:, None]] = np.fromiter(
-        (t for n in nodes for part in (n.prompt, n.response) for t in part), np.int64, int(L.sum()))
+        chain.from_iterable(part for n in nodes for part in (n.prompt, n.response)), np.int64, int(L.sum()))
     behav = np.zeros((B, T), dtype=np.float32)
     behav[(col >= P[:, None]) & (col < L[:, None])] = np.fromiter(
-        (x for n in nodes for x in n.logprobs), np.float32, int(R.sum()))
+        chain.from_iterable(n.logprobs for n in nodes), np.float32, int(R.sum()))
     return {"input_ids": ids, "behav_logprobs": behav, "allowed": _allowed(nodes, task),
             "prompt_lens": P, "response_lens": R,
             "advantages": np.array([n.advantage for n in nodes], dtype=np.float32),

@@ -244,9 +244,13 @@ def measure(path: Path, gpus: dict[int, int] | None = None, skip: int = 2, devic
         weight[r] = g
     per_rank = np.bincount(iv["rank"], weights=inside, minlength=world)
     span = max(hi - lo, 1e-12)
+    share = lambda sel: float((np.bincount(iv["rank"][sel], weights=inside[sel], minlength=world) * weight).sum()
+                              / ((devices or weight.sum()) * span))
     return {"step_s": float(np.median(np.diff(t[max(skip - 1, 0):]))) if len(t) > 1 else float(hi),
             "samples_per_s": float(m["samples"][skip:].sum() / span),
             "util": float((per_rank * weight).sum() / ((devices or weight.sum()) * span)),
+            # util split by activity (generate, train, sync, swap...): what the busy time is made of
+            "util_parts": {a.decode(): share(iv["activity"] == a) for a in np.unique(iv["activity"][busy])},
             "steps": int(len(t))}
 
 

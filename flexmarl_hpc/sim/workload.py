@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from flexmarl_hpc.sim.costs import LengthDistribution
+from flexmarl_hpc.workflows.paper_text import DEFAULTS       # the workload's defaults: one copy
 
 
 @dataclass(frozen=True)
@@ -49,17 +50,18 @@ class TaskSpec:
     """Responses sampled per query, the first turn's samples (paper: 16)."""
     micro_batch: int = 16
     """Trainer micro-batch (paper: 16)."""
-    max_tokens: int = 8192
+    max_tokens: int = DEFAULTS["max_tokens"]
     """Longest response (paper: 8,192)."""
-    prompt_tokens: int = 1024
+    prompt_tokens: int = DEFAULTS["prompt_tokens"]
     """UNKNOWN: the first turn's prompt (instructions + query)."""
-    context_carried: float = 0.5
-    """UNKNOWN: fraction of each earlier turn's response the next turn's prompt carries."""
-    length_median: float = 1024.0
+    context_carried: float = DEFAULTS["context_carried"]
+    """UNKNOWN (sweep 0-1): fraction of each earlier turn's response the next turn's prompt
+    carries; 0.1 keeps the paper configs' 15-agent chain inside the 8,192-token context."""
+    length_median: float = DEFAULTS["length_median"]
     """UNKNOWN: median response length of the median agent."""
-    length_sigma: float = 0.8
+    length_sigma: float = DEFAULTS["length_sigma"]
     """UNKNOWN: lognormal sigma of the lengths inside an agent."""
-    agent_skew: float = 0.5
+    agent_skew: float = DEFAULTS["agent_skew"]
     """UNKNOWN: lognormal sigma of the agents' medians around `length_median` (inter-agent skew)."""
     replica_width: int = 4
     """UNKNOWN (fitted on MA, `simulate paper --fit`; sweep 1-8): devices per rollout replica
@@ -73,13 +75,15 @@ class TaskSpec:
     shape are merged, `agents_per_group` agents to a group, every group of a shape in one swap
     domain (any of them may take any of its agents); the nodes freed go to the pools. The
     baselines keep their own allocations."""
-    settle: bool = True
+    settle: bool = DEFAULTS["settle"]
     """UNKNOWN (sweep false/true): each agent's reward is known once its own reply is in
     (a per-agent rule reward, ctx.settle), so its calls train while later agents run; false:
     every reward at the episode's end. The paper's micro-batch pipeline trains a micro-batch
     "as soon as" its samples are in, which presumes the former."""
-    seed: int = 0
-    """Seed of the agents' medians and of the lengths."""
+    seed: int = DEFAULTS["seed"]
+    """The workload seed: of the agents' medians (episode_args.seed) and of the run
+    (run.seed: each episode's draws of lengths and rewards); `simulate paper` takes every
+    figure over seeds 0..4."""
 
     def apply(self, raw: dict, nodes: int = 47) -> dict:
         """A copy of the config dict `raw` as the task: only the turns of `agents` (the
@@ -88,6 +92,7 @@ class TaskSpec:
         paper's batch shape: `queries` inputs per step, `branches` samples at the first turn
         (global batch = queries x branches), micro-batch `micro_batch`."""
         out = copy.deepcopy(raw)
+        out.setdefault("run", {})["seed"] = self.seed
         keep = set(self.chain(raw))
         self._workflow(out["workflow"])
         out.setdefault("trainer", {})["micro_batch_size"] = self.micro_batch
@@ -194,7 +199,7 @@ TASKS = {"MA": MA, "CA": CA}
 
 UNKNOWNS: dict[str, tuple[float, ...]] = {
     "prompt_tokens": (512, 1024, 2048),
-    "context_carried": (0.0, 0.5, 1.0),
+    "context_carried": (0.0, 0.1, 1.0),
     "length_median": (512, 1024, 2048),
     "length_sigma": (0.4, 0.8, 1.2),
     "agent_skew": (0.0, 0.5, 1.0),

@@ -238,6 +238,11 @@ class SyntheticChatTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # runs of byte ids between specials decode at once: an id at a time was the simulator's
         # largest cost of our own on the paper tasks (8k-token synthetic replies, 2026-11-26)
+        if isinstance(ids, (list, tuple)):       # (bytes() of an array would read its buffer)
+            try:                                 # no special id (every synthetic reply): one call
+                return bytes(ids).decode("utf-8", errors="replace")
+            except (ValueError, TypeError):      # an id >= 256 (or not an int): split below
+                pass
         ids = [int(i) for i in ids]
         out, start = [], 0
         for k in [k for k, i in enumerate(ids) if i >= 256]:

@@ -17,7 +17,7 @@ asks for are the lengths priced. With a real policy they are caps.
 
 With `settle: true` each agent's reward is given as soon as its last call of the episode is in
 (ctx.settle: a per-agent rule reward on its own reply), so its calls can train while the later
-agents of the chain still run; with false (the default) every reward comes at the episode's end.
+agents of the chain still run (the default); with false every reward comes at the episode's end.
 
 The control flow never reads reply text (synthetic text is filler): the call counts and lengths
 come from `ctx.rng`, seeded by run, example and episode, so a replay repeats them. Rewards are
@@ -31,9 +31,16 @@ import math
 
 import numpy as np
 
-DEFAULTS = {"prompt_tokens": 1024, "context_carried": 0.5, "length_median": 1024.0, "length_sigma": 0.8,
-            "agent_skew": 0.5, "max_tokens": 8192, "seed": 0, "settle": False}
-"""sim.workload.TaskSpec's defaults (the paper's 8,192-token cap; the rest are its unknowns)."""
+DEFAULTS = {"prompt_tokens": 1024, "context_carried": 0.1, "length_median": 1024.0, "length_sigma": 0.8,
+            "agent_skew": 0.5, "max_tokens": 8192, "seed": 0, "settle": True}
+"""The workload's one copy of its defaults: the paper configs' episodes (configs/paper_*.yaml,
+which set none of them) and `simulate paper`'s tasks (sim.workload.TaskSpec's fields default
+to these) run the same job. Sources, per field, in TaskSpec: max_tokens is the paper's 8,192;
+the rest are unknowns with a sweep. context_carried 0.1 keeps a 15-agent chain's last prompt
+(1,024 + 14 x 0.1 x ~1,400 mean tokens) inside the 8,192-token context (0.5 overflowed it);
+settle true: the paper's micro-batch pipeline trains a micro-batch as soon as its samples are
+in, which presumes per-agent rewards (false: every reward at the episode's end; until
+2026-11-29 the configs had false and `simulate paper` true, issue 37)."""
 WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor ".split()
 
 

@@ -18,7 +18,8 @@ from flexmarl_hpc.learn.hf_config import ModelArgs
 from flexmarl_hpc.sim.driver import cost_model, simulate_run
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.workflows.chat import Conversation, SyntheticChatTokenizer
-from flexmarl_hpc.workflows.paper_text import call_counts
+from flexmarl_hpc.sim.workload import EPISODE_ARGS, MA
+from flexmarl_hpc.workflows.paper_text import DEFAULTS, call_counts
 from tests.helpers import check_exactly_once
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +127,7 @@ def test_a_checkpoint_for_some_agents_only_is_refused_by_name(tmp_path):
 
 
 def test_a_call_past_the_context_fails_its_episode_and_the_run_goes_on(tmp_path):
-    cfg = config(tmp_path, {"b": [1, 3]}, prompt_tokens=900)
+    cfg = config(tmp_path, {"b": [1, 3]}, prompt_tokens=900, context_carried=0.5, settle=False)
     cfg.model.max_seq_len = 1024          # the chain's carried context overflows c's prompt
     cfg.workflow.max_failure_rate = 1.0   # most episodes fail here: the run must still go on
     path = simulate(tmp_path, cfg)
@@ -144,13 +145,17 @@ def test_a_call_past_the_context_fails_its_episode_and_the_run_goes_on(tmp_path)
 @pytest.mark.parametrize("name", ["paper_3x32b_7x14b", "paper_15x14b", "paper_5x32b"])
 def test_the_paper_configs_run_the_text_episode_in_the_simulator(tmp_path, name):
     """Each agent once per episode, every call trained once, replies long-tailed up to the
-    context (the paper's lengths, not the old 2-token game); 2 examples a step, not 16 (time)."""
+    context (the paper's lengths, not the old 2-token game); 2 examples of 4 episodes a step,
+    not 4 of 16 (time). The config's workload is `simulate paper`'s: the episode's defaults
+    (no episode_args of its own: settle true, context 0.1) and the paper's batch shape."""
     cfg = load_config(ROOT / f"configs/{name}.yaml")
     assert cfg.workflow.episode == "flexmarl_hpc.workflows.paper_text:episode"
-    assert (cfg.workflow.inputs_per_step, cfg.workflow.group_size) == (16, 4)        # the paper's 64
+    assert (cfg.workflow.inputs_per_step, cfg.workflow.group_size) == (MA.queries, MA.branches) == (4, 16)
+    assert cfg.workflow.episode_args == {} and DEFAULTS["settle"] is MA.settle is True
+    assert {k: getattr(MA, k) for k in EPISODE_ARGS} == DEFAULTS
     cfg = load_config(ROOT / f"configs/{name}.yaml", ["run.steps=2", f"run.output_dir={tmp_path}",
-                                                      "workflow.inputs_per_step=2", "run.checkpoint_every=0",
-                                                      "run.checkpoint_minutes=0"])
+                                                      "workflow.inputs_per_step=2", "workflow.group_size=4",
+                                                      "run.checkpoint_every=0", "run.checkpoint_minutes=0"])
     path = simulate(tmp_path, cfg)
     check_exactly_once(path, 2)
     with h5py.File(path, "r") as f:
