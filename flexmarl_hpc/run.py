@@ -79,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
     layout = layout_from_config(cfg)
+    launcher_lock = None
     try:
         # a folder the run can write (judged without writing), then one run per folder, checked
         # before anything in it is read, repaired or written (the store's open-flag repair in
         # preflight's check_resumable, config.yaml, train.log)
         check_output_dir(cfg)
-        launcher_lock = None
         if under_mpi():
             if not hold_run_lock(cfg):
                 return 2

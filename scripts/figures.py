@@ -131,22 +131,6 @@ def sim_paper(ctx: Context) -> str:
     return command_block("python -m flexmarl_hpc.simulate paper", table(rows, "MA"))
 
 
-def sim_paper_fit(ctx: Context) -> str:
-    """The fit on MA: every grid point's loss (its residuals, on the seeds' mean) and the goals
-    it misses; slow (96 points x 5 seeds x 5 systems, two at a time): --full only."""
-    from flexmarl_hpc.sim.paper import fit_ma, fit_table
-    _, _, points = fit_ma(load_hardware("npu64_a3"), 8, ctx.scratch / "fit", log=lambda s: None, jobs=2)
-    return command_block("python -m flexmarl_hpc.simulate paper --fit --jobs 2   # grid points (MA only)",
-                         fit_table(points))
-
-
-def sim_paper_sweep(ctx: Context) -> str:
-    """Each unknown of the MA spec at its low and high value, over 5 seeds: slow: --full only."""
-    from flexmarl_hpc.sim.paper import sweep, sweep_table
-    return command_block("python -m flexmarl_hpc.simulate paper --sweep",
-                         sweep_table(sweep(_paper_hw(), 8, ctx.scratch / "sweep")))
-
-
 def sim_plan_closed_form_48(ctx: Context) -> str:
     """The closed-form planner alone (no simulation): its best 3 splits of 48 nodes on each
     profile, for the paper's classes."""
@@ -239,10 +223,10 @@ FIGURES: dict[str, Figure] = {
     "sim_plan_closed_form_scaling": Figure(sim_plan_closed_form_scaling),
     "sim_memory_paper_mix": Figure(sim_memory_paper_mix),
     "sim_capacity": Figure(sim_capacity, bench=True),
-    "sim_paper": Figure(sim_paper),
     # deterministic but slow (minutes): only --full makes them, so that --check stays short
-    "sim_paper_fit": Figure(sim_paper_fit, bench=True),
-    "sim_paper_sweep": Figure(sim_paper_sweep, bench=True),
+    # (sim_paper: 5 seeds x 5 systems x 2 tasks, ~6 min of CPU; tests/unit/test_sim_paper.py
+    # checks its machinery on every run)
+    "sim_paper": Figure(sim_paper, bench=True),
     "bench_store": Figure(bench("bench_store.py"), bench=True),
     "bench_weight_sync": Figure(bench("bench_weight_sync.py"), bench=True),
     "bench_rollout": Figure(bench("bench_rollout.py", python=".venv-vllm/bin/python"), bench=True),
