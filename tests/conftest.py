@@ -10,6 +10,7 @@ never skips; only GPU tests skip, with a visible reason.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -98,6 +99,20 @@ def tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny chat model (scripts/make_tiny_chat_model.py, max_seq_len 512) and a 40-line
+    arithmetic train.jsonl: what the episode e2e tests train on. Both are only read."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_chat_model import make
+    d = tmp_path_factory.mktemp("tiny_chat")
+    model = make(d / "tiny-chat", hidden=32, layers=2, max_seq_len=512)
+    data = d / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i % 7}?", "answer": i + i % 7}) + "\n"
+                            for i in range(40)))
+    return model, data
 
 
 @pytest.fixture(scope="session")

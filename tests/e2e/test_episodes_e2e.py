@@ -5,7 +5,6 @@ the whole job mid-run followed by the same command trains every example of the s
 exactly once with no episode half-counted."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,15 +21,8 @@ STEPS, N_IN, GROUP = 6, 3, 2
 
 
 @pytest.fixture(scope="module")
-def chat_setup(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_tiny_chat_model import make
-    d = tmp_path_factory.mktemp("episodes")
-    model = make(d / "tiny-chat", hidden=32, layers=2, max_seq_len=512)
-    data = d / "train.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + {i % 7}?", "answer": i + i % 7}) + "\n"
-                            for i in range(40)))
-    return model, data
+def chat_setup(tiny_chat):
+    return tiny_chat
 
 
 def overrides(chat_setup, steps=STEPS):

@@ -8,7 +8,6 @@ writer's follow-up request (its draft sent back with the critic's note) reuses i
 prompt and sampled ids token for token."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,15 +23,8 @@ STEPS, N_IN, GROUP = 4, 2, 2
 
 
 @pytest.fixture(scope="module")
-def chat_setup(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_tiny_chat_model import make
-    d = tmp_path_factory.mktemp("openai")
-    model = make(d / "tiny-chat", hidden=32, layers=2, max_seq_len=512)
-    data = d / "train.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + {i % 7}?", "answer": i + i % 7}) + "\n"
-                            for i in range(40)))
-    return model, data
+def chat_setup(tiny_chat):
+    return tiny_chat
 
 
 def test_an_unchanged_openai_program_trains_token_exact_once_across_a_kill(tmp_path, mpiexec, chat_setup):
