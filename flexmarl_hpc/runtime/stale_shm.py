@@ -13,9 +13,17 @@ job, which finds the same files: docs/LOG.md, 2026-11-29, and docs/slurm.md, 'MP
 
 So every rank calls `clear_stale_segments` before MPI_Init. The first rank of this
 incarnation to take the lock on a node's /dev/shm removes the segments of this kvs name and
-leaves a marker for the incarnation; later local ranks see the marker and leave the
+writes the incarnation into the lock file; later local ranks find it there and leave the
 segments alone, since by then a rank may be creating the new ones. Nothing happens outside
 Slurm (mpiexec's kvs names are unique per launch) or without PMI_JOBID (PMIx, Open MPI).
+
+The incarnation is the restart count *and* the step's srun (host, port): the restart count
+alone is not unique, since a job id comes round again (a slurmctld whose state was reset, as
+the local test cluster's is at each start, or MaxJobId's wrap), and the marker an earlier
+cluster lifetime's job of that id left made a requeued step skip the clean-up and hang in
+MPI_Init (CI, 2026-11-29: both ranks saw the slab and removed nothing). The srun's address is
+the same on every node of the step, so nodes that share one /dev/shm (the local cluster's)
+still clear once per incarnation.
 """
 from __future__ import annotations
 
@@ -40,25 +48,33 @@ def segment_prefixes(kvs: str) -> tuple[str, ...]:
     return f"mpich_shm_{world}_", f"mpich_vci_{world}_"
 
 
+def incarnation(env: Mapping[str, str]) -> str:
+    """This incarnation of the step, the same on each of its nodes (module docstring)."""
+    return ":".join(env.get(key, "") for key in
+                    ("SLURM_RESTART_COUNT", "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT"))
+
+
 def clear_stale_segments(env: Mapping[str, str] = os.environ, shm: Path = SHM) -> list[str]:
     """The names removed (none for the ranks after the first of this incarnation here)."""
     kvs = env.get("PMI_JOBID", "")
     if not kvs or "SLURM_STEP_ID" not in env or not shm.is_dir() or "/" in kvs:
         return []
-    incarnation = env.get("SLURM_RESTART_COUNT", "0")
+    this = incarnation(env)
     try:
-        with open(shm / f"flexmarl-{kvs}.lock", "a") as lock:
+        with open(shm / f"flexmarl-{kvs}.lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            marker = shm / f"flexmarl-{kvs}-{incarnation}.cleared"
-            if marker.exists():
+            lock.seek(0)
+            if lock.read() == this:
                 return []
             prefixes = segment_prefixes(kvs)
             removed = [p.name for p in shm.iterdir() if p.name.startswith(prefixes)]
             for name in removed:
                 (shm / name).unlink(missing_ok=True)
-            for old in shm.glob(f"flexmarl-{kvs}-*.cleared"):
+            for old in shm.glob(f"flexmarl-{kvs}-*.cleared"):   # the markers of 2026-11-29's first version
                 old.unlink(missing_ok=True)
-            marker.touch()
+            lock.truncate(0)
+            lock.write(this)
+            lock.flush()
             return removed
     except OSError:
         return []                                # a read-only or odd /dev/shm: MPI_Init as before

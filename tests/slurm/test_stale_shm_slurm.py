@@ -5,7 +5,10 @@ MPICH names each node's shared-memory slab after the PMI kvs name, which under s
 slab was left in /dev/shm, and the next one hung in MPI_Init (docs/LOG.md, 2026-11-29; the
 cause of the start-up watchdog test's restart loop in CI). The ranks clear it first
 (flexmarl_hpc/runtime/stale_shm.py, called by run.py before MPI_Init); this job does what
-run.py does, with two ranks on one node, in two incarnations.
+run.py does, with two ranks on one node, in two incarnations. Before it starts, the job's id
+is given the marker an earlier cluster lifetime's job of the same id would have left (the
+local cluster starts with fresh state, so ids come round again: CI of 2026-11-29 failed on
+exactly that, both ranks seeing the slab and removing nothing).
 
     pytest tests/slurm/test_stale_shm_slurm.py
 """
@@ -16,6 +19,7 @@ import sys
 
 import pytest
 
+from flexmarl_hpc.runtime.stale_shm import SHM, clear_stale_segments
 from tests.conftest import ROOT
 from tests.helpers import wait_for
 
@@ -54,9 +58,14 @@ def test_a_requeued_step_starts_after_its_killed_incarnation_left_its_slab(slurm
         f"  timeout 60 srun --mpi=pmi2 {sys.executable} {tmp_path / 'second.py'}",
         '  echo "second srun exit $?"',
         "fi", ""]))
-    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
-                         timeout=30, check=True).stdout.strip()
+    job = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True,
+                         text=True, timeout=30, check=True).stdout.strip()
     try:
+        # job JOB of an earlier cluster lifetime, in its second incarnation (srun on port 1, which
+        # no srun of this one has: it is privileged)
+        clear_stale_segments({"PMI_JOBID": f"{job}.0", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "1",
+                              "SLURM_SRUN_COMM_HOST": "127.0.0.1", "SLURM_SRUN_COMM_PORT": "1"})
+        subprocess.run(["scontrol", "release", job], check=True, capture_output=True, timeout=30)
         wait_for(lambda: out.exists() and "killed" in out.read_text(), 120, "the first incarnation")
         # the requeue hold is the local cluster's cred_expire (10 s, scripts/slurm_up.sh); it is
         # left to run out: a release right after the requeue starts the job on a credential
@@ -69,3 +78,4 @@ def test_a_requeued_step_starts_after_its_killed_incarnation_left_its_slab(slurm
         assert any("mpich_shm_" in line for line in stale), text  # the killed incarnation's slab was there
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
+        (SHM / f"flexmarl-{job}.0.lock").unlink(missing_ok=True)

@@ -15,8 +15,9 @@ def test_the_world_id_is_mpichs_fnv1a_of_the_kvs_name():
     assert segment_prefixes("63.0") == ("mpich_shm_59de1db0_", "mpich_vci_59de1db0_")
 
 
-def _env(kvs="63.0", restart="1"):
-    return {"PMI_JOBID": kvs, "SLURM_STEP_ID": kvs.split(".")[1], "SLURM_RESTART_COUNT": restart}
+def _env(kvs="63.0", restart="1", port="41533"):
+    return {"PMI_JOBID": kvs, "SLURM_STEP_ID": kvs.split(".")[1], "SLURM_RESTART_COUNT": restart,
+            "SLURM_SRUN_COMM_HOST": "10.0.0.7", "SLURM_SRUN_COMM_PORT": port}
 
 
 def test_the_first_rank_of_an_incarnation_removes_this_steps_segments_only(tmp_path):
@@ -25,15 +26,30 @@ def test_the_first_rank_of_an_incarnation_removes_this_steps_segments_only(tmp_p
     for name in ours + others:
         (tmp_path / name).write_bytes(b"x")
     assert sorted(clear_stale_segments(_env(), tmp_path)) == sorted(ours)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(others + ["flexmarl-63.0.lock",
-                                                                          "flexmarl-63.0-1.cleared"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(others + ["flexmarl-63.0.lock"])
     # a later local rank of the same incarnation: a rank may be creating the new slab now
     (tmp_path / "mpich_shm_59de1db0_2").write_bytes(b"new")
     assert clear_stale_segments(_env(), tmp_path) == []
     assert (tmp_path / "mpich_shm_59de1db0_2").read_bytes() == b"new"
-    # the next incarnation clears again, and keeps one marker
+    # the next incarnation clears again, and the lock file holds only the latest
     assert clear_stale_segments(_env(restart="2"), tmp_path) == ["mpich_shm_59de1db0_2"]
-    assert sorted(p.name for p in tmp_path.glob("flexmarl-63.0-*")) == ["flexmarl-63.0-2.cleared"]
+    assert (tmp_path / "flexmarl-63.0.lock").read_text() == "2:10.0.0.7:41533"
+
+
+def test_a_job_id_that_comes_round_again_still_clears(tmp_path):
+    # CI 2026-11-29: the local cluster starts with fresh state, so job 55 of this run met the
+    # marker job 55 of an earlier run left for the same restart count, and removed nothing
+    assert clear_stale_segments(_env(kvs="55.0", port="40001"), tmp_path) == []
+    (tmp_path / "mpich_shm_477f8ec9_0").write_bytes(b"killed incarnation")
+    assert clear_stale_segments(_env(kvs="55.0", port="35719"), tmp_path) == ["mpich_shm_477f8ec9_0"]
+
+
+def test_the_first_versions_markers_go_and_do_not_stop_a_clean_up(tmp_path):
+    (tmp_path / "flexmarl-63.0-1.cleared").touch()
+    (tmp_path / "flexmarl-63.0.lock").touch()                # the first version left it empty
+    (tmp_path / "mpich_shm_59de1db0_0").write_bytes(b"x")
+    assert clear_stale_segments(_env(), tmp_path) == ["mpich_shm_59de1db0_0"]
+    assert [p.name for p in tmp_path.iterdir()] == ["flexmarl-63.0.lock"]
 
 
 def test_nothing_happens_outside_a_slurm_pmi_step(tmp_path):
