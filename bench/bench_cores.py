@@ -44,7 +44,9 @@ def worker(conn, calls: int) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
     torch.set_num_threads(1)
-    from flexmarl_hpc.runtime.build import build_engine, build_task, model_args
+    from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.ranks.build import build_engine
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.learn.model import CausalLM
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.rollout.base import GenRequest

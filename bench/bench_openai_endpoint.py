@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexmarl_hpc.config.schema import WorkflowConfig
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.pool import WorkerPool
 from flexmarl_hpc.tools.registry import Tools
 from flexmarl_hpc.workflows.chat import Conversation, SyntheticChatTokenizer

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import h5py
 import numpy as np
 
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.orchestrator.experience import Journal
 from flexmarl_hpc.store.tables import CONSUMED, StoreFile

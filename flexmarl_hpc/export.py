@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from flexmarl_hpc.runtime.build import build_task, model_args
+from flexmarl_hpc.config.hf_config import model_args
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.learn.model import CausalLM, save_hf_checkpoint

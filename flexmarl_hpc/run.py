@@ -30,7 +30,8 @@ from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.store.checkpoint import CheckpointError
 from flexmarl_hpc.store.checksum import StoreDamaged, StoreInconsistent, StoreUnreadable
 from flexmarl_hpc.store.tables import StoreError
-from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout, check_world, layout_from_config
+from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout, check_world
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.load import help_text, load_config, save_config, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.launch.preflight import check_output_dir, preflight
@@ -122,7 +123,7 @@ def hold_run_lock(cfg: Config) -> bool:
     Slurm nothing checked before srun started the ranks, so this is the check there."""
     global _LOCK
     import atexit
-    from flexmarl_hpc.runtime import faults
+    from flexmarl_hpc import faults
     from flexmarl_hpc.runtime.stale_shm import clear_stale_segments
     drop_inherited(cfg.output_dir)                 # the launcher's lock: mpiexec's alone
     stale = clear_stale_segments()                 # else a requeued job hangs in MPI_Init
@@ -206,7 +207,8 @@ def _on_signal(signum, frame) -> None:
 def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     import torch
     t0 = time.monotonic()                       # start-up's build phase begins (run.build_timeout_s)
-    from flexmarl_hpc.runtime.build import build_engine, build_mover, build_task
+    from flexmarl_hpc.ranks.build import build_engine, build_mover
+    from flexmarl_hpc.workflows.build import build_task
     torch.set_num_threads(cfg.run.threads_per_rank)
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, _on_signal)          # every rank: the orchestrator decides what to do
@@ -230,8 +232,8 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
         return _orchestrate(cfg, layout, world, task, bell, live, t0)
     if role == ROLLOUT:
         from flexmarl_hpc.learn.sampling import SamplingParams
-        from flexmarl_hpc.runtime.workers import replica_loop
-        from flexmarl_hpc.runtime.workers import replica_channels
+        from flexmarl_hpc.ranks.workers import replica_loop
+        from flexmarl_hpc.ranks.workers import replica_channels
         engine = build_engine(cfg, task, device, layout.pool_of(index))
         if hasattr(engine, "start"):            # vLLM builds its engines now, not in the first sync group
             engine.start()
@@ -240,7 +242,7 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
             world, engine, cfg.weight_sync.backend, cfg.weight_sync.timeout_s, sync_groups(cfg, layout), setup))
         return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell, live,
                             cfg.weight_sync.timeout_s, sync_groups(cfg, layout), channels)
-    from flexmarl_hpc.runtime.workers import restore_trainers, trainer_channels, trainer_loop
+    from flexmarl_hpc.ranks.workers import restore_trainers, trainer_channels, trainer_loop
     mover = build_mover(cfg, task, world, index, role_comm, layout, device)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
@@ -255,10 +257,10 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
 
 def _serve_tools(cfg: Config, world, live, t0: float) -> int:
     """A tool rank (tools.ranks > 0): its own pool of sandboxes and reward workers, serving
-    rank 0's episodes (flexmarl_hpc/tools/remote.py) until the Stop."""
+    rank 0's episodes (flexmarl_hpc/ranks/tool_ranks.py) until the Stop."""
     from flexmarl_hpc.tools.pool import WorkerPool
     from flexmarl_hpc.tools.registry import Tools
-    from flexmarl_hpc.tools.remote import tools_loop
+    from flexmarl_hpc.ranks.tool_ranks import tools_loop
     pool = WorkerPool(Tools.from_config(cfg.tools), cfg.tools)
     _started(cfg, world, live, t0)
     return tools_loop(world, 0, pool, live)
@@ -275,7 +277,7 @@ def _started(cfg: Config, world, live, t0: float, open_comms=None, log=None, who
     the field); a worker that ends meanwhile ends it with 75."""
     from flexmarl_hpc.runtime import startup
     from flexmarl_hpc.runtime.deadline import CollectiveTimeout, Deadline
-    from flexmarl_hpc.runtime import faults
+    from flexmarl_hpc import faults
     busy = open_comms is not None              # the orchestrator and tool ranks build nothing here
     if busy:
         faults.hit("build")                    # test-only: no-op unless FLEXMARL_FAULT is set
@@ -366,7 +368,7 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=N
         live.on_untaken = lambda rank: _exit_untaken(log, layout, rank)
     tools = None
     if layout.tool_ranks:
-        from flexmarl_hpc.tools.remote import RemotePool
+        from flexmarl_hpc.ranks.tool_ranks import RemotePool
         tools = RemotePool(world, layout.tool_rank_list, cfg.tools, live=live)
     try:
         orch = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log, tools)

@@ -46,7 +46,7 @@ import submitit
 from submitit.core.utils import FailedJobError, JobPaths
 from submitit.slurm.slurm import SlurmInfoWatcher
 
-from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.load import load_config, save_config
 from flexmarl_hpc.config.resources import component_table, single_component
 from flexmarl_hpc.config.schema import Config, ConfigError

@@ -33,7 +33,7 @@ from pathlib import Path as FsPath
 
 import torch
 
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.store.checkpoint import committed_versions, replace_file
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.schema import ConfigError

@@ -11,7 +11,7 @@ member) into `<out>/fault_<n>` and kills ONE rank with SIGKILL:
 
 - at a seeded random moment: the orchestrator (world rank 0), the replica (1), a trainer
   leader (2 or 4) or a trainer member (3 or 5), found by `PMI_RANK` in /proc/<pid>/environ;
-- or precisely, through the test-only hook `flexmarl_hpc/runtime/faults.py` (env FLEXMARL_FAULT):
+- or precisely, through the test-only hook `flexmarl_hpc/faults.py` (env FLEXMARL_FAULT):
   mid checkpoint file (`checkpoint_write`), between its rename and its manifest
   (`checkpoint_latest`), after a table's rows are written but before /commit
   (`store_append`), after the HDF5 flush but before /commit (`store_flush`), or with a

@@ -65,17 +65,20 @@ def rank_job(config: str, overrides: list[str]) -> None:
     from flexmarl_hpc.learn.sampling import SamplingParams
     from flexmarl_hpc.rollout.base import GenRequest
     from flexmarl_hpc.sim.torch_replica import generate_shape
-    from flexmarl_hpc.runtime import build, messages
+    from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.ranks import build
+    from flexmarl_hpc.workflows.build import build_task
+    from flexmarl_hpc.runtime import messages
     from flexmarl_hpc.runtime.state_swap import StateMover
     from flexmarl_hpc.runtime.weight_sync import SyncChannels, receive_weights
-    from flexmarl_hpc.runtime.workers import TrainerRank
+    from flexmarl_hpc.ranks.workers import TrainerRank
     from flexmarl_hpc.sim.memory import _micro_batch
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     cfg = load_config(config, overrides)
-    task = build.build_task(cfg)
+    task = build_task(cfg)
     agent = cfg.agent_names[0]
-    args = build.model_args(cfg, task, agent)
+    args = model_args(cfg, task, agent)
     group = world.Split(0 if rank in TRAINERS else 1, rank)
     base = _rss_now()
     channels = SyncChannels(world, cfg.weight_sync.backend)
@@ -139,7 +142,8 @@ def predicted(config: str, overrides: list[str]) -> dict[int, dict]:
     import torch
     torch.set_num_threads(1)
     from flexmarl_hpc.config.load import load_config
-    from flexmarl_hpc.runtime.build import build_task, model_args
+    from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.sim.memory import run_jobs
     from flexmarl_hpc.sim.torch_replica import generate_shape, torch_replica
     cfg = load_config(config, overrides)

@@ -42,7 +42,7 @@ def write_folder(folder: Path, hf: dict) -> Path:
     """config.json and sparse model-*.safetensors shards of every tensor's header (bf16), with
     their index."""
     import torch
-    from flexmarl_hpc.learn.hf_config import ModelArgs
+    from flexmarl_hpc.config.hf_config import ModelArgs
     from flexmarl_hpc.learn.model import CausalLM
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf, indent=1))

@@ -213,7 +213,8 @@ def check_batches_of_whole_inputs(path, inputs, extra):
 def final_weights(out, agent):
     """The latest checkpoint's `model.*` tensors: a torch .pt file, or a megatron
     dist_checkpointing folder read back into one CPU rank (as export does)."""
-    from flexmarl_hpc.runtime.build import build_task, model_args
+    from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.export import checkpoint_file
     path = checkpoint_file(out, agent, None)
@@ -249,7 +250,7 @@ def assert_same_run(ref, out, rel_tol=1e-5):
 def check_group_intervals(h5, cfg) -> None:
     """Per-rank intervals show each group's ranks (every TP rank of the megatron group too)
     training that group's agents, and each replica generating only for agents of its pool."""
-    from flexmarl_hpc.config.layout import layout_from_config
+    from flexmarl_hpc.config.resources import layout_from_config
     from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
     lay = layout_from_config(cfg)
     with h5py.File(h5, "r") as f:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl_hpc.config.schema import Config, ConfigError, ModelConfig
-from flexmarl_hpc.learn.hf_config import ModelArgs
+from flexmarl_hpc.config.hf_config import ModelArgs
 
 SHAPE_KEYS = {
     "hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",

@@ -127,21 +127,6 @@ class RankLayout:
         return {ORCHESTRATOR: 0, ROLLOUT: 1, TOOLS: 2 + self.groups}.get(role, 2 + idx)
 
 
-def layout_from_config(cfg, tools: bool = True) -> RankLayout:
-    """Pure: the layout of the config's pools, trainer groups and tool ranks
-    (flexmarl_hpc.config.resources). Without rollout.pools / trainer.named_groups /
-    tools.ranks it is the three-component layout. `tools=False`: without the tool ranks
-    (the simulator, which runs tools in the orchestrator's process pool)."""
-    from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
-    pools, groups = rollout_pools(cfg), trainer_groups(cfg)
-    t = cfg.tools.ranks if tools else 0
-    if not cfg.rollout.pools and not cfg.trainer.named_groups:
-        return RankLayout(cfg.rollout.replicas, cfg.num_trainer_groups, cfg.trainer.ranks_per_group,
-                          tool_ranks=t)
-    return RankLayout.of([p.replicas for p in pools], [g.ranks for g in groups],
-                         bool(cfg.rollout.pools), bool(cfg.trainer.named_groups), t)
-
-
 def check_world(layout: RankLayout, world_size: int) -> None:
     """Refuse a job whose rank count does not match the layout, naming both numbers."""
     if world_size != layout.world_size:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, TRAINER
+from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, TRAINER, RankLayout
 from flexmarl_hpc.config.schema import Config, ModelConfig, RolloutConfig, SlurmComponent, TrainerConfig
 
 
@@ -291,3 +291,17 @@ def single_component(cfg: Config) -> SlurmComponent:
         nodes=nodes, gpus_per_node=gpus, cpus_per_task=cpus, mem=mem,
         partition=trainer.slurm.partition,
         sbatch_options=list(trainer.slurm.sbatch_options))
+
+
+def layout_from_config(cfg, tools: bool = True) -> RankLayout:
+    """Pure: the layout of the config's pools, trainer groups and tool ranks
+    (below). Without rollout.pools / trainer.named_groups /
+    tools.ranks it is the three-component layout. `tools=False`: without the tool ranks
+    (the simulator, which runs tools in the orchestrator's process pool)."""
+    pools, groups = rollout_pools(cfg), trainer_groups(cfg)
+    t = cfg.tools.ranks if tools else 0
+    if not cfg.rollout.pools and not cfg.trainer.named_groups:
+        return RankLayout(cfg.rollout.replicas, cfg.num_trainer_groups, cfg.trainer.ranks_per_group,
+                          tool_ranks=t)
+    return RankLayout.of([p.replicas for p in pools], [g.ranks for g in groups],
+                         bool(cfg.rollout.pools), bool(cfg.trainer.named_groups), t)

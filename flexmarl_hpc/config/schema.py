@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from flexmarl_hpc.tools.config import ToolsConfig
-
-
-class ConfigError(ValueError):
-    """A config field or file is wrong; the message names it and what was expected."""
+from flexmarl_hpc.config.errors import ConfigError
+from flexmarl_hpc.config.tools import ToolsConfig
 
 
 def join(where: str, key: str) -> str:
@@ -129,6 +126,8 @@ class TurnConfig:
 
 
 DATASET_WHERE = "workflow.dataset"
+TOOL_CALL_FORMATS = ("hermes",)
+"""The tool-call formats workflows/toolcalls.py parses (workflow.tool_formats)."""
 AGENT_EPISODE = "flexmarl_hpc.workflows.openai_agent:episode"
 """workflow.episode when workflow.agent is set: the adapter that serves an `openai` program."""
 
@@ -199,7 +198,8 @@ class WorkflowConfig:
     example's other episodes. Either way the error is stored in /failures and logged."""
     tool_formats: dict[str, str] = field(default_factory=dict)
     """Episode workflows: {agent: format} of the tool calls its model writes (ctx.chat with
-    tools=; workflows/toolcalls.py FORMATS); an agent not listed: hermes (Qwen2.5, Hermes)."""
+    tools=; one of TOOL_CALL_FORMATS, parsed by workflows/toolcalls.py); an agent not listed:
+    hermes (Qwen2.5, Hermes)."""
     max_failure_rate: float = 0.5
     """Episode workflows: the run stops (exit 1, checkpointed, store flushed) at the first step
     in which more than this share of episodes failed (0: any failure stops it; 1: never)."""

@@ -19,8 +19,8 @@ from typing import Any
 
 from flexmarl_hpc.config.resources import (FIT_FRACTION, Group, fits, rollout_pools, swap_peers,
                                            trainer_groups, weight_gb)
-from flexmarl_hpc.config.schema import (AGENT_EPISODE, Config, ConfigError, ModelConfig, RunConfig, TrainerConfig,
-                                        WorkflowConfig, join)
+from flexmarl_hpc.config.schema import (AGENT_EPISODE, TOOL_CALL_FORMATS, Config, ConfigError, ModelConfig, RunConfig,
+                                        TrainerConfig, WorkflowConfig, join)
 
 
 # Field ranges (launch/preflight.py adds the checks that need the task or the machine:
@@ -173,10 +173,10 @@ def _validate_episode(w: WorkflowConfig) -> None:
     _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
     # (on_error's values and the rate's type are checked by the loader: Literal, float)
     _float_in(w.max_failure_rate, "workflow.max_failure_rate", 0, 1)
-    from flexmarl_hpc.workflows.toolcalls import FORMATS     # pure, stdlib only
     for agent, fmt in w.tool_formats.items():
         _need(agent in w.agents, f"workflow.tool_formats.{agent}", f"expected an agent of {w.agents}")
-        _need(fmt in FORMATS, f"workflow.tool_formats.{agent}", f"expected one of {sorted(FORMATS)}, got {fmt!r}")
+        _need(fmt in TOOL_CALL_FORMATS, f"workflow.tool_formats.{agent}",
+              f"expected one of {sorted(TOOL_CALL_FORMATS)}, got {fmt!r}")
     if w.agent:
         _validate_agent(w)
 

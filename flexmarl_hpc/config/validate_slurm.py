@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.resources import components, last_trainer, single_component
 from flexmarl_hpc.config.schema import Config, ConfigError, SlurmComponent
 

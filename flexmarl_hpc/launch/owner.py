@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from flexmarl_hpc.config.schema import ConfigError
-from flexmarl_hpc.status import ENDED, Job, parse_scontrol
+from flexmarl_hpc.launch.jobs import ENDED, Job, parse_scontrol
 from flexmarl_hpc.store.lock import LOCK_NAME, RECORD_BYTES, parse_record
 
 OVER = ENDED | {"PREEMPTED"}

@@ -16,7 +16,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from flexmarl_hpc.config.layout import RankLayout, layout_from_config
+from flexmarl_hpc.config.layout import RankLayout
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.load import to_dict
 from flexmarl_hpc.config.resources import (component_mem, components, last_trainer, mem_mb, param_count,
                                            replica_bytes_per_weight, rollout_pools, single_component,
@@ -37,7 +38,7 @@ def preflight(cfg: Config, layout: RankLayout, local: bool):
         for field in ("agent", "reward"):        # an `openai` program and its reward function
             if getattr(cfg.workflow, field):
                 check_episode(getattr(cfg.workflow, field), {}, field=f"workflow.{field}")
-    from flexmarl_hpc.runtime.build import build_task, check_models
+    from flexmarl_hpc.workflows.build import build_task, check_models
     task = build_task(cfg)
     if cfg.workflow.episode:             # its dataset read (and refused) before the model checks
         len(task.stream)
@@ -104,7 +105,7 @@ class MemoryEstimate:
 
 def estimate_memory(cfg: Config, models: dict, cuda: bool = True) -> MemoryEstimate:
     """Memory (bytes) a run of `cfg` needs, over all its ranks: a pure function of the config
-    and each agent's model shape (`models`: agent -> ModelArgs, as runtime.build.model_args
+    and each agent's model shape (`models`: agent -> ModelArgs, as config.hf_config.model_args
     gives, vocabulary included). A sequence is at most min(max_seq_len, rollout.max_model_len).
     Per trainer rank: its agents' params x 16 bytes / (TP x PP), plus a micro-batch's logits
     and their gradient; per replica: its pool's agents' weights (replica_bytes_per_weight:
@@ -152,7 +153,7 @@ def mem_available() -> int | None:
 def check_local_memory(cfg: Config, task) -> None:
     """A local run's estimate (estimate_memory) fits this machine's available memory."""
     import torch                                 # runtime.build imports it anyway
-    from flexmarl_hpc.runtime.build import model_args
+    from flexmarl_hpc.config.hf_config import model_args
     avail = mem_available()
     if avail is None:
         return
@@ -225,7 +226,7 @@ def turn_prompts(cfg: Config, task):
 def check_lengths(cfg: Config, task) -> None:
     """Each turn's prompt plus its max_new_tokens fits the acting agent's max_seq_len (and
     rollout.max_model_len): walk a few inputs down one branch, with full-length responses."""
-    from flexmarl_hpc.runtime.build import model_args
+    from flexmarl_hpc.config.hf_config import model_args
     if cfg.workflow.episode:
         return check_episode_lengths(cfg, task)
     for t, turn, lp in turn_prompts(cfg, task):
@@ -249,7 +250,7 @@ def check_backend_math(cfg: Config, task) -> None:
     values need refusing.)"""
     if all(g.backend != "megatron" for g in trainer_groups(cfg)):
         return
-    from flexmarl_hpc.runtime.build import model_args
+    from flexmarl_hpc.config.hf_config import model_args
     for agent in cfg.agent_names:
         if model_args(cfg, task, agent).rope_llama3 is not None:
             where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"

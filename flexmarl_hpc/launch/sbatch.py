@@ -34,7 +34,8 @@ from __future__ import annotations
 import math
 import shlex
 
-from flexmarl_hpc.config.layout import ROLLOUT, TRAINER, layout_from_config
+from flexmarl_hpc.config.layout import ROLLOUT, TRAINER
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.resources import component_mem, components, single_component
 from flexmarl_hpc.config.schema import Config, SlurmComponent
 from flexmarl_hpc.config.validate_slurm import OPTION_RE, check_gpus, validate_slurm

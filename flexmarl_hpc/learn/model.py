@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# the architecture and its config.json reader are torch-free (learn/hf_config.py): the config
+# the architecture and its config.json reader are torch-free (config/hf_config.py): the config
 # loader reads a checkpoint's shapes on a login node with them
-from flexmarl_hpc.learn.hf_config import SUPPORTED_MODEL_TYPES, ModelArgs, load_hf_args  # noqa: F401
+from flexmarl_hpc.config.hf_config import SUPPORTED_MODEL_TYPES, ModelArgs, load_hf_args  # noqa: F401
 
 
 class RMSNorm(nn.Module):

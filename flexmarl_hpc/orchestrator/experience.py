@@ -261,7 +261,7 @@ class EpisodeExperience(Journaled, EpisodeTree):
     an /episodes row (once: a replayed episode already recorded is not recorded again)."""
 
     def __init__(self, cfg: Config, task, store: StoreFile, tools=None):
-        """`tools`: the pool that runs tool calls (tools/remote.py's RemotePool with tool
+        """`tools`: the pool that runs tool calls (ranks/tool_ranks.py's RemotePool with tool
         ranks); None: a tools.pool.WorkerPool on this node."""
         pool = tools
         if pool is None:

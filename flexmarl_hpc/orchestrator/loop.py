@@ -33,6 +33,7 @@ from flexmarl_hpc.orchestrator.recorder import RunRecorder
 from flexmarl_hpc.orchestrator.scheduler import Scheduler, route
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.messages import Location
+from flexmarl_hpc.runtime.placement import initial_placement
 from flexmarl_hpc.runtime.timing import BusyClock, Deadlines, Watchdog, WatchedTask
 from flexmarl_hpc.store.checkpoint import latest_version
 from flexmarl_hpc.store.tables import StoreFile
@@ -111,9 +112,8 @@ def pack(nodes: list[Node], task: Task) -> dict:
 
 
 def initial_state(cfg: Config, layout: RankLayout, log) -> dict[str, AgentState]:
-    """Each agent where runtime.build.initial_placement puts it, at its newest valid checkpoint's version
-    (run.resume; checkpoint.latest_version reports bad ones) or 0."""
-    from flexmarl_hpc.runtime.build import initial_placement  # runtime.build imports torch: not at import
+    """Each agent where runtime.placement.initial_placement puts it, at its newest valid
+    checkpoint's version (run.resume; checkpoint.latest_version reports bad ones) or 0."""
     ckpt = cfg.output_dir / "checkpoints"
     return {agent: AgentState(version=(latest_version(ckpt / agent, log) or 0) if cfg.run.resume else 0,
                               location=loc, leader=layout.group_leader(loc.group))
@@ -134,7 +134,7 @@ def booked(activity: str):
 class Orchestrator(WorkerFailures):
     def __init__(self, cfg: Config, task: Task, transport: Transport, layout: RankLayout,
                  store: StoreFile, preempted=lambda: False, log=print, tools=None, clock: Clock = REAL):
-        """`tools`: where episodes' tool calls run (tools/remote.py's RemotePool on the
+        """`tools`: where episodes' tool calls run (ranks/tool_ranks.py's RemotePool on the
         layout's tool ranks); None: a process pool on this node. `clock`: the run's (the
         transport's: a simulation's is sim.transport.SimTransport.clock), the store's too."""
         if store.clock is not clock:

@@ -27,7 +27,7 @@ TAG_REPLY = 2        # worker -> orchestrator results
 TAG_GROUP = 3        # trainer leader -> group members
 TAG_STATE = 4        # state swap payloads between ranks
 TAG_JOIN = 5         # weight-sync members announcing themselves to the root (deadline.join)
-TAG_TOOL = 6         # tool rank -> orchestrator: results of tool calls (tools/remote.py)
+TAG_TOOL = 6         # tool rank -> orchestrator: results of tool calls (ranks/tool_ranks.py)
 
 
 # mpiexec (hydra) forwards a rank's output through its proxy; MPI_Abort can end mpiexec

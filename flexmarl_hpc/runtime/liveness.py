@@ -143,7 +143,7 @@ class Liveness:
 
 def peer_ended(live: Liveness | None, rank: int) -> bool:
     """`rank` is known to have ended (`Liveness.ended`); False without a liveness star. The
-    senders to workers (runtime/transport.py, tools/remote.py) skip such a rank's sends and
+    senders to workers (runtime/transport.py, ranks/tool_ranks.py) skip such a rank's sends and
     tests of them: either can hang in the MPI library."""
     return live is not None and live.ended(rank)
 

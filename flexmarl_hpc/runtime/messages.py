@@ -124,7 +124,7 @@ class Stop(Command):
 
 @dataclass(frozen=True)
 class ToolRequest(Command):
-    """Run a bundled tool (tool rank, tools/remote.py); answered by `ToolDone` on TAG_TOOL."""
+    """Run a bundled tool (tool rank, ranks/tool_ranks.py); answered by `ToolDone` on TAG_TOOL."""
     kind: ClassVar[str] = "tool"
     call_id: int
     tool: str

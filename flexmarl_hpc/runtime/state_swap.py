@@ -17,7 +17,7 @@ read. Both backends have it: TorchTrainer re-points its tensors at the host copi
 `state()` reads them there); MegatronTrainer (trainer/megatron/swap.py) copies every storage
 of its shards out and resizes it to 0 bytes, so the many views megatron keeps stay valid,
 and brings the state in for a `state()`/checkpoint call while parked (and for a weight
-sync's stream, runtime/workers.py).
+sync's stream, ranks/workers.py).
 
 Different groups: rank i of the source group sends its `state()` to rank i of the
 destination group over MPI (one header + one flat byte buffer, a non-blocking send/receive

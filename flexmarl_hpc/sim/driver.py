@@ -39,7 +39,8 @@ import yaml
 
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.config.load import to_dict
-from flexmarl_hpc.config.layout import ROLLOUT, layout_from_config
+from flexmarl_hpc.config.layout import ROLLOUT
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
 from flexmarl_hpc.sim.costs import (AgentLayout, CostModel, LengthDistribution, ModelShape, recompute_fraction,
                                     shape_from_model_args)
@@ -174,7 +175,7 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
     hardware, workers) and the transport (for its clock and counters). `workers` "real"
     runs the real engine and trainers in-process (small models; `work` must then be None:
     the real lengths are priced)."""
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.orchestrator.loop import Orchestrator
     from flexmarl_hpc.store.tables import StoreFile
     if workers not in WORKERS:

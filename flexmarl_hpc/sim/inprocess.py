@@ -11,7 +11,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from flexmarl_hpc.runtime import messages
-from flexmarl_hpc.runtime.build import build_engine, build_trainer
+from flexmarl_hpc.ranks.build import build_engine, build_trainer
 from flexmarl_hpc.store.checkpoint import save_checkpoint
 from flexmarl_hpc.config.resources import steps_in_flight
 from flexmarl_hpc.config.schema import Config, ConfigError
@@ -19,7 +19,7 @@ from flexmarl_hpc.rollout.base import GenRequest
 from flexmarl_hpc.learn.sampling import SamplingParams
 from flexmarl_hpc.trainer.base import train_micro
 from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
-from flexmarl_hpc.runtime.workers import group_sum
+from flexmarl_hpc.ranks.workers import group_sum
 
 
 class InProcessWorkers:

@@ -45,7 +45,9 @@ from dataclasses import dataclass
 import torch
 
 from flexmarl_hpc.config.resources import Group, group_trainer_config, mem_mb, rollout_pools, trainer_groups
+from flexmarl_hpc.config.hf_config import model_args
 from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.learn.model import hf_shapes
 
 GB = 1e9
 VLLM_GPU_MEMORY_UTILIZATION = 0.85
@@ -96,12 +98,6 @@ def _micro_batch(rows: int, T: int, vocab: int):
                       torch.zeros(rows, dtype=torch.bool), None)
 
 
-def _hf_shapes(args) -> dict[str, tuple[int, ...]]:
-    from flexmarl_hpc.learn.model import CausalLM
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in CausalLM(args).state_dict().items()}
-
-
 def train_tokens(cfg: Config, task, agent: str, max_seq_len: int) -> int:
     """The longest sequence `agent` trains on (micro-batches are padded to their longest):
     its longest prompt plus budget on the preflight walk (torch_replica.generate_shape), so a
@@ -132,19 +128,19 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
     weight sync (send, on a PP stage's sender only). Stops after a phase whose device peak is over `limit`
     (> 0): on the device the run would end there. `tokens`: the micro-batch's sequence
     length (0: `train_tokens`)."""
-    from flexmarl_hpc.runtime import build
+    from flexmarl_hpc.ranks import build
     from flexmarl_hpc.sim.memtrack import track
     from flexmarl_hpc.trainer.megatron.fake import fake_group
     group = trainer_groups(cfg)[g]
     tcfg = group_trainer_config(cfg, group)
     agent = group.agents[0]
-    args = build.model_args(cfg, task, agent)
+    args = model_args(cfg, task, agent)
     full = _micro_batch(cfg.trainer.micro_batch_size, tokens or train_tokens(cfg, task, agent, args.max_seq_len),
                         args.vocab_size)
     size = group.ranks
     peers = [pickle.dumps(full.shard(r, size)) for r in range(size)]
     mine = full.shard(rank, size)
-    shapes = _hf_shapes(args)
+    shapes = hf_shapes(args)
     out: list[Phase] = []
     with fake_group(rank, size, tcfg.tensor_parallel, tcfg.pipeline_parallel) as comm, track() as c:
         comm.hf_shapes, comm.peers = shapes, peers
@@ -223,7 +219,7 @@ def _trainer_job(job: tuple) -> list[Phase]:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     cfg, g, rank, wire, limit, *tokens = job
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     return trainer_rank(cfg, build_task(cfg), g, rank, wire, limit, *tokens)
 
 
@@ -256,17 +252,18 @@ def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, 
     nothing model-sized (agents sharing an engine are re-sent by the trainer, not kept)."""
     from flexmarl_hpc.config.gpu_memory import allowances, replica_sync_comms
     from flexmarl_hpc.rollout.vllm_engine import memory_fraction
-    from flexmarl_hpc.runtime import build, weight_sync
+    from flexmarl_hpc.ranks import build
+    from flexmarl_hpc.runtime import weight_sync
     pool = rollout_pools(cfg)[p]
     bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
     comms = len(replica_sync_comms(cfg, p))
-    models = [build.model_args(cfg, task, a) for a in pool.agents]
+    models = [model_args(cfg, task, a) for a in pool.agents]
     bucket = build.receive_span(cfg, models, wire)              # a split tensor lands whole
     fraction = memory_fraction(pool.gpu_memory_gb, bucket, comms) if pool.gpu_memory_gb else \
         VLLM_GPU_MEMORY_UTILIZATION
     start = 0
     for args in models:
-        layout = [(k, shape, torch.float32) for k, shape in _hf_shapes(args).items()]
+        layout = [(k, shape, torch.float32) for k, shape in hf_shapes(args).items()]
         buckets = weight_sync.plan_buckets(layout, bucket_bytes, wire)
         start = max(start, _engine_need(args, sum(b.total for b in buckets), pool.gpus_per_replica, fraction,
                                         cfg.rollout.max_model_len))
@@ -351,7 +348,6 @@ def node_limit(cfg: Config, comp) -> int:
 def _distinct(cfg: Config, task, only: tuple[str, ...] = ()) -> dict[tuple, list[int]]:
     """Trainer groups (of those named in `only`, if given) by what their ranks run: model
     shape, ranks, TP, PP, backend."""
-    from flexmarl_hpc.runtime.build import model_args
     out: dict[tuple, list[int]] = {}
     for g, grp in enumerate(trainer_groups(cfg)):
         if only and grp.name not in only:
@@ -364,7 +360,7 @@ def check_config(cfg: Config, hbm_gb: float, workers: int = 2, only: tuple[str, 
     """Every distinct role of the config (of the pools and groups named in `only`, if given):
     its rows (per phase) and node totals."""
     from flexmarl_hpc.config.resources import components
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.runtime.weight_sync import wire_dtype, resolve_backend
     task = build_task(cfg)
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, resolve_backend(cfg.weight_sync.backend))
@@ -556,7 +552,7 @@ def allowance_lines(cfg: Config) -> list[str]:
     """The report's statement of each GPU allowance with its source, and each model's
     vocabulary with where it comes from."""
     from flexmarl_hpc.config import gpu_memory as gm
-    from flexmarl_hpc.runtime.build import build_task, model_args
+    from flexmarl_hpc.workflows.build import build_task
     task = build_task(cfg)
     vocab = {}
     for a in cfg.agent_names:

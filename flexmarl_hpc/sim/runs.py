@@ -62,7 +62,7 @@ def priced(cfg, hw: HardwareProfile, workers: str):
 
 def local_cost(cfg, hw: HardwareProfile):
     """`cfg`'s models priced as they run on this machine: the task's vocabulary, fp32."""
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     return cost_model(cfg, hw, len(build_task(cfg).vocab), 4)
 
 

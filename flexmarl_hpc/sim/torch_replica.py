@@ -61,7 +61,7 @@ def torch_replica(cfg: Config, task, p: int, wire: torch.dtype | None, agents: t
     pool's first replica, a relay where the pool has more than one). `prompt_tokens` (> 0):
     the generate's prompts (default: generate_shape's)."""
     from flexmarl_hpc.config.resources import rollout_pools
-    from flexmarl_hpc.runtime import build
+    from flexmarl_hpc.ranks import build
     from flexmarl_hpc.sim.memtrack import track
     pool = rollout_pools(cfg)[p]
     agents = agents or tuple(pool.agents)
@@ -90,11 +90,11 @@ def _receive(cfg: Config, engine, agents: tuple[str, ...], wire: torch.dtype | N
     buckets in turn in both, receiving the next while forwarding the last). The run keeps
     them for the next sync: returned, to stay alive."""
     from flexmarl_hpc.runtime import weight_sync
-    from flexmarl_hpc.sim.memory import _hf_shapes
+    from flexmarl_hpc.learn.model import hf_shapes
     bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
     plans = {}
     for a in agents:
-        layout = [(k, s, torch.float32) for k, s in _hf_shapes(engine.args_of[a]).items()]
+        layout = [(k, s, torch.float32) for k, s in hf_shapes(engine.args_of[a]).items()]
         plans[a] = weight_sync.Plan((0,), (weight_sync.plan_buckets(layout, bucket_bytes, wire),))
     buf = torch.empty(max(pl.span for pl in plans.values()), dtype=torch.uint8)
     second = [torch.empty(max(pl.largest for pl in plans.values()), dtype=torch.uint8)] if relay else []

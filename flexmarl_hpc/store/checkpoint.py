@@ -32,7 +32,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from flexmarl_hpc.runtime import faults
+from flexmarl_hpc import faults
 
 if TYPE_CHECKING:
     import torch

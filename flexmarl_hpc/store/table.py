@@ -13,7 +13,7 @@ from functools import partial
 import h5py
 import numpy as np
 
-from flexmarl_hpc.runtime import faults
+from flexmarl_hpc import faults
 from flexmarl_hpc.store.checksum import (CRC_DTYPE, MUTABLE, _weights, chunk_buffer, has_checksums,
                                          prefix_crc, span_sums, stamp)
 from flexmarl_hpc.store.schema import ADDED, DEFAULTS

@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 
 from flexmarl_hpc.clock import REAL, Clock
-from flexmarl_hpc.runtime import faults
+from flexmarl_hpc import faults
 from flexmarl_hpc.store.checksum import CRC_DTYPE, verify_path
 from flexmarl_hpc.store.repair import clear_open_flags
 # the schema and the table writer live in their own modules; their names are imported here

@@ -12,11 +12,9 @@ Its return value is the tool's output: a string as it is, anything else as JSON.
 """
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
-from dataclasses import dataclass
-from pathlib import Path
+
+from flexmarl_hpc.config.tools import BUILTIN_TOOLS, FunctionSpec
 
 BUILTIN_SCHEMAS = {
     "calculator": {"type": "function", "function": {
@@ -30,61 +28,7 @@ BUILTIN_SCHEMAS = {
 }
 BUILTIN_ARGUMENT = {"calculator": "expression", "python": "code"}
 """The one argument of each built-in tool: its text is what the tool runs."""
-JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
-              "dict": "object"}
-
-
-@dataclass(frozen=True)
-class FunctionSpec:
-    """A user tool as read from its file (nothing of it run here)."""
-    name: str
-    """The tool's name, as the model calls it (the key of tools.functions)."""
-    file: str
-    function: str
-    source: str
-    schema: dict
-
-
-def read_function(name: str, spec: str) -> FunctionSpec:
-    """`module:function` read from its file; ValueError saying what is wrong (config load)."""
-    where = f"tools.functions.{name}"
-    mod, _, fn = spec.partition(":")
-    if not mod or not fn.isidentifier():
-        raise ValueError(f"{where}: expected 'module:function', got {spec!r}")
-    try:
-        found = importlib.util.find_spec(mod)
-    except (ImportError, ValueError) as e:
-        raise ValueError(f"{where}: cannot find module {mod!r}: {e}") from None
-    if found is None or not found.origin or not found.origin.endswith(".py"):
-        raise ValueError(f"{where}: no Python file for module {mod!r}")
-    source = Path(found.origin).read_text(encoding="utf-8")
-    try:
-        tree = ast.parse(source, found.origin)
-    except SyntaxError as e:
-        raise ValueError(f"{where}: {found.origin}:{e.lineno}: {e.msg}") from None
-    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn]
-    if not defs:
-        raise ValueError(f"{where}: {found.origin} has no module-level `def {fn}`")
-    return FunctionSpec(name, found.origin, fn, source, _schema(name, defs[-1]))
-
-
-def _schema(name: str, node: ast.FunctionDef) -> dict:
-    """The OpenAI function schema of a def: its docstring's first paragraph, its arguments
-    with their annotated types (plain names only; others are left untyped)."""
-    args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-    n_defaults = len(node.args.defaults)
-    plain = node.args.posonlyargs + node.args.args
-    required = [a.arg for a in plain[:len(plain) - n_defaults]]
-    required += [a.arg for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is None]
-    props = {}
-    for a in args:
-        t = JSON_TYPES.get(a.annotation.id) if isinstance(a.annotation, ast.Name) else None
-        props[a.arg] = {"type": t} if t else {}
-    doc = (ast.get_docstring(node) or "").split("\n\n")[0].strip()
-    return {"type": "function", "function": {"name": name, "description": doc, "parameters": {
-        "type": "object", "properties": props, "required": required}}}
-
-
+assert set(BUILTIN_SCHEMAS) == set(BUILTIN_ARGUMENT) == set(BUILTIN_TOOLS)   # the config refuses these names
 DRIVER = """
 import contextlib, json, sys
 _ns = {{"__name__": "flexmarl_user_tool", "__file__": {file!r}}}

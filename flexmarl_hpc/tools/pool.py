@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from flexmarl_hpc.tools import lifeline
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.registry import ToolCall, Tools
 
 

@@ -14,9 +14,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from flexmarl_hpc.config.tools import FunctionSpec, ToolsConfig, read_function
 from flexmarl_hpc.tools.calculator import CalculatorError, evaluate
-from flexmarl_hpc.tools.config import ToolsConfig
-from flexmarl_hpc.tools.functions import FunctionSpec, function_program, read_function
+from flexmarl_hpc.tools.functions import function_program
 from flexmarl_hpc.tools.sandbox import SandboxResult, run_code
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 LAUNCH_FAILED = 125                      # launcher.LAUNCH_FAILED (not imported: it is a script)

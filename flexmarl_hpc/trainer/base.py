@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from flexmarl_hpc.runtime import faults
+from flexmarl_hpc import faults
 from flexmarl_hpc.learn.grpo import MicroBatch
 
 

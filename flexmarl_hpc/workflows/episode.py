@@ -282,7 +282,7 @@ class EpisodeRunner:
         self.tool_formats = dict(tool_formats or {})
         """Each agent's model.tool_format (default hermes): how its replies' tool calls are parsed."""
         self.user_tools = dict(user_tools or {})
-        """tools.functions read from their files (tools/functions.py FunctionSpec), by name."""
+        """tools.functions read from their files (config/tools.py FunctionSpec), by name."""
         self.loop = asyncio.new_event_loop()
         self.new_calls: list[Call] = []
         self.finished: list[Finished] = []

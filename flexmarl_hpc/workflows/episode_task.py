@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import cached_property
 
 from flexmarl_hpc.config.schema import Config
-from flexmarl_hpc.tools.functions import read_function
+from flexmarl_hpc.config.tools import read_function
 from flexmarl_hpc.workflows.base import Task, TokenizerVocab
 from flexmarl_hpc.workflows.chat import ChatTokenizer, Conversation, SyntheticChatTokenizer
 from flexmarl_hpc.workflows.episode import EpisodeRunner, load_episode
@@ -57,7 +57,7 @@ class EpisodeTask(Task):
     def context_limits(self, cfg: Config) -> dict[str, int]:
         """Most tokens (prompt + reply) of one call of each agent: its model's max_seq_len,
         and rollout.max_model_len where set."""
-        from flexmarl_hpc.runtime.build import model_args
+        from flexmarl_hpc.config.hf_config import model_args
         cap = cfg.rollout.max_model_len or 1 << 62
         return {agent: min(model_args(cfg, self, agent).max_seq_len, cap) for agent in cfg.agent_names}
 

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from flexmarl_hpc.config.schema import TOOL_CALL_FORMATS
+
 
 @dataclass(frozen=True)
 class ToolRequest:
@@ -69,7 +71,8 @@ def _shape_error(obj: Any) -> str:
 
 
 FORMATS: dict[str, Callable[..., tuple[list[ToolRequest], list[ToolCallError]]]] = {"hermes": parse_hermes}
-"""Tool-call formats by name (model.tool_format)."""
+"""Tool-call formats by name (workflow.tool_formats; the config checks against TOOL_CALL_FORMATS)."""
+assert set(FORMATS) == set(TOOL_CALL_FORMATS)
 
 
 def parser_for(name: str) -> Callable[..., tuple[list[ToolRequest], list[ToolCallError]]]:

@@ -11,10 +11,10 @@ import torch
 import numpy as np
 
 from flexmarl_hpc import simulate as simulate_cli
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.store.checkpoint import load_latest
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.sim.inprocess import InProcessWorkers
 from flexmarl_hpc.sim.transport import ConstantCost, SimTransport

@@ -36,11 +36,13 @@ torch.set_num_threads(1)
 from mpi4py import MPI
 import flexmarl_hpc.trainer.megatron
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.runtime.build import build_task, build_trainer
+from flexmarl_hpc.config.hf_config import model_args
+from flexmarl_hpc.workflows.build import build_task
+from flexmarl_hpc.ranks.build import build_trainer
 from flexmarl_hpc.sim.memory import _micro_batch
 cfg = load_config(sys.argv[1], sys.argv[2:])
 task = build_task(cfg)
-args = flexmarl_hpc.runtime.build.model_args(cfg, task, cfg.agent_names[0])
+args = model_args(cfg, task, cfg.agent_names[0])
 mb = _micro_batch(cfg.trainer.micro_batch_size, args.max_seq_len, args.vocab_size)
 base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 tr = build_trainer(cfg, task, cfg.agent_names[0], MPI.COMM_SELF, "cpu", 0)
@@ -54,7 +56,7 @@ FAKE = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.resources import param_count
 from flexmarl_hpc.sim.memory import trainer_rank
 cfg = load_config(sys.argv[1], sys.argv[2:])

@@ -34,7 +34,7 @@ FAKE = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.sim.memory import trainer_rank
 cfg = load_config(sys.argv[1], sys.argv[2:])
 print(json.dumps({p.name: p.device for p in trainer_rank(cfg, build_task(cfg), 0, 0, None, tokens=cfg.model.max_seq_len)}))
@@ -58,13 +58,15 @@ def measure() -> list[dict]:
     import torch
     from mpi4py import MPI
     from flexmarl_hpc.config.load import load_config
-    from flexmarl_hpc.runtime import build
+    from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.ranks import build
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.sim.memory import _micro_batch
     cfg = load_config(ROOT / "configs/local.yaml", OVERRIDES)
     predicted = _predicted()
-    task = build.build_task(cfg)
+    task = build_task(cfg)
     agent = cfg.agent_names[0]
-    args = build.model_args(cfg, task, agent)
+    args = model_args(cfg, task, agent)
     mb = _micro_batch(cfg.trainer.micro_batch_size, args.max_seq_len, args.vocab_size)
     torch.cuda.set_device(0)
     measured = {}

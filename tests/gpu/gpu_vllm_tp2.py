@@ -80,7 +80,7 @@ def replica(world, groups, args) -> None:
     from flexmarl_hpc.runtime import messages
     from flexmarl_hpc.runtime.timing import WorkerClock
     from flexmarl_hpc.runtime.weight_sync import SyncChannels
-    from flexmarl_hpc.runtime.workers import replica_sync
+    from flexmarl_hpc.ranks.workers import replica_sync
     task = types.SimpleNamespace(stop_tokens=(), allowed_tokens=lambda turn: None)
     gb = torch.cuda.get_device_properties(0).total_memory / 2**30
     engine = VLLMEngine({"a": args}, task, RolloutConfig(backend="vllm", max_batch=4, gpus_per_replica=2,

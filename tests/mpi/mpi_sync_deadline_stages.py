@@ -21,7 +21,7 @@ from flexmarl_hpc.runtime.deadline import CollectiveTimeout
 from flexmarl_hpc.config.sync_groups import SyncGroup
 from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, send_weights)
-from flexmarl_hpc.runtime.workers import first_error
+from flexmarl_hpc.ranks.workers import first_error
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()

@@ -19,7 +19,7 @@ import sys
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.sync_groups import sync_groups
 from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, layout_of, plan_buckets,

@@ -151,7 +151,7 @@ def send_bound() -> int:
 def trainer_side(world_group):
     import time
     from flexmarl_hpc.runtime.state_swap import StateMover
-    from flexmarl_hpc.runtime.workers import TrainerRank
+    from flexmarl_hpc.ranks.workers import TrainerRank
     group = world_group
     tr, peak, kept, full = build(group)
     log(f"ok build: TP2 x PP2 shards == the checkpoint's slices (safetensors get_slice); tensor bytes "

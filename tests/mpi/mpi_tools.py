@@ -1,4 +1,4 @@
-"""mpiexec -n 3: tool calls and reward functions on tool ranks (flexmarl_hpc/tools/remote.py).
+"""mpiexec -n 3: tool calls and reward functions on tool ranks (flexmarl_hpc/ranks/tool_ranks.py).
 
 Rank 0 is the orchestrator's end (RemotePool over ranks 1 and 2, two workers each); the
 calls run on the tool ranks' own pools, concurrently: answers, a refusal, a raising, a
@@ -18,7 +18,7 @@ import asyncio
 import sys
 import time
 
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from tests.mpi import tool_fns
 
 cfg = ToolsConfig(cpu_s=1, wall_s=3.0, workers=2)
@@ -38,7 +38,7 @@ async def calls(pool):
 def orchestrator(world, stall: bool) -> None:
     from flexmarl_hpc.runtime import messages
     from flexmarl_hpc.runtime.transport import MpiTransport
-    from flexmarl_hpc.tools.remote import RemotePool
+    from flexmarl_hpc.ranks.tool_ranks import RemotePool
     ranks = list(range(1, world.Get_size()))
     pool = RemotePool(world, ranks, cfg, grace_s=2.0)
     if stall:
@@ -86,5 +86,5 @@ if __name__ == "__main__":
     else:
         from flexmarl_hpc.tools.pool import WorkerPool
         from flexmarl_hpc.tools.registry import Tools
-        from flexmarl_hpc.tools.remote import tools_loop
+        from flexmarl_hpc.ranks.tool_ranks import tools_loop
         sys.exit(tools_loop(world, 0, WorkerPool(Tools.from_config(cfg), cfg)))

@@ -115,7 +115,7 @@ def main() -> None:
     from flexmarl_hpc.runtime import messages
     from flexmarl_hpc.runtime.timing import WorkerClock
     from flexmarl_hpc.runtime.weight_sync import Plan, SyncChannels, layout_of, plan_buckets, send_weights
-    from flexmarl_hpc.runtime.workers import replica_sync
+    from flexmarl_hpc.ranks.workers import replica_sync
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()

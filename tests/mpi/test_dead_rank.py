@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.load import load_config
 from tests.conftest import ROOT
 from tests.helpers import SMALL_ANY_STEPS, wait_for

@@ -1,4 +1,4 @@
-"""Tool calls and reward functions on tool ranks of their own (flexmarl_hpc/tools/remote.py),
+"""Tool calls and reward functions on tool ranks of their own (flexmarl_hpc/ranks/tool_ranks.py),
 on real MPI ranks: each failure of a call is its defined outcome, and a stalled tool rank
 costs its calls a `timeout`, never a hung episode.
 

@@ -19,7 +19,7 @@ TIMEOUT_S = 15
 
 @pytest.mark.slurm
 def test_a_rank_hung_in_mpi_start_up_is_ended_and_the_job_requeued(slurm, tmp_path, monkeypatch):
-    # rank 1 stalls before MPI_Init in the first incarnation only (runtime/faults.py); the
+    # rank 1 stalls before MPI_Init in the first incarnation only (faults.py); the
     # other ranks then wait in MPI_Init's PMI exchange for it, as in a PMI hang
     monkeypatch.setenv("FLEXMARL_FAULT", "mpi_start:1:1:stall:restart=0")
     run = submit(str(ROOT / "configs/local.yaml"), [*SMALL, f"run.steps={STEPS}", f"run.output_dir={tmp_path}",

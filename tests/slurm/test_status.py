@@ -46,7 +46,7 @@ def test_status_of_a_slurm_job_running_requeued_and_completed(slurm, tmp_path):
     assert f"slurm  job {run.job_id}: COMPLETED, requeued: restart 1" in frames[-1]
     assert "300/300 (100%)" in frames[-1] and "preemption signal" in frames[-1]   # last warning line
     # by job id through accounting alone (slurmctld forgets a job MinJobAge after it ends)
-    job = status.parse_sacct(status._cmd(["sacct", "-X", "-n", "-P", "-D", "-j", run.job_id,
+    job = status.parse_sacct(status.run_cmd(["sacct", "-X", "-n", "-P", "-D", "-j", run.job_id,
                                           "-o", "JobID,State,SubmitLine"]), run.job_id)
     assert job.state == "COMPLETED" and job.restarts == 1, job
     assert Path(job.stdout).parent.parent == tmp_path

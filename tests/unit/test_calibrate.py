@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.sim.calibrate import Observations, fit, fit_columns, observe
 from flexmarl_hpc.sim.costs import CostModel, optimizer_s
 from flexmarl_hpc.sim.driver import cost_model, measure, simulate_run

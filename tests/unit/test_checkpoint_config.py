@@ -15,7 +15,7 @@ import yaml
 
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.schema import ConfigError
-from flexmarl_hpc.learn.hf_config import ModelArgs
+from flexmarl_hpc.config.hf_config import ModelArgs
 from tests.conftest import ROOT
 
 ARITH = ROOT / "configs" / "smollm2_arith.yaml"

@@ -72,7 +72,7 @@ def test_roundtrip_and_help():
 
 
 def test_bad_task_is_named(tmp_path):
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     cfg = load_config(LOCAL, ["workflow.task=flexmarl_hpc.nope:Missing"])
     with pytest.raises(ConfigError, match="workflow.task: cannot import"):
         build_task(cfg)
@@ -101,7 +101,7 @@ def test_old_configs_keep_their_layout_and_scripts(name):
     case: rank roles, colors, leaders, component sizes and both job scripts are byte for byte
     what the three-component code produced (tests/golden, written before the change)."""
     import json
-    from flexmarl_hpc.config.layout import layout_from_config
+    from flexmarl_hpc.config.resources import layout_from_config
     from flexmarl_hpc.launch.sbatch import hetjob_script, single_script
     golden = ROOT / "tests/golden"
     ov = ["run.output_dir=/scratch/{name}", "model.checkpoint="]
@@ -122,7 +122,7 @@ def test_old_configs_keep_their_layout_and_scripts(name):
 
 
 def test_hetero_config_resolves_to_pools_groups_and_components():
-    from flexmarl_hpc.config.layout import layout_from_config
+    from flexmarl_hpc.config.resources import layout_from_config
     from flexmarl_hpc.config.resources import components, group_trainer_config, rollout_pools, trainer_groups
     cfg = load_config(ROOT / "configs/hetero_cpu.yaml")
     assert [(p.name, p.replicas, p.agents) for p in rollout_pools(cfg)] == [
@@ -156,7 +156,7 @@ def test_pool_default_agents_are_those_whose_model_fits():
 def test_state_swaps_stay_inside_a_swap_domain_of_one_shape():
     """Uniform groups form one domain (any group may take any agent, as before); named
     groups swap only with groups of the same label, which validation keeps to one shape."""
-    from flexmarl_hpc.runtime.build import initial_placement
+    from flexmarl_hpc.runtime.placement import initial_placement
     from flexmarl_hpc.config.resources import swap_peers, trainer_groups
     from flexmarl_hpc.runtime.state_swap import Location
     cfg = load_config(ROOT / "configs/relay3.yaml", ["trainer.groups=2", "pipeline.swap_states=true"])

@@ -114,7 +114,7 @@ def test_a_task_without_heldout_inputs_is_refused_at_start(capsys, tmp_path):
     assert rc == 2 and "run.eval_every" in err and "tests.faulty_tasks:NoHeldoutGame" in err
     assert "heldout_inputs" in err and not (tmp_path / "local.h5").exists()
     # without evaluation the task passes the same start-up check
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.launch.preflight import check_eval
     cfg = load_config(ROOT / "configs/local.yaml", ["workflow.task=tests.faulty_tasks:NoHeldoutGame",
                                                     "run.eval_every=0"])

@@ -4,7 +4,7 @@ import h5py
 import numpy as np
 import pytest
 
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.orchestrator.experience import Experience
 from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY, StoreFile

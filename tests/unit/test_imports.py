@@ -87,31 +87,11 @@ def test_what_a_vllm_worker_imports_loads_no_mpi():
     assert heavy_modules_after(code, ("mpi4py", "mpi4py.MPI")) == []
 
 
-def module_imports(tree: ast.Module, mods: set[str]) -> set[str]:
-    """Our modules that `tree` imports when it is imported: its top-level imports (inside module
-    level if/try too), not those in functions nor under `if TYPE_CHECKING`. `from pkg import x`
-    depends on pkg.x when that is a module, else on pkg."""
-    found: set[str] = set()
-
-    def visit(body: list[ast.stmt]) -> None:
-        for n in body:
-            if isinstance(n, ast.If):
-                visit(n.orelse if "TYPE_CHECKING" in ast.unparse(n.test) else n.body + n.orelse)
-            elif isinstance(n, ast.Try):
-                visit(n.body + n.orelse + n.finalbody + [s for h in n.handlers for s in h.body])
-            elif isinstance(n, ast.Import):
-                found.update(a.name for a in n.names)
-            elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
-                found.update(f"{n.module}.{a.name}" if f"{n.module}.{a.name}" in mods else n.module for a in n.names)
-    visit(tree.body)
-    return {m for m in found if m in mods}
-
-
 def import_cycles(package: Path) -> list[list[str]]:
     """The file-level import cycles of `package` (strongly connected sets of modules, sorted)."""
     files = {".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
              for p in package.rglob("*.py")}
-    graph = {m: module_imports(ast.parse(p.read_text(encoding="utf-8")), set(files)) - {m} for m, p in files.items()}
+    graph = {m: all_imports(ast.parse(p.read_text(encoding="utf-8")), set(files)) - {m} for m, p in files.items()}
     reach = {m: set() for m in graph}
     for m in graph:                                  # graph of ~250 files: a search from each is fine
         todo = list(graph[m])
@@ -125,10 +105,8 @@ def import_cycles(package: Path) -> list[list[str]]:
 
 
 def test_no_file_level_import_cycle():
-    """One direction of dependency (issue 39): no module imports, at import time, one that imports
-    it back. The pairs that only meet through a function-level import (config.schema and
-    tools.config, config.layout and config.resources, runtime.build and workflows.episode_task,
-    sim.memory and sim.torch_replica, analysis.load and analysis.episodes) are not counted."""
+    """One direction of dependency (issue 39): no module imports, at import time or inside a
+    function, one that imports it back."""
     assert import_cycles(ROOT / "flexmarl_hpc") == []
 
 
@@ -139,7 +117,92 @@ def test_the_cycle_check_sees_a_cycle(tmp_path):
         (pkg / f).write_text("")
     (pkg / "a.py").write_text("from pkg.sub import b\n")
     (pkg / "sub" / "b.py").write_text("import pkg.c\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.d\n"
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.e\n"
                               "from pkg import a\n\ndef f():\n    import pkg.d\n")
-    (pkg / "d.py").write_text("import pkg.c\n")
-    assert import_cycles(pkg) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    (pkg / "d.py").write_text("import pkg.c\n")                  # back through a deferred import: counted
+    (pkg / "e.py").write_text("import pkg.c\n")                  # back through TYPE_CHECKING only: not
+    assert import_cycles(pkg) == [["pkg.a", "pkg.c", "pkg.d", "pkg.sub.b"]]
+
+
+LAYERS = [
+    ["clock"],
+    ["faults"],
+    ["config"],
+    ["learn"],
+    ["tools"],
+    ["workflows"],
+    ["store"],
+    ["runtime"],
+    ["rollout", "trainer"],
+    ["ranks", "orchestrator", "analysis", "launch"],
+    ["sim"],
+    ["run", "simulate", "analyze", "export", "status"],
+    ["submit"],                      # its Slurm task calls run.main
+]
+"""The package's folders (and top-level modules), lowest first: a module imports only from its
+own folder and the layers below (docs/architecture.md draws them). Within a layer the folders
+do not import each other."""
+
+
+def all_imports(tree: ast.AST, mods: set[str] | None = None) -> set[str]:
+    """Every `flexmarl_hpc...` module a file names in an import, at module level or inside a
+    function (a deferred import is still a dependency), except under `if TYPE_CHECKING`.
+    `from pkg import x` names pkg.x where that is one of `mods`, else pkg (both if no `mods`)."""
+    found: set[str] = set()
+    for n in ast.iter_child_nodes(tree):
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+            for s in n.orelse:
+                found |= all_imports(s, mods)
+            continue
+        if isinstance(n, ast.Import):
+            found.update(a.name for a in n.names)
+        elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+            for a in n.names:
+                sub = f"{n.module}.{a.name}"
+                found.update([sub, n.module] if mods is None else [sub if sub in mods else n.module])
+        found |= all_imports(n, mods)
+    return found & mods if mods is not None else {m for m in found if m.startswith("flexmarl_hpc.")}
+
+
+def upward_imports(package: Path, layers: list[list[str]]) -> list[str]:
+    """'file: module' for each import of `package` that reaches a layer above its own, or a
+    sibling folder of the same layer; also each folder not placed in `layers`."""
+    layer = {name: i for i, names in enumerate(layers) for name in names}
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        here = parts[0]
+        if here not in layer:
+            bad.append(f"{path.relative_to(package.parent)}: folder {here!r} has no layer")
+            continue
+        for mod in sorted(all_imports(ast.parse(path.read_text(encoding="utf-8")))):
+            there = mod.split(".")[1] if "." in mod else ""
+            if there in ("", here) or there not in layer and there not in {p.stem for p in package.glob("*.py")}:
+                continue
+            if there not in layer or layer[there] >= layer[here]:
+                bad.append(f"{path.relative_to(package.parent)}: {mod}")
+    return sorted(set(bad))
+
+
+def test_folders_import_only_downward():
+    """Issue 39: config -> learn -> tools -> workflows -> store -> runtime parts -> backends ->
+    ranks/orchestrator -> simulator -> CLIs; 0 upward or sideways imports."""
+    assert upward_imports(ROOT / "flexmarl_hpc", LAYERS) == []
+
+
+def test_the_layer_check_sees_an_upward_and_a_sideways_import(tmp_path):
+    pkg = tmp_path / "flexmarl_hpc"
+    for d in ("config", "runtime", "rollout", "trainer"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "config" / "a.py").write_text("def f():\n    from flexmarl_hpc.runtime import comm\n")
+    (pkg / "rollout" / "b.py").write_text("from flexmarl_hpc.trainer.base import x\nfrom flexmarl_hpc.config import a\n")
+    (pkg / "trainer" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                          "    from flexmarl_hpc.rollout import b\nimport flexmarl_hpc.runtime\n")
+    layers = [["config"], ["runtime"], ["rollout", "trainer"]]
+    assert upward_imports(pkg, layers) == ["flexmarl_hpc/config/a.py: flexmarl_hpc.runtime",
+                                           "flexmarl_hpc/config/a.py: flexmarl_hpc.runtime.comm",
+                                           "flexmarl_hpc/rollout/b.py: flexmarl_hpc.trainer.base",
+                                           "flexmarl_hpc/rollout/b.py: flexmarl_hpc.trainer.base.x"]

@@ -89,7 +89,7 @@ def test_a_dead_tool_rank_gets_no_call_and_its_sends_are_not_tested():
     sends already posted to a rank that then ended."""
     import asyncio
     from flexmarl_hpc.config.schema import ToolsConfig
-    from flexmarl_hpc.tools.remote import RemotePool
+    from flexmarl_hpc.ranks.tool_ranks import RemotePool
 
     class Req:
         def Test(self):

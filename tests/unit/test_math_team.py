@@ -3,7 +3,7 @@ of solvers, a calculator round trip in one solver's own conversation, per-call s
 rewards in call-index order, the verifier's pick as the team answer."""
 from __future__ import annotations
 
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.pool import WorkerPool
 from flexmarl_hpc.tools.registry import Tools
 from flexmarl_hpc.workflows.episode import EpisodeRunner

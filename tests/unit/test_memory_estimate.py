@@ -12,7 +12,8 @@ GiB = 2**30
 def _estimate(config: str, overrides=(), models=None):
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.launch.preflight import estimate_memory
-    from flexmarl_hpc.runtime.build import build_task, model_args
+    from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.workflows.build import build_task
     cfg = load_config(ROOT / "configs" / config, list(overrides))
     if models is None:
         task = build_task(cfg)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from flexmarl_hpc.config.schema import WorkflowConfig
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.pool import WorkerPool
 from flexmarl_hpc.tools.registry import Tools
 from flexmarl_hpc.workflows.chat import Conversation, SyntheticChatTokenizer

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from flexmarl_hpc.runtime import messages
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.layout import ROLLOUT, layout_from_config
+from flexmarl_hpc.config.layout import ROLLOUT
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.store.tables import StoreFile

@@ -14,7 +14,7 @@ import yaml
 
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.schema import ConfigError
-from flexmarl_hpc.learn.hf_config import ModelArgs
+from flexmarl_hpc.config.hf_config import ModelArgs
 from flexmarl_hpc.sim.driver import cost_model, simulate_run
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.workflows.chat import Conversation, SyntheticChatTokenizer

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.sim.cores import CoreShare, Job
 from flexmarl_hpc.sim.driver import cost_model, measure, simulate_run
 from flexmarl_hpc.sim.hardware import HardwareError, load_hardware, validate_hardware

@@ -32,7 +32,7 @@ def test_fake_run_agrees_with_the_analytic_count_at_a_mid_size_shape():
     the optimizer's states or the kept layer inputs moves it out of both bands)."""
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.config.resources import param_count
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.sim.memory import analytic_device, run_jobs
     cfg = load_config(ROOT / "configs" / "local.yaml", MID)
     task = build_task(cfg)
@@ -150,7 +150,7 @@ def test_refuses_a_32b_agent_on_a_tp1_replica_naming_the_rank():
     TP + one sequence's KV) / fraction); a weight receive adds one bucket beside it."""
     import torch
     from flexmarl_hpc.rollout.vllm_engine import memory_fraction
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.sim.memory import failures, replica_rows
     cfg = _paper()
     pools = list(cfg.rollout.pools)
@@ -160,7 +160,8 @@ def test_refuses_a_32b_agent_on_a_tp1_replica_naming_the_rank():
     engine, receive = replica_rows(tp1, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
     bad = failures([engine, receive])
     assert bad and bad[0].startswith("pool p32 rank 1 (replica 0, GPU 0): engine start")
-    from flexmarl_hpc.runtime.build import model_args, receive_span
+    from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.ranks.build import receive_span
     span = receive_span(cfg, [model_args(cfg, task, "shop32_0")], torch.bfloat16)   # the receive buffer
     fraction = memory_fraction(64, span, 3)                                         # 3 groups feed p32
     assert engine.device_bytes > 32e9 * 2 / fraction                     # the bf16 weights alone
@@ -272,16 +273,18 @@ def test_torch_replica_counts_the_received_weights_and_its_buffers():
     relay's second, or the KV cache misses these counts."""
     import torch
     from flexmarl_hpc.config.load import load_config
-    from flexmarl_hpc.runtime import build, weight_sync
-    from flexmarl_hpc.sim.memory import _hf_shapes
+    from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.learn.model import hf_shapes
+    from flexmarl_hpc.runtime import weight_sync
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.sim.torch_replica import generate_shape, torch_replica
     cfg = load_config(ROOT / "configs" / "local.yaml", SMALL_TORCH)
-    task = build.build_task(cfg)
+    task = build_task(cfg)
     agents = cfg.agent_names
-    args = build.model_args(cfg, task, agents[0])
-    layout = [(k, s, torch.float32) for k, s in _hf_shapes(args).items()]
+    args = model_args(cfg, task, agents[0])
+    layout = [(k, s, torch.float32) for k, s in hf_shapes(args).items()]
     plan = weight_sync.Plan((0,), (weight_sync.plan_buckets(layout, int(0.25 * 2**20)),))
-    weights = sum(_weight_bytes(build.model_args(cfg, task, a)) for a in agents)
+    weights = sum(_weight_bytes(model_args(cfg, task, a)) for a in agents)
     assert weights > 8 * plan.span                     # the check sees the weights, not just the buffer
     last = torch_replica(cfg, task, 0, None, relay=False)
     relay = torch_replica(cfg, task, 0, None, relay=True)
@@ -301,7 +304,7 @@ def test_the_replicas_generate_takes_the_tasks_longest_prompt():
     """generate_shape walks the task as preflight's length check does (full-length responses):
     the referential game's speaker sees 2 tokens and says 2, its listener sees those and 1 more."""
     from flexmarl_hpc.config.load import load_config
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.sim.torch_replica import generate_shape
     cfg = load_config(ROOT / "configs" / "local.yaml", SMALL_TORCH)
     task = build_task(cfg)
@@ -331,7 +334,7 @@ def test_preflight_length_check_still_walks_every_turn():
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.config.schema import ConfigError
     from flexmarl_hpc.launch.preflight import check_lengths
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     cfg = load_config(ROOT / "configs" / "local.yaml", ["model.max_seq_len=4"])
     check_lengths(cfg, build_task(cfg))
     cfg = load_config(ROOT / "configs" / "local.yaml", ["model.max_seq_len=3"])
@@ -364,7 +367,7 @@ def test_the_train_step_is_charged_the_tasks_longest_sequence_not_the_models_con
     budget (the preflight walk), not max_seq_len (a checkpoint's 8,192-token context charged
     784 GB to SmolLM2's 60-token task); an episode workflow's max_seq_len."""
     from flexmarl_hpc.config.load import load_config
-    from flexmarl_hpc.runtime.build import build_task
+    from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.sim.memory import train_tokens
     cfg = load_config(ROOT / "configs" / "local.yaml", ["model.max_seq_len=4096"])
     assert train_tokens(cfg, build_task(cfg), "listener", 4096) == 4
@@ -407,7 +410,7 @@ def test_vllm_starts_at_rollout_max_model_len_not_the_models_context():
     """vLLM's KV cache for one sequence is sized at rollout.max_model_len (within the model's
     max_seq_len), as rollout/vllm_engine.py passes it: a 32,768-token context's cache is 4x
     an 8,192-token one's."""
-    from flexmarl_hpc.learn.hf_config import ModelArgs
+    from flexmarl_hpc.config.hf_config import ModelArgs
     from flexmarl_hpc.sim.memory import _engine_need
     args = ModelArgs(vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40, num_kv_heads=8,
                      intermediate_size=27648, max_seq_len=32768)
@@ -474,7 +477,9 @@ def test_the_report_states_each_allowance_and_the_checkpoints_vocabulary(tmp_pat
     # the 14B pool's receive buffer is Qwen's embedding in bf16, larger than the 1 GiB bucket:
     # vLLM's fraction leaves that much (rollout/vllm_engine.memory_fraction), not a bucket
     import torch
-    from flexmarl_hpc.runtime.build import build_task, model_args, receive_span
+    from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.workflows.build import build_task
+    from flexmarl_hpc.ranks.build import receive_span
     assert receive_span(cfg, [model_args(cfg, build_task(cfg), "shop14_0")], torch.bfloat16) == 152064 * 5120 * 2
     lines = allowance_lines(cfg)
     assert "CUDA context 0.67 GB a process (pytorch#86509" in lines[0] and "NVIDIA/nccl#964" in lines[0]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.sim.baselines import Colocated, colocated_pairs, marti_fragment, masrl_fragment
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.sim.paper import PAPER, effect_error, loss, misses, ratios, run_system, summarize, table

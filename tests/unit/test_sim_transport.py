@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from flexmarl_hpc.runtime import messages
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.layout import RankLayout, layout_from_config
+from flexmarl_hpc.config.layout import RankLayout
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.sim.transport import ConstantCost, SimTransport, SyntheticWorkers
 from flexmarl_hpc.runtime.state_swap import Location
@@ -110,7 +111,7 @@ def test_a_steps_last_micro_batch_pays_the_optimizer_and_members_report_it_too()
 def test_the_cost_models_of_sim_costs_drive_the_transport(tmp_path):
     """SimTransport's CostModel protocol is what sim.costs.CostModel implements: the tiny
     run on the CPU profile, every message priced by it (a swap too: 2 agents, 1 group)."""
-    from flexmarl_hpc.runtime.build import model_args
+    from flexmarl_hpc.config.hf_config import model_args
     from flexmarl_hpc.sim.costs import AgentLayout, CostModel, shape_from_model_args
     from flexmarl_hpc.sim.hardware import load_hardware
     cfg = load_config(str(ROOT / "configs/local.yaml"), [])

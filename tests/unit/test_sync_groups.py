@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from flexmarl_hpc.config.layout import layout_from_config
+from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.resources import rollout_pools
 from flexmarl_hpc.config.sync_groups import stage_senders, sync_groups

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from flexmarl_hpc.config.schema import ConfigError
-from flexmarl_hpc.tools.config import ToolsConfig
-from flexmarl_hpc.tools.functions import BUILTIN_SCHEMAS, read_function
+from flexmarl_hpc.config.tools import ToolsConfig
+from flexmarl_hpc.config.tools import read_function
+from flexmarl_hpc.tools.functions import BUILTIN_SCHEMAS
 from flexmarl_hpc.tools.pool import WorkerPool
 from flexmarl_hpc.tools.registry import Tools
 from flexmarl_hpc.workflows.chat import ChatTemplate, ChatTokenizer, Conversation

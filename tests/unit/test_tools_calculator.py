@@ -11,7 +11,7 @@ import math
 import pytest
 
 from flexmarl_hpc.tools.calculator import CalculatorError, evaluate
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.registry import Tools
 
 

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.pool import WorkerPool
 from flexmarl_hpc.tools.registry import Tools
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.sandbox import run_code_sync
 from tests.conftest import need
 
@@ -185,7 +185,7 @@ def test_an_interpreter_the_sandbox_uid_cannot_run_is_a_launch_failure(isolation
 NOT_ROOT = """
 import json, sys
 sys.path.insert(0, {root!r})
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.sandbox import run_code_sync
 code = ("import os, socket\\nprint(os.getuid())\\ntry:\\n    socket.create_connection(('127.0.0.1', 9), 2)\\n"
         "except OSError as e:\\n    print('refused', e.errno)")
@@ -199,7 +199,7 @@ def test_without_root_the_result_says_which_isolation_was_in_force(isolation):
     no uid drop, no mount or pid namespace; a network namespace only through a user
     namespace, and then the loopback of the host is out of reach."""
     need_root(isolation)
-    from flexmarl_hpc.tools.config import others_can_run
+    from flexmarl_hpc.config.tools import others_can_run
     from tests.conftest import ROOT
     if not (others_can_run("/usr/bin/python3") and others_can_run(str(ROOT / "flexmarl_hpc" / "tools"))):
         pytest.skip("the checkout or /usr/bin/python3 is not reachable by uid 1000")

@@ -2,7 +2,7 @@
 consumption, and what it reports to the journal."""
 import numpy as np
 
-from flexmarl_hpc.runtime.build import build_task
+from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY
 from flexmarl_hpc.orchestrator.tree import Tree

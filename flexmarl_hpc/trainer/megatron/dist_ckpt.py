@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from flexmarl_hpc.runtime import comm
-from flexmarl_hpc.runtime import faults
+from flexmarl_hpc import faults
 from flexmarl_hpc.store.checkpoint import CheckpointError, newest_valid, publish, staging_path, writing
 from flexmarl_hpc.trainer.megatron.dist import allgather_bytes, scope
 from flexmarl_hpc.trainer.megatron.hf_state import torch_adam

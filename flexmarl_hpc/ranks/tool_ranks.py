@@ -27,11 +27,12 @@ import pickle
 import time
 from typing import Callable
 
-from flexmarl_hpc.runtime import faults, messages
+from flexmarl_hpc import faults
+from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.comm import TAG_CMD, TAG_TOOL, poll, waitall
 from flexmarl_hpc.runtime.liveness import peer_ended
 from flexmarl_hpc.runtime.transport import send_reply
-from flexmarl_hpc.tools.config import ToolsConfig
+from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.pool import Called, WorkerPool
 from flexmarl_hpc.tools.registry import ToolCall
 

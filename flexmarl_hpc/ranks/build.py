@@ -1,4 +1,5 @@
-"""config -> objects: the task, each agent's model, the rollout engine, the trainers.
+"""config -> objects on a rank: each agent's model, the rollout engine, the trainers, the
+state mover (the task: workflows/build.py; where agents start: runtime/placement.py).
 
 The only place that maps `backend` strings to classes; heavy backends are imported here
 lazily so a torch-only job never imports megatron or vllm.
@@ -7,41 +8,12 @@ from __future__ import annotations
 
 import sys
 
+from flexmarl_hpc.config.hf_config import model_args
 from flexmarl_hpc.config.schema import Config
-from flexmarl_hpc.config.schema import ConfigError
-from flexmarl_hpc.learn.model import CausalLM, ModelArgs, build_model, load_hf_args, load_hf_checkpoint
+from flexmarl_hpc.learn.model import CausalLM, build_model, load_hf_checkpoint
 from flexmarl_hpc.learn.sampling import sample_seed
-from flexmarl_hpc.workflows.base import Task, load_task
-
-
-def build_task(cfg: Config) -> Task:
-    if cfg.workflow.episode:                     # an episode workflow (workflows/episode.py)
-        from flexmarl_hpc.workflows.episode_task import EpisodeTask
-        return EpisodeTask(cfg)
-    return load_task(cfg.workflow.task, cfg.workflow.task_args, [t.agent for t in cfg.workflow.turns])
-
-
-def model_args(cfg: Config, task: Task, agent: str) -> ModelArgs:
-    m = cfg.model_for(agent)
-    if m.checkpoint:
-        return load_hf_args(m.checkpoint)
-    return ModelArgs.from_config(m, len(task.vocab))
-
-
-def check_models(cfg: Config, task: Task) -> None:
-    """Before any rank starts: every agent's model can read and write the task's tokens."""
-    for agent in cfg.agent_names:
-        if not cfg.model_for(agent).checkpoint:
-            continue
-        where = f"agents.{agent}.checkpoint" if agent in cfg.agents else "model.checkpoint"
-        try:
-            args = model_args(cfg, task, agent)
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"{where}: {e}") from None
-        if args.vocab_size < len(task.vocab):
-            raise ConfigError(f"{where}: the model's vocabulary ({args.vocab_size}) is smaller than the "
-                              f"task's ({len(task.vocab)} tokens); use the model's own tokenizer in "
-                              "workflow.task_args")
+from flexmarl_hpc.runtime.placement import initial_placement
+from flexmarl_hpc.workflows.base import Task
 
 
 def initial_model(cfg: Config, task: Task, agent: str) -> CausalLM:
@@ -126,17 +98,6 @@ def weight_source(cfg: Config, agent: str):
     m = cfg.model_for(agent)
     return WeightSource(seed=sample_seed(cfg.run.seed, agent, 0, "init"), std=m.init_std,
                         checkpoint=str(m.checkpoint or ""))
-
-
-def initial_placement(cfg: Config):
-    """Where each agent's state starts: on its trainer group (flexmarl_hpc.config.resources; the
-    uniform case puts agent i on group i % G), resident for the group's first agent, parked
-    in that group's host memory for the others (agent-centric allocation)."""
-    from flexmarl_hpc.config.resources import trainer_groups
-    from flexmarl_hpc.runtime.messages import Location
-    at = {agent: Location(g, resident=i == 0) for g, grp in enumerate(trainer_groups(cfg))
-          for i, agent in enumerate(grp.agents)}
-    return {agent: at[agent] for agent in cfg.agent_names}
 
 
 def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout, device: str = "cpu"):

@@ -1,6 +1,6 @@
 """A decoder's architecture (ModelArgs) and a HF checkpoint's config.json read into it, torch-free.
 
-    from flexmarl_hpc.learn.hf_config import load_hf_args
+    from flexmarl_hpc.config.hf_config import load_hf_args
     args = load_hf_args("models/smollm2-135m-instruct")     # reads config.json only
 
 The model itself (torch) is learn/model.py, which re-exports these names. The config loader
@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from flexmarl_hpc.config.schema import ModelConfig
+from flexmarl_hpc.config.schema import Config, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -136,3 +136,12 @@ def load_hf_args(folder: str | Path) -> ModelArgs:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: expected an HF config.json in the checkpoint folder")
     return ModelArgs.from_hf_config(json.loads(cfg_path.read_text()))
+
+
+def model_args(cfg: Config, task, agent: str) -> ModelArgs:
+    """`agent`'s model: its checkpoint's config.json, else its model section with the
+    vocabulary of `task` (anything with a `vocab`: workflows' Task)."""
+    m = cfg.model_for(agent)
+    if m.checkpoint:
+        return load_hf_args(m.checkpoint)
+    return ModelArgs.from_config(m, len(task.vocab))

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.runtime import comm, faults
+from flexmarl_hpc import faults
+from flexmarl_hpc.runtime import comm
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.store.checkpoint import load_latest, save_checkpoint
 from flexmarl_hpc.rollout.base import GenRequest

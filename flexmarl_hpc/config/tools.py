@@ -1,18 +1,25 @@
 """The tools' config: the `tools:` section of a run's config (config/schema.py); field
-docstrings are the help text, as there.
+docstrings are the help text, as there. The user functions it names are read here, at load,
+from their files with `ast` (their schemas; tools/functions.py runs them in the sandbox).
 
 Kept free of torch and mpi4py, like config/.
 """
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import stat
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from flexmarl_hpc.config.errors import ConfigError
+
 NOBODY = 65534
 MAX_RANKS = 256
+BUILTIN_TOOLS = ("calculator", "python")
+"""The bundled tools (tools/functions.py holds their schemas); a user tool may not take their names."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,6 @@ class ToolsConfig:
     in the sandbox like model-written code (tools/functions.py; never imported by the run)."""
 
     def __post_init__(self) -> None:
-        from flexmarl_hpc.config.schema import ConfigError     # a section of it (no cycle at import)
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "ranks":
@@ -63,12 +69,10 @@ class ToolsConfig:
             raise ConfigError(f"tools.python: expected an executable interpreter, got {self.python!r}")
 
     def _check_functions(self) -> None:
-        from flexmarl_hpc.config.schema import ConfigError
-        from flexmarl_hpc.tools.functions import BUILTIN_SCHEMAS, read_function
         if not isinstance(self.functions, dict):
             raise ConfigError(f"tools.functions: expected {{name: 'module:function'}}, got {self.functions!r}")
         for name, spec in self.functions.items():
-            if not isinstance(name, str) or not name.isidentifier() or name in BUILTIN_SCHEMAS:
+            if not isinstance(name, str) or not name.isidentifier() or name in BUILTIN_TOOLS:
                 raise ConfigError(f"tools.functions: {name!r} is no identifier or shadows a built-in tool")
             try:
                 read_function(name, spec if isinstance(spec, str) else repr(spec))
@@ -87,3 +91,58 @@ def others_can_run(path: str) -> bool:
     directory above it (a venv's python often points into /root, which is 0700)."""
     p = Path(path)
     return all(q.stat().st_mode & stat.S_IXOTH for q in [p, *p.parents])
+
+
+JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
+              "dict": "object"}
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """A user tool as read from its file (nothing of it run here)."""
+    name: str
+    """The tool's name, as the model calls it (the key of tools.functions)."""
+    file: str
+    function: str
+    source: str
+    schema: dict
+
+
+def read_function(name: str, spec: str) -> FunctionSpec:
+    """`module:function` read from its file; ValueError saying what is wrong (config load)."""
+    where = f"tools.functions.{name}"
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn.isidentifier():
+        raise ValueError(f"{where}: expected 'module:function', got {spec!r}")
+    try:
+        found = importlib.util.find_spec(mod)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"{where}: cannot find module {mod!r}: {e}") from None
+    if found is None or not found.origin or not found.origin.endswith(".py"):
+        raise ValueError(f"{where}: no Python file for module {mod!r}")
+    source = Path(found.origin).read_text(encoding="utf-8")
+    try:
+        tree = ast.parse(source, found.origin)
+    except SyntaxError as e:
+        raise ValueError(f"{where}: {found.origin}:{e.lineno}: {e.msg}") from None
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn]
+    if not defs:
+        raise ValueError(f"{where}: {found.origin} has no module-level `def {fn}`")
+    return FunctionSpec(name, found.origin, fn, source, _schema(name, defs[-1]))
+
+
+def _schema(name: str, node: ast.FunctionDef) -> dict:
+    """The OpenAI function schema of a def: its docstring's first paragraph, its arguments
+    with their annotated types (plain names only; others are left untyped)."""
+    args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+    n_defaults = len(node.args.defaults)
+    plain = node.args.posonlyargs + node.args.args
+    required = [a.arg for a in plain[:len(plain) - n_defaults]]
+    required += [a.arg for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is None]
+    props = {}
+    for a in args:
+        t = JSON_TYPES.get(a.annotation.id) if isinstance(a.annotation, ast.Name) else None
+        props[a.arg] = {"type": t} if t else {}
+    doc = (ast.get_docstring(node) or "").split("\n\n")[0].strip()
+    return {"type": "function", "function": {"name": name, "description": doc, "parameters": {
+        "type": "object", "properties": props, "required": required}}}
