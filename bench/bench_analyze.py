@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from flexmarl_hpc.analyze import main as analyze
-from flexmarl_hpc.store.tables import METRIC_COLUMNS, SAMPLE_COLUMNS, STEP_COLUMNS, StoreFile
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.store.schema import METRIC_COLUMNS, SAMPLE_COLUMNS, STEP_COLUMNS
 
 
 def synth(path: Path, n: int, agents=("speaker", "listener"), ranks=6) -> None:

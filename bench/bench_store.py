@@ -52,7 +52,8 @@ import numpy as np
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.orchestrator.experience import Journal
-from flexmarl_hpc.store.tables import CONSUMED, StoreFile
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.store.schema import CONSUMED
 from flexmarl_hpc.orchestrator.tree import Tree
 
 ROOT = Path(__file__).resolve().parents[1]

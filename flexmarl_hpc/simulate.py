@@ -9,9 +9,7 @@
     python -m flexmarl_hpc.simulate memory configs/paper_3x32b_7x14b.yaml   # peak memory per rank (fake tensors)
 
 Each subcommand takes CONFIG, key=value overrides, --hardware, --steps, --json and --out;
-`python -m flexmarl_hpc.simulate SUBCOMMAND --help` lists the rest. The flag forms before
-subcommands (`simulate CONFIG --compare ...`, `--plan`, `--scale`, `--calibrate`,
-`--capacity`) still run, with a one-line notice naming the subcommand's command line.
+`python -m flexmarl_hpc.simulate SUBCOMMAND --help` lists the rest.
 
 compare: each variant (--variants) runs the real Orchestrator, Scheduler, Experience,
 workflow and rewards over sim.transport.SimTransport. Its workers (--workers) are synthetic
@@ -49,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -59,7 +56,6 @@ from flexmarl_hpc.sim.calibrate_cli import calibrate_main, calibrate_options, ch
 from flexmarl_hpc.sim.capacity_cli import capacity_main, capacity_options
 from flexmarl_hpc.sim.cli_options import check_common
 from flexmarl_hpc.sim.compare_cli import check_compare, compare_main, compare_options
-from flexmarl_hpc.sim.driver import WORKERS
 from flexmarl_hpc.sim.memory_cli import memory_main, memory_options
 from flexmarl_hpc.sim.paper_cli import check_paper, paper_main, paper_options
 from flexmarl_hpc.sim.plan_cli import check_plan, plan_main, plan_options
@@ -102,88 +98,24 @@ def parser() -> argparse.ArgumentParser:
     for name, c in COMMANDS.items():
         sp = sub.add_parser(name, help=c.help, description=c.help)
         c.options(sp)
-        sp.set_defaults(legacy=False)
     return p
-
-
-def legacy_parser() -> argparse.ArgumentParser:
-    """The flag forms before subcommands (`simulate CONFIG --plan --nodes 48`); every default
-    None, so that only what was given is carried over to the subcommand."""
-    p = argparse.ArgumentParser(prog="python -m flexmarl_hpc.simulate")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    for flag in ("--hardware", "--compare", "--calibrate", "--scale"):
-        p.add_argument(flag)
-    for flag in ("--steps", "--nodes", "--top"):
-        p.add_argument(flag, type=int)
-    for flag in ("--out", "--write", "--write-profile", "--png"):
-        p.add_argument(flag, type=Path)
-    for flag in ("--json", "--capacity", "--plan", "--baseline"):
-        p.add_argument(flag, action="store_true")
-    p.add_argument("--measured", nargs="*", default=[])
-    p.add_argument("--workers", choices=WORKERS)
-    return p
-
-
-LEGACY_OPTIONS = [  # (dest, the subcommand's flag, subcommands that take it)
-    ("hardware", "--hardware", tuple(COMMANDS)), ("steps", "--steps", tuple(COMMANDS)),
-    ("json", "--json", tuple(COMMANDS)), ("out", "--out", tuple(COMMANDS)),
-    ("compare", "--variants", ("compare", "scale", "calibrate")), ("workers", "--workers", ("compare", "calibrate")),
-    ("nodes", "--nodes", ("plan",)), ("top", "--top", ("plan",)), ("baseline", "--baseline", ("plan",)),
-    ("write", "--write", ("plan",)), ("scale", "--counts", ("scale",)), ("png", "--png", ("scale",)),
-    ("calibrate", "--run", ("calibrate",)), ("measured", "--measured", ("calibrate",)),
-    ("write_profile", "--write-profile", ("calibrate",)),
-]
-
-
-def legacy_argv(argv: list[str]) -> tuple[list[str], str]:
-    """The subcommand's command line for a deprecated flag form, and the form's mode flag;
-    ValueError (one line) for flags the old form refused together."""
-    a = legacy_parser().parse_args(argv)
-    if a.workers == "real" and (a.plan or a.capacity or a.scale is not None):
-        raise ValueError("--workers real: only with --compare or --calibrate (plans and scales are for "
-                         "models too large to run here)")
-    if a.png is not None and a.scale is None:
-        raise ValueError("--png: only with --scale")
-    if a.scale is not None and (a.plan or a.capacity):
-        raise ValueError("--scale: not with --plan or --capacity")
-    name, flag = next((n, f) for n, f, on in (
-        ("scale", "--scale", a.scale is not None), ("plan", "--plan", a.plan),
-        ("calibrate", "--calibrate", a.calibrate),
-        ("capacity", "--capacity", a.capacity), ("compare", "--compare", a.compare is not None),
-        ("compare", "", True)) if on)
-    new = [name, a.config, *a.overrides]
-    for dest, opt, takers in LEGACY_OPTIONS:
-        value = getattr(a, dest)
-        if name not in takers or value is None or value is False or value == []:
-            continue
-        new += [opt] if value is True else [opt, *map(str, value)] if isinstance(value, list) else [opt, str(value)]
-    return new, flag
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    notice = None
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
-        try:
-            argv, flag = legacy_argv(argv)
-        except ValueError as e:
-            print(f"simulate: {e}", file=sys.stderr)
-            return 2
-        notice = (f"simulate: 'simulate CONFIG{' ' + flag if flag else ''}' is deprecated; "
-                  f"use 'simulate {shlex.join(argv)}'")
+        # the flag forms before subcommands (`simulate CONFIG --plan`) were removed on 2026-11-29
+        print(f"simulate: expected a subcommand ({', '.join(COMMANDS)}) first, got {argv[0]!r}: "
+              f"e.g. 'simulate compare {argv[0]} ...'", file=sys.stderr)
+        return 2
     a = parser().parse_args(argv)
-    a.legacy = notice is not None
     command = COMMANDS[a.command]
     error = check_common(a) or command.check(a)
     if error:
         print(f"simulate: {error}", file=sys.stderr)
         return 2
-    if notice:
-        print(notice, file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         return command.run(a, a.out or Path(tmp))
-
 
 
 if __name__ == "__main__":

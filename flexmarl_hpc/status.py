@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field

@@ -23,7 +23,7 @@ import torch
 from flexmarl_hpc.config.schema import TrainerConfig
 from flexmarl_hpc.learn.grpo import MicroBatch
 from flexmarl_hpc.learn.model import ModelArgs, build_model
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
+from flexmarl_hpc.store.schema import CONSUMED, DROPPED, GENERATED, READY
 from tests.conftest import IN_CI, ROOT
 
 

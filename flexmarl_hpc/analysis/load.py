@@ -32,9 +32,7 @@ import yaml
 
 from flexmarl_hpc.analysis.episodes import calls_summary, failure_stats, tool_stats
 from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable, open_read, read_rows, verify_store
-from flexmarl_hpc.store.tables import (ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS,
-                    FAILURE_COLUMNS, METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, TOOL_COLUMNS,
-                    TOOL_OUTCOMES, episode_columns, eval_key)
+from flexmarl_hpc.store.schema import ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS, FAILURE_COLUMNS, METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, episode_columns, eval_key
 
 # the columns schema 1 had, where schema 2 added some
 V1_ONLY = {"steps": [c for c in STEP_COLUMNS if c not in ("logp_mismatch", "tis_mean", "superseded", *ADDED)],

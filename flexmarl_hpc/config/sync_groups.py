@@ -2,7 +2,7 @@
 
 A group holds the trainer group's PP-stage senders and every replica of the pool, so any
 sync of an agent from that trainer group to any subset of the pool's replicas runs inside
-it (runtime/sync_groups.py: point to point along a chain of the sync's targets, see
+it (runtime/sync_channels.py: point to point along a chain of the sync's targets, see
 docs/backends.md#weight-sync): the number of communicators is fixed by the layout, never by
 the replica subsets the load balancer produces. Pure (no MPI, no torch):
 

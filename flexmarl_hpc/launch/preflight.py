@@ -317,7 +317,7 @@ def check_resumable(cfg: Config, chunks: bool = True) -> None:
     StoreFile, which verifies them before it changes the file."""
     import yaml
     from flexmarl_hpc.store.checksum import open_read, verify_store
-    from flexmarl_hpc.store.tables import check_file
+    from flexmarl_hpc.store.schema import check_file
     path = cfg.output_dir / f"{cfg.run.name}.h5"
     if not (cfg.run.resume and path.exists()):
         return

@@ -30,12 +30,11 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.orchestrator.tree import Changes, Node, NodeQueues
 from flexmarl_hpc.orchestrator.episode_failures import EpisodeFailures
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
+from flexmarl_hpc.store.schema import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.episode import Call, EpisodeRunner, Finished, call_reward
 
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from flexmarl_hpc.config.schema import Config
-from flexmarl_hpc.store.tables import eval_key
+from flexmarl_hpc.store.schema import eval_key
 from flexmarl_hpc.workflows.base import Path, Task
 
 GREEDY, SAMPLE = "greedy", "sample"

@@ -18,7 +18,8 @@ from operator import attrgetter
 import numpy as np
 
 from flexmarl_hpc.config.schema import Config
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY, StoreFile
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.store.schema import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.orchestrator.episodes import EpisodeTree
 from flexmarl_hpc.orchestrator.tree import Changes, Node, Tree, global_batch  # noqa: F401  (re-exported)
 from flexmarl_hpc.workflows.base import Task

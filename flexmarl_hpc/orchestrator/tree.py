@@ -30,7 +30,7 @@ import numpy as np
 
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.store.checksum import StoreInconsistent
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
+from flexmarl_hpc.store.schema import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.base import Path, Task
 
 

@@ -9,7 +9,7 @@ to disk, and the first sync fills the weights. Every LLM gets `SyncWorker` as it
 
 - on GPUs (`remote`): join the replica's (trainer group, pool) sync groups itself at the
   replica's start (`flexmarl_join`: rank = the replica's first rank + its TP rank;
-  runtime/sync_groups.SyncChannels.open counts TP ranks per replica), receive each bucket
+  runtime/sync_channels.SyncChannels.open counts TP ranks per replica), receive each bucket
   from the link before it in the sync's chain into its own bucket buffer on its own GPU and
   forward it to the link after (`flexmarl_recv`), then `model.load_weights` it (vLLM shards
   it for its TP rank). Only bucket headers (names, shapes, offsets, the chain) go through
@@ -73,7 +73,7 @@ class SyncWorker:
         own and its store's."""
         import torch.distributed as dist
         from vllm.distributed import get_tensor_model_parallel_rank
-        from flexmarl_hpc.runtime.sync_groups import GROUP_TIMEOUT, new_group
+        from flexmarl_hpc.runtime.sync_channels import GROUP_TIMEOUT, new_group
         rank = first + get_tensor_model_parallel_rank()
         timeout = timeout or GROUP_TIMEOUT
         store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timeout)
@@ -83,7 +83,7 @@ class SyncWorker:
         return rank
 
     def flexmarl_leave(self, prefix: str) -> None:
-        from flexmarl_hpc.runtime.sync_groups import _shutdown
+        from flexmarl_hpc.runtime.sync_channels import _shutdown
         pg = self.__dict__.get("_flexmarl_groups", {}).pop(prefix, (None,))[0]
         if pg is not None:
             _shutdown(pg)

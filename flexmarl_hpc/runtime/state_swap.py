@@ -28,7 +28,6 @@ tests/mpi/test_state_swap_mpi.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Iterator, MutableMapping, Protocol, runtime_checkable
 
 import numpy as np

@@ -19,7 +19,7 @@ buckets as an iterable), and mark the new version only after the last, so nothin
 with half-updated weights.
 
 Every transfer runs inside the sync group of its (trainer group, pool), made at start
-(runtime/sync_groups.py, config/sync_groups.py), whatever subset of the pool it targets:
+(runtime/sync_channels.py, config/sync_groups.py), whatever subset of the pool it targets:
 
 - the plan (`Plan`: per stage, its sender and buckets of names, dtypes, shapes, offsets; a
   pure function of the model, TP/PP and the bucket size) goes from the group leader to each
@@ -60,7 +60,7 @@ import torch
 
 from flexmarl_hpc.runtime import deadline
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout, Deadline
-from flexmarl_hpc.runtime.sync_groups import (CPU_DEFAULT, GROUP_TIMEOUT, Pair, RemoteGroup,  # noqa: F401
+from flexmarl_hpc.runtime.sync_channels import (CPU_DEFAULT, GROUP_TIMEOUT, Pair, RemoteGroup,  # noqa: F401
                                               SyncChannels, _shutdown, host_bytes, new_group,
                                               resolve_backend)
 

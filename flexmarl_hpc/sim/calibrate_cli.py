@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from flexmarl_hpc.config.schema import ConfigError
-from flexmarl_hpc.sim.cli_options import common_options, typed_flag, variants_option, workers_option
+from flexmarl_hpc.sim.cli_options import common_options, variants_option, workers_option
 from flexmarl_hpc.sim.driver import measure, simulate_run
 from flexmarl_hpc.sim.hardware import HardwareError, HardwareProfile, load_hardware, validate_hardware
 from flexmarl_hpc.sim.runs import local_cost, run_config, variant_config, variant_list, variant_of
@@ -120,7 +120,7 @@ def fitted_summary(hw: HardwareProfile) -> str:
 
 def check_calibrate(a: argparse.Namespace) -> str | None:
     if not Path(a.run).is_file():
-        return f"{typed_flag(a, '--run', '--calibrate')}: no such file {a.run}"
+        return f"--run: no such file {a.run}"
     return None
 
 

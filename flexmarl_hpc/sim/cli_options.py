@@ -8,18 +8,13 @@ from flexmarl_hpc.sim.driver import WORKERS
 from flexmarl_hpc.sim.runs import VARIANTS, variant_list
 
 
-def typed_flag(a: argparse.Namespace, new: str, old: str) -> str:
-    """The flag as the user typed it: the subcommand's, or the deprecated form's."""
-    return old if a.legacy else new
-
-
 def check_common(a: argparse.Namespace) -> str | None:
     if a.steps < 3:
         return f"--steps: expected >= 3 (the first 2 steps are start-up), got {a.steps}"
     if "variants" in a:
         bad = [v for v in variant_list(a.variants) if v not in VARIANTS]
         if bad or not variant_list(a.variants):
-            return (f"{typed_flag(a, '--variants', '--compare')}: unknown variant(s) {bad}; "
+            return (f"--variants: unknown variant(s) {bad}; "
                     f"expected some of {', '.join(VARIANTS)}")
     return None
 

@@ -1,6 +1,6 @@
 """Memory check at a config's real shapes, on CPU: `python -m flexmarl_hpc.simulate memory CONFIG`.
 
-Trainer ranks: the production code runs on fake tensors (sim/memtrack.py) over a fake
+Trainer ranks: the production code runs on fake tensors (sim/fake_memory.py) over a fake
 process group (trainer/megatron/fake.py): `build.build_trainer`, one `forward_backward` at
 trainer.micro_batch_size rows of model.max_seq_len tokens (this rank's share, as the runtime
 cuts it), `optimizer_step`, then the sender side of a streamed weight sync (two buffers of the
@@ -129,7 +129,7 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
     (> 0): on the device the run would end there. `tokens`: the micro-batch's sequence
     length (0: `train_tokens`)."""
     from flexmarl_hpc.ranks import build
-    from flexmarl_hpc.sim.memtrack import track
+    from flexmarl_hpc.sim.fake_memory import track
     from flexmarl_hpc.trainer.megatron.fake import fake_group
     group = trainer_groups(cfg)[g]
     tcfg = group_trainer_config(cfg, group)
@@ -202,7 +202,7 @@ def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
     (`sync_stream` with a `weight_sync.Destination`; a column block through the other
     buffer); the broadcast moves nothing on the fake process group, and its waits return."""
     from flexmarl_hpc.runtime import weight_sync
-    from flexmarl_hpc.sim.memtrack import device_scope
+    from flexmarl_hpc.sim.fake_memory import device_scope
     buckets = weight_sync.plan_buckets(tr.sync_layouts()[tr.pp_rank], int(bucket_mb * 2**20), wire)
     largest = max((b.total for b in buckets), default=0)
     with device_scope():

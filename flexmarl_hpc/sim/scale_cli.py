@@ -14,7 +14,7 @@ from pathlib import Path
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.sim import runs
-from flexmarl_hpc.sim.cli_options import common_options, typed_flag, variants_option
+from flexmarl_hpc.sim.cli_options import common_options, variants_option
 from flexmarl_hpc.sim.hardware import HardwareError, load_hardware
 from flexmarl_hpc.sim.plan_config import config_classes, describe_alloc, fragment, plan_workload
 from flexmarl_hpc.sim.runs import raw_config, variant_list, variant_mode, write_plan_config
@@ -109,7 +109,7 @@ def scale_main(a: argparse.Namespace, out: Path) -> int:
 
 def check_scale(a: argparse.Namespace) -> str | None:
     try:
-        parse_sizes(a.counts, typed_flag(a, "--counts", "--scale"))
+        parse_sizes(a.counts, "--counts")
     except ValueError as e:
         return str(e)
     if a.png is not None and (a.png.suffix.lower() != ".png" or not a.png.parent.is_dir()):

@@ -1,7 +1,7 @@
 """A torch-engine replica's memory (rollout.backend torch), the production code on fake tensors.
 
 As sim/memory.trainer_rank does for a trainer rank, this runs the replica's own code under
-sim/memtrack.track() rather than a formula: `build.build_engine` (what runtime/run builds for
+sim/fake_memory.track() rather than a formula: `build.build_engine` (what runtime/run builds for
 a replica rank), then a weight sync's receive of every agent the pool serves (one receive
 buffer of the plan's span, weight_sync.plan_buckets at the wire dtype, as
 SyncChannels.buffer holds it for the run; each bucket's `weight_sync.received` views loaded
@@ -62,7 +62,7 @@ def torch_replica(cfg: Config, task, p: int, wire: torch.dtype | None, agents: t
     the generate's prompts (default: generate_shape's)."""
     from flexmarl_hpc.config.resources import rollout_pools
     from flexmarl_hpc.ranks import build
-    from flexmarl_hpc.sim.memtrack import track
+    from flexmarl_hpc.sim.fake_memory import track
     pool = rollout_pools(cfg)[p]
     agents = agents or tuple(pool.agents)
     relay = pool.replicas > 1 if relay is None else relay

@@ -23,7 +23,8 @@ import numpy as np
 
 from flexmarl_hpc.store.checksum import (MUTABLE, Damage, StoreUnreadable, check_not_truncated, committed,
                                          damaged_chunks, has_checksums, open_bounded, verify_path)
-from flexmarl_hpc.store.tables import CONSUMED, StoreFile
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.store.schema import CONSUMED
 
 
 @dataclass

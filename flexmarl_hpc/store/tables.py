@@ -27,16 +27,8 @@ from flexmarl_hpc.clock import REAL, Clock
 from flexmarl_hpc import faults
 from flexmarl_hpc.store.checksum import CRC_DTYPE, verify_path
 from flexmarl_hpc.store.repair import clear_open_flags
-# the schema and the table writer live in their own modules; their names are imported here
-# too, as every reader of the store has always imported them from this one
-from flexmarl_hpc.store.schema import (ADDED, CONSUMED, DEFAULTS, DROPPED,  # noqa: F401
-                                       EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT,
-                                       GENERATED, INTERVAL_COLUMNS,
-                                       METRIC_COLUMNS, READS, READY, SAMPLE_COLUMNS, SCHEMA_VERSION,
-                                       STATUS_FIELDS, STATUS_NAMES, STEP_COLUMNS, TOKEN_COLUMNS,
-                                       TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of,
-                                       episode_columns, eval_key)
-from flexmarl_hpc.store.table import CrcLog, Table, _file_type  # noqa: F401
+from flexmarl_hpc.store.chunked import CrcLog, Table, file_type
+from flexmarl_hpc.store.schema import CONSUMED, EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT, INTERVAL_COLUMNS, METRIC_COLUMNS, READY, SAMPLE_COLUMNS, SCHEMA_VERSION, STATUS_FIELDS, STEP_COLUMNS, TOKEN_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of, episode_columns
 
 
 class StoreError(OSError):
@@ -148,7 +140,7 @@ class StoreFile:
         dcpl.set_fletcher32()           # every reader verifies a chunk it reads (docs/store.md)
         lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
-        ds = h5py.h5d.create(self.f.id, name.encode(), _file_type(dtype),
+        ds = h5py.h5d.create(self.f.id, name.encode(), file_type(dtype),
                              h5py.h5s.create_simple((0,), (h5py.h5s.UNLIMITED,)), dcpl=dcpl, lcpl=lcpl)
         return Table(h5py.Dataset(ds), columns, mirror, self.dirty, created=(dtype, chunk))
 
@@ -212,7 +204,7 @@ class StoreFile:
             return CrcLog(self.f["chunk_crc"])
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_chunk((CrcLog.CHUNK,))
-        ds = h5py.h5d.create(self.f.id, b"chunk_crc", _file_type(CRC_DTYPE),
+        ds = h5py.h5d.create(self.f.id, b"chunk_crc", file_type(CRC_DTYPE),
                              h5py.h5s.create_simple((0,), (h5py.h5s.UNLIMITED,)), dcpl=dcpl)
         return CrcLog(h5py.Dataset(ds), fresh=True)
 

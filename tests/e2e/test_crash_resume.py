@@ -12,7 +12,7 @@ import h5py
 import pytest
 
 from flexmarl_hpc.analysis.load import load_run, summary
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED
+from flexmarl_hpc.store.schema import CONSUMED, DROPPED
 from tests.conftest import ROOT, run_training
 from tests.helpers import SMALL, check_batches_of_whole_inputs, check_exactly_once, sigkill_tree
 

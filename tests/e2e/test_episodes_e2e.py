@@ -131,7 +131,7 @@ def test_tool_calls_run_on_a_tool_rank_and_a_crash_there_is_a_counted_outcome(tm
     in /tools, and the run ends normally (the tool rank answers the Stop)."""
     p = run_training(tmp_path, *tool_overrides(chat_setup, "tl"), config="configs/math_team.yaml")
     assert "1 tool ranks" in p.stdout and "step    2/2" in p.stdout, p.stdout[-2000:]
-    from flexmarl_hpc.store.tables import TOOL_OUTCOMES
+    from flexmarl_hpc.store.schema import TOOL_OUTCOMES
     with h5py.File(tmp_path / "tl.h5", "r") as f:
         tools = f["tools"][:]
         solver = f["samples/solver"][:]

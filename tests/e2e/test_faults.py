@@ -8,7 +8,6 @@ import shutil
 import sys
 
 import h5py
-import numpy as np
 import pytest
 
 from tests.conftest import ROOT

@@ -1,6 +1,5 @@
 """Real runs: `python -m flexmarl_hpc.run` on real MPI ranks, real HDF5, real training."""
 import os
-import re
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED
+from flexmarl_hpc.store.schema import DROPPED
 from tests.conftest import ROOT, run_training
 from tests.helpers import (SMALL, assert_same_run, check_batches_of_whole_inputs, check_exactly_once,
                            check_group_intervals, final_weights)

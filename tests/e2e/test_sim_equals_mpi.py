@@ -73,7 +73,7 @@ def steps(path) -> np.ndarray:
 @pytest.mark.parametrize("mode", ["sync", "flex"])
 def test_simulate_workers_real_trains_what_the_mpi_run_trains(tmp_path, mpiexec, mode, capsys):
     run_training(tmp_path / "mpi", *TINY, f"run.mode={mode}")
-    code = simulate_cli.main([str(ROOT / "configs/local.yaml"), *TINY, "--workers", "real", "--compare", mode,
+    code = simulate_cli.main(["compare", str(ROOT / "configs/local.yaml"), *TINY, "--workers", "real", "--variants", mode,
                               "--steps", "4", "--hardware", "cpu_local", "--out", str(tmp_path / "cli")])
     assert code == 0, capsys.readouterr()
     cli = tmp_path / "cli" / mode / "local.h5"

@@ -1,18 +1,12 @@
 """run.loggers: TensorBoard event files and the offline W&B run, read back and compared
 with the HDF5 store (the source of truth), across a preemption and a resume."""
-import os
-import signal
 import struct
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import h5py
-import numpy as np
 import pytest
 
-from tests.conftest import ROOT, need, run_training
+from tests.conftest import need, run_training
 
 SMALL = ["run.log_every=1", "workflow.inputs_per_step=4", "trainer.micro_batch_size=8",
          "workflow.turns=[{agent: speaker, samples: 4, max_new_tokens: 2}, "

@@ -11,7 +11,8 @@ import sys
 
 import numpy as np
 
-from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY, StoreFile
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.store.schema import CONSUMED, GENERATED, READY
 
 
 def main(path: str) -> None:

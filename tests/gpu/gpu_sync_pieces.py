@@ -45,7 +45,7 @@ def _ranges(named, pieces, dest):
 def check() -> str:
     import torch
     from mpi4py import MPI
-    from flexmarl_hpc.runtime import sync_groups as G
+    from flexmarl_hpc.runtime import sync_channels as G
     from flexmarl_hpc.runtime import weight_sync as W
     torch.cuda.set_device(0)
     ch = W.SyncChannels(MPI.COMM_SELF, "nccl")

@@ -14,7 +14,6 @@ vocabulary (23) is a multiple of neither 8 nor TP, so this also checks the TP-in
 vocab padding. Prints one
 `ok ...` line per check on rank 0; any failure aborts the job.
 """
-import os
 import sys
 import time
 import warnings

@@ -14,7 +14,7 @@ from collections import Counter
 import h5py
 import pytest
 
-from flexmarl_hpc.store.tables import TOOL_OUTCOMES
+from flexmarl_hpc.store.schema import TOOL_OUTCOMES
 from flexmarl_hpc.submit import main as submit_main
 from tests.conftest import ROOT
 

@@ -305,7 +305,8 @@ def test_refused_from_the_command_line(name, tmp_path):
 def store_file(tmp_path_factory):
     """A small real run file (StoreFile, the writer of runs) with a few rows."""
     pytest.importorskip("h5py")
-    from flexmarl_hpc.store.tables import METRIC_COLUMNS, StoreFile
+    from flexmarl_hpc.store.tables import StoreFile
+    from flexmarl_hpc.store.schema import METRIC_COLUMNS
     path = tmp_path_factory.mktemp("store") / "r.h5"
     s = StoreFile(path, ["a"], {"config_yaml": "{}", "mode": "flex", "world_size": 3}, chunk=16)
     s.metrics.append({k: [0, 1] for k in METRIC_COLUMNS})

@@ -148,7 +148,7 @@ def test_the_cli_fits_prints_predicts_compares_and_writes_a_loadable_profile(tmp
         with h5py.File(runs[mode], "a") as f:
             del f.attrs["simulated"]
     prof = tmp_path / "fitted.yaml"
-    code = main([str(ROOT / "configs/local.yaml"), *REFERENTIAL, "--calibrate", str(runs["sync"]), "--steps", "8",
+    code = main(["calibrate", str(ROOT / "configs/local.yaml"), *REFERENTIAL, "--run", str(runs["sync"]), "--steps", "8",
                  "--measured", str(runs["sync"]), str(runs["flex"]), "--write-profile", str(prof),
                  "--out", str(tmp_path / "sim")])
     out = capsys.readouterr().out

@@ -7,18 +7,21 @@ Every relative link of README.md and docs/*.md points to an existing file (and, 
 in them (a fenced code block or a backtick span) answers `--help` with exit code 0.
 
 Every repository path written anywhere (`flexmarl_hpc/run.py`, tests/unit/test_docs.py,
-`configs/*.yaml`, and package-relative ones like `sim/driver.py`) in the docs, the module
-docstrings, the config help texts and the configs' comments exists, or is a run's output; a
+`configs/*.yaml`, and package-relative ones like `sim/driver.py`) in the docs, every docstring
+(module, class, function), every comment, the config help texts, the CLIs' argparse help and
+the configs' comments exists, or is a run's output; a
 bare markdown name (LOG.md) is one of the root's, docs/ or tests/ (the design brief is not in the
 repository, so it is not cited).
 """
 from __future__ import annotations
 
 import ast
+import io
 import os
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -33,7 +36,7 @@ SUBCOMMAND = re.compile(r"[a-z][a-z_-]*")
 
 
 TOP = ("flexmarl_hpc", "tests", "scripts", "docs", "configs", "bench", "slurm", "data", "runs")
-# a path ends on a word character or a glob star, so "docs/x.md." and "`runs/{name}`" cut cleanly
+# a path ends on a word character or a glob star, so "docs/LOG.md." and "`runs/{name}`" cut cleanly
 REPO_PATH = re.compile(rf"(?<![\w./-])(?:{'|'.join(TOP)})/[\w./*-]*[\w*]")
 BARE_MD = re.compile(r"(?<![\w./-])[\w-]+\.md\b")
 # What docs quote as examples but a run or a script writes (both git-ignored), not the repository.
@@ -114,17 +117,29 @@ def help_fails(cli: str, sub: str) -> str | None:
     return None
 
 
+def python_prose(py: Path, where: str) -> list[tuple[str, str]]:
+    """(where:line, text) of a Python file's docstrings (module, class, function; a config
+    field's attribute docstring), argparse `help=` strings and comments."""
+    src = py.read_text(encoding="utf-8")
+    tree = ast.parse(src)
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str):
+            out.append((f"{where}:{n.lineno}", n.value.value))       # every docstring, attribute ones too
+        elif isinstance(n, ast.keyword) and n.arg == "help" and isinstance(n.value, ast.Constant):
+            out.append((f"{where}:{n.value.lineno}", str(n.value.value)))
+    out += [(f"{where}:{t.start[0]}", t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
+            if t.type == tokenize.COMMENT]
+    return out
+
+
 def prose(root: Path = ROOT) -> list[tuple[str, str]]:
-    """(where, text) of every place that names repository paths: the docs, the module
-    docstrings, the config help texts (schema.py's attribute docstrings) and config comments."""
+    """(where, text) of every place that names repository paths: the docs, the Python files'
+    docstrings, help texts and comments (python_prose), and the configs."""
     mds = [*doc_files(root), root / "tests" / "README.md"]
     out = [(str(md.relative_to(root)), md.read_text(encoding="utf-8")) for md in mds if md.exists()]
     for py in sorted(p for d in ("flexmarl_hpc", "tests", "scripts", "bench") for p in (root / d).rglob("*.py")):
-        tree = ast.parse(py.read_text(encoding="utf-8"))
-        out.append((str(py.relative_to(root)), ast.get_docstring(tree) or ""))
-        if py.name == "schema.py":
-            out += [(f"{py.relative_to(root)}:{n.lineno}", n.value.value) for n in ast.walk(tree)
-                    if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)]
+        out += python_prose(py, str(py.relative_to(root)))
     yamls = [*sorted((root / "configs").rglob("*.yaml")), root / "environment.yml"]
     return out + [(str(y.relative_to(root)), y.read_text(encoding="utf-8")) for y in yamls if y.exists()]
 
@@ -167,10 +182,14 @@ def test_the_path_check_catches_a_moved_file(tmp_path):
     (tmp_path / "README.md").write_text(
         "`flexmarl_hpc/run.py`, docs/x.md. `sim/driver.py`, `docs/*.md`, `runs/{name}`, runs/local/local.h5\n"
         "Old: tests/test_docs.py, `sim/gone.py`, `configs/*.yaml`, scripts/eval_episodes.py, x.md, DESIGN.md.\n")
-    (tmp_path / "flexmarl_hpc" / "run.py").write_text('"""See bench/bench_sync_deadline.py."""\n')
+    (tmp_path / "flexmarl_hpc" / "run.py").write_text(
+        '"""See bench/bench_sync_deadline.py."""\nimport argparse\n\n\ndef f():\n'
+        '    """Reads sim/build.py."""\n    argparse.ArgumentParser().add_argument("-x", help="as in sim/faults.py")\n'
+        '    return 1  # like sim/workers.py\n')
     assert missing_paths(prose(tmp_path), tmp_path) == [
         "README.md: tests/test_docs.py", "README.md: configs/*.yaml", "README.md: scripts/eval_episodes.py",
-        "README.md: sim/gone.py", "README.md: DESIGN.md", "flexmarl_hpc/run.py: bench/bench_sync_deadline.py"]
+        "README.md: sim/gone.py", "README.md: DESIGN.md", "flexmarl_hpc/run.py:1: bench/bench_sync_deadline.py",
+        "flexmarl_hpc/run.py:6: sim/build.py", "flexmarl_hpc/run.py:7: sim/faults.py", "flexmarl_hpc/run.py:8: sim/workers.py"]
 
 
 def test_the_docs_list_every_message():

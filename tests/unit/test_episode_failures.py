@@ -10,7 +10,8 @@ import numpy as np
 
 from flexmarl_hpc.config.schema import Config, WorkflowConfig
 from flexmarl_hpc.orchestrator.experience import EpisodeExperience
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED, StoreFile
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.store.schema import CONSUMED, DROPPED
 from flexmarl_hpc.workflows.episode import EpisodeRunner
 from tests.helpers import EV_DROPPED, EV_GENERATED, check_journal
 from tests.unit.test_episode_journal import STOP, Conversation, Stream

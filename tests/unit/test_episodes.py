@@ -12,7 +12,7 @@ import pytest
 from flexmarl_hpc.config.schema import Config, WorkflowConfig
 from flexmarl_hpc.learn.grpo import call_advantages
 from flexmarl_hpc.orchestrator.episodes import EpisodeTree, ReplayMismatch
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY
+from flexmarl_hpc.store.schema import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.episode import EpisodeRunner
 
 STOP = 2

@@ -2,10 +2,8 @@
 table and the start-up checks (real runs: tests/e2e/test_eval_e2e.py)."""
 import importlib.util
 import json
-import sys
 
 import h5py
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +14,6 @@ from flexmarl_hpc.learn.model import ModelArgs, build_model
 from flexmarl_hpc.run import main as run_main
 from flexmarl_hpc.learn.sampling import SamplingParams, generate, masked_logits
 from flexmarl_hpc.store.tables import StoreFile
-from flexmarl_hpc.workflows.base import Path
 from flexmarl_hpc.workflows.referential import ReferentialGame
 from tests.conftest import ROOT
 

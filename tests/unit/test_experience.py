@@ -7,7 +7,8 @@ import pytest
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.orchestrator.experience import Experience
-from flexmarl_hpc.store.tables import CONSUMED, DROPPED, GENERATED, READY, StoreFile
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.store.schema import CONSUMED, DROPPED, GENERATED, READY
 from tests.conftest import ROOT
 
 

@@ -78,7 +78,7 @@ def test_what_a_vllm_worker_imports_loads_no_mpi():
     import torch
     from flexmarl_hpc.runtime.weight_sync import plan_buckets
     imports = worker_imports()
-    assert any("sync_groups" in i for i in imports) and any("weight_sync" in i for i in imports), imports
+    assert any("sync_channels" in i for i in imports) and any("weight_sync" in i for i in imports), imports
     # flexmarl_recv's arguments as collective_rpc pickles them: unpickling imports their classes
     piece = plan_buckets([("w", (4, 8), torch.float32)], 64)[0]
     header = pickle.dumps(("wsync_0_0/", piece, 1.0, (0, 1, 2)))

@@ -68,7 +68,7 @@ class _Stage:
 
     def sync_stream(self, pieces=None, dest=None):     # whole tensors (fill_bucket cuts them)
         import torch
-        from flexmarl_hpc.sim.memtrack import device_scope
+        from flexmarl_hpc.sim.fake_memory import device_scope
         for k, s in self.shapes.items():
             with device_scope():
                 t = torch.empty(s)
@@ -81,7 +81,7 @@ def test_the_sync_sender_holds_two_buckets_however_large_a_tensor():
     tensors) with 1 MiB buckets and a 3 MiB tensor: two bucket buffers + the streamed tensor
     (5 MiB), not two buffers of that tensor + it (9 MiB, before tensors went in pieces)."""
     from flexmarl_hpc.sim.memory import _send
-    from flexmarl_hpc.sim.memtrack import track
+    from flexmarl_hpc.sim.fake_memory import track
     MiB = 2**20
     with track() as c:
         _send(_Stage(), 1.0, None)

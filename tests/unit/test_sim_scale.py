@@ -75,8 +75,8 @@ def test_each_count_gets_its_nodes_and_the_planners_best_split_per_mode():
 
 def test_cli_sweeps_sizes_writes_json_and_a_png(tmp_path, capsys):
     png = tmp_path / "scale.png"
-    code = simulate.main([LOCAL, *TINY, "--hardware", "cpu_local", "--scale", "8,1,4", "--steps", "3",
-                          "--compare", "sync,flex", "--json", "--png", str(png), "--out", str(tmp_path / "o")])
+    code = simulate.main(["scale", LOCAL, *TINY, "--hardware", "cpu_local", "--counts", "8,1,4", "--steps", "3",
+                          "--variants", "sync,flex", "--json", "--png", str(png), "--out", str(tmp_path / "o")])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     rows = json.loads(captured.out)["sizes"]
@@ -99,8 +99,8 @@ def test_cli_sweeps_sizes_writes_json_and_a_png(tmp_path, capsys):
 
 
 def test_cli_table_names_counts_and_variants(tmp_path, capsys):
-    code = simulate.main([LOCAL, *TINY, "--hardware", "cpu_local", "--scale", "1,4", "--steps", "3",
-                          "--compare", "flex,sync", "--out", str(tmp_path)])
+    code = simulate.main(["scale", LOCAL, *TINY, "--hardware", "cpu_local", "--counts", "1,4", "--steps", "3",
+                          "--variants", "flex,sync", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "does not fit" in out and "flex" in out and "sync" in out and "step_s" in out
@@ -111,24 +111,22 @@ def test_cli_table_names_counts_and_variants(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, flag", [
-    (["--scale", "0,4"], "--scale: expected"),
-    (["--scale", "4,x"], "--scale: expected"),
-    (["--scale", ""], "--scale: expected"),
-    (["--scale", "4,4"], "--scale: a count is repeated"),
-    (["--png", "x.png"], "--png: only with --scale"),
-    (["--scale", "4", "--png", "/no/such/dir/x.png"], "--png: expected a .png path"),
-    (["--scale", "4", "--png", "x.jpg"], "--png: expected a .png path"),
-    (["--scale", "4", "--plan", "--nodes", "4"], "--scale: not with --plan"),
+    (["--counts", "0,4"], "--counts: expected"),
+    (["--counts", "4,x"], "--counts: expected"),
+    (["--counts", ""], "--counts: expected"),
+    (["--counts", "4,4"], "--counts: a count is repeated"),
+    (["--counts", "4", "--png", "/no/such/dir/x.png"], "--png: expected a .png path"),
+    (["--counts", "4", "--png", "x.jpg"], "--png: expected a .png path"),
 ])
 def test_bad_scale_flags_are_one_line_exit_2(tmp_path, capsys, args, flag):
-    code = simulate.main([LOCAL, "--hardware", "cpu_local", *args, "--out", str(tmp_path)])
+    code = simulate.main(["scale", LOCAL, "--hardware", "cpu_local", *args, "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_when_no_count_fits_it_exits_1_and_draws_nothing(tmp_path, capsys):
     png = tmp_path / "scale.png"
-    code = simulate.main([str(PAPER), "--scale", "1,16", "--png", str(png), "--out", str(tmp_path / "o")])
+    code = simulate.main(["scale", str(PAPER), "--counts", "1,16", "--png", str(png), "--out", str(tmp_path / "o")])
     captured = capsys.readouterr()
     assert code == 1 and "no accelerator count fits" in captured.err
     assert captured.out.count("does not fit") == 2 and not png.exists()
@@ -143,7 +141,7 @@ def test_a_failed_variant_is_shown_exits_1_and_the_rest_is_still_drawn(tmp_path,
                           if "flex" in variants else {})}
     monkeypatch.setattr(runs, "run_variants", stall_flex)
     png = tmp_path / "scale.png"
-    code = simulate.main([LOCAL, *TINY, "--hardware", "cpu_local", "--scale", "4", "--steps", "3",
-                          "--compare", "sync,flex", "--png", str(png), "--out", str(tmp_path / "o")])
+    code = simulate.main(["scale", LOCAL, *TINY, "--hardware", "cpu_local", "--counts", "4", "--steps", "3",
+                          "--variants", "sync,flex", "--png", str(png), "--out", str(tmp_path / "o")])
     out = capsys.readouterr().out
     assert code == 1 and "failed" in out and png.read_bytes()[:8] == PNG_MAGIC

@@ -2,7 +2,6 @@
 that `analyze` reads unchanged, and a clock that never sleeps (unit: one process, no MPI)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -23,12 +22,12 @@ TINY = ["workflow.inputs_per_step=2", "trainer.micro_batch_size=8"]
 
 
 def run_cli(capsys, *args) -> tuple[int, str]:
-    code = simulate.main([CONFIG, *TINY, *args])
+    code = simulate.main(["compare", CONFIG, *TINY, *args])
     return code, capsys.readouterr().out
 
 
 def test_json_gives_each_variants_step_time_and_ratio(tmp_path, capsys):
-    code, out = run_cli(capsys, "--steps", "4", "--compare", "sync,flex,flex-nolb", "--json",
+    code, out = run_cli(capsys, "--steps", "4", "--variants", "sync,flex,flex-nolb", "--json",
                         "--hardware", "h100_ndr", "--out", str(tmp_path))
     assert code == 0
     res = json.loads(out)["variants"]
@@ -40,18 +39,18 @@ def test_json_gives_each_variants_step_time_and_ratio(tmp_path, capsys):
 
 
 def test_the_table_names_every_variant_and_bad_variants_are_refused(tmp_path, capsys):
-    code, out = run_cli(capsys, "--steps", "3", "--compare", "sync,flex-nopipe", "--out", str(tmp_path))
+    code, out = run_cli(capsys, "--steps", "3", "--variants", "sync,flex-nopipe", "--out", str(tmp_path))
     assert code == 0
     assert "sync" in out and "flex-nopipe" in out and "step_s" in out
-    code = simulate.main([CONFIG, "--compare", "sync,fast"])
+    code = simulate.main(["compare", CONFIG, "--variants", "sync,fast"])
     assert code == 2 and "fast" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,says", [
-    ([str(ROOT / "configs/paper_5x32b.yaml"), "--workers", "real"], "parameters in all"),
-    ([CONFIG, "--workers", "real", "trainer.ranks_per_group=2", "slurm.trainer.ntasks=4"], "trainer.ranks_per_group"),
-    ([CONFIG, "--workers", "real", "--plan", "--nodes", "4"], "--workers real: only with"),
-    ([CONFIG, "--workers", "fake"], "--workers"),
+    (["compare", str(ROOT / "configs/paper_5x32b.yaml"), "--workers", "real"], "parameters in all"),
+    (["compare", CONFIG, "--workers", "real", "trainer.ranks_per_group=2", "slurm.trainer.ntasks=4"], "trainer.ranks_per_group"),
+    (["plan", CONFIG, "--workers", "real", "--nodes", "4"], "unrecognized arguments: --workers"),
+    (["compare", CONFIG, "--workers", "fake"], "--workers"),
 ])
 def test_real_workers_refuse_what_they_cannot_run_in_one_line(tmp_path, capsys, args, says):
     """In-process workers build every model here: a 32B config, a multi-rank trainer group or a
@@ -66,7 +65,7 @@ def test_real_workers_refuse_what_they_cannot_run_in_one_line(tmp_path, capsys, 
 
 
 def test_the_simulated_file_is_marked_and_analyze_reads_it(tmp_path, capsys, monkeypatch):
-    assert run_cli(capsys, "--steps", "4", "--compare", "flex", "--out", str(tmp_path))[0] == 0
+    assert run_cli(capsys, "--steps", "4", "--variants", "flex", "--out", str(tmp_path))[0] == 0
     h5 = tmp_path / "flex" / "local.h5"
     with h5py.File(h5, "r") as f:
         assert bool(f.attrs["simulated"]) and f.attrs["hardware"] == "npu64_a3"
@@ -100,7 +99,7 @@ def test_staleness_one_with_rebound_replicas_does_not_deadlock(tmp_path, capsys)
     agent's current version and push_weights waited for the step to end, which needed that
     replica's sample: the orchestrator waited with nothing in flight. The real orchestrator
     code runs here, so the same fix holds for MPI jobs."""
-    code = simulate.main([str(ROOT / "configs/paper_5x32b.yaml"), "--steps", "6", "--compare",
+    code = simulate.main(["compare", str(ROOT / "configs/paper_5x32b.yaml"), "--steps", "6", "--variants",
                           "flex-stale1", "--json", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -112,7 +111,7 @@ PAPER = ROOT / "configs/paper_3x32b_7x14b.yaml"
 
 def test_plan_prints_closed_form_and_simulated_rows_and_writes_a_fragment_that_validates(tmp_path, capsys):
     frag_path = tmp_path / "plan.yaml"
-    code = simulate.main([str(PAPER), "--plan", "--nodes", "48", "--top", "2", "--steps", "3",
+    code = simulate.main(["plan", str(PAPER), "--nodes", "48", "--top", "2", "--steps", "3",
                           "--write", str(frag_path), "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -141,7 +140,7 @@ def test_plan_prints_closed_form_and_simulated_rows_and_writes_a_fragment_that_v
 
 
 def test_plan_json_gives_both_estimates_per_plan_and_the_configs_own_allocation(tmp_path, capsys):
-    code = simulate.main([CONFIG, *TINY, "--plan", "--nodes", "3", "--top", "1", "--steps", "3", "--json",
+    code = simulate.main(["plan", CONFIG, *TINY, "--nodes", "3", "--top", "1", "--steps", "3", "--json",
                           "--hardware", "h100_ndr", "--baseline", "--out", str(tmp_path)])
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and res["nodes"] == 3 and res["hardware"] == "h100_ndr"
@@ -176,7 +175,7 @@ def test_plan_exits_1_and_writes_nothing_when_every_simulated_plan_fails(tmp_pat
     monkeypatch.setattr(runs, "run_variants",
                         lambda *a, **k: {"flex": {"error": "waits with nothing in flight", "wall_s": 0.0}})
     frag = tmp_path / "plan.yaml"
-    code = simulate.main([str(PAPER), "--plan", "--nodes", "48", "--top", "2", "--write", str(frag),
+    code = simulate.main(["plan", str(PAPER), "--nodes", "48", "--top", "2", "--write", str(frag),
                           "--out", str(tmp_path / "out")])
     captured = capsys.readouterr()
     assert code == 1 and "every simulated plan failed" in captured.err
@@ -188,39 +187,13 @@ def test_plan_exits_1_and_writes_nothing_when_every_simulated_plan_fails(tmp_pat
 # subcommands, and the flag forms before them
 
 
-@pytest.mark.parametrize("old, sub, tail", [
-    (["--compare", "sync,flex"], "compare", ["--variants", "sync,flex"]),
-    ([], "compare", []),
-    (["--plan", "--nodes", "48", "--top", "2"], "plan", ["--nodes", "48", "--top", "2"]),
-    (["--scale", "1,768", "--compare", "flex"], "scale", ["--variants", "flex", "--counts", "1,768"]),
-    (["--calibrate", "RUN.h5", "--measured", "a.h5", "b.h5"], "calibrate",
-     ["--run", "RUN.h5", "--measured", "a.h5", "b.h5"]),
-    (["--capacity", "--steps", "3"], "capacity", ["--steps", "3"]),
-])
-def test_each_old_flag_form_runs_its_subcommand_with_a_one_line_notice(tmp_path, capsys, monkeypatch, old, sub, tail):
-    """The old form reaches the same shell as the subcommand (stubbed here: the shells are
-    tested above), and stderr says, in one line, which command line to use instead."""
-    seen = []
-    fake = dataclasses.replace(simulate.COMMANDS[sub], check=lambda a: None,
-                               run=lambda a, out: seen.append(a) or 0)
-    monkeypatch.setitem(simulate.COMMANDS, sub, fake)
-    assert simulate.main([CONFIG, "a.b=1", *old]) == 0
+@pytest.mark.parametrize("old", [["--compare", "sync,flex"], [], ["--plan", "--nodes", "48"], ["--capacity"]])
+def test_the_removed_flag_forms_are_one_line_naming_the_subcommands(capsys, old):
+    """`simulate CONFIG --plan` and the other forms before subcommands are gone: exit 2 and
+    one line that names the subcommands, nothing run."""
+    assert simulate.main([CONFIG, "a.b=1", *old]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is deprecated" in err[0], err
-    assert err[0].endswith(f"use 'simulate {sub} {CONFIG} a.b=1{''.join(' ' + t for t in tail)}'"), err[0]
-    (a,) = seen
-    assert a.command == sub and a.config == CONFIG and a.overrides == ["a.b=1"]
-    new = simulate.parser().parse_args([sub, CONFIG, "a.b=1", *tail])
-    assert a.legacy and not new.legacy and {**vars(a), "legacy": False} == vars(new)
-
-
-def test_an_old_form_really_runs_and_the_new_form_prints_no_notice(tmp_path, capsys):
-    assert simulate.main([CONFIG, *TINY, "--capacity", "--steps", "3", "--out", str(tmp_path)]) == 0
-    old = capsys.readouterr()
-    assert "orchestrator capacity:" in old.out and "'simulate CONFIG --capacity' is deprecated" in old.err
-    assert simulate.main(["compare", CONFIG, *TINY, "--steps", "3", "--variants", "flex", "--out", str(tmp_path)]) == 0
-    new = capsys.readouterr()
-    assert "flex" in new.out and new.err == ""
+    assert len(err) == 1 and "expected a subcommand (compare," in err[0] and f"'simulate compare {CONFIG} ...'" in err[0], err
 
 
 @pytest.mark.parametrize("argv", [["--help"], *([s, "--help"] for s in simulate.COMMANDS)])

@@ -9,7 +9,9 @@ import pytest
 
 from flexmarl_hpc.analysis.load import load_run
 from flexmarl_hpc.store.repair import clear_open_flags, lookup3
-from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY, StoreFile, Table
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.store.chunked import Table
+from flexmarl_hpc.store.schema import CONSUMED, GENERATED, READY
 
 AGENTS = ["a", "b"]
 
@@ -241,8 +243,7 @@ def test_schema_1_files_are_still_read(tmp_path):
     """A version-1 file (one dataset per column, duplicate step rows after a resume): the
     reader gets the same frames, keeping the last row of a step."""
     from flexmarl_hpc.analysis.load import V1_ONLY
-    from flexmarl_hpc.store.tables import (EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS,
-                                    STEP_COLUMNS)
+    from flexmarl_hpc.store.schema import EVENT_COLUMNS, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS, STEP_COLUMNS
     path = tmp_path / "v1.h5"
     with h5py.File(path, "w") as f:
         f.attrs.update(schema_version=1, program="flexmarl_hpc", agents=["a"], t0=0.0, config_yaml="")

@@ -16,7 +16,8 @@ import pytest
 from flexmarl_hpc.analysis.load import AnalysisError, load_run
 from flexmarl_hpc.store.checksum import (StoreDamaged, StoreUnreadable, damaged_chunks, fletcher32,
                                          verify_path, verify_store)
-from flexmarl_hpc.store.tables import GENERATED, StoreError, StoreFile
+from flexmarl_hpc.store.tables import StoreError, StoreFile
+from flexmarl_hpc.store.schema import GENERATED
 from tests.conftest import ROOT
 from tests.unit.test_store import AGENTS, event_rows, in_child_then_kill, sample_rows
 
@@ -192,7 +193,7 @@ def test_each_full_chunk_of_a_patched_table_has_its_record(tmp_path):
 
 
 def test_the_chunk_log_spans_its_own_chunks_and_a_resume_appends_to_it(tmp_path):
-    """/chunk_crc is written as whole chunks of 512 entries (store.tables.CrcLog): past its
+    """/chunk_crc is written as whole chunks of 512 entries (store.chunked.CrcLog): past its
     first chunk, and after a re-open that reads its last, partly filled chunk back, every
     full chunk of /samples still has its record and the file verifies (HDF5 reads the log)."""
     from flexmarl_hpc.store.checksum import chunk_crcs, prefix_crc

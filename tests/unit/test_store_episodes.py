@@ -14,7 +14,8 @@ from flexmarl_hpc.analysis.episodes import _tree_paths, calls_per_episode
 from flexmarl_hpc.analysis.load import AnalysisError, load_run, summary
 from flexmarl_hpc.analyze import main as analyze_main
 from flexmarl_hpc.store.checksum import StoreDamaged
-from flexmarl_hpc.store.tables import CONSUMED, TOOL_OUTCOMES, StoreFile
+from flexmarl_hpc.store.tables import StoreFile
+from flexmarl_hpc.store.schema import CONSUMED, TOOL_OUTCOMES
 from tests.conftest import ROOT
 from tests.unit.test_store import in_child_then_kill
 from tests.unit.test_store_checksums import corrupt

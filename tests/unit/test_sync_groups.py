@@ -8,7 +8,7 @@ from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.resources import rollout_pools
 from flexmarl_hpc.config.sync_groups import stage_senders, sync_groups
-from flexmarl_hpc.runtime import sync_groups as G
+from flexmarl_hpc.runtime import sync_channels as G
 from flexmarl_hpc.runtime import weight_sync as W
 
 

@@ -4,7 +4,7 @@ import numpy as np
 
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.store.tables import CONSUMED, GENERATED, READY
+from flexmarl_hpc.store.schema import CONSUMED, GENERATED, READY
 from flexmarl_hpc.orchestrator.tree import Tree
 from tests.conftest import ROOT
 

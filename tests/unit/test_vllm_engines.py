@@ -265,7 +265,7 @@ class FakeP2P:
 
 def _fake_p2p(monkeypatch):
     from flexmarl_hpc.rollout import vllm_engine
-    from flexmarl_hpc.runtime import sync_groups as G
+    from flexmarl_hpc.runtime import sync_channels as G
     FakeP2P.wire, FakeP2P.sends, FakeP2P.joined, FakeP2P.hang = {}, [], [], False
     timeouts = []
     monkeypatch.setattr(vllm_engine.torch.distributed, "TCPStore",
@@ -280,7 +280,7 @@ def _join(ch, remote):
     """The replica's side of SyncChannels.open for a pair of this replica alone (one rank
     here): its engine's workers join at the pair's ranks of this member."""
     from mpi4py import MPI
-    from flexmarl_hpc.runtime import sync_groups as G
+    from flexmarl_hpc.runtime import sync_channels as G
     from flexmarl_hpc.runtime.deadline import Deadline
     pair = G.Pair((0, 0), (), (MPI.COMM_WORLD.Get_rank(),), MPI.COMM_SELF)
     ch._torch_group(pair, remote, Deadline(0))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from flexmarl_hpc.runtime import sync_groups as G
+from flexmarl_hpc.runtime import sync_channels as G
 from flexmarl_hpc.runtime import weight_sync as W
 from flexmarl_hpc.runtime.memtrack import TensorBytes
 

@@ -3,7 +3,7 @@
 One process plays one rank of a trainer group at its real size: torch.distributed runs the
 "fake" backend (collectives return at once, nothing moves), megatron's parallel_state is
 built by the same `dist._parallel_state` a job uses, and the group's MPI communicator is a
-`FakeComm` that knows its rank and size. Run under FakeTensorMode (sim/memtrack.py) nothing
+`FakeComm` that knows its rank and size. Run under FakeTensorMode (sim/fake_memory.py) nothing
 is allocated, so a 32B model's rank builds and steps in seconds on a laptop.
 
 What differs from a job, and why:

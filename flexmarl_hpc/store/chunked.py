@@ -307,7 +307,7 @@ class Table:
 _TYPES: dict[np.dtype, h5py.h5t.TypeID] = {}
 
 
-def _file_type(dtype: np.dtype) -> h5py.h5t.TypeID:
+def file_type(dtype: np.dtype) -> h5py.h5t.TypeID:
     """The HDF5 type of a table's records, made once per process (h5py builds and registers an
     object per compound field: ~40 us of a /samples table's create). HDF5 copies the type
     into the dataset it creates, so one transient type serves every file."""
