@@ -176,7 +176,7 @@ def _stop_line(cfg: Config, what: str) -> list[str]:
 
 def _started_file(cfg: Config) -> list[str]:
     """The files through which the ranks tell the batch script, one pair per incarnation of
-    the job: rank 0 that start-up is over (run.py, hold_run_lock), and any rank that it
+    the job: rank 0 that start-up is over (ranks/job.py, hold_run_lock), and any rank that it
     ends the job for a requeue, and why (runtime/requeue.py)."""
     logs = shlex.quote(str(cfg.output_dir / "logs"))
     return ["# rank 0 creates it once every rank is through MPI start-up (MPI_Init, the run lock)",

@@ -74,15 +74,14 @@ class EvalDispatch:
         """Open the rounds some agent has reached; the log lines of rounds that ended
         meanwhile (an episode round can end between replies, after a tool call)."""
         self.evaluator.start(versions, now)
-        take = getattr(self.evaluator, "take_results", None)
-        return self._write(take()) if take else []
+        return self._write(self.evaluator.take_results())
 
     def waiting(self) -> bool:
         """Evaluation episodes wait on a tool: the loop must come back soon."""
-        return bool(getattr(self.evaluator, "waiting", lambda: False)())
+        return self.evaluator.waiting()
 
     def close(self) -> None:
-        getattr(self.evaluator, "close", lambda: None)()
+        self.evaluator.close()
 
     def owns(self, batch_id: int) -> bool:
         return batch_id in self.batches

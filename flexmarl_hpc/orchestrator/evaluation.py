@@ -154,6 +154,17 @@ class Evaluator:
         return (n.sample_id, n.prompt, sample_seed(self.cfg.run.seed, n.agent, n.point, n.sample_id),
                 budget, n.turn)
 
+    def take_results(self) -> list[EvalResult]:
+        """Rounds that ended between replies: none here (a round ends in `record`; an episode
+        round can end after a tool call, episode_eval.py)."""
+        return []
+
+    def waiting(self) -> bool:
+        return False                     # no tool calls: nothing runs between replies
+
+    def close(self) -> None:
+        pass
+
     def pending_tokens(self, agent: str) -> float:
         return sum(len(n.prompt) + self.turns[n.turn].max_new_tokens
                    for r in self.rounds.values() for n in r.pending.get(agent, ()))

@@ -38,9 +38,7 @@ def replica_channels(world: MPI.Comm, engine, sync_backend: str = "auto", sync_t
     """A replica's sync channels, its groups made (an engine whose own workers receive,
     vLLM's on GPUs, joins them); `setup`: their set-up's one deadline (start-up)."""
     channels = SyncChannels(world, sync_backend, timeout_s=sync_timeout_s)
-    remote = getattr(engine, "remote", None)
-    channels.open(sync_groups, None if remote is None or channels.backend == "mpi" else
-                  lambda g: remote(g.agents[0]), setup)
+    channels.open(sync_groups, None if channels.backend == "mpi" else lambda g: engine.remote(g.agents[0]), setup)
     return channels
 
 
@@ -92,7 +90,7 @@ def replica_loop(world: MPI.Comm, orch: int, index: int, engine, params: Samplin
                 send_reply(world, orch, replace(reply, intervals=clock.drain()), bell)
                 continue
             clock.mark("sync", agent, t[0])
-            dropped = tuple(getattr(engine, "take_dropped", list)())
+            dropped = tuple(engine.take_dropped())
             send_reply(world, orch, messages.Synced(index, agent, v, dropped, intervals=clock.drain()), bell)
         elif isinstance(cmd, messages.Stop):
             if live is not None:

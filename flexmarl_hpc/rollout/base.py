@@ -45,3 +45,15 @@ class RolloutEngine(Protocol):
     def generate(self, agent: str, requests: list[GenRequest], params: SamplingParams) -> list[Generation]:
         """Sample every request with `agent`'s current weights (each with `r.params(params)`);
         results in request order, each with the log-probs of the distribution it was drawn from."""
+
+    def start(self) -> None:
+        """Build now what serving needs, at start-up inside run.build_timeout_s (vLLM: its
+        engines, which the sync groups' set-up would otherwise build); torch: nothing."""
+
+    def remote(self, agent: str):
+        """The engine's own workers that receive a sync of `agent` (vLLM's TP workers on
+        GPUs, joining the sync groups themselves), or None: this process receives."""
+
+    def take_dropped(self) -> list[str]:
+        """Agents whose weights the engine let go since the last call (vLLM's sleep mode
+        frees an engine's weights), so the orchestrator stops routing them here."""

@@ -42,6 +42,15 @@ class TorchEngine:
     def version(self, agent: str) -> int | None:
         return self.versions.get(agent)
 
+    def start(self) -> None:
+        """Nothing to build ahead: each model is made at its first load."""
+
+    def remote(self, agent: str) -> None:
+        return None                      # this process receives every sync
+
+    def take_dropped(self) -> list[str]:
+        return []                        # every loaded agent stays loaded
+
     def generate(self, agent: str, requests: list[GenRequest], params: SamplingParams) -> list[Generation]:
         model = self.models[agent]
         out: list[Generation] = []

@@ -46,7 +46,7 @@ class StoreError(OSError):
         if getattr(e, "errno", None) == 122 or "errno = 122" in text or "quota exceeded" in text:
             err = cls(f"{path}: disk quota exceeded while writing the store; rows not yet "
                       "committed are discarded when the same command runs again")
-            err.errno = 122             # EDQUOT: run.py's exit_code requeues it as ENOSPC
+            err.errno = 122             # EDQUOT: ranks/job.py's exit_code requeues it as ENOSPC
             return err
         return cls(f"{path}: cannot write the store: {' '.join(text.split())[:300]}")
 

@@ -135,7 +135,7 @@ def test_disk_full_is_one_line_and_keeps_the_previous(small_tmpfs):
     msg = str(e.value)
     assert "\n" not in msg and "no space left" in msg and str(folder) in msg, msg
     assert e.value.errno == 28
-    from flexmarl_hpc.run import exit_code
+    from flexmarl_hpc.ranks.job import exit_code
     assert exit_code(e.value) == 75             # EXIT_REQUEUE: free space, run the same command
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "v000001.manifest.json", "v000001.pt"]
     assert torch.equal(ck.load_latest(folder)["model.w"], state(1)["model.w"])

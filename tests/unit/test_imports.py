@@ -134,7 +134,8 @@ LAYERS = [
     ["store"],
     ["runtime"],
     ["rollout", "trainer"],
-    ["ranks", "orchestrator", "analysis", "launch"],
+    ["orchestrator", "analysis", "launch"],
+    ["ranks"],                       # a job's rank wiring: rank 0 runs the orchestrator
     ["sim"],
     ["run", "simulate", "analyze", "export", "status"],
     ["submit"],                      # its Slurm task calls run.main
@@ -188,7 +189,7 @@ def upward_imports(package: Path, layers: list[list[str]]) -> list[str]:
 
 def test_folders_import_only_downward():
     """Issue 39: config -> learn -> tools -> workflows -> store -> runtime parts -> backends ->
-    ranks/orchestrator -> simulator -> CLIs; 0 upward or sideways imports."""
+    orchestrator -> ranks -> simulator -> CLIs; 0 upward or sideways imports."""
     assert upward_imports(ROOT / "flexmarl_hpc", LAYERS) == []
 
 

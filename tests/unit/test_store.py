@@ -349,7 +349,7 @@ def test_a_full_disk_is_one_line_and_the_file_reopens_at_its_last_commit(tmp_pat
                     s.flush()
                     out["committed"] = first + 64
             except StoreError as e:
-                from flexmarl_hpc.run import exit_code
+                from flexmarl_hpc.ranks.job import exit_code
                 out.update(msg=str(e), errno=e.errno, code=exit_code(e))
             finally:
                 report.write_text(json.dumps(out))
@@ -445,7 +445,7 @@ def test_a_full_disk_or_quota_requeues_and_a_damaged_store_does_not():
     import errno
     from pathlib import Path
     from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
-    from flexmarl_hpc.run import exit_code
+    from flexmarl_hpc.ranks.job import exit_code
     from flexmarl_hpc.store.checkpoint import CheckpointError
     from flexmarl_hpc.store.checksum import Damage, StoreDamaged, StoreUnreadable
     from flexmarl_hpc.store.tables import StoreError
