@@ -196,12 +196,13 @@ def _refused(name: str, argv: list[str], field: str, tmp: Path, capsys, monkeypa
     """run.main(argv) in-process: rc 2, one line starting `config error: {field}`, no rank
     launched, nothing written under tmp."""
     from flexmarl_hpc import run
+    from flexmarl_hpc.ranks import job
 
     def launched(*a, **k):
         raise AssertionError(f"ranks were launched: {a}")
 
     monkeypatch.setattr(os, "execv", launched)
-    monkeypatch.setattr(run, "run_rank", launched)
+    monkeypatch.setattr(job, "run_rank", launched)
     before = set(tmp.rglob("*"))
     rc = run.main(argv)
     out, err = capsys.readouterr()
