@@ -11,7 +11,7 @@
 Each subcommand takes CONFIG, key=value overrides, --hardware, --steps, --json and --out;
 `python -m flexmarl_hpc.simulate SUBCOMMAND --help` lists the rest.
 
-compare: each variant (--variants) runs the real Orchestrator, Scheduler, Experience,
+compare: each variant (--variants) runs the real Orchestrator, scheduler, Experience,
 workflow and rewards over sim.transport.SimTransport. Its workers (--workers) are synthetic
 (responses of modelled length, training skipped: any model size) or real (the real engine
 and trainers in this process, for small models: the run trains what an MPI run of the config

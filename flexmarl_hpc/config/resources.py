@@ -61,7 +61,7 @@ class Group:
 
 def steps_in_flight(max_staleness: int) -> int:
     """How many consecutive steps may hold samples at once (pipeline.max_staleness): the
-    slowest agent's step and max_staleness + 1 beyond it (Scheduler.may_admit: an agent
+    slowest agent's step and max_staleness + 1 beyond it (scheduler.Gate.may_admit: an agent
     samples up to max_staleness steps ahead of its version, and one step more while a slower
     agent still trains). As many versions of an agent's weights may still be asked for, by a
     request of the oldest of them. The scheduler's admission, preflight's memory estimate of

@@ -4,10 +4,15 @@ passes its deadline (weight_sync.timeout_s: a member reports SyncTimedOut), or r
 reward function hangs (timing.Watchdog); and when too many episodes fail (an episode
 function's bug: exit 1, no requeue).
 
-    class Orchestrator(WorkerFailures): ...      # orchestrator/loop.py
-    self.stop_hung(rank, what, secs) / self.stop_lost(rank) / self.sync_timed_out(rank, msg)
-    self.reward_hung(what, secs)
-    self.stop_preempted() / self.stop_failing()     # a clean stop: drained, checkpointed
+    failures = FailureHandler(cfg, layout, transport, deadlines, store, exp, state, moving, stops, preempted, log)
+    failures.receive(...)                   # the orchestrator's waits, which find failures
+    failures.stop_hung(rank, what, secs) / .stop_lost(rank) / .sync_timed_out(rank, msg)
+    failures.reward_hung(what, secs)
+    failures.stop_preempted() / .stop_failing()     # a clean stop: drained, checkpointed
+
+The handler is composed into the Orchestrator (orchestrator/loop.py), not mixed into it: it
+reads the run's state it is handed (the agents' states, the groups' moves, the experience
+journal) and acts only through `Stops`, the orchestrator's four actions it may call.
 
 Each says who and what in one line, checkpoints the agents whose trainer groups still
 answer, flushes the store and ends the whole job with EXIT_REQUEUE (75: the sbatch
@@ -15,7 +20,11 @@ script requeues, and the run resumes from the checkpoints and the store).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from flexmarl_hpc.config.layout import ROLLOUT, TOOLS, RankLayout
+from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.runtime import messages, requeue
 from flexmarl_hpc.runtime.messages import WorkerLost
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
@@ -57,10 +66,29 @@ def checkpointable(state: dict, moving: dict[int, int], layout: RankLayout,
             if s.leader != rank and s.location.group not in blocked and not moving[s.location.group]]
 
 
-class WorkerFailures:
-    """Mixin of Orchestrator (uses its cfg, layout, state, moving, deadlines, aborting, exp,
-    checkpoint, drain, stop_workers, record_steps, recorder, transport, store, preempted and
-    log): `receive` (the waits that find failures) and what each failure does."""
+@dataclass(frozen=True)
+class Stops:
+    """What a failure may ask of the orchestrator."""
+    drain: Callable[[], None]
+    """Wait for the commands out to be answered (a clean stop)."""
+    checkpoint: Callable[..., None]
+    """checkpoint(agents, only=False): checkpoint these agents (`only`: no other command waits)."""
+    stop_workers: Callable[[int], None]
+    """Send every worker the Stop and close the store with this exit code."""
+    flush: Callable[[], None]
+    """Write the steps' rows so far (no checkpoint) and flush the store, before an abort."""
+
+
+class FailureHandler:
+    """`receive` (the waits that find failures) and what each failure does (module docstring)."""
+
+    def __init__(self, cfg: Config, layout: RankLayout, transport, deadlines, store, exp, state: dict,
+                 moving: dict[int, int], stops: Stops, preempted: Callable[[], bool], log) -> None:
+        self.cfg, self.layout, self.transport, self.deadlines, self.store = cfg, layout, transport, deadlines, store
+        self.exp, self.state, self.moving, self.stops = exp, state, moving, stops
+        self.preempted, self.log = preempted, log
+        self.aborting = False                    # a hung or dead worker: the job is ending
+        self.stalled = False                     # receive(loop=True): nothing can come
 
     def episodes_failing(self) -> bool:
         """Log what the episodes' failures have to say (episode_failures.py); True once more
@@ -74,9 +102,9 @@ class WorkerFailures:
 
     def stop_preempted(self) -> int:
         self.log("preemption signal: draining, checkpointing every agent, flushing the store")
-        self.drain()
-        self.checkpoint(self.agents)
-        self.stop_workers(EXIT_REQUEUE)
+        self.stops.drain()
+        self.stops.checkpoint(list(self.state))
+        self.stops.stop_workers(EXIT_REQUEUE)
         return EXIT_REQUEUE
 
     def stop_failing(self) -> int:
@@ -85,9 +113,9 @@ class WorkerFailures:
         the same episodes would fail again."""
         self.log(f"{self.exp.failures.stop}\nexiting {EXIT_EPISODES} (checkpointed, store flushed; "
                  "fix the episode function, then the same command resumes)")
-        self.drain()
-        self.checkpoint(self.agents)
-        self.stop_workers(EXIT_EPISODES)
+        self.stops.drain()
+        self.stops.checkpoint(list(self.state))
+        self.stops.stop_workers(EXIT_EPISODES)
         return EXIT_EPISODES
 
     def receive(self, wake: bool = False, loop: bool = False) -> tuple[int, messages.Reply] | None:
@@ -128,9 +156,9 @@ class WorkerFailures:
                           for a, s in self.state.items())
         self.log(f"stalled: no command outstanding on any rank and none to send ({waits}); "
                  f"checkpointing, flushing the store, exiting {EXIT_STALLED}")
-        self.drain()
-        self.checkpoint(self.agents)
-        self.stop_workers(EXIT_STALLED)
+        self.stops.drain()
+        self.stops.checkpoint(list(self.state))
+        self.stops.stop_workers(EXIT_STALLED)
         return EXIT_STALLED
 
     def stop_hung(self, rank: int, what: str, secs: float) -> None:
@@ -176,7 +204,7 @@ class WorkerFailures:
             self.log(f"checkpointing {', '.join(alive) or 'no agent'}, flushing the store, "
                      f"exiting {EXIT_REQUEUE} to requeue")
             if alive:
-                self.checkpoint(alive, only=True)
+                self.stops.checkpoint(alive, only=True)
         self.abort(EXIT_REQUEUE)
 
     def reward_hung(self, what: str, secs: float) -> None:
@@ -190,7 +218,6 @@ class WorkerFailures:
 
     def abort(self, code: int) -> None:
         try:
-            self.record_steps(checkpoints=False)
-            self.recorder.flush()
+            self.stops.flush()
         finally:
             self.transport.abort(code)

@@ -27,10 +27,11 @@ from flexmarl_hpc.config.resources import swap_peers, trainer_groups
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.orchestrator.eval_dispatch import eval_dispatch
 from flexmarl_hpc.orchestrator.experience import Node, experience_for
-from flexmarl_hpc.orchestrator.failures import WorkerFailures
+from flexmarl_hpc.orchestrator.checkpoint_timer import CheckpointTimer
+from flexmarl_hpc.orchestrator.failures import FailureHandler, Stops
 from flexmarl_hpc.orchestrator.pool_binding import pool_binding
 from flexmarl_hpc.orchestrator.recorder import RunRecorder
-from flexmarl_hpc.orchestrator.scheduler import Scheduler, route
+from flexmarl_hpc.orchestrator.scheduler import Gate, route
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.runtime.messages import Location
 from flexmarl_hpc.runtime.placement import initial_placement
@@ -131,7 +132,7 @@ def booked(activity: str):
     return wrap
 
 
-class Orchestrator(WorkerFailures):
+class Orchestrator:
     def __init__(self, cfg: Config, task: Task, transport: Transport, layout: RankLayout,
                  store: StoreFile, preempted=lambda: False, log=print, tools=None, clock: Clock = REAL):
         """`tools`: where episodes' tool calls run (ranks/tool_ranks.py's RemotePool on the
@@ -143,16 +144,14 @@ class Orchestrator(WorkerFailures):
         self.store, self.preempted, self.log = store, preempted, log
         self.clock = BusyClock(clock)            # rank 0's own time, a row of the timeline
         self.deadlines = Deadlines(cfg.run.worker_timeout, clock)
-        self.watchdog = Watchdog(cfg.run.worker_timeout, self.reward_hung)
+        self.watchdog = Watchdog(cfg.run.worker_timeout, lambda what, secs: self.failures.reward_hung(what, secs))
         self.exp = experience_for(cfg, WatchedTask(task, self.watchdog), store, tools)
-        self.aborting = False
-        self.stalled = False                     # receive(loop=True): nothing can come
         self.agents = cfg.agent_names
         self.state = initial_state(cfg, layout, log)
         self.moving: dict[int, int] = defaultdict(int)      # group -> state moves in flight
         self.replicas = [ReplicaState(r) for r in layout.replica_ranks]
-        self.sched = Scheduler.for_run(cfg, self.agents, layout.replicas)
-        self.pools = pool_binding(cfg, layout, self.sched)     # level 1 inside each pool
+        self.gate = Gate.for_run(cfg)
+        self.pools = pool_binding(cfg, layout)     # level 1 inside each pool
         self.binding = self.pools.initial_binding()
         self.trainer_groups = trainer_groups(cfg)
         self.batches: dict[int, tuple[int, str, int, list[Node]]] = {}
@@ -160,8 +159,12 @@ class Orchestrator(WorkerFailures):
         self.next_step = min(s.version for s in self.state.values())
         self.ckpt_pending: dict[int, int] = defaultdict(int)     # leader -> checkpoints unanswered
         self.recorder = RunRecorder(cfg, layout, store, self.clock, self.next_step, self.exp.forget_step)
+        self.ckpt_timer = CheckpointTimer(cfg.run, self.agents, clock.time)
         self.evals = eval_dispatch(cfg, WatchedTask(task, self.watchdog), store, self.versions(),
                                    self.clock, self.recorder.sinks)
+        self.failures = FailureHandler(cfg, layout, transport, self.deadlines, store, self.exp, self.state,
+                                       self.moving, Stops(self.drain, self.checkpoint, self.stop_workers,
+                                                          self.flush_for_abort), preempted, log)
 
     def versions(self) -> dict[str, int]:
         return {agent: s.version for agent, s in self.state.items()}
@@ -172,22 +175,22 @@ class Orchestrator(WorkerFailures):
             self.resume()
             while not self.finished():
                 if self.preempted():
-                    return self.stop_preempted()
+                    return self.failures.stop_preempted()
                 with self.clock("schedule"):
                     self.schedule()
                 # after schedule(): the weight syncs a finished step unlocks are out before its
                 # /steps row, checkpoint, log line, metrics row and full store flush are made
                 self.record_steps()
                 self.maybe_log()
-                m = self.receive(wake=self.exp.waiting() or self.evals.waiting(), loop=True)
-                if self.stalled:
-                    return self.stop_stalled()
+                m = self.failures.receive(wake=self.exp.waiting() or self.evals.waiting(), loop=True)
+                if self.failures.stalled:
+                    return self.failures.stop_stalled()
                 if m is not None:
                     self.handle(*m)
                 while (m := self.transport.poll()) is not None:
                     self.handle(*m)
-            if self.episodes_failing():
-                return self.stop_failing()
+            if self.failures.episodes_failing():
+                return self.failures.stop_failing()
             self.checkpoint(self.agents)
             self.stop_workers(0)
             return 0
@@ -219,7 +222,7 @@ class Orchestrator(WorkerFailures):
     def finished(self) -> bool:
         """Every step trained and evaluated, or too many episodes failed (episodes_failing)."""
         steps = self.cfg.run.steps
-        return self.episodes_failing() or (all(s.version >= steps and s.inflight == 0 for s in self.state.values())
+        return self.failures.episodes_failing() or (all(s.version >= steps and s.inflight == 0 for s in self.state.values())
                                            and self.evals.finished())
 
     # -- scheduling ----------------------------------------------------------------------
@@ -227,7 +230,7 @@ class Orchestrator(WorkerFailures):
         with self.clock("store"):
             self.exp.poll()                       # episodes that went on after a tool result
         versions = self.versions()
-        while self.next_step < self.cfg.run.steps and self.sched.may_admit(
+        while self.next_step < self.cfg.run.steps and self.gate.may_admit(
                 self.next_step, versions, self.all_synced()):
             self.exp.admit_step(self.next_step)
             self.next_step += 1
@@ -300,7 +303,7 @@ class Orchestrator(WorkerFailures):
                 (r.held.get(agent) == st.version and r.busy != "sync") or r.syncing_to == (agent, st.version))]
         if not any(r.free_for(agent, st.version) for r in mine):
             return
-        eligible = [n for n in self.exp.pending[agent] if self.sched.may_generate(
+        eligible = [n for n in self.exp.pending[agent] if self.gate.may_generate(
             n.step, st.version, self.exp.turn_left.get((n.step, n.turn - 1), 0))]
         if not eligible:
             return
@@ -331,7 +334,7 @@ class Orchestrator(WorkerFailures):
                        == self.exp.batch_of(b, step) for b in self.agents if self.state[b].version == step)
         batch = self.exp.batch_of(agent, step)       # None: not known yet (episode workflows)
         remaining = UNKNOWN_BATCH if batch is None else batch - st.consumed
-        return self.sched.micro_batch(self.exp.ready_count(agent, step), remaining,
+        return self.gate.micro_batch(self.exp.ready_count(agent, step), remaining,
                                       self.cfg.trainer.micro_batch_size, complete)
 
     def group_busy(self, g: int) -> bool:
@@ -427,7 +430,7 @@ class Orchestrator(WorkerFailures):
         elif isinstance(msg, messages.TrainerSynced):
             self.state[msg.agent].syncing = False
         elif isinstance(msg, messages.SyncTimedOut):
-            self.sync_timed_out(src, msg)
+            self.failures.sync_timed_out(src, msg)
         elif isinstance(msg, messages.Trained):
             self.state[msg.agent].inflight -= 1
         elif isinstance(msg, messages.Stepped):
@@ -455,12 +458,18 @@ class Orchestrator(WorkerFailures):
         nodes, n_micro = self.state[agent].finish_step(version)
         self.recorder.step_finished(agent, version, stats, nodes, n_micro)
 
+    def flush_for_abort(self) -> None:
+        """The steps' rows so far, no checkpoint, and the store flushed (a failure's abort)."""
+        self.record_steps(checkpoints=False)
+        self.recorder.flush()
+
     def record_steps(self, checkpoints: bool = True) -> None:
         """The /steps rows of the steps finished since the last call, and the checkpoints
         they make due. The main loop calls it after schedule(), so a finished step's weight
         syncs go out before its bookkeeping and before its checkpoint (which would hold the
         trainer for the checkpoint's duration); checkpoint() calls it before it commits."""
-        due = self.recorder.record_steps(checkpoints)
+        finished = self.recorder.record_steps()
+        due = self.ckpt_timer.due(finished) if checkpoints else []
         if due:
             self.checkpoint(due, wait=False)
 
@@ -488,7 +497,7 @@ class Orchestrator(WorkerFailures):
             self.cmd(leader, messages.Checkpoint(names), f"checkpoint of {', '.join(names)}")
             self.ckpt_pending[leader] += 1
         while wait and any(n for lead, n in self.ckpt_pending.items() if not only or lead in by_group):
-            self.handle(*self.receive())
+            self.handle(*self.failures.receive())
         self.store.flush()
 
     def drain(self) -> None:
@@ -496,7 +505,7 @@ class Orchestrator(WorkerFailures):
         while (self.batches or self.evals.batches or any(r.busy for r in self.replicas)
                or any(s.inflight or s.syncing for s in self.state.values()) or any(self.ckpt_pending.values())
                or any(self.moving.values())):
-            self.handle(*self.receive())
+            self.handle(*self.failures.receive())
 
     def stop_workers(self, code: int) -> None:
         self.drain()
@@ -508,7 +517,7 @@ class Orchestrator(WorkerFailures):
         # the stop), so once all have, no interval message is left in flight
         pending = self.layout.world_size - 1
         while pending:
-            src, msg = self.receive()
+            src, msg = self.failures.receive()
             self.handle(src, msg)
             pending -= isinstance(msg, messages.Stopped)
         self.record_steps(checkpoints=False)

@@ -1,5 +1,5 @@
 """Level-1 load balancing over several rollout pools: each pool re-binds its own replicas,
-among the agents it may serve, with its own `Scheduler` (pure, like scheduler.py).
+among the agents it may serve, with its own scheduler.Binder (pure, like scheduler.py).
 
 A replica never leaves its pool: a pool holds replicas of one size class (a 32B pool's
 replicas have the GPUs a 32B model needs), so moving one to an agent of another pool
@@ -12,12 +12,13 @@ pool-specific: they already act on the replicas bound to an agent, in whichever 
 """
 from __future__ import annotations
 
-from flexmarl_hpc.orchestrator.scheduler import Scheduler
+from flexmarl_hpc.config.resources import rollout_pools
+from flexmarl_hpc.orchestrator.scheduler import Binder
 
 
 class PoolBinding:
-    def __init__(self, pools: list[tuple[list[int], list[str], Scheduler]]) -> None:
-        """pools: (replica numbers, agents it may serve, its level-1 scheduler) per pool."""
+    def __init__(self, pools: list[tuple[list[int], list[str], Binder]]) -> None:
+        """pools: (replica numbers, agents it may serve, its binder) per pool."""
         self.pools = pools
         self.size = sum(len(idx) for idx, _, _ in pools)
 
@@ -44,12 +45,8 @@ class PoolBinding:
         return new if changed else None
 
 
-def pool_binding(cfg, layout, sched: Scheduler) -> PoolBinding:
-    """The run's pools; with one pool (every config without rollout.pools) its scheduler is
-    `sched` itself: level 1 is then that one scheduler's binding."""
-    from flexmarl_hpc.config.resources import rollout_pools
-    pools = rollout_pools(cfg)
-    if len(pools) == 1:
-        return PoolBinding([(layout.pool_replicas(0), list(sched.agents), sched)])
-    return PoolBinding([(layout.pool_replicas(i), list(pool.agents), Scheduler.for_run(cfg, pool.agents, pool.replicas))
-                        for i, pool in enumerate(pools)])
+def pool_binding(cfg, layout) -> PoolBinding:
+    """The run's pools, each with its binder (every config without rollout.pools: one pool of
+    every replica, serving every agent)."""
+    return PoolBinding([(layout.pool_replicas(i), list(pool.agents), Binder.for_run(cfg, pool.agents, pool.replicas))
+                        for i, pool in enumerate(rollout_pools(cfg))])

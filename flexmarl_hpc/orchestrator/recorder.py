@@ -1,11 +1,11 @@
 """What the orchestrator writes about a run, apart from the samples: every rank's busy
 intervals, the /steps rows of finished steps, the /metrics rows and log lines of finished
-global steps, the run.loggers sinks, and when a checkpoint is due.
+global steps and the run.loggers sinks (when a checkpoint is due: checkpoint_timer.py).
 
     rec = RunRecorder(cfg, layout, store, clock, first_step, forget_step=exp.forget_step)
     rec.record_intervals(src, msg.intervals)         # each reply
     rec.step_finished(agent, version, stats, nodes, n_micro)
-    due = rec.record_steps()                         # after schedule(): /steps rows
+    finished = rec.record_steps()                    # after schedule(): /steps rows, (agent, version)
     for line in rec.log_steps(done): log(line)       # every global step all agents finished
 
 The HDF5 store stays the source of truth: the sinks read the steps' rows back from it. Its
@@ -37,11 +37,10 @@ class RunRecorder:
         self.sinks = open_sinks(cfg, store, first_step)     # run.loggers; HDF5 stays the source
         self.iv_rows: dict[str, list] = defaultdict(list)   # intervals not yet in the store
         self.window = defaultdict(float)    # busy seconds by activity since the last log line
-        self.time = clock.source.time         # the run's clock: wall seconds, checkpoint timer
+        self.time = clock.source.time         # the run's clock: wall seconds of the log lines
         self.t_last = self.time()
         self.samples_since = 0
         self.tokens_since = 0
-        self.ckpt_time = {agent: self.time() for agent in self.agents}   # run.checkpoint_minutes
         self.step_summary: dict[tuple, object] = {}     # per (agent, step): reward, staleness
         self.tis: dict[tuple, float] = {}               # per (agent, step): mean importance weight
         self.stepped: list[tuple] = []                  # finished steps not yet in /steps
@@ -91,9 +90,9 @@ class RunRecorder:
         self.stepped.append((agent, version, stats, nodes, reward, stale, tis, n_micro))
         self.samples_since += len(nodes)
 
-    def record_steps(self, checkpoints: bool = True) -> list[str]:
-        """The /steps rows of the steps finished since the last call; returns the agents
-        whose checkpoint they make due (their checkpoint clocks restart now)."""
+    def record_steps(self) -> list[tuple[str, int]]:
+        """The /steps rows of the steps finished since the last call; returns those steps as
+        (agent, version)."""
         if not self.stepped:
             return []
         done, self.stepped = self.stepped, []
@@ -102,10 +101,7 @@ class RunRecorder:
                 self.append_step(*args)
             # written now, committed by the next flush: checkpoint() commits before it sends
             self.store.flush(full=False)
-        due = [agent for agent, version, *_ in done if checkpoints and self.checkpoint_due(agent, version)]
-        for agent in due:
-            self.ckpt_time[agent] = self.time()
-        return due
+        return [(agent, version) for agent, version, *_ in done]
 
     def append_step(self, agent: str, version: int, stats: dict, nodes: list, reward: float,
                     stale: np.ndarray, tis: float, n_micro: int) -> None:
@@ -121,16 +117,6 @@ class RunRecorder:
                     "grad_norm": [stats.get("grad_norm", 0)], "staleness_max": [stale.max(initial=0)],
                     "staleness_mean": [stale.mean() if stale.size else 0.0],
                     "rows_offset": [off], "rows_len": [len(nodes)]})
-
-    def checkpoint_due(self, agent: str, version: int) -> bool:
-        """run.checkpoint_every steps or run.checkpoint_minutes since this agent's last one
-        (the last step is checkpointed at the end of the run anyway)."""
-        run = self.cfg.run
-        if version >= run.steps:
-            return False
-        by_steps = run.checkpoint_every > 0 and version % run.checkpoint_every == 0
-        by_time = 0 < run.checkpoint_minutes * 60 <= self.time() - self.ckpt_time[agent]
-        return by_steps or by_time
 
     # -- global steps: /metrics, sinks, log lines ------------------------------------------
     def log_steps(self, done: int) -> list[str]:

@@ -14,6 +14,9 @@ Level 2 (intra-agent): each request goes to the replica of its agent with the le
 outstanding work, so the samples of one prompt may be spread over several replicas.
 Gating: when may a step start, when may a request be generated at a version, when does
 a trainer get a micro-batch; `sync` mode adds the barriers of the baseline.
+
+Two objects, one job each: a `Binder` per rollout pool (level 1 over its replicas;
+pool_binding.py holds one per pool) and the run's one `Gate`; level 2 is `route`.
 """
 from __future__ import annotations
 
@@ -138,25 +141,24 @@ def one_at_a_time(backlog: dict[str, float], binding: list[str], idle: list[bool
 
 
 @dataclass
-class Scheduler:
+class Binder:
+    """Level 1 over one pool's replicas: which agent each serves (`rebind`, once a round)."""
     agents: list[str]
     num_replicas: int
     mode: str                       # "sync" | "flex"
-    max_staleness: int = 0
     load_balance: bool = True
     threshold: float = 0.5
     cooldown: int = 4
-    overlap: bool = True
     one_agent: bool = False
     rounds_since_rebind: int = 1 << 30
 
     @classmethod
-    def for_run(cls, cfg, agents: list[str], replicas: int) -> "Scheduler":
-        """The scheduler of `replicas` replicas serving `agents`, with the run's mode and
+    def for_run(cls, cfg, agents: list[str], replicas: int) -> "Binder":
+        """The binder of `replicas` replicas serving `agents`, with the run's mode and
         pipeline settings (`cfg`: a config.schema.Config)."""
         p = cfg.pipeline
-        return cls(list(agents), replicas, cfg.run.mode, p.max_staleness, p.load_balance,
-                   p.rebalance_threshold, p.rebalance_cooldown, p.micro_batch_overlap, p.one_agent_at_a_time)
+        return cls(list(agents), replicas, cfg.run.mode, p.load_balance, p.rebalance_threshold,
+                   p.rebalance_cooldown, p.one_agent_at_a_time)
 
     def initial_binding(self) -> list[str]:
         return assign(allocate({agent: 0.0 for agent in self.agents}, self.num_replicas),
@@ -214,7 +216,20 @@ class Scheduler:
         self.rounds_since_rebind = 0
         return new
 
-    # -- gating ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Gate:
+    """What may happen now: a step's roots made (`may_admit`), a request sampled at a version
+    (`may_generate`), a micro-batch handed to a trainer (`micro_batch`); `sync` adds the
+    baseline's barriers."""
+    mode: str                       # "sync" | "flex"
+    max_staleness: int = 0
+    overlap: bool = True
+
+    @classmethod
+    def for_run(cls, cfg) -> "Gate":
+        return cls(cfg.run.mode, cfg.pipeline.max_staleness, cfg.pipeline.micro_batch_overlap)
+
     def may_admit(self, step: int, versions: dict[str, int], synced: bool) -> bool:
         """May the roots of `step` be created? sync: only once every agent is at `step`
         and the replicas hold it. flex: once some agent may sample it (within

@@ -1,4 +1,4 @@
-"""One simulated run: the real Orchestrator, Scheduler, Experience, workflow and rewards over
+"""One simulated run: the real Orchestrator, scheduler, Experience, workflow and rewards over
 SimTransport, priced by sim.costs.CostModel, with one of two kinds of workers:
 
 - "synthetic" (large models): no model runs; described below;

@@ -1,4 +1,4 @@
-"""The real Orchestrator (with the real Scheduler, Experience, workflow and HDF5 store),
+"""The real Orchestrator (with the real scheduler, Experience, workflow and HDF5 store),
 driven in one process through a FakeTransport whose scripted workers answer at once: the
 commands it emits, without MPI."""
 from __future__ import annotations
@@ -68,7 +68,7 @@ class ScriptedWorkers:
         return toks, [-float(np.log(len(ids)))] * max_new
 
 
-def make(tmp_path, *overrides, hang=None):
+def make(tmp_path, *overrides, hang=None, preempted=lambda: False):
     cfg = load_config(str(ROOT / "configs/local.yaml"),
                       [f"run.output_dir={tmp_path}", f"run.steps={STEPS}", "run.resume=false",
                        "workflow.inputs_per_step=2", "trainer.micro_batch_size=8", "run.eval_every=0",
@@ -77,7 +77,7 @@ def make(tmp_path, *overrides, hang=None):
     store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})
     transport = FakeTransport(ScriptedWorkers(cfg, task, layout, hang))
     lines: list[str] = []
-    orch = Orchestrator(cfg, task, transport, layout, store, log=lines.append)
+    orch = Orchestrator(cfg, task, transport, layout, store, preempted=preempted, log=lines.append)
     return orch, transport, store, lines
 
 
@@ -341,10 +341,8 @@ def stalled(tmp_path, monkeypatch, preempted=None):
     samples no version could sample): every command answered, nothing outstanding."""
     import flexmarl_hpc.orchestrator.failures as loop
     monkeypatch.setattr(loop, "SIGNAL_CHECK_S", 0.05, raising=False)
-    orch, transport, store, lines = make(tmp_path)
+    orch, transport, store, lines = make(tmp_path, preempted=preempted or (lambda: False))
     orch.exp.batch_size["listener"] += 1          # one sample more than its step has
-    if preempted is not None:
-        orch.preempted = preempted
     return orch, transport, store, lines
 
 

@@ -1,5 +1,5 @@
 """Pure scheduler policy on skewed request patterns (no MPI, no clock)."""
-from flexmarl_hpc.orchestrator.scheduler import Scheduler, allocate, assign, disparity, one_at_a_time, route, timeshare
+from flexmarl_hpc.orchestrator.scheduler import Binder, Gate, allocate, assign, disparity, one_at_a_time, route, timeshare
 
 
 def test_allocate_is_proportional_and_keeps_every_busy_agent_served():
@@ -32,7 +32,7 @@ def test_route_sends_each_request_to_least_outstanding_replica():
 
 
 def test_rebind_follows_backlog_with_hysteresis():
-    s = Scheduler(["a", "b"], 4, "flex", threshold=0.3, cooldown=3)
+    s = Binder(["a", "b"], 4, "flex", threshold=0.3, cooldown=3)
     b = s.initial_binding()
     assert sorted(b) == ["a", "a", "b", "b"]
     assert s.rebind({"a": 10.0, "b": 10.0}, b) is None            # balanced: keep
@@ -50,7 +50,7 @@ def test_rebind_follows_backlog_with_hysteresis():
 
 
 def test_starving_agent_is_rebound_even_in_cooldown_and_with_one_replica():
-    s = Scheduler(["a", "b"], 1, "flex", threshold=0.9, cooldown=100)
+    s = Binder(["a", "b"], 1, "flex", threshold=0.9, cooldown=100)
     b = s.initial_binding()
     assert b == ["a"]
     assert s.rebind({"a": 0.0, "b": 5.0}, b) == ["b"]
@@ -58,23 +58,23 @@ def test_starving_agent_is_rebound_even_in_cooldown_and_with_one_replica():
 
 
 def test_sync_mode_keeps_the_static_split():
-    s = Scheduler(["a", "b"], 4, "sync")
+    s = Binder(["a", "b"], 4, "sync")
     b = s.initial_binding()
     assert s.rebind({"a": 1000.0, "b": 1.0}, b) is None
 
 
 def test_gating_rules():
-    flex0 = Scheduler(["a", "b"], 2, "flex", max_staleness=0)
+    flex0 = Gate("flex", max_staleness=0)
     assert flex0.may_admit(3, {"a": 3, "b": 3}, synced=False)
     assert flex0.may_admit(4, {"a": 3, "b": 4}, synced=True)        # b samples step 4 while a trains
     assert not flex0.may_admit(4, {"a": 3, "b": 3}, synced=True)    # nobody can sample it yet
     assert not flex0.may_admit(5, {"a": 3, "b": 5}, synced=True)    # one step ahead of a at most
     assert flex0.may_generate(3, 3, prev_turn_left=7)               # no per-turn barrier in flex
     assert not flex0.may_generate(4, 3, 0)
-    flex1 = Scheduler(["a", "b"], 2, "flex", max_staleness=1)
+    flex1 = Gate("flex", max_staleness=1)
     assert flex1.may_admit(4, {"a": 3, "b": 3}, synced=False)
     assert flex1.may_generate(4, 3, 0) and not flex1.may_generate(5, 3, 0)
-    sync = Scheduler(["a", "b"], 2, "sync")
+    sync = Gate("sync")
     assert not sync.may_admit(3, {"a": 3, "b": 3}, synced=False)
     assert not sync.may_generate(3, 3, prev_turn_left=1)            # the per-turn barrier
     # micro-batches: flex hands out full ones at once and the tail at the end of the batch
@@ -93,8 +93,8 @@ def test_pools_rebind_only_their_replicas_to_their_agents():
     small agents. A huge backlog of `big` never takes a replica of pool 1, and the small
     agents' backlog moves replicas inside pool 1 only."""
     from flexmarl_hpc.orchestrator.pool_binding import PoolBinding
-    from flexmarl_hpc.orchestrator.scheduler import Scheduler
-    mk = lambda agents, n: Scheduler(agents, n, "flex", threshold=0.2, cooldown=0)
+    from flexmarl_hpc.orchestrator.scheduler import Binder
+    mk = lambda agents, n: Binder(agents, n, "flex", threshold=0.2, cooldown=0)
     pb = PoolBinding([([0, 1], ["big"], mk(["big"], 2)), ([2, 3, 4], ["s1", "s2"], mk(["s1", "s2"], 3))])
     b = pb.initial_binding()
     assert b[:2] == ["big", "big"] and sorted(b[2:]) == ["s1", "s1", "s2"]
@@ -163,11 +163,11 @@ def test_timeshare_keeps_a_replica_off_agents_it_cannot_serve_now_and_ties_keep_
 
 def test_rebind_time_shares_in_flex_only_and_not_without_load_balancing():
     backlog = {"p": 0.0, "c": 100.0, "w": 4000.0}
-    flex = Scheduler(["p", "c", "w"], 2, "flex")
+    flex = Binder(["p", "c", "w"], 2, "flex")
     assert flex.rebind(backlog, ["c", "w"], [True, False], ALL3) == ["w", "w"]
     assert flex.rebind(backlog, ["c", "w"], [True, False], ALL3) == ["w", "w"]     # no cooldown
     assert flex.rebind(backlog, ["c", "w"], [True, False], ALL3) == ["w", "w"]
-    for s in (Scheduler(["p", "c", "w"], 2, "sync"), Scheduler(["p", "c", "w"], 2, "flex", load_balance=False)):
+    for s in (Binder(["p", "c", "w"], 2, "sync"), Binder(["p", "c", "w"], 2, "flex", load_balance=False)):
         assert s.rebind(backlog, ["c", "w"], [True, False], ALL3) is None
 
 
@@ -175,7 +175,7 @@ def test_rebind_keeps_one_replica_per_agent_when_there_are_enough_replicas():
     """2 agents on 2 replicas: a dominant backlog does not take the other agent's only
     replica at every batch boundary (that re-syncs both agents to both replicas each
     version); the threshold/cooldown allocation applies instead."""
-    s = Scheduler(["a", "b"], 2, "flex", threshold=0.9, cooldown=100)
+    s = Binder(["a", "b"], 2, "flex", threshold=0.9, cooldown=100)
     assert s.rebind({"a": 4000.0, "b": 100.0}, ["a", "b"], [True, True], [{"a", "b"}] * 2) is None
 
 
@@ -188,9 +188,9 @@ def test_one_agent_at_a_time_switches_every_replica_only_when_the_agent_is_done(
     assert one_at_a_time({"a": 0.0, "b": 9.0}, ["a"] * 3, busy) is None                # a's request in flight
     assert one_at_a_time({"a": 0.0, "b": 9.0}, ["a"] * 3, idle) == ["b"] * 3
     assert one_at_a_time({"a": 0.0, "b": 0.0}, ["a"] * 3, idle) is None                # nothing to serve
-    s = Scheduler(["a", "b"], 3, "sync", one_agent=True)
+    s = Binder(["a", "b"], 3, "sync", one_agent=True)
     assert s.rebind({"a": 0.0, "b": 2.0}, ["a"] * 3, idle, [set()] * 3) == ["b"] * 3
-    assert Scheduler(["a", "b"], 3, "sync").rebind({"a": 0.0, "b": 2.0}, ["a"] * 3, idle, [set()] * 3) != ["b"] * 3
+    assert Binder(["a", "b"], 3, "sync").rebind({"a": 0.0, "b": 2.0}, ["a"] * 3, idle, [set()] * 3) != ["b"] * 3
 
 
 # ---------------------------------------------------------------------------------------
@@ -200,18 +200,18 @@ def test_rebind_moves_no_replica_onto_an_agent_it_cannot_serve_now():
     """b shares a trainer group with a resident agent that is training: no replica holds b's
     weights and none can be synced now, so a replica moved to b would idle (issue 37: flex
     212 s a step against no-LB's 110 s at 4 agents a group). Its big backlog moves nothing."""
-    s = Scheduler(["a", "b", "c"], 4, "flex", threshold=0.2, cooldown=0)
+    s = Binder(["a", "b", "c"], 4, "flex", threshold=0.2, cooldown=0)
     binding = ["a", "a", "c", "c"]
     servable = [{"a", "c"}] * 4                      # b's group is busy with another agent
     new = s.rebind({"a": 10.0, "b": 1000.0, "c": 10.0}, binding, [True] * 4, servable)
     assert new is None or "b" not in new
     # once b's group is free (b syncable), b gets replicas at once (starving skips the cooldown)
-    s = Scheduler(["a", "b", "c"], 4, "flex", threshold=0.2, cooldown=100)
+    s = Binder(["a", "b", "c"], 4, "flex", threshold=0.2, cooldown=100)
     new = s.rebind({"a": 10.0, "b": 1000.0, "c": 10.0}, binding, [True] * 4, [{"a", "b", "c"}] * 4)
     assert new is not None and new.count("b") >= 1
 
 
-def _shared_group_run(s: Scheduler, rounds: int) -> tuple[dict, int]:
+def _shared_group_run(s: Binder, rounds: int) -> tuple[dict, int]:
     """A toy run of the pure scheduler: agents a (resident) and b (parked) share trainer group
     G, c has its own. A replica generates one unit a round for its agent if it holds that
     agent's current version; it is synced to it when the agent's group is free (a sync takes
@@ -247,7 +247,7 @@ def test_a_parked_agent_with_backlog_is_not_starved():
     """Blocking every parked agent deadlocks: b never gets a replica, so never a step to train,
     so never the group. Here b is servable whenever G is free, gets a replica then, and every
     agent trains all its 10 steps."""
-    ver, t = _shared_group_run(Scheduler(["a", "b", "c"], 3, "flex", threshold=0.2, cooldown=2), 2000)
+    ver, t = _shared_group_run(Binder(["a", "b", "c"], 3, "flex", threshold=0.2, cooldown=2), 2000)
     assert ver == {"a": 10, "b": 10, "c": 10} and t < 2000
 
 
@@ -263,7 +263,7 @@ def test_the_window_of_steps_in_flight_is_the_schedulers_admission():
     from flexmarl_hpc.launch.preflight import estimate_memory
     from tests.conftest import ROOT
     for s in range(4):
-        sched = Scheduler(["a", "b"], 2, "flex", max_staleness=s)
+        sched = Gate("flex", max_staleness=s)
         widest = 0
         for va, vb in product(range(10), repeat=2):
             low = min(va, vb)

@@ -1,4 +1,4 @@
-"""The discrete-event transport: the real Orchestrator, Scheduler, Experience and workflow
+"""The discrete-event transport: the real Orchestrator, scheduler, Experience and workflow
 on a simulated clock with synthetic workers (unit tests: one process, no MPI, no sleeping)."""
 from __future__ import annotations
 
