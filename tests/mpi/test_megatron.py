@@ -60,7 +60,7 @@ def test_pipeline_parallel_with_tied_embeddings_matches_torch(megatron):
 
 
 def test_ppo_epochs_replay_matches_torch_with_tp2_and_pp2(megatron):
-    """trainer.ppo_epochs=2: with TP2 the group re-forms the micro-batch and with PP2 only the
+    """trainer.ppo_epochs=2: with TP2 both TP ranks train the same share and with PP2 only the
     last stage computes log-probs; the replay's old log-probs must line up with the rows
     each rank trains, so the step equals the torch trainer's."""
     out = _run(megatron, 2, "ppo-tp", "ppo-pp")
