@@ -86,7 +86,7 @@ def rank_job(config: str, overrides: list[str]) -> None:
     if rank in TRAINERS:
         tr = build.build_trainer(cfg, task, agent, group, "cpu", 0)
         mb = _micro_batch(cfg.trainer.micro_batch_size, args.max_seq_len, args.vocab_size)
-        tr.forward_backward(mb.shard(group.Get_rank(), group.Get_size()), 1.0 / len(mb), last=True)
+        tr.forward_backward(tr.share(mb), 1.0 / len(mb), last=True)
         tr.optimizer_step()
         mover = StateMover(world, group, 0, lambda g: list(TRAINERS), {agent: tr}, build=None)
         handler = TrainerRank(world, group, mover, Path("/nonexistent"), int(cfg.weight_sync.bucket_mb * 2**20),

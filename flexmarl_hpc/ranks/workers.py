@@ -150,7 +150,7 @@ class TrainerRank:
             tr.version += 1
             self.clock.mark("train", agent, t0)
             return messages.Stepped(agent, tr.version, {"empty_step": 1.0})
-        mb = microbatch_from_arrays(cmd.arrays).shard(group.Get_rank(), group.Get_size())
+        mb = tr.share(microbatch_from_arrays(cmd.arrays))      # the backend cuts its own rows
         # at the step's last micro-batch: the optimizer step, then (trainer.ppo_epochs > 1)
         # the replay passes with theirs
         summed = train_micro(tr, mb, cmd.scale, cmd.last, self.step_stats.setdefault(agent, {}),
@@ -237,8 +237,7 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
         channels = trainer_channels(world, sync_backend, sync_timeout_s, sync_groups)
     rank = TrainerRank(world, group, mover, ckpt_dir, bucket_bytes, keep_checkpoints, channels, sync_wire)
     while True:
-        cmd = recv_command(world, orch, bell) if rank.leader else None
-        cmd = comm.bcast_obj(group, cmd, 0)
+        cmd = group_command(group, recv_command(world, orch, bell) if rank.leader else None)
         t0 = rank.clock.now()
         if isinstance(cmd, messages.Stop):
             if live is not None:
@@ -248,6 +247,21 @@ def trainer_loop(world: MPI.Comm, group: MPI.Comm, orch: int, mover: StateMover,
             send_reply(world, orch, messages.Stopped(-1, intervals=rank.clock.drain()), bell)   # every rank
             return cmd.code
         rank.answer(rank.handle(cmd, t0), orch, bell)
+
+
+def group_command(group: MPI.Comm, cmd: messages.Command | None) -> messages.Command:
+    """The leader's command (None on the members) on every rank of `group`: its control
+    header pickled (bcast_obj: small), a Train's micro-batch as one raw buffer
+    (comm.bcast_arrays), so the micro-batch crosses the group once and never as a pickle;
+    each rank then takes its share (TrainerBackend.share)."""
+    if group.Get_size() == 1:
+        return cmd
+    arrays = cmd.arrays if isinstance(cmd, messages.Train) else None
+    head = (cmd, None) if arrays is None else (replace(cmd, arrays={}), comm.array_meta(arrays))
+    cmd, meta = comm.bcast_obj(group, head if group.Get_rank() == 0 else None, 0)
+    if meta is None:
+        return cmd
+    return replace(cmd, arrays=comm.bcast_arrays(group, arrays, meta, 0))
 
 
 def first_error(group: MPI.Comm, err: str | None) -> str | None:

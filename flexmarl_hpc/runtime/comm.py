@@ -116,6 +116,55 @@ def bcast_obj(comm: MPI.Comm, obj: Any, root: int) -> Any:
     return obj if comm.Get_rank() == root else pickle.loads(data.tobytes())
 
 
+def array_meta(arrays: dict) -> dict:
+    """{name: (dtype, shape) or None} of a dict of numpy arrays: what `bcast_arrays`'
+    receivers allocate (small; it travels in the sender's pickled control header)."""
+    import numpy as np
+    meta = {}
+    for k, a in arrays.items():
+        if a is not None and np.asarray(a).dtype.hasobject:
+            raise TypeError(f"bcast_arrays: array {k!r} holds Python objects (no raw buffer)")
+        meta[k] = None if a is None else (np.asarray(a).dtype.str, tuple(np.shape(a)))
+    return meta
+
+
+def bcast_arrays(comm: MPI.Comm, arrays: dict | None, meta: dict, root: int) -> dict:
+    """numpy arrays from `root` to every rank as one raw byte buffer (no pickle: a
+    micro-batch is array-sized, and bcast_obj would pickle it on the root and unpickle a
+    copy on every rank); `meta`: array_meta(arrays), already known on every rank. The
+    receivers' arrays are aligned views into their one received buffer."""
+    import numpy as np
+    spans = _spans(meta)
+    total = max((o + n for o, n in spans.values()), default=0)
+    mine = comm.Get_rank() == root
+    buf = np.zeros(total, dtype=np.uint8) if mine else np.empty(total, dtype=np.uint8)
+    if mine:
+        for k, (o, n) in spans.items():
+            buf[o:o + n] = np.ascontiguousarray(arrays[k]).reshape(-1).view(np.uint8)
+    if total:
+        bcast_buffer(comm, buf, root)
+    if mine:
+        return dict(arrays)
+    out: dict = dict.fromkeys(meta)
+    for k, (o, n) in spans.items():
+        out[k] = buf[o:o + n].view(np.dtype(meta[k][0])).reshape(meta[k][1])
+    return out
+
+
+def _spans(meta: dict) -> dict[str, tuple[int, int]]:
+    """(offset, bytes) of each array in bcast_arrays' buffer, each offset 64-byte aligned
+    (the views are then aligned for any dtype, as torch.as_tensor wants them)."""
+    import numpy as np
+    spans, off = {}, 0
+    for k, m in meta.items():
+        if m is None:
+            continue
+        n = np.dtype(m[0]).itemsize * int(np.prod(m[1], dtype=np.int64))
+        spans[k] = (off, n)
+        off += -(-n // 64) * 64
+    return spans
+
+
 def bcast_tensors(comm: MPI.Comm, tensors: dict | None, root: int) -> dict | None:
     """A dict of host tensors (a training state: model-sized) from `root` to every rank, one
     tensor at a time into its own buffer: never pickled whole (`bcast_obj` would hold the

@@ -55,8 +55,9 @@ class InProcessWorkers:
     def train(self, cmd: messages.Train) -> dict[str, float]:
         """What trainer_loop does on a one-rank group: statistics summed over the step's
         micro-batches, then the optimizer step (and trainer.ppo_epochs' replays)."""
-        mb = microbatch_from_arrays(cmd.arrays).shard(0, 1)
-        summed = train_micro(self.trainers[cmd.agent], mb, cmd.scale, cmd.last, self.acc.setdefault(cmd.agent, {}),
+        tr = self.trainers[cmd.agent]
+        mb = tr.share(microbatch_from_arrays(cmd.arrays))
+        summed = train_micro(tr, mb, cmd.scale, cmd.last, self.acc.setdefault(cmd.agent, {}),
                              lambda d: group_sum(MPI.COMM_SELF, d))
         return {} if summed is None else summed
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import pickle
 from dataclasses import dataclass
 
 import torch
@@ -138,12 +137,10 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
     full = _micro_batch(cfg.trainer.micro_batch_size, tokens or train_tokens(cfg, task, agent, args.max_seq_len),
                         args.vocab_size)
     size = group.ranks
-    peers = [pickle.dumps(full.shard(r, size)) for r in range(size)]
-    mine = full.shard(rank, size)
     shapes = hf_shapes(args)
     out: list[Phase] = []
     with fake_group(rank, size, tcfg.tensor_parallel, tcfg.pipeline_parallel) as comm, track() as c:
-        comm.hf_shapes, comm.peers = shapes, peers
+        comm.hf_shapes = shapes
 
         def phase(name) -> bool:
             gc.collect()           # autograd graphs left in reference cycles: free, as a real run's gc does
@@ -153,7 +150,7 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
         tr = build.build_trainer(cfg, task, agent, comm, "cpu", g)
         if phase("build"):
             return out
-        tr.forward_backward(mine, 1.0 / cfg.trainer.micro_batch_size, last=True)
+        tr.forward_backward(tr.share(full), 1.0 / cfg.trainer.micro_batch_size, last=True)
         if phase("train step"):
             return out
         tr.optimizer_step()

@@ -1,9 +1,12 @@
 """The trainer backend interface: what a training engine implements for one agent.
 
-Every rank of a trainer group holds one backend per agent it trains. The group calls
-`forward_backward` on its share of each micro-batch (gradients accumulate, pre-scaled by
-1/global_batch), then `optimizer_step` once the agent's global batch is in (gradients are
-reduced across the group inside). A weight sync streams (`sync_layouts`, `sync_senders`,
+Every rank of a trainer group holds one backend per agent it trains. Every rank receives
+each micro-batch whole (broadcast once by the group leader as raw buffers,
+ranks/workers.py: group_command) and cuts its own rows with `share`, a local cut with no
+communication: the torch backend rows rank::size, megatron its data-parallel replica's
+rows. The group calls `forward_backward` on that share (gradients accumulate, pre-scaled
+by 1/global_batch), then `optimizer_step` once the agent's global batch is in (gradients
+are reduced across the group inside). A weight sync streams (`sync_layouts`, `sync_senders`,
 `sync_stream`: per PP stage, its HF tensors one at a time on the stage's sender, see
 runtime/weight_sync.py); `named_weights` gives HF-named full tensors on the group leader
 (tests, export); `state`/`load_state` carry model + optimizer + RNG as a
@@ -34,8 +37,13 @@ class TrainerBackend(Protocol):
     version: int
     kept: list          # pass-1 micro-batches of the current batch (ppo_epochs > 1), backend-owned
 
+    def share(self, mb: MicroBatch) -> MicroBatch:
+        """This rank's rows of the whole micro-batch `mb`, cut locally (no communication).
+        The shares of the group's data-parallel replicas are disjoint and cover `mb`; the ranks
+        of one replica (its TP and PP ranks) get the same rows."""
+
     def forward_backward(self, mb: MicroBatch, scale: float, last: bool = True) -> dict[str, float]:
-        """Accumulate gradients of scale * loss(mb); returns summed stats (loss, entropy, ...).
+        """`mb`: this rank's `share`. Accumulate gradients of scale * loss(mb); returns summed stats (loss, entropy, ...).
         `last`: the step's last micro-batch (a backend may start its gradient reduce in it)."""
 
     def replay_pass(self) -> dict[str, float]:
@@ -110,7 +118,7 @@ def finish_step(tr: TrainerBackend, epochs: int, stats: dict[str, float], group_
 
 def train_micro(tr: TrainerBackend, mb, scale: float, last: bool, acc: dict[str, float],
                 group_sum) -> dict[str, float] | None:
-    """Forward and backward one micro-batch (`mb`: this rank's share), its stats added to
+    """Forward and backward one micro-batch (`mb`: this rank's `share`), its stats added to
     `acc` (the step's so far); after the step's last one, `finish_step` on their sum over the
     group: returns the step's stats and clears `acc` (None before the last one)."""
     for k, v in tr.forward_backward(mb, scale, last=last).items():

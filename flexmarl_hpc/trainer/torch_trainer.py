@@ -43,6 +43,10 @@ class TorchTrainer:
             self.ref.load_state_dict(model.state_dict())
             self.ref.requires_grad_(False).eval()
 
+    def share(self, mb: MicroBatch) -> MicroBatch:
+        """Rows rank::size: every rank of the group is a data-parallel replica."""
+        return mb.shard(self.group.Get_rank(), self.group.Get_size())
+
     def forward_backward(self, mb: MicroBatch, scale: float, last: bool = True) -> dict[str, float]:
         if len(mb) == 0:
             return {}

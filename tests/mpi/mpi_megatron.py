@@ -117,7 +117,7 @@ def check_layout(name):
         for i in range(2):                          # two micro-batches accumulate
             mb = batch(10 * step + i)
             N = 2 * len(mb)
-            s = group_sum(meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / N))
+            s = group_sum(meg.forward_backward(meg.share(mb), 1.0 / N))
             m_stats = {k: m_stats.get(k, 0) + v for k, v in s.items()}
             s = ref.forward_backward(mb, 1.0 / N)
             r_stats = {k: r_stats.get(k, 0) + v for k, v in s.items()}
@@ -153,7 +153,7 @@ def check_layout(name):
     # states cross backends: the torch trainer's state loaded into megatron trains on equally
     meg.load_state(ref.state())
     mb = batch(99)
-    s = group_sum(meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb)))
+    s = group_sum(meg.forward_backward(meg.share(mb), 1.0 / len(mb)))
     r = ref.forward_backward(mb, 1.0 / len(mb))
     meg.optimizer_step(), ref.optimizer_step()
     assert abs(s["loss"] - r["loss"]) < 1e-4, (s["loss"], r["loss"])
@@ -163,6 +163,96 @@ def check_layout(name):
         assert d < 1e-4, d
         log(f"ok {name}: load_state(TorchTrainer state) + 1 step == torch, max |diff| {d:.1e}")
     return losses, meg
+
+
+class Recording:
+    """A group communicator that records each collective this rank takes part in as (op,
+    bytes it received from the other ranks, its buffer's bytes, pickled?) and passes the call
+    on. Pickled: a broadcast's root payload that is a pickle (bcast_obj), or an allgatherv's
+    (the micro-batch re-forming before issue 39). Logical bytes, whatever MPI's algorithm."""
+
+    def __init__(self, comm):
+        self.comm, self.log = comm, []
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def Ibcast(self, buf, root=0):
+        mv, me = memoryview(buf).cast("B"), self.comm.Get_rank() == root
+        pickled = me and mv.nbytes > 2 and mv[0] == 0x80 and mv[-1] == ord(".")
+        self.log.append(("bcast", 0 if me else mv.nbytes, mv.nbytes, pickled))
+        return self.comm.Ibcast(buf, root=root)
+
+    def Iallgather(self, send, recv):
+        n = memoryview(send).nbytes
+        self.log.append(("allgather", memoryview(recv).nbytes - n, n, False))
+        return self.comm.Iallgather(send, recv)
+
+    def Iallgatherv(self, send, spec):
+        n = memoryview(send).nbytes
+        self.log.append(("allgather", memoryview(spec[0]).nbytes - n, n, True))
+        return self.comm.Iallgatherv(send, spec)
+
+    def Iallreduce(self, send, recv, op):
+        n = memoryview(recv).nbytes
+        self.log.append(("allreduce", n, n, False))
+        return self.comm.Iallreduce(send, recv, op=op)
+
+
+def arrays_of(mb: MicroBatch) -> dict:
+    """A Train command's arrays (microbatch.pack_microbatch's names and dtypes) of a MicroBatch."""
+    return {f: None if getattr(mb, f) is None else getattr(mb, f).numpy()
+            for f in ("input_ids", "prompt_lens", "response_lens", "behav_logprobs", "advantages", "stale",
+                      "allowed")}
+
+
+def check_bytes(name):
+    """Two micro-batches (8 and 32 rows) of one step through the trainer loop's own path
+    (ranks/workers.py: group_command, then TrainerRank.train: share, forward_backward, the
+    optimizer step) on a group communicator that records every collective: the step equals
+    the torch trainer's on the whole batch, and each micro-batch crosses the group once, as
+    raw buffers: no allgather, and a pickled header that does not grow with the rows
+    (issue 39: the pickled whole command and the re-forming allgather are gone). Prints
+    the bytes first, so that the same check on older code shows them before it fails."""
+    import types
+    from flexmarl_hpc.ranks import workers
+    from flexmarl_hpc.runtime import messages
+    tp, pp = LAYOUTS[name]
+    args = ARGS[name]
+    init_group_distributed(world, tp, pp, relayout=True)
+    group = Recording(world)
+    init = hf_state_dict(init_model(args, seed=5, std=0.1))
+    meg = MegatronTrainer(args, cfg_for(tp, pp), group, 0.9, {k: v.clone() for k, v in init.items()})
+    ref = TorchTrainer(init_model(args, seed=5, std=0.1), cfg_for(1, 1), MPI.COMM_SELF, 0.9)
+    trank = workers.TrainerRank(world, group, types.SimpleNamespace(trainers={"a": meg}), Path("/nonexistent"),
+                                1 << 20, 1, None, None)
+    mbs = [batch(40, B=8, T=16), batch(41, B=32, T=16)]
+    N = sum(len(mb) for mb in mbs)
+    seen, want, reply = [], {}, None
+    for i, mb in enumerate(mbs):
+        cmd = messages.Train("a", 0, arrays_of(mb), 1.0 / N, i == 1) if rank == 0 else None
+        group.log.clear()
+        reply = trank.handle(workers.group_command(group, cmd), time.time())
+        recs = [r for log_ in world.allgather(group.log) for r in log_]    # every rank's
+        for k, v in ref.forward_backward(mb, 1.0 / N).items():
+            want[k] = want.get(k, 0.0) + v
+        got = lambda op, pickled=None: sum(r[1] for r in recs if r[0] == op and pickled in (None, r[3]))
+        pickled = sum(r[2] for r in recs if r[3])
+        arrays = sum(a.nbytes for a in arrays_of(mb).values() if a is not None)
+        log(f"bytes {name} ({len(mb)} rows x 16 tokens, arrays {arrays} B): the group's ranks received "
+            f"{got('bcast') + got('allgather') + got('allreduce')} B: broadcasts {got('bcast')} B, allgathers "
+            f"{got('allgather')} B, stats allreduce {got('allreduce')} B; pickled payload {pickled} B")
+        seen.append((arrays, pickled, got("allgather")))
+    want.update(ref.optimizer_step())
+    (_, p8, g8), (a32, p32, g32) = seen
+    assert g8 == g32 == 0, f"{name}: the micro-batch is allgathered ({g8}, {g32} B); each rank cuts its share"
+    assert p32 - p8 < 64 and p32 < a32 // 2, \
+        f"{name}: pickled {p8} B for 8 rows, {p32} B for 32: an array payload goes through bcast_obj"
+    assert isinstance(reply, messages.Stepped), reply
+    for k in ("loss", "grad_norm"):
+        assert abs(reply.stats[k] - want[k]) < 1e-4 * max(1.0, abs(want[k])), (name, k, reply.stats[k], want[k])
+    log(f"ok bytes {name}: each micro-batch crosses the group once as raw buffers (pickled header "
+        f"{p8} B at 8 rows, {p32} B at 32), no allgather; loss and grad norm == torch's")
 
 
 def check_vocab_parallel(name, meg, ref):
@@ -215,7 +305,7 @@ def check_bf16():
     meg = MegatronTrainer(args, cfg, world, 1.0, hf_state_dict(init_model(args, seed=3, std=0.1)))
     assert meg.bf16 and next(meg.gpt.parameters()).dtype == torch.bfloat16
     mb = batch(4)
-    meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
+    meg.forward_backward(meg.share(mb), 1.0 / len(mb))
     meg.optimizer_step()
     ref = TorchTrainer(init_model(args, seed=9, std=0.1), cfg_for(1, 1), MPI.COMM_SELF, 1.0)
     ref.forward_backward(mb, 1.0 / len(mb))
@@ -235,7 +325,7 @@ def check_bf16():
     got = meg.state()
     d = max(float((got[k] - want[k]).abs().max()) for k in want if k.startswith("model."))
     assert d == 0, f"bf16 state() after load_state differs from the loaded state by {d}"
-    meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
+    meg.forward_backward(meg.share(mb), 1.0 / len(mb))
     meg.optimizer_step()
     after = meg.state()
     moved = max(float((after[k] - want[k]).abs().max()) for k in want if k.startswith("model."))
@@ -264,7 +354,7 @@ def check_ppo(name):
     N = sum(len(m) for m in mbs)
     m_acc, r_acc = {}, {}
     for i, mb in enumerate(mbs):
-        s = meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / N, last=i == 1)
+        s = meg.forward_backward(meg.share(mb), 1.0 / N, last=i == 1)
         m_acc = {k: m_acc.get(k, 0) + v for k, v in s.items()}
         s = ref.forward_backward(mb, 1.0 / N, last=i == 1)
         r_acc = {k: r_acc.get(k, 0) + v for k, v in s.items()}
@@ -299,7 +389,7 @@ def check_reshard(folder):
     init = hf_state_dict(init_model(args, seed=7, std=0.1))
     a = MegatronTrainer(args, cfg_for(2, 1), world, 1.0, init)
     mb = batch(3)
-    a.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
+    a.forward_backward(a.share(mb), 1.0 / len(mb))
     a.optimizer_step()
     t0 = time.time()
     a.save_checkpoint(folder)
@@ -403,7 +493,7 @@ def check_swap(precision):
 
     def step(t, seed):
         mb = batch(seed)
-        t.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb))
+        t.forward_backward(t.share(mb), 1.0 / len(mb))
         t.optimizer_step()
 
     def spy(*a, **k):
@@ -468,7 +558,7 @@ def check_kl():
     kls = []
     for step in range(3):
         mb = batch(30 + step)
-        m = group_sum(meg.forward_backward(mb.shard(rank, world.Get_size()), 1.0 / len(mb)))
+        m = group_sum(meg.forward_backward(meg.share(mb), 1.0 / len(mb)))
         r = ref.forward_backward(mb, 1.0 / len(mb))
         meg.optimizer_step(), ref.optimizer_step()
         for k in ("loss", "kl"):
@@ -487,7 +577,7 @@ if __name__ == "__main__":
     bf16 = "bf16" in argv
     extra = [a for a in argv if a in ("swap", "kl")]
     ppo = [a[4:] for a in argv if a.startswith("ppo-")]
-    argv = [a for a in argv if a not in ("bf16", "swap", "kl") and not a.startswith("ppo-")]
+    argv = [a for a in argv if a not in ("bf16", "swap", "kl") and not a.startswith(("ppo-", "bytes-"))]
     results = {}
     for name in argv:
         t0 = time.time()
@@ -506,6 +596,10 @@ if __name__ == "__main__":
         check_kl()
     for name in ppo:
         check_ppo(name)
+    for name in [a[6:] for a in sys.argv[1:] if a.startswith("bytes-")]:
+        t0 = time.time()
+        check_bytes(name)
+        log(f"   bytes-{name} took {time.time() - t0:.1f} s")
     if ckpt:
         check_reshard(ckpt)
     log("all megatron checks passed")

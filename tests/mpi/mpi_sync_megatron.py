@@ -122,7 +122,7 @@ def train_step(tr, group, step):
         seen.append((m.largest, logits.numel() * logits.element_size()))
         return out
     tr._token_logprobs = tracked
-    tr.forward_backward(mb.shard(group.Get_rank(), 4), 1.0 / len(mb))
+    tr.forward_backward(tr.share(mb), 1.0 / len(mb))
     tr._token_logprobs = orig
     B, T = 2, mb.input_ids.shape[1]             # each chunk (2 micro-batches of the share)
     full_vocab_logits = B * T * padded_vocab(ARGS) * 4

@@ -60,7 +60,7 @@ def test_pipeline_parallel_with_tied_embeddings_matches_torch(megatron):
 
 
 def test_ppo_epochs_replay_matches_torch_with_tp2_and_pp2(megatron):
-    """trainer.ppo_epochs=2: with TP2 the group re-forms the micro-batch and with PP2 only the
+    """trainer.ppo_epochs=2: with TP2 both TP ranks train the same share and with PP2 only the
     last stage computes log-probs; the replay's old log-probs must line up with the rows
     each rank trains, so the step equals the torch trainer's."""
     out = _run(megatron, 2, "ppo-tp", "ppo-pp")
@@ -91,9 +91,13 @@ def test_checkpoint_saved_with_tp2_loads_into_tp1_and_pp2(megatron, tmp_path):
 
 
 def test_four_ranks_tp2_dp2_and_tp2_pp2(megatron):
-    # "tp" on 4 ranks is TP2 x DP2, "tppp" is TP2 x PP2
-    out = _run(megatron, 4, "tp", "tppp")
+    # "tp" on 4 ranks is TP2 x DP2, "tppp" is TP2 x PP2; "bytes-*" drives micro-batches through
+    # the trainer loop's path (group_command, share) on a recording communicator: each crosses
+    # the group once as raw buffers, with no allgather and no array-sized pickle (issue 39)
+    out = _run(megatron, 4, "tp", "tppp", "bytes-tp", "bytes-tppp")
     assert "ok tp: losses" in out and "ok tppp: losses" in out
+    assert "ok bytes tp: each micro-batch crosses the group once" in out
+    assert "ok bytes tppp: each micro-batch crosses the group once" in out
 
 
 def test_bf16_config_builds_bf16_megatron_and_optimizer_configs(megatron):

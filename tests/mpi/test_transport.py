@@ -15,3 +15,6 @@ def test_a_training_state_is_broadcast_tensor_by_tensor_bit_for_bit(mpiexec):
     p = run_mpi(mpiexec, 2, ["tests/mpi/mpi_bcast_tensors.py"], timeout=120)
     assert "ok: 6 tensors bit-equal, None stays None, a group of one passes the dict through" in p.stdout, \
         p.stdout + p.stderr
+    # and a trainer group's command: the header pickled, a Train's micro-batch as one raw buffer
+    assert "ok: Train arrays (3 micro-batches) and a Stop through group_command equal" in p.stdout, \
+        p.stdout + p.stderr

@@ -19,10 +19,9 @@ the TP ranks, so both backends optimise the same function.
     compat.py     megatron-core on a CUDA-less torch (CPU, gloo)
 
 Contract (same as TorchTrainer; tests/mpi/test_megatron.py checks it against TorchTrainer):
-- `forward_backward(mb, scale, last)`: `mb` is this rank's share as the runtime cuts it
-  (rows rank::size of the micro-batch). With TP or PP the group re-forms the micro-batch
-  (a small allgather of token ids) and each data-parallel replica takes its rows, cut into
-  trainer.pipeline_microbatches for the 1F1B schedule. Gradients of scale *
+- `share(mb)` / `forward_backward(mb, scale, last)`: the share contract is trainer/base.py's;
+  here it is the data-parallel replica's rows (dp_rank::dp, the same on all its TP and PP
+  ranks), cut into trainer.pipeline_microbatches for the 1F1B schedule. Gradients of scale *
   sum-of-sample-losses accumulate. The returned stats have the same keys on every rank and
   sum over the group to the micro-batch totals.
 - `optimizer_step()`: DP reduce-scatter + TP/PP reductions, clip, Adam step, param

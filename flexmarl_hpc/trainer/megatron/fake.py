@@ -10,10 +10,8 @@ What differs from a job, and why:
 - megatron's gloo side groups are made on the fake backend too (gloo cannot run there);
 - object collectives (`all_gather_object`, used once by the optimizer's param grouping)
   return this rank's object for every rank: the ranks of one TP/PP position are symmetric;
-- `allgather_bytes` answers the trainer's two exchanges as a job would: at build every
-  rank's (pp, tp, dp) coordinates (megatron's rank order: TP fastest, then DP, then PP),
-  then for the micro-batch re-forming what the caller set as every rank's payload
-  (`FakeComm.peers`), so a rank sees the micro-batch rows a job gives it;
+- `allgather_bytes` answers the trainer's build exchange as a job would: every rank's
+  (pp, tp, dp) coordinates (megatron's rank order: TP fastest, then DP, then PP);
 - `HFState._gather_hf` (HF weights gathered to the group leader over MPI: fake tensors have
   no bytes to send) makes what the real one makes: each shard's fp32 copy on the device, its
   serialised bytes on the host, and on the leader every shard's bytes and the full HF-named
@@ -34,13 +32,11 @@ from flexmarl_hpc.trainer.megatron.hf_state import HFState
 
 
 class FakeComm:
-    """The trainer group's communicator as one rank sees it (rank, size); `peers`: every
-    rank's payload of the next `allgather_bytes`."""
+    """The trainer group's communicator as one rank sees it (rank, size)."""
 
     def __init__(self, rank: int, size: int, answers: list[list[bytes]] | None = None):
         self.rank, self.size = rank, size
         self.answers = list(answers or [])          # the next allgathers' results, in order
-        self.peers: list[bytes] | None = None
         self.hf_shapes: dict[str, tuple[int, ...]] = {}
 
     def Get_rank(self) -> int:
@@ -54,7 +50,7 @@ def _allgather_bytes(group, data: bytes) -> list[bytes]:
     if isinstance(group, FakeComm):
         if group.answers:
             return group.answers.pop(0)
-        return list(group.peers) if group.peers is not None else [data] * group.size
+        return [data] * group.size
     return _REAL_ALLGATHER(group, data)
 
 

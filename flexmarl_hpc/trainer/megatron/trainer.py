@@ -4,7 +4,6 @@ micro-batches when PP > 1), with the GRPO loss computed vocab-parallel on the TP
 from __future__ import annotations
 
 import contextlib
-import pickle
 import sys
 import time
 from dataclasses import replace
@@ -200,23 +199,11 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
             return DistCheckpoint.load_checkpoint(self, folder, report)
 
     # -- training ------------------------------------------------------------------------
-    def _dp_share(self, mb: MicroBatch) -> MicroBatch:
-        size = self.group.Get_size()
-        if self.tp * self.pp == 1:
-            return mb                                 # pure DP: the runtime's rows are ours
-        shares = [pickle.loads(b) for b in allgather_bytes(self.group, pickle.dumps(mb))]
-        n = sum(len(s) for s in shares)
-        full = {}
-        for f in MicroBatch.__dataclass_fields__:
-            parts = [getattr(s, f) for s in shares]
-            if parts[0] is None:
-                full[f] = None
-                continue
-            t = parts[0].new_empty((n, *parts[0].shape[1:]))
-            for r, p in enumerate(parts):
-                t[r::size] = p
-            full[f] = t
-        return MicroBatch(**full).shard(self.dp_rank, self.dp)
+    def share(self, mb: MicroBatch) -> MicroBatch:
+        """Rows dp_rank::dp of the whole micro-batch: every TP and PP rank of one
+        data-parallel replica trains the same rows (each rank holds the whole micro-batch,
+        ranks/workers.py: group_command, so nothing is exchanged)."""
+        return mb.shard(self.dp_rank, self.dp)
 
     def _chunks(self, mb: MicroBatch) -> tuple[list[MicroBatch], int]:
         """The share cut into k equal micro-batches for the pipeline schedule (every stage
@@ -239,8 +226,8 @@ class MegatronTrainer(HFState, DistCheckpoint, Swap):
 
     def forward_backward(self, mb: MicroBatch, scale: float, last: bool = True) -> dict[str, float]:
         """`last`: no further micro-batch of this step follows (with overlap_grad_reduce the
-        gradient reduce starts during this call's backward; earlier calls accumulate)."""
-        mb = self._dp_share(mb)
+        gradient reduce starts during this call's backward; earlier calls accumulate).
+        `mb`: this rank's `share`."""
         if len(mb) == 0:
             return dict.fromkeys(self._stat_keys, 0.0)
         chunks, pad = self._chunks(mb)
