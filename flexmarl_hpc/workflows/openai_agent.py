@@ -11,7 +11,9 @@ program with it in a worker process of the tool pool (`ctx.call`, never on the
 orchestrator's loop). Each `POST /v1/chat/completions` is parsed (openai_api.py) and
 becomes `ctx.chat` calls of the agent named as the model, on the episode's loop: the same
 chat template, the same token-exact conversations, the same scheduling, staleness and
-store as any episode's calls. The server runs in threads (the standard library's
+store as any episode's calls. With `tools`, the reply's tool calls go back as OpenAI
+`tool_calls`, and `POST {base_url}/run_tools` runs a program's calls as `ctx.run_tools` does
+(the sandbox), in the program's worker slot. The server runs in threads (the standard library's
 `http.server`: no protocol written here); a request waits on its calls' future, which the
 orchestrator completes while it steps the episodes (it polls them every 20 ms while the
 program, a worker call, is in flight: docs/episodes.md).
