@@ -271,10 +271,21 @@ async def episode(ctx, example, *, program: AgentProgram):
         if result is None:
             raise AgentProgramError(f"workflow.agent {program.spec!r} returned None: return "
                                     "{agent: reward} or name a reward function in workflow.reward")
-        return result
+        return reward_metrics(ctx, result)
     scored = await ctx.call(run_reward, program.reward, example, result, endpoint.transcript,
                             timeout_s=program.timeout_s)
-    return _value(scored, f"workflow.reward {program.reward!r}")
+    return reward_metrics(ctx, _value(scored, f"workflow.reward {program.reward!r}"))
+
+
+def reward_metrics(ctx, rewards):
+    """`rewards`, each agent's mean also put in ctx.metrics as `<agent>_reward`: the program
+    cannot reach ctx.metrics, so this is what held-out evaluation (run.eval_every,
+    scripts/eval_heldout.py) averages. Rewards it cannot read are left to the runner's check."""
+    for agent, r in (rewards.items() if isinstance(rewards, dict) else ()):
+        values = r if isinstance(r, (list, tuple)) else [r]
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            ctx.metrics[f"{agent}_reward"] = sum(values) / len(values)
+    return rewards
 
 
 def _value(called, what: str):

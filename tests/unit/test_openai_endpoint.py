@@ -347,6 +347,44 @@ def test_a_programs_tool_calls_on_tool_ranks_take_no_slot_there_or_here():
     assert seen == [True] and Comm.sent[-1] == messages.ToolDone(0, "5", "ok", 0.0)
 
 
+def eval_program(base_url, example):
+    import openai
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="writer", messages=[{"role": "user", "content": example["question"]}],
+                                       temperature=0.7)
+    return {"writer": 1.0 if r.choices[0].message.content == "ab" else 0.0}
+
+
+def test_held_out_evaluation_runs_the_program_greedy_and_averages_its_rewards(pool):
+    """run.eval_every with workflow.agent: the evaluator's episodes are the program's, each
+    agent's reward is the metric (`<agent>_reward`: the program cannot set ctx.metrics)."""
+    from flexmarl_hpc.config.schema import Config, RunConfig
+    from flexmarl_hpc.orchestrator.episode_eval import EpisodeEvaluator
+    from flexmarl_hpc.workflows.episode import EpisodeRunner
+    tok = SyntheticChatTokenizer()
+    cfg = Config(run=RunConfig(steps=1, eval_every=1, eval_inputs=2),
+                 workflow=WorkflowConfig(agent=f"{__name__}:eval_program", agents=AGENTS, max_new_tokens=8))
+    task = SimpleNamespace(stop_tokens=frozenset(tok.stop_ids), stream=SimpleNamespace(
+        heldout=lambda n: [{"question": f"q{i}"} for i in range(n)]))
+    runner = EpisodeRunner(agent_episode(cfg.workflow), AGENTS, 0, 8, lambda a: Conversation(tok), tools=pool)
+    ev = EpisodeEvaluator(cfg, task, set(), {"writer": 0, "critic": 0}, runner)
+    results, t0 = [], time.time()
+    try:
+        while not results and time.time() - t0 < 30:
+            ev.start({"writer": 0, "critic": 0}, 1.0)     # steps the episodes, as the dispatcher does
+            calls = ev.ready("writer", 0)
+            if calls:
+                assert all(len(ev.request(c)) == 5 and c.call.sampling == (0.7, 1.0) for c in calls)   # greedy
+                ev.take(calls)
+                ev.record(calls, [tok.encode("ab" if c.example == 0 else "zz") + [tok.eos_id] for c in calls], 0, 2.0)
+            results = ev.take_results()
+            time.sleep(0.01)
+    finally:
+        runner.pool = None
+        ev.close()
+    assert [(r.point, r.summary) for r in results] == [(0, {"task/writer_reward": 0.5, "task/episodes_failed": 0.0})]
+
+
 def test_the_program_is_checked_before_launch_in_a_child():
     from flexmarl_hpc.config.schema import ConfigError
     from flexmarl_hpc.workflows.episode_check import check_episode
