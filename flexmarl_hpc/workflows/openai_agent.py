@@ -103,14 +103,13 @@ class Endpoint:
         """One reply as OpenAI's choice: cut at a stop string, its tool calls (those before
         the cut; none with tool_choice 'none') parsed in the agent's format, as ctx.chat does."""
         text, stopped = cut_at_stop(r.text, req.stop)
-        calls = ()
+        fmt, calls = self.ctx.runner.tool_formats.get(req.agent, "hermes"), ()
         if req.tools and req.tool_choice == "auto":
-            fmt = self.ctx.runner.tool_formats.get(req.agent, "hermes")
             calls = r.tool_calls if not stopped else tuple(parser_for(fmt)(text, f"{req.agent}-{r.call}")[0])
         if not calls:
             return Choice(text, "length" if r.truncated and not stopped else "stop", r.prompt_len, len(r.ids))
         out = tuple((c.id, c.name, c.arguments) for c in calls)
-        content = CONTENT[self.ctx.runner.tool_formats.get(req.agent, "hermes")](text) or None
+        content = CONTENT[fmt](text) or None
         choice = Choice(content, "tool_calls", r.prompt_len, len(r.ids), out)
         # the program sends this message back with its tool results: it then stands for the
         # reply as sampled, so the follow-up's prompt continues the sampled ids
