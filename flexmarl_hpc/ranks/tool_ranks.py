@@ -23,6 +23,7 @@ episode waits on a tool (workflows/episode.py); a tool rank's is its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import time
 from typing import Callable
@@ -71,9 +72,12 @@ class RemotePool:
         self._free: asyncio.Semaphore | None = None      # made on the loop that first waits
         self._receiver: asyncio.Task | None = None
 
-    async def tool(self, name: str, argument: str) -> ToolCall:
+    async def tool(self, name: str, argument: str, lent: bool = False) -> ToolCall:
+        """WorkerPool.tool on a tool rank; lent: in the slot its caller holds (no slot taken
+        here or there)."""
         t0 = time.perf_counter()
-        done, rank = await self._ask(lambda i: messages.ToolRequest(i, name, argument), self.cfg.wall_s)
+        done, rank = await self._ask(lambda i: messages.ToolRequest(i, name, argument, lent), self.cfg.wall_s,
+                                     lent=lent)
         if done is None:
             return ToolCall(name, f"error: tool rank {rank} gave no answer in "
                                   f"{self.cfg.wall_s + self.grace_s:g} s", "timeout", time.perf_counter() - t0)
@@ -93,12 +97,12 @@ class RemotePool:
                           f"tool rank {rank} gave no answer in {timeout_s + self.grace_s:g} s")
         return Called(done.value, done.outcome, done.latency_s, done.error)
 
-    async def _ask(self, make: Callable[[int], messages.Command], limit_s: float):
+    async def _ask(self, make: Callable[[int], messages.Command], limit_s: float, lent: bool = False):
         """Send make(call_id) to the least loaded rank; (its answer or None past the
-        deadline, the rank)."""
+        deadline, the rank). lent: the caller's slot is the call's (no slot taken)."""
         if self._free is None:
             self._free = asyncio.Semaphore(len(self.ranks) * self.cfg.workers)
-        async with self._free:
+        async with (contextlib.nullcontext() if lent else self._free):
             alive = [r for r in self.ranks if not self._dead(r)]
             if not alive:
                 return None, self.ranks[0]                # the job ends for the dead rank
@@ -190,7 +194,7 @@ async def _answer(world, orch: int, pool: WorkerPool, cmd: messages.Command, sen
     t0 = time.perf_counter()
     try:
         if isinstance(cmd, messages.ToolRequest):
-            r = await pool.tool(cmd.tool, cmd.argument)
+            r = await pool.tool(cmd.tool, cmd.argument, lent=cmd.lent)
             reply = messages.ToolDone(cmd.call_id, r.output, r.outcome, r.latency_s)
         elif isinstance(cmd, messages.CallRequest):
             reply = await _run_call(pool, cmd)

@@ -129,6 +129,8 @@ class ToolRequest(Command):
     call_id: int
     tool: str
     argument: str
+    lent: bool = False
+    """The caller holds a worker slot for it (a workflow.agent program's call): none is taken."""
 
 
 @dataclass(frozen=True)

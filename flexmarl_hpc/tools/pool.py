@@ -61,12 +61,16 @@ class WorkerPool:
         self._running = asyncio.Semaphore(cfg.workers)
         self._slots: list[ProcessPoolExecutor] = []
 
-    async def tool(self, name: str, argument: str) -> ToolCall:
-        """Call a tool by the name a model used; an unknown name is a 'refused' call."""
+    async def tool(self, name: str, argument: str, lent: bool = False) -> ToolCall:
+        """Call a tool by the name a model used; an unknown name is a 'refused' call. lent:
+        the caller holds a slot and waits on this call (a `workflow.agent` program's tool
+        calls, workflows/openai_agent.py), so it runs in that slot rather than taking one."""
         try:
             tool = self.tools.get(name)
         except KeyError as e:
             return ToolCall(name, f"error: {e.args[0]}", "refused", 0.0)
+        if lent:
+            return await tool(argument)
         async with self._running:
             return await tool(argument)
 

@@ -214,6 +214,16 @@ class EpisodeContext:
         """Run the reply's tool calls at once, each in the sandbox or on its worker, and return
         their results as `tool` messages in the reply's order; an unreadable block or
         arguments that do not fit the tool get an error message (the model's to read)."""
+        done = dict(zip([r.id for r in reply.tool_calls], await self.run_tool_requests(reply.tool_calls)))
+        done.update({e.id: tool_message(e.id, "", f"error: cannot read the tool call: {e.error}")
+                     for e in reply.tool_errors})
+        return [done[k] for k in sorted(done, key=lambda cid: int(cid.rsplit("-", 1)[1]))]
+
+    async def run_tool_requests(self, requests, *, lent: bool = False) -> list[dict]:
+        """`run_tools` of these calls, their `tool` messages in the same order. lent: the
+        caller holds a worker slot while it waits on them (an `openai` program asking its
+        endpoint to run its calls), so they run in its stead, never waiting on a slot (with
+        every slot held by such a program they would wait for ever)."""
         from flexmarl_hpc.tools.functions import argument_text
 
         async def one(req: ToolRequest) -> dict:
@@ -223,12 +233,9 @@ class EpisodeContext:
                 if self.runner.record_tool is not None:
                     self.runner.record_tool(self, req.name, "refused", 0.0)
                 return tool_message(req.id, req.name, f"error: {e}")
-            return tool_message(req.id, req.name, (await self.tool(req.name, text)).output)
+            return tool_message(req.id, req.name, (await self.runner.tool(self, req.name, text, lent=lent)).output)
 
-        done = dict(zip([r.id for r in reply.tool_calls], await asyncio.gather(*map(one, reply.tool_calls))))
-        done.update({e.id: tool_message(e.id, "", f"error: cannot read the tool call: {e.error}")
-                     for e in reply.tool_errors})
-        return [done[k] for k in sorted(done, key=lambda cid: int(cid.rsplit("-", 1)[1]))]
+        return list(await asyncio.gather(*map(one, requests)))
 
     async def call(self, fn: Callable, *args, timeout_s: float | None = None):
         """`fn(*args)` (a module-level function: a reward, a test harness) in a worker process;
@@ -350,12 +357,12 @@ class EpisodeRunner:
         out, self.settled = self.settled, []
         return out
 
-    async def tool(self, ctx: EpisodeContext, name: str, argument: str):
+    async def tool(self, ctx: EpisodeContext, name: str, argument: str, lent: bool = False):
         if self.pool is None:
             raise RuntimeError("ctx.tool: this run has no tool pool")
         self.tools_in_flight += 1
         try:
-            res = await self.pool.tool(name, argument)
+            res = await (self.pool.tool(name, argument, lent=True) if lent else self.pool.tool(name, argument))
         finally:
             self.tools_in_flight -= 1
         if self.record_tool is not None:

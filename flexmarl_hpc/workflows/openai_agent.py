@@ -11,7 +11,9 @@ program with it in a worker process of the tool pool (`ctx.call`, never on the
 orchestrator's loop). Each `POST /v1/chat/completions` is parsed (openai_api.py) and
 becomes `ctx.chat` calls of the agent named as the model, on the episode's loop: the same
 chat template, the same token-exact conversations, the same scheduling, staleness and
-store as any episode's calls. The server runs in threads (the standard library's
+store as any episode's calls. With `tools`, the reply's tool calls go back as OpenAI
+`tool_calls`, and `POST {base_url}/run_tools` runs a program's calls as `ctx.run_tools` does
+(the sandbox), in the program's worker slot. The server runs in threads (the standard library's
 `http.server`: no protocol written here); a request waits on its calls' future, which the
 orchestrator completes while it steps the episodes (it polls them every 20 ms while the
 program, a worker call, is in flight: docs/episodes.md).
@@ -31,8 +33,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from flexmarl_hpc.config.schema import AGENT_EPISODE  # noqa: F401 - workflow.episode of these runs
-from flexmarl_hpc.workflows.episode import ContextFull
-from flexmarl_hpc.workflows.openai_api import ApiError, ChatRequest, Choice, completion, cut_at_stop, models, parse_request
+from flexmarl_hpc.workflows.episode import ContextFull, Reply
+from flexmarl_hpc.workflows.openai_api import (ApiError, ChatRequest, Choice, completion, cut_at_stop, models,
+                                               parse_request, parse_run_tools)
+from flexmarl_hpc.workflows.toolcalls import CONTENT, ToolRequest, parser_for
 
 MAX_BODY = 64 << 20
 """Largest request body read (64 MiB): a longer one is refused before it is read."""
@@ -70,31 +74,70 @@ class Endpoint:
     """Requests whose history holds an assistant message yet continues none of the agent's
     conversations (the program edited or dropped a message): tokenised fresh."""
 
+    sent: dict[str, tuple[dict, dict]] = field(default_factory=dict)
+    """First tool-call id of each reply returned with tool calls -> (the assistant message as
+    a follow-up request carries it back, parsed; the reply as sampled: `Reply.message`)."""
+
     async def complete(self, req: ChatRequest, request_id: str) -> dict | ApiError:
         self.requests += 1
-        fresh = self.edited(req)
+        messages = [self.as_sampled(m) for m in req.messages]
+        fresh = self.edited(req.agent, messages)
         self.retokenized += fresh
         try:
-            replies = await asyncio.gather(*(self.ctx.chat(req.agent, req.messages, max_tokens=req.max_tokens,
-                                                           temperature=req.temperature, top_p=req.top_p)
+            replies = await asyncio.gather(*(self.ctx.chat(req.agent, messages, max_tokens=req.max_tokens,
+                                                           temperature=req.temperature, top_p=req.top_p,
+                                                           tools=list(req.tools) or None)
                                              for _ in range(req.n)))
         except ContextFull as e:
             return ApiError(400, str(e), "messages", "context_length_exceeded")
         except ValueError as e:                 # e.g. an agent settled in this episode
             return ApiError(400, str(e), None, "invalid_request")
-        choices = []
-        for r in replies:
-            text, stopped = cut_at_stop(r.text, req.stop)
-            choices.append(Choice(text, "length" if r.truncated and not stopped else "stop", r.prompt_len, len(r.ids)))
-            self.transcript.append({"agent": req.agent, "call": r.call, "messages": req.messages, "reply": text,
+        choices = [self.choice(req, r) for r in replies]
+        for r, c in zip(replies, choices):
+            self.transcript.append({"agent": req.agent, "call": r.call, "messages": req.messages, "reply": c.text,
+                                    "tool_calls": [{"id": i, "name": n, "arguments": a} for i, n, a in c.tool_calls],
                                     "retokenized": fresh})
         return completion(request_id, req.agent, choices)
 
-    def edited(self, req: ChatRequest) -> bool:
+    def choice(self, req: ChatRequest, r: Reply) -> Choice:
+        """One reply as OpenAI's choice: cut at a stop string, its tool calls (those before
+        the cut; none with tool_choice 'none') parsed in the agent's format, as ctx.chat does."""
+        text, stopped = cut_at_stop(r.text, req.stop)
+        fmt, calls = self.ctx.runner.tool_formats.get(req.agent, "hermes"), ()
+        if req.tools and req.tool_choice == "auto":
+            calls = r.tool_calls if not stopped else tuple(parser_for(fmt)(text, f"{req.agent}-{r.call}")[0])
+        if not calls:
+            return Choice(text, "length" if r.truncated and not stopped else "stop", r.prompt_len, len(r.ids))
+        out = tuple((c.id, c.name, c.arguments) for c in calls)
+        content = CONTENT[fmt](text) or None
+        choice = Choice(content, "tool_calls", r.prompt_len, len(r.ids), out)
+        # the program sends this message back with its tool results: it then stands for the
+        # reply as sampled, so the follow-up's prompt continues the sampled ids
+        as_parsed = {**choice.message(), "content": content or "",
+                     "tool_calls": [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                                    for i, n, a in out]}
+        self.sent[out[0][0]] = (as_parsed, r.message)
+        return choice
+
+    def as_sampled(self, m: dict) -> dict:
+        """A message as the conversation recorded it: an assistant message with the tool calls
+        of a reply, unchanged, is that reply as sampled; any other (edited) stays as it is,
+        and the template renders its calls afresh (the prompt is then re-tokenised)."""
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        sent = self.sent.get(calls[0]["id"]) if calls else None
+        return sent[1] if sent is not None and sent[0] == m else m
+
+    async def run_tools(self, calls: list[dict]) -> list[dict]:
+        """POST {base_url}/run_tools: the program's tool calls run as ctx.run_tools runs a
+        reply's (the sandbox, tools.functions, /tools rows), in the program's worker slot."""
+        reqs = [ToolRequest(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in calls]
+        return await self.ctx.run_tool_requests(reqs, lent=True)
+
+    def edited(self, agent: str, messages: list[dict]) -> bool:
         """The request carries a history (an assistant message) that extends none of the
         agent's idle conversations: its prompt is tokenised fresh, not from sampled ids."""
-        return any(m["role"] == "assistant" for m in req.messages) and \
-            not any(t.continued_by(req.messages) for t in self.ctx.threads.get(req.agent, ()))
+        return any(m["role"] == "assistant" for m in messages) and \
+            not any(t.continued_by(messages) for t in self.ctx.threads.get(agent, ()))
 
 
 class Server:
@@ -125,19 +168,31 @@ class Server:
         endpoint = self.routes.get(token)
         if endpoint is None:
             return 404, ApiError(404, "no such episode endpoint (it has ended)", None, "not_found").body()
-        if tail != "v1/chat/completions":
-            return 404, ApiError(404, f"POST /{tail}: only POST /v1/chat/completions is served", None,
-                                 "not_found").body()
+        if tail not in ("v1/chat/completions", "v1/run_tools"):
+            return 404, ApiError(404, f"POST /{tail}: only POST /v1/chat/completions and /v1/run_tools are served",
+                                 None, "not_found").body()
         try:
             data = json.loads(body)
         except ValueError as e:
             return 400, ApiError(400, f"the body is not JSON: {e}").body()
+        if tail == "v1/run_tools":
+            calls = parse_run_tools(data)
+            if isinstance(calls, ApiError):
+                return calls.status, calls.body()
+            return self.wait(self._tool_results(endpoint, calls))
         req = parse_request(data, self.agents, self.max_new_tokens)
         if isinstance(req, ApiError):
             return req.status, req.body()
-        request_id = f"chatcmpl-{token[:8]}-{endpoint.requests}"
+        return self.wait(endpoint.complete(req, f"chatcmpl-{token[:8]}-{endpoint.requests}"))
+
+    @staticmethod
+    async def _tool_results(endpoint: Endpoint, calls: list[dict]) -> dict:
+        return {"object": "list", "messages": await endpoint.run_tools(calls)}
+
+    def wait(self, coro) -> tuple[int, dict]:
+        """(status, JSON) of `coro` run on the episodes' loop, from a server thread."""
         try:
-            fut = asyncio.run_coroutine_threadsafe(endpoint.complete(req, request_id), self.loop)
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
             out = fut.result(self.wait_s)
         except (RuntimeError, FutureCancelled, FutureTimeout) as e:       # the run ends or stops
             return 503, ApiError(503, f"the episode ended before the reply ({type(e).__name__})", None,
@@ -215,10 +270,21 @@ async def episode(ctx, example, *, program: AgentProgram):
         if result is None:
             raise AgentProgramError(f"workflow.agent {program.spec!r} returned None: return "
                                     "{agent: reward} or name a reward function in workflow.reward")
-        return result
+        return reward_metrics(ctx, result)
     scored = await ctx.call(run_reward, program.reward, example, result, endpoint.transcript,
                             timeout_s=program.timeout_s)
-    return _value(scored, f"workflow.reward {program.reward!r}")
+    return reward_metrics(ctx, _value(scored, f"workflow.reward {program.reward!r}"))
+
+
+def reward_metrics(ctx, rewards):
+    """`rewards`, each agent's mean also put in ctx.metrics as `<agent>_reward`: the program
+    cannot reach ctx.metrics, so this is what held-out evaluation (run.eval_every,
+    scripts/eval_heldout.py) averages. Rewards it cannot read are left to the runner's check."""
+    for agent, r in (rewards.items() if isinstance(rewards, dict) else ()):
+        values = r if isinstance(r, (list, tuple)) else [r]
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            ctx.metrics[f"{agent}_reward"] = sum(values) / len(values)
+    return rewards
 
 
 def _value(called, what: str):
@@ -253,14 +319,25 @@ def run_program(spec: str, base_url: str, example: dict):
     so a program that builds `OpenAI()` from the environment runs unchanged too."""
     os.environ["OPENAI_BASE_URL"] = base_url
     os.environ.setdefault("OPENAI_API_KEY", "flexmarl")
-    return _awaited(load_program(spec)(base_url, example))
+    return _awaited(load_program(spec), base_url, example)
 
 
 def run_reward(spec: str, example: dict, result, transcript: list[dict]):
     """In a worker process: workflow.reward on (example, the program's return value, the
     transcript: one {agent, call, messages, reply} per call, in order of replies)."""
-    return _awaited(load_program(spec)(example, result, transcript))
+    return _awaited(load_program(spec), example, result, transcript)
 
 
-def _awaited(out):
-    return asyncio.run(out) if inspect.iscoroutine(out) else out
+class ProgramRaised(Exception):
+    """What the user's program raised, as its type name and message: the exception itself
+    may not unpickle in the parent (the `openai` client's errors need their response), and
+    one that does not unpickle breaks the worker pool and loses the program's traceback."""
+
+
+def _awaited(fn, *args):
+    try:
+        out = fn(*args)
+        return asyncio.run(out) if inspect.iscoroutine(out) else out
+    except Exception as e:                       # noqa: BLE001 - the user's: reported as the episode's failure
+        # chained, so the worker's traceback (the program's own lines) still rides to /failures
+        raise ProgramRaised(f"{type(e).__name__}: {e}") from e

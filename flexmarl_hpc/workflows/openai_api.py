@@ -10,12 +10,13 @@ a `chat.completion` object. No I/O here: the server and the episode are in opena
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
 
 SERVED = ("messages", "model", "temperature", "top_p", "max_tokens", "max_completion_tokens", "n",
-          "stop", "tools", "tool_choice", "stream", "user")
+          "stop", "tools", "tool_choice", "parallel_tool_calls", "stream", "user")
 """Request fields the endpoint reads (`user` is accepted and ignored: it only names the caller)."""
 REFUSED_WHY = {
     "logprobs": "log-probs are the trainer's (the sample keeps them); not returned",
@@ -26,7 +27,6 @@ REFUSED_WHY = {
     "logit_bias": "a bias changes the sampled distribution away from the policy's",
     "response_format": "constrained decoding changes the sampled distribution away from the policy's",
     "stream_options": "only stream=false is served",
-    "parallel_tool_calls": "tools are not served yet",
     "functions": "the deprecated functions API: use tools",
     "function_call": "the deprecated functions API: use tool_choice",
 }
@@ -63,6 +63,12 @@ class ChatRequest:
     top_p: float | None
     n: int = 1
     stop: tuple[str, ...] = ()
+    tools: tuple[dict, ...] = ()
+    """Function schemas as the chat template reads them ({"type": "function", "function":
+    {name, description, parameters}}); rendered into the prompt (ctx.chat(tools=))."""
+    tool_choice: str = "auto"
+    """'auto': the reply's tool calls are parsed and returned; 'none': the tools are still
+    rendered (as vLLM does) but the reply is returned as text, unparsed."""
 
 
 class _Bad(Exception):
@@ -88,11 +94,24 @@ def parse_request(body, agents: list[str], max_new_tokens: int) -> ChatRequest |
         return ApiError(404, f"The model '{model}' does not exist: this endpoint serves the agents "
                         f"{agents} (workflow.agents)", "model", "model_not_found")
     try:
-        _no_tools(body)
         _no_stream(body)
+        tools = _tools(body.get("tools"))
         return ChatRequest(model, _messages(body.get("messages")), _max_tokens(body, max_new_tokens),
                            _number(body, "temperature", 0, 2, open_lo=True), _number(body, "top_p", 0, 1, open_lo=True),
-                           _n(body.get("n")), _stop(body.get("stop")))
+                           _n(body.get("n")), _stop(body.get("stop")), tools, _tool_choice(body, tools))
+    except _Bad as e:
+        return ApiError(400, e.message, e.param, e.code or "invalid_value")
+
+
+def parse_run_tools(body) -> list[dict] | ApiError:
+    """The body of POST {base_url}/run_tools (`{"tool_calls": [...]}`, as a response's
+    message holds them) as [{id, type, function: {name, arguments: dict}}], or the ApiError."""
+    calls = body.get("tool_calls") if isinstance(body, dict) else None
+    if not isinstance(calls, list) or not calls:
+        return ApiError(400, "expected {\"tool_calls\": [...]}: a non-empty list, as a reply's message holds them",
+                        "tool_calls", "missing_required_parameter")
+    try:
+        return [_tool_call(f"tool_calls[{j}]", c) for j, c in enumerate(calls)]
     except _Bad as e:
         return ApiError(400, e.message, e.param, e.code or "invalid_value")
 
@@ -108,9 +127,16 @@ def _message(i: int, m) -> dict:
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise _Bad(where, f"{where}: expected an object with a role of {list(ROLES)}")
     out = {k: m[k] for k in MESSAGE_KEYS if m.get(k) is not None}
-    if out.get("tool_calls") or out["role"] == "tool":
-        # TODO(issue 41, tools): with ctx.chat(tools=) (branch `tools`), pass tool calls through
-        raise _Bad(where, f"{where}: tool calls and tool messages are not served yet", "unsupported_parameter")
+    if "tool_calls" in out:
+        if out["role"] != "assistant":
+            raise _Bad(f"{where}.tool_calls", f"{where}.tool_calls: only an assistant message carries tool calls")
+        out["tool_calls"] = [_tool_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(out["tool_calls"])] \
+            if isinstance(out["tool_calls"], list) else _bad_list(f"{where}.tool_calls")
+        if not out["tool_calls"]:
+            del out["tool_calls"]
+    if out["role"] == "tool" and not (isinstance(out.get("tool_call_id"), str) and out["tool_call_id"]):
+        raise _Bad(f"{where}.tool_call_id", f"{where}.tool_call_id: a tool message names the call it answers",
+                   "missing_required_parameter")
     content = out.get("content", "")
     if isinstance(content, list):          # content parts: only text is served
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -120,6 +146,63 @@ def _message(i: int, m) -> dict:
         raise _Bad(f"{where}.content", f"{where}.content: expected a string or a list of text parts")
     out["content"] = content
     return out
+
+
+def _bad_list(where: str):
+    raise _Bad(where, f"{where}: expected a list")
+
+
+def _tool_call(where: str, c) -> dict:
+    """An assistant message's tool call, its arguments decoded: chat templates render them
+    from a dict (a JSON string would be written quoted), as vLLM passes them."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or c.get("type", "function") != "function" or not isinstance(c.get("id"), str) \
+            or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+        raise _Bad(where, f"{where}: expected {{id, type: 'function', function: {{name, arguments: JSON string}}}}")
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError as e:
+        raise _Bad(f"{where}.function.arguments", f"{where}.function.arguments: not JSON: {e}") from None
+    return {"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def _tools(tools) -> tuple[dict, ...]:
+    """`tools` as the template reads them; only function tools, and no `strict` (OpenAI's
+    structured outputs constrain the decoding: the arguments would not be the policy's sample)."""
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise _Bad("tools", f"tools: expected a list of function tools, got {type(tools).__name__}")
+    out = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _Bad(f"tools[{i}]", f"tools[{i}]: expected {{type: 'function', function: {{name, description, "
+                       f"parameters}}}} (only function tools are served), got {json.dumps(t)[:200]}")
+        if fn.get("strict"):
+            raise _Bad(f"tools[{i}].function.strict", f"tools[{i}].function.strict: true is constrained decoding, "
+                       "which samples away from the policy; not served", "unsupported_parameter")
+        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters")
+                                                     if fn.get(k) is not None}})
+    return tuple(out)
+
+
+def _tool_choice(body: dict, tools: tuple[dict, ...]) -> str:
+    """'auto' or 'none'. 'required' and a named function force a call, which takes
+    constrained decoding (the reply would not be a sample of the policy); parallel calls
+    cannot be turned off (the model writes as many call blocks as it does)."""
+    if body.get("parallel_tool_calls") not in (None, True):
+        raise _Bad("parallel_tool_calls", "parallel_tool_calls: only true is served: every tool-call block the "
+                   "model writes is returned (limiting them would need constrained decoding)", "unsupported_parameter")
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice not in ("none", "auto"):
+        raise _Bad("tool_choice", f"tool_choice: {json.dumps(choice)[:100]} is not served ('none' or 'auto'): "
+                   "forcing a call takes constrained decoding, which samples away from the policy",
+                   "unsupported_parameter")
+    return choice
 
 
 def _max_tokens(body: dict, cap: int) -> int | None:
@@ -163,20 +246,6 @@ def _stop(v) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _no_tools(body: dict) -> None:
-    # TODO(issue 41, tools): once ctx.chat(tools=) and Reply.tool_calls land (branch `tools`,
-    # workflows/toolcalls.py): ChatRequest.tools -> ctx.chat(tools=); each parsed ToolRequest
-    # -> {"id", "type": "function", "function": {"name", "arguments": json.dumps(...)}} with
-    # finish_reason "tool_calls"; and an incoming assistant message with tool_calls is mapped
-    # back (by its call ids) to the recorded {"role": "assistant", "content": raw text}, so the
-    # follow-up with the `tool` messages still continues the sampled ids.
-    if body.get("tools"):
-        raise _Bad("tools", "tools: not served yet (tool calls through the endpoint are to come)", "unsupported_parameter")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise _Bad("tool_choice", f"tool_choice: expected 'none' or 'auto' without tools, got {body['tool_choice']!r}",
-                   "unsupported_parameter")
-
-
 def _no_stream(body: dict) -> None:
     if body.get("stream") not in (None, False):
         raise _Bad("stream", "stream: only stream=false is served", "unsupported_parameter")
@@ -191,18 +260,29 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
 
 @dataclass(frozen=True)
 class Choice:
-    text: str
+    text: str | None
+    """The message's content (None: only tool calls, as OpenAI sends it)."""
     finish_reason: str
-    """'stop' (a stop token or stop string) or 'length' (max_tokens or the context's end)."""
+    """'stop' (a stop token or stop string), 'length' (max_tokens or the context's end) or
+    'tool_calls' (the reply called tools)."""
     prompt_tokens: int
     completion_tokens: int
+    tool_calls: tuple[tuple[str, str, dict], ...] = ()
+    """(id, name, arguments) of each tool call, in the reply's order."""
+
+    def message(self) -> dict:
+        msg = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+                                 for i, n, a in self.tool_calls]
+        return msg
 
 
 def completion(request_id: str, agent: str, choices: list[Choice]) -> dict:
     """The `chat.completion` object the client parses."""
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": agent,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+        "choices": [{"index": i, "message": c.message(),
                      "finish_reason": c.finish_reason, "logprobs": None} for i, c in enumerate(choices)],
         "usage": {"prompt_tokens": choices[0].prompt_tokens,
                   "completion_tokens": sum(c.completion_tokens for c in choices),

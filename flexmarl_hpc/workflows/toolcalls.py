@@ -70,9 +70,17 @@ def _shape_error(obj: Any) -> str:
     return ""
 
 
+def hermes_content(text: str) -> str:
+    """The reply's text before its first `<tool_call>` block (all of it when there is none),
+    as vLLM's hermes parser returns it beside the calls (the OpenAI endpoint's `content`)."""
+    return text[:text.find("<tool_call>")] if "<tool_call>" in text else text
+
+
 FORMATS: dict[str, Callable[..., tuple[list[ToolRequest], list[ToolCallError]]]] = {"hermes": parse_hermes}
+CONTENT: dict[str, Callable[[str], str]] = {"hermes": hermes_content}
+"""The prose of a reply beside its tool calls, by format."""
 """Tool-call formats by name (workflow.tool_formats; the config checks against TOOL_CALL_FORMATS)."""
-assert set(FORMATS) == set(TOOL_CALL_FORMATS)
+assert set(FORMATS) == set(CONTENT) == set(TOOL_CALL_FORMATS)
 
 
 def parser_for(name: str) -> Callable[..., tuple[list[ToolRequest], list[ToolCallError]]]:

@@ -2,10 +2,15 @@
 every refused request field is an OpenAI-style 400 naming it, an unknown model a 404 naming
 the agents; and programs written against the official `openai` client (sync and async) run
 in the worker pool, their completions become ctx.chat calls of the agent named as the model,
-and a follow-up request continues the agent's conversation token for token."""
+and a follow-up request continues the agent's conversation token for token. With `tools`,
+the reply's tool calls come back as OpenAI `tool_calls`, run in the sandbox (/run_tools), and
+the follow-up with the `tool` messages still continues the sampled ids, the results masked."""
 from __future__ import annotations
 
+import json
+import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,9 +21,12 @@ from flexmarl_hpc.tools.registry import Tools
 from flexmarl_hpc.workflows.chat import Conversation, SyntheticChatTokenizer
 from flexmarl_hpc.workflows.openai_agent import agent_episode
 from flexmarl_hpc.workflows.openai_api import REFUSED_WHY, ApiError, ChatRequest, parse_request
+from tests.conftest import ROOT
 
 AGENTS = ["writer", "critic"]
 USER = [{"role": "user", "content": "2+3?"}]
+CALC = {"type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}
+CALL = {"id": "writer-0-0", "type": "function", "function": {"name": "calculate", "arguments": '{"expression": "2+3"}'}}
 
 
 def parse(**body):
@@ -29,7 +37,15 @@ def parse(**body):
                                           ("temperature", 0), ("temperature", 2.5), ("top_p", 0), ("n", 0),
                                           ("max_tokens", 0), ("max_completion_tokens", "8"), ("stop", [1]),
                                           ("stop", ["a"] * 5), ("tools", [{"type": "function"}]),
-                                          ("tool_choice", "required"), ("messages", []),
+                                          ("tools", [{"type": "web_search"}]), ("tools", CALC),
+                                          ("tools", [{**CALC, "function": {**CALC["function"], "strict": True}}]),
+                                          ("tool_choice", "required"), ("parallel_tool_calls", False),
+                                          ("tool_choice", {"type": "function", "function": {"name": "calculate"}}),
+                                          ("messages", [{"role": "tool", "content": "5"}]),
+                                          ("messages", [{"role": "user", "content": "x", "tool_calls": [CALL]}]),
+                                          ("messages", [{"role": "assistant", "tool_calls": [
+                                              {**CALL, "function": {"name": "calculate", "arguments": "{2+3"}}]}]),
+                                          ("messages", []),
                                           ("messages", [{"role": "robot", "content": "x"}]),
                                           ("messages", [{"role": "user", "content": [{"type": "image_url"}]}])])
 def test_each_refused_field_is_a_400_naming_it(field, value):
@@ -46,8 +62,16 @@ def test_an_unknown_model_is_a_404_naming_the_agents_and_served_fields_parse():
                 user="me", messages=[{"role": "user", "content": [{"type": "text", "text": "2+3?"}]},
                                      {"role": "assistant", "content": "5", "refusal": None, "tool_calls": None}])
     assert req == ChatRequest("writer", [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}],
-                              16, 0.7, 0.9, 2, ("\n",))         # max_tokens cut to workflow.max_new_tokens
+                              16, 0.7, 0.9, 2, ("\n",), tool_choice="none")   # max_tokens cut to workflow.max_new_tokens
     assert parse(max_tokens=4, max_completion_tokens=5).param == "max_tokens"
+    # tools, and a conversation with a tool call and its result: the arguments decoded for the template
+    req = parse(tools=[{**CALC, "function": {**CALC["function"], "strict": False}}], parallel_tool_calls=True,
+                messages=[*USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                          {"role": "tool", "tool_call_id": "writer-0-0", "content": [{"type": "text", "text": "5"}]}])
+    assert req.tools == (CALC,) and req.tool_choice == "auto"
+    assert req.messages[1:] == [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "writer-0-0", "type": "function", "function": {"name": "calculate", "arguments": {"expression": "2+3"}}}]},
+        {"role": "tool", "tool_call_id": "writer-0-0", "content": "5"}]
 
 
 # -- programs written against the official client (module level: the worker imports them) --
@@ -91,29 +115,64 @@ def raising_program(base_url, example):
     raise KeyError("answer")
 
 
+def refused_program(base_url, example):
+    """Lets the client's BadRequestError out: an exception that does not unpickle (it needs
+    its response), which once broke the worker pool and lost the program's traceback."""
+    import openai
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    client.chat.completions.create(model="writer", messages=USER, seed=1)      # refused: 400
+
+
 def transcript_reward(example, result, transcript):
     assert result is None and [(t["agent"], t["retokenized"]) for t in transcript] == \
         [("critic", False), ("critic", True)], transcript
     return {"critic": 0.75 if transcript[0]["reply"] == "ab" else 0.0}
 
 
+TOOL_FN = {"calculate": "flexmarl_hpc.workflows.calculate_tool:calculate"}
+
+
 @pytest.fixture(scope="module")
 def pool():
-    """One worker pool for the module's episodes: its forkserver starts once (~3 s)."""
-    cfg = ToolsConfig(workers=1)
+    """One worker pool for the module's episodes: its forkserver starts once (~3 s). One
+    worker: a program's tool calls (/run_tools) must run while the program holds it."""
+    cfg = ToolsConfig(workers=1, functions=TOOL_FN)
     p = WorkerPool(Tools.from_config(cfg), cfg)
     yield p
     p.close()
 
 
-def run_episode(pool, spec, reward="", timeout_s=60.0):
-    """One episode of `spec`; every call is answered 'a', 'b', <eos> (cut at its max_tokens)."""
-    tok = SyntheticChatTokenizer()
-    w = WorkflowConfig(agent=f"{__name__}:{spec}", reward=reward and f"{__name__}:{reward}", agents=AGENTS,
+@pytest.fixture(scope="module")
+def tiny_tok(tmp_path_factory):
+    """The tiny chat model's tokenizer and its Qwen2.5-style template (renders tools, tool calls
+    and <tool_response> turns as Qwen2.5 does)."""
+    from flexmarl_hpc.workflows.chat import ChatTokenizer
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_chat_model import write_tokenizer
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    write_tokenizer(folder, 400)
+    return ChatTokenizer(folder)
+
+
+def answer_ab(tok, call):
+    return tok.encode("ab") + [tok.eos_id]
+
+
+def run_episode(pool, spec, reward="", timeout_s=60.0, tok=None, answer=answer_ab, agents=AGENTS, recorded=None,
+                example=None):
+    """One episode of `spec`; every call is answered `answer(tok, call)` ('a', 'b', <eos>), cut at
+    its max_tokens; `recorded` gets the (tool, outcome) of each pool call."""
+    tok = tok or SyntheticChatTokenizer()
+    recorded = [] if recorded is None else recorded
+    spec = spec if ":" in spec else f"{__name__}:{spec}"
+    w = WorkflowConfig(agent=spec, reward=reward and f"{__name__}:{reward}", agents=agents,
                        agent_timeout_s=timeout_s)
+    from flexmarl_hpc.config.tools import read_function
     from flexmarl_hpc.workflows.episode import EpisodeRunner
-    runner = EpisodeRunner(agent_episode(w), AGENTS, 0, 16, lambda a: Conversation(tok), {}, tools=pool)
-    runner.start(0, 0, 0, {"question": "2+3?"})
+    runner = EpisodeRunner(agent_episode(w), agents, 0, 96, lambda a: Conversation(tok), {}, tools=pool,
+                           user_tools={k: read_function(k, v) for k, v in TOOL_FN.items()},
+                           record_tool=lambda ctx, name, outcome, s: recorded.append((name, outcome)))
+    runner.start(0, 0, 0, example or {"question": "2+3?"})
     calls, t0 = [], time.time()
     try:
         while runner.running and time.time() - t0 < 60:
@@ -121,7 +180,8 @@ def run_episode(pool, spec, reward="", timeout_s=60.0):
             new, done = runner.take()
             for c in new:
                 calls.append(c)
-                c.done((tok.encode("ab") + [tok.eos_id])[:c.max_tokens], frozenset(tok.stop_ids))
+                c.response = answer(tok, c)[:c.max_tokens]
+                c.done(c.response, frozenset(tok.stop_ids))
             if done:
                 return done[0], calls, tok
             time.sleep(0.002)
@@ -157,10 +217,172 @@ def test_an_async_program_with_a_reward_function_and_a_raising_program(pool):
     f, calls, _ = run_episode(pool, "raising_program")
     assert f.failure.kind == "AgentProgramError" and "KeyError" in f.failure.message and not calls
     assert 'raise KeyError("answer")' in f.failure.traceback      # the program's own line
+    f, _, _ = run_episode(pool, "refused_program")
+    assert f.failure.kind == "AgentProgramError" and "BadRequestError" in f.failure.message, f.failure
+    assert "messages=USER, seed=1)" in f.failure.traceback
     f, _, _ = run_episode(pool, "async_program")           # returns None and no workflow.reward
     assert f.failure.kind == "AgentProgramError" and "workflow.reward" in f.failure.message
     f, _, _ = run_episode(pool, "sleeping_program", timeout_s=1.0)      # its worker is killed
     assert f.failure.kind == "AgentTimeout" and "no result in 1.0 s" in f.failure.message, f.failure
+
+
+BLOCK = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 30"}}\n</tool_call>'
+
+
+def tool_program(base_url, example):
+    """An OpenAI tool loop, its wire shapes checked: the call as `tool_calls` (an id, the
+    arguments a JSON string), run by the endpoint's /run_tools, its result sent back."""
+    import openai
+    from flexmarl_hpc.workflows.openai_calculator import TOOLS, run_tools
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": example["question"]}]
+    r = client.chat.completions.create(model="solver", messages=messages, tools=TOOLS, tool_choice="auto")
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None, r
+    assert [(c.id, c.type, c.function.name, c.function.arguments) for c in msg.tool_calls] == \
+        [("solver-0-0", "function", "calculate", '{"expression": "12 * 30"}')], msg
+    results = run_tools(client, msg.tool_calls)
+    assert [(m["tool_call_id"], m["content"]) for m in results] == [("solver-0-0", "360")], results
+    messages += [msg.model_dump(), *results]
+    final = client.chat.completions.create(model="solver", messages=messages, tools=TOOLS)
+    assert final.choices[0].message.content == "The answer is 360" and not final.choices[0].message.tool_calls
+    edited = json.loads(json.dumps(messages))
+    edited[1]["tool_calls"][0]["function"]["arguments"] = '{"expression": "360"}'   # not what was sampled
+    client.chat.completions.create(model="solver", messages=edited, tools=TOOLS)
+    raw = client.chat.completions.create(model="solver", messages=messages[:1], tools=TOOLS, tool_choice="none")
+    assert raw.choices[0].finish_reason == "stop" and raw.choices[0].message.content == BLOCK, raw
+    try:
+        client.chat.completions.create(model="solver", messages=messages[:1], tools=TOOLS, parallel_tool_calls=False)
+        raise AssertionError("parallel_tool_calls=false was served")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "parallel_tool_calls", e.body
+    return {"solver": 1.0}
+
+
+def scripted_tool_use(tok, call):
+    """A tool call after a user turn, sampled as single-byte tokens (ids the tokenizer never
+    produces for this text, so reusing them is a real check); an answer after a tool result."""
+    if call.messages[-1]["role"] == "tool":
+        return tok.encode("The answer is 360") + [tok.eos_id]
+    return [i for ch in BLOCK for i in tok.encode(ch)] + [tok.eos_id]
+
+
+def test_a_tool_using_program_gets_tool_calls_runs_them_in_the_sandbox_and_stays_token_exact(pool, tiny_tok):
+    from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays, pack_microbatch
+    recorded = []
+    f, calls, tok = run_episode(pool, "tool_program", tok=tiny_tok, answer=scripted_tool_use, agents=["solver"],
+                                recorded=recorded, example={"question": "What is 12 * 30?"})
+    assert f.failure is None, f.failure and f.failure.traceback
+    first, follow, edited, raw = calls
+    assert '"name": "calculate"' in tok.decode(first.prompt, skip_special_tokens=False)   # the tools rendered
+    # the follow-up continues the sampled ids verbatim (the returned tool_calls message stood
+    # for the reply as sampled), then the template's tool turn
+    assert follow.thread is first.thread and follow.thread.conv.rerendered == 0
+    assert follow.prompt[:len(first.prompt) + len(first.response)] == first.prompt + first.response
+    rest = tok.decode(follow.prompt[len(first.prompt) + len(first.response):], skip_special_tokens=False)
+    assert rest == "\n<|im_start|>user\n<tool_response>\n360\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert ("calculate", "ok") in recorded          # a user tool (tools.functions): run in the sandbox
+    # the sample's loss mask (as rank 0 packs it) covers the sampled ids only, not the tool's result
+    task = SimpleNamespace(vocab=SimpleNamespace(pad_id=0), allowed_tokens=lambda turn: None)
+    node = SimpleNamespace(prompt=follow.prompt, response=follow.response, logprobs=[0.0] * len(follow.response),
+                           turn=0, advantage=1.0, version=0, step=0)
+    mb = microbatch_from_arrays(pack_microbatch([node], task))
+    mask = mb.response_mask()[0]
+    assert mb.input_ids[0][mask].tolist() == follow.response and not mask[:len(follow.prompt)].any()
+    assert "<tool_response>\n360\n</tool_response>" in tok.decode(follow.prompt, skip_special_tokens=False)
+    # an edited tool call is rendered by the template from its (decoded) arguments, encoded fresh
+    assert edited.thread is not first.thread and edited.prompt == tok.encode(tok.render(
+        [edited.messages[0], {"role": "assistant", "content": "", "tool_calls": [{"id": "solver-0-0", "type": "function",
+         "function": {"name": "calculate", "arguments": {"expression": "360"}}}]}, edited.messages[2]],
+        tools=first.tools))
+    assert raw.tools == first.tools                 # tool_choice none: rendered, the reply left unparsed
+
+
+def test_the_tool_example_trains_its_solver_against_the_endpoint(pool, tiny_tok):
+    recorded = []
+    f, calls, _ = run_episode(pool, "flexmarl_hpc.workflows.openai_calculator:main", tok=tiny_tok,
+                              answer=scripted_tool_use, agents=["solver"], recorded=recorded,
+                              example={"question": "What is 12 * 30?", "answer": 360})
+    assert f.failure is None and f.rewards == {"solver": 1.0}, f.failure and f.failure.traceback
+    assert len(calls) == 2 and calls[1].thread is calls[0].thread and ("calculate", "ok") in recorded
+
+
+def test_a_programs_tool_calls_on_tool_ranks_take_no_slot_there_or_here():
+    """tools.ranks > 0: rank 0's RemotePool sends a lent call although every slot is held (the
+    programs waiting on their tools hold them), and the tool rank runs it lent too."""
+    import asyncio
+    from flexmarl_hpc.ranks.tool_ranks import RemotePool, _answer
+    from flexmarl_hpc.runtime import messages
+    from flexmarl_hpc.tools.registry import ToolCall
+
+    class Comm:
+        sent: list = []
+
+        def isend(self, wire, dest, tag):
+            self.sent.append(messages.decode(wire))
+            return SimpleNamespace(Test=lambda: True)
+
+        def Iprobe(self, source=None, tag=None, status=None):
+            return False                                     # no answer comes: the call times out
+
+    async def all_slots_held():
+        pool = RemotePool(Comm(), [3], ToolsConfig(workers=1, wall_s=0.05), grace_s=0.0)
+        pool._free = asyncio.Semaphore(1)
+        await pool._free.acquire()                           # the one slot: a program's
+        lent = await asyncio.wait_for(pool.tool("calculate", "{}", lent=True), 2.0)
+        with pytest.raises(asyncio.TimeoutError):            # not lent: it would wait for the slot
+            await asyncio.wait_for(pool.tool("calculate", "{}"), 0.3)
+        return lent
+
+    assert asyncio.run(all_slots_held()).outcome == "timeout"
+    assert Comm.sent == [messages.ToolRequest(0, "calculate", "{}", True)]
+    seen = []
+
+    class RankPool:
+        async def tool(self, name, argument, lent=False):
+            seen.append(lent)
+            return ToolCall(name, "5", "ok", 0.0)
+
+    asyncio.run(_answer(Comm(), 0, RankPool(), Comm.sent[0], []))
+    assert seen == [True] and Comm.sent[-1] == messages.ToolDone(0, "5", "ok", 0.0)
+
+
+def eval_program(base_url, example):
+    import openai
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="writer", messages=[{"role": "user", "content": example["question"]}],
+                                       temperature=0.7)
+    return {"writer": 1.0 if r.choices[0].message.content == "ab" else 0.0}
+
+
+def test_held_out_evaluation_runs_the_program_greedy_and_averages_its_rewards(pool):
+    """run.eval_every with workflow.agent: the evaluator's episodes are the program's, each
+    agent's reward is the metric (`<agent>_reward`: the program cannot set ctx.metrics)."""
+    from flexmarl_hpc.config.schema import Config, RunConfig
+    from flexmarl_hpc.orchestrator.episode_eval import EpisodeEvaluator
+    from flexmarl_hpc.workflows.episode import EpisodeRunner
+    tok = SyntheticChatTokenizer()
+    cfg = Config(run=RunConfig(steps=1, eval_every=1, eval_inputs=2),
+                 workflow=WorkflowConfig(agent=f"{__name__}:eval_program", agents=AGENTS, max_new_tokens=8))
+    task = SimpleNamespace(stop_tokens=frozenset(tok.stop_ids), stream=SimpleNamespace(
+        heldout=lambda n: [{"question": f"q{i}"} for i in range(n)]))
+    runner = EpisodeRunner(agent_episode(cfg.workflow), AGENTS, 0, 8, lambda a: Conversation(tok), tools=pool)
+    ev = EpisodeEvaluator(cfg, task, set(), {"writer": 0, "critic": 0}, runner)
+    results, t0 = [], time.time()
+    try:
+        while not results and time.time() - t0 < 30:
+            ev.start({"writer": 0, "critic": 0}, 1.0)     # steps the episodes, as the dispatcher does
+            calls = ev.ready("writer", 0)
+            if calls:
+                assert all(len(ev.request(c)) == 5 and c.call.sampling == (0.7, 1.0) for c in calls)   # greedy
+                ev.take(calls)
+                ev.record(calls, [tok.encode("ab" if c.example == 0 else "zz") + [tok.eos_id] for c in calls], 0, 2.0)
+            results = ev.take_results()
+            time.sleep(0.01)
+    finally:
+        runner.pool = None
+        ev.close()
+    assert [(r.point, r.summary) for r in results] == [(0, {"task/writer_reward": 0.5, "task/episodes_failed": 0.0})]
 
 
 def test_the_program_is_checked_before_launch_in_a_child():
