@@ -8,6 +8,7 @@ docs/benchmarks.md.
 """
 from __future__ import annotations
 
+import zlib
 from functools import partial
 
 import h5py
@@ -63,6 +64,8 @@ class Table:
         self._queued_new = False              # a queued patch hits rows not yet written
         self._crc = (0, 0)                    # (count, prefix_crc of its boundary chunk's rows)
         self._full_crc = (-1, 0)              # (chunk, prefix_crc) of the last chunk a commit filled
+        self._raw = (0, 0)                    # (count, crc32 of its boundary chunk's rows, every byte)
+        self._touched: int | None = None      # the first row a patch rewrote since _raw was taken
         self.name = ds.name
         self.patched = self.name.startswith(tuple(MUTABLE))   # full chunks rewritten in place
 
@@ -172,6 +175,8 @@ class Table:
         # checksum sums) are held here: a long write may evict them from the cache
         k, isz = self.chunk, self.dtype.itemsize
         bounds = [(int(rows.min()), int(rows.max()) + 1) for rows, _ in patches]
+        first = min(r0 for r0, _ in bounds)
+        self._touched = first if self._touched is None else min(self._touched, first)
         end = self.disk + (0 if new is None else len(new) // isz)
         spans = self._spans(bounds + ([(self.disk, end)] if end > self.disk else []))
         imgs = {c: self._image(c) for c in spans}
@@ -221,6 +226,30 @@ class Table:
             crc = prefix_crc(img[have - lo:count - lo], self.name, crc)
         self._crc = (count, crc)
         return crc
+
+    def boundary_raw(self, count: int) -> int:
+        """zlib.crc32 of rows [c * chunk, count) of the chunk holding row `count`, every byte
+        (patched columns included): what /count_crc records with the count. Extended by the
+        rows committed since the last call, unless a patch rewrote rows it covers."""
+        if not self.patched:
+            return self.boundary_crc(count)          # no patched columns: the same bytes
+        have, crc = self._raw
+        lo = count - count % self.chunk
+        if not lo <= have <= count or (self._touched is not None and self._touched < have):
+            have, crc = lo, 0
+        self._touched = None
+        if have < count:
+            crc = zlib.crc32(self._image(count // self.chunk)[1][have - lo:count - lo], crc)
+        self._raw = (count, crc)
+        return crc
+
+    def patch_chunks(self) -> tuple[int, int] | None:
+        """The chunk range [lo, hi) the queued patches of rows on disk rewrite in place (None:
+        none): what /inflight declares before the write (docs/store.md)."""
+        hit = [(int(r.min()), int(r.max())) for r, _ in self.patches if len(r) and r.min() < self.disk]
+        if not hit:
+            return None
+        return min(a for a, _ in hit) // self.chunk, min(max(b for _, b in hit), self.disk - 1) // self.chunk + 1
 
     def chunk_crc(self, c: int) -> int:
         """prefix_crc of the whole chunk c (written): what /chunk_crc records for it."""

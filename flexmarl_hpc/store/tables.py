@@ -25,7 +25,7 @@ import numpy as np
 
 from flexmarl_hpc.clock import REAL, Clock
 from flexmarl_hpc import faults
-from flexmarl_hpc.store.checksum import CRC_DTYPE, verify_path
+from flexmarl_hpc.store.checksum import CRC_DTYPE, count_crc, verify_path
 from flexmarl_hpc.store.repair import clear_open_flags
 from flexmarl_hpc.store.chunked import CrcLog, Table, file_type
 from flexmarl_hpc.store.schema import CONSUMED, EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT, INTERVAL_COLUMNS, METRIC_COLUMNS, READY, SAMPLE_COLUMNS, SCHEMA_VERSION, STATUS_FIELDS, STEP_COLUMNS, TOKEN_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of, episode_columns
@@ -118,6 +118,10 @@ class StoreFile:
         self._due = False               # a light flush wrote rows other than /events, uncommitted
         self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
         self._crcs = np.zeros(len(self.tables), np.int64)
+        self._raws = np.zeros(len(self.tables), np.int64)       # /count_crc at _crc_at
+        self._index = {t: i for i, t in enumerate(self._table_list)}
+        self._repatched: set[int] = set()       # tables whose committed rows a patch rewrote
+        self._inflight_on = False               # /inflight names a patch (cleared after the flush)
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         self._full_at = self.flushed.copy()          # rows whose full chunks /chunk_crc has
         self.failed: StoreError | None = None        # a write or flush of this file failed
@@ -125,6 +129,8 @@ class StoreFile:
             self.commit = self._counts("commit")
             self.commit.attrs["tables"] = list(self.tables)
             self.commit_crc = self._counts("commit_crc")
+            self.count_crc = self._counts("count_crc", count_crc(0, 0))      # the record of count 0
+            self.inflight = self._inflight()
             self.chunk_crc = self._chunk_log(fresh=True)
         else:
             self._recover(torn)
@@ -177,6 +183,7 @@ class StoreFile:
                 self.repaired.append(f"discarded {len(t.ds) - keep} uncommitted rows of {name}")
                 t.ds.resize((keep,))
             t.disk = t.n = keep
+        self._records_of_this_release()
         self._log_full_chunks()
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         self._full_at = self.flushed.copy()
@@ -190,12 +197,49 @@ class StoreFile:
         self._commit(self.flushed)
         self.f.flush()
 
-    def _counts(self, name: str) -> h5py.Dataset:
-        """A new /commit or /commit_crc: one i8 per table, zeros (the low-level create: h5py's
-        create_dataset with data costs ~4x as much)."""
+    def _records_of_this_release(self) -> None:
+        """/count_crc and /inflight, made for a file of an earlier release (its torn chunks
+        were judged without them: verify_path found none or refused), /count_crc with the
+        records of the counts kept (a kill before this re-open's commit finds them)."""
+        n = len(self.commit)
+        if "count_crc" not in self.f or len(self.f["count_crc"]) != n:
+            if "count_crc" in self.f:
+                del self.f["count_crc"]
+            self.f.create_dataset("count_crc", data=np.array(
+                [count_crc(t.boundary_raw(t.disk), t.disk) for t in self._table_list], np.int64))
+        self.count_crc = self.f["count_crc"]
+        if "inflight" in self.f and len(self.f["inflight"]) == 2 * n:
+            self.inflight = self.f["inflight"]
+            self._inflight_on = bool(self.inflight[:].any())   # cleared once the repairs are written
+        else:
+            if "inflight" in self.f:
+                del self.f["inflight"]
+            self.inflight = self._inflight()
+
+    def _inflight(self) -> h5py.Dataset:
+        """/inflight: (lo, hi) chunk range per table of an in-place patch in flight, one
+        unfiltered chunk written directly (one pwrite, in order before the patch's chunks)."""
+        n = 2 * len(self.commit_crc)
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((n,))
+        ds = h5py.h5d.create(self.f.id, b"inflight", h5py.h5t.STD_I64LE, h5py.h5s.create_simple((n,)), dcpl=dcpl)
+        ds.write_direct_chunk((0,), np.zeros(n, "<i8").tobytes(), 0)     # allocated now
+        return h5py.Dataset(ds)
+
+    def _declare(self, spans: list[tuple[int, tuple[int, int]]]) -> None:
+        """Write /inflight: the chunks of each table this flush is about to patch in place."""
+        rec = np.zeros(len(self._table_list) * 2, "<i8")
+        for i, (lo, hi) in spans:
+            rec[2 * i:2 * i + 2] = lo, hi
+        self.inflight.id.write_direct_chunk((0,), rec.tobytes(), 0)
+        self._inflight_on = bool(spans)
+
+    def _counts(self, name: str, fill: int = 0) -> h5py.Dataset:
+        """A new /commit, /commit_crc or /count_crc: one i8 per table, `fill` (the low-level
+        create: h5py's create_dataset with data costs ~4x as much)."""
         n = len(self.tables)
         ds = h5py.h5d.create(self.f.id, name.encode(), h5py.h5t.STD_I64LE, h5py.h5s.create_simple((n,)))
-        ds.write(h5py.h5s.ALL, h5py.h5s.ALL, np.zeros(n, np.int64), mtype=h5py.h5t.NATIVE_INT64)
+        ds.write(h5py.h5s.ALL, h5py.h5s.ALL, np.full(n, fill, np.int64), mtype=h5py.h5t.NATIVE_INT64)
         return h5py.Dataset(ds)
 
     def _chunk_log(self, fresh: bool = False) -> "CrcLog":
@@ -300,6 +344,8 @@ class StoreFile:
           - status patches of sample rows already on disk (the status fields are a cache of
             /events) wait for the next full one (each log line, checkpoint and close).
         """
+        if not full and any(t.patches and not t.mirror for t in self.dirty):
+            full = True         # its patches rewrite committed rows: /count_crc follows them
         plan = self._plan(full)
         if plan is None or self.failed is not None:
             # after a failed write or flush, what HDF5 holds in memory is unknown: a later
@@ -310,6 +356,13 @@ class StoreFile:
         work, commit = plan
         undo = None
         try:
+            spans = [(self._index[t], span) for t in work if (full or not t.mirror)
+                     and t.patches and (span := t.patch_chunks()) is not None]
+            if spans or self._inflight_on:
+                # the tear record: one pwrite before the chunk writes, so a kill inside them
+                # leaves it naming the chunks (docs/store.md, "Torn in-place writes")
+                self._declare(spans)
+                self._repatched.update(i for i, _ in spans)
             for t in work:
                 t.write(patch_disk=full or not t.mirror)
                 if not t.patches:
@@ -321,11 +374,13 @@ class StoreFile:
                 faults.hit("store_flush")
             if commit:
                 # a light flush writes /commit before its only HDF5 flush: kept to undo
-                undo = None if full else (self.commit[:], self.commit_crc[:])
+                undo = None if full else (self.commit[:], self.commit_crc[:], self.count_crc[:])
                 self._commit(counts if full else self.flushed)
             if not full:
                 faults.hit("store_flush")
             self.f.flush()
+            if self._inflight_on:
+                self._declare([])           # every chunk written and committed: nothing in flight
             self.flushed = counts
             # rows other than /events that this light flush wrote: the next one commits them
             self._due = not full and any(t is not self.events for t in work)
@@ -335,12 +390,13 @@ class StoreFile:
                 self._uncommit(*undo)
             raise self.failed from None
 
-    def _uncommit(self, counts: np.ndarray, crcs: np.ndarray) -> None:
+    def _uncommit(self, counts: np.ndarray, crcs: np.ndarray, raws: np.ndarray) -> None:
         """After a light flush failed: put back in memory the /commit and /commit_crc it wrote
         before its failed HDF5 flush, or the close would write them (what the failed flush
         left in HDF5's memory is unknown: they may name rows no chunk holds)."""
         try:
             self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, crcs, mtype=h5py.h5t.NATIVE_INT64)
+            self.count_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, raws, mtype=h5py.h5t.NATIVE_INT64)
             self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
         except (OSError, RuntimeError):
             pass                        # then the close fails too, and the file keeps its last commit
@@ -362,11 +418,15 @@ class StoreFile:
         """Write /commit_crc (the boundary chunks' prefix checksums at these counts), then
         /commit: both reach the file with the HDF5 flush that follows."""
         changed = np.flatnonzero(counts != self._crc_at)        # most flushes: a few tables
+        if self._repatched:             # patched rows: /count_crc of their boundary chunk anew
+            changed = np.union1d(changed, sorted(self._repatched))
+            self._repatched.clear()
         if len(changed):
             tables, full = self._table_list, []
             for i in changed.tolist():
                 t, k, was = tables[i], int(counts[i]), int(self._full_at[i])
                 self._crcs[i] = t.boundary_crc(k)
+                self._raws[i] = count_crc(t.boundary_raw(k), k)
                 if t.patched and k // t.chunk > was // t.chunk:     # chunks this commit fills
                     full += [(i, c, t.chunk_crc(c)) for c in range(was // t.chunk, k // t.chunk)]
                     self._full_at[i] = k
@@ -374,6 +434,7 @@ class StoreFile:
                 self._append_crcs(full)
             self._crc_at = counts.copy()
             self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self._crcs, mtype=h5py.h5t.NATIVE_INT64)
+            self.count_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self._raws, mtype=h5py.h5t.NATIVE_INT64)
         self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
 
     def samples_written(self) -> bool:

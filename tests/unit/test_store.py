@@ -1,5 +1,6 @@
 """The HDF5 journal on its own (real HDF5 files, real SIGKILLs): re-opening after an unclean
 exit, torn appends, superseded rows, and readers of schema versions 1 and 2."""
+import hashlib
 import os
 import signal
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from flexmarl_hpc.analysis.load import load_run
+from flexmarl_hpc.store.checksum import StoreDamaged, verify_path
 from flexmarl_hpc.store.repair import clear_open_flags, lookup3
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.store.chunked import Table
@@ -85,10 +87,10 @@ def test_a_torn_append_is_discarded_and_statuses_follow_the_events(tmp_path):
         s.samples["a"].append(sample_rows(s, "a", 3, step=1))
         s.samples["a"].patch([0, 1], {"status": CONSUMED, "trainer_step": 0})
         s.events.append(np.zeros(5, s.events.dtype))           # zero-filled, as after ENOSPC
-        for t in s._all():
-            t.write()
-        s.f.flush()
-        return s
+        # the flush's own protocol (/inflight declared, chunks written, HDF5 flush), killed
+        # just before it commits
+        s._commit = lambda counts: os.kill(os.getpid(), signal.SIGKILL)
+        s.flush()
 
     in_child_then_kill(write)
     with h5py.File(path, "r", swmr=True) as f:                 # the torn rows are in the file
@@ -470,12 +472,8 @@ def step_row(step, version):
             "staleness_mean": [0], "rows_offset": [0], "rows_len": [0]}
 
 
-@pytest.mark.parametrize("table", ["/steps/a", "/metrics"])
-def test_a_flipped_superseded_byte_is_derived_again_by_the_resume(tmp_path, table):
-    """Issue 38: a `superseded` byte set to 1 in the file passes as a torn write (the column is
-    left out of the crc record) and the step vanished from the record. The resume derives
-    every flag again (last row of its step, kept by the restored versions), so it is 0 again."""
-    path = tmp_path / "s.h5"
+def three_steps(path):
+    """A closed store: 3 steps of /steps and /metrics, 3 /samples rows of agent a, all READY."""
     s = StoreFile(path, AGENTS, {})
     for step in range(3):
         for a in AGENTS:
@@ -483,19 +481,70 @@ def test_a_flipped_superseded_byte_is_derived_again_by_the_resume(tmp_path, tabl
         s.metrics.append({c: [step] for c in ("step", "t", "wall", "samples", "tokens", "samples_per_s",
                                                 "rollout_s", "train_s", "sync_s", "swap_s", "utilization",
                                                 "staleness_max")})
+    s.samples["a"].append(sample_rows(s, "a", 3))
+    s.events.append(event_rows(s, "a", np.arange(3), GENERATED))
+    s.samples["a"].patch([0, 1, 2], {"status": READY, "reward": 1.0, "advantage": 0.0})
+    s.events.append(event_rows(s, "a", np.arange(3), READY, reward=1.0))
     s.flush()
     s.close()
+
+
+FLIPS = {"/steps/a": ("superseded", b"\x01"), "/metrics": ("superseded", b"\x01"),
+         "/samples/a": ("status", bytes([CONSUMED]))}
+
+
+def flip(path, table):
+    """Row 1 of `table` (committed, in its first chunk): one byte of a patched column changed
+    in the file, as damage would (its Fletcher-32 then fails, its fixed columns verify)."""
+    col, value = FLIPS[table]
     with h5py.File(path, "r") as f:
         ds = f[table]
-        at = ds.id.get_chunk_info(0).byte_offset + ds.dtype.itemsize + ds.dtype.fields["superseded"][1]
-    with open(path, "r+b") as fh:                   # row 1 (step 1), committed
+        at = ds.id.get_chunk_info(0).byte_offset + ds.dtype.itemsize + ds.dtype.fields[col][1]
+    with open(path, "r+b") as fh:
         fh.seek(at)
-        fh.write(b"\x01")
+        fh.write(value)
+
+
+@pytest.mark.parametrize("table", list(FLIPS))
+def test_a_changed_patched_byte_without_a_tear_record_is_refused_and_the_file_left_as_it_was(tmp_path, table):
+    """Issue 38: a `superseded` byte set to 1 (or a status byte changed) in a committed row
+    passed as a torn write (those columns are left out of the crc records) and was "repaired".
+    A torn write is accepted only with evidence: here no in-place write of the chunk was in
+    flight (/inflight names none), so it is damage: refused in one line naming the table,
+    the chunk and its rows, nothing written."""
+    path = tmp_path / "s.h5"
+    three_steps(path)
+    flip(path, table)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(StoreDamaged) as e:
+        StoreFile(path, AGENTS, {})
+    msg = str(e.value)
+    assert "\n" not in msg and f"checksum mismatch in {table} rows 0-2 (chunk at file offset" in msg, msg
+    assert "chunk 0's patched columns changed, and no in-place write of it was in flight" in msg, msg
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    with pytest.raises(StoreDamaged):
+        verify_path(path)                      # the pre-launch check and analyze say the same
+
+
+@pytest.mark.parametrize("table", list(FLIPS))
+def test_a_torn_patch_with_its_tear_record_is_mended_and_its_flags_derived_again(tmp_path, table):
+    """The same bytes with the evidence a kill inside the patch's write leaves (/inflight names
+    the chunk: written before the chunk, cleared after the commit): a torn write, mended, and
+    the patched column derived again by the resume (statuses from /events; `superseded`: the
+    last row of its step that the restored versions keep), so no step vanishes (199/200)."""
+    path = tmp_path / "s.h5"
+    three_steps(path)
+    flip(path, table)
+    with h5py.File(path, "r+") as f:
+        i = [str(t) for t in f["commit"].attrs["tables"]].index(table)
+        f["inflight"][2 * i:2 * i + 2] = [0, 1]
     s = StoreFile(path, AGENTS, {})
     assert any(f"rewrote the torn chunk of {table}" in r for r in s.repaired), s.repaired
     assert s.supersede({"a": 3, "b": 3}, first_logged=3) == 0
-    assert any(f"cleared the superseded flag of 1 current {table} rows" in r for r in s.repaired), s.repaired
     s.close()
+    col = FLIPS[table][0]
     with h5py.File(path, "r") as f:
-        assert f[table]["superseded"].tolist() == [0, 0, 0]
+        assert f[table][col].tolist() == ([READY] * 3 if col == "status" else [0, 0, 0])
+        assert not f["inflight"][:].any()
+    assert not verify_path(path)
     assert load_run(path).metrics.step.tolist() == [0, 1, 2]
