@@ -47,8 +47,7 @@ class Table:
             (self.dtype, self.chunk), self.disk = created, 0
         else:                                               # a resume: check what the file has
             self.dtype, self.chunk, self.disk = ds.dtype, ds.chunks[0], len(ds)
-            if self.ftype != h5py.h5t.py_create(self.dtype) or not has_checksums(ds) or \
-                    ds.id.get_create_plist().get_nfilters() != 1:
+            if not stored_as_written(ds):
                 raise ValueError(f"{ds.file.filename}: {ds.name} is not stored as the packed, "
                                  f"Fletcher-32-checksummed {self.dtype} records this flexmarl_hpc "
                                  "writes (damaged file?)")
@@ -331,6 +330,13 @@ class Table:
         out = np.empty(max(hi - lo, 0), self.dtype)
         self._read(lo, out)
         return out
+
+
+def stored_as_written(ds: h5py.Dataset) -> bool:
+    """Whether a table is stored as this release writes it: packed records of its own dtype,
+    Fletcher-32 the only filter (what a direct chunk write assumes)."""
+    return ds.id.get_type() == h5py.h5t.py_create(ds.dtype) and has_checksums(ds) and \
+        ds.id.get_create_plist().get_nfilters() == 1
 
 
 _TYPES: dict[np.dtype, h5py.h5t.TypeID] = {}

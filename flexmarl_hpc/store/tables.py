@@ -25,10 +25,11 @@ import numpy as np
 
 from flexmarl_hpc.clock import REAL, Clock
 from flexmarl_hpc import faults
-from flexmarl_hpc.store.checksum import CRC_DTYPE, count_crc, verify_path
+from flexmarl_hpc.store.checksum import CRC_DTYPE, count_crc
+from flexmarl_hpc.store.recovery import check_reopen, status_patch
 from flexmarl_hpc.store.repair import clear_open_flags
 from flexmarl_hpc.store.chunked import CrcLog, Table, file_type
-from flexmarl_hpc.store.schema import CONSUMED, EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT, INTERVAL_COLUMNS, METRIC_COLUMNS, READY, SAMPLE_COLUMNS, SCHEMA_VERSION, STATUS_FIELDS, STEP_COLUMNS, TOKEN_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of, episode_columns
+from flexmarl_hpc.store.schema import EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS, SCHEMA_VERSION, STATUS_FIELDS, STEP_COLUMNS, TOKEN_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of, episode_columns, table_names
 
 
 class StoreError(OSError):
@@ -86,7 +87,9 @@ class StoreFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.repaired: list[str] = []          # what re-opening fixed, for the log
         self.dirty: set[Table] = set()
-        torn = verify_path(self.path) if not fresh else []    # before anything is used or changed
+        # every check first, reading only: a refused resume leaves the file as it was
+        self.recovery = None if fresh else check_reopen(self.path, self.agents, table_names(self.agents))
+        torn = [] if fresh else self.recovery.torn
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
         self.f = open_for_write(self.path)
@@ -95,10 +98,7 @@ class StoreFile:
                                  "created": clock.time(), "t0": clock.time(), "agents": self.agents,
                                  **attrs})
         else:
-            check_file(self.f, self.path)
-            if list(self.f.attrs["agents"]) != self.agents:
-                raise ValueError(f"{self.path}: written for agents {list(self.f.attrs['agents'])}, "
-                                 f"this run has {self.agents}")
+            check_file(self.f, self.path)           # checked by check_reopen; the file read again
         self.t0 = float(self.f.attrs["t0"])
         mk = partial(self._table, fresh)
         self.samples = {a: mk(f"samples/{a}", SAMPLE_COLUMNS, chunk, mirror=True) for a in self.agents}
@@ -114,6 +114,7 @@ class StoreFile:
         self.episodes = mk("episodes", episode_columns(len(self.agents)), 256)
         self.failures = mk("failures", FAILURE_COLUMNS, 64)
         self.tables = {t.ds.name: t for t in self._all()}
+        assert list(self.tables) == table_names(self.agents)     # what check_reopen checks against
         self._table_list = list(self.tables.values())
         self._due = False               # a light flush wrote rows other than /events, uncommitted
         self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
@@ -485,40 +486,11 @@ class StoreFile:
 
 
 def replay_events(samples: Table, events: np.ndarray, agent_index: int) -> int:
-    """Set the status fields of `samples` to what its committed events say (last event
-    per row wins; reward/advantage/t_ready from the last READY event, trainer_step and
-    t_consumed only while consumed). Returns how many rows changed."""
-    ev = events[events["agent"] == agent_index]
-    rows = samples.read()
-    if not len(rows):
-        return 0
-    want = rows[list(STATUS_FIELDS)].copy()
-    last = _last_per_row(ev["row"], len(rows))
-    has = last >= 0
-    e = ev[last[has]]
-    want["status"][has] = e["status"]
-    consumed = has.copy()
-    consumed[has] = e["status"] == CONSUMED
-    want["trainer_step"] = -1
-    want["t_consumed"] = np.nan
-    want["trainer_step"][consumed] = ev["trainer_step"][last[consumed]]
-    want["t_consumed"][consumed] = ev["t"][last[consumed]]
-    rd = ev[ev["status"] == READY]
-    last_ready = _last_per_row(rd["row"], len(rows))
-    hr = last_ready >= 0
-    want["reward"] = np.nan
-    want["advantage"] = np.nan
-    want["t_ready"] = np.nan
-    for name, src in (("reward", "reward"), ("advantage", "advantage"), ("t_ready", "t")):
-        want[name][hr] = rd[src][last_ready[hr]]
-    cur = rows[list(STATUS_FIELDS)]
-    diff = np.zeros(len(rows), bool)
-    for name in STATUS_FIELDS:
-        a, b = cur[name], want[name]
-        diff |= ~((a == b) | (np.isnan(a) & np.isnan(b)) if a.dtype.kind == "f" else a == b)
-    idx = np.nonzero(diff)[0]
+    """Set the status fields of `samples` to what its committed events say
+    (recovery.status_patch). Returns how many rows changed."""
+    idx, want = status_patch(samples.read(), events, agent_index)
     if len(idx):
-        samples.patch(idx, {name: want[name][idx] for name in STATUS_FIELDS})
+        samples.patch(idx, {name: want[name] for name in STATUS_FIELDS})
     return len(idx)
 
 
@@ -540,10 +512,3 @@ def _fit(text: str, size: int, keep_end: bool = False) -> bytes:
         return b
     cut = b[len(b) - size:] if keep_end else b[:size]
     return cut.decode("utf-8", "ignore").encode("utf-8")
-
-
-def _last_per_row(rows: np.ndarray, n: int) -> np.ndarray:
-    """Index of the last entry for each row 0..n-1 (-1 where none)."""
-    last = np.full(n, -1, np.int64)
-    last[rows] = np.arange(len(rows))           # numpy assigns in order: the last one wins
-    return last

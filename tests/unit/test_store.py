@@ -548,3 +548,115 @@ def test_a_torn_patch_with_its_tear_record_is_mended_and_its_flags_derived_again
         assert not f["inflight"][:].any()
     assert not verify_path(path)
     assert load_run(path).metrics.step.tolist() == [0, 1, 2]
+
+
+def test_a_kill_inside_a_status_patch_leaves_its_tear_record_and_resumes(tmp_path):
+    """The writer's side of the tear record: a full flush that patches a committed /samples
+    row declares the chunk in /inflight before it writes it; killed inside that write (new
+    bytes, old Fletcher-32), the re-open finds the record, mends the chunk and takes the
+    statuses from the committed events."""
+    from flexmarl_hpc.store.checksum import stamp
+    path = tmp_path / "s.h5"
+    three_steps(path)
+
+    def write():
+        s = StoreFile(path, AGENTS, {})
+        t = s.samples["a"]
+
+        def torn(c, raw, sums):
+            old = np.frombuffer(t.ds.id.read_direct_chunk((c * t.chunk,))[1][-4:], np.uint8)
+            stamp(raw, *sums)[-4:] = old
+            t.ds.id.write_direct_chunk((c * t.chunk,), raw, 0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        t._write_chunk = torn
+        t.patch([1], {"status": CONSUMED, "trainer_step": 0})
+        s.events.append(event_rows(s, "a", [1], CONSUMED, tstep=0))
+        s.flush()
+        return s
+
+    in_child_then_kill(write)
+    with h5py.File(path, "r", swmr=True) as f:
+        i = [str(n) for n in f["commit"].attrs["tables"]].index("/samples/a")
+        assert f["inflight"][2 * i:2 * i + 2].tolist() == [0, 1]
+    s = StoreFile(path, AGENTS, {})
+    assert any("rewrote the torn chunk of /samples/a rows 0-2" in r for r in s.repaired), s.repaired
+    assert s.samples["a"].read()["status"].tolist() == [READY] * 3
+    s.close()
+    assert not verify_path(path)
+
+
+def killed_with_repairs_due(path, orphan: bool):
+    """A writer killed after a commit and a flush it did not commit: its flags set, 2 rows of
+    /samples/a past the commit, and 2 READY statuses the committed events do not hold. With
+    `orphan`, a committed /samples/b row names a parent (a/0_7) no row has, as a salvage by an
+    earlier release left it."""
+    def write():
+        s = StoreFile(path, AGENTS, {})
+        s.samples["a"].append(sample_rows(s, "a", 4))
+        kids = sample_rows(s, "b", 2)
+        kids["parent_id"] = [b"a/0_0", b"a/0_7" if orphan else b"a/0_1"]
+        s.samples["b"].append(kids)
+        s.events.append(event_rows(s, "a", np.arange(4), GENERATED))
+        s.flush()
+        s.samples["a"].append(sample_rows(s, "a", 2, step=1))
+        s.samples["a"].patch([0, 1], {"status": READY, "reward": 1.0})
+        s._commit = lambda counts: os.kill(os.getpid(), signal.SIGKILL)
+        s.flush()
+        return s
+
+    in_child_then_kill(write)
+
+
+def test_a_refused_resume_writes_nothing_though_repairs_were_due(tmp_path):
+    """Issue 38: the re-open made its repairs (cleared the flags, cut uncommitted rows,
+    restored statuses) and the resume refused afterwards (a sample without its parent's row,
+    tree.py), so the refused store had changed. Every check now comes first, reading only
+    (store.recovery.check_reopen): the store is byte-identical after the refusal."""
+    from flexmarl_hpc.store.checksum import StoreInconsistent
+    path = tmp_path / "s.h5"
+    killed_with_repairs_due(path, orphan=True)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(StoreInconsistent) as e:
+        StoreFile(path, AGENTS, {})
+    assert "\n" not in str(e.value) and "b sample 0_1 (step 0) has no parent row (a/0_7)" in str(e.value)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+
+def test_the_reopen_makes_exactly_the_repairs_its_check_listed(tmp_path):
+    """check_reopen is pure (the file unchanged) and lists the repairs; the re-open then
+    makes those and no other."""
+    from flexmarl_hpc.store.recovery import check_reopen
+    from flexmarl_hpc.store.schema import table_names
+    path = tmp_path / "s.h5"
+    killed_with_repairs_due(path, orphan=False)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    plan = check_reopen(path, AGENTS, table_names(AGENTS))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert plan.flags and plan.cut == {"/samples/a": 2} and plan.restatus == {"a": 2} and not plan.torn
+    s = StoreFile(path, AGENTS, {})
+    assert s.repaired == plan.lines(), (s.repaired, plan.lines())
+    assert s.samples["a"].read()["status"].tolist() == [GENERATED] * 4
+    s.close()
+
+
+def test_the_pre_launch_check_refuses_a_sample_without_its_parent_row(tmp_path):
+    """The launcher's check_resumable makes the re-open's checks too: a store with an orphaned
+    sample is refused in one line before any rank starts, the file as it was."""
+    import yaml
+    from flexmarl_hpc.config.load import load_config, to_dict
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.launch.preflight import check_resumable
+    cfg = load_config("configs/local.yaml", [f"run.output_dir={tmp_path}"])
+    sp, li = cfg.agent_names
+    s = StoreFile(tmp_path / f"{cfg.run.name}.h5", cfg.agent_names,
+                  {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False)})
+    s.samples[sp].append(sample_rows(s, sp, 1))
+    kid = sample_rows(s, li, 1)
+    kid["sample_id"], kid["parent_id"] = b"0_1_0", b"0_0_9"
+    s.samples[li].append(kid)
+    s.close()
+    before = hashlib.sha256(s.path.read_bytes()).hexdigest()
+    with pytest.raises(ConfigError, match=f"cannot resume: .*{li} sample 0_1_0 \\(step 0\\) has no parent row"):
+        check_resumable(cfg)
+    assert hashlib.sha256(s.path.read_bytes()).hexdigest() == before
