@@ -259,7 +259,7 @@ class Table:
     def mend(self, lo: int, hi: int) -> None:
         """Rewrite the chunk of rows [lo, hi) (a torn one that verify_path found, its committed
         rows verified): those rows as they are, zeros, a fresh Fletcher-32. A patched chunk's
-        MUTABLE columns are then set again by the resume (replay_events, supersede)."""
+        MUTABLE columns are then set again by the resume (recovery.status_patch, supersede)."""
         raw, _ = chunk_buffer(self.chunk, self.dtype)
         n = (hi - lo) * self.dtype.itemsize
         raw[:n] = np.frombuffer(self.ds.id.read_direct_chunk((lo,))[1], np.uint8, n)

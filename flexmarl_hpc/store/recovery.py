@@ -31,7 +31,8 @@ class Recovery:
     flags: bool = False                                  # a killed writer's open-for-write flags
     torn: list[Damage] = field(default_factory=list)     # chunks to rewrite (torn, with evidence)
     cut: dict[str, int] = field(default_factory=dict)    # table -> uncommitted rows to discard
-    restatus: dict[str, int] = field(default_factory=dict)   # agent -> rows the events restore
+    # agent -> (rows, their status fields as the committed events say them), where they differ
+    restatus: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     added: list[str] = field(default_factory=list)       # tables to add to /commit (empty)
 
     def lines(self) -> list[str]:
@@ -41,7 +42,8 @@ class Recovery:
         out += [f"rewrote the torn chunk of {d.table} rows {d.lo}-{d.hi - 1} (a kill cut its in-place "
                 "write; its committed rows verified)" for d in self.torn]
         out += [f"discarded {n} uncommitted rows of {t}" for t, n in self.cut.items()]
-        out += [f"restored the status of {n} {a} samples from /events" for a, n in self.restatus.items()]
+        out += [f"restored the status of {len(idx)} {a} samples from /events"
+                for a, (idx, _) in self.restatus.items()]
         return out
 
 
@@ -70,9 +72,9 @@ def check_reopen(path: Path, agents: list[str], tables: list[str]) -> Recovery:
     check_parents(path, samples)
     restatus = {}
     for i, (a, rows) in enumerate(samples.items()):
-        n = len(status_patch(rows, events, i)[0])
-        if n:
-            restatus[a] = n
+        idx, want = status_patch(rows, events, i)
+        if len(idx):
+            restatus[a] = (idx, want)
     return Recovery(flags, torn, cut, restatus, added)
 
 
@@ -100,20 +102,44 @@ def check_parents(path, samples: dict[str, np.ndarray]) -> None:
     workflow, "<agent>/<sample_id>" for an episode call) has the parent's row: a child
     without one (a store salvaged by a release that kept orphans) cannot be replayed, so it
     is refused in one line naming it (StoreInconsistent)."""
-    have: set[bytes] = set()
+    ids = {a: np.sort(rows["sample_id"]) for a, rows in samples.items()}
+    every = np.sort(np.concatenate(list(ids.values()))) if ids else np.zeros(0, "S64")
     for a, rows in samples.items():
-        ids = rows["sample_id"].tolist()
-        have.update(ids)
-        have.update(f"{a}/".encode() + x for x in ids)
-    for a, rows in samples.items():
-        parents = rows["parent_id"].tolist()
-        missing = np.flatnonzero(np.fromiter((p != b"" and p not in have for p in parents), bool, len(parents)))
+        missing = np.flatnonzero(~_parents_found(rows["parent_id"], every, ids))
         if len(missing):
             r = rows[missing[0]]
             raise StoreInconsistent(
                 f"{path}: {a} sample {r['sample_id'].decode()} (step {int(r['step'])}) has no parent row "
                 f"({r['parent_id'].decode()}) in the store, and {len(missing) - 1} more; salvage it "
                 "(python -m flexmarl_hpc.analyze salvage)")
+
+
+def _parents_found(parents: np.ndarray, every: np.ndarray, ids: dict[str, np.ndarray]) -> np.ndarray:
+    """Which `parents` ("" included) name a row: a bare sample_id of any agent's, or
+    "<agent>/<sample_id>" of that agent's. `every` and `ids` sorted: a binary search each
+    (a set of Python bytes took ~2.4 s for 400,000 samples, np.isin's hash of 64-byte strings
+    ~1.4 s)."""
+    parents = np.ascontiguousarray(parents)          # a field of the records: strided
+    found = parents == b""
+    found[~found] = _among(parents[~found], every)
+    width = parents.dtype.itemsize
+    for b, mine in ids.items():
+        pre = f"{b}/".encode()
+        m = ~found & (parents.view(np.uint8).reshape(-1, width)[:, :len(pre)] == np.frombuffer(pre, np.uint8)).all(1) \
+            if len(pre) <= width else np.zeros(len(parents), bool)
+        if m.any():
+            raw = parents[m].view(np.uint8).reshape(-1, width)
+            bare = np.zeros_like(raw)
+            bare[:, :width - len(pre)] = raw[:, len(pre):]
+            found[m] = _among(bare.view(parents.dtype).ravel(), mine.astype(parents.dtype))
+    return found
+
+
+def _among(x: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """x in pool, elementwise, for a sorted pool."""
+    if not len(pool):
+        return np.zeros(len(x), bool)
+    return pool[np.minimum(np.searchsorted(pool, x), len(pool) - 1)] == x
 
 
 def status_patch(rows: np.ndarray, events: np.ndarray, agent_index: int) -> tuple[np.ndarray, np.ndarray]:

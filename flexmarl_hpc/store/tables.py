@@ -26,7 +26,7 @@ import numpy as np
 from flexmarl_hpc.clock import REAL, Clock
 from flexmarl_hpc import faults
 from flexmarl_hpc.store.checksum import CRC_DTYPE, count_crc
-from flexmarl_hpc.store.recovery import check_reopen, status_patch
+from flexmarl_hpc.store.recovery import check_reopen
 from flexmarl_hpc.store.repair import clear_open_flags
 from flexmarl_hpc.store.chunked import CrcLog, Table, file_type
 from flexmarl_hpc.store.schema import EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS, SCHEMA_VERSION, STATUS_FIELDS, STEP_COLUMNS, TOKEN_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of, episode_columns, table_names
@@ -188,10 +188,11 @@ class StoreFile:
         self._log_full_chunks()
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         self._full_at = self.flushed.copy()
-        for i, a in enumerate(self.agents):
-            fixed = replay_events(self.samples[a], self.events.read(), i)
-            if fixed:
-                self.repaired.append(f"restored the status of {fixed} {a} samples from /events")
+        # the statuses the committed events say, as check_reopen found them (the rows it read
+        # are the ones kept: a mend rewrites committed bytes as they are, the cut only others)
+        for a, (idx, want) in self.recovery.restatus.items():
+            self.samples[a].patch(idx, {name: want[name] for name in STATUS_FIELDS})
+            self.repaired.append(f"restored the status of {len(idx)} {a} samples from /events")
         self.flush()
         # /commit_crc anew at the counts kept: a kill inside the HDF5 flush that last wrote
         # /commit may have left it behind, and this run's first chunk write may be torn
@@ -483,15 +484,6 @@ class StoreFile:
         except (OSError, RuntimeError):
             if self.failed is None:                 # else reported already, by the failed flush
                 raise
-
-
-def replay_events(samples: Table, events: np.ndarray, agent_index: int) -> int:
-    """Set the status fields of `samples` to what its committed events say
-    (recovery.status_patch). Returns how many rows changed."""
-    idx, want = status_patch(samples.read(), events, agent_index)
-    if len(idx):
-        samples.patch(idx, {name: want[name] for name in STATUS_FIELDS})
-    return len(idx)
 
 
 def _ascii(text: str, size: int, field: str) -> bytes:
