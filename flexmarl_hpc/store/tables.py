@@ -120,6 +120,7 @@ class StoreFile:
         self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
         self._crcs = np.zeros(len(self.tables), np.int64)
         self._raws = np.zeros(len(self.tables), np.int64)       # /count_crc at _crc_at
+        self._committed = np.zeros(len(self.tables), np.int64)  # what /commit holds (a light flush's undo)
         self._index = {t: i for i, t in enumerate(self._table_list)}
         self._repatched: set[int] = set()       # tables whose committed rows a patch rewrote
         self._inflight_on = False               # /inflight names a patch (cleared after the flush)
@@ -376,7 +377,7 @@ class StoreFile:
                 faults.hit("store_flush")
             if commit:
                 # a light flush writes /commit before its only HDF5 flush: kept to undo
-                undo = None if full else (self.commit[:], self.commit_crc[:], self.count_crc[:])
+                undo = None if full else (self._committed, self._crcs.copy(), self._raws.copy())
                 self._commit(counts if full else self.flushed)
             if not full:
                 faults.hit("store_flush")
@@ -393,7 +394,7 @@ class StoreFile:
             raise self.failed from None
 
     def _uncommit(self, counts: np.ndarray, crcs: np.ndarray, raws: np.ndarray) -> None:
-        """After a light flush failed: put back in memory the /commit and /commit_crc it wrote
+        """After a light flush failed: put back in memory the /commit and its records it wrote
         before its failed HDF5 flush, or the close would write them (what the failed flush
         left in HDF5's memory is unknown: they may name rows no chunk holds)."""
         try:
@@ -438,6 +439,7 @@ class StoreFile:
             self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self._crcs, mtype=h5py.h5t.NATIVE_INT64)
             self.count_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self._raws, mtype=h5py.h5t.NATIVE_INT64)
         self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
+        self._committed = counts
 
     def samples_written(self) -> bool:
         """Whether an earlier process of this run left any sample rows."""
