@@ -401,3 +401,35 @@ class CrcLog:
 
     def __getitem__(self, key) -> np.ndarray:
         return self.ds[key]
+
+
+class Inflight:
+    """/inflight: per table, the chunk range [lo, hi) of an in-place patch in flight, one
+    unfiltered chunk written directly: one pwrite, in order before the patch's chunks (a
+    kill inside them finds it), set back to zeros after the flush's commit."""
+
+    def __init__(self, ds: h5py.Dataset, on: bool):
+        self.ds, self.on = ds, on            # on: it names a patch now
+
+    @classmethod
+    def open(cls, f: h5py.File, tables: int) -> "Inflight":
+        """The file's /inflight, or a new one (a fresh file, or one of an earlier release)."""
+        if "inflight" in f and len(f["inflight"]) == 2 * tables:
+            ds = f["inflight"]
+            return cls(ds, bool(ds[:].any()))            # cleared once the repairs are written
+        if "inflight" in f:
+            del f["inflight"]
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((2 * tables,))
+        ds = h5py.h5d.create(f.id, b"inflight", h5py.h5t.STD_I64LE, h5py.h5s.create_simple((2 * tables,)),
+                             dcpl=dcpl)
+        ds.write_direct_chunk((0,), np.zeros(2 * tables, "<i8").tobytes(), 0)     # allocated now
+        return cls(h5py.Dataset(ds), False)
+
+    def declare(self, spans: list[tuple[int, tuple[int, int]]]) -> None:
+        """Name the chunks [lo, hi) of each table (its index) about to be patched; [] clears."""
+        rec = np.zeros(len(self.ds), "<i8")
+        for i, (lo, hi) in spans:
+            rec[2 * i:2 * i + 2] = lo, hi
+        self.ds.id.write_direct_chunk((0,), rec.tobytes(), 0)
+        self.on = bool(spans)

@@ -51,7 +51,6 @@ def check_reopen(path: Path, agents: list[str], tables: list[str]) -> Recovery:
     """Every check a resume's re-open makes before it changes the file (raises StoreDamaged,
     StoreUnreadable, StoreInconsistent or ValueError, one line naming what), and the
     repairs it will make. `tables`: this release's tables for `agents` (schema.table_names)."""
-    flags = open_flags(path)             # the superblock checked too (a damaged one is refused)
     with open_read(Path(path)) as f:
         check_file(f, path)
         verify_store(f, path, torn=(torn := []), counts=True)
@@ -69,6 +68,7 @@ def check_reopen(path: Path, agents: list[str], tables: list[str]) -> Recovery:
         events = read_rows(f["events"], counts["/events"], _of(torn, "/events"))
         samples = {a: read_rows(f[f"samples/{a}"], counts[f"/samples/{a}"], _of(torn, f"/samples/{a}"))
                    for a in agents}
+    flags = open_flags(path)             # the superblock's own checksum checked too
     check_parents(path, samples)
     restatus = {}
     for i, (a, rows) in enumerate(samples.items()):

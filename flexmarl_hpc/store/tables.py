@@ -28,7 +28,7 @@ from flexmarl_hpc import faults
 from flexmarl_hpc.store.checksum import CRC_DTYPE, count_crc
 from flexmarl_hpc.store.recovery import check_reopen
 from flexmarl_hpc.store.repair import clear_open_flags
-from flexmarl_hpc.store.chunked import CrcLog, Table, file_type
+from flexmarl_hpc.store.chunked import CrcLog, Inflight, Table, file_type
 from flexmarl_hpc.store.schema import EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS, SCHEMA_VERSION, STATUS_FIELDS, STEP_COLUMNS, TOKEN_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of, episode_columns, table_names
 
 
@@ -123,7 +123,6 @@ class StoreFile:
         self._committed = np.zeros(len(self.tables), np.int64)  # what /commit holds (a light flush's undo)
         self._index = {t: i for i, t in enumerate(self._table_list)}
         self._repatched: set[int] = set()       # tables whose committed rows a patch rewrote
-        self._inflight_on = False               # /inflight names a patch (cleared after the flush)
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         self._full_at = self.flushed.copy()          # rows whose full chunks /chunk_crc has
         self.failed: StoreError | None = None        # a write or flush of this file failed
@@ -132,7 +131,7 @@ class StoreFile:
             self.commit.attrs["tables"] = list(self.tables)
             self.commit_crc = self._counts("commit_crc")
             self.count_crc = self._counts("count_crc", count_crc(0, 0))      # the record of count 0
-            self.inflight = self._inflight()
+            self.inflight = Inflight.open(self.f, len(self.tables))
             self.chunk_crc = self._chunk_log(fresh=True)
         else:
             self._recover(torn)
@@ -211,31 +210,7 @@ class StoreFile:
             self.f.create_dataset("count_crc", data=np.array(
                 [count_crc(t.boundary_raw(t.disk), t.disk) for t in self._table_list], np.int64))
         self.count_crc = self.f["count_crc"]
-        if "inflight" in self.f and len(self.f["inflight"]) == 2 * n:
-            self.inflight = self.f["inflight"]
-            self._inflight_on = bool(self.inflight[:].any())   # cleared once the repairs are written
-        else:
-            if "inflight" in self.f:
-                del self.f["inflight"]
-            self.inflight = self._inflight()
-
-    def _inflight(self) -> h5py.Dataset:
-        """/inflight: (lo, hi) chunk range per table of an in-place patch in flight, one
-        unfiltered chunk written directly (one pwrite, in order before the patch's chunks)."""
-        n = 2 * len(self.commit_crc)
-        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        dcpl.set_chunk((n,))
-        ds = h5py.h5d.create(self.f.id, b"inflight", h5py.h5t.STD_I64LE, h5py.h5s.create_simple((n,)), dcpl=dcpl)
-        ds.write_direct_chunk((0,), np.zeros(n, "<i8").tobytes(), 0)     # allocated now
-        return h5py.Dataset(ds)
-
-    def _declare(self, spans: list[tuple[int, tuple[int, int]]]) -> None:
-        """Write /inflight: the chunks of each table this flush is about to patch in place."""
-        rec = np.zeros(len(self._table_list) * 2, "<i8")
-        for i, (lo, hi) in spans:
-            rec[2 * i:2 * i + 2] = lo, hi
-        self.inflight.id.write_direct_chunk((0,), rec.tobytes(), 0)
-        self._inflight_on = bool(spans)
+        self.inflight = Inflight.open(self.f, n)
 
     def _counts(self, name: str, fill: int = 0) -> h5py.Dataset:
         """A new /commit, /commit_crc or /count_crc: one i8 per table, `fill` (the low-level
@@ -359,13 +334,7 @@ class StoreFile:
         work, commit = plan
         undo = None
         try:
-            spans = [(self._index[t], span) for t in work if (full or not t.mirror)
-                     and t.patches and (span := t.patch_chunks()) is not None]
-            if spans or self._inflight_on:
-                # the tear record: one pwrite before the chunk writes, so a kill inside them
-                # leaves it naming the chunks (docs/store.md, "Torn in-place writes")
-                self._declare(spans)
-                self._repatched.update(i for i, _ in spans)
+            self._declare_patches(work, full)
             for t in work:
                 t.write(patch_disk=full or not t.mirror)
                 if not t.patches:
@@ -382,8 +351,8 @@ class StoreFile:
             if not full:
                 faults.hit("store_flush")
             self.f.flush()
-            if self._inflight_on:
-                self._declare([])           # every chunk written and committed: nothing in flight
+            if self.inflight.on:
+                self.inflight.declare([])   # every chunk written and committed: nothing in flight
             self.flushed = counts
             # rows other than /events that this light flush wrote: the next one commits them
             self._due = not full and any(t is not self.events for t in work)
@@ -392,6 +361,16 @@ class StoreFile:
             if undo is not None:
                 self._uncommit(*undo)
             raise self.failed from None
+
+    def _declare_patches(self, work: list, full: bool) -> None:
+        """The tear record: /inflight names the chunks this flush patches in place, one pwrite
+        before their writes, so a kill inside them leaves it (docs/store.md, "Torn in-place
+        writes"); their tables' /count_crc is then taken anew by the commit."""
+        spans = [(self._index[t], span) for t in work if (full or not t.mirror)
+                 and t.patches and (span := t.patch_chunks()) is not None]
+        if spans or self.inflight.on:
+            self.inflight.declare(spans)
+            self._repatched.update(i for i, _ in spans)
 
     def _uncommit(self, counts: np.ndarray, crcs: np.ndarray, raws: np.ndarray) -> None:
         """After a light flush failed: put back in memory the /commit and its records it wrote
