@@ -311,27 +311,30 @@ def check_resumable(cfg: Config, chunks: bool = True) -> None:
     """Refuse to resume into an output_dir whose store is truncated, damaged, foreign or of
     another schema version, or was written by a run with another workflow, model or seed
     (the store and checkpoints would silently mix), naming what is wrong. The store is only
-    read: its size against its superblock, every committed chunk against its checksum
-    (store.checksum); nothing in it changes, and no rank has started. `chunks=False` (every
+    read: its size against its superblock, every committed chunk against its checksum and
+    every other check of the writer's re-open (store.recovery.check_reopen: a sample
+    without its parent's row too); nothing in it changes, and no rank has started. `chunks=False` (every
     rank of an MPI job runs this: N reads of a big store) leaves the chunks to rank 0's
     StoreFile, which verifies them before it changes the file."""
     import yaml
-    from flexmarl_hpc.store.checksum import open_read, verify_store
-    from flexmarl_hpc.store.schema import check_file
+    from flexmarl_hpc.store.checksum import open_read, verify_path
+    from flexmarl_hpc.store.recovery import check_reopen
+    from flexmarl_hpc.store.schema import check_file, table_names
     path = cfg.output_dir / f"{cfg.run.name}.h5"
     if not (cfg.run.resume and path.exists()):
         return
     try:
         with open_read(path) as f:
             check_file(f, path)
-            if chunks:
-                verify_store(f, path, counts=True)        # no writer holds it (the lock)
             old = yaml.safe_load(f.attrs.get("config_yaml", "")) or {}
+        changed = [k for k in RESUME_KEYS if _get(old, k) != _get(to_dict(cfg), k)]
+        if chunks and changed:          # damage first, then the other run's keys
+            verify_path(path)
+        elif chunks:                    # every check of the re-open (no writer holds it: the lock)
+            check_reopen(path, cfg.agent_names, table_names(cfg.agent_names))
     except (OSError, ValueError, RuntimeError, yaml.YAMLError) as e:    # RuntimeError: h5py, a garbled superblock
         raise ConfigError(f"run.output_dir: cannot resume: {' '.join(str(e).split())}; move the file "
                           "away (or salvage it) or set run.resume=false and another run.output_dir") from None
-    new = to_dict(cfg)
-    changed = [k for k in RESUME_KEYS if _get(old, k) != _get(new, k)]
     if changed:
         raise ConfigError(f"run.output_dir: {cfg.output_dir} holds a run with different {', '.join(changed)}; "
                           "resuming would mix two runs. Use another run.output_dir (or the old config)")

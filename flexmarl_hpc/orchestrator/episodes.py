@@ -77,6 +77,10 @@ class EpisodeTree(NodeQueues):
         self.dropped_of: dict[int, dict[str, int]] = {}    # step -> agent -> calls dropped
         self.doomed: set[int] = set()                      # id()s of calls to drop at their reply
         self.dropping: list[Node] = []                     # generated calls dropped, for Changes
+        # step -> examples a salvage lost whole in a step some agent's checkpoint already
+        # holds: no weights of that step are left to replay them, so the step goes on without
+        self.lost_inputs: dict[int, set[int]] = {}
+        self.recorded: set[tuple[int, int]] = set()        # (example, episode) with an /episodes row
 
     # -- creating work -------------------------------------------------------------------
     def admit_step(self, step: int) -> Changes:
@@ -92,11 +96,14 @@ class EpisodeTree(NodeQueues):
         """Start the episodes of `step`'s examples and run them until they wait; returns
         the nodes made READY or DROPPED (on a replay: calls the journal answered)."""
         self.steps_admitted.add(step)
-        self.step_left[step] = self.n_in
-        self.agent_step_left[step] = dict.fromkeys(self.agents, self.n_in)
+        lost = self.lost_inputs.get(step, set())
+        self.step_left[step] = self.n_in - len(lost)
+        self.agent_step_left[step] = dict.fromkeys(self.agents, self.n_in - len(lost))
         self.calls_of[step] = dict.fromkeys(self.agents, 0)
         self.dropped_of[step] = dict.fromkeys(self.agents, 0)
         for example_id, example in self.task.stream.batch(step, self.n_in):
+            if example_id in lost:
+                continue
             self.examples[example_id] = ExampleState(step, self.group, dict.fromkeys(self.agents, self.group))
             for e in range(self.group):
                 self.runner.start(step, example_id, e, example)
@@ -280,6 +287,8 @@ class EpisodeTree(NodeQueues):
                 self.journal_ready.add(id(n))    # which may be after this returns (tools)
             self.nodes[(n.agent, n.sample_id)] = n
         last = max((n.step for n in nodes), default=first_step - 1)
+        self._find_lost(nodes, first_step, max(versions.values(), default=0))
+        last = max([last, *self.lost_inputs])
         ch = Changes()
         for step in range(first_step, last + 1):
             more = self._start_step(step)
@@ -288,6 +297,19 @@ class EpisodeTree(NodeQueues):
         # a journalled call no replayed episode asks for (only a nondeterministic episode
         # could) stays GENERATED in the file and is never trained
         return requeue, ch
+
+    def _find_lost(self, nodes: list[Node], first_step: int, ahead: int) -> None:
+        """Examples of steps before `ahead` (the furthest restored version) with no call row
+        and no /episodes row: an agent trained those steps, so each of their examples ran;
+        one without a trace was lost whole (salvage drops an example's calls and episodes
+        together). Replaying it would need weights of its step that agent no longer has, so
+        the step goes on without it (its batch smaller by its calls, as tree.Tree does).
+        Later steps' missing examples are replayed from the start, as after any kill."""
+        have = {n.input_id for n in nodes} | {i for i, _ in self.recorded}
+        for step in range(first_step, ahead):
+            gone = {i for i, _ in self.task.stream.batch(step, self.n_in)} - have
+            if gone:
+                self.lost_inputs[step] = gone
 
     def close(self) -> None:
         """End the episodes' loop and its tool workers."""
@@ -306,3 +328,4 @@ class EpisodeTree(NodeQueues):
         self.dropped_of.pop(step, None)
         self.failures.counts.pop(step, None)
         self.failures.first.pop(step, None)
+        self.lost_inputs.pop(step, None)

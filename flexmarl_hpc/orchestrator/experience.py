@@ -271,7 +271,6 @@ class EpisodeExperience(Journaled, EpisodeTree):
             pool = WorkerPool(Tools.from_config(cfg.tools), cfg.tools)
         EpisodeTree.__init__(self, cfg, task, task.runner(cfg, tools=pool, record_tool=self._tool_done))
         self._journal_to(store)
-        self.recorded: set[tuple[int, int]] = set()        # (example, episode) with an /episodes row
 
     def _tool_done(self, ctx, tool: str, outcome: str, latency_s: float) -> None:
         """A tool call ended: its /tools row names the call whose reply asked for it."""

@@ -136,14 +136,19 @@ class Damage:
     lo: int                   # its first row
     hi: int                   # one past its last committed row
     offset: int               # its byte offset in the file
-    torn: bool = False        # a boundary chunk whose committed rows verify (torn_append)
+    torn: bool = False        # a chunk a kill cut mid-rewrite, its committed rows verified (torn_chunk)
 
     why: str = ""             # not a chunk's checksum: what else disagrees (count_damage)
+    chunk: int = -1           # its index, where only patched columns differ with no tear evidence
 
     def line(self) -> str:
         if self.why:
             return f"/commit's count of {self.table} ({self.hi} rows): {self.why}"
-        return f"{self.table} rows {self.lo}-{self.hi - 1} (chunk at file offset {self.offset})"
+        where = f"{self.table} rows {self.lo}-{self.hi - 1} (chunk at file offset {self.offset})"
+        if self.chunk >= 0:     # the fixed columns verify: say why it is not taken as a torn write
+            where += (f": chunk {self.chunk}'s patched columns changed, and no in-place write of it "
+                      "was in flight (no tear record in /inflight)")
+        return where
 
 
 class StoreInconsistent(ValueError):
@@ -204,6 +209,41 @@ def _mutable_runs(dtype: np.dtype, table: str) -> list[tuple[int, int]]:
 CRC_DTYPE = np.dtype([("table", "i2"), ("chunk", "i8"), ("crc", "i8")])
 
 
+def count_crc(raw_crc: int, count: int) -> int:
+    """The /count_crc record of a table: the crc32 of its boundary chunk's committed rows,
+    every column (`raw_crc`), continued by the count itself (8 bytes, little-endian), so a
+    count changed in the file fails it even where no row is left to check (a chunk start)."""
+    return zlib.crc32(int(count).to_bytes(8, "little", signed=True), raw_crc)
+
+
+@dataclass(frozen=True)
+class Records:
+    """What the writer recorded with each commit, to tell a torn write from damage and to
+    check the counts (docs/store.md, "Torn in-place writes"): per table, /commit_crc (the
+    boundary chunk's committed rows, patched columns left out), /count_crc (every column, and
+    the count), /chunk_crc (full chunks of patched tables) and /inflight (the chunk range
+    [lo, hi) of an in-place patch the writer began and did not finish). A record the file
+    lacks (a store of an earlier release) is None or empty."""
+    crc: dict[str, int]
+    raw: dict[str, int]
+    full: dict[str, dict[int, int]]
+    inflight: dict[str, tuple[int, int]]
+
+    def patching(self, table: str, c: int) -> bool:
+        lo, hi = self.inflight.get(table, (0, 0))
+        return lo <= c < hi
+
+
+def records(f: h5py.File) -> Records:
+    names = [str(n) for n in f["commit"].attrs["tables"]] if "commit" in f else []
+    raw = dict(zip(names, f["count_crc"][:].tolist())) if "count_crc" in f and names else {}
+    inflight = {}
+    if "inflight" in f and names:
+        spans = f["inflight"][:].reshape(-1, 2).tolist()
+        inflight = {n: (lo, hi) for n, (lo, hi) in zip(names, spans) if hi > lo}
+    return Records(prefix_crcs(f), raw, chunk_crcs(f), inflight)
+
+
 def prefix_crcs(f: h5py.File) -> dict[str, int]:
     """The recorded prefix checksum of each table's boundary chunk (/commit_crc; {} without)."""
     if "commit_crc" not in f or "commit" not in f:
@@ -250,8 +290,8 @@ def committed(f: h5py.File) -> dict[str, int]:
 RETRIES = 2     # a live writer may be rewriting the chunk an SWMR reader reads: read it again
 
 
-def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None = None,
-                 full: dict[int, int] | None = None, retries: int = RETRIES) -> list[Damage]:
+def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, rec: Records | None = None,
+                 retries: int = RETRIES) -> list[Damage]:
     """The chunks of ds's first `rows` rows that fail their Fletcher-32 (or are missing or
     of the wrong size). One pass over the chunk index (H5Dchunk_iter), then each chunk's
     bytes read from `fd` (the file, opened by the caller) and checked here: a per-chunk
@@ -275,22 +315,36 @@ def chunk_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None = None,
                 info = _lookup(ds, lo)
         else:
             off = -1 if info is None or info.byte_offset is None else int(info.byte_offset)
-            want = crc if lo + step > rows else (full or {}).get(lo // step)
-            torn = want is not None and torn_chunk(ds, info, min(step, rows - lo), fd, want)
-            bad.append(Damage(ds.name, lo, min(lo + step, rows), off, torn))
+            torn = torn_chunk(ds, info, lo // step, min(step, rows - lo), rows, fd, rec)
+            bad.append(Damage(ds.name, lo, min(lo + step, rows), off, torn is True,
+                              chunk=lo // step if torn == "unexplained" else -1))
     return bad
 
 
-def torn_chunk(ds: h5py.Dataset, info, rows: int, fd: int, crc: int) -> bool:
-    """Whether the chunk `info` (its first `rows` rows committed) failed its Fletcher-32
-    only because a kill cut an in-place rewrite of it: its committed rows, their MUTABLE
-    columns left out, still match the crc recorded for them (/commit_crc for a table's
-    boundary chunk, /chunk_crc for a full chunk of a patched table; docs/store.md)."""
-    if info is None or info.byte_offset is None or info.size != ds.chunks[0] * ds.dtype.itemsize + 4:
+def torn_chunk(ds: h5py.Dataset, info, c: int, rows: int, count: int, fd: int, rec: Records | None):
+    """Whether chunk c (`info`; its first `rows` rows committed, `count` rows in the table)
+    failed its Fletcher-32 only because a kill cut an in-place rewrite of it, with evidence
+    (docs/store.md, "Torn in-place writes"): True where every byte of its committed rows
+    matches /count_crc (the boundary chunk: a torn append leaves them as they were), or where
+    their fixed columns match their record (/commit_crc, /chunk_crc) and /inflight names
+    the chunk (a patch of its patched columns was in flight); "unexplained" where only the
+    fixed columns match (a patched column changed with no write in flight: damage); else False."""
+    if rec is None or info is None or info.byte_offset is None or \
+            info.size != ds.chunks[0] * ds.dtype.itemsize + 4:
         return False
     raw = os.pread(fd, rows * ds.dtype.itemsize, info.byte_offset)
-    return len(raw) == rows * ds.dtype.itemsize and \
-        prefix_crc(np.frombuffer(raw, ds.dtype), ds.name) == crc
+    if len(raw) != rows * ds.dtype.itemsize:
+        return False
+    boundary = (c + 1) * ds.chunks[0] > count
+    want = rec.crc.get(ds.name) if boundary else rec.full.get(ds.name, {}).get(c)
+    if want is None or prefix_crc(np.frombuffer(raw, ds.dtype), ds.name) != want:
+        return False
+    patched = ds.name.startswith(tuple(MUTABLE))
+    if not patched or rec.patching(ds.name, c):     # every byte checked, or a patch in flight
+        return True
+    if boundary and rec.raw.get(ds.name) == count_crc(zlib.crc32(raw), count):
+        return True
+    return "unexplained"
 
 
 def _lookup(ds: h5py.Dataset, lo: int):
@@ -308,14 +362,15 @@ def _chunk_ok(info, size: int, fd: int) -> bool:
     return len(raw) == size and fletcher32(raw[:-4]) == int.from_bytes(raw[-4:], "little")
 
 
-def count_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None,
-                 full: dict[int, int] | None) -> Damage | None:
+def count_damage(ds: h5py.Dataset, rows: int, fd: int, rec: Records) -> Damage | None:
     """/commit's count of `ds` against the records written with it: /commit_crc (the crc
-    of the boundary chunk's first `rows % chunk` rows, 0 at a chunk start) and /chunk_crc
-    (logged once a commit filled a chunk, so no entry lies past the count). A count changed
-    in the file (lowered: the resume would cut committed rows) fails one of them; /commit has
-    no checksum of its own. Only for a file no writer holds: a live writer updates the two
-    in one HDF5 flush, which an SWMR reader may see half done."""
+    of the boundary chunk's first `rows % chunk` rows, 0 at a chunk start), /count_crc (the
+    same rows, every column, and the count: it fails for a count moved by whole chunks too)
+    and /chunk_crc (logged once a commit filled a chunk, so no entry lies past the count). A
+    count changed in the file (lowered: the resume would cut committed rows) fails one of
+    them; /commit has no checksum of its own. Only for a file no writer holds: a live writer
+    updates them in one HDF5 flush, which an SWMR reader may see half done."""
+    crc, full = rec.crc.get(ds.name), rec.full.get(ds.name)
     step, k = ds.chunks[0], rows % ds.chunks[0]
     past = [c for c in (full or {}) if (c + 1) * step > rows]
     if past:
@@ -324,10 +379,16 @@ def count_damage(ds: h5py.Dataset, rows: int, fd: int, crc: int | None,
     if crc is None:
         return None
     info = _lookup(ds, rows - k) if k else None
-    raw = os.pread(fd, k * ds.dtype.itemsize, info.byte_offset) if info is not None else b""
-    mine = prefix_crc(np.frombuffer(raw, ds.dtype), ds.name) if k and len(raw) == k * ds.dtype.itemsize else 0
+    raw_rows = os.pread(fd, k * ds.dtype.itemsize, info.byte_offset) if info is not None else b""
+    whole = k and len(raw_rows) == k * ds.dtype.itemsize
+    mine = prefix_crc(np.frombuffer(raw_rows, ds.dtype), ds.name) if whole else 0
     if (k and mine != crc) or (not k and crc != 0):
         return Damage(ds.name, 0, rows, -1, why="/commit_crc of its last chunk does not match the rows "
+                      "it names (the count or its record changed)")
+    raw = rec.raw.get(ds.name)
+    if raw is not None and raw != count_crc(zlib.crc32(raw_rows), rows) and \
+            not rec.patching(ds.name, rows // step):     # a patch in flight changed its rows
+        return Damage(ds.name, 0, rows, -1, why="/count_crc does not match the count and the rows "
                       "it names (the count or its record changed)")
     return None
 
@@ -339,16 +400,16 @@ def damaged_chunks(f: h5py.File, only: tuple[str, ...] = ("/",), retries: int = 
     file no writer holds: salvage). `counts`: /commit's counts checked too (count_damage;
     a file no writer holds)."""
     bad: list[Damage] = []
-    crcs, full = prefix_crcs(f), chunk_crcs(f)
+    rec = records(f)
     fd = os.open(f.filename, os.O_RDONLY)
     try:
         for name, rows in committed(f).items():
             ds = f.get(name) if name.startswith(only) else None
             if ds is None or not has_checksums(ds):
                 continue
-            mine = chunk_damage(ds, min(rows, len(ds)), fd, crcs.get(name), full.get(name), retries)
+            mine = chunk_damage(ds, min(rows, len(ds)), fd, rec, retries)
             if counts and not mine and rows <= len(ds):
-                mine = [d for d in [count_damage(ds, rows, fd, crcs.get(name), full.get(name))] if d]
+                mine = [d for d in [count_damage(ds, rows, fd, rec)] if d]
             bad += mine
     finally:
         os.close(fd)

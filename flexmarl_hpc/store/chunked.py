@@ -8,6 +8,7 @@ docs/benchmarks.md.
 """
 from __future__ import annotations
 
+import zlib
 from functools import partial
 
 import h5py
@@ -46,8 +47,7 @@ class Table:
             (self.dtype, self.chunk), self.disk = created, 0
         else:                                               # a resume: check what the file has
             self.dtype, self.chunk, self.disk = ds.dtype, ds.chunks[0], len(ds)
-            if self.ftype != h5py.h5t.py_create(self.dtype) or not has_checksums(ds) or \
-                    ds.id.get_create_plist().get_nfilters() != 1:
+            if not stored_as_written(ds):
                 raise ValueError(f"{ds.file.filename}: {ds.name} is not stored as the packed, "
                                  f"Fletcher-32-checksummed {self.dtype} records this flexmarl_hpc "
                                  "writes (damaged file?)")
@@ -63,6 +63,8 @@ class Table:
         self._queued_new = False              # a queued patch hits rows not yet written
         self._crc = (0, 0)                    # (count, prefix_crc of its boundary chunk's rows)
         self._full_crc = (-1, 0)              # (chunk, prefix_crc) of the last chunk a commit filled
+        self._raw = (0, 0)                    # (count, crc32 of its boundary chunk's rows, every byte)
+        self._touched: int | None = None      # the first row a patch rewrote since _raw was taken
         self.name = ds.name
         self.patched = self.name.startswith(tuple(MUTABLE))   # full chunks rewritten in place
 
@@ -172,6 +174,8 @@ class Table:
         # checksum sums) are held here: a long write may evict them from the cache
         k, isz = self.chunk, self.dtype.itemsize
         bounds = [(int(rows.min()), int(rows.max()) + 1) for rows, _ in patches]
+        first = min(r0 for r0, _ in bounds)
+        self._touched = first if self._touched is None else min(self._touched, first)
         end = self.disk + (0 if new is None else len(new) // isz)
         spans = self._spans(bounds + ([(self.disk, end)] if end > self.disk else []))
         imgs = {c: self._image(c) for c in spans}
@@ -222,6 +226,30 @@ class Table:
         self._crc = (count, crc)
         return crc
 
+    def boundary_raw(self, count: int) -> int:
+        """zlib.crc32 of rows [c * chunk, count) of the chunk holding row `count`, every byte
+        (patched columns included): what /count_crc records with the count. Extended by the
+        rows committed since the last call, unless a patch rewrote rows it covers."""
+        if not self.patched:
+            return self.boundary_crc(count)          # no patched columns: the same bytes
+        have, crc = self._raw
+        lo = count - count % self.chunk
+        if not lo <= have <= count or (self._touched is not None and self._touched < have):
+            have, crc = lo, 0
+        self._touched = None
+        if have < count:
+            crc = zlib.crc32(self._image(count // self.chunk)[1][have - lo:count - lo], crc)
+        self._raw = (count, crc)
+        return crc
+
+    def patch_chunks(self) -> tuple[int, int] | None:
+        """The chunk range [lo, hi) the queued patches of rows on disk rewrite in place (None:
+        none): what /inflight declares before the write (docs/store.md)."""
+        hit = [(int(r.min()), int(r.max())) for r, _ in self.patches if len(r) and r.min() < self.disk]
+        if not hit:
+            return None
+        return min(a for a, _ in hit) // self.chunk, min(max(b for _, b in hit), self.disk - 1) // self.chunk + 1
+
     def chunk_crc(self, c: int) -> int:
         """prefix_crc of the whole chunk c (written): what /chunk_crc records for it."""
         if self._full_crc[0] == c:
@@ -231,7 +259,7 @@ class Table:
     def mend(self, lo: int, hi: int) -> None:
         """Rewrite the chunk of rows [lo, hi) (a torn one that verify_path found, its committed
         rows verified): those rows as they are, zeros, a fresh Fletcher-32. A patched chunk's
-        MUTABLE columns are then set again by the resume (replay_events, supersede)."""
+        MUTABLE columns are then set again by the resume (recovery.status_patch, supersede)."""
         raw, _ = chunk_buffer(self.chunk, self.dtype)
         n = (hi - lo) * self.dtype.itemsize
         raw[:n] = np.frombuffer(self.ds.id.read_direct_chunk((lo,))[1], np.uint8, n)
@@ -304,6 +332,13 @@ class Table:
         return out
 
 
+def stored_as_written(ds: h5py.Dataset) -> bool:
+    """Whether a table is stored as this release writes it: packed records of its own dtype,
+    Fletcher-32 the only filter (what a direct chunk write assumes)."""
+    return ds.id.get_type() == h5py.h5t.py_create(ds.dtype) and has_checksums(ds) and \
+        ds.id.get_create_plist().get_nfilters() == 1
+
+
 _TYPES: dict[np.dtype, h5py.h5t.TypeID] = {}
 
 
@@ -366,3 +401,35 @@ class CrcLog:
 
     def __getitem__(self, key) -> np.ndarray:
         return self.ds[key]
+
+
+class Inflight:
+    """/inflight: per table, the chunk range [lo, hi) of an in-place patch in flight, one
+    unfiltered chunk written directly: one pwrite, in order before the patch's chunks (a
+    kill inside them finds it), set back to zeros after the flush's commit."""
+
+    def __init__(self, ds: h5py.Dataset, on: bool):
+        self.ds, self.on = ds, on            # on: it names a patch now
+
+    @classmethod
+    def open(cls, f: h5py.File, tables: int) -> "Inflight":
+        """The file's /inflight, or a new one (a fresh file, or one of an earlier release)."""
+        if "inflight" in f and len(f["inflight"]) == 2 * tables:
+            ds = f["inflight"]
+            return cls(ds, bool(ds[:].any()))            # cleared once the repairs are written
+        if "inflight" in f:
+            del f["inflight"]
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((2 * tables,))
+        ds = h5py.h5d.create(f.id, b"inflight", h5py.h5t.STD_I64LE, h5py.h5s.create_simple((2 * tables,)),
+                             dcpl=dcpl)
+        ds.write_direct_chunk((0,), np.zeros(2 * tables, "<i8").tobytes(), 0)     # allocated now
+        return cls(h5py.Dataset(ds), False)
+
+    def declare(self, spans: list[tuple[int, tuple[int, int]]]) -> None:
+        """Name the chunks [lo, hi) of each table (its index) about to be patched; [] clears."""
+        rec = np.zeros(len(self.ds), "<i8")
+        for i, (lo, hi) in spans:
+            rec[2 * i:2 * i + 2] = lo, hi
+        self.ds.id.write_direct_chunk((0,), rec.tobytes(), 0)
+        self.on = bool(spans)

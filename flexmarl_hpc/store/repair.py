@@ -62,27 +62,39 @@ def lookup3(data: bytes, initval: int = 0) -> int:
     return c
 
 
-def clear_open_flags(path: str | Path) -> bool:
-    """Zero the superblock's consistency flags if set; returns whether it changed the file.
+def open_flags(path: str | Path) -> bool:
+    """Whether the superblock's consistency flags are set (a killed writer's), read only.
 
     Raises ValueError naming the file when the superblock is not v2/v3 or its checksum does
     not match (a damaged file is not "repaired" blindly)."""
-    path = Path(path)
-    with open(path, "r+b") as fh:
+    return _superblock(Path(path))[0] != 0
+
+
+def _superblock(path: Path) -> tuple[int, bytes, int]:
+    """(the flags byte, the superblock bytes before its checksum, the checksum's offset)."""
+    with open(path, "rb") as fh:
         head = fh.read(64)
-        if head[:8] != SIGNATURE:
-            raise ValueError(f"{path}: not an HDF5 file (no signature at offset 0)")
-        if head[8] not in (2, 3):
-            raise ValueError(f"{path}: HDF5 superblock version {head[8]}, expected 2 or 3")
-        end = 12 + 4 * head[9]
-        if len(head) < end + 4:
-            raise ValueError(f"{path}: truncated HDF5 superblock")
-        stored = int.from_bytes(head[end:end + 4], "little")
-        if lookup3(head[:end]) != stored:
-            raise ValueError(f"{path}: HDF5 superblock checksum mismatch (damaged file)")
-        if head[FLAGS_AT] == 0:
-            return False
-        body = head[:FLAGS_AT] + b"\x00" + head[FLAGS_AT + 1:end]
+    if head[:8] != SIGNATURE:
+        raise ValueError(f"{path}: not an HDF5 file (no signature at offset 0)")
+    if head[8] not in (2, 3):
+        raise ValueError(f"{path}: HDF5 superblock version {head[8]}, expected 2 or 3")
+    end = 12 + 4 * head[9]
+    if len(head) < end + 4:
+        raise ValueError(f"{path}: truncated HDF5 superblock")
+    if lookup3(head[:end]) != int.from_bytes(head[end:end + 4], "little"):
+        raise ValueError(f"{path}: HDF5 superblock checksum mismatch (damaged file)")
+    return head[FLAGS_AT], head[:end], end
+
+
+def clear_open_flags(path: str | Path) -> bool:
+    """Zero the superblock's consistency flags if set; returns whether it changed the file.
+    Raises ValueError as open_flags does."""
+    path = Path(path)
+    flags, head, end = _superblock(path)
+    if flags == 0:
+        return False
+    body = head[:FLAGS_AT] + b"\x00" + head[FLAGS_AT + 1:end]
+    with open(path, "r+b") as fh:
         os.pwrite(fh.fileno(), b"\x00", FLAGS_AT)
         os.pwrite(fh.fileno(), lookup3(body).to_bytes(4, "little"), end)
         os.fsync(fh.fileno())

@@ -80,6 +80,12 @@ STATUS_FIELDS = ("status", "reward", "advantage", "trainer_step", "t_ready", "t_
 assert MUTABLE["/samples/"] == STATUS_FIELDS        # the prefix checksum leaves them out
 
 
+def table_names(agents: list[str]) -> list[str]:
+    """The tables of a store for `agents`, in /commit's order (StoreFile creates them so)."""
+    per = [f"/{t}/{a}" for t in ("samples", "tokens", "steps", "step_rows") for a in agents]
+    return per + ["/intervals", "/events", "/metrics", "/eval", "/tools", "/episodes", "/failures"]
+
+
 def dtype_of(columns: dict[str, str]) -> np.dtype:
     return np.dtype([(k, v) for k, v in columns.items()])
 

@@ -25,10 +25,11 @@ import numpy as np
 
 from flexmarl_hpc.clock import REAL, Clock
 from flexmarl_hpc import faults
-from flexmarl_hpc.store.checksum import CRC_DTYPE, verify_path
+from flexmarl_hpc.store.checksum import CRC_DTYPE, count_crc
+from flexmarl_hpc.store.recovery import check_reopen
 from flexmarl_hpc.store.repair import clear_open_flags
-from flexmarl_hpc.store.chunked import CrcLog, Table, file_type
-from flexmarl_hpc.store.schema import CONSUMED, EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT, INTERVAL_COLUMNS, METRIC_COLUMNS, READY, SAMPLE_COLUMNS, SCHEMA_VERSION, STATUS_FIELDS, STEP_COLUMNS, TOKEN_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of, episode_columns
+from flexmarl_hpc.store.chunked import CrcLog, Inflight, Table, file_type
+from flexmarl_hpc.store.schema import EVAL_COLUMNS, EVENT_COLUMNS, FAILURE_COLUMNS, FAILURE_TEXT, INTERVAL_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS, SCHEMA_VERSION, STATUS_FIELDS, STEP_COLUMNS, TOKEN_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, check_file, dtype_of, episode_columns, table_names
 
 
 class StoreError(OSError):
@@ -86,7 +87,9 @@ class StoreFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.repaired: list[str] = []          # what re-opening fixed, for the log
         self.dirty: set[Table] = set()
-        torn = verify_path(self.path) if not fresh else []    # before anything is used or changed
+        # every check first, reading only: a refused resume leaves the file as it was
+        self.recovery = None if fresh else check_reopen(self.path, self.agents, table_names(self.agents))
+        torn = [] if fresh else self.recovery.torn
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
         self.f = open_for_write(self.path)
@@ -95,10 +98,7 @@ class StoreFile:
                                  "created": clock.time(), "t0": clock.time(), "agents": self.agents,
                                  **attrs})
         else:
-            check_file(self.f, self.path)
-            if list(self.f.attrs["agents"]) != self.agents:
-                raise ValueError(f"{self.path}: written for agents {list(self.f.attrs['agents'])}, "
-                                 f"this run has {self.agents}")
+            check_file(self.f, self.path)           # checked by check_reopen; the file read again
         self.t0 = float(self.f.attrs["t0"])
         mk = partial(self._table, fresh)
         self.samples = {a: mk(f"samples/{a}", SAMPLE_COLUMNS, chunk, mirror=True) for a in self.agents}
@@ -114,10 +114,15 @@ class StoreFile:
         self.episodes = mk("episodes", episode_columns(len(self.agents)), 256)
         self.failures = mk("failures", FAILURE_COLUMNS, 64)
         self.tables = {t.ds.name: t for t in self._all()}
+        assert list(self.tables) == table_names(self.agents)     # what check_reopen checks against
         self._table_list = list(self.tables.values())
         self._due = False               # a light flush wrote rows other than /events, uncommitted
         self._crc_at = np.full(len(self.tables), -1, np.int64)     # the counts _crcs are for
         self._crcs = np.zeros(len(self.tables), np.int64)
+        self._raws = np.zeros(len(self.tables), np.int64)       # /count_crc at _crc_at
+        self._committed = np.zeros(len(self.tables), np.int64)  # what /commit holds (a light flush's undo)
+        self._index = {t: i for i, t in enumerate(self._table_list)}
+        self._repatched: set[int] = set()       # tables whose committed rows a patch rewrote
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         self._full_at = self.flushed.copy()          # rows whose full chunks /chunk_crc has
         self.failed: StoreError | None = None        # a write or flush of this file failed
@@ -125,6 +130,8 @@ class StoreFile:
             self.commit = self._counts("commit")
             self.commit.attrs["tables"] = list(self.tables)
             self.commit_crc = self._counts("commit_crc")
+            self.count_crc = self._counts("count_crc", count_crc(0, 0))      # the record of count 0
+            self.inflight = Inflight.open(self.f, len(self.tables))
             self.chunk_crc = self._chunk_log(fresh=True)
         else:
             self._recover(torn)
@@ -177,25 +184,40 @@ class StoreFile:
                 self.repaired.append(f"discarded {len(t.ds) - keep} uncommitted rows of {name}")
                 t.ds.resize((keep,))
             t.disk = t.n = keep
+        self._records_of_this_release()
         self._log_full_chunks()
         self.flushed = np.array([t.disk for t in self.tables.values()], np.int64)
         self._full_at = self.flushed.copy()
-        for i, a in enumerate(self.agents):
-            fixed = replay_events(self.samples[a], self.events.read(), i)
-            if fixed:
-                self.repaired.append(f"restored the status of {fixed} {a} samples from /events")
+        # the statuses the committed events say, as check_reopen found them (the rows it read
+        # are the ones kept: a mend rewrites committed bytes as they are, the cut only others)
+        for a, (idx, want) in self.recovery.restatus.items():
+            self.samples[a].patch(idx, {name: want[name] for name in STATUS_FIELDS})
+            self.repaired.append(f"restored the status of {len(idx)} {a} samples from /events")
         self.flush()
         # /commit_crc anew at the counts kept: a kill inside the HDF5 flush that last wrote
         # /commit may have left it behind, and this run's first chunk write may be torn
         self._commit(self.flushed)
         self.f.flush()
 
-    def _counts(self, name: str) -> h5py.Dataset:
-        """A new /commit or /commit_crc: one i8 per table, zeros (the low-level create: h5py's
-        create_dataset with data costs ~4x as much)."""
+    def _records_of_this_release(self) -> None:
+        """/count_crc and /inflight, made for a file of an earlier release (its torn chunks
+        were judged without them: verify_path found none or refused), /count_crc with the
+        records of the counts kept (a kill before this re-open's commit finds them)."""
+        n = len(self.commit)
+        if "count_crc" not in self.f or len(self.f["count_crc"]) != n:
+            if "count_crc" in self.f:
+                del self.f["count_crc"]
+            self.f.create_dataset("count_crc", data=np.array(
+                [count_crc(t.boundary_raw(t.disk), t.disk) for t in self._table_list], np.int64))
+        self.count_crc = self.f["count_crc"]
+        self.inflight = Inflight.open(self.f, n)
+
+    def _counts(self, name: str, fill: int = 0) -> h5py.Dataset:
+        """A new /commit, /commit_crc or /count_crc: one i8 per table, `fill` (the low-level
+        create: h5py's create_dataset with data costs ~4x as much)."""
         n = len(self.tables)
         ds = h5py.h5d.create(self.f.id, name.encode(), h5py.h5t.STD_I64LE, h5py.h5s.create_simple((n,)))
-        ds.write(h5py.h5s.ALL, h5py.h5s.ALL, np.zeros(n, np.int64), mtype=h5py.h5t.NATIVE_INT64)
+        ds.write(h5py.h5s.ALL, h5py.h5s.ALL, np.full(n, fill, np.int64), mtype=h5py.h5t.NATIVE_INT64)
         return h5py.Dataset(ds)
 
     def _chunk_log(self, fresh: bool = False) -> "CrcLog":
@@ -300,6 +322,8 @@ class StoreFile:
           - status patches of sample rows already on disk (the status fields are a cache of
             /events) wait for the next full one (each log line, checkpoint and close).
         """
+        if not full and any(t.patches and not t.mirror for t in self.dirty):
+            full = True         # its patches rewrite committed rows: /count_crc follows them
         plan = self._plan(full)
         if plan is None or self.failed is not None:
             # after a failed write or flush, what HDF5 holds in memory is unknown: a later
@@ -310,6 +334,7 @@ class StoreFile:
         work, commit = plan
         undo = None
         try:
+            self._declare_patches(work, full)
             for t in work:
                 t.write(patch_disk=full or not t.mirror)
                 if not t.patches:
@@ -321,11 +346,13 @@ class StoreFile:
                 faults.hit("store_flush")
             if commit:
                 # a light flush writes /commit before its only HDF5 flush: kept to undo
-                undo = None if full else (self.commit[:], self.commit_crc[:])
+                undo = None if full else (self._committed, self._crcs.copy(), self._raws.copy())
                 self._commit(counts if full else self.flushed)
             if not full:
                 faults.hit("store_flush")
             self.f.flush()
+            if self.inflight.on:
+                self.inflight.declare([])   # every chunk written and committed: nothing in flight
             self.flushed = counts
             # rows other than /events that this light flush wrote: the next one commits them
             self._due = not full and any(t is not self.events for t in work)
@@ -335,12 +362,23 @@ class StoreFile:
                 self._uncommit(*undo)
             raise self.failed from None
 
-    def _uncommit(self, counts: np.ndarray, crcs: np.ndarray) -> None:
-        """After a light flush failed: put back in memory the /commit and /commit_crc it wrote
+    def _declare_patches(self, work: list, full: bool) -> None:
+        """The tear record: /inflight names the chunks this flush patches in place, one pwrite
+        before their writes, so a kill inside them leaves it (docs/store.md, "Torn in-place
+        writes"); their tables' /count_crc is then taken anew by the commit."""
+        spans = [(self._index[t], span) for t in work if (full or not t.mirror)
+                 and t.patches and (span := t.patch_chunks()) is not None]
+        if spans or self.inflight.on:
+            self.inflight.declare(spans)
+            self._repatched.update(i for i, _ in spans)
+
+    def _uncommit(self, counts: np.ndarray, crcs: np.ndarray, raws: np.ndarray) -> None:
+        """After a light flush failed: put back in memory the /commit and its records it wrote
         before its failed HDF5 flush, or the close would write them (what the failed flush
         left in HDF5's memory is unknown: they may name rows no chunk holds)."""
         try:
             self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, crcs, mtype=h5py.h5t.NATIVE_INT64)
+            self.count_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, raws, mtype=h5py.h5t.NATIVE_INT64)
             self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
         except (OSError, RuntimeError):
             pass                        # then the close fails too, and the file keeps its last commit
@@ -362,11 +400,15 @@ class StoreFile:
         """Write /commit_crc (the boundary chunks' prefix checksums at these counts), then
         /commit: both reach the file with the HDF5 flush that follows."""
         changed = np.flatnonzero(counts != self._crc_at)        # most flushes: a few tables
+        if self._repatched:             # patched rows: /count_crc of their boundary chunk anew
+            changed = np.union1d(changed, sorted(self._repatched))
+            self._repatched.clear()
         if len(changed):
             tables, full = self._table_list, []
             for i in changed.tolist():
                 t, k, was = tables[i], int(counts[i]), int(self._full_at[i])
                 self._crcs[i] = t.boundary_crc(k)
+                self._raws[i] = count_crc(t.boundary_raw(k), k)
                 if t.patched and k // t.chunk > was // t.chunk:     # chunks this commit fills
                     full += [(i, c, t.chunk_crc(c)) for c in range(was // t.chunk, k // t.chunk)]
                     self._full_at[i] = k
@@ -374,7 +416,9 @@ class StoreFile:
                 self._append_crcs(full)
             self._crc_at = counts.copy()
             self.commit_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self._crcs, mtype=h5py.h5t.NATIVE_INT64)
+            self.count_crc.id.write(h5py.h5s.ALL, h5py.h5s.ALL, self._raws, mtype=h5py.h5t.NATIVE_INT64)
         self.commit.id.write(h5py.h5s.ALL, h5py.h5s.ALL, counts, mtype=h5py.h5t.NATIVE_INT64)
+        self._committed = counts
 
     def samples_written(self) -> bool:
         """Whether an earlier process of this run left any sample rows."""
@@ -423,44 +467,6 @@ class StoreFile:
                 raise
 
 
-def replay_events(samples: Table, events: np.ndarray, agent_index: int) -> int:
-    """Set the status fields of `samples` to what its committed events say (last event
-    per row wins; reward/advantage/t_ready from the last READY event, trainer_step and
-    t_consumed only while consumed). Returns how many rows changed."""
-    ev = events[events["agent"] == agent_index]
-    rows = samples.read()
-    if not len(rows):
-        return 0
-    want = rows[list(STATUS_FIELDS)].copy()
-    last = _last_per_row(ev["row"], len(rows))
-    has = last >= 0
-    e = ev[last[has]]
-    want["status"][has] = e["status"]
-    consumed = has.copy()
-    consumed[has] = e["status"] == CONSUMED
-    want["trainer_step"] = -1
-    want["t_consumed"] = np.nan
-    want["trainer_step"][consumed] = ev["trainer_step"][last[consumed]]
-    want["t_consumed"][consumed] = ev["t"][last[consumed]]
-    rd = ev[ev["status"] == READY]
-    last_ready = _last_per_row(rd["row"], len(rows))
-    hr = last_ready >= 0
-    want["reward"] = np.nan
-    want["advantage"] = np.nan
-    want["t_ready"] = np.nan
-    for name, src in (("reward", "reward"), ("advantage", "advantage"), ("t_ready", "t")):
-        want[name][hr] = rd[src][last_ready[hr]]
-    cur = rows[list(STATUS_FIELDS)]
-    diff = np.zeros(len(rows), bool)
-    for name in STATUS_FIELDS:
-        a, b = cur[name], want[name]
-        diff |= ~((a == b) | (np.isnan(a) & np.isnan(b)) if a.dtype.kind == "f" else a == b)
-    idx = np.nonzero(diff)[0]
-    if len(idx):
-        samples.patch(idx, {name: want[name][idx] for name in STATUS_FIELDS})
-    return len(idx)
-
-
 def _ascii(text: str, size: int, field: str) -> bytes:
     """`text` as the bytes of a fixed-length ascii column (numpy would cut a longer one)."""
     try:
@@ -479,10 +485,3 @@ def _fit(text: str, size: int, keep_end: bool = False) -> bytes:
         return b
     cut = b[len(b) - size:] if keep_end else b[:size]
     return cut.decode("utf-8", "ignore").encode("utf-8")
-
-
-def _last_per_row(rows: np.ndarray, n: int) -> np.ndarray:
-    """Index of the last entry for each row 0..n-1 (-1 where none)."""
-    last = np.full(n, -1, np.int64)
-    last[rows] = np.arange(len(rows))           # numpy assigns in order: the last one wins
-    return last

@@ -160,11 +160,13 @@ def test_a_torn_last_chunk_resumes_and_damage_in_its_committed_rows_is_refused(f
 
 def test_a_torn_status_patch_of_a_full_chunk_resumes_and_damage_in_its_other_columns_is_refused(finished, tmp_path):
     """A full flush rewrites a full, committed /samples chunk in place to patch status
-    fields: a kill inside that write leaves those fields torn. Its other columns match
-    /chunk_crc, so the resume mends it and replays the statuses from /events; the same
-    damage in a column written once (sample_id) is refused."""
-    for column in ("status", "sample_id"):
-        run = tmp_path / column
+    fields, after naming the chunk in /inflight: a kill inside that write leaves those fields
+    torn and the record. Its other columns match /chunk_crc, so the resume mends it and
+    replays the statuses from /events; the same status bytes with no record (issue 38: they
+    were taken as a tear by default), or damage in a column written once (sample_id), are
+    refused."""
+    for column, record in (("status", True), ("status", False), ("sample_id", True)):
+        run = tmp_path / f"{column}-{record}"
         path = copy(finished, run)
         with h5py.File(path, "r") as f:
             ds = f["samples/speaker"]
@@ -175,7 +177,11 @@ def test_a_torn_status_patch_of_a_full_chunk_resumes_and_damage_in_its_other_col
         with open(path, "r+b") as fh:                   # row 3 of chunk 0
             fh.seek(at)
             fh.write(bytes([0x5a] * width))
-        if column == "sample_id":
+        if record:                                      # what the flush wrote before the chunk
+            with h5py.File(path, "r+") as f:
+                i = [str(t) for t in f["commit"].attrs["tables"]].index("/samples/speaker")
+                f["inflight"][2 * i:2 * i + 2] = [0, 1]
+        if column == "sample_id" or not record:
             h = sha(path)
             refused_before_launch(run, "/samples/speaker rows 0-")
             assert sha(path) == h

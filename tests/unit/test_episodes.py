@@ -406,3 +406,30 @@ def test_a_bad_temperature_or_top_p_fails_the_episode_naming_it(bad, error):
     tree.admit_step(0)
     assert [f.error for f in tree.failed] == [f"ValueError: {error}"]
     tree.close()
+
+
+def test_a_replay_goes_on_without_an_example_salvage_lost_in_a_step_an_agent_is_past():
+    """Issue 38, episode workflows (tree.Tree does the same): example 0 (step 0) and example 2
+    (step 1) lost whole by a salvage, the planner's checkpoint past step 0. No planner weights
+    of step 0 are left to replay example 0: step 0 goes on without it (nothing pending for it,
+    the solver's batch its other example's calls). Step 1 is ahead of every checkpoint:
+    example 2 is replayed from the start (its planner calls pending)."""
+    from flexmarl_hpc.orchestrator.tree import Node
+    cfg = config(n_in=2, group=3)
+    first = EpisodeTree(cfg, Task(skewed))
+    for step in (0, 1):
+        first.admit_step(step)
+        serve(first)
+    loaded = [Node(n.agent, n.turn, n.step, n.input_id, n.traj, None, [], None, prompt=list(n.prompt),
+                   response=list(n.response), logprobs=list(n.logprobs), status=n.status,
+                   trainer_step=n.trainer_step, row=i)
+              for i, n in enumerate(first.nodes.values()) if n.input_id not in (0, 2)]
+    again = EpisodeTree(cfg, Task(skewed))
+    again.restore(loaded, 0, {"planner": 1, "solver": 0})
+    assert again.lost_inputs == {0: {0}}
+    assert {n.input_id for n in again.pending["planner"]} == {2} and not again.pending["solver"]
+    kept = sum(1 for n in first.nodes.values() if n.agent == "solver" and n.input_id == 1)
+    assert again.batch_of("solver", 0) == again.ready_count("solver", 0) == kept
+    assert all(n.input_id != 0 for n in again.nodes.values())
+    serve(again)
+    assert again.batch_of("solver", 1) == first.batch_of("solver", 1)

@@ -1,5 +1,6 @@
 """The HDF5 journal on its own (real HDF5 files, real SIGKILLs): re-opening after an unclean
 exit, torn appends, superseded rows, and readers of schema versions 1 and 2."""
+import hashlib
 import os
 import signal
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from flexmarl_hpc.analysis.load import load_run
+from flexmarl_hpc.store.checksum import StoreDamaged, verify_path
 from flexmarl_hpc.store.repair import clear_open_flags, lookup3
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.store.chunked import Table
@@ -85,10 +87,10 @@ def test_a_torn_append_is_discarded_and_statuses_follow_the_events(tmp_path):
         s.samples["a"].append(sample_rows(s, "a", 3, step=1))
         s.samples["a"].patch([0, 1], {"status": CONSUMED, "trainer_step": 0})
         s.events.append(np.zeros(5, s.events.dtype))           # zero-filled, as after ENOSPC
-        for t in s._all():
-            t.write()
-        s.f.flush()
-        return s
+        # the flush's own protocol (/inflight declared, chunks written, HDF5 flush), killed
+        # just before it commits
+        s._commit = lambda counts: os.kill(os.getpid(), signal.SIGKILL)
+        s.flush()
 
     in_child_then_kill(write)
     with h5py.File(path, "r", swmr=True) as f:                 # the torn rows are in the file
@@ -470,12 +472,8 @@ def step_row(step, version):
             "staleness_mean": [0], "rows_offset": [0], "rows_len": [0]}
 
 
-@pytest.mark.parametrize("table", ["/steps/a", "/metrics"])
-def test_a_flipped_superseded_byte_is_derived_again_by_the_resume(tmp_path, table):
-    """Issue 38: a `superseded` byte set to 1 in the file passes as a torn write (the column is
-    left out of the crc record) and the step vanished from the record. The resume derives
-    every flag again (last row of its step, kept by the restored versions), so it is 0 again."""
-    path = tmp_path / "s.h5"
+def three_steps(path):
+    """A closed store: 3 steps of /steps and /metrics, 3 /samples rows of agent a, all READY."""
     s = StoreFile(path, AGENTS, {})
     for step in range(3):
         for a in AGENTS:
@@ -483,19 +481,183 @@ def test_a_flipped_superseded_byte_is_derived_again_by_the_resume(tmp_path, tabl
         s.metrics.append({c: [step] for c in ("step", "t", "wall", "samples", "tokens", "samples_per_s",
                                                 "rollout_s", "train_s", "sync_s", "swap_s", "utilization",
                                                 "staleness_max")})
+    s.samples["a"].append(sample_rows(s, "a", 3))
+    s.events.append(event_rows(s, "a", np.arange(3), GENERATED))
+    s.samples["a"].patch([0, 1, 2], {"status": READY, "reward": 1.0, "advantage": 0.0})
+    s.events.append(event_rows(s, "a", np.arange(3), READY, reward=1.0))
     s.flush()
     s.close()
+
+
+FLIPS = {"/steps/a": ("superseded", b"\x01"), "/metrics": ("superseded", b"\x01"),
+         "/samples/a": ("status", bytes([CONSUMED]))}
+
+
+def flip(path, table):
+    """Row 1 of `table` (committed, in its first chunk): one byte of a patched column changed
+    in the file, as damage would (its Fletcher-32 then fails, its fixed columns verify)."""
+    col, value = FLIPS[table]
     with h5py.File(path, "r") as f:
         ds = f[table]
-        at = ds.id.get_chunk_info(0).byte_offset + ds.dtype.itemsize + ds.dtype.fields["superseded"][1]
-    with open(path, "r+b") as fh:                   # row 1 (step 1), committed
+        at = ds.id.get_chunk_info(0).byte_offset + ds.dtype.itemsize + ds.dtype.fields[col][1]
+    with open(path, "r+b") as fh:
         fh.seek(at)
-        fh.write(b"\x01")
+        fh.write(value)
+
+
+@pytest.mark.parametrize("table", list(FLIPS))
+def test_a_changed_patched_byte_without_a_tear_record_is_refused_and_the_file_left_as_it_was(tmp_path, table):
+    """Issue 38: a `superseded` byte set to 1 (or a status byte changed) in a committed row
+    passed as a torn write (those columns are left out of the crc records) and was "repaired".
+    A torn write is accepted only with evidence: here no in-place write of the chunk was in
+    flight (/inflight names none), so it is damage: refused in one line naming the table,
+    the chunk and its rows, nothing written."""
+    path = tmp_path / "s.h5"
+    three_steps(path)
+    flip(path, table)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(StoreDamaged) as e:
+        StoreFile(path, AGENTS, {})
+    msg = str(e.value)
+    assert "\n" not in msg and f"checksum mismatch in {table} rows 0-2 (chunk at file offset" in msg, msg
+    assert "chunk 0's patched columns changed, and no in-place write of it was in flight" in msg, msg
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    with pytest.raises(StoreDamaged):
+        verify_path(path)                      # the pre-launch check and analyze say the same
+
+
+@pytest.mark.parametrize("table", list(FLIPS))
+def test_a_torn_patch_with_its_tear_record_is_mended_and_its_flags_derived_again(tmp_path, table):
+    """The same bytes with the evidence a kill inside the patch's write leaves (/inflight names
+    the chunk: written before the chunk, cleared after the commit): a torn write, mended, and
+    the patched column derived again by the resume (statuses from /events; `superseded`: the
+    last row of its step that the restored versions keep), so no step vanishes (199/200)."""
+    path = tmp_path / "s.h5"
+    three_steps(path)
+    flip(path, table)
+    with h5py.File(path, "r+") as f:
+        i = [str(t) for t in f["commit"].attrs["tables"]].index(table)
+        f["inflight"][2 * i:2 * i + 2] = [0, 1]
     s = StoreFile(path, AGENTS, {})
     assert any(f"rewrote the torn chunk of {table}" in r for r in s.repaired), s.repaired
     assert s.supersede({"a": 3, "b": 3}, first_logged=3) == 0
-    assert any(f"cleared the superseded flag of 1 current {table} rows" in r for r in s.repaired), s.repaired
     s.close()
+    col = FLIPS[table][0]
     with h5py.File(path, "r") as f:
-        assert f[table]["superseded"].tolist() == [0, 0, 0]
+        assert f[table][col].tolist() == ([READY] * 3 if col == "status" else [0, 0, 0])
+        assert not f["inflight"][:].any()
+    assert not verify_path(path)
     assert load_run(path).metrics.step.tolist() == [0, 1, 2]
+
+
+def test_a_kill_inside_a_status_patch_leaves_its_tear_record_and_resumes(tmp_path):
+    """The writer's side of the tear record: a full flush that patches a committed /samples
+    row declares the chunk in /inflight before it writes it; killed inside that write (new
+    bytes, old Fletcher-32), the re-open finds the record, mends the chunk and takes the
+    statuses from the committed events."""
+    from flexmarl_hpc.store.checksum import stamp
+    path = tmp_path / "s.h5"
+    three_steps(path)
+
+    def write():
+        s = StoreFile(path, AGENTS, {})
+        t = s.samples["a"]
+
+        def torn(c, raw, sums):
+            old = np.frombuffer(t.ds.id.read_direct_chunk((c * t.chunk,))[1][-4:], np.uint8)
+            stamp(raw, *sums)[-4:] = old
+            t.ds.id.write_direct_chunk((c * t.chunk,), raw, 0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        t._write_chunk = torn
+        t.patch([1], {"status": CONSUMED, "trainer_step": 0})
+        s.events.append(event_rows(s, "a", [1], CONSUMED, tstep=0))
+        s.flush()
+        return s
+
+    in_child_then_kill(write)
+    with h5py.File(path, "r", swmr=True) as f:
+        i = [str(n) for n in f["commit"].attrs["tables"]].index("/samples/a")
+        assert f["inflight"][2 * i:2 * i + 2].tolist() == [0, 1]
+    s = StoreFile(path, AGENTS, {})
+    assert any("rewrote the torn chunk of /samples/a rows 0-2" in r for r in s.repaired), s.repaired
+    assert s.samples["a"].read()["status"].tolist() == [READY] * 3
+    s.close()
+    assert not verify_path(path)
+
+
+def killed_with_repairs_due(path, orphan: bool):
+    """A writer killed after a commit and a flush it did not commit: its flags set, 2 rows of
+    /samples/a past the commit, and 2 READY statuses the committed events do not hold. With
+    `orphan`, a committed /samples/b row names a parent (a/0_7) no row has, as a salvage by an
+    earlier release left it."""
+    def write():
+        s = StoreFile(path, AGENTS, {})
+        s.samples["a"].append(sample_rows(s, "a", 4))
+        kids = sample_rows(s, "b", 2)
+        kids["parent_id"] = [b"a/0_0", b"a/0_7" if orphan else b"a/0_1"]
+        s.samples["b"].append(kids)
+        s.events.append(event_rows(s, "a", np.arange(4), GENERATED))
+        s.flush()
+        s.samples["a"].append(sample_rows(s, "a", 2, step=1))
+        s.samples["a"].patch([0, 1], {"status": READY, "reward": 1.0})
+        s._commit = lambda counts: os.kill(os.getpid(), signal.SIGKILL)
+        s.flush()
+        return s
+
+    in_child_then_kill(write)
+
+
+def test_a_refused_resume_writes_nothing_though_repairs_were_due(tmp_path):
+    """Issue 38: the re-open made its repairs (cleared the flags, cut uncommitted rows,
+    restored statuses) and the resume refused afterwards (a sample without its parent's row,
+    tree.py), so the refused store had changed. Every check now comes first, reading only
+    (store.recovery.check_reopen): the store is byte-identical after the refusal."""
+    from flexmarl_hpc.store.checksum import StoreInconsistent
+    path = tmp_path / "s.h5"
+    killed_with_repairs_due(path, orphan=True)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(StoreInconsistent) as e:
+        StoreFile(path, AGENTS, {})
+    assert "\n" not in str(e.value) and "b sample 0_1 (step 0) has no parent row (a/0_7)" in str(e.value)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+
+def test_the_reopen_makes_exactly_the_repairs_its_check_listed(tmp_path):
+    """check_reopen is pure (the file unchanged) and lists the repairs; the re-open then
+    makes those and no other."""
+    from flexmarl_hpc.store.recovery import check_reopen
+    from flexmarl_hpc.store.schema import table_names
+    path = tmp_path / "s.h5"
+    killed_with_repairs_due(path, orphan=False)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    plan = check_reopen(path, AGENTS, table_names(AGENTS))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert plan.flags and plan.cut == {"/samples/a": 2} and not plan.torn
+    assert plan.restatus["a"][0].tolist() == [0, 1] and list(plan.restatus) == ["a"]
+    s = StoreFile(path, AGENTS, {})
+    assert s.repaired == plan.lines(), (s.repaired, plan.lines())
+    assert s.samples["a"].read()["status"].tolist() == [GENERATED] * 4
+    s.close()
+
+
+def test_the_pre_launch_check_refuses_a_sample_without_its_parent_row(tmp_path):
+    """The launcher's check_resumable makes the re-open's checks too: a store with an orphaned
+    sample is refused in one line before any rank starts, the file as it was."""
+    import yaml
+    from flexmarl_hpc.config.load import load_config, to_dict
+    from flexmarl_hpc.config.schema import ConfigError
+    from flexmarl_hpc.launch.preflight import check_resumable
+    cfg = load_config("configs/local.yaml", [f"run.output_dir={tmp_path}"])
+    sp, li = cfg.agent_names
+    s = StoreFile(tmp_path / f"{cfg.run.name}.h5", cfg.agent_names,
+                  {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False)})
+    s.samples[sp].append(sample_rows(s, sp, 1))
+    kid = sample_rows(s, li, 1)
+    kid["sample_id"], kid["parent_id"] = b"0_1_0", b"0_0_9"
+    s.samples[li].append(kid)
+    s.close()
+    before = hashlib.sha256(s.path.read_bytes()).hexdigest()
+    with pytest.raises(ConfigError, match=f"cannot resume: .*{li} sample 0_1_0 \\(step 0\\) has no parent row"):
+        check_resumable(cfg)
+    assert hashlib.sha256(s.path.read_bytes()).hexdigest() == before

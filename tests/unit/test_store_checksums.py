@@ -386,22 +386,29 @@ def test_salvage_names_the_children_of_samples_in_a_damaged_chunk(tmp_path):
         assert len(f["samples/a"]) == 136 and len(f["samples/b"]) == 136
 
 
-@pytest.mark.parametrize("table, lower", [("/events", 100), ("/samples/a", 100), ("/samples/a", 44)],
-                         ids=["events-in-a-chunk", "samples-past-a-full-chunk", "samples-to-a-chunk-start"])
+@pytest.mark.parametrize("table, lower", [("/events", 100), ("/samples/a", 100), ("/samples/a", 44),
+                                          ("/tokens/a", 512), ("/tokens/a", 1024)],
+                         ids=["events-in-a-chunk", "samples-past-a-full-chunk", "samples-to-a-chunk-start",
+                              "tokens-by-a-whole-chunk", "tokens-to-zero"])
 def test_a_lowered_commit_count_is_refused_and_the_file_left_as_it_was(tmp_path, table, lower):
     """Issue 38: /commit has no checksum of its own; a count lowered by damage made the resume
     cut committed rows (100 trained samples recorded as not consumed). The records written with
-    each count disagree with it: /commit_crc (the crc of the boundary chunk's committed rows)
-    and /chunk_crc (a full chunk logged past the count). Refused before anything changes."""
+    each count disagree with it: /commit_crc (the crc of the boundary chunk's committed rows),
+    /chunk_crc (a full chunk logged past the count) and /count_crc (the rows and the count
+    itself: a table without patched columns lowered by whole chunks, 1024 -> 512 or 0 /tokens
+    rows, has no row left in its boundary chunk to disagree). Refused before anything changes."""
     path = tmp_path / "s.h5"
-    written(path).close()                               # 300 rows, /samples chunks of 64
+    s = written(path)                                   # 300 rows, /samples chunks of 64
+    s.tokens["a"].append(np.zeros(1024, s.tokens["a"].dtype))      # 2 chunks of 512
+    s.close()
     with h5py.File(path, "r+") as f:
         i = [str(t) for t in f["commit"].attrs["tables"]].index(table)
         counts = f["commit"][:]
+        n = int(counts[i])
         counts[i] -= lower
         f["commit"][:] = counts
     before = sha(path)
-    with pytest.raises(StoreDamaged, match=f"/commit's count of {table} \\({300 - lower} rows\\)"):
+    with pytest.raises(StoreDamaged, match=f"/commit's count of {table} \\({n - lower} rows\\)"):
         StoreFile(path, AGENTS, {})
     assert sha(path) == before
     with pytest.raises(StoreDamaged):
