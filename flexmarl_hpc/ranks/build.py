@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from flexmarl_hpc.config.hf_config import model_args
+from flexmarl_hpc.config.hf_config import ModelArgs, model_args
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.learn.model import CausalLM, build_model, load_hf_checkpoint
 from flexmarl_hpc.learn.sampling import sample_seed
