@@ -214,6 +214,12 @@ class Scheduler:
         self.rounds_since_rebind = 0
         return new
 
+    @property
+    def wants_servable(self) -> bool:
+        """Does `rebind` read its `servable` argument? Only flex with load balancing: the
+        orchestrator skips building it otherwise (a set per replica per round)."""
+        return self.mode == "flex" and self.load_balance and not self.one_agent
+
     # -- gating ------------------------------------------------------------------------
     def may_admit(self, step: int, versions: dict[str, int], synced: bool) -> bool:
         """May the roots of `step` be created? sync: only once every agent is at `step`
