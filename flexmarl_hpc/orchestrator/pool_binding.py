@@ -22,6 +22,11 @@ class PoolBinding:
         self.pools = pools
         self.size = sum(len(idx) for idx, _, _ in pools)
 
+    @property
+    def wants_servable(self) -> bool:
+        """Does some pool's binder read `servable` (Binder.wants_servable)?"""
+        return any(binder.wants_servable for _, _, binder in self.pools)
+
     def initial_binding(self) -> list[str]:
         out: list[str | None] = [None] * self.size
         for idx, _, sched in self.pools:
@@ -35,9 +40,10 @@ class PoolBinding:
         `idle`/`servable` (per replica, over all pools) enable the schedulers' time-sharing."""
         new, changed = list(binding), False
         for idx, agents, sched in self.pools:
+            mine = set(agents)                   # once per pool, not per replica
             sub = sched.rebind({agent: backlog[agent] for agent in agents}, [binding[i] for i in idx],
                                None if idle is None else [idle[i] for i in idx],
-                               None if servable is None else [servable[i] & set(agents) for i in idx])
+                               None if servable is None else [servable[i] & mine for i in idx])
             if sub is not None:
                 changed = True
                 for i, agent in zip(idx, sub):

@@ -216,6 +216,12 @@ class Binder:
         self.rounds_since_rebind = 0
         return new
 
+    @property
+    def wants_servable(self) -> bool:
+        """Does `rebind` read its `servable` argument? Only flex with load balancing: the
+        orchestrator skips building it otherwise (a set per replica per round)."""
+        return self.mode == "flex" and self.load_balance and not self.one_agent
+
 
 @dataclass(frozen=True)
 class Gate:

@@ -35,41 +35,49 @@ EPS = 1e-9
 def maxmin_rates(flows: Sequence[Mapping[Hashable, int]], capacity: Mapping[Hashable, float],
                  caps: Sequence[float] | None = None) -> np.ndarray:
     """Max-min fair rates (bytes/s) of `flows`, each a {link: multiplicity} over links of
-    `capacity` bytes/s, each flow at most its `caps` (inf by default). Progressive filling."""
+    `capacity` bytes/s, each flow at most its `caps` (inf by default). Progressive filling.
+    Plain floats, not numpy: the arrays hold a handful of flows, where numpy's per-element
+    indexing cost 8% of `simulate paper` (the same operations in the same order: equal
+    rates, bit for bit)."""
     n = len(flows)
-    rate = np.zeros(n)
-    cap = np.full(n, math.inf) if caps is None else np.asarray(caps, dtype=np.float64)
-    frozen = np.zeros(n, dtype=bool)
+    rate = [0.0] * n
+    cap = [math.inf] * n if caps is None else [float(c) for c in caps]
+    frozen = [False] * n
     users: dict[Hashable, list[tuple[int, int]]] = {}
     for i, f in enumerate(flows):
         for link, m in f.items():
             users.setdefault(link, []).append((i, m))
     left = {link: float(capacity[link]) for link in users}
-    while not frozen.all():
+    while not all(frozen):
         # the smallest step that saturates a link or brings a flow to its cap
         step, tight = math.inf, []
+        live = [not x for x in frozen]
+        load = {link: sum(m for i, m in us if live[i]) for link, us in users.items()}
         for link, room in left.items():
-            k = sum(m for i, m in users[link] if not frozen[i])
+            k = load[link]
             if k:
                 s = room / k
                 if s < step * (1 - EPS):
                     step, tight = s, [link]
                 elif s <= step * (1 + EPS):
                     tight.append(link)
-        own = np.where(frozen, math.inf, cap - rate)
-        if own.min() < step * (1 - EPS):
-            step, tight = float(own.min()), []
+        own = min((cap[i] - rate[i] for i in range(n) if live[i]), default=math.inf)
+        if own < step * (1 - EPS):
+            step, tight = own, []
         if step == math.inf:
             raise ValueError("a flow crosses no link and has no cap: its rate is unbounded")
-        live = ~frozen
-        rate[live] += step
+        for i in range(n):
+            if live[i]:
+                rate[i] += step
         for link in left:
-            left[link] -= step * sum(m for i, m in users[link] if live[i])
-        frozen[live & np.isfinite(cap) & (cap - rate <= EPS * np.maximum(cap, 1.0))] = True
+            left[link] -= step * load[link]
+        for i in range(n):
+            if live[i] and cap[i] != math.inf and cap[i] - rate[i] <= EPS * max(cap[i], 1.0):
+                frozen[i] = True
         for link in tight:
             for i, _ in users[link]:
                 frozen[i] = True
-    return rate
+    return np.array(rate)
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,7 @@ class SyntheticWorkers:
         self.task = task
         self.response_len = response_len or (lambda agent, turn, budget: budget)
         self._ids: dict[int, np.ndarray] = {}
+        self._filler: tuple | None = None
 
     def generate(self, cmd: messages.Generate) -> list[tuple[list[int], list[float]]]:
         out = []
@@ -134,8 +135,10 @@ class SyntheticWorkers:
 
     def _allowed(self, turn: int) -> np.ndarray:
         filler = getattr(self.task, "filler_ids", None)
-        if filler is not None:
-            return np.asarray(filler)
+        if filler is not None:                   # converted once, not per request
+            if self._filler is None or self._filler[0] is not filler:
+                self._filler = (filler, np.asarray(filler))
+            return self._filler[1]
         if turn not in self._ids:
             mask = self.task.allowed_tokens(turn)
             self._ids[turn] = (np.arange(len(self.task.vocab)) if mask is None

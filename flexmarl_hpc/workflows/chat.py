@@ -181,7 +181,7 @@ class Conversation:
         episode to put in the next assistant message. A special token the model sampled
         mid-reply stays in the text: dropped, the next rendering would no longer extend
         `text`, and the whole context would be re-encoded from text (not token-exact)."""
-        response_ids = [int(i) for i in response_ids]
+        response_ids = list(map(int, response_ids))
         self.ids += response_ids
         stopped = bool(response_ids) and response_ids[-1] in self.tok.stop_ids
         body = response_ids[:-1] if stopped else response_ids

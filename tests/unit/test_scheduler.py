@@ -171,6 +171,24 @@ def test_rebind_time_shares_in_flex_only_and_not_without_load_balancing():
         assert s.rebind(backlog, ["c", "w"], [True, False], ALL3) is None
 
 
+def test_only_flex_with_load_balancing_reads_servable_so_the_orchestrator_may_skip_it():
+    """The orchestrator builds `servable` (a set per replica per round, 8% of `simulate
+    paper`) only when `wants_servable`: every other scheduler must answer the same without it,
+    however restrictive the sets it would have had."""
+    backlog, idle = {"p": 0.0, "c": 100.0, "w": 4000.0}, [True, True]
+    for binding in (["c", "w"], ["p", "p"], ["w", "w"]):
+        for make in (lambda: Binder(["p", "c", "w"], 2, "sync"),
+                     lambda: Binder(["p", "c", "w"], 2, "flex", load_balance=False),
+                     lambda: Binder(["p", "c", "w"], 2, "sync", one_agent=True),
+                     lambda: Binder(["p", "c", "w"], 2, "flex", one_agent=True)):
+            assert not make().wants_servable
+            for servable in (ALL3, [set(), set()], [{"p"}, {"c"}]):
+                assert make().rebind(backlog, binding, idle, None) == make().rebind(backlog, binding, idle, servable)
+    flex = Binder(["p", "c", "w"], 2, "flex")
+    assert flex.wants_servable
+    assert flex.rebind(backlog, ["c", "w"], idle, [set(), set()]) != flex.rebind(backlog, ["c", "w"], idle, ALL3)
+
+
 def test_rebind_keeps_one_replica_per_agent_when_there_are_enough_replicas():
     """2 agents on 2 replicas: a dominant backlog does not take the other agent's only
     replica at every batch boundary (that re-syncs both agents to both replicas each
