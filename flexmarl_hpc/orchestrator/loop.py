@@ -121,6 +121,15 @@ def initial_state(cfg: Config, layout: RankLayout, log) -> dict[str, AgentState]
             for agent, loc in initial_placement(cfg).items()}
 
 
+def servable_by(held: dict[str, int], free: set[str], current: dict[str, int]) -> set[str]:
+    """Agents a replica holding `held` (agent -> version) could generate for now: it holds
+    their `current` version, or push_weights may sync them to it this round (`free`, the
+    round's Orchestrator.syncable()); time-sharing rebinds only to these. Both sets are made
+    once a round by the caller: this runs per replica per round (a scan of every agent
+    here was 8% of `simulate paper`)."""
+    return free | {agent for agent, v in held.items() if current.get(agent) == v}
+
+
 def booked(activity: str):
     """Book a method's time on the orchestrator's BusyClock (`self.clock`) as `activity`."""
     def wrap(fn):
@@ -243,7 +252,7 @@ class Orchestrator:
         if self.pools.wants_servable:
             free = self.syncable()                # once per round, not per replica (1000s at scale)
             current = {agent: st.version for agent, st in self.state.items()}
-            servable = [self.servable(r, free, current) for r in self.replicas]
+            servable = [servable_by(r.held, free, current) for r in self.replicas]
         new = self.pools.rebind(backlog, self.binding, [r.busy is None for r in self.replicas], servable)
         if new is not None:
             self.binding = new
@@ -265,16 +274,6 @@ class Orchestrator:
         """Agents push_weights may sync this round: not syncing, not in flight, group idle."""
         return {agent for agent, st in self.state.items()
                 if not (st.syncing or st.inflight or self.group_busy(st.location.group))}
-
-    def servable(self, r, free: set[str] | None = None, current: dict[str, int] | None = None) -> set[str]:
-        """Agents replica `r` could generate for now: it holds their current weights, or
-        push_weights may sync them to it this round (time-sharing rebinds only to these);
-        `free`: this round's syncable(), `current`: agent -> version, both computed once by
-        the caller (this runs per replica per round: 8% of `simulate paper` as a scan of
-        every agent)."""
-        free = self.syncable() if free is None else free
-        current = {agent: st.version for agent, st in self.state.items()} if current is None else current
-        return free | {agent for agent, v in r.held.items() if agent in current and current[agent] == v}
 
     def all_synced(self) -> bool:
         return all(r.busy is None and r.held.get(agent) == self.state[agent].version
