@@ -1,6 +1,8 @@
 """trainer.ppo_epochs in real runs: two passes per batch record the clip fraction, and a kill
 between a replay pass and its optimizer step redoes the step from the checkpoint (the clip by
 hand and the replay on a real TorchTrainer: tests/unit/test_ppo_epochs.py)."""
+import re
+
 import h5py
 import numpy as np
 import torch
@@ -46,7 +48,13 @@ def test_kill_during_the_replay_redoes_the_step_from_the_checkpoint(tmp_path, mp
     assert done == 3, done                                         # killed in its 4th step
     monkeypatch.delenv("FLEXMARL_FAULT")
     q = run_training(out, *common)
-    assert "resumed at versions {'speaker': 2, 'listener': 2}" in q.stdout, q.stdout[-2000:]
+    # the speaker redoes its step from version 2; the listener trained its step 4 beside it
+    # (sync mode) and is at 2 or 4: its checkpoint of version 4 (checkpoint_every=2, sent as
+    # the step ends) races mpiexec ending the job after the kill, and either is a checkpoint
+    # of the uninterrupted run
+    resumed = re.search(r"resumed at versions \{'speaker': 2, 'listener': [24]\}", q.stdout)
+    assert resumed, q.stdout[-2000:]
+    print(resumed.group(0))
     check_exactly_once(out / "local.h5", 6)
     for agent in ("speaker", "listener"):
         a, b = final_weights(ref, agent), final_weights(out, agent)
