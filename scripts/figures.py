@@ -229,6 +229,7 @@ FIGURES: dict[str, Figure] = {
     "sim_paper": Figure(sim_paper, bench=True),
     "bench_store": Figure(bench("bench_store.py"), bench=True),
     "bench_weight_sync": Figure(bench("bench_weight_sync.py"), bench=True),
+    "bench_relay": Figure(bench("bench_relay.py"), bench=True),
     "bench_rollout": Figure(bench("bench_rollout.py", python=".venv-vllm/bin/python"), bench=True),
     "bench_ckpt_memory": Figure(bench("bench_ckpt_memory.py"), bench=True),
     "bench_cores": Figure(bench("bench_cores.py", "--pollers", "2"), bench=True),

@@ -32,6 +32,7 @@ side venv: `bash scripts/check_megatron_versions.sh 0.19.2 0.18.2 0.17.1`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator
 
 import torch
@@ -57,6 +58,10 @@ class _NullStream:
     def __exit__(self, *exc) -> None: ...
 
 
+def _drop_cpu_rng_fork_warning(record: logging.LogRecord) -> bool:
+    return record.getMessage() != "CPU RNG state changed within GPU RNG context"
+
+
 def apply() -> list[str]:
     """Patch `torch.cuda` for megatron-core on CPU; returns what was patched. Idempotent."""
     assert not torch.cuda.is_available(), "megatron compat is for CUDA-less hosts only"
@@ -80,6 +85,10 @@ def apply() -> list[str]:
     import megatron.core.tensor_parallel.random as tp_random
     tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # fork() notes the CPU state after switching the tracked one in, and warns if it moved: on
+    # CPU the tracked state IS the CPU generator's, so every draw inside (dropout) moves it by
+    # design, and the caller's state is put back on exit. Only that one message is dropped.
+    logging.getLogger(tp_random.__name__).addFilter(_drop_cpu_rng_fork_warning)
     _APPLIED.extend(["torch.cuda.current_device -> cpu", "torch.cuda.synchronize/empty_cache -> no-op",
                      "torch.cuda streams -> null stream", "CUDA RNG state -> CPU RNG state"])
     return list(_APPLIED)
