@@ -43,11 +43,15 @@ def undefined_names(source: str, filename: str) -> list[str]:
     return sorted(found)
 
 
-def test_no_module_reads_an_undefined_global_name():
+def findings(check) -> dict[str, list[str]]:
+    """{file: what `check(source, filename)` found} over the repository's Python files."""
     files = sorted(p for d in ("flexmarl_hpc", "tests", "scripts", "bench") for p in (ROOT / d).rglob("*.py"))
-    bad = {str(p.relative_to(ROOT)): names for p in files
-           if (names := undefined_names(p.read_text(encoding="utf-8"), str(p)))}
-    assert bad == {}
+    return {str(p.relative_to(ROOT)): found for p in files
+            if (found := check(p.read_text(encoding="utf-8"), str(p)))}
+
+
+def test_no_module_reads_an_undefined_global_name():
+    assert findings(undefined_names) == {}
 
 
 def test_the_check_sees_a_name_a_move_left_behind():
@@ -91,10 +95,7 @@ def unused_imports(source: str, filename: str) -> list[str]:
 
 
 def test_no_module_imports_a_name_it_does_not_use():
-    files = sorted(p for d in ("flexmarl_hpc", "tests", "scripts", "bench") for p in (ROOT / d).rglob("*.py"))
-    bad = {str(p.relative_to(ROOT)): names for p in files
-           if (names := unused_imports(p.read_text(encoding="utf-8"), str(p)))}
-    assert bad == {}
+    assert findings(unused_imports) == {}
 
 
 def test_the_unused_import_check_sees_one_and_keeps_the_used_ones():
