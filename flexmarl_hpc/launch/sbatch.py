@@ -41,6 +41,7 @@ from flexmarl_hpc.config.schema import Config, SlurmComponent
 from flexmarl_hpc.config.validate_slurm import OPTION_RE, check_gpus, validate_slurm
 from flexmarl_hpc.runtime.requeue import ENV as REQUEUE_FILE_ENV
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
+from flexmarl_hpc.runtime.stale_shm import INCARNATION_ENV
 COMPONENTS = ("orchestrator", "rollout", "trainer")
 """Het components in rank order."""
 
@@ -102,6 +103,7 @@ def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list
     lines = ["", "# site set-up (slurm.setup)", *(cfg.slurm.setup or [":"]), "",
              *(["# every rank's environment (slurm.env)", *env] if env else []),
              "export PYTHONUNBUFFERED=1",
+             *incarnation_lines(),
              "# SIGUSR1 (--signal, or `scancel --signal=USR1 --full`) and SIGTERM (preemption) are",
              "# for the ranks: they checkpoint and exit 75. bash would die of them; trapped, it waits",
              "# for srun and requeues.",
@@ -133,6 +135,15 @@ def _body(cfg: Config, srun: str, python: str, config_path: str, overrides: list
     return lines + ["fi", "exit $rc", ""]
 
 
+def incarnation_lines() -> list[str]:
+    """One name for this start of the job, the same on every node and het component, which
+    srun hands to each task: the ranks clear what a killed start left in /dev/shm once per
+    start (runtime/stale_shm.py). The job id and restart count alone come round again."""
+    return ["# one name for this start of the job on every node and het component: the ranks clear",
+            "# what a killed start left in /dev/shm once per start (runtime/stale_shm.py)",
+            f'export {INCARNATION_ENV}="$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.$(date +%s%N)"']
+
+
 def _restart_gate(cfg: Config) -> list[str]:
     """slurm.max_restarts: the count of requeues in a row that ended without a new checkpoint
     lives in logs/JOB.restarts ("COUNT CAUSE", written by `_count_restart`). An incarnation
@@ -146,7 +157,7 @@ def _restart_gate(cfg: Config) -> list[str]:
             f'RESTARTS={logs}/"$SLURM_JOB_ID.restarts"',
             f"ckpt_sig() {{ cat {ckpts}/*/latest 2>/dev/null | cksum; }}",
             'CKPT=$(ckpt_sig)',
-            'read -r nfail cause < "$RESTARTS" 2>/dev/null || nfail=0',
+            '{ read -r nfail cause < "$RESTARTS"; } 2>/dev/null || nfail=0   # braces: no file yet (the first start) prints nothing',
             f'if [ "$nfail" -gt {cfg.slurm.max_restarts} ]; then',
             *_stop_line(cfg, "not starting"),
             "  exit 1",

@@ -17,13 +17,18 @@ writes the incarnation into the lock file; later local ranks find it there and l
 segments alone, since by then a rank may be creating the new ones. Nothing happens outside
 Slurm (mpiexec's kvs names are unique per launch) or without PMI_JOBID (PMIx, Open MPI).
 
-The incarnation is the restart count *and* the step's srun (host, port): the restart count
-alone is not unique, since a job id comes round again (a slurmctld whose state was reset, as
-the local test cluster's is at each start, or MaxJobId's wrap), and the marker an earlier
-cluster lifetime's job of that id left made a requeued step skip the clean-up and hang in
-MPI_Init (CI, 2026-11-29: both ranks saw the slab and removed nothing). The srun's address is
-the same on every node of the step, so nodes that share one /dev/shm (the local cluster's)
-still clear once per incarnation.
+The incarnation must be the same on every node and het component of the step and new at each
+start. The batch script makes it (`FLEXMARL_INCARNATION`, launch/sbatch.py: job, restart count,
+and the batch shell's start in ns) and srun hands it to every task. The restart count alone is
+not unique: a job id comes round again (a slurmctld whose state was reset, as the local test
+cluster's is at each start, or MaxJobId's wrap), and the marker an earlier cluster lifetime's
+job of that id left made a requeued step skip the clean-up and hang in MPI_Init (CI,
+2026-11-29). Nor is the srun's (host, port) the same on every node: srun listens on one port
+per het component, so the first rank of each component took the step for a new incarnation
+and removed the slabs the other components' ranks had just made, and the six-component job
+hung in MPI_Init (CI, 2026-11-29, the second failure). A step started without our batch
+script falls back to the restart count with the srun's address, which holds for a step of
+one component.
 """
 from __future__ import annotations
 
@@ -48,8 +53,13 @@ def segment_prefixes(kvs: str) -> tuple[str, ...]:
     return f"mpich_shm_{world}_", f"mpich_vci_{world}_"
 
 
+INCARNATION_ENV = "FLEXMARL_INCARNATION"
+
+
 def incarnation(env: Mapping[str, str]) -> str:
     """This incarnation of the step, the same on each of its nodes (module docstring)."""
+    if env.get(INCARNATION_ENV):
+        return env[INCARNATION_ENV]
     return ":".join(env.get(key, "") for key in
                     ("SLURM_RESTART_COUNT", "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT"))
 

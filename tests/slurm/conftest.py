@@ -11,6 +11,8 @@ provider hung between the local cluster's nodes; tcp works.
 """
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 
@@ -18,3 +20,20 @@ import pytest
 def _mpich_ofi_tcp(monkeypatch):
     monkeypatch.setenv("MPIR_CVAR_CH4_NETMOD", "ofi")
     monkeypatch.setenv("FI_PROVIDER", "tcp")
+
+
+@pytest.fixture(autouse=True)
+def _job_logs_on_failure(request, tmp_path):
+    """A failed test shows the end of its jobs' logs (CI keeps only pytest's output: the
+    six-component job that hung in MPI_Init left nothing but "still RUNNING after 900 s"), and a
+    job it leaves running is cancelled, so that it does not hold the nodes the next test needs."""
+    yield
+    jobs = sorted({p.name.split(".")[0] for p in tmp_path.glob("**/logs/*.sbatch")})
+    if jobs:
+        subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
+    rep = getattr(request.node, "_report_call", None)
+    if rep is None or not rep.failed:
+        return
+    for log in sorted(tmp_path.glob("**/logs/*.out")) + sorted(tmp_path.glob("**/logs/*.err")):
+        lines = log.read_text(errors="replace").splitlines()
+        print(f"--- {log} (last 40 of {len(lines)} lines)", *lines[-40:], sep="\n")

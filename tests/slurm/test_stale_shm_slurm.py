@@ -4,11 +4,16 @@ MPICH names each node's shared-memory slab after the PMI kvs name, which under s
 "JOB.STEP" and so the same for every incarnation of a requeued job: the killed incarnation's
 slab was left in /dev/shm, and the next one hung in MPI_Init (docs/LOG.md, 2026-11-29; the
 cause of the start-up watchdog test's restart loop in CI). The ranks clear it first
-(flexmarl_hpc/runtime/stale_shm.py, called by run.py before MPI_Init); this job does what
-run.py does, with two ranks on one node, in two incarnations. Before it starts, the job's id
-is given the marker an earlier cluster lifetime's job of the same id would have left (the
-local cluster starts with fresh state, so ids come round again: CI of 2026-11-29 failed on
-exactly that, both ranks seeing the slab and removing nothing).
+(flexmarl_hpc/runtime/stale_shm.py, called before MPI_Init); this job does what a rank does,
+as a het job of two components with two ranks each (the local cluster's nodes share one
+/dev/shm), in two incarnations, with the batch script's own incarnation line
+(launch/sbatch.py, incarnation_lines). Two earlier failures are held here:
+- the job's id is first given the marker an earlier cluster lifetime's job of the same id
+  would have left (the local cluster starts with fresh state, so ids come round again: both
+  ranks saw the slab and removed nothing);
+- every rank of both components must see one incarnation, and exactly one rank clears: srun
+  listens on one port per het component, and with its address as the incarnation each
+  component cleared, removing the slab the other had made (hetero_cpu hung in MPI_Init).
 
     pytest tests/slurm/test_stale_shm_slurm.py
 """
@@ -19,6 +24,7 @@ import sys
 
 import pytest
 
+from flexmarl_hpc.launch.sbatch import incarnation_lines
 from flexmarl_hpc.runtime.stale_shm import SHM, clear_stale_segments
 from tests.conftest import ROOT
 from tests.helpers import wait_for
@@ -33,9 +39,10 @@ os.kill(os.getpid(), signal.SIGKILL)               # a node failure: no MPI_Fina
 """
 SECOND = """
 import os
-from flexmarl_hpc.runtime.stale_shm import clear_stale_segments, segment_prefixes
+from flexmarl_hpc.runtime.stale_shm import clear_stale_segments, incarnation, segment_prefixes
 left = [n for n in os.listdir("/dev/shm") if n.startswith(segment_prefixes(os.environ["PMI_JOBID"]))]
-print("stale before MPI_Init:", sorted(left), "removed:", sorted(clear_stale_segments()), flush=True)
+print("stale before MPI_Init:", sorted(left), "removed:", sorted(clear_stale_segments()),
+      "incarnation:", incarnation(os.environ), flush=True)
 from mpi4py import MPI
 print("second incarnation: rank", MPI.COMM_WORLD.rank, "sum", MPI.COMM_WORLD.allreduce(1), flush=True)
 """
@@ -50,12 +57,15 @@ def test_a_requeued_step_starts_after_its_killed_incarnation_left_its_slab(slurm
     script.write_text("\n".join([
         "#!/bin/bash",
         f"#SBATCH --nodes=1 --ntasks=2 --output={out} --open-mode=append --requeue --time=5",
+        "#SBATCH hetjob",
+        "#SBATCH --nodes=1 --ntasks=2",
         f"export PYTHONPATH={ROOT}",
+        *incarnation_lines(),
         'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then',
-        f"  srun --mpi=pmi2 {sys.executable} {tmp_path / 'first.py'}",
+        f"  srun --mpi=pmi2 --het-group=0,1 {sys.executable} {tmp_path / 'first.py'}",
         '  scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused"',
         "else",
-        f"  timeout 60 srun --mpi=pmi2 {sys.executable} {tmp_path / 'second.py'}",
+        f"  timeout 60 srun --mpi=pmi2 --het-group=0,1 {sys.executable} {tmp_path / 'second.py'}",
         '  echo "second srun exit $?"',
         "fi", ""]))
     job = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True,
@@ -73,9 +83,11 @@ def test_a_requeued_step_starts_after_its_killed_incarnation_left_its_slab(slurm
         wait_for(lambda: "second srun exit" in out.read_text(), 240, "the second incarnation", poll=2)
         text = out.read_text()
         assert "second srun exit 0" in text, text           # 124: hung in MPI_Init for 60 s
-        assert text.count("second incarnation: rank") == 2 and text.count("sum 2") == 2, text
+        assert text.count("second incarnation: rank") == 4 and text.count("sum 4") == 4, text
         stale = [line for line in text.splitlines() if line.startswith("stale before MPI_Init")]
-        assert any("mpich_shm_" in line for line in stale), text  # the killed incarnation's slab was there
+        assert len(stale) == 4 and any("mpich_shm_" in line for line in stale), text  # the killed slab was there
+        assert len({line.split("incarnation: ")[1] for line in stale}) == 1, text    # one name, both components
+        assert sum("removed: []" not in line for line in stale) == 1, text          # one rank cleared
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
         (SHM / f"flexmarl-{job}.0.lock").unlink(missing_ok=True)

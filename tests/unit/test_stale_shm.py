@@ -58,3 +58,18 @@ def test_nothing_happens_outside_a_slurm_pmi_step(tmp_path):
     assert clear_stale_segments({"SLURM_STEP_ID": "0"}, tmp_path) == []          # PMIx: no PMI_JOBID
     assert clear_stale_segments(_env(kvs="../x.0"), tmp_path) == []
     assert [p.name for p in tmp_path.iterdir()] == ["mpich_shm_59de1db0_0"]
+
+
+def test_the_components_of_a_het_step_clear_once_per_start(tmp_path):
+    # CI 2026-11-29: srun listens on one port per het component, so with the srun's address as
+    # the incarnation each component's first rank cleared, removing the slab another component
+    # had just made, and hetero_cpu's six-component job hung in MPI_Init
+    start = {"FLEXMARL_INCARNATION": "55.0.1764423728000000001"}
+    (tmp_path / "mpich_shm_477f8ec9_0").write_bytes(b"killed start")
+    assert clear_stale_segments({**_env(kvs="55.0", port="42699"), **start}, tmp_path) == ["mpich_shm_477f8ec9_0"]
+    (tmp_path / "mpich_shm_477f8ec9_0").write_bytes(b"component 0, this start")
+    assert clear_stale_segments({**_env(kvs="55.0", port="45843"), **start}, tmp_path) == []
+    assert (tmp_path / "mpich_shm_477f8ec9_0").read_bytes() == b"component 0, this start"
+    # the next start of the same job (same restart count after a reset cluster) clears again
+    later = {"FLEXMARL_INCARNATION": "55.0.1764423999000000002"}
+    assert clear_stale_segments({**_env(kvs="55.0", port="42699"), **later}, tmp_path) == ["mpich_shm_477f8ec9_0"]
