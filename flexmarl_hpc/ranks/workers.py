@@ -194,15 +194,10 @@ class TrainerRank:
     def checkpoint(self, cmd: messages.Checkpoint, t0: float) -> messages.Reply:
         for name in cmd.agents:
             tr = trainer_of(self.mover, name)
-            if hasattr(tr, "save_checkpoint"):
-                # megatron: every rank writes its own shards (dist_checkpointing), the
-                # leader publishes the entry with its manifest; no full-state gather
+            if tr is not None:                        # live or shelved: its backend's format
                 tr.save_checkpoint(self.ckpt_dir / name, self.keep_checkpoints)
-                continue
-            # every rank gathers: a sharded trainer's state() is collective over the
-            # group (a leader gathering alone waits forever for the members)
-            state = self.mover.state_of(name)
-            if self.leader:
+            elif self.leader:                         # parked as a plain state, whole on each rank
+                state = self.mover.parked[name]
                 save_checkpoint(self.ckpt_dir / name, int(state["version"]), state, self.keep_checkpoints)
         self.clock.mark("checkpoint", ",".join(cmd.agents), t0)
         return messages.Checkpointed(cmd.agents)
@@ -327,10 +322,16 @@ class _TrainerSource:
         self.tr, self.version = tr, tr.version
 
     def ready(self):
-        return self.tr.onloaded() if hasattr(self.tr, "onloaded") else contextlib.nullcontext()
+        return self.tr.onloaded()
 
-    def __getattr__(self, name):
-        return getattr(self.tr, name)
+    def sync_layouts(self):
+        return self.tr.sync_layouts()
+
+    def sync_senders(self) -> list[int]:
+        return self.tr.sync_senders()
+
+    def sync_stream(self, pieces=None, dest=None):
+        return self.tr.sync_stream(pieces, dest)
 
 
 def sync_source(mover: StateMover, agent: str, group: MPI.Comm):
@@ -348,14 +349,10 @@ def restore_trainers(group: MPI.Comm, mover: StateMover, ckpt_dir: Path) -> None
     orchestrator picks the same version (checkpoint.newest_valid), and reports bad ones."""
     for name in sorted(set(mover.trainers) | set(mover.parked)):
         tr = trainer_of(mover, name)
-        if hasattr(tr, "load_checkpoint"):           # megatron: collective, newest valid entry
+        if tr is not None:                            # live or shelved: its backend's format
             tr.load_checkpoint(ckpt_dir / name, report=lambda line: None)
             continue
         state = load_latest(ckpt_dir / name, report=lambda line: None) if group.Get_rank() == 0 else None
         state = comm.bcast_tensors(group, state, 0)
-        if state is None:
-            continue
-        if name in mover.trainers:
-            mover.trainers[name].load_state(state)
-        else:
+        if state is not None:
             mover.parked[name] = state

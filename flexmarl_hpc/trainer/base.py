@@ -10,7 +10,11 @@ are reduced across the group inside). A weight sync streams (`sync_layouts`, `sy
 `sync_stream`: per PP stage, its HF tensors one at a time on the stage's sender, see
 runtime/weight_sync.py); `named_weights` gives HF-named full tensors on the group leader
 (tests, export); `state`/`load_state` carry model + optimizer + RNG as a
-flat dict of tensors (checkpoints and state swapping use it; no pickled objects).
+flat dict of tensors (checkpoints and state swapping use it; no pickled objects);
+`save_checkpoint`/`load_checkpoint` write and read the agent's checkpoints, collective over
+the group, each backend in its own format (torch: the leader's one file of `state()`;
+megatron: every rank its shards); `onloaded` brings a shelved (offloaded) trainer onto its
+device for a block, such as a weight sync of a parked agent.
 `torch` (trainer/torch_trainer.py) is built in; `megatron` (the trainer/megatron/ package).
 
 Several PPO epochs (trainer.ppo_epochs = E > 1, `finish_step`): on pass 1 a backend keeps
@@ -25,7 +29,8 @@ from the last checkpoint like any unreported step (nothing is trained twice).
 """
 from __future__ import annotations
 
-from typing import Protocol
+from pathlib import Path
+from typing import Callable, ContextManager, Protocol
 
 import torch
 
@@ -76,6 +81,18 @@ class TrainerBackend(Protocol):
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of `state`."""
+
+    def save_checkpoint(self, folder: Path, keep: int = 3) -> None:
+        """Collective over the group: publish checkpoint `version` in `folder`, keeping the
+        last `keep` (store/checkpoint.py's entries and manifests); a failure is a
+        CheckpointError on every rank, and older checkpoints stay intact."""
+
+    def load_checkpoint(self, folder: Path, report: Callable[[str], None] = print) -> int | None:
+        """Collective over the group: load the newest valid checkpoint of `folder` (bad
+        entries are reported and skipped); its version, None if there is none."""
+
+    def onloaded(self) -> ContextManager[None]:
+        """The trainer on its device for the block, shelved again after it if it was."""
 
 
 REPLAY_STATS = ("clip_frac", "ppo_kl")

@@ -7,7 +7,10 @@ written for any device: every tensor of the state goes through `_rehome`.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -19,6 +22,7 @@ from flexmarl_hpc.learn.grpo import MicroBatch, first_scored, grpo_loss, stat_va
 from flexmarl_hpc.learn.model import CausalLM, hf_state_dict
 from flexmarl_hpc.runtime.state_swap import HostBuffers, finish_copies, release, to_device
 from flexmarl_hpc.runtime.weight_sync import dict_bucket, host_bytes, layout_of
+from flexmarl_hpc.store import checkpoint
 from flexmarl_hpc.trainer.base import replay
 
 
@@ -167,6 +171,27 @@ class TorchTrainer:
             torch.set_rng_state(state["rng"])
         else:                                   # parked: the RNG comes back with onload
             self.parked_rng = state["rng"].clone()
+
+    def save_checkpoint(self, folder: Path, keep: int = 3) -> None:
+        """Every rank's replica is whole (data parallel), so the leader writes its `state()`
+        as one file; the others only pass the call."""
+        if self.group.Get_rank() == 0:
+            checkpoint.save_checkpoint(Path(folder), self.version, self.state(), keep)
+
+    def load_checkpoint(self, folder: Path, report: Callable[[str], None] = print) -> int | None:
+        """The leader reads the newest valid entry and hands it to every replica (shelved or
+        live: load_state keeps an offloaded trainer's tensors in their host buffers)."""
+        state = checkpoint.load_latest(Path(folder), report) if self.group.Get_rank() == 0 else None
+        state = comm.bcast_tensors(self.group, state, 0)
+        if state is None:
+            return None
+        self.load_state(state)
+        return self.version
+
+    def onloaded(self):
+        """Nothing to move: a weight sync streams this trainer's tensors from wherever they
+        are (host buffers while shelved; the torch backend runs on the CPU)."""
+        return contextlib.nullcontext()
 
 
 def flatten_parameters(model: CausalLM) -> np.ndarray:
