@@ -26,6 +26,10 @@ from flexmarl_hpc.tools.sandbox import run_code_sync
 from tests.conftest import need
 
 CFG = ToolsConfig(cpu_s=2, wall_s=20, memory_mb=256, nproc=16)
+# The tests that count what is left run as a uid of this test process alone: every sandbox of
+# one uid shares its processes (and RLIMIT_NPROC), so a second pytest on the machine (seen:
+# three unit tiers at once) left its live tools under 65534 to be found, and killed, by reap.
+OWN_UID = 59000 + os.getpid() % 1000
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +59,8 @@ def sandbox_processes(uid: int) -> list[int]:
 
 
 def reap(uid: int) -> list[int]:
-    """Stop, then kill, every process of `uid` (only the sandbox's uid, 65534, which nothing
-    else here runs as): a regression must not leave a fork bomb behind. Returns what it found."""
+    """Stop, then kill, every process of `uid` (a test's own sandbox uid, which nothing else
+    runs as): a regression must not leave a fork bomb behind. Returns what it found."""
     found: set[int] = set()
     for _ in range(200):
         pids = sandbox_processes(uid)
@@ -92,9 +96,9 @@ def test_a_fork_bomb_is_contained_and_leaves_no_process(isolation):
     # each child also leaves the process group, as if to escape a kill of the group
     bomb = ("import os\nwhile True:\n    try:\n        os.fork() or os.setsid()\n"
             "    except OSError:\n        pass\n")
-    r = run_code_sync(bomb, ToolsConfig(cpu_s=1, wall_s=6, nproc=16))
+    r = run_code_sync(bomb, ToolsConfig(cpu_s=1, wall_s=6, nproc=16, uid=OWN_UID))
     assert r.outcome in ("killed_cpu", "timeout"), r
-    assert reap(CFG.uid) == []
+    assert reap(OWN_UID) == []
     assert run_code_sync("print(2)", CFG).stdout == "2\n"               # the caller goes on
 
 
@@ -111,9 +115,9 @@ def test_an_infinite_loop_is_killed_at_its_cpu_limit():
 
 
 def test_a_sleeping_loop_is_killed_at_the_wall_clock_limit():
-    r = run_code_sync("import time\nwhile True:\n    time.sleep(1)\n", ToolsConfig(cpu_s=5, wall_s=1.5))
+    r = run_code_sync("import time\nwhile True:\n    time.sleep(1)\n", ToolsConfig(cpu_s=5, wall_s=1.5, uid=OWN_UID))
     assert (r.outcome, r.exit_code) == ("timeout", None), r
-    assert r.wall_s >= 1.5 and reap(CFG.uid) == []                  # killed, not abandoned
+    assert r.wall_s >= 1.5 and reap(OWN_UID) == []                  # killed, not abandoned
 
 
 def test_writing_outside_its_directory_is_refused(isolation, tmp_path):
