@@ -148,12 +148,14 @@ do not import each other."""
 def all_imports(tree: ast.AST, mods: set[str] | None = None) -> set[str]:
     """Every `flexmarl_hpc...` module a file names in an import, at module level or inside a
     function (a deferred import is still a dependency), except under `if TYPE_CHECKING`.
-    `from pkg import x` names pkg.x where that is one of `mods`, else pkg (both if no `mods`)."""
+    `from pkg import x` names pkg.x where that is one of `mods`, else pkg (both if no `mods`).
+    One walk, one filter at the end (a filter at every node made the cycle test 16 s)."""
     found: set[str] = set()
-    for n in ast.iter_child_nodes(tree):
-        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
-            for s in n.orelse:
-                found |= all_imports(s, mods)
+    todo = [tree]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, ast.If) and _type_checking(n.test):
+            todo.extend(n.orelse)
             continue
         if isinstance(n, ast.Import):
             found.update(a.name for a in n.names)
@@ -161,8 +163,14 @@ def all_imports(tree: ast.AST, mods: set[str] | None = None) -> set[str]:
             for a in n.names:
                 sub = f"{n.module}.{a.name}"
                 found.update([sub, n.module] if mods is None else [sub if sub in mods else n.module])
-        found |= all_imports(n, mods)
+        todo.extend(ast.iter_child_nodes(n))
     return found & mods if mods is not None else {m for m in found if m.startswith("flexmarl_hpc.")}
+
+
+def _type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING`."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def upward_imports(package: Path, layers: list[list[str]]) -> list[str]:
