@@ -47,19 +47,32 @@ def test_the_torch_backend_checkpoints_through_the_protocol_live_and_shelved(tmp
     """save_checkpoint then load_checkpoint into a fresh trainer, one live and one shelved
     (offloaded, as a parked agent is): the same state, version and all."""
     import torch
-    from flexmarl_hpc.runtime.state_swap import HostBuffers
-    from tests.unit.test_ppo_epochs import ARGS, _batch, _trainer
+    from mpi4py import MPI
+    from flexmarl_hpc.config.hf_config import ModelArgs
+    from flexmarl_hpc.config.schema import TrainerConfig
+    from flexmarl_hpc.learn.grpo import MicroBatch
     from flexmarl_hpc.learn.model import CausalLM
+    from flexmarl_hpc.runtime.state_swap import HostBuffers
     from flexmarl_hpc.trainer.base import finish_step
+    from flexmarl_hpc.trainer.torch_trainer import TorchTrainer
+    args = ModelArgs(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                     intermediate_size=32, max_seq_len=8)
+
+    def trainer():
+        return TorchTrainer(CausalLM(args), TrainerConfig(lr=0.05), MPI.COMM_SELF, temperature=1.0)
+    g = torch.Generator().manual_seed(1)
+    batch = MicroBatch(torch.randint(0, 8, (4, 6), generator=g), torch.full((4,), 2), torch.tensor([4, 3, 2, 4]),
+                       -2.0 + 0.1 * torch.randn(4, 6, generator=g), torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                       torch.zeros(4, dtype=torch.bool), None)
     torch.manual_seed(0)
-    tr = _trainer(1, CausalLM(ARGS))
-    tr.forward_backward(_batch(1), 1.0)
+    tr = trainer()
+    tr.forward_backward(batch, 1.0)
     finish_step(tr, 1, {}, lambda stats: stats)
     assert tr.load_checkpoint(tmp_path / "none") is None
     tr.save_checkpoint(tmp_path / "a", keep=2)
     want = tr.state()
     for shelved in (False, True):
-        other = _trainer(1, CausalLM(ARGS))
+        other = trainer()
         if shelved:
             other.offload(HostBuffers())
         assert other.load_checkpoint(tmp_path / "a", report=lambda line: None) == 1
