@@ -3,6 +3,9 @@
 
     python bench/bench_reopen.py [--samples 200000] [--reps 5]
 
+Each rep also gives the peak of memory the re-open's checks allocate (tracemalloc: numpy's
+arrays and h5py's reads are traced; the file's own HDF5 cache is not).
+
 Each rep re-opens a fresh copy of the same file (StoreFile, then the file closed without a
 flush), so every rep makes the same checks. To compare two checkouts, run this file with
 PYTHONPATH set to each, interleaved (docs/LOG.md, 2026-11-29, issue 38).
@@ -14,6 +17,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -49,15 +53,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base, path = Path(tmp) / "base.h5", Path(tmp) / "s.h5"
         make(base, args.samples)
-        times = []
+        times, peaks = [], []
         for _ in range(args.reps):
             shutil.copy(base, path)
+            tracemalloc.start()
             t = time.perf_counter()
             s = StoreFile(path, AGENTS, {})
             times.append(time.perf_counter() - t)
+            peaks.append(tracemalloc.get_traced_memory()[1] / 1e6)
+            tracemalloc.stop()
             s.f.close()
         print(f"re-open of {base.stat().st_size / 1e6:.0f} MB ({len(AGENTS)} x {args.samples} samples): "
-              f"{statistics.median(times):.3f} s [{min(times):.3f}, {max(times):.3f}] ({args.reps} reps)")
+              f"{statistics.median(times):.3f} s [{min(times):.3f}, {max(times):.3f}], peak "
+              f"{statistics.median(peaks):.0f} MB [{min(peaks):.0f}, {max(peaks):.0f}] ({args.reps} reps)")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from numpy.lib.recfunctions import repack_fields
 
 from flexmarl_hpc.clock import REAL
 
@@ -264,17 +265,20 @@ def chunk_crcs(f: h5py.File) -> dict[str, dict[int, int]]:
     return out
 
 
-def read_rows(ds: h5py.Dataset, rows: int, torn: list[Damage] = ()) -> np.ndarray:
+def read_rows(ds: h5py.Dataset, rows: int, torn: list[Damage] = (), fields: tuple[str, ...] = ()) -> np.ndarray:
     """ds[:rows], the rows of its torn chunks (verify_store's `torn`) from the chunks' raw
     bytes: HDF5 would refuse them (their Fletcher-32 no longer matches) and torn_chunk
-    verified their committed rows."""
+    verified their committed rows. `fields`: only those columns, packed (HDF5 reads each
+    chunk whole and keeps only them: the result holds no other column)."""
+    sub = ds.fields(list(fields)) if fields else ds
     if not torn:
-        return ds[:rows]
+        return sub[:rows]
     parts, pos = [], 0
     for d in sorted(torn, key=lambda d: d.lo):
-        parts += [ds[pos:d.lo], np.frombuffer(ds.id.read_direct_chunk((d.lo,))[1], ds.dtype, d.hi - d.lo)]
+        raw = np.frombuffer(ds.id.read_direct_chunk((d.lo,))[1], ds.dtype, d.hi - d.lo)
+        parts += [sub[pos:d.lo], repack_fields(raw[list(fields)]) if fields else raw]
         pos = d.hi
-    return np.concatenate([*parts, ds[pos:rows]])
+    return np.concatenate([*parts, sub[pos:rows]])
 
 
 def committed(f: h5py.File) -> dict[str, int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import h5py
 import numpy as np
@@ -65,16 +66,19 @@ def check_reopen(path: Path, agents: list[str], tables: list[str]) -> Recovery:
                                  f"{len(f[name])} (damaged file)")
             if len(f[name]) > keep:
                 cut[name] = len(f[name]) - keep
+        # one agent's columns at a time, only those a check reads: what is held at once is
+        # every agent's sample ids (the parents' pool), /events, and one agent's columns
+        def rows_of(a: str, fields: tuple[str, ...]) -> np.ndarray:
+            return read_rows(f[f"samples/{a}"], counts[f"/samples/{a}"], _of(torn, f"/samples/{a}"), fields)
+        check_parents(path, {a: rows_of(a, ("sample_id",))["sample_id"] for a in agents},
+                      lambda a: rows_of(a, PARENT_FIELDS))
         events = read_rows(f["events"], counts["/events"], _of(torn, "/events"))
-        samples = {a: read_rows(f[f"samples/{a}"], counts[f"/samples/{a}"], _of(torn, f"/samples/{a}"))
-                   for a in agents}
+        restatus = {}
+        for i, a in enumerate(agents):
+            idx, want = status_patch(rows_of(a, STATUS_FIELDS), events, i)
+            if len(idx):
+                restatus[a] = (idx, want)
     flags = open_flags(path)             # the superblock's own checksum checked too
-    check_parents(path, samples)
-    restatus = {}
-    for i, (a, rows) in enumerate(samples.items()):
-        idx, want = status_patch(rows, events, i)
-        if len(idx):
-            restatus[a] = (idx, want)
     return Recovery(flags, torn, cut, restatus, added)
 
 
@@ -97,15 +101,21 @@ def _check_tables(f: h5py.File, path, counts: dict, tables: list[str]) -> list[s
     return added
 
 
-def check_parents(path, samples: dict[str, np.ndarray]) -> None:
+PARENT_FIELDS = ("sample_id", "parent_id", "step")
+
+
+def check_parents(path, ids: dict[str, np.ndarray], rows_of: Callable[[str], np.ndarray]) -> None:
     """Every committed sample with a parent (`parent_id`: the parent's sample_id in a tree
     workflow, "<agent>/<sample_id>" for an episode call) has the parent's row: a child
     without one (a store salvaged by a release that kept orphans) cannot be replayed, so it
-    is refused in one line naming it (StoreInconsistent)."""
-    ids = {a: np.sort(rows["sample_id"]) for a, rows in samples.items()}
-    every = np.sort(np.concatenate(list(ids.values()))) if ids else np.zeros(0, "S64")
-    for a, rows in samples.items():
-        missing = np.flatnonzero(~_parents_found(rows["parent_id"], every, ids))
+    is refused in one line naming it (StoreInconsistent). `ids`: each agent's sample ids
+    (sorted here in place: the only copy held); `rows_of(agent)`: its PARENT_FIELDS, read
+    when its turn comes."""
+    for v in ids.values():
+        v.sort()
+    for a in ids:
+        rows = rows_of(a)
+        missing = np.flatnonzero(~_parents_found(rows["parent_id"], ids))
         if len(missing):
             r = rows[missing[0]]
             raise StoreInconsistent(
@@ -114,14 +124,15 @@ def check_parents(path, samples: dict[str, np.ndarray]) -> None:
                 "(python -m flexmarl_hpc.analyze salvage)")
 
 
-def _parents_found(parents: np.ndarray, every: np.ndarray, ids: dict[str, np.ndarray]) -> np.ndarray:
+def _parents_found(parents: np.ndarray, ids: dict[str, np.ndarray]) -> np.ndarray:
     """Which `parents` ("" included) name a row: a bare sample_id of any agent's, or
-    "<agent>/<sample_id>" of that agent's. `every` and `ids` sorted: a binary search each
-    (a set of Python bytes took ~2.4 s for 400,000 samples, np.isin's hash of 64-byte strings
-    ~1.4 s)."""
+    "<agent>/<sample_id>" of that agent's. `ids` sorted: a binary search in each (a set of
+    Python bytes took ~2.4 s for 400,000 samples, np.isin's hash of 64-byte strings ~1.4 s;
+    one sorted pool of every agent's ids was a second copy of them)."""
     parents = np.ascontiguousarray(parents)          # a field of the records: strided
     found = parents == b""
-    found[~found] = _among(parents[~found], every)
+    for mine in ids.values():
+        found[~found] = _among(parents[~found], mine)
     width = parents.dtype.itemsize
     for b, mine in ids.items():
         pre = f"{b}/".encode()

@@ -661,3 +661,35 @@ def test_the_pre_launch_check_refuses_a_sample_without_its_parent_row(tmp_path):
     with pytest.raises(ConfigError, match=f"cannot resume: .*{li} sample 0_1_0 \\(step 0\\) has no parent row"):
         check_resumable(cfg)
     assert hashlib.sha256(s.path.read_bytes()).hexdigest() == before
+
+
+def test_the_reopen_check_holds_one_agents_columns_at_a_time(tmp_path):
+    """check_reopen reads only the columns its checks need, one agent at a time, and keeps one
+    copy of the sample ids: on 2 x 20,000 samples (the second agent's children of the first's)
+    it allocates at most 300 bytes per sample (tracemalloc counts numpy's and h5py's arrays;
+    every agent's whole records at once, two sorted copies of the ids and the events took 488
+    per sample: bench/bench_reopen.py, docs/LOG.md 2026-11-29)."""
+    import tracemalloc
+    from flexmarl_hpc.store.recovery import check_reopen
+    from flexmarl_hpc.store.schema import table_names
+    n, path = 20_000, tmp_path / "s.h5"
+    s = StoreFile(path, AGENTS, {})
+    for i, a in enumerate(AGENTS):
+        rows = np.zeros(n, s.samples[a].dtype)
+        rows["sample_id"] = [f"{k}_{i}_0".encode() for k in range(n)]
+        rows["parent_id"] = [f"{k}_0_0".encode() if i else b"" for k in range(n)]
+        rows["status"], rows["trainer_step"] = GENERATED, -1
+        rows["reward"] = rows["advantage"] = rows["t_ready"] = rows["t_consumed"] = np.nan
+        first = s.samples[a].append(rows)
+        ev = np.zeros(n, s.events.dtype)
+        ev["agent"], ev["row"], ev["status"], ev["trainer_step"] = i, np.arange(first, first + n), GENERATED, -1
+        s.events.append(ev)
+    s.close()
+    tracemalloc.start()
+    try:
+        plan = check_reopen(path, AGENTS, table_names(AGENTS))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not plan.restatus and not plan.torn
+    assert peak / (2 * n) < 300, f"{peak / (2 * n):.0f} bytes per sample"   # 233 here
