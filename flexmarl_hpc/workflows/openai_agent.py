@@ -36,7 +36,7 @@ from flexmarl_hpc.config.schema import AGENT_EPISODE  # noqa: F401 - workflow.ep
 from flexmarl_hpc.workflows.episode import ContextFull, Reply
 from flexmarl_hpc.workflows.openai_api import (ApiError, ChatRequest, Choice, completion, cut_at_stop, models,
                                                parse_request, parse_run_tools)
-from flexmarl_hpc.workflows.toolcalls import CONTENT, ToolRequest, parser_for
+from flexmarl_hpc.workflows.toolcalls import CONTENT, PREFILL, ToolRequest, parser_for
 
 MAX_BODY = 64 << 20
 """Largest request body read (64 MiB): a longer one is refused before it is read."""
@@ -86,7 +86,7 @@ class Endpoint:
         try:
             replies = await asyncio.gather(*(self.ctx.chat(req.agent, messages, max_tokens=req.max_tokens,
                                                            temperature=req.temperature, top_p=req.top_p,
-                                                           tools=list(req.tools) or None)
+                                                           tools=list(req.tools) or None, prefill=self.prefill(req))
                                              for _ in range(req.n)))
         except ContextFull as e:
             return ApiError(400, str(e), "messages", "context_length_exceeded")
@@ -97,14 +97,27 @@ class Endpoint:
             self.transcript.append({"agent": req.agent, "call": r.call, "messages": req.messages, "reply": c.text,
                                     "tool_calls": [{"id": i, "name": n, "arguments": a} for i, n, a in c.tool_calls],
                                     "retokenized": fresh})
+        unmet = [i for i, c in enumerate(choices) if req.forced and not forced_call_made(req, c)]
+        if unmet:
+            return tool_choice_unmet(req, unmet, choices)
         return completion(request_id, req.agent, choices)
 
+    def prefill(self, req: ChatRequest) -> str:
+        """The reply's forced opening (tool_choice 'required' or a named function) in the
+        agent's tool-call format, or "" (the policy samples all of it)."""
+        if not req.forced:
+            return ""
+        return PREFILL[self.ctx.runner.tool_formats.get(req.agent, "hermes")](req.function or None)
+
     def choice(self, req: ChatRequest, r: Reply) -> Choice:
-        """One reply as OpenAI's choice: cut at a stop string, its tool calls (those before
-        the cut; none with tool_choice 'none') parsed in the agent's format, as ctx.chat does."""
-        text, stopped = cut_at_stop(r.text, req.stop)
+        """One reply as OpenAI's choice: cut at a stop string (looked for in the sampled
+        text, after any prefill), its tool calls (those before the cut; none with tool_choice
+        'none') parsed in the agent's format, as ctx.chat does."""
+        head = self.prefill(req)
+        text, stopped = cut_at_stop(r.text[len(head):], req.stop)
+        text = head + text
         fmt, calls = self.ctx.runner.tool_formats.get(req.agent, "hermes"), ()
-        if req.tools and req.tool_choice == "auto":
+        if req.tools and req.tool_choice != "none":
             calls = r.tool_calls if not stopped else tuple(parser_for(fmt)(text, f"{req.agent}-{r.call}")[0])
         if not calls:
             return Choice(text, "length" if r.truncated and not stopped else "stop", r.prompt_len, len(r.ids))
@@ -138,6 +151,30 @@ class Endpoint:
         agent's idle conversations: its prompt is tokenised fresh, not from sampled ids."""
         return any(m["role"] == "assistant" for m in messages) and \
             not any(t.continued_by(messages) for t in self.ctx.threads.get(agent, ()))
+
+
+def forced_call_made(req: ChatRequest, c: Choice) -> bool:
+    """The reply's first call block (the prefilled one: id '<agent>-<call>-0') parsed into a
+    call of the function tool_choice names ('required': of one of the tools)."""
+    if not c.tool_calls or not c.tool_calls[0][0].endswith("-0"):
+        return False
+    names = [req.function] if req.tool_choice == "function" else [t["function"]["name"] for t in req.tools]
+    return c.tool_calls[0][1] in names
+
+
+def tool_choice_unmet(req: ChatRequest, unmet: list[int], choices: list[Choice]) -> ApiError:
+    """The 422 of a forced call the model did not complete. OpenAI guarantees the call
+    (constrained decoding); we prefill its opening and the policy samples the rest, which
+    may break the JSON or run out of tokens. Not retried here: a retry is another sample of
+    the agent, and these replies already are samples of this episode (they are trained with
+    its reward). A 4xx, so the client does not retry on its own (it retries 5xx)."""
+    want = f"function {req.function!r}" if req.tool_choice == "function" else "'required'"
+    c = choices[unmet[0]]
+    return ApiError(422, f"tool_choice {want}: choice {unmet[0]} (of {len(unmet)} of {len(choices)} not met) is no "
+                    f"call of {req.function if req.function else 'one of the tools'}: its opening was prefilled "
+                    f"and the policy wrote the rest (no constrained decoding), finish_reason {c.finish_reason!r}; "
+                    f"the reply stays a sample of the agent; as sampled: {(c.text or '')[:300]!r}",
+                    "tool_choice", "tool_choice_not_met", "model_error")
 
 
 class Server:
