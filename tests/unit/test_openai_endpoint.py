@@ -491,6 +491,14 @@ def test_the_program_is_checked_before_launch_in_a_child():
         check_episode("no_such_module:reward", {}, field="workflow.reward")
 
 
+def test_tool_ranks_are_allowed_with_an_openai_program():
+    """Its programs run on the tool ranks and reach the endpoint through their rank's relay
+    (tests/mpi/test_tools_mpi.py runs one); this was refused while only loopback served."""
+    from flexmarl_hpc.config.load import load_config
+    cfg = load_config("configs/openai_calculator.yaml", ["model.checkpoint=", "tools.ranks=1"])
+    assert cfg.tools.ranks == 1 and cfg.workflow.agent.endswith("openai_calculator:main")
+
+
 def test_the_simulator_refuses_an_openai_program_by_name(tmp_path):
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.sim.driver import simulate_run
