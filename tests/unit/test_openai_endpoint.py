@@ -119,6 +119,7 @@ def writer_then_critic(base_url, example):
         except (openai.NotFoundError, openai.BadRequestError) as e:
             errors.append((e.status_code, e.body["code"], e.body["param"]))
     assert errors == [(404, "model_not_found", "model"), (400, "unsupported_parameter", "seed")], errors
+    assert [m.id for m in client.models.list()] == ["writer", "critic"]          # GET /v1/models
     assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 2, first
     assert again.choices[0].message.content == "a" and again.choices[0].finish_reason == "stop", again
     assert [c.message.content for c in reviews.choices] == ["ab", "ab"], reviews
