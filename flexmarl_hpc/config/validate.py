@@ -286,11 +286,6 @@ def _validate_episode_run(cfg: Config, n_agents: int) -> None:
     """What an episode workflow (or its absence) asks of the other sections."""
     _need(cfg.tools.ranks == 0 or bool(cfg.workflow.episode), "tools.ranks",
           f"expected 0 without workflow.episode (only episode functions call tools), got {cfg.tools.ranks}")
-    # the endpoint listens on the orchestrator's loopback: a program on a tool rank of another
-    # node could not reach it (TODO issue 41: a relay on the tool rank)
-    _need(cfg.tools.ranks == 0 or not cfg.workflow.agent, "tools.ranks",
-          f"expected 0 with workflow.agent (the program runs in the orchestrator node's worker pool), "
-          f"got {cfg.tools.ranks}")
     if cfg.workflow.episode:
         _need(cfg.pipeline.overprovision == 0, "pipeline.overprovision",
               "expected 0 with workflow.episode (an example's calls are known only once it ends)")

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import pickle
+import queue
 import time
+from concurrent.futures import CancelledError as FutureCancelled, Future, TimeoutError as FutureTimeout
 from typing import Callable
 
 from flexmarl_hpc import faults
@@ -36,6 +39,7 @@ from flexmarl_hpc.runtime.transport import send_reply
 from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.pool import Called, WorkerPool
 from flexmarl_hpc.tools.registry import ToolCall
+from flexmarl_hpc.workflows.openai_agent import RelayedURL, serve_http
 
 GRACE_S = 10.0
 """Seconds past a call's own limit (tools.wall_s, or its timeout_s) before rank 0 gives it
@@ -51,6 +55,10 @@ async def _backoff(delay: float) -> float:
 
 class RemotePool:
     """Rank 0's end: WorkerPool's `tool`, `call` and `close`, served by the tool ranks."""
+
+    relays_endpoints = True
+    """workflow.agent programs run on the tool ranks and reach their episode's OpenAI
+    endpoint through their rank's Relay (workflows/openai_agent.py reads this)."""
 
     def __init__(self, comm, ranks: list[int], cfg: ToolsConfig, grace_s: float = GRACE_S, live=None):
         if not ranks:
@@ -71,6 +79,10 @@ class RemotePool:
         self.next_id = 0
         self._free: asyncio.Semaphore | None = None      # made on the loop that first waits
         self._receiver: asyncio.Task | None = None
+        self.endpoint: Callable | None = None
+        """The OpenAI endpoint's `answer_here(method, token, tail, body)` -> (status, JSON),
+        set by its server: relayed requests of the programs on the tool ranks go there."""
+        self.relaying: set[asyncio.Task] = set()
 
     async def tool(self, name: str, argument: str, lent: bool = False) -> ToolCall:
         """WorkerPool.tool on a tool rank; lent: in the slot its caller holds (no slot taken
@@ -134,12 +146,27 @@ class RemotePool:
                 continue
             delay = MIN_SLEEP
             msg, src = messages.decode(got[0]), got[1]
+            if isinstance(msg, messages.EndpointRequest):      # a program's request, not an answer
+                task = asyncio.ensure_future(self._relay(msg, src))
+                self.relaying.add(task)
+                task.add_done_callback(self.relaying.discard)
+                continue
             self.outstanding[src] -= 1
             self.served[src] += 1
             self.given_up.pop(msg.call_id, None)
             future = self.pending.get(msg.call_id)
             if future is not None and not future.done():
                 future.set_result(msg)
+
+    async def _relay(self, req: messages.EndpointRequest, src: int) -> None:
+        """Answer a program's request that tool rank `src` relayed, on the endpoint here."""
+        if self.endpoint is None:
+            status, reply = 503, {"error": {"message": "no OpenAI endpoint runs on the orchestrator",
+                                            "type": "server_error", "param": None, "code": "unavailable"}}
+        else:
+            status, reply = await self.endpoint(req.method, req.token, req.tail, req.body)
+        self.sending.append((src, self.comm.isend(messages.encode(messages.EndpointReply(req.relay_id, status, reply)),
+                                                  dest=src, tag=TAG_CMD)))
 
     def _dead(self, rank: int) -> bool:
         return peer_ended(self.live, rank)
@@ -148,6 +175,71 @@ class RemotePool:
         """Nothing to end here: the tool ranks stop at the orchestrator's Stop."""
         if self._receiver is not None:
             self._receiver.cancel()
+        for task in self.relaying:
+            task.cancel()
+
+
+# ---------------------------------------------------------------------------------------
+# a tool rank's relay for the OpenAI endpoint
+# ---------------------------------------------------------------------------------------
+class Relay:
+    """A tool rank's loopback HTTP server for the workflow.agent programs it runs: each
+    request goes to the orchestrator over MPI (EndpointRequest on TAG_TOOL), whose episode
+    endpoint answers it (EndpointReply on TAG_CMD). The orchestrator listens on its own
+    node's loopback, which a program on another node cannot reach; MPI reaches every rank.
+
+    Server threads only queue their requests and wait: MPI is called from the rank's loop
+    (`pump`, `deliver`), never from them (MPI may not be initialised for threads)."""
+
+    WAIT_S = 86400.0
+    """Most seconds a request waits (workflow.agent_timeout_s's bound: the program is
+    killed at its own timeout well before)."""
+
+    def __init__(self):
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: dict[int, Future] = {}
+        self.ids = itertools.count()
+        self.httpd = None
+
+    def url(self, relayed) -> str:
+        """The URL of an episode's route (openai_agent.RelayedURL) on this relay, started on
+        the first program."""
+        if self.httpd is None:
+            self.httpd, _ = serve_http(self)
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}{relayed.path}"
+
+    def answer(self, method: str, token: str, tail: str, body: bytes) -> tuple[int, dict]:
+        """(status, JSON) of a program's request, from a server thread."""
+        rid, fut = next(self.ids), Future()
+        self.waiting[rid] = fut
+        self.outbox.put(messages.EndpointRequest(rid, method, token, tail, body))
+        try:
+            return fut.result(self.WAIT_S)
+        except (FutureTimeout, FutureCancelled):
+            return 503, {"error": {"message": "the orchestrator gave no answer (the run ends)", "type": "server_error",
+                                   "param": None, "code": "unavailable"}}
+        finally:
+            self.waiting.pop(rid, None)
+
+    def pump(self, world, orch: int, sending: list) -> bool:
+        """Send the queued requests to the orchestrator; whether there were any."""
+        sent = False
+        while not self.outbox.empty():
+            sending.append(world.isend(messages.encode(self.outbox.get()), dest=orch, tag=TAG_TOOL))
+            sent = True
+        return sent
+
+    def deliver(self, reply: messages.EndpointReply) -> None:
+        fut = self.waiting.get(reply.relay_id)
+        if fut is not None and not fut.done():
+            fut.set_result((reply.status, reply.reply))
+
+    def close(self) -> None:
+        for fut in list(self.waiting.values()):
+            fut.cancel()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,33 +255,41 @@ def tools_loop(world, orch: int, pool: WorkerPool, live=None) -> int:
 async def _serve(world, orch: int, pool: WorkerPool, live) -> int:
     running: set[asyncio.Task] = set()
     sending: list = []
+    relay = Relay()
     delay = MIN_SLEEP
     while True:
         sending[:] = [r for r in sending if not r.Test()]
+        if relay.pump(world, orch, sending):
+            delay = MIN_SLEEP
         got = poll(world, source=orch, tag=TAG_CMD)
         if got is None:
             delay = await _backoff(delay)
             continue
         delay = MIN_SLEEP
         cmd = messages.decode(got[0])
+        if isinstance(cmd, messages.EndpointReply):
+            relay.deliver(cmd)
+            continue
         if isinstance(cmd, messages.Stop):
             for t in running:
                 t.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+            relay.close()
             pool.close()
             if live is not None:
                 live.disarm()
             waitall(sending)
             send_reply(world, orch, messages.Stopped(-1))
             return cmd.code
-        task = asyncio.ensure_future(_answer(world, orch, pool, cmd, sending))
+        task = asyncio.ensure_future(_answer(world, orch, pool, cmd, sending, relay))
         running.add(task)
         task.add_done_callback(running.discard)
 
 
-async def _answer(world, orch: int, pool: WorkerPool, cmd: messages.Command, sending: list) -> None:
+async def _answer(world, orch: int, pool: WorkerPool, cmd: messages.Command, sending: list,
+                  relay: Relay | None = None) -> None:
     """Run one command and answer it, whatever happens: a call left unanswered would cost
-    its episode GRACE_S of waiting."""
+    its episode GRACE_S of waiting. `relay`: where a program's RelayedURL points."""
     faults.hit("tool_call")                         # test-only: a tool rank killed or stalled here
     t0 = time.perf_counter()
     try:
@@ -197,7 +297,7 @@ async def _answer(world, orch: int, pool: WorkerPool, cmd: messages.Command, sen
             r = await pool.tool(cmd.tool, cmd.argument, lent=cmd.lent)
             reply = messages.ToolDone(cmd.call_id, r.output, r.outcome, r.latency_s)
         elif isinstance(cmd, messages.CallRequest):
-            reply = await _run_call(pool, cmd)
+            reply = await _run_call(pool, cmd, relay)
         else:
             raise ValueError(f"tool rank: unknown command {cmd.kind!r}")
     except Exception as e:                         # noqa: BLE001 - e.g. a worker that could not start
@@ -213,11 +313,13 @@ async def _answer(world, orch: int, pool: WorkerPool, cmd: messages.Command, sen
         sending.append(world.isend(messages.encode(reply), dest=orch, tag=TAG_TOOL))
 
 
-async def _run_call(pool: WorkerPool, cmd: messages.CallRequest) -> messages.CallDone:
+async def _run_call(pool: WorkerPool, cmd: messages.CallRequest, relay: Relay | None = None) -> messages.CallDone:
     try:
         fn, args = pickle.loads(cmd.payload)
     except Exception as e:                         # noqa: BLE001 - its module does not import here
         return messages.CallDone(cmd.call_id, None, "error", 0.0,
                                  f"cannot load the function on the tool rank: {type(e).__name__}: {e}")
+    if relay is not None:                          # a workflow.agent program: its endpoint, through here
+        args = tuple(relay.url(a) if isinstance(a, RelayedURL) else a for a in args)
     c = await pool.call(fn, *args, timeout_s=cmd.timeout_s)
     return messages.CallDone(cmd.call_id, c.value, c.outcome, c.latency_s, c.error)

@@ -145,6 +145,16 @@ class CallRequest(Command):
     timeout_s: float
 
 
+@dataclass(frozen=True)
+class EndpointReply(Command):
+    """The orchestrator's answer to a relayed `EndpointRequest`: the HTTP status and JSON
+    the tool rank's relay sends back to the program (on TAG_CMD)."""
+    kind: ClassVar[str] = "endpoint_reply"
+    relay_id: int
+    status: int
+    reply: dict
+
+
 # -- replies: worker -> orchestrator ----------------------------------------------------------
 @dataclass(frozen=True)
 class Reply(Message):
@@ -264,9 +274,24 @@ class CallDone(Reply):
     error: str
 
 
-COMMANDS = (Generate, Sync, Train, Move, Checkpoint, Stop, ToolRequest, CallRequest)
+@dataclass(frozen=True)
+class EndpointRequest(Reply):
+    """An HTTP request a workflow.agent program on a tool rank sent its rank's relay, for
+    the episode's OpenAI endpoint on the orchestrator (workflows/openai_agent.py; on
+    TAG_TOOL, answered by `EndpointReply`): the orchestrator's node may be another."""
+    kind: ClassVar[str] = "endpoint"
+    relay_id: int
+    method: str
+    token: str
+    """The episode's route (/ep/<token>/...)."""
+    tail: str
+    """The path after the route, e.g. 'v1/chat/completions'."""
+    body: bytes
+
+
+COMMANDS = (Generate, Sync, Train, Move, Checkpoint, Stop, ToolRequest, CallRequest, EndpointReply)
 REPLIES = (Generated, Synced, TrainerSynced, SyncTimedOut, Trained, Stepped, Checkpointed, Moved, Stopped, Intervals,
-           ToolDone, CallDone)
+           ToolDone, CallDone, EndpointRequest)
 
 
 # -- the wire ---------------------------------------------------------------------------------

@@ -165,9 +165,13 @@ class Conversation:
         self.text = ""
         self.rerendered = 0
 
-    def prompt_ids(self, messages: Sequence[Message], **kwargs) -> list[int]:
-        """The prompt's ids; kwargs (`tools=[...]`) reach the template with template_kwargs."""
-        rendered = self.tok.render(messages, add_generation_prompt=True, **{**self.template_kwargs, **kwargs})
+    def prompt_ids(self, messages: Sequence[Message], prefill: str = "", **kwargs) -> list[int]:
+        """The prompt's ids; kwargs (`tools=[...]`) reach the template with template_kwargs.
+        prefill: text the reply starts with, not sampled (a forced tool call's opening): it
+        is prompt text, so its ids are outside the trained mask, and the reply recorded next
+        continues it (`record`'s text is without it)."""
+        rendered = self.tok.render(messages, add_generation_prompt=True,
+                                   **{**self.template_kwargs, **kwargs}) + prefill
         if self.ids and rendered.startswith(self.text):
             self.ids = self.ids + self.tok.encode(rendered[len(self.text):])
         else:

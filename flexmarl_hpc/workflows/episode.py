@@ -48,7 +48,8 @@ class ContextFull(ValueError):
 class Reply:
     """What `ctx.chat` returns."""
     text: str
-    """The response as text (special tokens and the stop token dropped)."""
+    """The response as text (special tokens and the stop token dropped), after the call's
+    `prefill` when it had one."""
     ids: tuple[int, ...]
     """The sampled token ids, stop token included: what the trainer sees."""
     call: int
@@ -103,9 +104,12 @@ class Call:
     """(temperature, top_p) this call asked for; None: the run's (rollout.temperature, top_p)."""
     tools: list | None = None
     """The tool schemas the prompt was rendered with; their calls are parsed from the reply."""
+    prefill: str = ""
+    """Text the reply was made to start with: the end of `prompt` (not sampled, not trained);
+    the reply's text begins with it, so its message continues these ids."""
 
     def done(self, response: list[int], stop_ids: frozenset[int]) -> None:
-        text = self.thread.conv.record(list(response))
+        text = self.prefill + self.thread.conv.record(list(response))
         self.thread.messages = list(self.messages) + [{"role": "assistant", "content": text}]
         self.thread.busy = False
         self.episode.last_done = self
@@ -149,7 +153,7 @@ class EpisodeContext:
 
     async def chat(self, agent: str, messages: list[dict], *, max_tokens: int | None = None,
                    temperature: float | None = None, top_p: float | None = None,
-                   tools: list[dict] | None = None) -> Reply:
+                   tools: list[dict] | None = None, prefill: str = "") -> Reply:
         """Ask `agent` to answer `messages` (OpenAI-style dicts, `role` and `content`); the
         reply is sampled with the agent's current weights. max_tokens: at most
         workflow.max_new_tokens (the default). temperature (> 0), top_p (in (0, 1]): this
@@ -157,9 +161,14 @@ class EpisodeContext:
         the log-probs it was drawn with, and the trainer's importance weight corrects for
         the difference from rollout.temperature, at which it scores (docs/episodes.md).
         tools: OpenAI-style function schemas (`ctx.tool_schema(name)`), rendered by the
-        agent's chat template; the reply's tool calls are then parsed (`Reply.tool_calls`)."""
+        agent's chat template; the reply's tool calls are then parsed (`Reply.tool_calls`).
+        prefill: text the reply must start with (the OpenAI endpoint's forced tool call): put
+        after the rendered prompt and part of it, so not sampled and out of the loss; the
+        policy samples the rest, and `Reply.text` is prefill + the sampled text."""
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError(f"ctx.chat(tools=...): expected a list of JSON schema dicts, got {tools!r:.200}")
+        if not isinstance(prefill, str):
+            raise ValueError(f"ctx.chat(prefill=...): expected a string, got {type(prefill).__name__}")
         sampling = self.runner.call_sampling(temperature, top_p)
         cap = self.runner.max_new_tokens
         if agent not in self.runner.agents:
@@ -172,7 +181,9 @@ class EpisodeContext:
         index = self.calls.get(agent, 0)
         messages = [dict(m) for m in messages]
         thread = self.thread_for(agent, messages)
-        prompt = thread.conv.prompt_ids(messages, tools=tools) if tools else thread.conv.prompt_ids(messages)
+        # only what is given: a conversation that knows neither (a test's fake) still serves plain calls
+        given = {k: v for k, v in (("tools", tools), ("prefill", prefill)) if v}
+        prompt = thread.conv.prompt_ids(messages, **given)
         room = self.runner.limits.get(agent, 1 << 62) - len(prompt)
         if room < 1:
             thread.busy = False
@@ -182,7 +193,7 @@ class EpisodeContext:
         self.calls[agent] = index + 1
         n = min(n, room)                      # the reply is cut where the context ends
         call = Call(self, agent, index, prompt, n, self.last_done, thread, messages,
-                    asyncio.get_running_loop().create_future(), sampling, tools)
+                    asyncio.get_running_loop().create_future(), sampling, tools, prefill)
         self.runner.new_calls.append(call)
         return await call.future
 

@@ -36,7 +36,7 @@ from flexmarl_hpc.config.schema import AGENT_EPISODE  # noqa: F401 - workflow.ep
 from flexmarl_hpc.workflows.episode import ContextFull, Reply
 from flexmarl_hpc.workflows.openai_api import (ApiError, ChatRequest, Choice, completion, cut_at_stop, models,
                                                parse_request, parse_run_tools)
-from flexmarl_hpc.workflows.toolcalls import CONTENT, ToolRequest, parser_for
+from flexmarl_hpc.workflows.toolcalls import CONTENT, PREFILL, ToolRequest, parser_for
 
 MAX_BODY = 64 << 20
 """Largest request body read (64 MiB): a longer one is refused before it is read."""
@@ -86,7 +86,7 @@ class Endpoint:
         try:
             replies = await asyncio.gather(*(self.ctx.chat(req.agent, messages, max_tokens=req.max_tokens,
                                                            temperature=req.temperature, top_p=req.top_p,
-                                                           tools=list(req.tools) or None)
+                                                           tools=list(req.tools) or None, prefill=self.prefill(req))
                                              for _ in range(req.n)))
         except ContextFull as e:
             return ApiError(400, str(e), "messages", "context_length_exceeded")
@@ -97,14 +97,27 @@ class Endpoint:
             self.transcript.append({"agent": req.agent, "call": r.call, "messages": req.messages, "reply": c.text,
                                     "tool_calls": [{"id": i, "name": n, "arguments": a} for i, n, a in c.tool_calls],
                                     "retokenized": fresh})
+        unmet = [i for i, c in enumerate(choices) if req.forced and not forced_call_made(req, c)]
+        if unmet:
+            return tool_choice_unmet(req, unmet, choices)
         return completion(request_id, req.agent, choices)
 
+    def prefill(self, req: ChatRequest) -> str:
+        """The reply's forced opening (tool_choice 'required' or a named function) in the
+        agent's tool-call format, or "" (the policy samples all of it)."""
+        if not req.forced:
+            return ""
+        return PREFILL[self.ctx.runner.tool_formats.get(req.agent, "hermes")](req.function or None)
+
     def choice(self, req: ChatRequest, r: Reply) -> Choice:
-        """One reply as OpenAI's choice: cut at a stop string, its tool calls (those before
-        the cut; none with tool_choice 'none') parsed in the agent's format, as ctx.chat does."""
-        text, stopped = cut_at_stop(r.text, req.stop)
+        """One reply as OpenAI's choice: cut at a stop string (looked for in the sampled
+        text, after any prefill), its tool calls (those before the cut; none with tool_choice
+        'none') parsed in the agent's format, as ctx.chat does."""
+        head = self.prefill(req)
+        text, stopped = cut_at_stop(r.text[len(head):], req.stop)
+        text = head + text
         fmt, calls = self.ctx.runner.tool_formats.get(req.agent, "hermes"), ()
-        if req.tools and req.tool_choice == "auto":
+        if req.tools and req.tool_choice != "none":
             calls = r.tool_calls if not stopped else tuple(parser_for(fmt)(text, f"{req.agent}-{r.call}")[0])
         if not calls:
             return Choice(text, "length" if r.truncated and not stopped else "stop", r.prompt_len, len(r.ids))
@@ -140,17 +153,46 @@ class Endpoint:
             not any(t.continued_by(messages) for t in self.ctx.threads.get(agent, ()))
 
 
+def forced_call_made(req: ChatRequest, c: Choice) -> bool:
+    """The reply's first call block (the prefilled one: id '<agent>-<call>-0') parsed into a
+    call of the function tool_choice names ('required': of one of the tools)."""
+    if not c.tool_calls or not c.tool_calls[0][0].endswith("-0"):
+        return False
+    names = [req.function] if req.tool_choice == "function" else [t["function"]["name"] for t in req.tools]
+    return c.tool_calls[0][1] in names
+
+
+def tool_choice_unmet(req: ChatRequest, unmet: list[int], choices: list[Choice]) -> ApiError:
+    """The 422 of a forced call the model did not complete. OpenAI guarantees the call
+    (constrained decoding); we prefill its opening and the policy samples the rest, which
+    may break the JSON or run out of tokens. Not retried here: a retry is another sample of
+    the agent, and these replies already are samples of this episode (they are trained with
+    its reward). A 4xx, so the client does not retry on its own (it retries 5xx)."""
+    want = f"function {req.function!r}" if req.tool_choice == "function" else "'required'"
+    c = choices[unmet[0]]
+    return ApiError(422, f"tool_choice {want}: choice {unmet[0]} (of {len(unmet)} of {len(choices)} not met) is no "
+                    f"call of {req.function if req.function else 'one of the tools'}: its opening was prefilled "
+                    f"and the policy wrote the rest (no constrained decoding), finish_reason {c.finish_reason!r}; "
+                    f"the reply stays a sample of the agent; as sampled: {(c.text or '')[:300]!r}",
+                    "tool_choice", "tool_choice_not_met", "model_error")
+
+
+@dataclass(frozen=True)
+class RelayedURL:
+    """The base URL of an episode's endpoint as a program on a tool rank gets it: only the
+    route (`/ep/<token>/v1`); the tool rank makes it a URL of its own loopback relay
+    (ranks/tool_ranks.py), which forwards each request over MPI to this server's routes."""
+    path: str
+
+
 class Server:
-    """The runner's loopback HTTP server: episode `token` is served under /ep/<token>/v1."""
+    """The runner's loopback HTTP server: episode `token` is served under /ep/<token>/v1.
+    A tool rank's relay forwards its programs' requests to `answer_here` instead."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, agents: list[str], max_new_tokens: int, wait_s: float):
         self.loop, self.agents, self.max_new_tokens, self.wait_s = loop, list(agents), max_new_tokens, wait_s
         self.routes: dict[str, Endpoint] = {}
-        self.httpd = _QuietServer(("127.0.0.1", 0), _Handler)
-        self.httpd.daemon_threads = True
-        self.httpd.owner = self
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="openai-endpoint", daemon=True)
-        self.thread.start()
+        self.httpd, self.thread = serve_http(self)
 
     def open(self, endpoint: Endpoint) -> tuple[str, str]:
         """(token, base URL) of a new route; the token is random, so one episode's program
@@ -163,11 +205,25 @@ class Server:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def answer(self, token: str, tail: str, body: bytes) -> tuple[int, dict]:
-        """(status, JSON) for a POST to /ep/<token>/<tail>, from a server thread."""
+    def answer(self, method: str, token: str, tail: str, body: bytes) -> tuple[int, dict]:
+        """(status, JSON) for a request to /ep/<token>/<tail>, from a server thread."""
+        out = self.route(method, token, tail, body)
+        return out if isinstance(out, tuple) else self.wait(out)
+
+    async def answer_here(self, method: str, token: str, tail: str, body: bytes) -> tuple[int, dict]:
+        """`answer` on the episodes' loop: a request a tool rank's relay forwarded."""
+        out = self.route(method, token, tail, body)
+        return out if isinstance(out, tuple) else _status(await out)
+
+    def route(self, method: str, token: str, tail: str, body: bytes):
+        """(status, JSON) when the answer is known at once, else the coroutine that makes it
+        on the episodes' loop (a completion's calls, a program's tool calls)."""
         endpoint = self.routes.get(token)
         if endpoint is None:
             return 404, ApiError(404, "no such episode endpoint (it has ended)", None, "not_found").body()
+        if method == "GET":
+            return (200, models(self.agents)) if tail == "v1/models" else \
+                (404, ApiError(404, f"GET /{tail}: only GET /v1/models is served", None, "not_found").body())
         if tail not in ("v1/chat/completions", "v1/run_tools"):
             return 404, ApiError(404, f"POST /{tail}: only POST /v1/chat/completions and /v1/run_tools are served",
                                  None, "not_found").body()
@@ -177,13 +233,11 @@ class Server:
             return 400, ApiError(400, f"the body is not JSON: {e}").body()
         if tail == "v1/run_tools":
             calls = parse_run_tools(data)
-            if isinstance(calls, ApiError):
-                return calls.status, calls.body()
-            return self.wait(self._tool_results(endpoint, calls))
+            return (calls.status, calls.body()) if isinstance(calls, ApiError) else self._tool_results(endpoint, calls)
         req = parse_request(data, self.agents, self.max_new_tokens)
         if isinstance(req, ApiError):
             return req.status, req.body()
-        return self.wait(endpoint.complete(req, f"chatcmpl-{token[:8]}-{endpoint.requests}"))
+        return endpoint.complete(req, f"chatcmpl-{token[:8]}-{endpoint.requests}")
 
     @staticmethod
     async def _tool_results(endpoint: Endpoint, calls: list[dict]) -> dict:
@@ -197,7 +251,22 @@ class Server:
         except (RuntimeError, FutureCancelled, FutureTimeout) as e:       # the run ends or stops
             return 503, ApiError(503, f"the episode ended before the reply ({type(e).__name__})", None,
                                  "unavailable", "server_error").body()
-        return (out.status, out.body()) if isinstance(out, ApiError) else (200, out)
+        return _status(out)
+
+
+def _status(out: dict | ApiError) -> tuple[int, dict]:
+    return (out.status, out.body()) if isinstance(out, ApiError) else (200, out)
+
+
+def serve_http(owner) -> tuple[ThreadingHTTPServer, threading.Thread]:
+    """A loopback HTTP server whose requests `owner.answer(method, token, tail, body)`
+    answers (this runner's Server, or a tool rank's relay), in threads of its own."""
+    httpd = _QuietServer(("127.0.0.1", 0), _Handler)
+    httpd.daemon_threads = True
+    httpd.owner = owner
+    thread = threading.Thread(target=httpd.serve_forever, name="openai-endpoint", daemon=True)
+    thread.start()
+    return httpd, thread
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -220,14 +289,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return self._send(413, ApiError(413, f"a body of {n} bytes: at most {MAX_BODY}").body())
         body = self.rfile.read(n)
-        self._send(*self.server.owner.answer(token, tail, body))
+        self._send(*self.server.owner.answer("POST", token, tail, body))
 
     def do_GET(self):                       # noqa: N802
-        token, tail = self._route()
-        owner = self.server.owner
-        if token in owner.routes and tail == "v1/models":
-            return self._send(200, models(owner.agents))
-        self._send(404, ApiError(404, f"GET /{tail}: only GET /v1/models is served", None, "not_found").body())
+        self._send(*self.server.owner.answer("GET", *self._route(), b""))
 
     def _route(self) -> tuple[str, str]:
         parts = self.path.split("?")[0].strip("/").split("/", 2)
@@ -252,7 +317,15 @@ def server_of(runner) -> Server:
         server = runner.openai_server = Server(runner.loop, runner.agents, runner.max_new_tokens,
                                                runner.agent_wait_s)
         runner.closers.append(server.close)
+        if relayed(runner):
+            runner.pool.endpoint = server.answer_here
     return server
+
+
+def relayed(runner) -> bool:
+    """The runner's programs run on tool ranks (ranks/tool_ranks.py RemotePool: tools.ranks
+    > 0), maybe on other nodes: they reach the endpoint through their rank's relay."""
+    return bool(getattr(runner.pool, "relays_endpoints", False))    # (ranks/ is above workflows/)
 
 
 async def episode(ctx, example, *, program: AgentProgram):
@@ -261,8 +334,9 @@ async def episode(ctx, example, *, program: AgentProgram):
     server = server_of(ctx.runner)
     endpoint = Endpoint(ctx)
     token, base_url = server.open(endpoint)
+    where = RelayedURL(f"/ep/{token}/v1") if relayed(ctx.runner) else base_url
     try:
-        ran = await ctx.call(run_program, program.spec, base_url, example, timeout_s=program.timeout_s)
+        ran = await ctx.call(run_program, program.spec, where, example, timeout_s=program.timeout_s)
     finally:
         del server.routes[token]
     result = _value(ran, f"workflow.agent {program.spec!r}")
@@ -317,6 +391,8 @@ def run_program(spec: str, base_url: str, example: dict):
     """In a worker process: the user's program on `(base_url, example)`, awaited when it is
     async. The URL is also OPENAI_BASE_URL (and OPENAI_API_KEY, when unset, a placeholder),
     so a program that builds `OpenAI()` from the environment runs unchanged too."""
+    if not isinstance(base_url, str):           # a RelayedURL no tool rank made a URL of
+        raise TypeError(f"run_program: expected the endpoint's URL, got {base_url!r}")
     os.environ["OPENAI_BASE_URL"] = base_url
     os.environ.setdefault("OPENAI_API_KEY", "flexmarl")
     return _awaited(load_program(spec), base_url, example)

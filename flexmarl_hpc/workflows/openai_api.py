@@ -68,7 +68,17 @@ class ChatRequest:
     {name, description, parameters}}); rendered into the prompt (ctx.chat(tools=))."""
     tool_choice: str = "auto"
     """'auto': the reply's tool calls are parsed and returned; 'none': the tools are still
-    rendered (as vLLM does) but the reply is returned as text, unparsed."""
+    rendered (as vLLM does) but the reply is returned as text, unparsed; 'required' (a call
+    of any of `tools`) and 'function' (a call of `function`): the reply is prefilled with
+    the call's opening in the agent's format and the policy samples the rest (no grammar:
+    a reply that is no such call is a 422 naming tool_choice, see openai_agent.py)."""
+    function: str = ""
+    """The function tool_choice 'function' names (one of `tools`)."""
+
+    @property
+    def forced(self) -> bool:
+        """The request asks for a tool call (tool_choice 'required' or a named function)."""
+        return self.tool_choice in ("required", "function")
 
 
 class _Bad(Exception):
@@ -98,7 +108,7 @@ def parse_request(body, agents: list[str], max_new_tokens: int) -> ChatRequest |
         tools = _tools(body.get("tools"))
         return ChatRequest(model, _messages(body.get("messages")), _max_tokens(body, max_new_tokens),
                            _number(body, "temperature", 0, 2, open_lo=True), _number(body, "top_p", 0, 1, open_lo=True),
-                           _n(body.get("n")), _stop(body.get("stop")), tools, _tool_choice(body, tools))
+                           _n(body.get("n")), _stop(body.get("stop")), tools, *_tool_choice(body, tools))
     except _Bad as e:
         return ApiError(400, e.message, e.param, e.code or "invalid_value")
 
@@ -188,21 +198,26 @@ def _tools(tools) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def _tool_choice(body: dict, tools: tuple[dict, ...]) -> str:
-    """'auto' or 'none'. 'required' and a named function force a call, which takes
-    constrained decoding (the reply would not be a sample of the policy); parallel calls
-    cannot be turned off (the model writes as many call blocks as it does)."""
+def _tool_choice(body: dict, tools: tuple[dict, ...]) -> tuple[str, str]:
+    """(tool_choice, the function it names or ""). 'required' and a named function force
+    a call by prefilling its opening (ChatRequest.tool_choice); parallel calls cannot be
+    turned off (the model writes as many call blocks as it does)."""
     if body.get("parallel_tool_calls") not in (None, True):
         raise _Bad("parallel_tool_calls", "parallel_tool_calls: only true is served: every tool-call block the "
                    "model writes is returned (limiting them would need constrained decoding)", "unsupported_parameter")
     choice = body.get("tool_choice")
-    if choice is None:
-        return "auto"
-    if choice not in ("none", "auto"):
-        raise _Bad("tool_choice", f"tool_choice: {json.dumps(choice)[:100]} is not served ('none' or 'auto'): "
-                   "forcing a call takes constrained decoding, which samples away from the policy",
-                   "unsupported_parameter")
-    return choice
+    if choice is None or choice in ("none", "auto"):
+        return choice or "auto", ""
+    named = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if choice != "required" and not (isinstance(named, dict) and isinstance(named.get("name"), str)):
+        raise _Bad("tool_choice", f"tool_choice: expected 'none', 'auto', 'required' or {{type: 'function', "
+                   f"function: {{name}}}}, got {json.dumps(choice)[:100]}")
+    if not tools:
+        raise _Bad("tool_choice", f"tool_choice: {json.dumps(choice)[:100]} is only allowed when tools are specified")
+    names = [t["function"]["name"] for t in tools]
+    if named is not None and named["name"] not in names:
+        raise _Bad("tool_choice", f"tool_choice: function {named['name']!r} is not one of the tools {names}")
+    return ("required", "") if named is None else ("function", named["name"])
 
 
 def _max_tokens(body: dict, cap: int) -> int | None:

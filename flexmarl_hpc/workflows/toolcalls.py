@@ -76,11 +76,23 @@ def hermes_content(text: str) -> str:
     return text[:text.find("<tool_call>")] if "<tool_call>" in text else text
 
 
+def hermes_prefill(name: str | None) -> str:
+    """The opening of a call block, as Qwen2.5's template renders an assistant's tool call
+    (`<tool_call>\\n{"name": "X", "arguments": ...}`): of function `name`, or of any function
+    (None: up to the name's opening quote, so the model writes the name). A reply that starts
+    with it is a call of that function unless the model breaks the JSON (nothing constrains
+    the rest: OpenAI's tool_choice 'required' or a named function, without a grammar)."""
+    head = '<tool_call>\n{"name": '
+    return head + '"' if name is None else head + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+
+
 FORMATS: dict[str, Callable[..., tuple[list[ToolRequest], list[ToolCallError]]]] = {"hermes": parse_hermes}
+"""Tool-call formats by name (workflow.tool_formats; the config checks against TOOL_CALL_FORMATS)."""
 CONTENT: dict[str, Callable[[str], str]] = {"hermes": hermes_content}
 """The prose of a reply beside its tool calls, by format."""
-"""Tool-call formats by name (workflow.tool_formats; the config checks against TOOL_CALL_FORMATS)."""
-assert set(FORMATS) == set(CONTENT) == set(TOOL_CALL_FORMATS)
+PREFILL: dict[str, Callable[[str | None], str]] = {"hermes": hermes_prefill}
+"""The text that starts a reply forced to call a function (None: any function), by format."""
+assert set(FORMATS) == set(CONTENT) == set(PREFILL) == set(TOOL_CALL_FORMATS)
 
 
 def parser_for(name: str) -> Callable[..., tuple[list[ToolRequest], list[ToolCallError]]]:

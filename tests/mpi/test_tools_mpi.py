@@ -20,3 +20,11 @@ def test_a_stalled_tool_rank_gives_its_call_a_timeout(mpiexec, tmp_path):
                 env={"FLEXMARL_FAULT": "tool_call:1:1:stall"})
     verdict = out.read_text() if out.exists() else ""
     assert "ok: a stalled tool rank's call ended as timeout" in verdict, p.stdout + p.stderr
+
+
+def test_an_openai_program_on_a_tool_rank_reaches_its_endpoint_through_the_relay(mpiexec):
+    """tools.ranks > 0 with workflow.agent: rank 0's loopback listener is closed, so every
+    request of the program (completions, /run_tools) must come over MPI via rank 1's relay."""
+    p = run_mpi(mpiexec, 2, ["tests/mpi/mpi_openai_relay.py"], timeout=120)
+    assert "ok: the program on tool rank 1 made 6 requests through its relay" in p.stdout and "stopped" in p.stdout, \
+        p.stdout + p.stderr

@@ -39,8 +39,9 @@ def parse(**body):
                                           ("stop", ["a"] * 5), ("tools", [{"type": "function"}]),
                                           ("tools", [{"type": "web_search"}]), ("tools", CALC),
                                           ("tools", [{**CALC, "function": {**CALC["function"], "strict": True}}]),
-                                          ("tool_choice", "required"), ("parallel_tool_calls", False),
+                                          ("tool_choice", "required"), ("parallel_tool_calls", False),   # no tools
                                           ("tool_choice", {"type": "function", "function": {"name": "calculate"}}),
+                                          ("tool_choice", {"type": "allowed_tools"}), ("tool_choice", "any"),
                                           ("messages", [{"role": "tool", "content": "5"}]),
                                           ("messages", [{"role": "user", "content": "x", "tool_calls": [CALL]}]),
                                           ("messages", [{"role": "assistant", "tool_calls": [
@@ -53,6 +54,32 @@ def test_each_refused_field_is_a_400_naming_it(field, value):
     assert isinstance(err, ApiError) and err.status == 400, err
     assert (err.param or "").startswith(field) and field in err.message or err.param == field
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_forced_tool_choice_parses_and_one_naming_no_given_tool_is_a_400():
+    named = {"type": "function", "function": {"name": "calculate"}}
+    req = parse(tools=[CALC], tool_choice=named)
+    assert (req.tool_choice, req.function, req.forced) == ("function", "calculate", True)
+    req = parse(tools=[CALC], tool_choice="required")
+    assert (req.tool_choice, req.function, req.forced) == ("required", "", True) and not parse(tools=[CALC]).forced
+    err = parse(tools=[CALC], tool_choice={"type": "function", "function": {"name": "search"}})
+    assert (err.status, err.param) == (400, "tool_choice") and "'search' is not one of the tools ['calculate']" \
+        in err.message, err
+
+
+def test_the_prefill_is_the_templates_own_call_opening_and_parses_once_completed(tiny_tok):
+    from flexmarl_hpc.workflows.toolcalls import PREFILL, parse_hermes
+    named, required = PREFILL["hermes"]("calculate"), PREFILL["hermes"](None)
+    assert (named, required) == ('<tool_call>\n{"name": "calculate", "arguments": ', '<tool_call>\n{"name": "')
+    # the tiny model's Qwen2.5-style template renders a call of `calculate` starting with it
+    rendered = tiny_tok.render([*USER, {"role": "assistant", "content": "", "tool_calls": [
+        {**CALL, "function": {"name": "calculate", "arguments": {"expression": "2+3"}}}]}], add_generation_prompt=False)
+    assert named + '{"expression": "2+3"}}\n</tool_call>' in rendered and named.startswith(required)
+    calls, errors = parse_hermes(named + '{"expression": "2+3"}}\n</tool_call>', "solver-0")
+    assert [(c.name, c.arguments, c.id) for c in calls] == [("calculate", {"expression": "2+3"}, "solver-0-0")]
+    calls, _ = parse_hermes(required + 'calculate", "arguments": {}}', "solver-0")     # cut: no closing tag
+    assert [(c.name, c.arguments) for c in calls] == [("calculate", {})] and not errors
+    assert parse_hermes(named + '{"expression": 2+3}', "s")[1]          # broken JSON: an error, no call
 
 
 def test_an_unknown_model_is_a_404_naming_the_agents_and_served_fields_parse():
@@ -92,6 +119,7 @@ def writer_then_critic(base_url, example):
         except (openai.NotFoundError, openai.BadRequestError) as e:
             errors.append((e.status_code, e.body["code"], e.body["param"]))
     assert errors == [(404, "model_not_found", "model"), (400, "unsupported_parameter", "seed")], errors
+    assert [m.id for m in client.models.list()] == ["writer", "critic"]          # GET /v1/models
     assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 2, first
     assert again.choices[0].message.content == "a" and again.choices[0].finish_reason == "stop", again
     assert [c.message.content for c in reviews.choices] == ["ab", "ab"], reviews
@@ -298,6 +326,74 @@ def test_a_tool_using_program_gets_tool_calls_runs_them_in_the_sandbox_and_stays
     assert raw.tools == first.tools                 # tool_choice none: rendered, the reply left unparsed
 
 
+NAMED = {"type": "function", "function": {"name": "calculate"}}
+
+
+def forced_program(base_url, example):
+    """tool_choice a named function, then 'required', then a 'required' reply the model
+    does not complete: the 422 the client raises, naming tool_choice."""
+    import openai
+    from flexmarl_hpc.workflows.openai_calculator import TOOLS, run_tools
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": example["question"]}]
+    r = client.chat.completions.create(model="solver", messages=messages, tools=TOOLS, tool_choice=NAMED)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None, r
+    assert [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls] == \
+        [("solver-0-0", "calculate", '{"expression": "12 * 30"}')], msg
+    messages += [msg.model_dump(), *run_tools(client, msg.tool_calls)]
+    final = client.chat.completions.create(model="solver", messages=messages, tools=TOOLS)
+    assert final.choices[0].message.content == "The answer is 360", final
+    r = client.chat.completions.create(model="solver", messages=messages[:1], tools=TOOLS, tool_choice="required")
+    assert [(c.id, c.function.name) for c in r.choices[0].message.tool_calls] == [("solver-2-0", "calculate")], r
+    try:
+        client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "break"}], tools=TOOLS,
+                                       tool_choice=NAMED)
+        raise AssertionError("a reply that is no call was returned as one")
+    except openai.UnprocessableEntityError as e:
+        assert (e.status_code, e.body["param"], e.body["code"]) == (422, "tool_choice", "tool_choice_not_met"), e.body
+        assert "'calculate'" in e.body["message"] and "oops" in e.body["message"], e.body
+    return {"solver": [1.0, 1.0, 0.5, 0.0]}
+
+
+def forced_answers(tok, call):
+    """The rest of a forced call (sampled as single-byte tokens), the answer after a tool
+    result, or no call at all for 'break'."""
+    if call.messages[-1]["role"] == "tool":
+        return tok.encode("The answer is 360") + [tok.eos_id]
+    rest = {"break": "oops"}.get(call.messages[-1]["content"], '{"expression": "12 * 30"}}\n</tool_call>')
+    if call.prefill.endswith('"name": "'):
+        rest = 'calculate", "arguments": ' + rest
+    return [i for ch in rest for i in tok.encode(ch)] + [tok.eos_id]
+
+
+def test_a_forced_tool_call_is_prefilled_outside_the_mask_and_continued_token_exact(pool, tiny_tok):
+    from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays, pack_microbatch
+    from flexmarl_hpc.workflows.openai_calculator import TOOLS
+    f, calls, tok = run_episode(pool, "forced_program", tok=tiny_tok, answer=forced_answers, agents=["solver"],
+                                example={"question": "What is 12 * 30?"})
+    assert f.failure is None, f.failure and f.failure.traceback
+    assert f.rewards == {"solver": [1.0, 1.0, 0.5, 0.0]}       # the unmet call is a sample of the episode too
+    first, follow, required, unmet = calls
+    prefill = '<tool_call>\n{"name": "calculate", "arguments": '
+    assert (first.prefill, required.prefill, unmet.prefill, follow.prefill) == \
+        (prefill, '<tool_call>\n{"name": "', prefill, "")
+    # the prompt is the rendering with the call's opening after it: not sampled ...
+    assert first.prompt == tok.encode(tok.render(first.messages, tools=TOOLS) + prefill)
+    assert tok.decode(first.response, skip_special_tokens=False) == '{"expression": "12 * 30"}}\n</tool_call><|im_end|>'
+    # ... so out of the loss mask (as rank 0 packs the sample): the sampled ids alone are trained
+    task = SimpleNamespace(vocab=SimpleNamespace(pad_id=0), allowed_tokens=lambda turn: None)
+    for c in (first, follow):
+        node = SimpleNamespace(prompt=c.prompt, response=c.response, logprobs=[0.0] * len(c.response),
+                               turn=0, advantage=1.0, version=0, step=0)
+        mb = microbatch_from_arrays(pack_microbatch([node], task))
+        mask = mb.response_mask()[0]
+        assert mb.input_ids[0][mask].tolist() == c.response and not mask[:len(c.prompt)].any()
+    # the follow-up continues the prefilled and sampled ids verbatim: one conversation, no re-tokenising
+    assert follow.thread is first.thread and follow.thread.conv.rerendered == 0
+    assert follow.prompt[:len(first.prompt) + len(first.response)] == first.prompt + first.response
+
+
 def test_the_tool_example_trains_its_solver_against_the_endpoint(pool, tiny_tok):
     recorded = []
     f, calls, _ = run_episode(pool, "flexmarl_hpc.workflows.openai_calculator:main", tok=tiny_tok,
@@ -394,6 +490,14 @@ def test_the_program_is_checked_before_launch_in_a_child():
         check_episode("json:dumps", {}, field="workflow.agent")
     with pytest.raises(ConfigError, match=r"^workflow.reward: importing 'no_such_module' raised ModuleNotFoundError"):
         check_episode("no_such_module:reward", {}, field="workflow.reward")
+
+
+def test_tool_ranks_are_allowed_with_an_openai_program():
+    """Its programs run on the tool ranks and reach the endpoint through their rank's relay
+    (tests/mpi/test_tools_mpi.py runs one); this was refused while only loopback served."""
+    from flexmarl_hpc.config.load import load_config
+    cfg = load_config("configs/openai_calculator.yaml", ["model.checkpoint=", "tools.ranks=1"])
+    assert cfg.tools.ranks == 1 and cfg.workflow.agent.endswith("openai_calculator:main")
 
 
 def test_the_simulator_refuses_an_openai_program_by_name(tmp_path):
