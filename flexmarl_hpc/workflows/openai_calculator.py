@@ -1,7 +1,9 @@
 """A tool-using agent written only against the official `openai` client (workflow.agent).
 
-A solver is given one function, `calculate`, as OpenAI `tools=`; when its reply calls it,
-the program runs the call and asks again with the result, as any OpenAI tool loop does:
+A solver is given one function, `calculate`, as OpenAI `tools=`; its first request forces
+a call (`tool_choice="required"`: a small model never starts one by itself, docs/LOG.md), later
+ones leave the choice to it; when a reply calls the tool, the program runs the call and asks
+again with the result, as any OpenAI tool loop does:
 
     python -m flexmarl_hpc.workflows.openai_calculator http://localhost:8000/v1 "What is 12 * 30?" --answer 360
 
@@ -51,8 +53,12 @@ def main(base_url: str, example: dict) -> dict:
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
     messages = [{"role": "system", "content": "Use the calculate tool, then answer with the number only."},
                 {"role": "user", "content": example["question"]}]
-    for _ in range(ROUNDS):
-        reply = client.chat.completions.create(model="solver", messages=messages, tools=TOOLS)
+    for i in range(ROUNDS):
+        try:
+            reply = client.chat.completions.create(model="solver", messages=messages, tools=TOOLS,
+                                                   tool_choice="required" if i == 0 else "auto")
+        except openai.UnprocessableEntityError:   # the forced call's arguments did not parse
+            return {"solver": 0.0}
         message = reply.choices[0].message
         if not message.tool_calls:
             break

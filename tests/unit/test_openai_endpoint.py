@@ -292,7 +292,8 @@ def scripted_tool_use(tok, call):
     produces for this text, so reusing them is a real check); an answer after a tool result."""
     if call.messages[-1]["role"] == "tool":
         return tok.encode("The answer is 360") + [tok.eos_id]
-    return [i for ch in BLOCK for i in tok.encode(ch)] + [tok.eos_id]
+    assert BLOCK.startswith(call.prefill), call.prefill      # a forced call's opening is given
+    return [i for ch in BLOCK[len(call.prefill):] for i in tok.encode(ch)] + [tok.eos_id]
 
 
 def test_a_tool_using_program_gets_tool_calls_runs_them_in_the_sandbox_and_stays_token_exact(pool, tiny_tok):
@@ -401,6 +402,7 @@ def test_the_tool_example_trains_its_solver_against_the_endpoint(pool, tiny_tok)
                               example={"question": "What is 12 * 30?", "answer": 360})
     assert f.failure is None and f.rewards == {"solver": 1.0}, f.failure and f.failure.traceback
     assert len(calls) == 2 and calls[1].thread is calls[0].thread and ("calculate", "ok") in recorded
+    assert calls[0].prefill == '<tool_call>\n{"name": "' and not calls[1].prefill   # forced, then auto
 
 
 def test_a_programs_tool_calls_on_tool_ranks_take_no_slot_there_or_here():
