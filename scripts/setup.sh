@@ -5,6 +5,8 @@
 # (pip --require-hashes), torch the 2.13.0 CPU wheel. The lock covers requirements.txt,
 # requirements-megatron.txt and requirements-loggers.txt; `bash scripts/lock.sh` refreshes it.
 # Re-running is a no-op unless the lock or pyproject.toml changed (a stamp holds their hash).
+# Then Debian's chromium (scripts/setup_chromium.sh: apt-get when missing and root; the
+# transcripts page test screenshots with it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,4 +23,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
+# headless Chromium for the transcripts page test (a no-op when present or not root)
+bash scripts/setup_chromium.sh
 .venv/bin/python -c "import torch, mpi4py, h5py; print(f'[setup] .venv ready: torch {torch.__version__}, h5py {h5py.__version__}')"

@@ -103,12 +103,13 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_chat(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny chat model (scripts/make_tiny_chat_model.py, max_seq_len 512) and a 40-line
-    arithmetic train.jsonl: what the episode e2e tests train on. Both are only read."""
+    """A tiny chat model (scripts/make_tiny_chat_model.py, max_seq_len 1024: a prompt with the
+    calculator's schema is ~580 of its tokens) and a 40-line arithmetic train.jsonl: what the
+    episode e2e tests train on. Both are only read."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_tiny_chat_model import make
     d = tmp_path_factory.mktemp("tiny_chat")
-    model = make(d / "tiny-chat", hidden=32, layers=2, max_seq_len=512)
+    model = make(d / "tiny-chat", hidden=32, layers=2, max_seq_len=1024)
     data = d / "train.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is {i} + {i % 7}?", "answer": i + i % 7}) + "\n"
                             for i in range(40)))

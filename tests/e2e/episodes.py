@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+
+from flexmarl_hpc.workflows.toolcalls import ToolRequest
 
 
 async def skewed(ctx, example):
@@ -46,12 +49,37 @@ async def with_tools(ctx, example):
     its worker (tests/mpi/tool_fns.py): run on a tool rank with tools.ranks > 0."""
     r = await ctx.chat("solver", [{"role": "user", "content": example["question"]}], max_tokens=4)
     calc = await ctx.tool("calculator", f"{example['answer']} * 2")
+    crashed, bonus = await on_tool_rank(ctx)
+    ctx.metrics["ok"] = float(calc.output == str(example["answer"] * 2) and crashed)
+    return {"solver": float(len(r.ids) % 2) + bonus}
+
+
+async def with_structured_tools(ctx, example):
+    """with_tools, its calculator call a structured one: the solver is asked with the
+    calculator's schema (rendered by the chat template); the tiny random model never writes a
+    <tool_call> block, so the call it should have made is added to its reply and run by
+    ctx.run_tools, and its `tool` message is the context of the solver's second turn, which
+    continues the first turn's ids verbatim (test_a_tool_using_episode_trains_exactly_the_sampled_ids).
+    The prompt with the schema is ~580 tokens of the tiny model's: rollout.max_model_len 1024."""
+    msgs = [{"role": "user", "content": example["question"]}]
+    tools = [ctx.tool_schema("calculator")]
+    r = await ctx.chat("solver", msgs, max_tokens=4, tools=tools)
+    call = ToolRequest("calculator", {"expression": f"{example['answer']} * 2"}, f"solver-{r.call}-{len(r.tool_calls)}")
+    results = await ctx.run_tools(dataclasses.replace(r, tool_calls=(*r.tool_calls, call)))
+    r2 = await ctx.chat("solver", msgs + [r.message, *results], max_tokens=4, tools=tools)
+    crashed, bonus = await on_tool_rank(ctx)
+    ctx.metrics["ok"] = float(results[-1]["content"] == str(example["answer"] * 2) and crashed)
+    return {"solver": [float(len(r.ids) % 2) + bonus, float(len(r2.ids) % 2) + bonus]}
+
+
+async def on_tool_rank(ctx) -> tuple[bool, float]:
+    """A python call, a reward function that crashes its worker and one that says where it
+    ran: (the crash came back as `crashed`, 0.5 when `where` ran on a rank other than 0)."""
     py = await ctx.tool("python", "import os; print(os.environ.get('PMI_RANK', 'none'))")
     from tests.mpi.tool_fns import die, where
     crashed = await ctx.call(die, timeout_s=60)
     rank = await ctx.call(where, timeout_s=60)
-    ctx.metrics["ok"] = float(calc.output == str(example["answer"] * 2) and crashed.outcome == "crashed")
-    return {"solver": float(len(r.ids) % 2) + 0.5 * (rank.value not in (None, 0, -1)) + 0.0 * len(py.output)}
+    return crashed.outcome == "crashed", 0.5 * (rank.value not in (None, 0, -1)) + 0.0 * len(py.output)
 
 
 async def fails_always(ctx, example):

@@ -12,9 +12,10 @@ import time
 from collections import Counter
 
 import h5py
+import numpy as np
 import pytest
 
-from tests.conftest import ROOT, run_training
+from tests.conftest import ROOT, need, run_training
 from tests.helpers import check_exactly_once, sigkill_tree, wait_for
 
 STEPS, N_IN, GROUP = 6, 3, 2
@@ -49,11 +50,19 @@ def check_episodes(path, steps):
         return ep, f["tools"][:], agents
 
 
-def test_an_episode_workflow_trains_every_call_once_with_skewed_calls_and_tools(tmp_path, mpiexec, chat_setup):
-    p = run_training(tmp_path, *overrides(chat_setup), config="configs/math_team.yaml")
+@pytest.fixture(scope="module")
+def skewed_run(tmp_path_factory, mpiexec, chat_setup):
+    """One run of the skewed episode (planner, 1-3 solvers with tools, judge): the store of
+    the test below and of the transcripts page's."""
+    out = tmp_path_factory.mktemp("skewed_run")
+    return out / "ep.h5", run_training(out, *overrides(chat_setup), config="configs/math_team.yaml")
+
+
+def test_an_episode_workflow_trains_every_call_once_with_skewed_calls_and_tools(skewed_run):
+    path, p = skewed_run
     assert f"step    {STEPS}/{STEPS}" in p.stdout, p.stdout[-2000:]
-    check_exactly_once(tmp_path / "ep.h5", STEPS)
-    ep, tools, agents = check_episodes(tmp_path / "ep.h5", STEPS)
+    check_exactly_once(path, STEPS)
+    ep, tools, agents = check_episodes(path, STEPS)
     solver = ep["calls"][:, agents.index("solver")]
     assert solver.min() >= 1 and solver.max() >= 3 and len(set(solver.tolist())) >= 3    # skewed
     assert (ep["calls"][:, agents.index("planner")] == 1).all()
@@ -62,7 +71,7 @@ def test_an_episode_workflow_trains_every_call_once_with_skewed_calls_and_tools(
     assert set(tools["tool"].tolist()) == {b"calculator"}
     # a solver's second turn is its first turn's prompt and sampled response, token for
     # token, then the tool's message: the context grows without re-tokenising
-    with h5py.File(tmp_path / "ep.h5", "r") as f:
+    with h5py.File(path, "r") as f:
         s = f["samples/solver"][:]
         tok = f["tokens/solver"][:]["token"]
         assert all(p.decode().startswith(("planner/", "solver/")) for p in s["parent_id"])
@@ -76,9 +85,54 @@ def test_an_episode_workflow_trains_every_call_once_with_skewed_calls_and_tools(
                for m in mates):
             grown += 1
     assert grown == len(tools)          # exactly the second turns
-    out = subprocess.run([sys.executable, "-m", "flexmarl_hpc.analyze", str(tmp_path / "ep.h5")], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "flexmarl_hpc.analyze", str(path)], cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "calls/episode solver" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_transcripts_page_of_a_run_renders_in_headless_chromium(skewed_run, chat_setup, tmp_path):
+    """issue 40: `analyze --transcripts --html` on the skewed run's step 0, screenshotted by
+    headless Chromium (scripts/transcripts_figure.py): a PNG of the size asked for, with text
+    on it (many colours, dark glyph pixels in many rows and many dark runs per text line), and
+    a rendered DOM that holds each agent's calls, a reply as the store's ids decode, and each
+    call's reward and advantage from the store beside its agent's name."""
+    import html
+    from PIL import Image
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from transcripts_figure import chromium, render
+    from flexmarl_hpc.analyze import main as analyze
+    from flexmarl_hpc.workflows.chat import ChatTokenizer
+    need(chromium() is not None, "chromium (bash scripts/setup_chromium.sh)")
+    path, _ = skewed_run
+    page, png = tmp_path / "t.html", tmp_path / "t.png"
+    assert analyze([str(path), "--transcripts", "--step", "0", "--html", str(page)]) == 0
+    dom = render(page, png, (900, 1200))
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size == (900, 1200), (im.format, im.size)
+        gray = np.asarray(im.convert("L"), dtype=np.int16)
+        colors = im.convert("RGB").getcolors(1 << 20)
+    assert len(colors) >= 16, len(colors)                          # text is anti-aliased: many shades
+    dark = gray < 128
+    assert 0.005 < dark.mean() < 0.3, dark.mean()                  # not blank, not a solid block
+    assert dark.any(axis=1).sum() > 300, dark.any(axis=1).sum()    # dark pixels over many rows
+    runs = (np.diff(dark.astype(np.int8), axis=1) == 1).sum(axis=1)
+    assert np.median(runs[runs > 0]) >= 10, runs                   # glyphs: many strokes per row
+    tok = ChatTokenizer(chat_setup[0])
+    with h5py.File(path, "r") as f:
+        agents = list(f.attrs["agents"])
+        rows = {a: f[f"samples/{a}"][:] for a in agents}
+        toks = {a: f[f"tokens/{a}"][:]["token"] for a in agents}
+    for agent in agents:
+        mine = rows[agent][rows[agent]["step"] == 0]
+        assert len(mine) > 0
+        for r in mine:
+            assert (f'<b>{agent}</b> call {r["turn"]} <span class="meta">reward {float(r["reward"]):.3f}, '
+                    f'advantage {float(r["advantage"]):.3f}, consumed, v{r["policy_version"]}') in dom, (agent, r)
+        r = max(mine, key=lambda r: r["response_len"])
+        o = r["token_offset"] + r["prompt_len"]
+        text = tok.decode(toks[agent][o:o + r["response_len"]].tolist(), skip_special_tokens=False)
+        text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\0", "\ufffd")   # as HTML parses it
+        assert f"<pre>{html.escape(text, quote=False).replace(chr(0xa0), '&nbsp;')}</pre>" in dom, (agent, text)
 
 
 def test_sigkill_mid_run_then_the_same_command_trains_every_example_once(tmp_path, mpiexec, chat_setup):
@@ -124,21 +178,74 @@ def tool_overrides(chat_setup, name: str) -> list[str]:
             "tools.ranks=1", "tools.workers=2"]
 
 
-def test_tool_calls_run_on_a_tool_rank_and_a_crash_there_is_a_counted_outcome(tmp_path, mpiexec, chat_setup):
+@pytest.fixture(scope="module")
+def tool_run(tmp_path_factory, mpiexec, chat_setup):
+    """One 2-step run of with_structured_tools on a tool rank (tools.ranks=1): the store of the
+    two tests below. pipeline.max_staleness 0: each sample is trained at the version that drew
+    it, so the trainer's log-probs of its tokens are the replica's up to float order."""
+    out = tmp_path_factory.mktemp("tool_run")
+    p = run_training(out, *tool_overrides(chat_setup, "tl"), "workflow.episode=tests.e2e.episodes:with_structured_tools",
+                     "rollout.max_model_len=1024", "pipeline.max_staleness=0", config="configs/math_team.yaml")
+    return out / "tl.h5", p
+
+
+def test_tool_calls_run_on_a_tool_rank_and_a_crash_there_is_a_counted_outcome(tool_run):
     """tools.ranks=1: the job gets a tool rank after the trainers; every tool call and
     ctx.call of the episodes runs there (the reward worker sees that rank's PMI_RANK, so the
     solver's reward includes 0.5), a worker that dies mid-call gives the call `crashed`
     in /tools, and the run ends normally (the tool rank answers the Stop)."""
-    p = run_training(tmp_path, *tool_overrides(chat_setup, "tl"), config="configs/math_team.yaml")
+    path, p = tool_run
     assert "1 tool ranks" in p.stdout and "step    2/2" in p.stdout, p.stdout[-2000:]
     from flexmarl_hpc.store.schema import TOOL_OUTCOMES
-    with h5py.File(tmp_path / "tl.h5", "r") as f:
+    with h5py.File(path, "r") as f:
         tools = f["tools"][:]
         solver = f["samples/solver"][:]
         assert int(f.attrs["world_size"]) == 4            # orchestrator, replica, trainer, tool rank
     outcomes = Counter((t.decode(), TOOL_OUTCOMES[o]) for t, o in zip(tools["tool"], tools["outcome"]))
     assert outcomes == {("calculator", "ok"): 8, ("python", "ok"): 8, ("die", "crashed"): 8, ("where", "ok"): 8}, outcomes
     assert (solver["reward"] >= 0.5).all(), solver["reward"]       # `where` ran on a rank other than 0
+
+
+def test_a_tool_using_episode_trains_exactly_the_sampled_ids(tool_run, chat_setup):
+    """Structured tool calls on the tiny model, token-exact (issue 40), from the store of a
+    real run: the solver's second turn is its first turn's prompt and sampled ids verbatim,
+    then the calculator's `tool` message as the template renders it (the result the tool
+    rank computed) and the next assistant header; the loss mask rank 0 packs from the stored
+    row covers the second turn's sampled ids and nothing of the tool message; and the
+    trainer's own log-probs of the tokens it trained are the replica's (/steps logp_mismatch,
+    per sample the mean |trainer - sampler| log-prob over its masked tokens: a token trained
+    that was not the one sampled at its place, or a tool token in the mask, puts it near 1)."""
+    import re
+    from types import SimpleNamespace
+    from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays, pack_microbatch
+    from flexmarl_hpc.workflows.chat import ChatTokenizer
+    path, _ = tool_run
+    tok = ChatTokenizer(chat_setup[0])
+    check_exactly_once(path, 2)
+    with h5py.File(path, "r") as f:
+        s, toks, steps = f["samples/solver"][:], f["tokens/solver"][:]["token"], f["steps/solver"][:]
+    seq = lambda r: toks[r["token_offset"]:r["token_offset"] + r["prompt_len"] + r["response_len"]].tolist()
+    episodes = sorted(set(zip(s["input_id"].tolist(), s["traj"].tolist())))
+    assert len(episodes) == 8 and len(s) == 16
+    task = SimpleNamespace(vocab=SimpleNamespace(pad_id=tok.pad_id), allowed_tokens=lambda turn: None)
+    for key in episodes:
+        r0, r1 = sorted(s[(s["input_id"] == key[0]) & (s["traj"] == key[1])], key=lambda r: r["turn"])
+        first, second = seq(r0), seq(r1)
+        p1, resp1 = second[:r1["prompt_len"]], second[r1["prompt_len"]:]
+        assert p1[:len(first)] == first, key                  # the sampled ids verbatim, not re-encoded
+        a, b = map(int, re.search(r"What is (\d+) \+ (\d+)\?", tok.decode(first, skip_special_tokens=False)).groups())
+        # a reply cut at max_tokens gets the template's end of turn after it (not trained)
+        closed = "" if first[-1] == tok.eos_id else "<|im_end|>"
+        assert tok.decode(p1[len(first):], skip_special_tokens=False) == \
+            f"{closed}\n<|im_start|>user\n<tool_response>\n{2 * (a + b)}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        node = SimpleNamespace(prompt=p1, response=resp1, logprobs=[0.0] * len(resp1), turn=1,
+                               advantage=1.0, version=0, step=0)
+        mb = microbatch_from_arrays(pack_microbatch([node], task))
+        mask = mb.response_mask()[0]
+        assert mb.input_ids[0][mask].tolist() == resp1 and not mask[:len(p1)].any()
+    live = steps[steps["superseded"] == 0]
+    assert live["step"].tolist() == [0, 1] and live["n_samples"].tolist() == [8, 8]
+    assert (live["logp_mismatch"] < 1e-3).all(), live["logp_mismatch"]
 
 
 def test_a_dead_tool_rank_is_a_dead_worker_the_run_checkpoints_and_exits_75(tmp_path, mpiexec, chat_setup):
