@@ -1,7 +1,8 @@
 """A tool-using agent written only against the official `openai` client (workflow.agent).
 
 A solver is given one function, `calculate`, as OpenAI `tools=`; its first request forces
-a call (`tool_choice="required"`: a small model never starts one by itself, docs/LOG.md), later
+a call of it (tool_choice naming `calculate`: a small model never starts a call by itself, and
+with `required` SmolLM2-135M named functions after the problem's people, docs/LOG.md), later
 ones leave the choice to it; when a reply calls the tool, the program runs the call and asks
 again with the result, as any OpenAI tool loop does:
 
@@ -28,6 +29,7 @@ TOOLS = [{"type": "function", "function": {
     "name": "calculate", "description": "Evaluate an arithmetic expression (numbers, + - * / // % and "
                                         "parentheses) and return its value.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+FORCE = {"type": "function", "function": {"name": "calculate"}}
 ROUNDS = 2
 """Most tool round trips per example."""
 
@@ -56,7 +58,7 @@ def main(base_url: str, example: dict) -> dict:
     for i in range(ROUNDS):
         try:
             reply = client.chat.completions.create(model="solver", messages=messages, tools=TOOLS,
-                                                   tool_choice="required" if i == 0 else "auto")
+                                                   tool_choice=FORCE if i == 0 else "auto")
         except openai.UnprocessableEntityError:   # the forced call's arguments did not parse
             return {"solver": 0.0}
         message = reply.choices[0].message

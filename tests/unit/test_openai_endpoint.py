@@ -402,7 +402,7 @@ def test_the_tool_example_trains_its_solver_against_the_endpoint(pool, tiny_tok)
                               example={"question": "What is 12 * 30?", "answer": 360})
     assert f.failure is None and f.rewards == {"solver": 1.0}, f.failure and f.failure.traceback
     assert len(calls) == 2 and calls[1].thread is calls[0].thread and ("calculate", "ok") in recorded
-    assert calls[0].prefill == '<tool_call>\n{"name": "' and not calls[1].prefill   # forced, then auto
+    assert calls[0].prefill == '<tool_call>\n{"name": "calculate", "arguments": ' and not calls[1].prefill
 
 
 def test_a_programs_tool_calls_on_tool_ranks_take_no_slot_there_or_here():
