@@ -25,22 +25,21 @@ offloads (if resident) and sends a `MoveHeader` (its layout key, each host buffe
 and size, version, RNG); the destination builds the agent's trainer, and where its key
 equals the sender's and its storages have the same names and sizes, receives the bytes
 straight into one host allocation and adopts them (onload when resident, shelved when
-parked). Each rank receives exactly its shard (parameters, grads, optimizer state): at
-32B over TP 8 x PP 4 about 390 / 32 = 12 GB a rank, not the 390 GB of a full state.
-Same storages but other names or sizes: one error naming the agent and the first
-difference (same-layout builds are deterministic, so it is a bug, never silent).
+parked; the allocation stays as the agent's host buffers, like a local swap's). Each rank
+receives exactly its own shard (parameters, grads and optimizer state), never the whole
+state. Same key, other storages: one error naming the agent and the first difference
+(same-layout builds are deterministic, so that is a bug, never silent).
 
-Different groups, the fallback (other layouts: the destination answers "state"; trainers
-without `ShardMovable`: torch, or a plain parked state): rank i sends its `state()` to rank
-i of the destination (one header + one flat byte buffer, a non-blocking send/receive waited
-for without spinning). For megatron `state()` gathers the full HF state (fp32 weights and
-both Adam moments) on the leader and broadcasts it to every rank of the source group, so
-every rank of both groups holds the whole state at once (plus its flat send/receive copy):
-about 390 GB a rank at 32B. The destination builds a trainer the first time it gets the
-agent. Trainers without `Swappable` keep the old path everywhere: parked as a host copy of
-`state()`, rebuilt and loaded on swap-in. Bit for bit either way (tests/unit/test_state_swap.py;
-rank to rank tests/mpi/test_state_swap_mpi.py; megatron shard to shard, with the bytes and
-peak per rank of both paths, tests/mpi/test_megatron_move.py).
+Different groups, the fallback (the destination's layout differs and it answers FALLBACK;
+trainers without `ShardMovable`: torch, or a plain parked state): rank i sends its `state()`
+to rank i of the destination (one header + one flat byte buffer, a non-blocking
+send/receive waited for without spinning). For megatron `state()` gathers the full HF state
+(fp32 weights and both Adam moments) and broadcasts it to every rank of the source group,
+so every rank of both groups holds the whole state at once, plus its flat copy. The costs
+of both paths, measured and at 32B: docs/backends.md. Trainers without `Swappable` keep the
+old path everywhere: parked as a host copy of `state()`, rebuilt and loaded on swap-in. Bit
+for bit either way (tests/unit/test_state_swap.py; rank to rank tests/mpi/test_state_swap_mpi.py;
+megatron group to group tests/mpi/mpi_megatron_move.py).
 """
 from __future__ import annotations
 
