@@ -1,4 +1,4 @@
-"""mpiexec -n 2N python -m mpi4py tests/mpi/mpi_megatron_move.py TP PP [big]
+"""mpiexec -n 2N python -m mpi4py tests/mpi/mpi_megatron_move.py TP PP [big] [bf16]
 
 Two megatron trainer groups of N = TP x PP x DP ranks (world ranks [0, N) and [N, 2N)), one
 agent moved between them by StateMover, each rank's move measured: the bytes it received
@@ -48,7 +48,8 @@ V = 1000
 ARGS = (ModelArgs(V, 192, 4, 4, 2, 768, 16, rope_theta=5e4, tie_embeddings=True) if "big" in sys.argv
         else ModelArgs(V, 32, 2, 4, 2, 64, 16, rope_theta=5e4, tie_embeddings=True))
 CFG = TrainerConfig(backend="megatron", ranks_per_group=N, tensor_parallel=TP, pipeline_parallel=PP,
-                    pipeline_microbatches=2 if PP > 1 else 0, lr=1e-2, entropy_coef=0.01, grad_clip=0.5)
+                    pipeline_microbatches=2 if PP > 1 else 0, lr=1e-2, entropy_coef=0.01, grad_clip=0.5,
+                    precision="bf16" if "bf16" in sys.argv else "fp32")   # bf16: separate fp32 main params
 init_group_distributed(group, TP, PP)
 
 
@@ -159,7 +160,7 @@ else:
     counterpart_state(ref)
     step(twin, 1)
     counterpart_state(twin.state())
-log(f"ok shard move TP{TP} x PP{PP}: state() bit-equal after the move, next step == a twin's that never "
+log(f"ok shard move TP{TP} x PP{PP} x DP{N // (TP * PP)} {CFG.precision}: state() bit-equal after the move, next step == a twin's that never "
     f"moved; each rank received its shard only (max {shard / 2**20:.2f} MiB of a {full / 2**20:.2f} MiB state)")
 
 # 2. resident -> resident through the fallback: group 0 claims another layout
