@@ -233,6 +233,7 @@ FIGURES: dict[str, Figure] = {
     "bench_rollout": Figure(bench("bench_rollout.py", python=".venv-vllm/bin/python"), bench=True),
     "bench_ckpt_memory": Figure(bench("bench_ckpt_memory.py"), bench=True),
     "bench_cores": Figure(bench("bench_cores.py", "--pollers", "2"), bench=True),
+    "bench_state_move": Figure(bench("bench_state_move.py"), bench=True),
     "bench_modes": Figure(bench("bench_modes.py", "--workloads", "referential", "--variants", "sync", "flex",
                                 "--reps", "3"), bench=True),
 }

@@ -19,15 +19,31 @@ of its shards out and resizes it to 0 bytes, so the many views megatron keeps st
 and brings the state in for a `state()`/checkpoint call while parked (and for a weight
 sync's stream, ranks/workers.py).
 
-Different groups: rank i of the source group sends its `state()` to rank i of the
-destination group over MPI (one header + one flat byte buffer, a non-blocking send/receive
-waited for without spinning); the destination builds a trainer the first time it gets the
-agent. Trainers without the interface keep the old path everywhere: parked as a host copy
-of `state()`, rebuilt and loaded on swap-in. Bit for bit either way (tests/unit/test_state_swap.py; rank to rank
-tests/mpi/test_state_swap_mpi.py).
+Different groups, shard to shard: a trainer with the `ShardMovable` interface (megatron)
+sends its rank's own storages, rank i to rank i of the destination group. The source
+offloads (if resident) and sends a `MoveHeader` (its layout key, each host buffer's name
+and size, version, RNG); the destination builds the agent's trainer, and where its key
+equals the sender's and its storages have the same names and sizes, receives the bytes
+straight into one host allocation and adopts them (onload when resident, shelved when
+parked; the allocation stays as the agent's host buffers, like a local swap's). Each rank
+receives exactly its own shard (parameters, grads and optimizer state), never the whole
+state. Same key, other storages: one error naming the agent and the first difference
+(same-layout builds are deterministic, so that is a bug, never silent).
+
+Different groups, the fallback (the destination's layout differs and it answers FALLBACK;
+trainers without `ShardMovable`: torch, or a plain parked state): rank i sends its `state()`
+to rank i of the destination (one header + one flat byte buffer, a non-blocking
+send/receive waited for without spinning). For megatron `state()` gathers the full HF state
+(fp32 weights and both Adam moments) and broadcasts it to every rank of the source group,
+so every rank of both groups holds the whole state at once, plus its flat copy. The costs
+of both paths, measured and at 32B: docs/backends.md. Trainers without `Swappable` keep the
+old path everywhere: parked as a host copy of `state()`, rebuilt and loaded on swap-in. Bit
+for bit either way (tests/unit/test_state_swap.py; rank to rank tests/mpi/test_state_swap_mpi.py;
+megatron group to group tests/mpi/mpi_megatron_move.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator, MutableMapping, Protocol, runtime_checkable
 
 import numpy as np
@@ -97,6 +113,83 @@ class Swappable(Protocol):
 
     def onload(self) -> None:
         """Inverse of `offload`: copy back onto the trainer's device, no rebuild, no reads."""
+
+
+@runtime_checkable
+class ShardMovable(Swappable, Protocol):
+    """A `Swappable` trainer whose host buffers move between groups of one layout as they
+    are (trainer/megatron/swap.py)."""
+
+    version: int
+
+    def shard_key(self) -> tuple:
+        """Equal on two ranks exactly when one's storages can take the other's bytes."""
+
+    def shards_out(self, host: HostBuffers) -> tuple[HostBuffers, list[tuple[str, int]], torch.Tensor]:
+        """Offload (if resident); (its host buffers, [(name, bytes)] to send, RNG state)."""
+
+    def shard_sizes(self) -> list[tuple[str, int]]:
+        """[(name, bytes)] a fresh build's `adopt` takes, in order."""
+
+    def adopt(self, host: HostBuffers, rng: torch.Tensor, version: int) -> None:
+        """The bytes in `host` become this fresh build's parked (offloaded) state."""
+
+
+FALLBACK = "state"       # a destination's answer: other layout, send `state()` instead
+
+
+@dataclass(frozen=True)
+class MoveHeader:
+    """First message of a cross-group move, source rank -> its counterpart."""
+    agent: str
+    key: tuple | None = None            # the source's shard_key; None: a `state()` follows
+    sizes: tuple[tuple[str, int], ...] = ()   # (host buffer name, bytes), in sending order
+    version: int = 0
+    rng: bytes = b""                    # the source rank's RNG state at the offload
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.sizes)
+
+
+def answer_for(head: MoveHeader, key: tuple | None, sizes: list[tuple[str, int]] | None) -> str:
+    """The destination's answer to a shard header: "" (send the shards), FALLBACK (another
+    layout: send `state()`), or an error (same layout, other storages)."""
+    if key is None or key != head.key:
+        return FALLBACK
+    if list(head.sizes) == sizes:
+        return ""
+    diff = next((f"{a} != {b}" for a, b in zip(head.sizes, sizes) if a != b),
+                f"{len(head.sizes)} storages != {len(sizes)}")
+    return (f"state move of agent {head.agent!r}: the source's storages do not match this "
+            f"build's ((name, bytes) sent != here: {diff})")
+
+
+def send_shards(world: MPI.Comm, host: HostBuffers, sizes: list[tuple[str, int]], dest: int) -> None:
+    """The host buffers named in `sizes`, one message each, in order (no packing copy)."""
+    comm.waitall([world.Isend(host.buffers[n].numpy(), dest=dest, tag=comm.TAG_STATE) for n, _ in sizes])
+
+
+def recv_shards(world: MPI.Comm, head: MoveHeader, source: int) -> HostBuffers:
+    """The shards of `head` received in place into one host allocation (pinned with CUDA):
+    the HostBuffers' tensors are views of it, so later swaps on this group reuse it."""
+    host = HostBuffers()
+    flat = host_bytes(head.nbytes, pin=host.pin)
+    host.allocations, off = 1, 0
+    for name, n in head.sizes:
+        host.buffers[name] = flat[off:off + n]
+        off += n
+    comm.waitall([world.Irecv(host.buffers[n].numpy(), source=source, tag=comm.TAG_STATE)
+                  for n, _ in head.sizes])
+    return host
+
+
+def _rng_bytes(rng: torch.Tensor) -> bytes:
+    return rng.numpy().tobytes()
+
+
+def _rng_of(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
 def to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -200,29 +293,67 @@ class StateMover:
         return tr
 
     def move(self, agent: str, src: Location, dst: Location) -> None:
-        me = self.group_comm.Get_rank()
         if src == dst:
             return
-        state = None
-        if src.group == self.my_group:
-            if dst.group == self.my_group:             # device <-> host on this rank
-                if src.resident:
-                    self.park(agent, self.trainers.pop(agent))
-                else:
-                    self.trainers[agent] = self.unpark(agent)
-                return
+        if src.group == self.my_group and dst.group == self.my_group:    # device <-> host here
             if src.resident:
-                state = to_host(self.trainers.pop(agent).state())   # frees the device copy
-                self.parked.hosts.pop(agent, None)      # its host buffers are not needed here
+                self.park(agent, self.trainers.pop(agent))
             else:
-                state = self.parked.pop(agent)          # drops the shelf and its host memory
-            send_state(self.world, state, self.group_ranks(dst.group)[me])
+                self.trainers[agent] = self.unpark(agent)
+        elif src.group == self.my_group:
+            self.send(agent, self.group_ranks(dst.group)[self.group_comm.Get_rank()])
+        elif dst.group == self.my_group:
+            self.receive(agent, dst.resident, self.group_ranks(src.group)[self.group_comm.Get_rank()])
+
+    def send(self, agent: str, to: int) -> None:
+        """Source side of a cross-group move: this rank's shard if the destination takes it,
+        else its `state()`; the agent leaves this rank (trainer, shelf and host memory)."""
+        tr = self.trainers.pop(agent, None) or self.parked.shelf.pop(agent, None)
+        host = self.parked.hosts.pop(agent, None)
+        if isinstance(tr, ShardMovable):
+            host, sizes, rng = tr.shards_out(host or HostBuffers())
+            comm.wait(self.world.isend(MoveHeader(agent, tr.shard_key(), tuple(sizes), tr.version,
+                                                  _rng_bytes(rng)), dest=to, tag=comm.TAG_STATE))
+            answer = comm.recv(self.world, source=to, tag=comm.TAG_STATE)
+            if answer == "":
+                send_shards(self.world, host, sizes, to)
+                return
+            if answer != FALLBACK:
+                raise ValueError(answer)
+        else:
+            comm.wait(self.world.isend(MoveHeader(agent), dest=to, tag=comm.TAG_STATE))
+        # collective over this group (megatron gathers the full state to every rank)
+        state = to_host(tr.state()) if tr is not None else self.parked.states.pop(agent)
+        send_state(self.world, state, to)
+
+    def receive(self, agent: str, resident: bool, frm: int) -> None:
+        """Destination side: the counterpart's shard adopted by a fresh build, or its state."""
+        head = comm.recv(self.world, source=frm, tag=comm.TAG_STATE)
+        tr = None
+        if head.key is not None:
+            tr = self.build(agent)
+            same = isinstance(tr, ShardMovable) and tr.shard_key() == head.key
+            answer = answer_for(head, head.key if same else None, tr.shard_sizes() if same else None)
+            comm.wait(self.world.isend(answer, dest=frm, tag=comm.TAG_STATE))
+            if answer not in ("", FALLBACK):
+                raise ValueError(answer)
+            if answer == "":
+                host = recv_shards(self.world, head, frm)
+                tr.adopt(host, _rng_of(head.rng), head.version)
+                self.parked.hosts[agent] = host         # kept for the next swap, as unpark keeps it
+                if resident:
+                    tr.onload()
+                    self.trainers[agent] = tr
+                else:                                   # shelved: the received bytes are its parked state
+                    self.parked.shelf[agent] = tr
+                return
+        state = recv_state(self.world, frm)
+        if tr is None and not resident:
+            self.parked[agent] = state
             return
-        if dst.group == self.my_group:
-            state = recv_state(self.world, self.group_ranks(src.group)[me])
-            if dst.resident:
-                tr = self.build(agent)
-                tr.load_state(state)
-                self.trainers[agent] = tr
-            else:
-                self.parked[agent] = state
+        tr = tr or self.build(agent)
+        tr.load_state(state)
+        if resident:
+            self.trainers[agent] = tr
+        else:
+            self.park(agent, tr)

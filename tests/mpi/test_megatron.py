@@ -169,3 +169,22 @@ def test_a_full_disk_under_megatrons_checkpoint_writer_is_reported_as_enospc(meg
     assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, cause
     _WriteErrors.seen.clear()
     assert not isinstance(_root_cause(lost, Path("/nowhere")), OSError)
+
+
+def test_state_moves_shard_to_shard_between_two_tp2_groups(megatron):
+    """Two TP2 groups of 2 ranks, bf16 (fp32 main params apart from the bf16 weights;
+    tests/mpi/mpi_megatron_move.py): a trained agent moves
+    group 0 -> 1 as each rank's own storages (no state() gather), bit-equal, and its next
+    step equals a twin's that never moved; each rank receives exactly its shard's bytes; a
+    destination of another layout gets state() instead (the fallback: the whole state on
+    every rank); a shelved trainer's shard moves into a parked arrival. TP2 x PP2 on 8 ranks
+    with a larger model and the peak RSS per rank: bench/bench_state_move.py."""
+    p = run_mpi(megatron, 4, ["tests/mpi/mpi_megatron_move.py", "2", "1", "bf16"], timeout=240,
+                env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "65536"})
+    out = p.stdout
+    assert "all megatron move checks passed" in out, out[-3000:]
+    print("\n".join(line for line in out.splitlines() if line.startswith(("ok", "   "))))
+    assert "ok shard move TP2 x PP1 x DP1 bf16: state() bit-equal after the move, next step == a twin's" in out
+    assert "each rank received its shard only" in out
+    assert "ok fallback (other layout): state() sent" in out
+    assert "ok shard move from a shelved trainer into a parked arrival, swapped in: bit-equal" in out

@@ -105,3 +105,19 @@ def test_resume_into_a_parked_agent_and_trainers_without_the_interface():
     mover.move("b", Location(0, False), Location(0, True))
     assert built == ["b"]
     same(other.state(), mover.trainers["b"].state())
+
+
+def test_a_shard_header_is_taken_only_by_the_same_layout_and_storages():
+    """The destination's answer to a shard move (runtime/state_swap.answer_for): the same key
+    and storages take the bytes, another key falls back to state(), the same key with other
+    storages is refused in one line naming the agent and the first difference."""
+    from flexmarl_hpc.runtime.state_swap import FALLBACK, MoveHeader, answer_for
+    sizes = [("storage.0", 64), ("storage.1", 32)]
+    head = MoveHeader("solver", ("megatron", 2, 1), tuple(sizes), 3, b"")
+    assert head.nbytes == 96
+    assert answer_for(head, ("megatron", 2, 1), sizes) == ""
+    assert answer_for(head, ("megatron", 1, 2), sizes) == FALLBACK
+    assert answer_for(head, None, None) == FALLBACK                     # no ShardMovable here
+    err = answer_for(head, ("megatron", 2, 1), [("storage.0", 64), ("storage.1", 16)])
+    assert "agent 'solver'" in err and "('storage.1', 32) != ('storage.1', 16)" in err
+    assert "2 storages != 3" in answer_for(head, ("megatron", 2, 1), [*sizes, ("storage.2", 4)])

@@ -15,6 +15,14 @@ the bytes in. Nothing is rebuilt or read from disk, the bytes come back unchange
 While offloaded, `state()` / `load_state()` / the dist checkpoint calls, `named_weights()`
 and a weight sync's stream bring the state onto the device for the call and park it again
 (collective, like the calls themselves).
+
+Between groups of the same layout (`shard_key`), the host buffers themselves move
+(runtime/state_swap.py, `ShardMovable`): the source offloads and sends its storages' bytes
+(`shards_out`), the destination's fresh trainer of the same layout has the same storages in
+the same order (`shard_sizes`, checked against the sender's) and takes the bytes as its
+parked state (`adopt`). Adam state exists from the first step on; a trainer that has not
+stepped yet gets it at zero first (`_zero_optimizer_states`: the same first step as
+megatron's lazy init), so both sides hold the same set.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ import contextlib
 import torch
 
 from flexmarl_hpc.runtime.state_swap import HostBuffers, finish_copies, release
+from flexmarl_hpc.trainer.megatron.dist import scope
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -46,20 +55,27 @@ class Swap:
         for o in self._dist_optimizers():
             for g in o.optimizer.param_groups:
                 for main in g["params"]:
-                    out += [main, main.grad, *o.optimizer.state.get(main, {}).values()]
+                    # by key: load_state and a step insert the Adam keys in different orders
+                    st = o.optimizer.state.get(main, {})
+                    out += [main, main.grad, *(st[k] for k in sorted(st))]
         if getattr(self, "ref", None) is not None:
             out += list(self.ref.parameters())
         return [t for t in out if torch.is_tensor(t)]
 
-    def offload(self, host: HostBuffers) -> None:
-        if self._host is not None:
-            return
+    def _storages(self) -> list[tuple[str, torch.UntypedStorage, int]]:
+        """(host buffer name, storage, bytes) of every distinct non-empty storage of the
+        state, in `_state_tensors` order (the same on two trainers of one layout)."""
         storages: dict[int, torch.UntypedStorage] = {}
         for t in self._state_tensors():
             s = t.untyped_storage()
             if s.nbytes() and s.data_ptr() not in storages:
                 storages[s.data_ptr()] = s
-        parked = [(f"storage.{i}", s, s.nbytes()) for i, s in enumerate(storages.values())]
+        return [(f"storage.{i}", s, s.nbytes()) for i, s in enumerate(storages.values())]
+
+    def offload(self, host: HostBuffers) -> None:
+        if self._host is not None:
+            return
+        parked = self._storages()
         for name, s, _ in parked:
             host.copy_in(name, _bytes_of(s))
         devices = {s.device for _, s, _ in parked}    # torch's Adam keeps `step` on the host
@@ -102,3 +118,45 @@ class Swap:
         finally:
             self.offload(host)
             torch.set_rng_state(rng)
+
+    # -- shard to shard between groups of one layout (runtime/state_swap.ShardMovable) --------
+    def shard_key(self) -> tuple:
+        """What a counterpart rank must share for its storages to take this rank's bytes: the
+        model, the layout (group size, TP, PP, DP), this rank's place in it, precision, the
+        layer spec and whether a reference model exists."""
+        return ("megatron", repr(self.args), self.group.Get_size(), self.tp, self.pp, self.dp,
+                self.tp_rank, self.pp_rank, self.dp_rank, self.bf16, self.te, self.ref is not None)
+
+    def _has_adam_state(self) -> bool:
+        return all("exp_avg" in o.optimizer.state.get(main, {}) for o in self._dist_optimizers()
+                   for g in o.optimizer.param_groups for main in g["params"])
+
+    def shards_out(self, host: HostBuffers) -> tuple[HostBuffers, list[tuple[str, int]], torch.Tensor]:
+        """Offload into `host` (a resident trainer; a parked one keeps its own buffers), Adam
+        state included; returns (the host buffers, their (name, bytes) to send in order, the
+        RNG state at the offload)."""
+        if not self._has_adam_state():
+            with self.onloaded(), scope():
+                self._zero_optimizer_states()
+        self.offload(host)
+        return self._host, [(n, nb) for n, _, nb in self._parked], self._parked_rng
+
+    def shard_sizes(self) -> list[tuple[str, int]]:
+        """(name, bytes) of the storages `adopt` fills, in order, on a resident trainer (a
+        fresh build), whose Adam state is made first, at zero."""
+        if not self._has_adam_state():
+            with scope():
+                self._zero_optimizer_states()
+        return [(n, nb) for n, _, nb in self._storages()]
+
+    def adopt(self, host: HostBuffers, rng: torch.Tensor, version: int) -> None:
+        """Take a counterpart's storage bytes (`host`, names as `shard_sizes`) as this
+        resident trainer's parked state: its own storages are freed (nothing copied),
+        `onload` brings the bytes in."""
+        parked = self._storages()
+        for _, s, _ in parked:
+            s.resize_(0)
+        for dev in {s.device for _, s, _ in parked}:
+            release(dev)
+        self._host, self._parked, self._parked_rng = host, parked, rng
+        self.version = version
