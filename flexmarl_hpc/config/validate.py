@@ -3,7 +3,8 @@
     from flexmarl_hpc.config.validate import validate
     validate(cfg)            # ConfigError naming the field and what was expected
 
-`load_config` runs it on every config it returns. The `slurm:` section is checked only
+`load_config` runs it on every config it returns, and config/plan.resolve runs
+`validate_resources` on the pools and groups it resolves. The `slurm:` section is checked only
 when a job script is written (config/validate_slurm.py); checks that need the built
 task, the machine or the run folder are launch/preflight.py's.
 """
@@ -14,11 +15,11 @@ import importlib.util
 import math
 import re
 import unicodedata
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from flexmarl_hpc.config.resources import (FIT_FRACTION, Group, fits, rollout_pools, swap_peers,
-                                           trainer_groups, weight_gb)
+from flexmarl_hpc.config.resources import FIT_FRACTION, Group, Pool, fits, swap_peers, weight_gb
 from flexmarl_hpc.config.schema import (AGENT_EPISODE, TOOL_CALL_FORMATS, Config, ConfigError, ModelConfig, RunConfig,
                                         TrainerConfig, WorkflowConfig, join)
 
@@ -279,7 +280,6 @@ def validate(cfg: Config) -> None:
              f"{name!r} needs the {name} package: pip install -r requirements-loggers.txt")
 
     _validate_trainer_engine(cfg.trainer, need)
-    validate_resources(cfg)
 
 
 def _validate_episode_run(cfg: Config, n_agents: int) -> None:
@@ -356,7 +356,7 @@ def _check_names(items: list, kind: str, where: str, agents: list[str]) -> None:
             _need(a in agents, f"{where}[{i}].agents", f"no agent {a!r} in workflow.turns (agents are {agents})")
 
 
-def _validate_pools(cfg: Config) -> None:
+def _validate_pools(cfg: Config, pools: Sequence[Pool]) -> None:
     agents = cfg.agent_names
     _check_names(cfg.rollout.pools, "pool", "rollout.pools", agents)
     for i, p in enumerate(cfg.rollout.pools):
@@ -371,19 +371,19 @@ def _validate_pools(cfg: Config) -> None:
                   f"a replica of {p.gpus_per_replica} x {p.gpu_memory_gb:g} GB GPUs holds {cap:.1f} GB "
                   f"({FIT_FRACTION:.0%}); raise gpus_per_replica or serve {a!r} from a bigger pool")
         if cfg.rollout.backend == "vllm" and p.slurm.gpus_per_node:
-            for a in rollout_pools(cfg)[i].agents:
+            for a in pools[i].agents:
                 m = cfg.model_for(a)
                 _need(m.num_heads % p.gpus_per_replica == 0 and m.num_kv_heads % p.gpus_per_replica == 0,
                       f"{w}.gpus_per_replica", f"vLLM's tensor parallelism {p.gpus_per_replica} does not "
                       f"divide the {m.num_heads} heads / {m.num_kv_heads} KV heads of agent {a!r}"
                       f"{_shape_source(m)}")
-    served = {a for p in rollout_pools(cfg) for a in p.agents}
+    served = {a for p in pools for a in p.agents}
     for a in agents:
         _need(a in served, "rollout.pools", f"no pool can serve agent {a!r} (its weights take "
               f"{weight_gb(cfg, a):.1f} GB; list it in a pool's agents, or add a pool it fits)")
 
 
-def _validate_groups(cfg: Config) -> None:
+def _validate_groups(cfg: Config, groups: Sequence[Group]) -> None:
     tr, agents = cfg.trainer, cfg.agent_names
     named = tr.named_groups
     if named:
@@ -398,7 +398,6 @@ def _validate_groups(cfg: Config) -> None:
         for a in agents:
             _need(a in owner, "trainer.named_groups", f"agent {a!r} has no trainer group; list it in "
                   "one group's agents")
-    groups = trainer_groups(cfg)
     for i, g in enumerate(groups):
         w = g.where
         for key in ("ranks", "tensor_parallel", "pipeline_parallel"):
@@ -441,17 +440,19 @@ def _uniform(key: str) -> str:
     return {"ranks": "ranks_per_group"}.get(key, key)
 
 
-def _domain_agents(groups: list[Group], g: int) -> list[str]:
+def _domain_agents(groups: Sequence[Group], g: int) -> list[str]:
     return [a for h in swap_peers(groups, g) for a in groups[h].agents]
 
 
-def validate_resources(cfg: Config) -> None:
-    _validate_pools(cfg)
-    _validate_groups(cfg)
-    _validate_recompute(cfg)
+def validate_resources(cfg: Config, pools: Sequence[Pool], groups: Sequence[Group]) -> None:
+    """The checks that read the resolved pools and trainer groups: config/plan.resolve runs
+    them on its own resolution, before it lays out ranks from them."""
+    _validate_pools(cfg, pools)
+    _validate_groups(cfg, groups)
+    _validate_recompute(cfg, groups)
 
 
-def _validate_recompute(cfg: Config) -> None:
+def _validate_recompute(cfg: Config, groups: Sequence[Group]) -> None:
     """recompute_method / _num_layers shape recompute=full only (megatron refuses them with
     selective); the count is 1 .. the layers of a pipeline stage of each megatron group."""
     t = cfg.trainer
@@ -462,7 +463,6 @@ def _validate_recompute(cfg: Config) -> None:
         return
     n = t.recompute_num_layers
     _need(n >= 1, "trainer.recompute_num_layers", f"expected >= 1, got {n}")
-    groups = trainer_groups(cfg)
     for i, g in enumerate(groups):
         if g.backend != "megatron":
             continue
