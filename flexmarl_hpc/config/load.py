@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from flexmarl_hpc.config.bounds import bound_of
 from flexmarl_hpc.config.checkpoint import resolve_checkpoints
 from flexmarl_hpc.config.plan import Plan, resolve
 from flexmarl_hpc.config.schema import Config, ConfigError, join
@@ -209,5 +210,7 @@ def help_text(cls: type = Config, prefix: str = "") -> str:
             lines.append(f"  {key} = []\n      {docs.get(f.name, '')}\n" + help_text(item, f"{key}[i]"))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {key} = {to_dict(default)!r}\n      {docs.get(f.name, '')}")
+        bound = bound_of(f)           # the same Bound validate's check_bounds reads
+        rng = f"  [{'each ' if typing.get_origin(tp) is tuple else ''}{bound.text(tp is int)}]" if bound else ""
+        lines.append(f"  {key} = {to_dict(default)!r}{rng}\n      {docs.get(f.name, '')}")
     return "\n".join(lines)

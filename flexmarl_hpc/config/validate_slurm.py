@@ -94,14 +94,9 @@ def validate_slurm(plan: Plan) -> None:
     for c in plan.components:
         comp: SlurmComponent = c.slurm
         where = c.where
-        if comp.nodes < 1:
-            raise ConfigError(f"{where}.nodes: expected >= 1, got {comp.nodes}")
         if comp.nodes > c.ntasks:
             raise ConfigError(f"{where}.nodes: {comp.nodes} nodes for {c.ntasks} tasks leaves a node idle")
-        if comp.gpus_per_node < 0:
-            raise ConfigError(f"{where}.gpus_per_node: expected >= 0, got {comp.gpus_per_node}")
-        if comp.cpus_per_task < 1:
-            raise ConfigError(f"{where}.cpus_per_task: expected >= 1, got {comp.cpus_per_task}")
+        # nodes >= 1, gpus_per_node >= 0, cpus_per_task >= 1: the fields' bounds (load_config)
         if comp.mem not in ("auto", "0") and not MEM_RE.match(comp.mem):
             raise ConfigError(f"{where}.mem: expected a size per node like 400G or 64000M, 0 (all of "
                               f"each node's memory) or auto, got {comp.mem!r}")
