@@ -118,7 +118,8 @@ def submit(config_path: str, overrides: list[str] = (), single: bool = False,
     Equivalent to: sbatch --parsable OUT/job.sbatch (the text of `prepare`).
     """
     parts = cluster_partitions() if check_partitions else None
-    cfg, script, _ = prepare(config_path, list(overrides), single, parts)
+    prep = prepare(config_path, list(overrides), single, parts)
+    cfg, script = prep.cfg, prep.script
     out = cfg.output_dir
     check_writable(cfg)           # before anything in the folder is written
     (out / "logs").mkdir(parents=True, exist_ok=True)

@@ -171,8 +171,9 @@ def simulate_run(plan: Plan, cost, out: Path, hardware: str, work: Workload | No
                  charge_orchestrator: bool = False, workers: str = "synthetic",
                  perturb: Perturbation | None = None, wrap=None,
                  colocate: list[tuple[int, int]] = ()) -> tuple[Path, SimTransport]:
-    """Run `cfg` on the simulated clock; returns its HDF5 file (attrs simulated=True,
-    hardware, workers) and the transport (for its clock and counters). `workers` "real"
+    """Run `plan` on the simulated clock (without its tool ranks: plan.in_process); returns
+    its HDF5 file (attrs simulated=True, hardware, workers) and the transport (for its clock
+    and counters). `workers` "real"
     runs the real engine and trainers in-process (small models; `work` must then be None:
     the real lengths are priced)."""
     from flexmarl_hpc.workflows.build import build_task

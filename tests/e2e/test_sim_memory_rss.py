@@ -36,6 +36,7 @@ torch.set_num_threads(1)
 from mpi4py import MPI
 import flexmarl_hpc.trainer.megatron
 from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.config.hf_config import model_args
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.ranks.build import build_trainer
@@ -56,6 +57,7 @@ FAKE = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.resources import param_count
 from flexmarl_hpc.sim.memory import trainer_rank
