@@ -45,6 +45,7 @@ def worker(conn, calls: int) -> None:
     import torch
     torch.set_num_threads(1)
     from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.config.plan import resolve
     from flexmarl_hpc.ranks.build import build_engine
     from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.learn.model import CausalLM
@@ -53,7 +54,7 @@ def worker(conn, calls: int) -> None:
     from flexmarl_hpc.learn.sampling import SamplingParams
     cfg = load_config(str(ROOT / "configs/skewed.yaml"), ["run.eval_every=0"])
     task = build_task(cfg)
-    engine = build_engine(cfg, task)
+    engine = build_engine(resolve(cfg), task)
     writer = cfg.workflow.turns[-1]
     torch.manual_seed(0)                        # a random-init writer, as at version 0 of a run
     engine.load_weights(writer.agent, 0, CausalLM(model_args(cfg, task, writer.agent)).state_dict())

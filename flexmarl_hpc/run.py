@@ -23,8 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from flexmarl_hpc.config.load import help_text, load_config, to_dict
-from flexmarl_hpc.config.resources import layout_from_config
+from flexmarl_hpc.config.load import help_text, load_plan, to_dict
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.launch.preflight import check_output_dir, preflight
 from flexmarl_hpc.store.lock import RunLock, acquire, hand_down
@@ -63,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m flexmarl_hpc.run CONFIG [key=value ...]", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.config, args.overrides)
+        plan = load_plan(args.config, args.overrides)
+        cfg, layout = plan.cfg, plan.layout
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
-    layout = layout_from_config(cfg)
     launcher_lock = None
     try:
         # a folder the run can write (judged without writing), then one run per folder, checked
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         elif cfg.output_dir.is_dir():             # taken now: a late second run is refused here,
             launcher_lock = take_lock(cfg)        # before its pre-launch checks (seconds)
-        preflight(cfg, layout, local=not under_mpi())
+        preflight(plan, local=not under_mpi())
         if not under_mpi() and launcher_lock is None:
             # a new folder: taken after the checks, so a refused config leaves no folder behind
             launcher_lock = take_lock(cfg)
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
     from flexmarl_hpc.ranks.job import run_rank
-    return run_rank(cfg, layout)
+    return run_rank(plan)
 
 
 def take_lock(cfg: Config) -> RunLock:

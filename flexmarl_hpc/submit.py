@@ -46,9 +46,8 @@ import submitit
 from submitit.core.utils import FailedJobError, JobPaths
 from submitit.slurm.slurm import SlurmInfoWatcher
 
-from flexmarl_hpc.config.resources import layout_from_config
-from flexmarl_hpc.config.load import load_config, save_config
-from flexmarl_hpc.config.resources import component_table, single_component
+from flexmarl_hpc.config.load import load_config, load_plan, save_config
+from flexmarl_hpc.config.plan import Plan, component_table
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.config.validate_slurm import parse_time, validate_slurm
 from flexmarl_hpc.launch.owner import check_owner
@@ -73,9 +72,13 @@ def _slurm(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
 # preparing and submitting a het job
 # ---------------------------------------------------------------------------------------
 class Prepared(NamedTuple):
-    cfg: Config
+    plan: Plan                      # resolved once (config/plan.py)
     script: str
     overrides: list[str]            # as passed to the job: run.output_dir made absolute
+
+    @property
+    def cfg(self) -> Config:
+        return self.plan.cfg
 
 
 def prepare(config_path: str, overrides: list[str], single: bool = False,
@@ -89,13 +92,13 @@ def prepare(config_path: str, overrides: list[str], single: bool = False,
     out = cfg.output_dir.resolve()
     # the job must find the same folder whatever its working directory; {name} is resolved
     overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={out}"]
-    cfg = load_config(config_path, overrides)
-    validate_slurm(cfg)
-    check_output_dir(cfg)           # submit writes job.sbatch there before any job starts
+    plan = load_plan(config_path, overrides)
+    validate_slurm(plan)
+    check_output_dir(plan.cfg)      # submit writes job.sbatch there before any job starts
     if partitions is not None:
-        check_capacity(cfg, *partitions, single=single)
+        check_capacity(plan, *partitions, single=single)
     make = single_script if single else hetjob_script
-    return Prepared(cfg, make(cfg, str(Path(config_path).resolve()), overrides, python=sys.executable),
+    return Prepared(plan, make(plan, str(Path(config_path).resolve()), overrides, python=sys.executable),
                     overrides)
 
 
@@ -115,7 +118,8 @@ def submit(config_path: str, overrides: list[str] = (), single: bool = False,
     Equivalent to: sbatch --parsable OUT/job.sbatch (the text of `prepare`).
     """
     parts = cluster_partitions() if check_partitions else None
-    cfg, script, _ = prepare(config_path, list(overrides), single, parts)
+    prep = prepare(config_path, list(overrides), single, parts)
+    cfg, script = prep.cfg, prep.script
     out = cfg.output_dir
     check_writable(cfg)           # before anything in the folder is written
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -349,17 +353,18 @@ def sweep_overrides(overrides: list[str], sweep: str, base_out: Path) -> list[li
     return [base + [f"{key}={v}", f"run.output_dir={base_out / f'{key}={v}'}"] for v in vals]
 
 
-def sweep_parameters(cfg: Config) -> dict[str, object]:
+def sweep_parameters(plan: Plan) -> dict[str, object]:
     """submitit SlurmExecutor parameters for one allocation of this config's world (pure).
 
     The array it writes is roughly: #SBATCH --array=0-K --ntasks=WORLD --nodes=N
     --cpus-per-task=C --signal=USR2@S --requeue --open-mode=append, then
     srun --mpi=pmi2 --cpus-per-task=C python -u -m submitit.core._submit FOLDER
     """
-    s, comp = cfg.slurm, single_component(cfg)
+    cfg = plan.cfg
+    s, comp = cfg.slurm, plan.single
     secs = parse_time(s.time)
     extra: dict[str, object] = {**sbatch_option_items([*s.sbatch_options, *comp.sbatch_options]),
-                                "ntasks": layout_from_config(cfg).world_size, "requeue": True}
+                                "ntasks": plan.layout.world_size, "requeue": True}
     params: dict[str, object] = dict(
         job_name=f"{cfg.run.name}-sweep", nodes=comp.nodes, cpus_per_task=comp.cpus_per_task,
         signal_delay_s=s.signal_seconds or 60, setup=list(s.setup),
@@ -393,8 +398,9 @@ def submit_sweep(config_path: str, overrides: list[str], sweep: str,
     parts = cluster_partitions() if check_partitions else None
     base = prepare(config_path, list(overrides), True, parts).cfg
     variants = sweep_overrides(list(overrides), sweep, base.output_dir)
-    cfgs = [prepare(config_path, ov, True, parts).cfg for ov in variants]
-    if len({layout_from_config(c).world_size for c in cfgs}) != 1:
+    plans = [prepare(config_path, ov, True, parts).plan for ov in variants]
+    cfgs = [p.cfg for p in plans]
+    if len({p.layout.world_size for p in plans}) != 1:
         raise ConfigError(f"--sweep {sweep}: the values change the number of ranks; "
                           "one array needs one shape (submit them separately)")
     for c in cfgs:                      # every task's folder, before any is written
@@ -403,7 +409,7 @@ def submit_sweep(config_path: str, overrides: list[str], sweep: str,
         (c.output_dir / "logs").mkdir(parents=True, exist_ok=True)
         save_config(c, c.output_dir / "config.yaml")
     ex = submitit.SlurmExecutor(folder=base.output_dir / "sweep_logs", python=shlex.quote(sys.executable))
-    ex.update_parameters(**sweep_parameters(cfgs[0]))
+    ex.update_parameters(**sweep_parameters(plans[0]))
     config_abs = str(Path(config_path).resolve())
     jobs = ex.map_array(SweepRun(), [config_abs] * len(variants), variants)
     for j, c in zip(jobs, cfgs):        # the folder names its job, as submit's do (launch/owner.py)
@@ -467,16 +473,16 @@ def _dry_run(args: argparse.Namespace, check: bool) -> int:
     if args.sweep:
         base = prepare(args.config, args.overrides, True, parts).cfg
         variants = sweep_overrides(args.overrides, args.sweep, base.output_dir)
-        cfgs = [prepare(args.config, ov, True, parts).cfg for ov in variants]
+        plans = [prepare(args.config, ov, True, parts).plan for ov in variants]
         print(f"# submitit job array of {len(variants)} tasks, logs in {base.output_dir / 'sweep_logs'}")
-        print(f"# SlurmExecutor parameters: {sweep_parameters(cfgs[0])}")
+        print(f"# SlurmExecutor parameters: {sweep_parameters(plans[0])}")
         for ov in variants:
             print(f"# task: python -m flexmarl_hpc.run {shlex.quote(str(Path(args.config).resolve()))} "
                   + " ".join(shlex.quote(o) for o in ov))
     else:
         prep = prepare(args.config, args.overrides, args.single, parts)
         # the component table goes to stderr: `--dry-run > job.sbatch` stays a script
-        print(component_table(prep.cfg), file=sys.stderr)
+        print(component_table(prep.plan), file=sys.stderr)
         print(prep.script)
     if parts is None and check:
         print("# (no sinfo here: partitions not checked)", file=sys.stderr)

@@ -66,6 +66,7 @@ def rank_job(config: str, overrides: list[str]) -> None:
     from flexmarl_hpc.rollout.base import GenRequest
     from flexmarl_hpc.sim.torch_replica import generate_shape
     from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.config.plan import resolve
     from flexmarl_hpc.ranks import build
     from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.runtime import messages
@@ -84,7 +85,7 @@ def rank_job(config: str, overrides: list[str]) -> None:
     channels = SyncChannels(world, cfg.weight_sync.backend)
     channels.open([SyncGroup(0, 0, stage_senders(0, len(TRAINERS), 2), REPLICAS)])
     if rank in TRAINERS:
-        tr = build.build_trainer(cfg, task, agent, group, "cpu", 0)
+        tr = build.build_trainer(resolve(cfg), task, agent, group, "cpu", 0)
         mb = _micro_batch(cfg.trainer.micro_batch_size, args.max_seq_len, args.vocab_size)
         tr.forward_backward(tr.share(mb), 1.0 / len(mb), last=True)
         tr.optimizer_step()
@@ -94,7 +95,7 @@ def rank_job(config: str, overrides: list[str]) -> None:
         reply = handler.sync(messages.Sync(agent, tr.version, (0,) + REPLICAS), time.time())
         assert isinstance(reply, messages.TrainerSynced), reply
     else:
-        engine = build.build_engine(cfg, task, "cpu", 0)
+        engine = build.build_engine(resolve(cfg), task, "cpu", 0)
         v, _, buckets = receive_weights(channels, (0,) + REPLICAS)
         engine.load_weights(agent, v, buckets)
         turn, _, steps = generate_shape(cfg, task, agent, args.max_seq_len)
@@ -145,6 +146,7 @@ def predicted(config: str, overrides: list[str]) -> dict[int, dict]:
     from flexmarl_hpc.config.hf_config import model_args
     from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.sim.memory import run_jobs
+    from flexmarl_hpc.config.plan import resolve
     from flexmarl_hpc.sim.torch_replica import generate_shape, torch_replica
     cfg = load_config(config, overrides)
     task = build_task(cfg)
@@ -155,7 +157,7 @@ def predicted(config: str, overrides: list[str]) -> dict[int, dict]:
     phases = run_jobs([(cfg, 0, r, None, 0, args.max_seq_len) for r in TRAINERS], workers=2)   # the real step's length
     out = {}
     for r in REPLICAS:                # the first forwards the sync to the second (weight_sync.chain)
-        ph = {p.name: p.host for p in torch_replica(cfg, task, 0, None, (agent,), r != REPLICAS[-1], prompt)}
+        ph = {p.name: p.host for p in torch_replica(resolve(cfg), task, 0, None, (agent,), r != REPLICAS[-1], prompt)}
         out[r] = {"phases": ph, "gloo": 0, "tensors": max(ph.values())}
     for r, ph in zip(TRAINERS, phases):
         gloo = 4 * rank_params(args, r // (len(TRAINERS) // pp), pp, tp)     # ranks tp fastest, then pp (DP 1)

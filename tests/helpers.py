@@ -250,19 +250,19 @@ def assert_same_run(ref, out, rel_tol=1e-5):
 def check_group_intervals(h5, cfg) -> None:
     """Per-rank intervals show each group's ranks (every TP rank of the megatron group too)
     training that group's agents, and each replica generating only for agents of its pool."""
-    from flexmarl_hpc.config.resources import layout_from_config
-    from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
-    lay = layout_from_config(cfg)
+    from flexmarl_hpc.config.plan import resolve
+    plan = resolve(cfg)
+    lay = plan.layout
     with h5py.File(h5, "r") as f:
         iv = f["intervals"][:]
     seen: dict[int, set] = {}
     for rank, act, agent in zip(iv["rank"], iv["activity"], iv["agent"]):
         seen.setdefault(int(rank), set()).add((bytes(act).decode(), bytes(agent).decode()))
-    for g, grp in enumerate(trainer_groups(cfg)):
+    for g, grp in enumerate(plan.groups):
         for r in lay.group_ranks(g):
             trained = {a for act, a in seen.get(r, ()) if act == "train"}
             assert trained == set(grp.agents), f"group {grp.name} rank {r} trained {trained}"
-    pools = rollout_pools(cfg)
+    pools = plan.pools
     for i, r in enumerate(lay.replica_ranks):
         made = {a for act, a in seen.get(r, ()) if act == "generate"}
         assert made and made <= set(pools[lay.pool_of(i)].agents), f"replica rank {r} generated for {made}"

@@ -6,16 +6,14 @@ communicator's buffers, and the caching allocator's rounding and fragmentation. 
 allowance here is a constant with its source; the communicators are counted per rank from
 the config's layout (`trainer_comms`, `replica_sync_comms`). Pure: no torch, no MPI.
 
-    comms = trainer_comms(cfg, g, group_rank)            # ["tensor parallel", "sync p14", ...]
+    comms = trainer_comms(plan, g, group_rank)           # ["tensor parallel", "sync p14", ...]
     extra = allowances(tensor_bytes, len(comms))         # Allowances(context, nccl, fragmentation)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexmarl_hpc.config.resources import layout_from_config
-from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
-from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.config.plan import Plan
 
 MiB = 2 ** 20
 
@@ -85,7 +83,7 @@ def allowances(tensor_bytes: int, comms: int, context: bool = True) -> Allowance
                       int(FRAGMENTATION * tensor_bytes))
 
 
-def trainer_comms(cfg: Config, g: int, rank: int) -> list[str]:
+def trainer_comms(plan: Plan, g: int, rank: int) -> list[str]:
     """The NCCL communicators rank `rank` (of trainer group `g`) holds after a step and a
     checkpoint save. torch makes a group's communicator on its first collective, so a group
     counts where the rank uses it: the default group (dist_checkpointing's plan exchange),
@@ -94,26 +92,21 @@ def trainer_comms(cfg: Config, g: int, rank: int) -> list[str]:
     stage send/recv), the embedding group (PP > 1 with tied embeddings: their grads
     all-reduced between first and last stage), and one weight-sync communicator per (group,
     pool) pair this rank sends on (config/sync_groups.py; NCCL on GPUs)."""
-    from flexmarl_hpc.config.sync_groups import sync_groups
-    grp = trainer_groups(cfg)[g]
+    grp = plan.groups[g]
     tp, pp = grp.tensor_parallel, grp.pipeline_parallel
     dp = grp.ranks // (tp * pp)
     out = ["default group"]
     out += ["tensor parallel"] * (tp > 1) + ["data parallel"] * (dp > 1) + ["pipeline parallel"] * (pp > 1)
-    if pp > 1 and cfg.model_for(grp.agents[0]).tie_embeddings:
+    if pp > 1 and plan.cfg.model_for(grp.agents[0]).tie_embeddings:
         stage = rank * pp // grp.ranks
         out += ["embedding"] * (stage in (0, pp - 1))
-    layout = layout_from_config(cfg)
-    world = layout.group_leader(g) + rank
-    pools = rollout_pools(cfg)
-    return out + [f"sync {pools[s.pool].name}" for s in sync_groups(cfg, layout)
+    world = plan.layout.group_leader(g) + rank
+    return out + [f"sync {plan.pools[s.pool].name}" for s in plan.sync_groups
                   if s.group == g and world in s.senders]
 
 
-def replica_sync_comms(cfg: Config, p: int) -> list[str]:
+def replica_sync_comms(plan: Plan, p: int) -> list[str]:
     """The weight-sync communicators each TP worker of a pool-`p` replica joins after its
     engine started (one per trainer group that can feed the pool, config/sync_groups.py):
     outside vLLM's budget, which it measured before they existed."""
-    from flexmarl_hpc.config.sync_groups import sync_groups
-    groups = trainer_groups(cfg)
-    return [f"sync {groups[s.group].name}" for s in sync_groups(cfg, layout_from_config(cfg)) if s.pool == p]
+    return [f"sync {plan.groups[s.group].name}" for s in plan.sync_groups if s.pool == p]

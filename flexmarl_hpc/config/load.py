@@ -2,6 +2,7 @@
 
     from flexmarl_hpc.config.load import load_config, save_config
     cfg = load_config("configs/local.yaml", ["trainer.lr=1e-4", "run.steps=50"])
+    plan = load_plan("configs/local.yaml", ["run.steps=50"])    # resolved once: config/plan.py
     save_config(cfg, cfg.output_dir / "config.yaml")
 
 `load_config` takes each checkpoint's shapes from its config.json (config/checkpoint.py), then
@@ -21,7 +22,9 @@ from typing import Any, Literal
 
 import yaml
 
+from flexmarl_hpc.config.bounds import bound_of
 from flexmarl_hpc.config.checkpoint import resolve_checkpoints
+from flexmarl_hpc.config.plan import Plan, resolve
 from flexmarl_hpc.config.schema import Config, ConfigError, join
 from flexmarl_hpc.config.strict_yaml import YAMLLimitError, strict_load
 from flexmarl_hpc.config.validate import validate
@@ -130,8 +133,19 @@ def _one_line(e: Exception) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
+def load_plan(path: str | os.PathLike | None, overrides: list[str] = ()) -> Plan:
+    """Read, validate and resolve a config once (config/plan.py): what the CLIs hand down."""
+    return resolve(_load_validated(path, overrides))
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
-    """Read a YAML file (or defaults if None), apply overrides, validate."""
+    """Read a YAML file (or defaults if None), apply overrides, validate (the pools and
+    groups too: it resolves the plan and keeps its config; callers that read pools, groups
+    or the layout take `load_plan` instead)."""
+    return load_plan(path, overrides).cfg
+
+
+def _load_validated(path: str | os.PathLike | None, overrides: list[str]) -> Config:
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -196,5 +210,7 @@ def help_text(cls: type = Config, prefix: str = "") -> str:
             lines.append(f"  {key} = []\n      {docs.get(f.name, '')}\n" + help_text(item, f"{key}[i]"))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {key} = {to_dict(default)!r}\n      {docs.get(f.name, '')}")
+        bound = bound_of(f)           # the same Bound validate's check_bounds reads
+        rng = f"  [{'each ' if typing.get_origin(tp) is tuple else ''}{bound.text(tp is int)}]" if bound else ""
+        lines.append(f"  {key} = {to_dict(default)!r}{rng}\n      {docs.get(f.name, '')}")
     return "\n".join(lines)

@@ -7,11 +7,16 @@ same `Pool` / `Group` lists here, so the layout, the job script, the scheduler a
 trainers read one description. Everything is pure (no MPI, no Slurm).
 
     pools, groups = rollout_pools(cfg), trainer_groups(cfg)
-    for c in components(cfg): print(c.name, c.ntasks, c.agents)     # het-job component order
+    for c in components(cfg, pools, groups): print(c.name, c.ntasks, c.agents)   # het-job order
+
+Only config/plan.py calls the resolving functions here (rollout_pools, trainer_groups,
+group_trainer_config, layout_from_config, components), once per run: everything else reads
+the resolved `Plan` (tests/unit/test_plan.py holds it).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, TRAINER, RankLayout
@@ -141,7 +146,7 @@ def group_trainer_config(cfg: Config, group: Group) -> TrainerConfig:
                                pipeline_parallel=group.pipeline_parallel, named_groups=[])
 
 
-def swap_peers(groups: list[Group], g: int) -> list[int]:
+def swap_peers(groups: Sequence[Group], g: int) -> list[int]:
     """Groups that may take an agent from group `g` (itself first): same swap label."""
     if not groups[g].swap:
         return [g]
@@ -173,13 +178,12 @@ class Component:
         return -(-self.ntasks // self.slurm.nodes)
 
 
-def components(cfg: Config) -> list[Component]:
+def components(cfg: Config, pools: Sequence[Pool], groups: Sequence[Group]) -> list[Component]:
     """Het-job components in rank order: orchestrator, pools..., trainer groups..., and the
     tool ranks last (tools.ranks > 0), so every other rank keeps its number."""
     s = cfg.slurm
     out = [Component("orchestrator", "slurm.orchestrator", s.orchestrator, 1, 0, 0, ())]
     rank = 1
-    pools = rollout_pools(cfg)
     if cfg.rollout.pools:
         for p in pools:
             out.append(Component(f"pool {p.name}", f"{p.where}.slurm", p.slurm, p.replicas,
@@ -189,7 +193,6 @@ def components(cfg: Config) -> list[Component]:
         out.append(Component("rollout", "slurm.rollout", s.rollout, pools[0].replicas,
                              pools[0].gpus_per_replica, rank, pools[0].agents, ROLLOUT))
         rank += pools[0].replicas
-    groups = trainer_groups(cfg)
     if cfg.trainer.named_groups:
         for g in groups:
             out.append(Component(f"group {g.name}", f"{g.where}.slurm", g.slurm, g.ranks, 1, rank, g.agents,
@@ -204,38 +207,9 @@ def components(cfg: Config) -> list[Component]:
     return out
 
 
-def last_trainer(comps: list[Component]) -> Component:
+def last_trainer(comps: Sequence[Component]) -> Component:
     """The last trainer component: `--single` takes its partition and options."""
     return [c for c in comps if c.role == TRAINER][-1]
-
-
-def component_table(cfg: Config) -> str:
-    """The dry-run table: component, ranks, nodes, GPUs, agents."""
-    rows = [("#", "component", "ranks", "nodes", "GPUs", "shape", "agents")]
-    pools = {f"pool {p.name}": p for p in rollout_pools(cfg)}
-    groups = {f"group {g.name}": g for g in trainer_groups(cfg)}
-    for i, c in enumerate(components(cfg)):
-        last = c.first_rank + c.ntasks - 1
-        ranks = f"{c.first_rank}" if c.ntasks == 1 else f"{c.first_rank}-{last}"
-        gpus = c.slurm.nodes * c.slurm.gpus_per_node
-        if c.name in groups:
-            shape = groups[c.name].describe()
-        elif c.name in pools or c.name == "rollout":
-            shape = f"{c.ntasks} replicas x {c.gpus_per_task} GPU"
-        elif c.name == "trainer":
-            g0 = trainer_groups(cfg)[0]
-            shape = f"{cfg.num_trainer_groups} groups x {g0.describe()}"
-        elif c.role == TOOLS:
-            shape = f"{c.ntasks} ranks x {cfg.tools.workers} tools.workers"
-        else:
-            shape = "-"
-        rows.append((str(i), c.name, ranks, str(c.slurm.nodes), str(gpus), shape, ",".join(c.agents) or "-"))
-    total_nodes = sum(c.slurm.nodes for c in components(cfg))
-    total_gpus = sum(c.slurm.nodes * c.slurm.gpus_per_node for c in components(cfg))
-    world = sum(c.ntasks for c in components(cfg))
-    rows.append(("", "total", str(world), str(total_nodes), str(total_gpus), "", ""))
-    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def mem_mb(size: str) -> int:
@@ -272,12 +246,11 @@ def component_mem(cfg: Config, c: Component) -> str:
     return auto_mem(cfg, c.slurm.gpus_per_node, c.tasks_per_node, c.slurm.cpus_per_task)
 
 
-def single_component(cfg: Config) -> SlurmComponent:
+def single_component(cfg: Config, comps: Sequence[Component]) -> SlurmComponent:
     """All ranks in one allocation: the nodes of the rollout and trainer components (the
     orchestrator is one CPU rank that fits beside them), the largest per-task CPUs,
     per-node GPUs and set memory of them all (none set: `auto_mem` of the allocation), the (last)
     trainer component's partition and sbatch_options."""
-    comps = components(cfg)
     trainer = last_trainer(comps)
     nodes = sum(c.slurm.nodes for c in comps[1:])
     gpus, cpus = max(c.slurm.gpus_per_node for c in comps), max(c.slurm.cpus_per_task for c in comps)
@@ -293,13 +266,11 @@ def single_component(cfg: Config) -> SlurmComponent:
         sbatch_options=list(trainer.slurm.sbatch_options))
 
 
-def layout_from_config(cfg, tools: bool = True) -> RankLayout:
+def layout_from_config(cfg: Config, pools: Sequence[Pool], groups: Sequence[Group]) -> RankLayout:
     """Pure: the layout of the config's pools, trainer groups and tool ranks
     (below). Without rollout.pools / trainer.named_groups /
-    tools.ranks it is the three-component layout. `tools=False`: without the tool ranks
-    (the simulator, which runs tools in the orchestrator's process pool)."""
-    pools, groups = rollout_pools(cfg), trainer_groups(cfg)
-    t = cfg.tools.ranks if tools else 0
+    tools.ranks it is the three-component layout."""
+    t = cfg.tools.ranks
     if not cfg.rollout.pools and not cfg.trainer.named_groups:
         return RankLayout(cfg.rollout.replicas, cfg.num_trainer_groups, cfg.trainer.ranks_per_group,
                           tool_ranks=t)

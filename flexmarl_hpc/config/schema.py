@@ -4,8 +4,9 @@
     cfg = Config()                       # every default; load.load_config reads YAML into it
 
 The attribute docstring under a field is its help text (`python -m flexmarl_hpc.run
---help-config` prints them, config/load.py: help_text). Loading lives in config/load.py,
-every check of a config in config/validate.py; this module imports neither.
+--help-config` prints them, config/load.py: help_text); a numeric field's bounds are on the
+field (`bounded(default, ge=...)`, config/bounds.py), read by the help and by validation.
+Loading lives in config/load.py, every check of a config in config/validate.py; this module imports neither.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from flexmarl_hpc.config.bounds import MAX_STARTUP_S, MAX_STEPS, bounded
 from flexmarl_hpc.config.errors import ConfigError
 from flexmarl_hpc.config.tools import ToolsConfig
 
@@ -33,52 +35,52 @@ class RunConfig:
     """Folder for the resolved config, the HDF5 store, checkpoints and logs ({name} expands)."""
     mode: Literal["sync", "flex"] = "flex"
     """`sync`: barrier baseline (roll out all, train all, sync all). `flex`: micro-batch pipeline."""
-    steps: int = 100
+    steps: int = bounded(100, ge=1, le=MAX_STEPS)
     """Optimizer steps per agent."""
-    seed: int = 0
+    seed: int = bounded(0, ge=0, le=2**63 - 1)
     """Master seed: inputs, model init and per-sample sampling seeds derive from it."""
-    threads_per_rank: int = 1
+    threads_per_rank: int = bounded(1, ge=1, le=1024)
     """torch intra-op threads per MPI rank (ranks usually outnumber cores)."""
     idle_wait: Literal["doorbell", "poll"] = "doorbell"
     """How the orchestrator and its workers wait for each other's messages. `doorbell`: asleep
     in the kernel until the sender rings a TCP socket it shares with them (runtime/doorbell.py; no CPU while idle; falls back to `poll` if the sockets cannot be opened).
     `poll`: MPI probes with back-off sleeps (20 us .. 0.5 ms), each wake-up preempting a rank
     that computes on a node whose cores are full."""
-    checkpoint_every: int = 10
+    checkpoint_every: int = bounded(10, ge=0, note=" (0: by minutes only)")
     """Checkpoint every N steps (0: by minutes only; the end of the run and a preemption
     signal always checkpoint)."""
-    checkpoint_minutes: float = 10.0
+    checkpoint_minutes: float = bounded(10.0, ge=0)
     """Also checkpoint an agent when this many minutes passed since its last checkpoint
     (0: by steps only). With both 0 a crash restarts from step 0."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = bounded(3, ge=1)
     """Checkpoints kept per agent (older ones are deleted once a newer one is verified on disk);
     a corrupted newest checkpoint falls back to the one before."""
     resume: bool = True
     """Resume from the latest checkpoint and the store in output_dir when one exists."""
-    log_every: int = 1
+    log_every: int = bounded(1, ge=1)
     """Print one log line every N steps."""
     loggers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
     """Metric sinks besides the HDF5 store (optional extras, requirements-loggers.txt):
     `tensorboard` writes <output_dir>/tensorboard, `wandb` an offline run in <output_dir>/wandb."""
-    worker_timeout: float = 1800.0
+    worker_timeout: float = bounded(1800.0, gt=0)
     """Seconds a replica, trainer group or reward function may take to answer one command
     before it counts as hung: the job then reports it, checkpoints what still answers and
     exits 75 (requeue) instead of sitting until the wall-clock limit."""
-    build_timeout_s: float = 3600.0
+    build_timeout_s: float = bounded(3600.0, gt=0, le=MAX_STARTUP_S)
     """Most seconds from a rank's start until every rank has built its engine or trainer
     (vLLM: load, compile, CUDA graphs; megatron: its shard's reads), 0 < x <= 86400. Past it
     the job ends (exit 1) naming this field; train.log reports each run's slowest build."""
-    comm_setup_timeout_s: float = 1800.0
+    comm_setup_timeout_s: float = bounded(1800.0, gt=0, le=MAX_STARTUP_S)
     """Most seconds, once every rank is built, to set up every weight-sync communicator
     (one per trainer group and pool, made in order, config/sync_groups.py), 0 < x <= 86400.
     Past it the job ends (exit 1) naming this field; train.log reports the set-up's time."""
-    eval_every: int = 0
+    eval_every: int = bounded(0, ge=0, le=MAX_STEPS, note=" (0: no evaluation)")
     """Evaluate every agent on the task's held-out inputs (Task.heldout_inputs) every N
     optimizer steps, and before the first and after the last (0: never). It runs through the
     same workflow on the rollout replicas and is never trained on (results: /eval)."""
-    eval_inputs: int = 32
+    eval_inputs: int = bounded(32, ge=1, le=1 << 20)
     """Held-out root inputs per evaluation."""
-    eval_samples: int = 0
+    eval_samples: int = bounded(0, ge=0, le=1024, note=" (0: greedy only)")
     """0: greedy evaluation only (temperature 0, one response per turn). n > 0: also n
     sampled chains per input at rollout.temperature (mode `sample` in /eval, their mean)."""
 
@@ -87,27 +89,27 @@ class RunConfig:
 class ModelConfig:
     """A Llama/Qwen2-family decoder; HF parameter names, so weights move between backends."""
 
-    hidden_size: int = 64
+    hidden_size: int = bounded(64, ge=1)
     """Model width (HF `hidden_size`)."""
-    num_layers: int = 2
+    num_layers: int = bounded(2, ge=1)
     """Decoder layers (HF `num_hidden_layers`)."""
-    num_heads: int = 4
+    num_heads: int = bounded(4, ge=1)
     """Attention heads."""
-    num_kv_heads: int = 4
+    num_kv_heads: int = bounded(4, ge=1)
     """Key/value heads (GQA when < num_heads)."""
-    intermediate_size: int = 128
+    intermediate_size: int = bounded(128, ge=1)
     """SwiGLU hidden width."""
-    max_seq_len: int = 64
+    max_seq_len: int = bounded(64, ge=2)
     """Longest prompt + response, in tokens."""
-    rope_theta: float = 10000.0
+    rope_theta: float = bounded(10000.0, gt=1)
     """RoPE base."""
-    rms_eps: float = 1e-6
+    rms_eps: float = bounded(1e-6, gt=0, le=1)
     """RMSNorm epsilon."""
     tie_embeddings: bool = True
     """Share the input embedding and the LM head."""
     qkv_bias: bool = False
     """Biases on the q/k/v projections (Qwen2 style; Llama has none)."""
-    init_std: float = 0.02
+    init_std: float = bounded(0.02, gt=0)
     """Std of the random init (ignored when `checkpoint` is set)."""
     checkpoint: str = ""
     """Local HF checkpoint folder (safetensors + config.json) to start from; empty: random init.
@@ -119,9 +121,9 @@ class ModelConfig:
 class TurnConfig:
     agent: str = ""
     """Which agent acts at this turn."""
-    samples: int = 1
+    samples: int = bounded(1, ge=1)
     """Branches per prompt at this turn (the GRPO group size of this agent)."""
-    max_new_tokens: int = 8
+    max_new_tokens: int = bounded(8, ge=1)
     """Longest response of this turn."""
 
 
@@ -175,7 +177,7 @@ class WorkflowConfig:
     """Keyword arguments for the task class."""
     turns: list[TurnConfig] = field(default_factory=list)
     """The agents in workflow order; each turn branches every path of the previous turn."""
-    inputs_per_step: int = 8
+    inputs_per_step: int = bounded(8, ge=1)
     """Root inputs (prompts) per step; an agent's global batch is this times its branching.
     Episode workflows: dataset examples per step."""
     episode: str = ""
@@ -185,10 +187,10 @@ class WorkflowConfig:
     """Episode workflows: given to the episode function as `ctx.args`."""
     agents: list[str] = field(default_factory=list)
     """Episode workflows: the agents the episode function calls (each is trained)."""
-    group_size: int = 4
+    group_size: int = bounded(4, ge=1, le=1 << 16)
     """Episode workflows: episodes per example; GRPO compares a call with the same agent's
     same call in the example's other episodes."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = bounded(256, ge=1, le=1 << 20)
     """Episode workflows: most tokens of one chat reply (ctx.chat's max_tokens cap)."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """Episode workflows: the examples (workflows/dataset.py)."""
@@ -200,7 +202,7 @@ class WorkflowConfig:
     """Episode workflows: {agent: format} of the tool calls its model writes (ctx.chat with
     tools=; one of TOOL_CALL_FORMATS, parsed by workflows/toolcalls.py); an agent not listed:
     hermes (Qwen2.5, Hermes)."""
-    max_failure_rate: float = 0.5
+    max_failure_rate: float = bounded(0.5, ge=0, le=1)
     """Episode workflows: the run stops (exit 1, checkpointed, store flushed) at the first step
     in which more than this share of episodes failed (0: any failure stops it; 1: never)."""
     agent: str = ""
@@ -212,7 +214,7 @@ class WorkflowConfig:
     """With workflow.agent: a reward function `module:function` taking (example, the
     program's return value, transcript) and returning {agent: reward}; empty: the program
     returns {agent: reward} itself."""
-    agent_timeout_s: float = 600.0
+    agent_timeout_s: float = bounded(600.0, ge=1, le=86400)
     """With workflow.agent: most seconds one episode's program (and its reward function)
     may run, 1 .. 86400; past it the worker is killed and the episode fails (AgentTimeout)."""
 
@@ -226,19 +228,19 @@ class WorkflowConfig:
 class RolloutConfig:
     backend: Literal["torch", "vllm"] = "torch"
     """Inference engine of the replicas."""
-    replicas: int = 1
+    replicas: int = bounded(1, ge=1, note=" replica")
     """Rollout replica ranks in the pool (any replica can serve any agent)."""
-    max_batch: int = 256
+    max_batch: int = bounded(256, ge=1)
     """Most sequences one replica decodes at once."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     """Sampling temperature."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
-    max_model_len: int = 0
+    max_model_len: int = bounded(0, ge=0, note=" (0: the model's max_seq_len)")
     """Longest prompt + response a replica serves (0: the model's max_seq_len). Bounds vLLM's
     KV cache: a pretrained model's context (8192 for SmolLM2) sized for max_batch sequences
     would not fit in host memory."""
-    gpus_per_replica: int = 1
+    gpus_per_replica: int = bounded(1, ge=1)
     """GPUs of one replica on GPU nodes (a contiguous block of its node's GPUs; vLLM's tensor
     parallelism stays inside it). Ignored on CPU nodes."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
@@ -252,39 +254,39 @@ class RolloutConfig:
 class TrainerConfig:
     backend: Literal["torch", "megatron"] = "torch"
     """Training engine of the trainer groups."""
-    groups: int = 0
+    groups: int = bounded(0, ge=0, note=" (0: one per agent)")
     """Trainer groups (0: one per agent). Fewer than agents needs pipeline.swap_states."""
-    ranks_per_group: int = 1
+    ranks_per_group: int = bounded(1, ge=1)
     """Ranks per trainer group = tensor_parallel x pipeline_parallel x data parallel."""
-    tensor_parallel: int = 1
+    tensor_parallel: int = bounded(1, ge=1)
     """Tensor-parallel degree inside a group (megatron backend only)."""
-    pipeline_parallel: int = 1
+    pipeline_parallel: int = bounded(1, ge=1)
     """Pipeline-parallel degree inside a group (megatron backend only)."""
     named_groups: list["TrainerGroup"] = field(default_factory=list)
     """Trainer groups with their own shape and het-job component (flexmarl_hpc/config/resources.py).
     Empty: `groups` groups of `ranks_per_group` ranks in slurm.trainer."""
-    lr: float = 1e-3
+    lr: float = bounded(1e-3, gt=0)
     """AdamW learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0, lt=1)
     """AdamW betas."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, ge=0)
     """Global gradient-norm clip (0: off)."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = bounded(16, ge=1)
     """Samples per forward/backward; gradients accumulate up to the global batch."""
-    clip_eps: float = 0.2
+    clip_eps: float = bounded(0.2, gt=0)
     """PPO ratio clip: r = pi/pi_old is bounded to [1 - clip_eps, 1 + clip_eps] for the
     advantage's sign. It acts only with ppo_epochs > 1 (one pass has r = 1)."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = bounded(1, ge=1, le=16)
     """Optimizer passes over each global batch (verl ppo_epochs, TRL num_iterations, GRPO's
     mu), one step each; pi_old is the trainer's policy before the batch's first pass. The
     replay runs inside the trainer group, so a step is still one policy version."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus (the referential game needs ~0.05: docs/architecture.md "The entropy bonus")."""
-    kl_coef: float = 0.0
+    kl_coef: float = bounded(0.0, ge=0)
     """KL penalty to the frozen initial policy (k3 estimator; 0: no reference model)."""
-    tis_cap: float = 2.0
+    tis_cap: float = bounded(2.0, gt=0)
     """Truncation of the per-token importance weight exp(logp_trainer - logp_rollout) that
     every sample gets (rollout correction: engine mismatch, and staleness when
     max_staleness > 0)."""
@@ -309,10 +311,10 @@ class TrainerConfig:
     overlap_param_gather: bool = False
     """megatron: all-gather updated params asynchronously after the optimizer step (GPU); the
     group still completes the gather before it reads the weights for a sync."""
-    pipeline_microbatches: int = 0
+    pipeline_microbatches: int = bounded(0, ge=0, note=" (0: 2 x pipeline_parallel)")
     """megatron: micro-batches the trainer's share of each runtime micro-batch is cut into
     for the 1F1B pipeline schedule (0: 2 x pipeline_parallel when PP > 1, else 1)."""
-    collective_timeout_s: float = 1800.0
+    collective_timeout_s: float = bounded(1800.0, gt=0)
     """megatron: seconds the trainer group's torch.distributed world waits, at its start for
     every rank of the group to join its store, then on each of its collectives (TP, PP, DP).
     Past it NCCL's watchdog ends the rank (the job then exits 75, reliability.md) instead of
@@ -321,14 +323,14 @@ class TrainerConfig:
 
 @dataclass
 class PipelineConfig:
-    max_staleness: int = 0
+    max_staleness: int = bounded(0, ge=0)
     """Most policy versions a trained sample may lag (0: strictly on-policy, equals sync)."""
     load_balance: bool = True
     """Level-1 (inter-agent replica binding) load balancing; off: replicas split evenly."""
-    rebalance_threshold: float = 0.5
+    rebalance_threshold: float = bounded(0.5, ge=0, le=1)
     """Re-bind replicas when the backlog share and replica share of an agent differ by more
     (scheduler.rebind without batch-boundary information; a flex run time-shares instead)."""
-    rebalance_cooldown: int = 4
+    rebalance_cooldown: int = bounded(4, ge=0)
     """Scheduling rounds to wait between two re-bindings (hysteresis)."""
     micro_batch_overlap: bool = True
     """flex: train micro-batches as they fill (off: wait for the agent's whole batch; ablation)."""
@@ -338,7 +340,7 @@ class PipelineConfig:
     """Every replica of a pool serves one agent at a time, switching (a weight load) only when
     that agent has no request pending or in flight and the replicas are idle: time-shared,
     sequential agents (the MAS-RL baseline of sim/baselines.py)."""
-    overprovision: int = 0
+    overprovision: int = bounded(0, ge=0, note=" extra inputs per step")
     """flex: extra inputs admitted per step beyond workflow.inputs_per_step. The first
     inputs_per_step inputs whose whole workflow tree finishes form the step's batch; the
     others are dropped (status `dropped` in the store, never trained), so a long-tailed
@@ -347,7 +349,7 @@ class PipelineConfig:
 
 @dataclass
 class WeightSyncConfig:
-    bucket_mb: float = 1024.0
+    bucket_mb: float = bounded(1024.0, gt=0, le=16384)
     """Bucket of the streamed trainer -> replica weight sync, in MiB: each PP stage's sender
     packs its tensors into buckets of this size (a larger tensor goes in pieces of whole
     rows, a bucket each) and holds two (one in flight while the next fills), each receiver
@@ -359,7 +361,7 @@ class WeightSyncConfig:
     """Transport of the weight broadcast: nccl (GPU to GPU, bf16-ready), gloo or mpi on CPU
     (the same code, weight_sync.py). auto: nccl where CUDA is available, else the CPU
     backend measured faster here (bench/bench_weight_sync.py)."""
-    timeout_s: float = 600.0
+    timeout_s: float = bounded(600.0, ge=0)
     """Most seconds one weight sync may take on a member, from its start (waiting for the
     other members to join, then the transfer). Past it the member gives up (a member never
     arrived, or the transfer stalled: a hung collective) and reports it; the job checkpoints
@@ -369,7 +371,7 @@ class WeightSyncConfig:
 
 @dataclass
 class StoreConfig:
-    chunk_rows: int = 256
+    chunk_rows: int = bounded(256, ge=1, le=1 << 20)
     """HDF5 chunk length of the sample tables (the token pools: 8x). A flush writes each chunk it
     touches whole, so a chunk near one flush's rows is cheapest to write (256 x 178-byte rows:
     45 KiB); bench/bench_store.py measures it."""
@@ -377,14 +379,14 @@ class StoreConfig:
 
 @dataclass
 class SlurmComponent:
-    nodes: int = 1
+    nodes: int = bounded(1, ge=1)
     """Nodes of this het component."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = bounded(0, ge=0)
     """GPUs per node; a node's tasks x their GPUs must fit here. Rollout components: each
     replica gets its own block (`--gpus-per-task`). Trainer components and `--single`:
     `--gpus-per-node`, every rank sees its node's GPUs (NCCL's peer-to-peer paths need
     them) and takes its own (flexmarl_hpc/runtime/devices.py)."""
-    cpus_per_task: int = 1
+    cpus_per_task: int = bounded(1, ge=1)
     """CPUs per rank."""
     mem: str = "auto"
     """Host memory per node (`--mem`): a size like 400G or 64000M, 0 (all of each node's
@@ -404,11 +406,11 @@ class RolloutPool:
 
     name: str = ""
     """Pool name (labels its component and the dry-run table); empty: pool<i>."""
-    replicas: int = 1
+    replicas: int = bounded(1, ge=1)
     """Replica ranks in the pool."""
-    gpus_per_replica: int = 1
+    gpus_per_replica: int = bounded(1, ge=1)
     """GPUs of one replica rank (vLLM's tensor_parallel_size lives inside it)."""
-    gpu_memory_gb: float = 0.0
+    gpu_memory_gb: float = bounded(0.0, ge=0)
     """Memory of one GPU, to check that each served model's weights fit a replica
     (0: not checked, e.g. CPU nodes)."""
     agents: list[str] = field(default_factory=list)
@@ -453,16 +455,16 @@ class SlurmConfig:
     """Time limit (`--time`)."""
     mpi: str = "pmi2"
     """`srun --mpi=` plugin (pmi2 or pmix)."""
-    signal_seconds: int = 120
+    signal_seconds: int = bounded(120, ge=0)
     """Seconds before the time limit at which SIGUSR1 asks the job to checkpoint and requeue."""
     requeue: bool = True
     """Requeue on preemption/time limit and resume."""
-    start_timeout: int = 600
+    start_timeout: int = bounded(600, ge=0)
     """Seconds from srun until every rank is through MPI start-up (MPI_Init, rank 0 holding
     the run lock); past it the batch script ends the step and requeues the job, which a rank
     stuck in MPI_Init would otherwise hold to its time limit (docs/slurm.md, 'MPI
     start-up'). 0: no watchdog."""
-    max_restarts: int = 5
+    max_restarts: int = bounded(5, ge=0, le=1000)
     """Automatic requeues in a row that end without a new checkpoint (a start that fails
     every time, a rank that dies before the next checkpoint) before the job stops for good
     with one line naming the last cause. A requeue after which some agent checkpointed

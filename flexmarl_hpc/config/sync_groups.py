@@ -6,15 +6,15 @@ it (runtime/sync_channels.py: point to point along a chain of the sync's targets
 docs/backends.md#weight-sync): the number of communicators is fixed by the layout, never by
 the replica subsets the load balancer produces. Pure (no MPI, no torch):
 
-    for g in sync_groups(cfg, layout_from_config(cfg)): print(g.group, g.pool, g.members)
+    for g in plan.sync_groups: print(g.group, g.pool, g.members)     # config/plan.py
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexmarl_hpc.config.layout import RankLayout
-from flexmarl_hpc.config.resources import rollout_pools, swap_peers, trainer_groups
-from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.config.resources import Group, Pool, swap_peers
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ def stage_senders(first: int, ranks: int, pipeline_parallel: int) -> tuple[int, 
     return tuple(first + s * per for s in range(pipeline_parallel))
 
 
-def sync_groups(cfg: Config, layout: RankLayout) -> list[SyncGroup]:
+def sync_groups(pools: Sequence[Pool], groups: Sequence[Group], layout: RankLayout) -> list[SyncGroup]:
     """Every (trainer group, pool) pair that can carry an agent, in a fixed order (every rank
-    makes its groups in this order: no two ranks wait for each other's next one)."""
-    pools, groups = rollout_pools(cfg), trainer_groups(cfg)
+    makes its groups in this order: no two ranks wait for each other's next one). Called
+    once, by config/plan.resolve: ranks read `Plan.sync_groups`."""
     out = []
     for g, grp in enumerate(groups):
         resident = {a for h in swap_peers(groups, g) for a in groups[h].agents}

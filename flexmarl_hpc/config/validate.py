@@ -3,7 +3,8 @@
     from flexmarl_hpc.config.validate import validate
     validate(cfg)            # ConfigError naming the field and what was expected
 
-`load_config` runs it on every config it returns. The `slurm:` section is checked only
+`load_config` runs it on every config it returns, and config/plan.resolve runs
+`validate_resources` on the pools and groups it resolves. The `slurm:` section is checked only
 when a job script is written (config/validate_slurm.py); checks that need the built
 task, the machine or the run folder are launch/preflight.py's.
 """
@@ -14,19 +15,19 @@ import importlib.util
 import math
 import re
 import unicodedata
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from flexmarl_hpc.config.resources import (FIT_FRACTION, Group, fits, rollout_pools, swap_peers,
-                                           trainer_groups, weight_gb)
+from flexmarl_hpc.config.bounds import bound_of
+from flexmarl_hpc.config.resources import FIT_FRACTION, Group, Pool, fits, swap_peers, weight_gb
 from flexmarl_hpc.config.schema import (AGENT_EPISODE, TOOL_CALL_FORMATS, Config, ConfigError, ModelConfig, RunConfig,
                                         TrainerConfig, WorkflowConfig, join)
 
 
-# Field ranges (launch/preflight.py adds the checks that need the task or the machine:
-# sequence lengths, the number of ranks a local run may start)
-MAX_STEPS = 10**9
-"""run.steps above this cannot be meant (and step numbers must fit the store's int64)."""
+# Field ranges are on the fields (config/bounds.py, check_bounds below); launch/preflight.py
+# adds the checks that need the task or the machine: sequence lengths, the number of ranks a
+# local run may start
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 """Agent names become HDF5 group and checkpoint folder names."""
 
@@ -36,23 +37,23 @@ def _need(cond: bool, where: str, msg: str) -> None:
         raise ConfigError(f"{where}: {msg}")
 
 
-def _int_in(value: int, where: str, lo: int, hi: int | None = None, note: str = "") -> None:
-    ok = value >= lo and (hi is None or value <= hi)
-    rng = f">= {lo}" if hi is None else f"{lo}..{hi}"
-    _need(ok, where, f"expected {rng}{note}, got {value}")
-
-
-MAX_STARTUP_S = 86400.0
-"""A start-up phase's deadline is at most a day (a typo of minutes for seconds is refused)."""
-
-
-def _float_in(value: float, where: str, lo: float, hi: float | None = None, lo_open: bool = False,
-              hi_open: bool = False) -> None:
-    ok = (value > lo if lo_open else value >= lo) and (
-        hi is None or (value < hi if hi_open else value <= hi))
-    rng = f"{'>' if lo_open else '>='} {lo:g}" if hi is None else \
-        f"{lo:g} {'<' if lo_open else '<='} x {'<' if hi_open else '<='} {hi:g}"
-    _need(ok, where, f"expected {rng}, got {value!r}")
+def check_bounds(obj: Any, where: str = "") -> None:
+    """Every numeric field of `obj` (a config dataclass, nested ones, lists and mappings of
+    them) inside the bounds written on it (config/bounds.py); a tuple's bound holds for each
+    element (`trainer.betas[0]`). Raises ConfigError `field: expected RANGE, got VALUE`."""
+    for f in dataclasses.fields(obj):
+        value, path, bound = getattr(obj, f.name), join(where, f.name), bound_of(f)
+        if bound is not None:
+            for w, v in (((f"{path}[{i}]", v) for i, v in enumerate(value))
+                         if isinstance(value, (list, tuple)) else ((path, value),)):
+                bound.check(v, w)
+        elif dataclasses.is_dataclass(value):
+            check_bounds(value, path)
+        elif isinstance(value, (list, dict)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, item in items:
+                if dataclasses.is_dataclass(item):
+                    check_bounds(item, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]")
 
 
 UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp", "Zs"})
@@ -98,28 +99,9 @@ def _validate_run(r: RunConfig) -> None:
     except (KeyError, IndexError, ValueError, AttributeError) as e:
         raise ConfigError(f"run.output_dir: only {{name}} may appear in braces (double them for a "
                           f"literal brace), got {r.output_dir!r} ({type(e).__name__}: {e})") from None
-    _int_in(r.steps, "run.steps", 1, MAX_STEPS)
-    _int_in(r.seed, "run.seed", 0, 2**63 - 1)
-    _int_in(r.threads_per_rank, "run.threads_per_rank", 1, 1024)
-    _int_in(r.checkpoint_every, "run.checkpoint_every", 0, note=" (0: by minutes only)")
-    _float_in(r.checkpoint_minutes, "run.checkpoint_minutes", 0)
-    _float_in(r.worker_timeout, "run.worker_timeout", 0, lo_open=True)
-    _float_in(r.build_timeout_s, "run.build_timeout_s", 0, MAX_STARTUP_S, lo_open=True)
-    _float_in(r.comm_setup_timeout_s, "run.comm_setup_timeout_s", 0, MAX_STARTUP_S, lo_open=True)
-    _int_in(r.keep_checkpoints, "run.keep_checkpoints", 1)
-    _int_in(r.log_every, "run.log_every", 1)
-    _int_in(r.eval_every, "run.eval_every", 0, MAX_STEPS, note=" (0: no evaluation)")
-    _int_in(r.eval_inputs, "run.eval_inputs", 1, 1 << 20)
-    _int_in(r.eval_samples, "run.eval_samples", 0, 1024, note=" (0: greedy only)")
 
 
 def _validate_model(m: ModelConfig, where: str) -> None:
-    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
-        _int_in(getattr(m, key), f"{where}.{key}", 1)
-    _int_in(m.max_seq_len, f"{where}.max_seq_len", 2)
-    _float_in(m.rope_theta, f"{where}.rope_theta", 1, lo_open=True)
-    _float_in(m.rms_eps, f"{where}.rms_eps", 0, 1, lo_open=True)
-    _float_in(m.init_std, f"{where}.init_std", 0, lo_open=True)
     _need(m.hidden_size % m.num_heads == 0, f"{where}.num_heads",
           f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}")
     _need(m.num_heads % m.num_kv_heads == 0, f"{where}.num_kv_heads",
@@ -152,10 +134,7 @@ def _validate_workflow(w: WorkflowConfig) -> None:
         _need(bool(NAME_RE.match(t.agent)), f"workflow.turns[{i}].agent",
               f"expected an agent name of letters, digits, _ . + - (it names HDF5 groups and "
               f"checkpoint folders), got {t.agent!r}")
-        _int_in(t.samples, f"workflow.turns[{i}].samples", 1)
-        _int_in(t.max_new_tokens, f"workflow.turns[{i}].max_new_tokens", 1)
     _need(":" in w.task, "workflow.task", f"expected 'module:Class', got {w.task!r}")
-    _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
 
 
 def _validate_episode(w: WorkflowConfig) -> None:
@@ -168,11 +147,7 @@ def _validate_episode(w: WorkflowConfig) -> None:
         _need(isinstance(a, str) and bool(NAME_RE.match(a)), f"workflow.agents[{i}]",
               f"expected an agent name of letters, digits, _ . + -, got {a!r}")
     _need(len(set(w.agents)) == len(w.agents), "workflow.agents", "expected distinct names")
-    _int_in(w.group_size, "workflow.group_size", 1, 1 << 16)
-    _int_in(w.max_new_tokens, "workflow.max_new_tokens", 1, 1 << 20)
-    _int_in(w.inputs_per_step, "workflow.inputs_per_step", 1)
-    # (on_error's values and the rate's type are checked by the loader: Literal, float)
-    _float_in(w.max_failure_rate, "workflow.max_failure_rate", 0, 1)
+    # (on_error's values and the rate's type: the loader, Literal and float; its range: its bound)
     for agent, fmt in w.tool_formats.items():
         _need(agent in w.agents, f"workflow.tool_formats.{agent}", f"expected an agent of {w.agents}")
         _need(fmt in TOOL_CALL_FORMATS, f"workflow.tool_formats.{agent}",
@@ -187,44 +162,6 @@ def _validate_agent(w: WorkflowConfig) -> None:
     _need(w.episode == AGENT_EPISODE, "workflow.episode",
           f"expected none with workflow.agent (the agent program is the episode), got {w.episode!r}")
     _need(not w.reward or ":" in w.reward, "workflow.reward", f"expected 'module:function', got {w.reward!r}")
-    _float_in(w.agent_timeout_s, "workflow.agent_timeout_s", 1, 86400)
-
-
-def _validate_engines(cfg: Config) -> None:
-    ro, tr, p = cfg.rollout, cfg.trainer, cfg.pipeline
-    _int_in(ro.replicas, "rollout.replicas", 1, note=" replica")
-    _int_in(ro.max_batch, "rollout.max_batch", 1)
-    _float_in(ro.temperature, "rollout.temperature", 0, lo_open=True)
-    _float_in(ro.top_p, "rollout.top_p", 0, 1, lo_open=True)
-    _int_in(ro.max_model_len, "rollout.max_model_len", 0, note=" (0: the model's max_seq_len)")
-    _int_in(tr.groups, "trainer.groups", 0, note=" (0: one per agent)")
-    for key in ("ranks_per_group", "tensor_parallel", "pipeline_parallel", "micro_batch_size"):
-        _int_in(getattr(tr, key), f"trainer.{key}", 1)
-    _float_in(tr.lr, "trainer.lr", 0, lo_open=True)
-    for i, b in enumerate(tr.betas):
-        _float_in(b, f"trainer.betas[{i}]", 0, 1, hi_open=True)
-    for key in ("weight_decay", "grad_clip", "entropy_coef", "kl_coef"):
-        _float_in(getattr(tr, key), f"trainer.{key}", 0)
-    _float_in(tr.clip_eps, "trainer.clip_eps", 0, lo_open=True)
-    _int_in(tr.ppo_epochs, "trainer.ppo_epochs", 1, 16)
-    _float_in(tr.tis_cap, "trainer.tis_cap", 0, lo_open=True)
-    _float_in(tr.collective_timeout_s, "trainer.collective_timeout_s", 0, lo_open=True)
-    _int_in(p.max_staleness, "pipeline.max_staleness", 0)
-    _float_in(p.rebalance_threshold, "pipeline.rebalance_threshold", 0, 1)
-    _int_in(p.rebalance_cooldown, "pipeline.rebalance_cooldown", 0)
-    _int_in(p.overprovision, "pipeline.overprovision", 0, note=" extra inputs per step")
-    _float_in(cfg.weight_sync.bucket_mb, "weight_sync.bucket_mb", 0, 16384, lo_open=True)
-    _float_in(cfg.weight_sync.timeout_s, "weight_sync.timeout_s", 0)
-    _int_in(cfg.store.chunk_rows, "store.chunk_rows", 1, 1 << 20)
-    s = cfg.slurm
-    _int_in(s.signal_seconds, "slurm.signal_seconds", 0)
-    _int_in(s.start_timeout, "slurm.start_timeout", 0)
-    _int_in(s.max_restarts, "slurm.max_restarts", 0, 1000)
-    for name in ("orchestrator", "rollout", "trainer"):
-        comp = getattr(s, name)
-        _int_in(comp.nodes, f"slurm.{name}.nodes", 1)
-        _int_in(comp.gpus_per_node, f"slurm.{name}.gpus_per_node", 0)
-        _int_in(comp.cpus_per_task, f"slurm.{name}.cpus_per_task", 1)
 
 
 def validate(cfg: Config) -> None:
@@ -232,9 +169,9 @@ def validate(cfg: Config) -> None:
     naming the field and what was expected; runs before any rank starts."""
     need = _need
     check_leaves(cfg)
+    check_bounds(cfg)
     _validate_run(cfg.run)
     _validate_workflow(cfg.workflow)
-    _validate_engines(cfg)
     for name in cfg.agents:
         need(name in cfg.agent_names, f"agents.{name}",
              f"no such agent in the workflow (agents are {cfg.agent_names})")
@@ -264,9 +201,6 @@ def validate(cfg: Config) -> None:
          "needs run.mode=flex (sync, the baseline, trains every input it admits)")
     _validate_episode_run(cfg, n_agents)
 
-    # --- device binding (flexmarl_hpc.runtime.devices) ---
-    need(cfg.rollout.gpus_per_replica >= 1, "rollout.gpus_per_replica", "expected >= 1")
-
     # --- rollout engine dtype (rollout/vllm_engine.py) ---
     need(cfg.rollout.dtype in ("auto", "fp32") or cfg.rollout.backend == "vllm", "rollout.dtype",
          "the torch engine runs fp32; bf16/fp16 need rollout.backend=vllm")
@@ -279,7 +213,6 @@ def validate(cfg: Config) -> None:
              f"{name!r} needs the {name} package: pip install -r requirements-loggers.txt")
 
     _validate_trainer_engine(cfg.trainer, need)
-    validate_resources(cfg)
 
 
 def _validate_episode_run(cfg: Config, n_agents: int) -> None:
@@ -319,9 +252,6 @@ def _check_tokenizer_files(cfg: Config, agent: str) -> None:
 
 # -- trainer engine fields (megatron precision, overlap, pipeline schedule) ------------------
 def _validate_trainer_engine(t: TrainerConfig, need) -> None:
-    need(t.tis_cap > 0, "trainer.tis_cap", f"expected > 0, got {t.tis_cap}")
-    need(t.pipeline_microbatches >= 0, "trainer.pipeline_microbatches",
-         f"expected >= 0 (0: 2 x pipeline_parallel), got {t.pipeline_microbatches}")
     megatron_only = {"precision": t.precision in ("auto", "fp32"), "recompute": t.recompute == "none",
                      "overlap_grad_reduce": not t.overlap_grad_reduce,
                      "overlap_param_gather": not t.overlap_param_gather,
@@ -351,14 +281,11 @@ def _check_names(items: list, kind: str, where: str, agents: list[str]) -> None:
             _need(a in agents, f"{where}[{i}].agents", f"no agent {a!r} in workflow.turns (agents are {agents})")
 
 
-def _validate_pools(cfg: Config) -> None:
+def _validate_pools(cfg: Config, pools: Sequence[Pool]) -> None:
     agents = cfg.agent_names
     _check_names(cfg.rollout.pools, "pool", "rollout.pools", agents)
     for i, p in enumerate(cfg.rollout.pools):
         w = f"rollout.pools[{i}]"
-        _need(p.replicas >= 1, f"{w}.replicas", f"expected >= 1, got {p.replicas}")
-        _need(p.gpus_per_replica >= 1, f"{w}.gpus_per_replica", f"expected >= 1, got {p.gpus_per_replica}")
-        _need(p.gpu_memory_gb >= 0, f"{w}.gpu_memory_gb", f"expected >= 0, got {p.gpu_memory_gb}")
         cap = FIT_FRACTION * p.gpus_per_replica * p.gpu_memory_gb
         for a in p.agents:
             _need(fits(cfg, a, p.gpus_per_replica, p.gpu_memory_gb), f"{w}.gpus_per_replica",
@@ -366,19 +293,19 @@ def _validate_pools(cfg: Config) -> None:
                   f"a replica of {p.gpus_per_replica} x {p.gpu_memory_gb:g} GB GPUs holds {cap:.1f} GB "
                   f"({FIT_FRACTION:.0%}); raise gpus_per_replica or serve {a!r} from a bigger pool")
         if cfg.rollout.backend == "vllm" and p.slurm.gpus_per_node:
-            for a in rollout_pools(cfg)[i].agents:
+            for a in pools[i].agents:
                 m = cfg.model_for(a)
                 _need(m.num_heads % p.gpus_per_replica == 0 and m.num_kv_heads % p.gpus_per_replica == 0,
                       f"{w}.gpus_per_replica", f"vLLM's tensor parallelism {p.gpus_per_replica} does not "
                       f"divide the {m.num_heads} heads / {m.num_kv_heads} KV heads of agent {a!r}"
                       f"{_shape_source(m)}")
-    served = {a for p in rollout_pools(cfg) for a in p.agents}
+    served = {a for p in pools for a in p.agents}
     for a in agents:
         _need(a in served, "rollout.pools", f"no pool can serve agent {a!r} (its weights take "
               f"{weight_gb(cfg, a):.1f} GB; list it in a pool's agents, or add a pool it fits)")
 
 
-def _validate_groups(cfg: Config) -> None:
+def _validate_groups(cfg: Config, groups: Sequence[Group]) -> None:
     tr, agents = cfg.trainer, cfg.agent_names
     named = tr.named_groups
     if named:
@@ -393,7 +320,6 @@ def _validate_groups(cfg: Config) -> None:
         for a in agents:
             _need(a in owner, "trainer.named_groups", f"agent {a!r} has no trainer group; list it in "
                   "one group's agents")
-    groups = trainer_groups(cfg)
     for i, g in enumerate(groups):
         w = g.where
         for key in ("ranks", "tensor_parallel", "pipeline_parallel"):
@@ -436,17 +362,19 @@ def _uniform(key: str) -> str:
     return {"ranks": "ranks_per_group"}.get(key, key)
 
 
-def _domain_agents(groups: list[Group], g: int) -> list[str]:
+def _domain_agents(groups: Sequence[Group], g: int) -> list[str]:
     return [a for h in swap_peers(groups, g) for a in groups[h].agents]
 
 
-def validate_resources(cfg: Config) -> None:
-    _validate_pools(cfg)
-    _validate_groups(cfg)
-    _validate_recompute(cfg)
+def validate_resources(cfg: Config, pools: Sequence[Pool], groups: Sequence[Group]) -> None:
+    """The checks that read the resolved pools and trainer groups: config/plan.resolve runs
+    them on its own resolution, before it lays out ranks from them."""
+    _validate_pools(cfg, pools)
+    _validate_groups(cfg, groups)
+    _validate_recompute(cfg, groups)
 
 
-def _validate_recompute(cfg: Config) -> None:
+def _validate_recompute(cfg: Config, groups: Sequence[Group]) -> None:
     """recompute_method / _num_layers shape recompute=full only (megatron refuses them with
     selective); the count is 1 .. the layers of a pipeline stage of each megatron group."""
     t = cfg.trainer
@@ -457,7 +385,6 @@ def _validate_recompute(cfg: Config) -> None:
         return
     n = t.recompute_num_layers
     _need(n >= 1, "trainer.recompute_num_layers", f"expected >= 1, got {n}")
-    groups = trainer_groups(cfg)
     for i, g in enumerate(groups):
         if g.backend != "megatron":
             continue

@@ -1,7 +1,7 @@
 """Pure checks of the `slurm:` section, run before a job script is written.
 
     from flexmarl_hpc.config.validate_slurm import check_gpus, validate_slurm
-    validate_slurm(cfg); check_gpus(cfg, single=False)      # ConfigError naming the field
+    validate_slurm(plan); check_gpus(plan, single=False)     # plan: config/plan.py      # ConfigError naming the field
 
 What needs the cluster's partitions (`sinfo`) is launch/preflight.py: check_capacity.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import re
 
-from flexmarl_hpc.config.resources import layout_from_config
-from flexmarl_hpc.config.resources import components, last_trainer, single_component
+from flexmarl_hpc.config.plan import Plan
+from flexmarl_hpc.config.resources import last_trainer
 from flexmarl_hpc.config.schema import Config, ConfigError, SlurmComponent
 
 MPI_PLUGINS = ("pmi2", "pmix", "pmix_v3", "pmix_v4", "pmix_v5", "cray_shasta")
@@ -61,12 +61,13 @@ def parse_time(text: str) -> int | None:
     return secs
 
 
-def validate_slurm(cfg: Config) -> None:
+def validate_slurm(plan: Plan) -> None:
     """Refuse a bad `slurm:` section before anything is submitted; the error names the field.
 
     Checks what can be told from the config alone; `check_capacity` adds what needs the
     cluster's partitions.
     """
+    cfg = plan.cfg
     s = cfg.slurm
     try:
         limit = parse_time(s.time)
@@ -90,17 +91,12 @@ def validate_slurm(cfg: Config) -> None:
     if re.search(r"[\s\"'\\]", str(cfg.output_dir)):
         raise ConfigError(f"run.output_dir: {str(cfg.output_dir)!r}: #SBATCH --output cannot carry "
                           "blanks, quotes or backslashes")
-    for c in components(cfg):
+    for c in plan.components:
         comp: SlurmComponent = c.slurm
         where = c.where
-        if comp.nodes < 1:
-            raise ConfigError(f"{where}.nodes: expected >= 1, got {comp.nodes}")
         if comp.nodes > c.ntasks:
             raise ConfigError(f"{where}.nodes: {comp.nodes} nodes for {c.ntasks} tasks leaves a node idle")
-        if comp.gpus_per_node < 0:
-            raise ConfigError(f"{where}.gpus_per_node: expected >= 0, got {comp.gpus_per_node}")
-        if comp.cpus_per_task < 1:
-            raise ConfigError(f"{where}.cpus_per_task: expected >= 1, got {comp.cpus_per_task}")
+        # nodes >= 1, gpus_per_node >= 0, cpus_per_task >= 1: the fields' bounds (load_config)
         if comp.mem not in ("auto", "0") and not MEM_RE.match(comp.mem):
             raise ConfigError(f"{where}.mem: expected a size per node like 400G or 64000M, 0 (all of "
                               f"each node's memory) or auto, got {comp.mem!r}")
@@ -141,16 +137,15 @@ def gpu_widths(cfg: Config) -> dict[str, int]:
     return {"orchestrator": 0, "rollout": cfg.rollout.gpus_per_replica, "trainer": 1}
 
 
-def check_gpus(cfg: Config, single: bool = False) -> None:
+def check_gpus(plan: Plan, single: bool = False) -> None:
     """Refuse a job whose GPU ranks would share GPUs, naming the field: a node's tasks
     (ceil(tasks / nodes), placed in blocks of consecutive ranks) x their GPUs each must fit
     its gpus_per_node. `single`: every role on the same nodes (rank order of the layout).
     flexmarl_hpc.runtime.devices checks the same again on each node at start."""
-    layout = layout_from_config(cfg)
-    widths = gpu_widths(cfg)
-    comps = components(cfg)
+    layout, comps = plan.layout, plan.components
+    widths = gpu_widths(plan.cfg)
     if single:
-        comp = single_component(cfg)
+        comp = plan.single
         if not comp.gpus_per_node:
             return
         per_node = math.ceil(layout.world_size / comp.nodes)

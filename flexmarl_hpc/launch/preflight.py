@@ -1,8 +1,8 @@
 """Checks before a launch that need more than the config: the built task, this machine,
 the run folder, or the cluster's partitions.
 
-    task = preflight(cfg, layout, local=True)     # run.py, before mpiexec: ConfigError or the task
-    check_capacity(cfg, *cluster_partitions())    # submit.py, against what `sinfo` reports
+    task = preflight(plan, local=True)            # run.py, before mpiexec: ConfigError or the task
+    check_capacity(plan, *cluster_partitions())   # submit.py, against what `sinfo` reports
 
 The pure checks of the config (field ranges, pools and groups, the `slurm:` section) are
 flexmarl_hpc.config.validate and .validate_slurm. Importing this module is cheap: the task,
@@ -17,20 +17,19 @@ import subprocess
 from dataclasses import dataclass
 
 from flexmarl_hpc.config.layout import RankLayout
-from flexmarl_hpc.config.resources import layout_from_config
 from flexmarl_hpc.config.load import to_dict
-from flexmarl_hpc.config.resources import (component_mem, components, last_trainer, mem_mb, param_count,
-                                           replica_bytes_per_weight, rollout_pools, single_component,
-                                           steps_in_flight, trainer_groups)
+from flexmarl_hpc.config.plan import Plan
+from flexmarl_hpc.config.resources import component_mem, last_trainer, mem_mb, param_count
 from flexmarl_hpc.config.schema import Config, ConfigError
 
 
-def preflight(cfg: Config, layout: RankLayout, local: bool):
+def preflight(plan: Plan, local: bool):
     """Every check a run makes before its ranks start; returns the built task. `local`: the
     ranks would start on this machine (mpiexec), so their number must fit it. The caller has
     checked the output folder (`check_output_dir`) and its lock (`store.lock`) first."""
+    cfg = plan.cfg
     if local:
-        check_local_ranks(cfg, layout)
+        check_local_ranks(cfg, plan.layout)
     check_resumable(cfg, chunks=local)
     if cfg.workflow.episode:             # user code imported in a child before this process does
         from flexmarl_hpc.workflows.episode_check import check_episode
@@ -44,10 +43,10 @@ def preflight(cfg: Config, layout: RankLayout, local: bool):
         len(task.stream)
     check_models(cfg, task)
     if local:
-        check_local_memory(cfg, task)
+        check_local_memory(plan, task)
     check_eval(cfg, task)
     check_lengths(cfg, task)
-    check_backend_math(cfg, task)
+    check_backend_math(plan, task)
     return task
 
 
@@ -103,8 +102,8 @@ class MemoryEstimate:
         return self.ranks + self.trainer + self.replicas + self.samples
 
 
-def estimate_memory(cfg: Config, models: dict, cuda: bool = True) -> MemoryEstimate:
-    """Memory (bytes) a run of `cfg` needs, over all its ranks: a pure function of the config
+def estimate_memory(plan: Plan, models: dict, cuda: bool = True) -> MemoryEstimate:
+    """Memory (bytes) a run of `plan` needs, over all its ranks: a pure function of the config
     and each agent's model shape (`models`: agent -> ModelArgs, as config.hf_config.model_args
     gives, vocabulary included). A sequence is at most min(max_seq_len, rollout.max_model_len).
     Per trainer rank: its agents' params x 16 bytes / (TP x PP), plus a micro-batch's logits
@@ -115,14 +114,14 @@ def estimate_memory(cfg: Config, models: dict, cuda: bool = True) -> MemoryEstim
     inputs_per_step + overprovision inputs, each a tree of samples); each rank
     RANK_MEMORY besides. Meant as an upper estimate, for refusing what cannot fit (measured on
     configs/local.yaml: docs/LOG.md)."""
-    width = replica_bytes_per_weight(cfg.rollout, cuda)
+    cfg, width = plan.cfg, plan.bytes_per_weight(cuda)
     params = {a: param_count(m, m.vocab_size) for a, m in models.items()}
     seq = {a: min(m.max_seq_len, cfg.rollout.max_model_len or m.max_seq_len) for a, m in models.items()}
     logits = {a: cfg.trainer.micro_batch_size * seq[a] * m.vocab_size * 4 * 2 for a, m in models.items()}
     trainer = sum(g.ranks * sum(params[a] * TRAIN_BYTES_PER_PARAM // (g.tensor_parallel * g.pipeline_parallel)
-                                + logits[a] for a in g.agents) for g in trainer_groups(cfg))
+                                + logits[a] for a in g.agents) for g in plan.groups)
     replicas = 0
-    for pool in rollout_pools(cfg):
+    for pool in plan.pools:
         per = 0
         for a in pool.agents:
             m = models[a]
@@ -131,10 +130,10 @@ def estimate_memory(cfg: Config, models: dict, cuda: bool = True) -> MemoryEstim
         replicas += pool.replicas * per
     w = cfg.workflow
     nodes_per_input = sum(math.prod(t.samples for t in w.turns[:i + 1]) for i in range(len(w.turns)))
-    steps = steps_in_flight(cfg.pipeline.max_staleness)
+    steps = plan.steps_in_flight
     samples = steps * (w.inputs_per_step + cfg.pipeline.overprovision) * nodes_per_input * (
         SAMPLE_BYTES + TOKEN_BYTES * max(seq.values()))
-    world = 1 + sum(p.replicas for p in rollout_pools(cfg)) + sum(g.ranks for g in trainer_groups(cfg))
+    world = 1 + sum(p.replicas for p in plan.pools) + sum(g.ranks for g in plan.groups)
     return MemoryEstimate(world * RANK_MEMORY, trainer, replicas, samples)
 
 
@@ -150,14 +149,15 @@ def mem_available() -> int | None:
     return None
 
 
-def check_local_memory(cfg: Config, task) -> None:
+def check_local_memory(plan: Plan, task) -> None:
     """A local run's estimate (estimate_memory) fits this machine's available memory."""
     import torch                                 # runtime.build imports it anyway
     from flexmarl_hpc.config.hf_config import model_args
     avail = mem_available()
     if avail is None:
         return
-    est = estimate_memory(cfg, {a: model_args(cfg, task, a) for a in cfg.agent_names}, torch.cuda.is_available())
+    cfg = plan.cfg
+    est = estimate_memory(plan, {a: model_args(cfg, task, a) for a in cfg.agent_names}, torch.cuda.is_available())
     if est.total <= avail:
         return
     parts = {"workflow.inputs_per_step": est.samples, "rollout.max_batch": est.replicas,
@@ -242,14 +242,15 @@ def check_lengths(cfg: Config, task) -> None:
                               f"{turn.agent!r}), got {cfg.rollout.max_model_len}")
 
 
-def check_backend_math(cfg: Config, task) -> None:
+def check_backend_math(plan: Plan, task) -> None:
     """The megatron trainer builds its GPTModel with rotary_base only: a checkpoint with
     Llama-3 RoPE scaling would train with other math than the replicas sample with.
     (megatron-core's GPTModel has rope_scaling/rope_scaling_factor with low/high frequency
     factors 1/4 and original context 8192 fixed; once the trainer passes them, only other
     values need refusing.)"""
-    if all(g.backend != "megatron" for g in trainer_groups(cfg)):
+    if all(g.backend != "megatron" for g in plan.groups):
         return
+    cfg = plan.cfg
     from flexmarl_hpc.config.hf_config import model_args
     for agent in cfg.agent_names:
         if model_args(cfg, task, agent).rope_llama3 is not None:
@@ -394,7 +395,7 @@ def cluster_partitions() -> tuple[dict[str, Partition], str] | None:
     return (parts, default) if p.returncode == 0 and parts else None
 
 
-def check_capacity(cfg: Config, partitions: dict[str, Partition], default: str, single: bool = False) -> None:
+def check_capacity(plan: Plan, partitions: dict[str, Partition], default: str, single: bool = False) -> None:
     """Refuse components that no node of their partition can hold, naming the field.
 
     `partitions` maps partition name -> Partition (from `sinfo`), `default` is the
@@ -402,12 +403,12 @@ def check_capacity(cfg: Config, partitions: dict[str, Partition], default: str, 
     node needs ceil(tasks / nodes) x cpus_per_task CPUs. `single`: the one allocation of
     `single_script` (its errors name the trainer fields, whose partition it uses).
     """
-    layout = layout_from_config(cfg)
+    cfg = plan.cfg
     if single:
-        comp = single_component(cfg)
-        todo = [(last_trainer(components(cfg)).where, comp, layout.world_size, comp.mem)]
+        comp = plan.single
+        todo = [(last_trainer(plan.components).where, comp, plan.layout.world_size, comp.mem)]
     else:
-        todo = [(c.where, c.slurm, c.ntasks, component_mem(cfg, c)) for c in components(cfg)]
+        todo = [(c.where, c.slurm, c.ntasks, component_mem(cfg, c)) for c in plan.components]
     for where, comp, ntasks, mem in todo:
         pname = comp.partition or cfg.slurm.partition or default
         pfield = f"{where}.partition" if comp.partition else "slurm.partition"

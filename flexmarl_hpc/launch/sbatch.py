@@ -35,8 +35,8 @@ import math
 import shlex
 
 from flexmarl_hpc.config.layout import ROLLOUT, TRAINER
-from flexmarl_hpc.config.resources import layout_from_config
-from flexmarl_hpc.config.resources import component_mem, components, single_component
+from flexmarl_hpc.config.plan import Plan
+from flexmarl_hpc.config.resources import component_mem
 from flexmarl_hpc.config.schema import Config, SlurmComponent
 from flexmarl_hpc.config.validate_slurm import OPTION_RE, check_gpus, validate_slurm
 from flexmarl_hpc.runtime.requeue import ENV as REQUEUE_FILE_ENV
@@ -230,15 +230,15 @@ def _wait_srun() -> list[str]:
             f'[ ! -e "$FLEXMARL_STARTED_FILE.timeout" ] || rc={EXIT_REQUEUE}']
 
 
-def hetjob_script(cfg: Config, config_path: str, overrides: list[str] = (), python: str = "python") -> str:
+def hetjob_script(plan: Plan, config_path: str, overrides: list[str] = (), python: str = "python") -> str:
     """The sbatch text of one heterogeneous job (orchestrator, rollout pool, trainers).
 
     `config_path` and `overrides` are passed to `python -m flexmarl_hpc.run` unchanged
     (submit makes them absolute); `python` is the interpreter on the compute nodes.
     """
-    validate_slurm(cfg)
-    check_gpus(cfg)
-    comps = components(cfg)
+    cfg, comps = plan.cfg, plan.components
+    validate_slurm(plan)
+    check_gpus(plan)
     lines = ["#!/bin/bash",
              f"# flexmarl_hpc run {cfg.run.name}: one heterogeneous job, rank order = component order",
              "#   tasks: " + ", ".join(f"{i} {c.name} {c.ntasks}" for i, c in enumerate(comps)),
@@ -259,19 +259,17 @@ def hetjob_script(cfg: Config, config_path: str, overrides: list[str] = (), pyth
     return "\n".join(lines + _body(cfg, srun, python, config_path, list(overrides)))
 
 
-def single_script(cfg: Config, config_path: str, overrides: list[str] = (), python: str = "python") -> str:
+def single_script(plan: Plan, config_path: str, overrides: list[str] = (), python: str = "python") -> str:
     """One allocation of all ranks (sites without het jobs); rank order is the layout's."""
-    validate_slurm(cfg)
-    check_gpus(cfg, single=True)
-    world = layout_from_config(cfg).world_size
+    cfg, comp, world = plan.cfg, plan.single, plan.layout.world_size
+    validate_slurm(plan)
+    check_gpus(plan, single=True)
     lines = ["#!/bin/bash",
              f"# flexmarl_hpc run {cfg.run.name}: one allocation of {world} tasks "
              "(rank 0 orchestrator, then rollout replicas, then trainer ranks"
              + (", then tool ranks)" if cfg.tools.ranks else ")"),
              *_job_wide(cfg),
-             *_component(single_component(cfg), world, cfg.slurm.partition, "all ranks",
-                         single_component(cfg).mem)]
-    comp = single_component(cfg)
+             *_component(comp, world, cfg.slurm.partition, "all ranks", comp.mem)]
     # every role shares the nodes: Slurm cannot tell a replica from the orchestrator, so the
     # tasks see their node's GPUs and flexmarl_hpc.runtime.devices gives each GPU rank its own
     bind = " --gpu-bind=none" if comp.gpus_per_node else ""

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from flexmarl_hpc.clock import REAL, Clock
-from flexmarl_hpc.config.layout import RankLayout
-from flexmarl_hpc.config.resources import swap_peers, trainer_groups
-from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.config.plan import Plan
+from flexmarl_hpc.config.resources import swap_peers
 from flexmarl_hpc.orchestrator.eval_dispatch import eval_dispatch
 from flexmarl_hpc.orchestrator.experience import Node, experience_for
 from flexmarl_hpc.orchestrator.checkpoint_timer import CheckpointTimer
@@ -112,13 +111,13 @@ def pack(nodes: list[Node], task: Task) -> dict:
     return pack_microbatch(nodes, task)
 
 
-def initial_state(cfg: Config, layout: RankLayout, log) -> dict[str, AgentState]:
+def initial_state(plan: Plan, log) -> dict[str, AgentState]:
     """Each agent where runtime.placement.initial_placement puts it, at its newest valid
     checkpoint's version (run.resume; checkpoint.latest_version reports bad ones) or 0."""
-    ckpt = cfg.output_dir / "checkpoints"
+    cfg, ckpt = plan.cfg, plan.cfg.output_dir / "checkpoints"
     return {agent: AgentState(version=(latest_version(ckpt / agent, log) or 0) if cfg.run.resume else 0,
-                              location=loc, leader=layout.group_leader(loc.group))
-            for agent, loc in initial_placement(cfg).items()}
+                              location=loc, leader=plan.layout.group_leader(loc.group))
+            for agent, loc in initial_placement(plan.groups, cfg.agent_names).items()}
 
 
 def servable_by(held: dict[str, int], free: set[str], current: dict[str, int]) -> set[str]:
@@ -142,13 +141,15 @@ def booked(activity: str):
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, task: Task, transport: Transport, layout: RankLayout,
+    def __init__(self, plan: Plan, task: Task, transport: Transport,
                  store: StoreFile, preempted=lambda: False, log=print, tools=None, clock: Clock = REAL):
-        """`tools`: where episodes' tool calls run (ranks/tool_ranks.py's RemotePool on the
+        """`plan`: the resolved run (config/plan.py; its layout is the world the transport
+        reaches). `tools`: where episodes' tool calls run (ranks/tool_ranks.py's RemotePool on the
         layout's tool ranks); None: a process pool on this node. `clock`: the run's (the
         transport's: a simulation's is sim.transport.SimTransport.clock), the store's too."""
         if store.clock is not clock:
             raise ValueError(f"{store.path}: the store reads another clock than the orchestrator")
+        cfg, layout = plan.cfg, plan.layout
         self.cfg, self.task, self.transport, self.layout = cfg, task, transport, layout
         self.store, self.preempted, self.log = store, preempted, log
         self.clock = BusyClock(clock)            # rank 0's own time, a row of the timeline
@@ -156,13 +157,13 @@ class Orchestrator:
         self.watchdog = Watchdog(cfg.run.worker_timeout, lambda what, secs: self.failures.reward_hung(what, secs))
         self.exp = experience_for(cfg, WatchedTask(task, self.watchdog), store, tools)
         self.agents = cfg.agent_names
-        self.state = initial_state(cfg, layout, log)
+        self.state = initial_state(plan, log)
         self.moving: dict[int, int] = defaultdict(int)      # group -> state moves in flight
         self.replicas = [ReplicaState(r) for r in layout.replica_ranks]
         self.gate = Gate.for_run(cfg)
-        self.pools = pool_binding(cfg, layout)     # level 1 inside each pool
+        self.pools = pool_binding(plan)            # level 1 inside each pool
         self.binding = self.pools.initial_binding()
-        self.trainer_groups = trainer_groups(cfg)
+        self.trainer_groups = plan.groups
         self.batches: dict[int, tuple[int, str, int, list[Node]]] = {}
         self.next_batch = 0
         self.next_step = min(s.version for s in self.state.values())

@@ -12,7 +12,6 @@ pool-specific: they already act on the replicas bound to an agent, in whichever 
 """
 from __future__ import annotations
 
-from flexmarl_hpc.config.resources import rollout_pools
 from flexmarl_hpc.orchestrator.scheduler import Binder
 
 
@@ -51,8 +50,9 @@ class PoolBinding:
         return new if changed else None
 
 
-def pool_binding(cfg, layout) -> PoolBinding:
+def pool_binding(plan) -> PoolBinding:
     """The run's pools, each with its binder (every config without rollout.pools: one pool of
     every replica, serving every agent)."""
-    return PoolBinding([(layout.pool_replicas(i), list(pool.agents), Binder.for_run(cfg, pool.agents, pool.replicas))
-                        for i, pool in enumerate(rollout_pools(cfg))])
+    return PoolBinding([(plan.layout.pool_replicas(i), list(pool.agents),
+                         Binder.for_run(plan.cfg, pool.agents, pool.replicas))
+                        for i, pool in enumerate(plan.pools)])

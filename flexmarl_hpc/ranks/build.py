@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from flexmarl_hpc.config.hf_config import ModelArgs, model_args
+from flexmarl_hpc.config.plan import Plan
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.learn.model import CausalLM, build_model, load_hf_checkpoint
 from flexmarl_hpc.learn.sampling import sample_seed
@@ -37,13 +38,12 @@ def _cpu_only(what: str, device: str) -> None:
 _WARNED: set[str] = set()
 
 
-def build_engine(cfg: Config, task: Task, device: str = "cpu", pool: int = 0):
+def build_engine(plan: Plan, task: Task, device: str = "cpu", pool: int = 0):
     """This replica's engine, holding the models of the agents its pool may serve
-    (flexmarl_hpc.config.resources). `device` is the rank's binding (flexmarl_hpc.runtime.devices), already
+    (plan.pools[pool]). `device` is the rank's binding (flexmarl_hpc.runtime.devices), already
     applied: vLLM sees only the replica's GPU block as cuda:0.. through CUDA_VISIBLE_DEVICES."""
     import dataclasses
-    from flexmarl_hpc.config.resources import rollout_pools
-    p = rollout_pools(cfg)[pool]
+    cfg, p = plan.cfg, plan.pools[pool]
     args_of = {agent: model_args(cfg, task, agent) for agent in cfg.agent_names if agent in p.agents}
     if cfg.rollout.backend == "vllm":
         from flexmarl_hpc.rollout.vllm_engine import VLLMEngine
@@ -54,7 +54,7 @@ def build_engine(cfg: Config, task: Task, device: str = "cpu", pool: int = 0):
         wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
         return VLLMEngine(args_of, task, dataclasses.replace(cfg.rollout, gpus_per_replica=p.gpus_per_replica),
                           gpu_memory_gb=p.gpu_memory_gb, bucket_bytes=receive_span(cfg, args_of.values(), wire),
-                          sync_comms=len(replica_sync_comms(cfg, pool)))
+                          sync_comms=len(replica_sync_comms(plan, pool)))
     from flexmarl_hpc.rollout.torch_engine import TorchEngine
     _cpu_only("rollout.backend=torch", device)
     return TorchEngine(args_of, task, cfg.rollout.max_batch)
@@ -76,12 +76,11 @@ def receive_span(cfg: Config, args_of, wire) -> int:
     return span
 
 
-def build_trainer(cfg: Config, task: Task, agent: str, group_comm, device: str = "cpu", group: int = 0):
+def build_trainer(plan: Plan, task: Task, agent: str, group_comm, device: str = "cpu", group: int = 0):
     """One agent's trainer backend on this rank's group (`group`: its index, whose backend
     and TP/PP it uses), at version 0. `device`: the rank's binding, already the current CUDA
     device (megatron allocates on current_device())."""
-    from flexmarl_hpc.config.resources import group_trainer_config, trainer_groups
-    tcfg = group_trainer_config(cfg, trainer_groups(cfg)[group])
+    cfg, tcfg = plan.cfg, plan.trainers[group]
     if tcfg.backend == "megatron":
         # each rank reads / draws only its own shard, on its device (learn/weights.py)
         from flexmarl_hpc.trainer.megatron import MegatronTrainer
@@ -100,17 +99,17 @@ def weight_source(cfg: Config, agent: str):
                         checkpoint=str(m.checkpoint or ""))
 
 
-def build_mover(cfg: Config, task: Task, world, group_index: int, group_comm, layout, device: str = "cpu"):
+def build_mover(plan: Plan, task: Task, world, group_index: int, group_comm, device: str = "cpu"):
     """This rank's StateMover holding the group's initial agents (see initial_placement):
     the first resident, the others built once and swapped out at once into host buffers
     that later swaps reuse."""
     from flexmarl_hpc.runtime.state_swap import StateMover
-    mover = StateMover(world, group_comm, group_index, layout.group_ranks, {},
-                       lambda agent: build_trainer(cfg, task, agent, group_comm, device, group_index))
-    for agent, loc in initial_placement(cfg).items():
+    mover = StateMover(world, group_comm, group_index, plan.layout.group_ranks, {},
+                       lambda agent: build_trainer(plan, task, agent, group_comm, device, group_index))
+    for agent, loc in initial_placement(plan.groups, plan.cfg.agent_names).items():
         if loc.group != group_index:
             continue
-        tr = build_trainer(cfg, task, agent, group_comm, device, group_index)
+        tr = build_trainer(plan, task, agent, group_comm, device, group_index)
         if loc.resident:
             mover.trainers[agent] = tr
         else:

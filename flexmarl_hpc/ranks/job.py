@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout, check_world
 from flexmarl_hpc.config.load import save_config, to_dict
+from flexmarl_hpc.config.plan import Plan
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.store.checkpoint import CheckpointError
@@ -62,13 +63,13 @@ def hold_run_lock(cfg: Config) -> bool:
     return refused is None                         # batch script's watchdog stands down
 
 
-def run_rank(cfg: Config, layout: RankLayout) -> int:
+def run_rank(plan: Plan) -> int:
     from mpi4py import MPI
     from flexmarl_hpc.runtime.comm import abort
     world = MPI.COMM_WORLD
     try:
-        check_world(layout, world.Get_size())
-        code = _run_rank(cfg, layout, world)
+        check_world(plan.layout, world.Get_size())
+        code = _run_rank(plan, world)
         # the run is over (checkpointed, store closed): a late SIGTERM/SIGUSR1 from Slurm must
         # not turn a clean exit into 143 while the interpreter shuts down
         for sig in (signal.SIGUSR1, signal.SIGTERM):
@@ -114,8 +115,9 @@ def _on_signal(signum, frame) -> None:
     _PREEMPTED = True
 
 
-def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
+def _run_rank(plan: Plan, world) -> int:
     import torch
+    cfg, layout = plan.cfg, plan.layout
     t0 = time.monotonic()                       # start-up's build phase begins (run.build_timeout_s)
     from flexmarl_hpc.ranks.build import build_engine, build_mover
     from flexmarl_hpc.workflows.build import build_task
@@ -128,9 +130,7 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     # every rank (collective): each replica and trainer rank gets GPUs of its own, before
     # any engine or trainer touches CUDA; 'cpu' on nodes without GPUs
     from flexmarl_hpc.runtime.devices import bind_rank
-    from flexmarl_hpc.config.resources import rollout_pools
-    from flexmarl_hpc.config.sync_groups import sync_groups
-    device = bind_rank(world, layout, tuple(p.gpus_per_replica for p in rollout_pools(cfg))).device
+    device = bind_rank(world, layout, tuple(p.gpus_per_replica for p in plan.pools)).device
     task = None if role == TOOLS else build_task(cfg)
     out = cfg.output_dir
     bucket = int(cfg.weight_sync.bucket_mb * 2**20)
@@ -139,29 +139,29 @@ def _run_rank(cfg: Config, layout: RankLayout, world) -> int:
     if role == TOOLS:
         return _serve_tools(cfg, world, live, t0)
     if role == ORCHESTRATOR:
-        return _orchestrate(cfg, layout, world, task, bell, live, t0)
+        return _orchestrate(plan, world, task, bell, live, t0)
     if role == ROLLOUT:
         from flexmarl_hpc.learn.sampling import SamplingParams
         from flexmarl_hpc.ranks.workers import replica_loop
         from flexmarl_hpc.ranks.workers import replica_channels
-        engine = build_engine(cfg, task, device, layout.pool_of(index))
+        engine = build_engine(plan, task, device, layout.pool_of(index))
         engine.start()                          # vLLM builds its engines now, not in the first sync group
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
         channels = _started(cfg, world, live, t0, lambda setup: replica_channels(
-            world, engine, cfg.weight_sync.backend, cfg.weight_sync.timeout_s, sync_groups(cfg, layout), setup))
+            world, engine, cfg.weight_sync.backend, cfg.weight_sync.timeout_s, plan.sync_groups, setup))
         return replica_loop(world, 0, index, engine, params, bucket, cfg.weight_sync.backend, bell, live,
-                            cfg.weight_sync.timeout_s, sync_groups(cfg, layout), channels)
+                            cfg.weight_sync.timeout_s, plan.sync_groups, channels)
     from flexmarl_hpc.ranks.workers import restore_trainers, trainer_channels, trainer_loop
-    mover = build_mover(cfg, task, world, index, role_comm, layout, device)
+    mover = build_mover(plan, task, world, index, role_comm, device)
     if cfg.run.resume:
         restore_trainers(role_comm, mover, out / "checkpoints")
     from flexmarl_hpc.runtime.weight_sync import wire_dtype
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, cfg.weight_sync.backend)
     channels = _started(cfg, world, live, t0, lambda setup: trainer_channels(
-        world, cfg.weight_sync.backend, cfg.weight_sync.timeout_s, sync_groups(cfg, layout), setup))
+        world, cfg.weight_sync.backend, cfg.weight_sync.timeout_s, plan.sync_groups, setup))
     return trainer_loop(world, role_comm, 0, mover, out / "checkpoints", bucket, cfg.run.keep_checkpoints,
                         cfg.weight_sync.backend, wire, bell, live, cfg.weight_sync.timeout_s,
-                        sync_groups(cfg, layout), channels)
+                        plan.sync_groups, channels)
 
 
 def _serve_tools(cfg: Config, world, live, t0: float) -> int:
@@ -248,8 +248,9 @@ def _exit_untaken(log, layout: RankLayout, rank: int) -> None:
     os._exit(EXIT_REQUEUE)
 
 
-def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=None, t0: float = 0.0) -> int:
+def _orchestrate(plan: Plan, world, task, bell=None, live=None, t0: float = 0.0) -> int:
     import yaml
+    cfg, layout = plan.cfg, plan.layout
     from flexmarl_hpc.orchestrator.loop import Orchestrator
     from flexmarl_hpc.store.tables import StoreFile
     from flexmarl_hpc.runtime.transport import MpiTransport
@@ -280,7 +281,7 @@ def _orchestrate(cfg: Config, layout: RankLayout, world, task, bell=None, live=N
         from flexmarl_hpc.ranks.tool_ranks import RemotePool
         tools = RemotePool(world, layout.tool_rank_list, cfg.tools, live=live)
     try:
-        orch = Orchestrator(cfg, task, transport, layout, store, lambda: _PREEMPTED, log, tools)
+        orch = Orchestrator(plan, task, transport, store, lambda: _PREEMPTED, log, tools)
         from flexmarl_hpc.orchestrator.failures import who
         _started(cfg, world, live, t0 or time.monotonic(), None, log, lambda r: who(layout, r))
         code = orch.run()

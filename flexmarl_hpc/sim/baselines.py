@@ -27,7 +27,7 @@ from typing import Callable
 
 import yaml
 
-from flexmarl_hpc.config.schema import Config
+from flexmarl_hpc.config.plan import Plan
 from flexmarl_hpc.sim.hardware import HardwareProfile
 from flexmarl_hpc.sim.plan import replica_widths
 from flexmarl_hpc.sim.plan_config import CPUS_PER_DEVICE, config_classes
@@ -40,32 +40,30 @@ def _slurm(nodes: int, dpn: int, cpus: int) -> dict:
     return {"nodes": nodes, "gpus_per_node": dpn, "cpus_per_task": cpus}
 
 
-def _group(cfg: Config, agent: str) -> tuple[int, int]:
+def _group(plan: Plan, agent: str) -> tuple[int, int]:
     """(tensor_parallel, pipeline_parallel) of the config's trainer group of `agent`."""
-    from flexmarl_hpc.config.resources import trainer_groups
-    g = next(g for g in trainer_groups(cfg) if agent in g.agents)
+    g = next(g for g in plan.groups if agent in g.agents)
     return g.tensor_parallel, 1
 
 
-def _pool_width(cfg: Config, agent: str) -> int:
+def _pool_width(plan: Plan, agent: str) -> int:
     """Devices per replica of the config's pool serving `agent` (the systems compared use the
     same engine width where it fits)."""
-    from flexmarl_hpc.config.resources import rollout_pools
-    return next(p.gpus_per_replica for p in rollout_pools(cfg) if agent in p.agents)
+    return next(p.gpus_per_replica for p in plan.pools if agent in p.agents)
 
 
-def marti_fragment(cfg: Config, hw: HardwareProfile, nodes: int) -> dict:
+def marti_fragment(plan: Plan, hw: HardwareProfile, nodes: int) -> dict:
     """Per agent an equal share of `nodes`: a pool of replicas and a trainer group on the same
     nodes (colocated: `colocated_pairs` says which)."""
-    agents, dpn = cfg.agent_names, hw.devices_per_node
+    agents, dpn = plan.cfg.agent_names, hw.devices_per_node
     each = nodes // len(agents)
     if each < 1:
         raise ValueError(f"marti: {len(agents)} agents need >= 1 node each, got {nodes} nodes")
-    classes = {a: c.cls.model for c in config_classes(cfg) for a in c.agents}
+    classes = {a: c.cls.model for c in config_classes(plan) for a in c.agents}
     pools, groups = [], []
     for a in agents:
-        g = max(replica_widths(hw, classes[a])[0], _pool_width(cfg, a))
-        tp, _ = _group(cfg, a)
+        g = max(replica_widths(hw, classes[a])[0], _pool_width(plan, a))
+        tp, _ = _group(plan, a)
         pools.append({"name": a, "replicas": each * dpn // g, "gpus_per_replica": g, "gpu_memory_gb": hw.hbm_gb,
                       "agents": [a], "slurm": _slurm(each, dpn, CPUS_PER_DEVICE * g)})
         groups.append({"name": a, "agents": [a], "ranks": each * dpn, "tensor_parallel": tp,
@@ -74,18 +72,18 @@ def marti_fragment(cfg: Config, hw: HardwareProfile, nodes: int) -> dict:
             "run": {"mode": "sync"}, "pipeline": {"load_balance": False}}
 
 
-def masrl_fragment(cfg: Config, hw: HardwareProfile, nodes: int) -> dict:
+def masrl_fragment(plan: Plan, hw: HardwareProfile, nodes: int) -> dict:
     """One pool of every node serving every agent, load balancing on (replicas follow the
     running turn's agent); one trainer group per model class on the pool's first nodes
     (colocated), its agents' states swapped through it."""
     dpn = hw.devices_per_node
-    classes = config_classes(cfg)
-    width = max(max(replica_widths(hw, c.cls.model)[0], _pool_width(cfg, c.agents[0])) for c in classes)
+    classes = config_classes(plan)
+    width = max(max(replica_widths(hw, c.cls.model)[0], _pool_width(plan, c.agents[0])) for c in classes)
     pool = {"name": "all", "replicas": nodes * dpn // width, "gpus_per_replica": width, "gpu_memory_gb": hw.hbm_gb,
-            "agents": list(cfg.agent_names), "slurm": _slurm(nodes, dpn, CPUS_PER_DEVICE * width)}
+            "agents": list(plan.cfg.agent_names), "slurm": _slurm(nodes, dpn, CPUS_PER_DEVICE * width)}
     groups = []
     for c in classes:
-        tp, _ = _group(cfg, c.agents[0])
+        tp, _ = _group(plan, c.agents[0])
         size = math.ceil(16 * c.cls.model.params / (hw.hbm_bytes * 0.6 * dpn))     # nodes holding the state
         groups.append({"name": c.cls.name, "agents": list(c.agents), "ranks": max(size, 1) * dpn,
                        "tensor_parallel": tp, "pipeline_parallel": 1, "backend": "megatron",
@@ -95,7 +93,7 @@ def masrl_fragment(cfg: Config, hw: HardwareProfile, nodes: int) -> dict:
                                                    "one_agent_at_a_time": True}}
 
 
-FRAGMENTS: dict[str, Callable[[Config, HardwareProfile, int], dict]] = {
+FRAGMENTS: dict[str, Callable[[Plan, HardwareProfile, int], dict]] = {
     "marti": marti_fragment, "mas-rl": masrl_fragment}
 """Baselines whose allocation differs from the config's (verl keeps the config's)."""
 
@@ -140,38 +138,36 @@ class Colocated:
 
 def system_config(raw: dict, system: str, hw: HardwareProfile, overrides: list[str], folder: Path,
                   nodes: int = 0):
-    """(Config, colocated pairs) of `system` from the config dict `raw` (written to
+    """(Plan, colocated pairs) of `system` from the config dict `raw` (written to
     folder/config.yaml): a baseline's allocation of the config's nodes (or `nodes`) pasted
     in, then `overrides` and the system's own (a baseline's, or a FlexMARL variant's
     `extra` as the caller gives them in `overrides`)."""
-    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.config.load import load_plan
     from flexmarl_hpc.sim.plan_config import merge_fragment
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "config.yaml"
     pairs: list = []
     if system in FRAGMENTS:
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        base = load_config(str(path), list(overrides))
+        base = load_plan(str(path), list(overrides))
         have = nodes or _config_nodes(base)
         frag = FRAGMENTS[system](base, hw, have)
         raw, pairs = merge_fragment(raw, frag), colocated_pairs(frag)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     extra = SYNC_NO_LB if system == "verl" else []
-    return load_config(str(path), [*overrides, *extra]), pairs
+    return load_plan(str(path), [*overrides, *extra]), pairs
 
 
-def _config_nodes(cfg: Config) -> int:
+def _config_nodes(plan: Plan) -> int:
     """Nodes of the config's pools and groups (the orchestrator's not counted)."""
-    from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
-    return (sum(p.slurm.nodes for p in rollout_pools(cfg)) + sum(g.slurm.nodes for g in trainer_groups(cfg)))
+    return sum(p.slurm.nodes for p in plan.pools) + sum(g.slurm.nodes for g in plan.groups)
 
 
-def colocated_run(cfg: Config, cost, hw: HardwareProfile, pairs: list[tuple[int, int]]):
+def colocated_run(plan: Plan, cost, hw: HardwareProfile, pairs: list[tuple[int, int]]):
     """(cost wrap, physical devices) of a colocated baseline: its per-step moves, and the pool
     devices only (its trainers run on them); (None, 0) when nothing is colocated."""
     if not pairs:
         return None, 0
-    from flexmarl_hpc.config.resources import rollout_pools
-    widths = {a: cost.layout(a).gpus_per_replica for a in cfg.agent_names}
-    devices = sum(p.replicas * p.gpus_per_replica for p in rollout_pools(cfg))
+    widths = {a: cost.layout(a).gpus_per_replica for a in plan.cfg.agent_names}
+    devices = sum(p.replicas * p.gpus_per_replica for p in plan.pools)
     return (lambda c: Colocated(c, hw, widths.__getitem__)), devices

@@ -26,9 +26,9 @@ def calibrate(h5: str, base: str = "cpu_local", external_cores: float = 0.0) -> 
     from flexmarl_hpc.sim.calibrate import fit, observe
     if not Path(h5).is_file():
         raise ValueError(f"--calibrate: no such file {h5}")
-    cfg, hw = run_config(h5), load_hardware(base)
-    loaded = with_load(hw, external_cores)
-    shape = local_cost(cfg, hw).layout(cfg.agent_names[0]).model
+    plan, hw = run_config(h5), load_hardware(base)
+    cfg, loaded = plan.cfg, with_load(hw, external_cores)
+    shape = local_cost(plan, hw).layout(cfg.agent_names[0]).model
     obs = observe(h5, max(cfg.rollout.max_batch, 1), cfg.rollout.replicas,
                   shared_cores=loaded.efficiency.rank_cores(), waiting_share=hw.efficiency.waiting_share,
                   workers_poll=cfg.run.idle_wait == "poll")
@@ -51,8 +51,8 @@ def predict_variants(config: str, variants: list[str], hw: HardwareProfile, step
     whose lengths come from the policy (configs/skewed.yaml) is priced as it runs."""
     results = {}
     for v in variants:
-        cfg, _ = variant_config(config, v, steps, out, overrides, hw)
-        path, _ = simulate_run(cfg, local_cost(cfg, hw), out / v, hw.name, workers=workers)
+        plan, _ = variant_config(config, v, steps, out, overrides, hw)
+        path, _ = simulate_run(plan, local_cost(plan, hw), out / v, hw.name, workers=workers)
         results[v] = measure(path)
     return results
 
@@ -67,7 +67,7 @@ def calibrate_main(a: argparse.Namespace, out: Path) -> int:
                                 a.overrides, a.workers)
         measured: dict[str, list[float]] = {}
         for h5 in a.measured:
-            measured.setdefault(variant_of(run_config(h5)), []).append(measure(Path(h5))["step_s"])
+            measured.setdefault(variant_of(run_config(h5).cfg), []).append(measure(Path(h5))["step_s"])
     except (ConfigError, HardwareError, ValueError, OSError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.load import load_plan
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.sim.cli_options import common_options
 from flexmarl_hpc.sim.driver import measure, rank_devices, simulate_run
@@ -22,12 +22,12 @@ from flexmarl_hpc.sim.transport import ConstantCost
 
 def capacity(config: str, steps: int, out: Path, overrides: list[str] = ()) -> dict:
     """Zero-cost workers, the orchestrator's real compute on the clock: samples/s it drives."""
-    cfg = load_config(config, [*overrides, "run.mode=flex", f"run.steps={steps}", "run.resume=false",
+    plan = load_plan(config, [*overrides, "run.mode=flex", f"run.steps={steps}", "run.resume=false",
                                f"run.output_dir={out}", "run.checkpoint_every=0", "run.checkpoint_minutes=0"])
     wall = time.perf_counter()
-    path, sim = simulate_run(cfg, ConstantCost(), out, "zero-cost", charge_orchestrator=True)
+    path, sim = simulate_run(plan, ConstantCost(), out, "zero-cost", charge_orchestrator=True)
     wall = time.perf_counter() - wall
-    r = measure(path, rank_devices(cfg), skip=1)
+    r = measure(path, rank_devices(plan), skip=1)
     from flexmarl_hpc.sim.msgcost import byte_cost_s
     per_s = sim.sent / max(sim.now - sim_t0(path), 1e-9)
     return {"samples_per_s": r["samples_per_s"], "step_s": r["step_s"], "wall_s": wall,

@@ -110,10 +110,10 @@ def add_failure(res: dict[str, dict], a: argparse.Namespace) -> None:
             continue
         with h5py.File(r["h5"], "r") as f:
             m = f["metrics"][:]
-            cfg = run_config(r["h5"])
+            plan = run_config(r["h5"])
         t = m[m["superseded"] == 0]["t"]                 # seconds since the run's start
-        cost = cost_model(cfg, load_hardware(a.hardware))
-        load = checkpoint_load_s(sum(cost.state_bytes(x) for x in cfg.agent_names), a.fs_gb_s)
+        cost = cost_model(plan, load_hardware(a.hardware))
+        load = checkpoint_load_s(sum(cost.state_bytes(x) for x in plan.cfg.agent_names), a.fs_gb_s)
         ends = with_failure(t, a.checkpoint_every, Failure(a.fail_at, a.restart_s, load))
         r.update(done_s=float(t[-1]), done_with_failure_s=float(ends[-1]), failure_lost_s=float(ends[-1] - t[-1]))
 

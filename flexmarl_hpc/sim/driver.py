@@ -40,8 +40,7 @@ import yaml
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.config.load import to_dict
 from flexmarl_hpc.config.layout import ROLLOUT
-from flexmarl_hpc.config.resources import layout_from_config
-from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
+from flexmarl_hpc.config.plan import Plan
 from flexmarl_hpc.sim.costs import (AgentLayout, CostModel, LengthDistribution, ModelShape, recompute_fraction,
                                     shape_from_model_args)
 from flexmarl_hpc.sim.hardware import HardwareProfile
@@ -83,10 +82,11 @@ def agent_shape(cfg: Config, agent: str, vocab: int, bytes_per_param: int = 2) -
                                  agent, bytes_per_param)
 
 
-def cost_model(cfg: Config, hw: HardwareProfile, vocab: int = QWEN_VOCAB, bytes_per_param: int = 2) -> CostModel:
+def cost_model(plan: Plan, hw: HardwareProfile, vocab: int = QWEN_VOCAB, bytes_per_param: int = 2) -> CostModel:
     """Each agent's model, replica width (its first pool) and trainer group (where it starts);
     bytes_per_param 4 for the CPU runs' fp32 models."""
-    pools, groups, t = rollout_pools(cfg), trainer_groups(cfg), cfg.trainer
+    cfg, pools, groups = plan.cfg, plan.pools, plan.groups
+    t = cfg.trainer
     agents = {}
     for agent in cfg.agent_names:
         shape = agent_shape(cfg, agent, vocab, bytes_per_param)
@@ -167,12 +167,13 @@ def refuse_agent_program(cfg: Config) -> None:
                          "clock in a worker process); simulate an episode function with its call pattern")
 
 
-def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | None = None,
+def simulate_run(plan: Plan, cost, out: Path, hardware: str, work: Workload | None = None,
                  charge_orchestrator: bool = False, workers: str = "synthetic",
                  perturb: Perturbation | None = None, wrap=None,
                  colocate: list[tuple[int, int]] = ()) -> tuple[Path, SimTransport]:
-    """Run `cfg` on the simulated clock; returns its HDF5 file (attrs simulated=True,
-    hardware, workers) and the transport (for its clock and counters). `workers` "real"
+    """Run `plan` on the simulated clock (without its tool ranks: plan.in_process); returns
+    its HDF5 file (attrs simulated=True, hardware, workers) and the transport (for its clock
+    and counters). `workers` "real"
     runs the real engine and trainers in-process (small models; `work` must then be None:
     the real lengths are priced)."""
     from flexmarl_hpc.workflows.build import build_task
@@ -182,13 +183,15 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
         raise ValueError(f"workers: expected one of {', '.join(WORKERS)}, got {workers!r}")
     if workers == "real" and work is not None:
         raise ValueError("workers='real' prices the real responses: a modelled Workload does not apply")
-    refuse_agent_program(cfg)
     # no tool ranks in a simulation: episodes' tool calls run in rank 0's process pool
-    task, layout = build_task(cfg), layout_from_config(cfg, tools=False)
+    plan = plan.in_process()
+    cfg, layout = plan.cfg, plan.layout
+    refuse_agent_program(cfg)
+    task = build_task(cfg)
     if workers == "real":
         from flexmarl_hpc.sim.inprocess import InProcessWorkers
         real_workers_fit(cfg, len(task.vocab))
-        content = InProcessWorkers(cfg, task)
+        content = InProcessWorkers(plan, task)
     else:
         content = SyntheticWorkers(task)
     out.mkdir(parents=True, exist_ok=True)
@@ -210,7 +213,7 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        workers_poll=cfg.run.idle_wait == "poll",
                        orchestrator_byte_s=eff.orchestrator_byte_s if eff else 0.0,
                        # a fabric for the syncs where there is one: not on shared cores (one machine)
-                       network=(sync_network(cfg, layout, hw, colocate) if eff and not eff.shared_cores else None),
+                       network=(sync_network(plan, hw, colocate) if eff and not eff.shared_cores else None),
                        perturb=Perturber(perturb, layout.world_size) if perturb and perturb.active else None)
     store = StoreFile(path, cfg.agent_names,
                       {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False), "mode": cfg.run.mode,
@@ -218,7 +221,7 @@ def simulate_run(cfg: Config, cost, out: Path, hardware: str, work: Workload | N
                        "sim_workers": workers},
                       chunk=cfg.store.chunk_rows, clock=sim.clock)
     try:
-        code = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None, clock=sim.clock).run()
+        code = Orchestrator(plan, task, sim, store, log=lambda line: None, clock=sim.clock).run()
     finally:
         store.close()
     if code != 0:
@@ -266,15 +269,15 @@ def sync_per_generate(path: Path, replicas: set[int]) -> float:
     return float(dur[iv["activity"] == b"sync"].sum()) / max(gen, 1e-12)
 
 
-def replica_ranks(cfg: Config) -> set[int]:
+def replica_ranks(plan: Plan) -> set[int]:
     """World ranks of the rollout replicas."""
-    layout = layout_from_config(cfg)
+    layout = plan.layout
     return {r for r in range(1, layout.world_size) if layout.role_of(r)[0] == ROLLOUT}
 
 
-def rank_devices(cfg: Config) -> dict[int, int]:
+def rank_devices(plan: Plan) -> dict[int, int]:
     """World rank -> accelerators it stands for (a replica rank holds its pool's width)."""
-    layout, pools = layout_from_config(cfg, tools=False), rollout_pools(cfg)
+    layout, pools = plan.in_process().layout, plan.pools
     out = {}
     for r in range(1, layout.world_size):
         role, index = layout.role_of(r)

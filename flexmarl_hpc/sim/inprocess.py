@@ -13,8 +13,8 @@ from mpi4py import MPI
 from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.ranks.build import build_engine, build_trainer
 from flexmarl_hpc.store.checkpoint import save_checkpoint
-from flexmarl_hpc.config.resources import steps_in_flight
-from flexmarl_hpc.config.schema import Config, ConfigError
+from flexmarl_hpc.config.plan import Plan
+from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.rollout.base import GenRequest
 from flexmarl_hpc.learn.sampling import SamplingParams
 from flexmarl_hpc.trainer.base import train_micro
@@ -23,14 +23,15 @@ from flexmarl_hpc.ranks.workers import group_sum
 
 
 class InProcessWorkers:
-    def __init__(self, cfg: Config, task) -> None:
+    def __init__(self, plan: Plan, task) -> None:
+        cfg = plan.cfg
         if cfg.trainer.ranks_per_group != 1:
             raise ConfigError("trainer.ranks_per_group: the in-process simulation runs one trainer "
                               f"rank per agent, expected 1, got {cfg.trainer.ranks_per_group}")
-        self.engine = build_engine(cfg, task)
-        self.trainers = {agent: build_trainer(cfg, task, agent, MPI.COMM_SELF) for agent in cfg.agent_names}
+        self.engine = build_engine(plan, task)
+        self.trainers = {agent: build_trainer(plan, task, agent, MPI.COMM_SELF) for agent in cfg.agent_names}
         self.params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p)
-        self.window = steps_in_flight(cfg.pipeline.max_staleness)   # versions a request may still ask for
+        self.window = plan.steps_in_flight   # versions a request may still ask for
         self.ckpt_dir, self.keep_ckpt = cfg.output_dir / "checkpoints", cfg.run.keep_checkpoints
         self.published: dict[tuple[str, int], dict] = {}
         self.acc: dict[str, dict[str, float]] = {}

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flexmarl_hpc.config.resources import Group, group_trainer_config, mem_mb, rollout_pools, trainer_groups
+from flexmarl_hpc.config.plan import Plan
+from flexmarl_hpc.config.resources import Group, mem_mb
 from flexmarl_hpc.config.hf_config import model_args
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.learn.model import hf_shapes
@@ -121,7 +122,7 @@ class Phase:
     """Device bytes still held at the phase's end (the trainer's state after the optimizer step)."""
 
 
-def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
+def trainer_rank(plan: Plan, task, g: int, rank: int, wire: torch.dtype | None,
                  limit: int = 0, tokens: int = 0) -> list[Phase]:
     """The phases of rank `rank` of trainer group `g`: build, train step, optimizer step,
     weight sync (send, on a PP stage's sender only). Stops after a phase whose device peak is over `limit`
@@ -130,8 +131,7 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
     from flexmarl_hpc.ranks import build
     from flexmarl_hpc.sim.fake_memory import track
     from flexmarl_hpc.trainer.megatron.fake import fake_group
-    group = trainer_groups(cfg)[g]
-    tcfg = group_trainer_config(cfg, group)
+    cfg, group, tcfg = plan.cfg, plan.groups[g], plan.trainers[g]
     agent = group.agents[0]
     args = model_args(cfg, task, agent)
     full = _micro_batch(cfg.trainer.micro_batch_size, tokens or train_tokens(cfg, task, agent, args.max_seq_len),
@@ -147,7 +147,7 @@ def trainer_rank(cfg: Config, task, g: int, rank: int, wire: torch.dtype | None,
             out.append(Phase(name, c.peak["device"], c.peak["host"], c.peak["all"], c.live["device"]))
             c.reset_peak()
             return bool(limit) and out[-1].device > limit
-        tr = build.build_trainer(cfg, task, agent, comm, "cpu", g)
+        tr = build.build_trainer(plan, task, agent, comm, "cpu", g)
         if phase("build"):
             return out
         tr.forward_backward(tr.share(full), 1.0 / cfg.trainer.micro_batch_size, last=True)
@@ -215,9 +215,9 @@ def _trainer_job(job: tuple) -> list[Phase]:
     import warnings
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    cfg, g, rank, wire, limit, *tokens = job
+    plan, g, rank, wire, limit, *tokens = job
     from flexmarl_hpc.workflows.build import build_task
-    return trainer_rank(cfg, build_task(cfg), g, rank, wire, limit, *tokens)
+    return trainer_rank(plan, build_task(plan.cfg), g, rank, wire, limit, *tokens)
 
 
 def run_jobs(jobs: list[tuple], workers: int) -> list[list[Phase]]:
@@ -235,7 +235,7 @@ def run_jobs(jobs: list[tuple], workers: int) -> list[list[Phase]]:
 # ---------------------------------------------------------------------------------------
 # replica ranks: our receive path on fake tensors, vLLM's documented use
 # ---------------------------------------------------------------------------------------
-def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, node_limit: int,
+def replica_rows(plan: Plan, task, p: int, first_rank: int, device_limit: int, node_limit: int,
                  wire: torch.dtype | None) -> list[Row]:
     """A replica of pool `p`, on each of its GPUs (one vLLM TP worker each): vLLM's budget, the
     pool's memory fraction (rollout/vllm_engine.memory_fraction, which leaves a weight sync its
@@ -251,9 +251,9 @@ def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, 
     from flexmarl_hpc.rollout.vllm_engine import memory_fraction
     from flexmarl_hpc.ranks import build
     from flexmarl_hpc.runtime import weight_sync
-    pool = rollout_pools(cfg)[p]
+    cfg, pool = plan.cfg, plan.pools[p]
     bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
-    comms = len(replica_sync_comms(cfg, p))
+    comms = len(replica_sync_comms(plan, p))
     models = [model_args(cfg, task, a) for a in pool.agents]
     bucket = build.receive_span(cfg, models, wire)              # a split tensor lands whole
     fraction = memory_fraction(pool.gpu_memory_gb, bucket, comms) if pool.gpu_memory_gb else \
@@ -279,14 +279,14 @@ def replica_rows(cfg: Config, task, p: int, first_rank: int, device_limit: int, 
                 node_limit, engine + bucket, 0, extra.nccl, extra.comms, extra.fragmentation, over_recv)]
 
 
-def torch_replica_rows(cfg: Config, task, p: int, first_rank: int, wire: torch.dtype | None) -> list[Row]:
+def torch_replica_rows(plan: Plan, task, p: int, first_rank: int, wire: torch.dtype | None) -> list[Row]:
     """A torch-engine replica of pool `p` (sim/torch_replica.py: its engine, weight receive
     and generate run on fake tensors). It runs on the CPU: host bytes, no device limit; the
     node row holds the pool's replicas a node against its --mem."""
     from flexmarl_hpc.sim.torch_replica import torch_replica
-    name, where = f"pool {rollout_pools(cfg)[p].name}", f"rank {first_rank} (replica 0, CPU)"
+    name, where = f"pool {plan.pools[p].name}", f"rank {first_rank} (replica 0, CPU)"
     return [Row(name, where, f"{ph.name} (torch engine)", 0, ph.host, 0)
-            for ph in torch_replica(cfg, task, p, wire)]
+            for ph in torch_replica(plan, task, p, wire)]
 
 
 def _engine_need(args, weight_bytes: int, tp: int, fraction: float = VLLM_GPU_MEMORY_UTILIZATION,
@@ -342,42 +342,42 @@ def node_limit(cfg: Config, comp) -> int:
     return mem_mb(component_mem(cfg, comp)) * 2 ** 20
 
 
-def _distinct(cfg: Config, task, only: tuple[str, ...] = ()) -> dict[tuple, list[int]]:
+def _distinct(plan: Plan, task, only: tuple[str, ...] = ()) -> dict[tuple, list[int]]:
     """Trainer groups (of those named in `only`, if given) by what their ranks run: model
     shape, ranks, TP, PP, backend."""
     out: dict[tuple, list[int]] = {}
-    for g, grp in enumerate(trainer_groups(cfg)):
+    for g, grp in enumerate(plan.groups):
         if only and grp.name not in only:
             continue
-        out.setdefault((model_args(cfg, task, grp.agents[0]), grp.shape), []).append(g)
+        out.setdefault((model_args(plan.cfg, task, grp.agents[0]), grp.shape), []).append(g)
     return out
 
 
-def check_config(cfg: Config, hbm_gb: float, workers: int = 2, only: tuple[str, ...] = ()) -> list[Row]:
+def check_config(plan: Plan, hbm_gb: float, workers: int = 2, only: tuple[str, ...] = ()) -> list[Row]:
     """Every distinct role of the config (of the pools and groups named in `only`, if given):
     its rows (per phase) and node totals."""
-    from flexmarl_hpc.config.resources import components
     from flexmarl_hpc.workflows.build import build_task
+    cfg = plan.cfg
     from flexmarl_hpc.runtime.weight_sync import wire_dtype, resolve_backend
     task = build_task(cfg)
     wire = wire_dtype(cfg.rollout.dtype, cfg.rollout.backend, resolve_backend(cfg.weight_sync.backend))
     pool_lim, group_lim = _limits(cfg, hbm_gb)
-    comps = {c.name: c for c in components(cfg)}
+    comps = {c.name: c for c in plan.components}
     rows: list[Row] = []
-    for p, pool in enumerate(rollout_pools(cfg)):
+    for p, pool in enumerate(plan.pools):
         if not only or pool.name in only:
             comp = comps.get(f"pool {pool.name}", comps.get("rollout"))
-            got = replica_rows(cfg, task, p, comp.first_rank, pool_lim[p], 0, wire) \
-                if cfg.rollout.backend == "vllm" else torch_replica_rows(cfg, task, p, comp.first_rank, wire)
+            got = replica_rows(plan, task, p, comp.first_rank, pool_lim[p], 0, wire) \
+                if cfg.rollout.backend == "vllm" else torch_replica_rows(plan, task, p, comp.first_rank, wire)
             rows += got + [_node_row(f"pool {pool.name}", comp.first_rank, comp.tasks_per_node, "replicas",
                                      comp.tasks_per_node * max(r.host_bytes for r in got), node_limit(cfg, comp))]
-    groups = trainer_groups(cfg)
-    distinct = [gs for gs in _distinct(cfg, task, only).values() if groups[gs[0]].backend == "megatron"]
-    jobs = [(cfg, gs[0], r, wire, group_lim[gs[0]]) for gs in distinct for r in checked_ranks(groups[gs[0]])]
+    groups = plan.groups
+    distinct = [gs for gs in _distinct(plan, task, only).values() if groups[gs[0]].backend == "megatron"]
+    jobs = [(plan, gs[0], r, wire, group_lim[gs[0]]) for gs in distinct for r in checked_ranks(groups[gs[0]])]
     results = dict(zip([(j[1], j[2]) for j in jobs], run_jobs(jobs, workers)))
     for gs in distinct:              # phases once per distinct shape, every group's node against its --mem
         for g in gs:
-            rows += _group_rows(cfg, groups[g], g, {(g, r): v for (h, r), v in results.items() if h == gs[0]},
+            rows += _group_rows(plan, groups[g], g, {(g, r): v for (h, r), v in results.items() if h == gs[0]},
                                 comps, group_lim[g], phases=g == gs[0])
     return rows
 
@@ -406,7 +406,7 @@ def _role(grp: Group, r: int) -> str:
     return f"stage {r * grp.pipeline_parallel // grp.ranks} sender" if r in sender_ranks(grp) else "last stage"
 
 
-def _group_rows(cfg: Config, grp: Group, g: int, results: dict, comps: dict, limit: int,
+def _group_rows(plan: Plan, grp: Group, g: int, results: dict, comps: dict, limit: int,
                 phases: bool = True) -> list[Row]:
     """The group's rows per checked rank and phase (`phases`) and its node total: the leader
     and ranks-per-node - 1 ranks like the largest of the others, each also holding the
@@ -419,13 +419,14 @@ def _group_rows(cfg: Config, grp: Group, g: int, results: dict, comps: dict, lim
     "device" is the node's RAM, so each rank's whole peak (device + host) counts toward the
     node's --mem, and no device limit applies."""
     from flexmarl_hpc.config.gpu_memory import allowances, trainer_comms
+    cfg = plan.cfg
     name = f"group {grp.name}" if cfg.trainer.named_groups else "trainer"
     base = comps[name].first_rank + (0 if cfg.trainer.named_groups else
-                                     sum(x.ranks for x in trainer_groups(cfg)[:g]))
+                                     sum(x.ranks for x in plan.groups[:g]))
     cpu = comps[name].slurm.gpus_per_node == 0
     rows, ranks = [], checked_ranks(grp)
     for r in ranks if phases else []:
-        comms = len(trainer_comms(cfg, g, r))
+        comms = len(trainer_comms(plan, g, r))
         for p in results[(g, r)]:
             a = allowances(0 if cpu else p.device, 0 if cpu else comms, context=not cpu)
             rows.append(Row(f"group {grp.name}", f"rank {base + r} ({_role(grp, r)})", p.name,
@@ -523,14 +524,14 @@ def memory_report(config: str, overrides: list[str], hardware: str, as_json: boo
                   workers: int = 2, only: tuple[str, ...] = ()) -> tuple[str, int]:
     """What `simulate memory` prints, and its exit code: 0 when every rank and node fits,
     1 naming each that does not."""
-    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.config.load import load_plan
     from flexmarl_hpc.sim.hardware import load_hardware
-    cfg = load_config(config, overrides)
-    hw = load_hardware(hardware)
-    names = {p.name for p in rollout_pools(cfg)} | {g.name for g in trainer_groups(cfg)}
+    plan = load_plan(config, overrides)
+    cfg, hw = plan.cfg, load_hardware(hardware)
+    names = {p.name for p in plan.pools} | {g.name for g in plan.groups}
     if set(only) - names:
         raise ValueError(f"--only: no pool or group {sorted(set(only) - names)}; expected some of {sorted(names)}")
-    rows = check_config(cfg, hw.hbm_gb, workers, only)
+    rows = check_config(plan, hw.hbm_gb, workers, only)
     bad = failures(rows)
     if as_json:
         text = json_text(config, hw.name, rows, bad)
@@ -540,7 +541,7 @@ def memory_report(config: str, overrides: list[str], hardware: str, as_json: boo
                 f"{hw.hbm_gb:.0f} GB ({hw.name}), micro-batch {cfg.trainer.micro_batch_size}, "
                 f"recompute {getattr(cfg.trainer, 'recompute', 'none')}")
         text = "\n".join([head, *allowance_lines(cfg), table(rows)] + send_peaks(rows)
-                          + [f"not checked: {n}" for n in unchecked(cfg, only)]
+                          + [f"not checked: {n}" for n in unchecked(plan, only)]
                           + [f"FAILS: {b}" for b in bad] + (["fits"] if not bad else []))
     return text, 1 if bad else 0
 
@@ -577,10 +578,10 @@ def send_peaks(rows: list[Row]) -> list[str]:
     return out
 
 
-def unchecked(cfg: Config, only: tuple[str, ...] = ()) -> list[str]:
+def unchecked(plan: Plan, only: tuple[str, ...] = ()) -> list[str]:
     """The groups the check skips: it runs megatron trainers (and every pool's replicas:
     torch engines run, vLLM's accounted)."""
-    return [f"group {g.name} (backend {g.backend})" for g in trainer_groups(cfg)
+    return [f"group {g.name} (backend {g.backend})" for g in plan.groups
                   if g.backend != "megatron" and (not only or g.name in only)]
 
 

@@ -89,17 +89,18 @@ def run_system(spec: TaskSpec, system: str, hw: HardwareProfile, steps: int, out
               "run.checkpoint_every=0", "run.checkpoint_minutes=0", "run.eval_every=0",
               *VARIANT_OVERRIDES.get(system, [])]
     raw = spec.apply(yaml.safe_load(Path(spec.config).read_text()))
-    cfg, pairs = system_config(raw, system, hw, common, out / system, nodes=47)
+    plan, pairs = system_config(raw, system, hw, common, out / system, nodes=47)
+    cfg = plan.cfg
     agents = list(cfg.agent_names)
     # a text episode draws the spec's lengths itself and the synthetic replies fill them: priced as
     # they are; a relay's are modelled
     work = None if cfg.workflow.episode else Workload(
         prompt_tokens=spec.prompt_tokens, vocab=QWEN_VOCAB, seed=spec.seed,
         prompts=spec.prompts(agents), agent_lengths=spec.lengths(agents))
-    cost = cost_model(cfg, hw)
-    wrap, devices = colocated_run(cfg, cost, hw, pairs)
-    path, _ = simulate_run(cfg, cost, out / system, hw.name, work, wrap=wrap, colocate=pairs)
-    r = measure(path, rank_devices(cfg), skip=1, devices=devices)
+    cost = cost_model(plan, hw)
+    wrap, devices = colocated_run(plan, cost, hw, pairs)
+    path, _ = simulate_run(plan, cost, out / system, hw.name, work, wrap=wrap, colocate=pairs)
+    r = measure(path, rank_devices(plan), skip=1, devices=devices)
     return {"step_s": r["step_s"], "busy": r["util"], "busy_parts": r["util_parts"]}
 
 

@@ -11,26 +11,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from flexmarl_hpc.config.layout import RankLayout
-from flexmarl_hpc.config.resources import rollout_pools, trainer_groups
+from flexmarl_hpc.config.plan import Plan
 from flexmarl_hpc.sim.hardware import HardwareProfile
 from flexmarl_hpc.sim.network import Fabric, Flow, FlowShare, broadcast_flow, broadcast_work
 
 
-def placement(cfg, layout: RankLayout, hw: HardwareProfile,
+def placement(plan: Plan, hw: HardwareProfile,
               colocate: list[tuple[int, int]] = ()) -> dict[int, tuple[int, int]]:
     """World rank -> (node, device) of every worker rank (a replica: its first device).
     `colocate`: (pool, group) pairs whose group sits on its pool's nodes (a colocated
     baseline: sim.baselines), one group after another there."""
-    dpn, node, out, offset = hw.devices_per_node, 0, {}, []
-    for p, pool in enumerate(rollout_pools(cfg)):
+    dpn, node, out, offset, layout = hw.devices_per_node, 0, {}, [], plan.layout
+    for p, pool in enumerate(plan.pools):
         offset.append(node)
         for i, replica in enumerate(layout.pool_replicas(p)):
             slot = i * pool.gpus_per_replica
             out[replica + 1] = (node + slot // dpn, (node + slot // dpn) * dpn + slot % dpn)
         node += math.ceil(pool.replicas * pool.gpus_per_replica / dpn)
     home, used = dict((g, p) for p, g in colocate), {}
-    for g, _ in enumerate(trainer_groups(cfg)):
+    for g, _ in enumerate(plan.groups):
         ranks = layout.group_ranks(g)
         first = node
         if g in home:
@@ -80,9 +79,9 @@ class SyncNetwork:
         return flow
 
 
-def sync_network(cfg, layout: RankLayout, hw: HardwareProfile, colocate: list[tuple[int, int]] = ()) -> SyncNetwork:
-    """The shared network of `cfg`'s weight syncs on `hw` (the profile's broadcast algorithm,
+def sync_network(plan: Plan, hw: HardwareProfile, colocate: list[tuple[int, int]] = ()) -> SyncNetwork:
+    """The shared network of `plan`'s weight syncs on `hw` (the profile's broadcast algorithm,
     the config's buckets); `colocate` as for `placement`."""
-    return SyncNetwork(fabric_of(hw), placement(cfg, layout, hw, colocate), hw.efficiency.broadcast,
-                       int(cfg.weight_sync.bucket_mb * 2**20),
+    return SyncNetwork(fabric_of(hw), placement(plan, hw, colocate), hw.efficiency.broadcast,
+                       int(plan.cfg.weight_sync.bucket_mb * 2**20),
                        hw.efficiency.bucket_latency_s)

@@ -10,8 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.resources import components
+from flexmarl_hpc.config.load import load_plan
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.sim import runs
 from flexmarl_hpc.sim.cli_options import common_options
@@ -28,12 +27,13 @@ def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path
     (sim.plan_config.distinct) in flex mode: per plan its closed-form Plan, config fragment
     and simulated result, best simulated step first; with `baseline`, also the config's own
     allocation simulated the same way (its `nodes`: every component's but the orchestrator's)."""
-    cfg = load_config(config, overrides)
+    resolved = load_plan(config, overrides)
+    cfg = resolved.cfg
     try:
         hw = load_hardware(hardware)
     except HardwareError as e:
         raise ValueError(f"--hardware: {e}") from None
-    classes = config_classes(cfg)
+    classes = config_classes(resolved)
     least = min_nodes(hw, classes, cfg)
     if nodes < least:
         raise ValueError(f"--nodes: expected >= {least} for {len(cfg.agent_names)} agents on {hw.name} "
@@ -52,7 +52,7 @@ def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path
     if not baseline:
         return rows, None
     current = runs.run_variants(config, ["flex"], hardware, steps, out / "config", overrides)["flex"]
-    return rows, {"sim": current, "nodes": sum(c.slurm.nodes for c in components(cfg)[1:])}
+    return rows, {"sim": current, "nodes": sum(c.slurm.nodes for c in resolved.components[1:])}
 
 
 def plan_table(rows: list[dict], hw: HardwareProfile, current: dict | None = None, wall: bool = True) -> str:
@@ -121,7 +121,7 @@ def best_fragment(config: str, nodes: int, steps: int, hw: HardwareProfile, best
 def plan_report(config: str, overrides: list[str], nodes: int, steps: int, hw: HardwareProfile, rows: list[dict],
                 current: dict | None, written: Path | None = None, wall: bool = True) -> str:
     """What `simulate plan` prints: the classes, the plans' table, the best plan's fragment."""
-    classes = describe_classes(config_classes(load_config(config, overrides)))
+    classes = describe_classes(config_classes(load_plan(config, overrides)))
     best = rows[0]
     return "\n".join([
         f"{config} on {hw.name}, {nodes} nodes; agent classes {classes}",

@@ -5,7 +5,7 @@ model shape), ranks splits with the closed-form planner (sim/plan.py), and turns
 into the config's `rollout.pools` / `trainer.named_groups`, each with its own `slurm:`
 component, naming the config's real agents:
 
-    classes = config_classes(cfg)
+    classes = config_classes(plan)                     # plan: config.plan.resolve(cfg)
     plans = rank_plans(hw, [c.cls for c in classes], plan_workload(cfg), nodes=plan_nodes(cfg, 48))
     frag = fragment(plans[0], hw, classes, cfg)        # paste into the config, or:
     data = merge_fragment(raw_config_dict, frag)       # a config dict that validates
@@ -23,7 +23,7 @@ import yaml
 from flexmarl_hpc.config.validate import NAME_RE
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.config.load import to_dict
-from flexmarl_hpc.config.resources import rollout_pools
+from flexmarl_hpc.config.plan import Plan as ResolvedPlan     # sim.plan.Plan: a placement plan
 from flexmarl_hpc.sim.costs import ModelShape, shape_from_model_args
 from flexmarl_hpc.sim.driver import QWEN_VOCAB
 from flexmarl_hpc.sim.hardware import HardwareProfile
@@ -44,15 +44,16 @@ class ConfigClass:
     """The config's agents of this shape, in workflow order."""
 
 
-def config_classes(cfg: Config, vocab: int = QWEN_VOCAB) -> list[ConfigClass]:
+def config_classes(plan: ResolvedPlan, vocab: int = QWEN_VOCAB) -> list[ConfigClass]:
     """Agents grouped by model shape, in order of first appearance. A class is named after
     the config pool serving exactly its agents, else their common name prefix, else `cN`."""
+    cfg = plan.cfg
     shapes: dict[ModelShape, list[str]] = {}
     for a in cfg.agent_names:
         m = types.SimpleNamespace(**{**to_dict(cfg.model_for(a)), "vocab_size": vocab})
         key = dataclasses.replace(shape_from_model_args(m, "", 2), name="")
         shapes.setdefault(key, []).append(a)
-    pools = {frozenset(p.agents): p.name for p in rollout_pools(cfg)} if cfg.rollout.pools else {}
+    pools = {frozenset(p.agents): p.name for p in plan.pools} if cfg.rollout.pools else {}
     out: list[ConfigClass] = []
     for i, (shape, agents) in enumerate(shapes.items()):
         used = {c.cls.name for c in out}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from flexmarl_hpc.config.load import apply_override, load_config
+from flexmarl_hpc.config.load import apply_override, load_plan
 from flexmarl_hpc.sim.baselines import FRAGMENTS, SYNC_NO_LB, colocated_run, system_config
 from flexmarl_hpc.sim.driver import (Workload, cost_model, measure, rank_devices, replica_ranks, simulate_run,
                                      sync_per_generate)
@@ -38,32 +38,32 @@ VARIANTS = {
 
 def variant_config(config: str, variant: str, steps: int, out: Path, overrides: list[str] = (),
                    hw: HardwareProfile | None = None):
-    """(config, colocated (pool, group) pairs) of one --compare variant, writing under
+    """(plan, colocated (pool, group) pairs) of one --compare variant, writing under
     `out`/<variant>, no checkpoints; a baseline with its own allocation (marti, mas-rl) gets
     it on the config's nodes of `hw` (sim/baselines.py)."""
     common = [*overrides, *VARIANTS[variant], f"run.steps={steps}", "run.resume=false",
               f"run.output_dir={out / variant}", "run.checkpoint_every=0", "run.checkpoint_minutes=0"]
     if variant not in FRAGMENTS:
-        return load_config(config, common), []
+        return load_plan(config, common), []
     raw = yaml.safe_load(Path(config).read_text())
     return system_config(raw, variant, hw or load_hardware("npu64_a3"), common, out / variant / "config")
 
 
-def priced(cfg, hw: HardwareProfile, workers: str):
+def priced(plan, hw: HardwareProfile, workers: str):
     """The cost model and modelled workload of a run: synthetic workers price the config's
     model shape with Qwen's vocabulary and modelled lengths (bf16); real ones the models as
     they run here (the task's vocabulary, fp32) and the lengths they produce. An episode
     workflow states its own lengths (each call's max_tokens, which a synthetic reply fills:
     workflows/paper_text.py draws them from the paper's distributions): those are priced."""
     if workers == "synthetic":
-        return cost_model(cfg, hw), (None if cfg.workflow.episode else Workload())
-    return local_cost(cfg, hw), None
+        return cost_model(plan, hw), (None if plan.cfg.workflow.episode else Workload())
+    return local_cost(plan, hw), None
 
 
-def local_cost(cfg, hw: HardwareProfile):
-    """`cfg`'s models priced as they run on this machine: the task's vocabulary, fp32."""
+def local_cost(plan, hw: HardwareProfile):
+    """The plan's models priced as they run on this machine: the task's vocabulary, fp32."""
     from flexmarl_hpc.workflows.build import build_task
-    return cost_model(cfg, hw, len(build_task(cfg).vocab), 4)
+    return cost_model(plan, hw, len(build_task(plan.cfg).vocab), 4)
 
 
 def run_variants(config: str, variants: list[str], hardware: str | HardwareProfile, steps: int, out: Path,
@@ -72,20 +72,20 @@ def run_variants(config: str, variants: list[str], hardware: str | HardwareProfi
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
     results = {}
     for v in variants:
-        cfg, pairs = variant_config(config, v, steps, out, overrides, hw)
+        plan, pairs = variant_config(config, v, steps, out, overrides, hw)
         wall = time.perf_counter()
         try:
-            cost, work = priced(cfg, hw, workers)
-            wrap, devices = colocated_run(cfg, cost, hw, pairs)
-            path, sim = simulate_run(cfg, cost, out / v, hw.name, work, workers=workers, wrap=wrap, colocate=pairs,
+            cost, work = priced(plan, hw, workers)
+            wrap, devices = colocated_run(plan, cost, hw, pairs)
+            path, sim = simulate_run(plan, cost, out / v, hw.name, work, workers=workers, wrap=wrap, colocate=pairs,
                                      perturb=perturb)
         except RuntimeError as e:      # e.g. the orchestrator waits with nothing in flight
             results[v] = {"error": str(e), "wall_s": time.perf_counter() - wall}
             continue
-        r = measure(path, rank_devices(cfg), devices=devices)
+        r = measure(path, rank_devices(plan), devices=devices)
         r.update(wall_s=time.perf_counter() - wall, sim_s=sim.now - sim_t0(path), h5=str(path),
                  orchestrator_share=sim.orchestrator_charged / max(sim.now - sim_t0(path), 1e-12),
-                 sync_per_generate=sync_per_generate(path, replica_ranks(cfg)))
+                 sync_per_generate=sync_per_generate(path, replica_ranks(plan)))
         results[v] = r
     if "step_s" in results.get("sync", {}):
         for r in results.values():
@@ -95,7 +95,7 @@ def run_variants(config: str, variants: list[str], hardware: str | HardwareProfi
 
 
 def run_config(path: str | Path):
-    """The Config a run's HDF5 file was made with (its config_yaml attribute)."""
+    """The plan of the config a run's HDF5 file was made with (its config_yaml attribute)."""
     import h5py
     with h5py.File(path, "r") as f:
         text = f.attrs["config_yaml"]
@@ -105,7 +105,7 @@ def run_config(path: str | Path):
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as tmp:
         tmp.write(yaml.safe_dump(raw, sort_keys=False))
         tmp.flush()
-        return load_config(tmp.name)
+        return load_plan(tmp.name)
 
 
 def sim_t0(path: Path) -> float:

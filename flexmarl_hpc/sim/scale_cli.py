@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.load import load_plan
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.sim import runs
 from flexmarl_hpc.sim.cli_options import common_options, variants_option
@@ -26,12 +26,13 @@ def scale(config: str, sizes: list[int], variants: list[str], hardware: str, ste
     """Per accelerator count (sim.scale.scale_points): the closed-form planner's best split for
     each variant's mode, pasted into a copy of the config (as --plan does) and simulated;
     a row per count with its nodes, allocation and per-variant result, or why it does not fit."""
-    cfg = load_config(config, overrides)
+    plan = load_plan(config, overrides)
+    cfg = plan.cfg
     try:
         hw = load_hardware(hardware)
     except HardwareError as e:
         raise ValueError(f"--hardware: {e}") from None
-    classes, data = config_classes(cfg), raw_config(config, overrides)
+    classes, data = config_classes(plan), raw_config(config, overrides)
     modes = tuple(dict.fromkeys(variant_mode(v) for v in variants))
     rows = []
     for pt in scale_points(sizes, hw, classes, plan_workload(cfg), cfg, modes):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexmarl_hpc.config.plan import Plan
 from flexmarl_hpc.config.schema import Config
 
 
@@ -53,17 +54,16 @@ def generate_shape(cfg: Config, task, agent: str, max_seq_len: int) -> tuple[int
     return turn, max(max_seq_len - budget, 1), budget
 
 
-def torch_replica(cfg: Config, task, p: int, wire: torch.dtype | None, agents: tuple[str, ...] = (),
+def torch_replica(plan: Plan, task, p: int, wire: torch.dtype | None, agents: tuple[str, ...] = (),
                   relay: bool | None = None, prompt_tokens: int = 0) -> list[ReplicaPhase]:
     """The phases of a replica of pool `p` (PHASES). `agents`: those it receives and runs
     (default: every agent the pool serves, as a run's engine holds them all in the end).
     `relay`: whether it forwards the sync to a replica after it in the chain (None: the
     pool's first replica, a relay where the pool has more than one). `prompt_tokens` (> 0):
     the generate's prompts (default: generate_shape's)."""
-    from flexmarl_hpc.config.resources import rollout_pools
     from flexmarl_hpc.ranks import build
     from flexmarl_hpc.sim.fake_memory import track
-    pool = rollout_pools(cfg)[p]
+    cfg, pool = plan.cfg, plan.pools[p]
     agents = agents or tuple(pool.agents)
     relay = pool.replicas > 1 if relay is None else relay
     out: list[ReplicaPhase] = []
@@ -72,7 +72,7 @@ def torch_replica(cfg: Config, task, p: int, wire: torch.dtype | None, agents: t
             gc.collect()
             out.append(ReplicaPhase(name, c.peak["host"], c.live["host"]))
             c.reset_peak()
-        engine = build.build_engine(cfg, task, "cpu", p)
+        engine = build.build_engine(plan, task, "cpu", p)
         phase(PHASES[0])
         bufs = _receive(cfg, engine, agents, wire, relay)
         phase(PHASES[1])

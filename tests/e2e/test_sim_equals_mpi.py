@@ -14,7 +14,7 @@ from flexmarl_hpc import simulate as simulate_cli
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.store.checkpoint import load_latest
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.resources import layout_from_config
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.sim.inprocess import InProcessWorkers
 from flexmarl_hpc.sim.transport import ConstantCost, SimTransport
@@ -27,11 +27,12 @@ TINY = ("run.steps=4", "workflow.inputs_per_step=2", "trainer.micro_batch_size=8
 
 def simulate(out, *overrides):
     cfg = load_config(str(ROOT / "configs/local.yaml"), [f"run.output_dir={out}", *overrides])
-    task, layout = build_task(cfg), layout_from_config(cfg)
-    sim = SimTransport(layout, ConstantCost(generate=1.0, train=0.3, sync=0.1), InProcessWorkers(cfg, task))
+    plan = resolve(cfg)
+    task, layout = build_task(cfg), plan.layout
+    sim = SimTransport(layout, ConstantCost(generate=1.0, train=0.3, sync=0.1), InProcessWorkers(plan, task))
     store = StoreFile(out / f"{cfg.run.name}.h5", cfg.agent_names, {}, clock=sim.clock)
     try:
-        assert Orchestrator(cfg, task, sim, layout, store, log=lambda line: None, clock=sim.clock).run() == 0
+        assert Orchestrator(plan, task, sim, store, log=lambda line: None, clock=sim.clock).run() == 0
     finally:
         store.close()
 

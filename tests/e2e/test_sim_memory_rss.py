@@ -36,6 +36,7 @@ torch.set_num_threads(1)
 from mpi4py import MPI
 import flexmarl_hpc.trainer.megatron
 from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.config.hf_config import model_args
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.ranks.build import build_trainer
@@ -45,7 +46,7 @@ task = build_task(cfg)
 args = model_args(cfg, task, cfg.agent_names[0])
 mb = _micro_batch(cfg.trainer.micro_batch_size, args.max_seq_len, args.vocab_size)
 base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-tr = build_trainer(cfg, task, cfg.agent_names[0], MPI.COMM_SELF, "cpu", 0)
+tr = build_trainer(resolve(cfg), task, cfg.agent_names[0], MPI.COMM_SELF, "cpu", 0)
 built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 tr.forward_backward(mb, 1.0 / len(mb), last=True)
 tr.optimizer_step()
@@ -56,12 +57,13 @@ FAKE = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.resources import param_count
 from flexmarl_hpc.sim.memory import trainer_rank
 cfg = load_config(sys.argv[1], sys.argv[2:])
 task = build_task(cfg)
-phases = trainer_rank(cfg, task, 0, 0, None, tokens=cfg.model.max_seq_len)     # the real step's length
+phases = trainer_rank(resolve(cfg), task, 0, 0, None, tokens=cfg.model.max_seq_len)     # the real step's length
 print(json.dumps({**{p.name: p.total for p in phases}, "params": param_count(cfg.model, len(task.vocab))}))
 """
 

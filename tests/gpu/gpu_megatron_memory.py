@@ -33,11 +33,12 @@ TOLERANCE = 0.25
 FAKE = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.sim.memory import trainer_rank
 cfg = load_config(sys.argv[1], sys.argv[2:])
-print(json.dumps({p.name: p.device for p in trainer_rank(cfg, build_task(cfg), 0, 0, None, tokens=cfg.model.max_seq_len)}))
+print(json.dumps({p.name: p.device for p in trainer_rank(resolve(cfg), build_task(cfg), 0, 0, None, tokens=cfg.model.max_seq_len)}))
 """
 
 
@@ -59,6 +60,7 @@ def measure() -> list[dict]:
     from mpi4py import MPI
     from flexmarl_hpc.config.load import load_config
     from flexmarl_hpc.config.hf_config import model_args
+    from flexmarl_hpc.config.plan import resolve
     from flexmarl_hpc.ranks import build
     from flexmarl_hpc.workflows.build import build_task
     from flexmarl_hpc.sim.memory import _micro_batch
@@ -75,7 +77,7 @@ def measure() -> list[dict]:
         torch.cuda.synchronize()
         measured[name] = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    tr = build.build_trainer(cfg, task, agent, MPI.COMM_SELF, "cuda", 0)
+    tr = build.build_trainer(resolve(cfg), task, agent, MPI.COMM_SELF, "cuda", 0)
     phase("build")
     tr.forward_backward(mb, 1.0 / len(mb), last=True)
     phase("train step")

@@ -19,18 +19,15 @@ import sys
 import torch
 from mpi4py import MPI
 
-from flexmarl_hpc.config.resources import layout_from_config
-from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.sync_groups import sync_groups
+from flexmarl_hpc.config.load import load_plan
 from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, send_weights)
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
 backend = sys.argv[1]
-cfg = load_config("configs/local.yaml", ["rollout.replicas=3", "trainer.groups=2"])
-layout = layout_from_config(cfg)
-groups = sync_groups(cfg, layout)
+plan = load_plan("configs/local.yaml", ["rollout.replicas=3", "trainer.groups=2"])
+layout, groups = plan.layout, plan.sync_groups
 assert [(g.group, g.pool, g.members) for g in groups] == [(0, 0, (4, 1, 2, 3)), (1, 0, (5, 1, 2, 3))], groups
 # this job has no orchestrator: world rank r plays layout rank r + 1 (leaders 4, 5 -> 0, 1; replicas 1-3 -> 2-4)
 remap = {4: 0, 5: 1, 1: 2, 2: 3, 3: 4}

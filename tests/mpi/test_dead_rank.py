@@ -20,8 +20,7 @@ import uuid
 
 import pytest
 
-from flexmarl_hpc.config.resources import layout_from_config
-from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.load import load_plan
 from tests.conftest import ROOT
 from tests.helpers import SMALL_ANY_STEPS, wait_for
 
@@ -36,7 +35,7 @@ BOUND_S = 10.0
 
 def start(mpiexec: str, tmp, tag: str, *overrides: str) -> subprocess.Popen:
     ov = [*SMALL_ANY_STEPS, "run.steps=5000", f"run.output_dir={tmp}", *overrides]
-    n = layout_from_config(load_config(str(ROOT / "configs/local.yaml"), ov)).world_size
+    n = load_plan(str(ROOT / "configs/local.yaml"), ov).layout.world_size
     rank = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "flexmarl_hpc.run", "configs/local.yaml", *ov])
     cmd = [mpiexec, "-n", str(n), "bash", "-c", f'{rank}; echo "rank $PMI_RANK exited $?" >&2; sleep 60']
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLEXMARL_FAULT_TAG": tag}

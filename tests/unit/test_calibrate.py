@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.sim.calibrate import Observations, fit, fit_columns, observe
@@ -52,7 +53,7 @@ def synthetic_observations(hw, layout, rng) -> Observations:
 def small_layout():
     cfg = load_config(str(ROOT / "configs/local.yaml"), REFERENTIAL)
     hw = truth_profile()
-    return cost_model(cfg, hw, len(build_task(cfg).vocab), 4).layout("speaker")
+    return cost_model(resolve(cfg), hw, len(build_task(cfg).vocab), 4).layout("speaker")
 
 
 def test_the_fit_recovers_the_parameters_that_generated_the_intervals():
@@ -101,7 +102,7 @@ def test_calibrating_on_a_simulated_run_predicts_its_step_time_and_the_placehold
     cfg = load_config(str(ROOT / "configs/local.yaml"), [*REFERENTIAL, "run.mode=sync", "run.steps=12",
                                                          f"run.output_dir={tmp_path / 'truth'}"])
     vocab = len(build_task(cfg).vocab)
-    truth, _ = simulate_run(cfg, cost_model(cfg, truth_profile(), vocab, 4), tmp_path / "truth", "truth")
+    truth, _ = simulate_run(resolve(cfg), cost_model(resolve(cfg), truth_profile(), vocab, 4), tmp_path / "truth", "truth")
     base = load_hardware("cpu_local")
     assert base.efficiency.shared_cores == 2 and base.efficiency.waiting_share > 0
     # the truth ran on 2 shared cores with waiting ranks: observe() reads each interval's
@@ -111,11 +112,11 @@ def test_calibrating_on_a_simulated_run_predicts_its_step_time_and_the_placehold
     assert len(obs.gen_s) == 12 * 5 and len(obs.train_s) == 12 * 5 and obs.train_last.sum() == 24
     # the simulated file has no orchestrator intervals nor message gaps: take those as known
     got = fit(obs, dataclasses.replace(base, efficiency=dataclasses.replace(
-        base.efficiency, message_latency_s=1e-3)), cost_model(cfg, base, vocab, 4).layout("speaker").model, "t")
+        base.efficiency, message_latency_s=1e-3)), cost_model(resolve(cfg), base, vocab, 4).layout("speaker").model, "t")
     got = dataclasses.replace(got, efficiency=dataclasses.replace(
         got.efficiency, orchestrator_s=4e-4, orchestrator_step_s=6e-3))
-    pred, _ = simulate_run(cfg, cost_model(cfg, got, vocab, 4), tmp_path / "pred", "fitted")
-    placeholder, _ = simulate_run(cfg, cost_model(cfg, base, vocab, 4), tmp_path / "ph", "cpu_local")
+    pred, _ = simulate_run(resolve(cfg), cost_model(resolve(cfg), got, vocab, 4), tmp_path / "pred", "fitted")
+    placeholder, _ = simulate_run(resolve(cfg), cost_model(resolve(cfg), base, vocab, 4), tmp_path / "ph", "cpu_local")
     want = measure(truth)["step_s"]
     assert measure(pred)["step_s"] == pytest.approx(want, rel=0.02)
     assert abs(measure(placeholder)["step_s"] / want - 1) > 0.2
@@ -125,7 +126,7 @@ def test_observe_refuses_a_simulated_file_and_a_file_that_is_not_a_run(tmp_path)
     import h5py
     cfg = load_config(str(ROOT / "configs/local.yaml"), [*REFERENTIAL, "run.mode=sync", "run.steps=3",
                                                          f"run.output_dir={tmp_path}"])
-    path, _ = simulate_run(cfg, cost_model(cfg, truth_profile(), len(build_task(cfg).vocab), 4), tmp_path, "t")
+    path, _ = simulate_run(resolve(cfg), cost_model(resolve(cfg), truth_profile(), len(build_task(cfg).vocab), 4), tmp_path, "t")
     with pytest.raises(ValueError, match="simulated run; calibrate from a real"):
         observe(path, 32, 2)
     with h5py.File(tmp_path / "empty.h5", "w"):
@@ -143,7 +144,7 @@ def test_the_cli_fits_prints_predicts_compares_and_writes_a_loadable_profile(tmp
     for mode in ("sync", "flex"):
         cfg = load_config(str(ROOT / "configs/local.yaml"), [*REFERENTIAL, f"run.mode={mode}", "run.steps=8",
                                                              f"run.output_dir={tmp_path / mode}"])
-        runs[mode], _ = simulate_run(cfg, cost_model(cfg, truth_profile(), len(build_task(cfg).vocab), 4),
+        runs[mode], _ = simulate_run(resolve(cfg), cost_model(resolve(cfg), truth_profile(), len(build_task(cfg).vocab), 4),
                                      tmp_path / mode, "t")
         with h5py.File(runs[mode], "a") as f:
             del f.attrs["simulated"]

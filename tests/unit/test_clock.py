@@ -64,14 +64,14 @@ def test_a_simulated_clock_reads_its_source_and_refuses_to_sleep():
 
 def test_the_orchestrator_refuses_a_store_on_another_clock(tmp_path):
     from flexmarl_hpc.config.load import load_config
-    from flexmarl_hpc.config.resources import layout_from_config
+    from flexmarl_hpc.config.plan import resolve
     from flexmarl_hpc.orchestrator.loop import Orchestrator
     from flexmarl_hpc.store.tables import StoreFile
     cfg = load_config(str(ROOT / "configs/local.yaml"), [f"run.output_dir={tmp_path}"])
     store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})          # the machine's clock
     try:
         with pytest.raises(ValueError, match="another clock"):
-            Orchestrator(cfg, None, None, layout_from_config(cfg), store, clock=SimulatedClock(_Source()))
+            Orchestrator(resolve(cfg), None, None, store, clock=SimulatedClock(_Source()))
     finally:
         store.close()
 

@@ -101,13 +101,13 @@ def test_old_configs_keep_their_layout_and_scripts(name):
     case: rank roles, colors, leaders, component sizes and both job scripts are byte for byte
     what the three-component code produced (tests/golden, written before the change)."""
     import json
-    from flexmarl_hpc.config.resources import layout_from_config
+    from flexmarl_hpc.config.load import load_plan
     from flexmarl_hpc.launch.sbatch import hetjob_script, single_script
     golden = ROOT / "tests/golden"
     ov = ["run.output_dir=/scratch/{name}", "model.checkpoint="]
     path = f"configs/{name}.yaml"
-    cfg = load_config(ROOT / path, ov)
-    lay = layout_from_config(cfg)
+    plan = load_plan(ROOT / path, ov)
+    lay = plan.layout
     want = json.loads((golden / "layouts.json").read_text())[name]
     assert lay.world_size == want["world_size"]
     assert list(lay.component_sizes) == want["component_sizes"]
@@ -115,41 +115,43 @@ def test_old_configs_keep_their_layout_and_scripts(name):
     assert [lay.split_color(r) for r in range(lay.world_size)] == want["colors"]
     assert [lay.group_leader(g) for g in range(lay.groups)] == want["leaders"]
     for kind, script in (("hetjob", hetjob_script), ("single", single_script)):
-        text, file = script(cfg, path, ov), golden / f"{kind}_{name}_config.sbatch"
+        text, file = script(plan, path, ov), golden / f"{kind}_{name}_config.sbatch"
         if os.environ.get("UPDATE_GOLDEN") == "1":      # after review, as tests/unit/test_slurm_scripts.py
             file.write_text(text)
         assert text == file.read_text()
 
 
 def test_hetero_config_resolves_to_pools_groups_and_components():
-    from flexmarl_hpc.config.resources import layout_from_config
-    from flexmarl_hpc.config.resources import components, group_trainer_config, rollout_pools, trainer_groups
-    cfg = load_config(ROOT / "configs/hetero_cpu.yaml")
-    assert [(p.name, p.replicas, p.agents) for p in rollout_pools(cfg)] == [
+    from flexmarl_hpc.config.load import load_plan
+    plan = load_plan(ROOT / "configs/hetero_cpu.yaml")
+    cfg = plan.cfg
+    assert [(p.name, p.replicas, p.agents) for p in plan.pools] == [
         ("big", 1, ("speaker",)), ("small", 2, ("relay", "listener"))]
-    groups = trainer_groups(cfg)
+    groups = plan.groups
     assert [(g.name, g.ranks, g.tensor_parallel, g.backend) for g in groups] == [
         ("speaker", 2, 2, "megatron"), ("relay", 1, 1, "torch"), ("listener", 1, 1, "torch")]
-    assert group_trainer_config(cfg, groups[0]).tensor_parallel == 2
+    assert plan.trainers[0].tensor_parallel == 2 and plan.trainers[0].backend == "megatron"
+    assert plan.trainers[1].tensor_parallel == 1 and plan.trainers[1].backend == "torch"
     assert cfg.model_for("speaker").hidden_size == 64 and cfg.model_for("relay").hidden_size == 32
-    lay = layout_from_config(cfg)
+    lay = plan.layout
     assert lay.component_sizes == (1, 1, 2, 2, 1, 1) and lay.world_size == 8
     assert [lay.role_of(r) for r in range(8)] == [
         ("orchestrator", 0), ("rollout", 0), ("rollout", 1), ("rollout", 2),
         ("trainer", 0), ("trainer", 0), ("trainer", 1), ("trainer", 2)]
     assert [lay.group_leader(g) for g in range(3)] == [4, 6, 7]
     assert [lay.pool_of(i) for i in range(3)] == [0, 1, 1] and lay.pool_replicas(1) == [1, 2]
-    assert [c.name for c in components(cfg)] == ["orchestrator", "pool big", "pool small", "group speaker",
+    assert [c.name for c in plan.components] == ["orchestrator", "pool big", "pool small", "group speaker",
                                                  "group relay", "group listener"]
 
 
 def test_pool_default_agents_are_those_whose_model_fits():
     """A pool without `agents` serves every agent whose weights fit its replicas."""
-    from flexmarl_hpc.config.resources import rollout_pools, weight_gb
+    from flexmarl_hpc.config.plan import resolve
+    from flexmarl_hpc.config.resources import weight_gb
     cfg = load_config(ROOT / "configs/paper_3x32b_7x14b.yaml")
     assert 55 < weight_gb(cfg, "shop32_0") < 70 and 22 < weight_gb(cfg, "shop14_0") < 30
     cfg.rollout.pools[1].agents = []          # the 14B pool: 2 x 64 GB replicas
-    pools = rollout_pools(cfg)
+    pools = resolve(cfg).pools
     assert all(a.startswith("shop14") for a in pools[1].agents) and len(pools[1].agents) == 7
 
 
@@ -157,22 +159,23 @@ def test_state_swaps_stay_inside_a_swap_domain_of_one_shape():
     """Uniform groups form one domain (any group may take any agent, as before); named
     groups swap only with groups of the same label, which validation keeps to one shape."""
     from flexmarl_hpc.runtime.placement import initial_placement
-    from flexmarl_hpc.config.resources import swap_peers, trainer_groups
+    from flexmarl_hpc.config.load import load_plan
+    from flexmarl_hpc.config.resources import swap_peers
     from flexmarl_hpc.runtime.state_swap import Location
-    cfg = load_config(ROOT / "configs/relay3.yaml", ["trainer.groups=2", "pipeline.swap_states=true"])
-    groups = trainer_groups(cfg)
+    plan = load_plan(ROOT / "configs/relay3.yaml", ["trainer.groups=2", "pipeline.swap_states=true"])
+    groups = plan.groups
     assert [g.agents for g in groups] == [("speaker", "listener"), ("relay",)]
     assert swap_peers(groups, 0) == [0, 1] and swap_peers(groups, 1) == [1, 0]
-    assert initial_placement(cfg) == {"speaker": Location(0, True), "relay": Location(1, True),
-                                      "listener": Location(0, False)}
+    assert initial_placement(groups, plan.cfg.agent_names) == {
+        "speaker": Location(0, True), "relay": Location(1, True), "listener": Location(0, False)}
     groups_yaml = ("[{name: a, agents: [speaker], ranks: 2, tensor_parallel: 2, backend: megatron}, "
                    "{name: b, agents: [relay, listener], swap: small}, {name: c, swap: small}]")
-    cfg = load_config(ROOT / "configs/hetero_cpu.yaml", [f"trainer.named_groups={groups_yaml}",
-                                                         "pipeline.swap_states=true"])
-    groups = trainer_groups(cfg)
+    plan = load_plan(ROOT / "configs/hetero_cpu.yaml", [f"trainer.named_groups={groups_yaml}",
+                                                        "pipeline.swap_states=true"])
+    groups = plan.groups
     assert swap_peers(groups, 0) == [0] and swap_peers(groups, 1) == [1, 2] and swap_peers(groups, 2) == [2, 1]
-    assert initial_placement(cfg) == {"speaker": Location(0, True), "relay": Location(1, True),
-                                      "listener": Location(1, False)}
+    assert initial_placement(groups, plan.cfg.agent_names) == {
+        "speaker": Location(0, True), "relay": Location(1, True), "listener": Location(1, False)}
 
 
 @pytest.mark.parametrize("override, field, expected", [

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from flexmarl_hpc.config.plan import resolve
 from tests.conftest import ROOT
 
 PAPER = str(ROOT / "configs" / "paper_3x32b_7x14b.yaml")
@@ -42,11 +43,11 @@ def test_trainer_communicators_are_counted_per_rank_from_the_layout():
     from flexmarl_hpc.config.gpu_memory import trainer_comms
     cfg = _paper()
     base = ["default group", "tensor parallel", "data parallel", "pipeline parallel"]
-    assert trainer_comms(cfg, 0, 0) == base + ["sync p32"]
-    assert trainer_comms(cfg, 0, 16) == base + ["sync p32"]          # stage 1's sender
-    assert trainer_comms(cfg, 0, 31) == base
-    assert trainer_comms(cfg, 3, 0) == ["default group", "tensor parallel", "data parallel", "sync p14"]
-    assert trainer_comms(cfg, 3, 15) == ["default group", "tensor parallel", "data parallel"]
+    assert trainer_comms(resolve(cfg), 0, 0) == base + ["sync p32"]
+    assert trainer_comms(resolve(cfg), 0, 16) == base + ["sync p32"]          # stage 1's sender
+    assert trainer_comms(resolve(cfg), 0, 31) == base
+    assert trainer_comms(resolve(cfg), 3, 0) == ["default group", "tensor parallel", "data parallel", "sync p14"]
+    assert trainer_comms(resolve(cfg), 3, 15) == ["default group", "tensor parallel", "data parallel"]
 
 
 def test_tied_embeddings_add_the_embedding_group_on_the_first_and_last_stage_only():
@@ -54,19 +55,19 @@ def test_tied_embeddings_add_the_embedding_group_on_the_first_and_last_stage_onl
     cfg = _paper()
     agents = {k: dataclasses.replace(m, tie_embeddings=True) for k, m in cfg.agents.items()}
     tied = dataclasses.replace(cfg, agents=agents)
-    assert "embedding" in trainer_comms(tied, 0, 0) and "embedding" in trainer_comms(tied, 0, 31)
+    assert "embedding" in trainer_comms(resolve(tied), 0, 0) and "embedding" in trainer_comms(resolve(tied), 0, 31)
     pp4 = dataclasses.replace(tied, trainer=dataclasses.replace(tied.trainer, named_groups=[
         dataclasses.replace(tied.trainer.named_groups[0], tensor_parallel=4, pipeline_parallel=4),
         *tied.trainer.named_groups[1:]]))
-    assert "embedding" not in trainer_comms(pp4, 0, 8)             # stage 1 of 4: no embedding
-    assert "embedding" in trainer_comms(pp4, 0, 24)                # stage 3, the last
+    assert "embedding" not in trainer_comms(resolve(pp4), 0, 8)             # stage 1 of 4: no embedding
+    assert "embedding" in trainer_comms(resolve(pp4), 0, 24)                # stage 3, the last
 
 
 def test_a_replica_joins_one_sync_communicator_per_trainer_group_feeding_its_pool():
     from flexmarl_hpc.config.gpu_memory import replica_sync_comms
     cfg = _paper()
-    assert replica_sync_comms(cfg, 0) == ["sync shop32_0", "sync shop32_1", "sync shop32_2"]
-    assert len(replica_sync_comms(cfg, 1)) == 7
+    assert replica_sync_comms(resolve(cfg), 0) == ["sync shop32_0", "sync shop32_1", "sync shop32_2"]
+    assert len(replica_sync_comms(resolve(cfg), 1)) == 7
 
 
 def test_the_vllm_fraction_leaves_the_sync_communicators_room():

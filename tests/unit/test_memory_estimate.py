@@ -11,6 +11,7 @@ GiB = 2**30
 
 def _estimate(config: str, overrides=(), models=None):
     from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.config.plan import resolve
     from flexmarl_hpc.launch.preflight import estimate_memory
     from flexmarl_hpc.config.hf_config import model_args
     from flexmarl_hpc.workflows.build import build_task
@@ -18,7 +19,7 @@ def _estimate(config: str, overrides=(), models=None):
     if models is None:
         task = build_task(cfg)
         models = {a: model_args(cfg, task, a) for a in cfg.agent_names}
-    return estimate_memory(cfg, models(cfg) if callable(models) else models)
+    return estimate_memory(resolve(cfg), models(cfg) if callable(models) else models)
 
 
 @pytest.mark.parametrize("config", ["local.yaml", "relay3.yaml", "skewed.yaml", "hetero_cpu.yaml"])
@@ -71,11 +72,12 @@ def test_bytes_per_weight_are_the_engines_dtype_for_the_pools_fit_and_preflight(
     agent = cfg.agent_names[0]
     assert cfg.rollout.backend == "torch"
     assert weight_gb(cfg, agent) == param_count(cfg.model_for(agent)) * torch_engine / 1e9
+    from flexmarl_hpc.config.plan import resolve
     from flexmarl_hpc.launch.preflight import estimate_memory
     models = {a: ModelArgs(64, 32, 2, 4, 2, 64, 64) for a in cfg.agent_names}
 
     def replicas(backend, dtype, cuda=True):
         c = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend=backend, dtype=dtype))
-        return estimate_memory(c, models, cuda).replicas
+        return estimate_memory(resolve(c), models, cuda).replicas
     assert replicas("torch", "auto") == replicas("vllm", "fp32") == replicas("vllm", "auto", cuda=False)
     assert replicas("vllm", "bf16") == replicas("vllm", "auto") < replicas("torch", "auto")

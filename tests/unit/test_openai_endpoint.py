@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.config.schema import WorkflowConfig
 from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.pool import WorkerPool
@@ -507,4 +508,4 @@ def test_the_simulator_refuses_an_openai_program_by_name(tmp_path):
     from flexmarl_hpc.sim.driver import simulate_run
     cfg = load_config("configs/openai_writer_critic.yaml", ["model.checkpoint="])
     with pytest.raises(ValueError, match=r"^workflow.agent: an `openai` program is not simulated"):
-        simulate_run(cfg, None, tmp_path, "npu64_a3")
+        simulate_run(resolve(cfg), None, tmp_path, "npu64_a3")

@@ -13,7 +13,7 @@ from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.layout import ROLLOUT
-from flexmarl_hpc.config.resources import layout_from_config
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.store.tables import StoreFile
@@ -73,11 +73,12 @@ def make(tmp_path, *overrides, hang=None, preempted=lambda: False):
                       [f"run.output_dir={tmp_path}", f"run.steps={STEPS}", "run.resume=false",
                        "workflow.inputs_per_step=2", "trainer.micro_batch_size=8", "run.eval_every=0",
                        *overrides])
-    task, layout = build_task(cfg), layout_from_config(cfg)
+    plan = resolve(cfg)
+    task, layout = build_task(cfg), plan.layout
     store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})
     transport = FakeTransport(ScriptedWorkers(cfg, task, layout, hang))
     lines: list[str] = []
-    orch = Orchestrator(cfg, task, transport, layout, store, preempted=preempted, log=lines.append)
+    orch = Orchestrator(plan, task, transport, store, preempted=preempted, log=lines.append)
     return orch, transport, store, lines
 
 
@@ -219,12 +220,13 @@ def test_an_agent_that_finished_its_step_samples_the_next_while_another_still_tr
                                            "run.resume=false", "workflow.inputs_per_step=2",
                                            "trainer.micro_batch_size=8", "run.eval_every=0",
                                            "run.mode=flex", "rollout.replicas=3"])
-    task, layout = build_task(cfg), layout_from_config(cfg)
+    plan = resolve(cfg)
+    task, layout = build_task(cfg), plan.layout
     store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {})
     workers = SlowTrainer(cfg, task, layout, slow=slow)
     transport = PatientTransport(workers)
     try:
-        assert Orchestrator(cfg, task, transport, layout, store, log=lambda _: None).run() == 0
+        assert Orchestrator(plan, task, transport, store, log=lambda _: None).run() == 0
     finally:
         store.close()
     assert workers.ahead, "no agent sampled its next step while the slow one trained"

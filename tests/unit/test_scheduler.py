@@ -278,6 +278,7 @@ def test_the_window_of_steps_in_flight_is_the_schedulers_admission():
 
     from flexmarl_hpc.config.load import load_config, to_dict
     from flexmarl_hpc.config.resources import steps_in_flight
+    from flexmarl_hpc.config.plan import resolve
     from flexmarl_hpc.launch.preflight import estimate_memory
     from tests.conftest import ROOT
     for s in range(4):
@@ -291,5 +292,5 @@ def test_the_window_of_steps_in_flight_is_the_schedulers_admission():
         assert widest == steps_in_flight(s)
     cfg = {s: load_config(ROOT / "configs/local.yaml", [f"pipeline.max_staleness={s}"]) for s in (0, 2)}
     models = {a: SimpleNamespace(**to_dict(cfg[0].model_for(a)), vocab_size=64) for a in cfg[0].agent_names}
-    samples = {s: estimate_memory(c, models).samples for s, c in cfg.items()}
+    samples = {s: estimate_memory(resolve(c), models).samples for s, c in cfg.items()}
     assert samples[2] * steps_in_flight(0) == samples[0] * steps_in_flight(2)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.sim.costs import (QWEN25_14B, QWEN25_32B, AgentLayout, CostModel, LengthDistribution,
                                     ModelShape, decode_schedule, decode_step_s, optimizer_s, prefill_s,
                                     shape_from_model_args, train_compute_s)
@@ -267,9 +268,9 @@ def test_full_recompute_runs_the_forward_again(h100):
     from tests.conftest import ROOT
     npu = load_hardware("npu64_a3")
     mix = load_config(str(ROOT / "configs/paper_3x32b_7x14b.yaml"), ["run.output_dir=/nonexistent"])
-    assert mix.trainer.recompute == "full" and cost_model(mix, npu).layout("shop32_0").recompute == 1.0
+    assert mix.trainer.recompute == "full" and cost_model(resolve(mix), npu).layout("shop32_0").recompute == 1.0
     none = load_config(str(ROOT / "configs/paper_3x32b_7x14b.yaml"), ["run.output_dir=/nonexistent", "trainer.recompute=none"])
-    assert cost_model(none, npu).layout("shop32_0").recompute == 0.0
+    assert cost_model(resolve(none), npu).layout("shop32_0").recompute == 0.0
 
 
 def test_train_scales_linearly_in_tokens_and_inversely_in_devices(h100):

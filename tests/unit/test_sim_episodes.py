@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
+from flexmarl_hpc.config.plan import resolve
+from flexmarl_hpc.config.load import load_plan
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.config.hf_config import ModelArgs
@@ -44,7 +46,7 @@ def config(tmp_path, calls, steps=3, **args):
 def simulate(tmp_path, cfg):
     """The synthetic workers, priced on the lengths the episode asked for (work=None)."""
     hw = load_hardware("npu64_a3")
-    path, _ = simulate_run(cfg, cost_model(cfg, hw), tmp_path / "sim", hw.name, None)
+    path, _ = simulate_run(resolve(cfg), cost_model(resolve(cfg), hw), tmp_path / "sim", hw.name, None)
     return path
 
 
@@ -169,8 +171,8 @@ def test_compare_prices_an_episodes_own_lengths_and_a_relays_modelled_ones(tmp_p
     from flexmarl_hpc.sim.runs import priced
     from flexmarl_hpc.sim.driver import Workload
     hw = load_hardware("npu64_a3")
-    assert priced(config(tmp_path, {}), hw, "synthetic")[1] is None
-    assert isinstance(priced(load_config(ROOT / "configs/relay3.yaml"), hw, "synthetic")[1], Workload)
+    assert priced(resolve(config(tmp_path, {})), hw, "synthetic")[1] is None
+    assert isinstance(priced(load_plan(ROOT / "configs/relay3.yaml"), hw, "synthetic")[1], Workload)
 
 
 def test_settled_agents_train_every_call_once_and_before_the_chain_ends(tmp_path):

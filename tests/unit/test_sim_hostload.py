@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.sim.cores import CoreShare, Job
@@ -100,7 +101,7 @@ def _real_looking_run(tmp_path, hw, name: str):
     """A simulated sync run on `hw` with its `simulated` mark removed (a real run's schema)."""
     cfg = load_config(str(ROOT / "configs/local.yaml"), [*REFERENTIAL, "run.mode=sync", "run.steps=10",
                                                          f"run.output_dir={tmp_path / name}"])
-    path, _ = simulate_run(cfg, cost_model(cfg, hw, len(build_task(cfg).vocab), 4), tmp_path / name, name)
+    path, _ = simulate_run(resolve(cfg), cost_model(resolve(cfg), hw, len(build_task(cfg).vocab), 4), tmp_path / name, name)
     with h5py.File(path, "a") as f:
         del f.attrs["simulated"]
     return cfg, path
@@ -122,7 +123,7 @@ def test_a_run_fitted_at_its_load_predicts_the_unloaded_machine_and_one_fitted_b
         # the file has no orchestrator intervals nor message gaps: those are the truth's
         got = dataclasses.replace(got, efficiency=dataclasses.replace(
             got.efficiency, orchestrator_s=4e-4, orchestrator_step_s=6e-3, message_latency_s=1e-3))
-        path, _ = simulate_run(cfg, cost_model(cfg, got, vocab, 4), tmp_path / label, label)
+        path, _ = simulate_run(resolve(cfg), cost_model(resolve(cfg), got, vocab, 4), tmp_path / label, label)
         steps[label] = measure(path)["step_s"]
     assert steps["aware"] == pytest.approx(want, rel=0.05), (steps, want)
     assert abs(steps["blind"] / want - 1) > 0.2, (steps, want)

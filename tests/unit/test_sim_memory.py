@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from flexmarl_hpc.config.plan import resolve
 from tests.conftest import ROOT
 
 PAPER = str(ROOT / "configs" / "paper_3x32b_7x14b.yaml")
@@ -36,7 +37,7 @@ def test_fake_run_agrees_with_the_analytic_count_at_a_mid_size_shape():
     from flexmarl_hpc.sim.memory import analytic_device, run_jobs
     cfg = load_config(ROOT / "configs" / "local.yaml", MID)
     task = build_task(cfg)
-    build, train, opt, save, send = run_jobs([(cfg, 0, 0, None, 0, 1024)], 1)[0]   # its own process, as the CLI; 1024 tokens
+    build, train, opt, save, send = run_jobs([(resolve(cfg), 0, 0, None, 0, 1024)], 1)[0]   # its own process, as the CLI; 1024 tokens
     P = param_count(cfg.model, len(task.vocab))
     rows = cfg.trainer.micro_batch_size // 2            # DP 2
     a = analytic_device(P // 2, 2, True, rows, 1024, 1024, 16, 4, "full", 2)
@@ -97,12 +98,11 @@ def test_every_pipeline_stages_sender_runs_its_send_within_the_bucket_bound():
     weight_sync.Destination), where a range-sized tensor beside them read 3.5 MiB (before
     2026-11-26) and a whole-tensor gather holds 5.8 MB more."""
     from flexmarl_hpc.config.load import load_config
-    from flexmarl_hpc.config.resources import trainer_groups
     from flexmarl_hpc.sim.memory import checked_ranks, run_jobs, sender_ranks
     cfg = load_config(ROOT / "configs" / "local.yaml", MID + ["trainer.pipeline_parallel=2", "weight_sync.bucket_mb=1"])
-    grp = trainer_groups(cfg)[0]
+    grp = resolve(cfg).groups[0]
     assert sender_ranks(grp) == [0, 2] and checked_ranks(grp) == [0, 2, 3]
-    first, last, idle = run_jobs([(cfg, 0, r, None, 0) for r in (0, 2, 3)], 2)
+    first, last, idle = run_jobs([(resolve(cfg), 0, r, None, 0) for r in (0, 2, 3)], 2)
     assert [p.name for p in idle] == ["build", "train step", "optimizer step", "checkpoint save"]
     for phases in (first, last):
         opt, send = phases[2], phases[4]
@@ -114,7 +114,7 @@ def test_every_pipeline_stages_sender_runs_its_send_within_the_bucket_bound():
 
 def test_refuses_a_32b_trainer_at_tp1_pp1_naming_the_rank():
     from flexmarl_hpc.sim.memory import check_config, failures
-    rows = check_config(_paper(tensor_parallel=1, pipeline_parallel=1), 64.0, workers=2, only=("shop32_0",))
+    rows = check_config(resolve(_paper(tensor_parallel=1, pipeline_parallel=1)), 64.0, workers=2, only=("shop32_0",))
     bad = failures(rows)
     assert bad and bad[0].startswith("group shop32_0 rank 353 (leader, first stage): build needs")
     over = [r for r in rows if r.rank.startswith("rank 353") and r.phase == "build"][0]
@@ -131,7 +131,7 @@ def test_tp8_pp2_build_fits_where_tp1_does_not():
     32B model in fp32 (128.7 GB, what the tracker read while it counted meta tensors) fails."""
     from flexmarl_hpc.sim.memory import run_jobs
     cfg = _paper()
-    build = run_jobs([(cfg, 0, 31, None, 1)], 1)[0][0]
+    build = run_jobs([(resolve(cfg), 0, 31, None, 1)], 1)[0][0]
     assert build.name == "build" and 12e9 < build.device < 64e9
 
 
@@ -157,7 +157,10 @@ def test_refuses_a_32b_agent_on_a_tp1_replica_naming_the_rank():
     task = build_task(cfg)
     tp1 = dataclasses.replace(cfg, rollout=dataclasses.replace(
         cfg.rollout, pools=[dataclasses.replace(pools[0], gpus_per_replica=1)] + pools[1:]))
-    engine, receive = replica_rows(tp1, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
+    plan = resolve(cfg)         # the pool as validation would refuse it: the plan edited past it
+    plan = dataclasses.replace(plan, cfg=tp1, pools=(dataclasses.replace(plan.pools[0], gpus_per_replica=1),
+                                                     *plan.pools[1:]))
+    engine, receive = replica_rows(plan, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
     bad = failures([engine, receive])
     assert bad and bad[0].startswith("pool p32 rank 1 (replica 0, GPU 0): engine start")
     from flexmarl_hpc.config.hf_config import model_args
@@ -169,7 +172,7 @@ def test_refuses_a_32b_agent_on_a_tp1_replica_naming_the_rank():
     # TP 4 (the paper's): vLLM takes its fraction, a receive adds one bucket (with the
     # allocator's rounding) and its 3 sync communicators' NCCL buffers, within 64 GB
     from flexmarl_hpc.config.gpu_memory import nccl_comm_bytes
-    engine4, receive4 = replica_rows(cfg, task, 0, 1, int(64 * GB), 0, torch.bfloat16)
+    engine4, receive4 = replica_rows(resolve(cfg), task, 0, 1, int(64 * GB), 0, torch.bfloat16)
     assert engine4.device_bytes == int(fraction * 64 * GB)
     assert (receive4.comms, receive4.nccl, receive4.context) == (3, 3 * nccl_comm_bytes(), 0)
     assert receive4.device_bytes - engine4.device_bytes == \
@@ -209,11 +212,10 @@ def test_a_node_over_its_mem_is_named():
     node's GPUs x slurm.mem_per_gpu; mem 0, the whole node: unchecked), and a group's node
     total (its leader + the other ranks of the node, each with the parked states of the
     group's other agents) over it is named."""
-    from flexmarl_hpc.config.resources import components
     from flexmarl_hpc.sim.memory import Phase, _group_rows, failures, node_limit
     cfg = _paper()
     grp = cfg.trainer.named_groups[0]
-    comps = {c.name: c for c in components(cfg)}
+    comps = {c.name: c for c in resolve(cfg).components}
     comp = comps["group shop32_0"]
     assert node_limit(cfg, comp) == 16 * 48 * 2**30                              # auto: 16 GPUs x 48G
     assert node_limit(cfg, dataclasses.replace(comp, slurm=dataclasses.replace(grp.slurm, mem="512G"))) == 512 * 2**30
@@ -225,7 +227,7 @@ def test_a_node_over_its_mem_is_named():
                (0, 31): [Phase("build", 0, int(10 * GB), 0, int(2 * GB))]}
     group = _paper().trainer.named_groups[0]
     tight = dataclasses.replace(comp, slurm=dataclasses.replace(grp.slurm, mem="128G"))
-    rows = _group_rows(cfg, group, 0, results, {**comps, "group shop32_0": tight}, int(64 * GB))
+    rows = _group_rows(resolve(cfg), group, 0, results, {**comps, "group shop32_0": tight}, int(64 * GB))
     bad = failures(rows)
     # DP 2: half a node's ranks are DP rank 0 (the save gathers on them), each like rank 0
     assert rows[-1].node_host_bytes == 8 * int(40 * GB) + 8 * int(10 * GB)
@@ -233,11 +235,11 @@ def test_a_node_over_its_mem_is_named():
     assert bad == [f"group shop32_0 rank {first} (16 ranks a node): 400.0 GB of host "
                    f"memory, more than the node's --mem 128G (137.4 GB); remedy: raise group shop32_0's "
                    f"slurm.mem or slurm.mem_per_gpu, or spread its 32 ranks over more nodes (slurm.nodes 2)"]
-    assert not failures(_group_rows(cfg, group, 0, results, comps, int(64 * GB)))     # 400 GB within 768G
+    assert not failures(_group_rows(resolve(cfg), group, 0, results, comps, int(64 * GB)))     # 400 GB within 768G
     # two more agents on the group: each rank keeps a pinned host copy of every agent's state
     # (2 GB each), the resident one's too (state_swap.HostBuffers are kept for reuse)
     three = dataclasses.replace(group, agents=["shop32_0", "x", "y"])
-    assert _group_rows(cfg, three, 0, results, comps, int(64 * GB))[-1].node_host_bytes == int(400 * GB) + 16 * int(6 * GB)
+    assert _group_rows(resolve(cfg), three, 0, results, comps, int(64 * GB))[-1].node_host_bytes == int(400 * GB) + 16 * int(6 * GB)
 
 
 def test_the_largest_stage_senders_send_is_reported_per_group():
@@ -286,8 +288,8 @@ def test_torch_replica_counts_the_received_weights_and_its_buffers():
     plan = weight_sync.Plan((0,), (weight_sync.plan_buckets(layout, int(0.25 * 2**20)),))
     weights = sum(_weight_bytes(model_args(cfg, task, a)) for a in agents)
     assert weights > 8 * plan.span                     # the check sees the weights, not just the buffer
-    last = torch_replica(cfg, task, 0, None, relay=False)
-    relay = torch_replica(cfg, task, 0, None, relay=True)
+    last = torch_replica(resolve(cfg), task, 0, None, relay=False)
+    relay = torch_replica(resolve(cfg), task, 0, None, relay=True)
     assert [p.name for p in last] == ["engine start", "weight receive", "generate"]
     assert last[0].host < 0.01 * weights               # the engine builds its models at the first load
     rope = last[1].live - weights - plan.span          # the models' rotary tables (small)
@@ -296,7 +298,7 @@ def test_torch_replica_counts_the_received_weights_and_its_buffers():
     kv = 2 * args.num_layers * cfg.rollout.max_batch * args.num_kv_heads * args.head_dim * 4
     _, lp, steps = generate_shape(cfg, task, agents[0], args.max_seq_len)
     assert last[2].host >= last[1].live + kv * (lp + steps)
-    long = torch_replica(cfg, task, 0, None, relay=False, prompt_tokens=args.max_seq_len - steps)
+    long = torch_replica(resolve(cfg), task, 0, None, relay=False, prompt_tokens=args.max_seq_len - steps)
     assert long[2].host - last[2].host >= kv * (args.max_seq_len - lp - steps)    # the cache grows with the prompt
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.resources import layout_from_config
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.sim.baselines import Colocated, colocated_pairs, marti_fragment, masrl_fragment
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.sim.paper import PAPER, effect_error, loss, misses, ratios, run_system, summarize, table
@@ -132,28 +132,29 @@ def test_marti_gives_each_agent_an_equal_colocated_share(tmp_path):
     (the task's pool: wider than the smallest power of two holding 65.5 GB of weights with KV
     room, 2), the 14B ones 1; with replica_width 2 the 14B ones are 2 wide, the 32B ones 4."""
     _, cfg = task_config(tmp_path, dataclasses.replace(CA, replica_width=1, chain_agents=3))
-    frag = marti_fragment(cfg, HW, 47)
+    frag = marti_fragment(resolve(cfg), HW, 47)
     pools, groups = frag["rollout"]["pools"], frag["trainer"]["named_groups"]
     assert [p["slurm"]["nodes"] for p in pools] == [15, 15, 15] and [g["ranks"] for g in groups] == [240] * 3
     assert [p["replicas"] for p in pools] == [60, 240, 240]
     _, wide = task_config(tmp_path, dataclasses.replace(CA, replica_width=2, chain_agents=3))
-    assert [p["replicas"] for p in marti_fragment(wide, HW, 47)["rollout"]["pools"]] == [60, 120, 120]
+    assert [p["replicas"] for p in marti_fragment(resolve(wide), HW, 47)["rollout"]["pools"]] == [60, 120, 120]
     assert colocated_pairs(frag) == [(0, 0), (1, 1), (2, 2)]
     assert frag["run"]["mode"] == "sync" and frag["pipeline"]["load_balance"] is False
-    one = masrl_fragment(cfg, HW, 47)
+    one = masrl_fragment(resolve(cfg), HW, 47)
     assert len(one["rollout"]["pools"]) == 1 and colocated_pairs(one) == [(0, 0), (0, 1)]
 
 
 def test_a_colocated_group_sits_on_its_pools_nodes(tmp_path):
     raw, cfg = task_config(tmp_path, dataclasses.replace(CA, chain_agents=3))
-    frag = marti_fragment(cfg, HW, 47)
+    frag = marti_fragment(resolve(cfg), HW, 47)
     from flexmarl_hpc.sim.plan_config import merge_fragment
     path = tmp_path / "marti.yaml"
     path.write_text(yaml.safe_dump(merge_fragment(raw, frag), sort_keys=False))
     cfg = load_config(str(path), [f"run.output_dir={tmp_path}"])
-    layout = layout_from_config(cfg)
-    apart = placement(cfg, layout, HW)
-    together = placement(cfg, layout, HW, colocated_pairs(frag))
+    plan = resolve(cfg)
+    layout = plan.layout
+    apart = placement(plan, HW)
+    together = placement(plan, HW, colocated_pairs(frag))
     leader = layout.group_leader(1)
     first_replica = layout.pool_replicas(1)[0] + 1
     assert together[leader][0] == together[first_replica][0] == 15      # agent 1's share: nodes 15..29

@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 import yaml
 
+from flexmarl_hpc.config.plan import resolve
+from flexmarl_hpc.config.load import load_plan
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.resources import components
 from flexmarl_hpc.sim.costs import QWEN25_14B, QWEN25_32B, AgentLayout, CostModel, TRAIN_STATE_BYTES_PER_PARAM
 from flexmarl_hpc.sim.hardware import load_hardware
 from flexmarl_hpc.sim.plan import (AgentClass, ClassAlloc, Workload, _Estimator, candidates, config_fragment,
@@ -146,14 +147,14 @@ def _load_merged(tmp_path, frag, source=PAPER):
 
 
 def test_classes_are_the_configs_agents_grouped_by_model_shape(paper):
-    classes = config_classes(paper)
+    classes = config_classes(resolve(paper))
     assert [(c.cls.name, c.cls.count) for c in classes] == [("p32", 3), ("p14", 7)]   # the config's pool names
     assert classes[0].agents == ("shop32_0", "shop32_1", "shop32_2")
     assert classes[1].agents == tuple(f"shop14_{i}" for i in range(7))
     assert classes[0].cls.model.params == QWEN25_32B.params        # priced with Qwen2.5's vocabulary
     assert classes[1].cls.model.params == QWEN25_14B.params
     # no pools in the config: one class named by the agents' common prefix, or cN
-    local = config_classes(load_config(ROOT / "configs/local.yaml"))
+    local = config_classes(load_plan(ROOT / "configs/local.yaml"))
     assert [(c.cls.name, c.agents) for c in local] == [("c0", ("speaker", "listener"))]
     w = plan_workload(paper)
     assert (w.global_batch, w.micro_batch) == (64, 16)            # 16 inputs x 4 branches, the trainer's 16
@@ -161,7 +162,7 @@ def test_classes_are_the_configs_agents_grouped_by_model_shape(paper):
 
 def test_the_fragment_names_the_configs_agents_and_loads_back(paper, tmp_path):
     hw = load_hardware("npu64_a3")
-    classes = config_classes(paper)
+    classes = config_classes(resolve(paper))
     nodes = 48
     best = rank_plans(hw, [c.cls for c in classes], plan_workload(paper), plan_nodes(paper, nodes), top=1)[0]
     frag = fragment(best, hw, classes, paper)
@@ -176,12 +177,12 @@ def test_the_fragment_names_the_configs_agents_and_loads_back(paper, tmp_path):
     assert yaml.safe_load(fragment_yaml(frag, ["a comment"])) == frag
     cfg = _load_merged(tmp_path, frag)                               # validates pools, groups, TP
     assert [p.name for p in cfg.rollout.pools] == ["p32", "p14"]
-    assert sum(c.slurm.nodes for c in components(cfg)) <= nodes
+    assert sum(c.slurm.nodes for c in resolve(cfg).components) <= nodes
 
 
 def test_a_plan_with_fewer_groups_than_agents_swaps_and_still_validates(paper, tmp_path):
     hw = load_hardware("npu64_a3")
-    classes = config_classes(paper)
+    classes = config_classes(resolve(paper))
     est = _Estimator(hw, plan_workload(paper), [c.cls for c in classes])
     plan = est.plan((("p32", ClassAlloc(8, 4, 3, 4, 8)), ("p14", ClassAlloc(6, 2, 2, 2, 4))))
     frag = fragment(plan, hw, classes, paper)
@@ -206,7 +207,7 @@ def test_merging_replaces_lists_keeps_the_rest_and_leaves_the_input_alone():
 
 def test_min_nodes_counts_the_orchestrator_a_pool_node_and_a_group_per_class(paper):
     hw = load_hardware("npu64_a3")
-    classes = config_classes(paper)
+    classes = config_classes(resolve(paper))
     least = min_nodes(hw, classes, paper)
     assert least == 1 + sum(1 + group_sizes(hw, c.cls.model, 48)[0] for c in classes)
     assert rank_plans(hw, [c.cls for c in classes], plan_workload(paper), plan_nodes(paper, least), top=1)
@@ -219,7 +220,7 @@ def test_min_nodes_counts_the_orchestrator_a_pool_node_and_a_group_per_class(pap
 
 def test_the_simulated_candidates_are_distinct_shapes_each_with_its_best_split(paper):
     hw = load_hardware("npu64_a3")
-    classes = config_classes(paper)
+    classes = config_classes(resolve(paper))
     ranked = rank_plans(hw, [c.cls for c in classes], plan_workload(paper), 47, top=10**9)
     picked = distinct(ranked, 3)
     shapes = [tuple((a.gpus_per_replica, a.groups, a.group_nodes) for _, a in p.allocs) for p in picked]

@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc import simulate
 from flexmarl_hpc.sim import runs
 from flexmarl_hpc.config.load import load_config
@@ -43,7 +44,7 @@ def test_a_node_slice_keeps_each_devices_share_of_the_network():
 
 def test_each_count_gets_its_nodes_and_the_planners_best_split_per_mode():
     cfg, hw = load_config(PAPER), load_hardware("npu64_a3")
-    classes, work = config_classes(cfg), plan_workload(cfg)
+    classes, work = config_classes(resolve(cfg)), plan_workload(cfg)
     pts = {p.devices: p for p in scale_points([1, 8, 16, 40, 64, 3072], hw, classes, work, cfg)}
     # 1 device: a 32B model fits no replica there; 8 devices: part of one node, and a pool and
     # a group need whole nodes; 16: one node of the 3 needed (pool node + 2-node 32B group)
@@ -65,7 +66,7 @@ def test_each_count_gets_its_nodes_and_the_planners_best_split_per_mode():
     assert set(only_flex.plans) == {"flex"}
     # where the modes' best splits differ (3 x 32B + 7 x 14B on 8 nodes), each mode gets its own
     mixed = load_config(ROOT / "configs/paper_3x32b_7x14b.yaml")
-    mixed_classes = config_classes(mixed)
+    mixed_classes = config_classes(resolve(mixed))
     pt = scale_points([128], hw, mixed_classes, plan_workload(mixed), mixed)[0]
     for mode in ("sync", "flex"):
         best = rank_plans(hw, [c.cls for c in mixed_classes], plan_workload(mixed), 8, mode, top=1)[0]

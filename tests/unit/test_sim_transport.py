@@ -9,7 +9,7 @@ from flexmarl_hpc.runtime import messages
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.config.load import load_config
 from flexmarl_hpc.config.layout import RankLayout
-from flexmarl_hpc.config.resources import layout_from_config
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.orchestrator.loop import Orchestrator
 from flexmarl_hpc.sim.transport import ConstantCost, SimTransport, SyntheticWorkers
 from flexmarl_hpc.runtime.state_swap import Location
@@ -24,10 +24,11 @@ def simulate(tmp_path, cost, *overrides, charge=False):
                       [f"run.output_dir={tmp_path}", f"run.steps={STEPS}", "run.resume=false",
                        "workflow.inputs_per_step=2", "trainer.micro_batch_size=8", "run.eval_every=0",
                        *overrides])
-    task, layout = build_task(cfg), layout_from_config(cfg)
+    plan = resolve(cfg)
+    task, layout = build_task(cfg), plan.layout
     sim = SimTransport(layout, cost, SyntheticWorkers(task), charge_orchestrator=charge)
     store = StoreFile(tmp_path / "run.h5", cfg.agent_names, {}, clock=sim.clock)
-    orch = Orchestrator(cfg, task, sim, layout, store, log=lambda line: None, clock=sim.clock)
+    orch = Orchestrator(plan, task, sim, store, log=lambda line: None, clock=sim.clock)
     try:
         assert orch.run() == 0
         iv = store.intervals.read()

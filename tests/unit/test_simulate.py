@@ -9,11 +9,11 @@ import h5py
 import pytest
 import yaml
 
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc import analyze
 from flexmarl_hpc import simulate
 from flexmarl_hpc.sim import runs
 from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.resources import components
 from flexmarl_hpc.sim.plan_config import merge_fragment
 from tests.conftest import ROOT
 
@@ -132,7 +132,7 @@ def test_plan_prints_closed_form_and_simulated_rows_and_writes_a_fragment_that_v
     merged = tmp_path / "merged.yaml"
     merged.write_text(yaml.safe_dump(merge_fragment(yaml.safe_load(PAPER.read_text()), frag)))
     cfg = load_config(merged)                                         # the pasted config validates
-    assert sum(c.slurm.nodes for c in components(cfg)) == 48
+    assert sum(c.slurm.nodes for c in resolve(cfg).components) == 48
     assert not list(tmp_path.glob(".*.tmp"))
     for i in (1, 2):                                                 # each plan ran the real orchestrator
         with h5py.File(next((tmp_path / "out" / f"plan{i}" / "flex").glob("*.h5")), "r") as f:

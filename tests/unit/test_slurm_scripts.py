@@ -15,6 +15,8 @@ import pytest
 
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.config.load import load_config
+from flexmarl_hpc.config.load import load_plan
+from flexmarl_hpc.config.plan import resolve
 from flexmarl_hpc.launch.preflight import Partition, check_capacity
 from flexmarl_hpc.launch.sbatch import hetjob_script, single_script
 from flexmarl_hpc.config.validate_slurm import parse_time
@@ -48,7 +50,7 @@ def golden(name: str, text: str) -> None:
 # ---------------------------------------------------------------------------------------
 def test_hetjob_script_matches_golden():
     cfg = load_config(CONFIG, SITE)
-    text = hetjob_script(cfg, "configs/local.yaml", SITE, python="python")
+    text = hetjob_script(resolve(cfg), "configs/local.yaml", SITE, python="python")
     golden("hetjob_local.sbatch", text)
     header, _, body = text.partition("\n\n")
     comps = header.split("#SBATCH hetjob")
@@ -76,7 +78,7 @@ def test_hetjob_script_matches_golden():
 
 def test_single_allocation_script_matches_golden():
     cfg = load_config(CONFIG, SITE)
-    text = single_script(cfg, "configs/local.yaml", SITE, python="python")
+    text = single_script(resolve(cfg), "configs/local.yaml", SITE, python="python")
     golden("single_local.sbatch", text)
     assert "hetjob" not in text and "--ntasks=8" in text and "--nodes=5" in text
     assert "#SBATCH --ntasks-per-node=2\n" in text and "#SBATCH --gpus-per-node=2\n" in text
@@ -95,7 +97,7 @@ def test_tools_component_script_matches_golden():
     """tools.ranks: the tool ranks are the last het component, CPU only, with their own
     partition, CPUs and options, in the same srun step; --single keeps the trainer's partition."""
     cfg = load_config(ROOT / "configs/math_team.yaml", TOOLS_SITE)
-    text = hetjob_script(cfg, "configs/math_team.yaml", TOOLS_SITE, python="python")
+    text = hetjob_script(resolve(cfg), "configs/math_team.yaml", TOOLS_SITE, python="python")
     golden("hetjob_tools.sbatch", text)
     header, _, body = text.partition("\n\n")
     comps = header.split("#SBATCH hetjob")
@@ -106,7 +108,7 @@ def test_tools_component_script_matches_golden():
     assert "--partition=cpu" in tools and "--constraint=amd" in tools and "gpus" not in tools
     assert "--mem=8000M" in tools                     # auto: 8 CPUs x slurm.mem_per_cpu
     assert ': --het-group=3 --cpus-per-task=8 "${CMD[@]}" &\n' in body
-    single = single_script(cfg, "configs/math_team.yaml", TOOLS_SITE, python="python")
+    single = single_script(resolve(cfg), "configs/math_team.yaml", TOOLS_SITE, python="python")
     assert "--ntasks=7" in single and "--partition=gpu-large" in single and "#SBATCH --constraint=amd" not in single
     assert "then trainer ranks, then tool ranks)" in single
 
@@ -114,15 +116,15 @@ def test_tools_component_script_matches_golden():
 def test_gpu_ranks_that_would_share_gpus_are_refused():
     # 3 replicas x 2 GPUs on 3 nodes of 1 GPU; 4 trainer ranks on 1 node of 2 GPUs
     with pytest.raises(ConfigError, match=r"^slurm.rollout.gpus_per_node: .* = 2 GPUs, but a node has 1"):
-        hetjob_script(load_config(CONFIG, [*SITE, "rollout.gpus_per_replica=2"]), "c.yaml")
+        hetjob_script(load_plan(CONFIG, [*SITE, "rollout.gpus_per_replica=2"]), "c.yaml")
     with pytest.raises(ConfigError, match=r"^slurm.trainer.gpus_per_node: 4 tasks on 1 node"):
-        hetjob_script(load_config(CONFIG, [*SITE, "slurm.trainer={nodes: 1, gpus_per_node: 2}"]), "c.yaml")
+        hetjob_script(load_plan(CONFIG, [*SITE, "slurm.trainer={nodes: 1, gpus_per_node: 2}"]), "c.yaml")
     # --single on 2 nodes of 4 GPUs: 4 ranks per node, replicas of 4 GPUs cannot fit
     single = [*SITE, "slurm.rollout={nodes: 1, gpus_per_node: 4}", "slurm.trainer={nodes: 1, gpus_per_node: 4}"]
-    assert "--gpus-per-node=4" in single_script(load_config(CONFIG, single), "c.yaml")
+    assert "--gpus-per-node=4" in single_script(load_plan(CONFIG, single), "c.yaml")
     with pytest.raises(ConfigError, match=r"^slurm.trainer.gpus_per_node: --single puts 4 ranks"):
-        single_script(load_config(CONFIG, [*single, "rollout.gpus_per_replica=4"]), "c.yaml")
-    text = hetjob_script(load_config(CONFIG, [*single, "rollout.gpus_per_replica=4", "slurm.rollout={nodes: 3, gpus_per_node: 4}"]), "c.yaml")
+        single_script(load_plan(CONFIG, [*single, "rollout.gpus_per_replica=4"]), "c.yaml")
+    text = hetjob_script(load_plan(CONFIG, [*single, "rollout.gpus_per_replica=4", "slurm.rollout={nodes: 3, gpus_per_node: 4}"]), "c.yaml")
     assert "#SBATCH --gpus-per-task=4\n" in text                  # a replica's contiguous block
     with pytest.raises(ConfigError, match=r"^rollout.gpus_per_replica"):
         load_config(CONFIG, ["rollout.gpus_per_replica=0"])
@@ -134,7 +136,7 @@ def test_every_component_asks_for_memory():
     (16 x 48G), CPU ones slurm.mem_per_cpu per CPU they hold on a node; a set `mem` wins (0:
     the whole node); --single takes the largest set one, else the auto value of its own nodes."""
     paper = load_config(ROOT / "configs/paper_3x32b_7x14b.yaml", ["run.output_dir=/scratch/{name}"])
-    comps = hetjob_script(paper, "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
+    comps = hetjob_script(resolve(paper), "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
     mems = [re.findall(r"#SBATCH --mem=(\S+)", c) for c in comps]
     assert mems == [["16000M"]] + [["768G"]] * 12            # orchestrator: 16 CPUs x 1000M
     # group components: every GPU of the node, no per-task binding; pools: one block per replica
@@ -142,22 +144,22 @@ def test_every_component_asks_for_memory():
         ["--gpus-per-task=4"], ["--gpus-per-task=1"]] + [["--gpus-per-node=16"]] * 10
     ov = ["slurm.mem_per_cpu=4G", "slurm.orchestrator={cpus_per_task: 2}", "trainer.ranks_per_group=2",
           "slurm.trainer={nodes: 1, cpus_per_task: 3, mem: 0}"]
-    comps = hetjob_script(load_config(CONFIG, ov), "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
+    comps = hetjob_script(load_plan(CONFIG, ov), "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
     assert [re.findall(r"--mem=(\S+)", c) for c in comps] == [["8G"], ["4G"], ["0"]]
-    single = single_script(load_config(CONFIG, ov), "c.yaml")
+    single = single_script(load_plan(CONFIG, ov), "c.yaml")
     assert re.findall(r"--mem=(\S+)", single) == ["0"]
-    auto = single_script(load_config(CONFIG, ["slurm.trainer={nodes: 1, cpus_per_task: 2}"]), "c.yaml")
+    auto = single_script(load_plan(CONFIG, ["slurm.trainer={nodes: 1, cpus_per_task: 2}"]), "c.yaml")
     assert "#SBATCH --nodes=2 " in auto and re.findall(r"--mem=(\S+)", auto) == ["4000M"]   # 2 ranks x 2 CPUs a node
     gpus = ["slurm.mem_per_gpu=100G", "slurm.trainer={nodes: 1, gpus_per_node: 2}"]
-    comps = hetjob_script(load_config(CONFIG, gpus), "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
+    comps = hetjob_script(load_plan(CONFIG, gpus), "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
     assert [re.findall(r"--mem=(\S+)", c) for c in comps] == [["1000M"], ["1000M"], ["200G"]]   # 2 GPUs x 100G
 
 
 def test_slurm_env_values_are_quoted_for_the_shell():
     cfg = load_config(CONFIG, ["slurm.env={NCCL_DEBUG: WARN, X_ODD: \"a b'c\"}"])
-    body = hetjob_script(cfg, "c.yaml")
+    body = hetjob_script(resolve(cfg), "c.yaml")
     assert "export NCCL_DEBUG=WARN\nexport X_ODD='a b'\"'\"'c'\n" in body
-    assert "slurm.env" not in hetjob_script(load_config(CONFIG), "c.yaml")     # none: no section
+    assert "slurm.env" not in hetjob_script(load_plan(CONFIG), "c.yaml")     # none: no section
 
 
 def test_dry_run_prints_the_script_with_absolute_paths(tmp_path, capsys):
@@ -172,13 +174,13 @@ def test_dry_run_prints_the_script_with_absolute_paths(tmp_path, capsys):
 def test_sbatch_options_go_to_their_component():
     cfg = load_config(CONFIG, [*SITE, "slurm.sbatch_options=['--mail-type=END']",
                                "slurm.trainer.sbatch_options=['--constraint=a100', '--exclusive']"])
-    comps = hetjob_script(cfg, "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
+    comps = hetjob_script(resolve(cfg), "c.yaml").partition("\n\n")[0].split("#SBATCH hetjob")
     assert "#SBATCH --mail-type=END\n" in comps[0] and "--mail-type" not in comps[1] + comps[2]
     assert comps[2].endswith("#SBATCH --constraint=a100\n#SBATCH --exclusive")
     assert "--constraint" not in comps[0] + comps[1]
-    single = single_script(cfg, "c.yaml")
+    single = single_script(resolve(cfg), "c.yaml")
     assert all(f"#SBATCH {o}\n" in single for o in ("--mail-type=END", "--constraint=a100", "--exclusive"))
-    extra = sweep_parameters(cfg)["additional_parameters"]
+    extra = sweep_parameters(resolve(cfg))["additional_parameters"]
     assert {k: extra[k] for k in ("mail-type", "constraint", "exclusive")} == {
         "mail-type": "END", "constraint": "a100", "exclusive": True}
 
@@ -241,13 +243,13 @@ PARTS = {"cpu": Partition(nodes=4, cpus=4, gpus=0, mem_mb=4000),
 def test_components_that_no_node_can_hold_are_refused(override, field):
     cfg = load_config(CONFIG, [override])
     with pytest.raises(ConfigError, match=f"^{re.escape(field)}"):
-        check_capacity(cfg, PARTS, default="cpu")
+        check_capacity(resolve(cfg), PARTS, default="cpu")
 
 
 
 def test_capacity_check_accepts_what_fits():
-    check_capacity(load_config(CONFIG, ["slurm.trainer={cpus_per_task: 2}"]), PARTS, default="cpu")
-    check_capacity(load_config(CONFIG, ["slurm.trainer={partition: gpu, gpus_per_node: 2, cpus_per_task: 8}"]),
+    check_capacity(load_plan(CONFIG, ["slurm.trainer={cpus_per_task: 2}"]), PARTS, default="cpu")
+    check_capacity(load_plan(CONFIG, ["slurm.trainer={partition: gpu, gpus_per_node: 2, cpus_per_task: 8}"]),
                    PARTS, default="cpu")
 
 
@@ -288,9 +290,9 @@ def test_the_start_up_watchdog_follows_slurm_start_timeout():
     """The watchdog's wait is slurm.start_timeout; 0 leaves it out, the started file stays
     (rank 0 creates it either way) and srun's status is still waited for in the background."""
     cfg = load_config(ROOT / "configs/local.yaml", ["slurm.start_timeout=45"])
-    text = hetjob_script(cfg, "configs/local.yaml")
+    text = hetjob_script(resolve(cfg), "configs/local.yaml")
     assert "$(seq 45)" in text and "after 45 s (slurm.start_timeout)" in text
-    off = hetjob_script(load_config(ROOT / "configs/local.yaml", ["slurm.start_timeout=0"]), "configs/local.yaml")
+    off = hetjob_script(load_plan(ROOT / "configs/local.yaml", ["slurm.start_timeout=0"]), "configs/local.yaml")
     assert "seq" not in off and "FLEXMARL_STARTED_FILE=" in off and "wait $SRUN" in off
     with pytest.raises(ConfigError, match="slurm.start_timeout"):
         load_config(ROOT / "configs/local.yaml", ["slurm.start_timeout=-1"])

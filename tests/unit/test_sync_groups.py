@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from flexmarl_hpc.config.resources import layout_from_config
-from flexmarl_hpc.config.load import load_config
-from flexmarl_hpc.config.resources import rollout_pools
-from flexmarl_hpc.config.sync_groups import stage_senders, sync_groups
+from flexmarl_hpc.config.load import load_plan
+from flexmarl_hpc.config.sync_groups import stage_senders
 from flexmarl_hpc.runtime import sync_channels as G
 from flexmarl_hpc.runtime import weight_sync as W
 
@@ -15,10 +13,8 @@ from flexmarl_hpc.runtime import weight_sync as W
 def test_the_paper_job_has_one_group_per_trainer_group_and_the_pool_serving_its_agent():
     """10 groups (3 x 32B TP8 PP2, 7 x 14B TP4), pools p32 and p14: 10 pairs, not 20 (a 32B
     agent is never served by p14), each with its stage senders and every replica of its pool."""
-    cfg = load_config("configs/paper_3x32b_7x14b.yaml")
-    layout = layout_from_config(cfg)
-    groups = sync_groups(cfg, layout)
-    pools = rollout_pools(cfg)
+    plan = load_plan("configs/paper_3x32b_7x14b.yaml")
+    layout, groups, pools = plan.layout, plan.sync_groups, plan.pools
     assert [(g.group, pools[g.pool].name) for g in groups] == [(i, "p32" if i < 3 else "p14") for i in range(10)]
     big, small = groups[0], groups[3]
     first = layout.group_leader(0)
@@ -29,8 +25,7 @@ def test_the_paper_job_has_one_group_per_trainer_group_and_the_pool_serving_its_
 
 
 def test_uniform_groups_share_the_one_pool_and_megatron_senders_are_pp_major():
-    cfg = load_config("configs/local.yaml", ["rollout.replicas=3", "trainer.groups=2"])
-    groups = sync_groups(cfg, layout_from_config(cfg))
+    groups = load_plan("configs/local.yaml", ["rollout.replicas=3", "trainer.groups=2"]).sync_groups
     assert [(g.group, g.pool, g.members) for g in groups] == [(0, 0, (4, 1, 2, 3)), (1, 0, (5, 1, 2, 3))]
     assert stage_senders(10, 8, 2) == (10, 14) and stage_senders(10, 8, 1) == (10,)
 
