@@ -119,7 +119,8 @@ class Call:
     prefill_len: int = 0
     """How many of `prompt`'s last ids are the prefill's (its /samples row's prefill_len)."""
     retokenized: bool = False
-    """`retokenizes`: the prompt was tokenised fresh from a history (its row's retokenized)."""
+    """The prompt was tokenised fresh from a history, not from the sampled ids (its row's
+    retokenized): `retokenizes`, or its conversation's rendering no longer extended the ids."""
 
     def done(self, response: list[int], stop_ids: frozenset[int]) -> None:
         text = self.prefill + self.thread.conv.record(list(response))
@@ -197,8 +198,12 @@ class EpisodeContext:
         thread, fresh = self.thread_for(agent, messages)
         # only what is given: a conversation that knows neither (a test's fake) still serves plain calls
         given = {k: v for k, v in (("tools", tools), ("prefill", prefill)) if v}
+        rerendered = getattr(thread.conv, "rerendered", 0)
         prompt = thread.conv.prompt_ids(messages, **given)
         prefill_len = thread.conv.prefill_len if prefill else 0
+        # a continued thread whose template rendered the earlier turns otherwise (Qwen3 drops
+        # past thinking) was encoded from its text as well
+        fresh = fresh or getattr(thread.conv, "rerendered", 0) > rerendered
         room = self.runner.limits.get(agent, 1 << 62) - len(prompt)
         if room < 1:
             thread.busy = False

@@ -77,3 +77,30 @@ def test_an_edited_history_and_a_prefill_are_said_by_their_sample_rows(tmp_path)
     run = load_run(tmp_path / "s.h5")
     assert run.samples["retokenized"].tolist() == [0, 0, 1, 0] and run.samples["prefill_len"].tolist() == [0, 0, 0, n]
     assert np.issubdtype(run.samples["prefill_len"].dtype, np.integer)
+
+
+async def continues_twice(ctx, example):
+    r = await ctx.chat("solver", Q)
+    await ctx.chat("solver", [*Q, r.message, {"role": "user", "content": "sure?"}])
+    return {"solver": 1.0}
+
+
+def test_a_continued_conversation_its_template_renders_otherwise_is_flagged_too():
+    """A template that renders past assistant turns otherwise than the last (as Qwen3 drops
+    past thinking): the follow-up continues the thread by its messages, but its rendering no
+    longer extends the ids, so it was encoded from text: retokenized."""
+    from flexmarl_hpc.workflows.chat import CHATML, ChatTemplate
+    tok = SyntheticChatTokenizer()
+    tok.template = ChatTemplate(CHATML.replace("{{ m['content'] }}", "{{ m['content'] if loop.last or "
+                                               "m['role'] != 'assistant' else '...' }}"), tok.template.special_tokens)
+    runner = EpisodeRunner(continues_twice, ["solver"], 0, 4, lambda agent: Conversation(tok))
+    runner.start(0, 0, 0, {})
+    calls = []
+    for _ in range(3):
+        runner.step()
+        for c in runner.take()[0]:
+            calls.append(c)
+            c.done(tok.encode("ab") + [tok.eos_id], frozenset(tok.stop_ids))
+    runner.close()
+    assert len(calls) == 2 and calls[1].thread is calls[0].thread and calls[1].thread.conv.rerendered == 1
+    assert [c.retokenized for c in calls] == [False, True]
