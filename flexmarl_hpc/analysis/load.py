@@ -16,7 +16,8 @@ workflow records none), `failures` (one row per failed episode: `step`, `input_i
 `t`, `kind`, `message`, `traceback`; schema 4 stored only a count, its /tools rows `episode`
 `reward_error`, read here as failures of kind "unknown"). `steps` and `metrics` hold only
 current rows: rows a resume rolled back (schema 2: `superseded`=1; schema 1: all but the
-last row of a step) are left out. Reads schema versions 1 to 5 (columns schema 1 lacks are absent). Bad input
+last row of a step) are left out. Reads schema versions 1 to 6 (columns schema 1 lacks are absent; the
+/samples columns of schema 6, `retokenized` and `prefill_len`, are 0 in an older file). Bad input
 raises `AnalysisError` naming the file and what is wrong; files of another schema version
 say which versions this code reads.
 """
@@ -32,12 +33,13 @@ import yaml
 
 from flexmarl_hpc.analysis.episodes import calls_summary, failure_stats, tool_stats
 from flexmarl_hpc.store.checksum import StoreDamaged, StoreUnreadable, open_read, read_rows, verify_store
-from flexmarl_hpc.store.schema import ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS, FAILURE_COLUMNS, METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, episode_columns, eval_key
+from flexmarl_hpc.store.schema import ADDED, CONSUMED, DROPPED, EVAL_COLUMNS, EVENT_COLUMNS, INTERVAL_COLUMNS, FAILURE_COLUMNS, METRIC_COLUMNS, READS, SAMPLE_COLUMNS, STATUS_NAMES, STEP_COLUMNS, TOOL_COLUMNS, TOOL_OUTCOMES, episode_columns, eval_key, sample_columns
 
 # the columns schema 1 had, where schema 2 added some
 V1_ONLY = {"steps": [c for c in STEP_COLUMNS if c not in ("logp_mismatch", "tis_mean", "superseded", *ADDED)],
            "metrics": [c for c in METRIC_COLUMNS if c != "superseded"],
-           "events": [c for c in EVENT_COLUMNS if c not in ("reward", "advantage")]}
+           "events": [c for c in EVENT_COLUMNS if c not in ("reward", "advantage")],
+           "samples": list(sample_columns(1))}
 
 BUSY = ("generate", "train", "sync", "swap", "checkpoint",
         "schedule", "handle", "store", "log")          # the last four: the orchestrator (rank 0)
@@ -167,7 +169,7 @@ def load_run(path: str | Path) -> Run:
 
                 def table(name, columns):
                     return _frame(_columns_v2(f, name, columns, path, committed, torn))
-            samples = [_samples(table(f"samples/{a}", SAMPLE_COLUMNS), a) for a in agents]
+            samples = [_samples(table(f"samples/{a}", sample_columns(version)), a) for a in agents]
             steps = [_current(table(f"steps/{a}", STEP_COLUMNS), ["step"]).assign(agent=a) for a in agents]
             intervals = table("intervals", INTERVAL_COLUMNS)
             metrics = _current(table("metrics", METRIC_COLUMNS), ["step"])
@@ -232,6 +234,9 @@ def _failures(df: pd.DataFrame | None, tools: pd.DataFrame | None = None) -> pd.
 
 
 def _samples(df: pd.DataFrame, agent: str) -> pd.DataFrame:
+    for c in SAMPLE_COLUMNS:            # added by a later schema (SAMPLE_SINCE): 0, as a fixed-turn sample has
+        if c not in df:
+            df[c] = np.zeros(len(df), SAMPLE_COLUMNS[c])
     df.insert(0, "agent", agent)
     df.insert(1, "row", np.arange(len(df)))
     df["status_name"] = df["status"].map(STATUS_NAMES)

@@ -131,6 +131,7 @@ class EpisodeTree(NodeQueues):
         ctx = call.episode
         node = Node(call.agent, call.index, ctx.step, ctx.example_id, ctx.episode, None, [], None)
         node.prompt = call.prompt
+        node.retokenized, node.prefill_len = int(call.retokenized), call.prefill_len
         p = call.parent
         node.parent_call = "" if p is None else f"{p.agent}/{p.episode.example_id}_{p.index}_{p.episode.episode}"
         self.calls_of[ctx.step][call.agent] += 1

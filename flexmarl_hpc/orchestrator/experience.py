@@ -122,6 +122,8 @@ class Journal:
         rows["t_generated"] = now
         rows["token_offset"] = off + ends - plen - rlen
         rows["prompt_len"], rows["response_len"] = plen, rlen
+        rows["retokenized"] = np.fromiter(map(attrgetter("retokenized"), nodes), np.int8, k)
+        rows["prefill_len"] = np.fromiter(map(attrgetter("prefill_len"), nodes), np.int32, k)
         first = tab.append(rows)
         any(map(setattr, nodes, repeat("row"), range(first, first + k)))   # n.row = i, in C
         any(map(setattr, nodes, repeat("journalled"), repeat(GENERATED)))
@@ -180,7 +182,8 @@ class Journal:
                                 None, prompt=tok[o:o + pl], response=tok[o + pl:o + pl + rl],
                                 logprobs=lps[o + pl:o + pl + rl], version=row["policy_version"],
                                 replica=row["replica"], status=row["status"], row=i,
-                                trainer_step=row["trainer_step"], journalled=row["status"]))
+                                trainer_step=row["trainer_step"], journalled=row["status"],
+                                retokenized=row["retokenized"], prefill_len=row["prefill_len"]))
         return out
 
 

@@ -59,6 +59,8 @@ class Node:
     trainer_step: int = -1
     parent_call: str = ""              # episode workflows: "agent/sample_id" of the call before
     journalled: int = -1               # the last status the journal recorded (experience.py)
+    retokenized: int = 0               # episode calls: the prompt tokenised fresh from a history
+    prefill_len: int = 0               # episode calls: the prompt's last ids a forced prefill
 
     @cached_property                   # asked for often (journal, seeds, keys); never changes
     def sample_id(self) -> str:

@@ -290,10 +290,21 @@ def _copy_samples(s: StoreFile, a: str, rows: np.ndarray, toks: np.ndarray, keep
     idx = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
     s.tokens[a].append(toks[idx])
     kept["token_offset"] = np.cumsum(lens) - lens
-    s.samples[a].append(kept)
+    s.samples[a].append(_as_written(kept, s.samples[a].dtype))
     newrow = np.full(len(rows), -1, np.int64)
     newrow[keep] = np.arange(int(keep.sum()))
     return newrow
+
+
+def _as_written(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Rows of an older schema as this release's records, by column name: a column the
+    source lacks (schema.SAMPLE_SINCE) is 0 (numpy converts records by position)."""
+    if rows.dtype == dtype:
+        return rows
+    out = np.zeros(len(rows), dtype)
+    for name in rows.dtype.names:
+        out[name] = rows[name]
+    return out
 
 
 def _copy_steps(s: StoreFile, a: str, data: dict, ok: dict, newrow: np.ndarray) -> None:

@@ -8,8 +8,9 @@ import numpy as np
 
 from flexmarl_hpc.store.checksum import MUTABLE
 
-SCHEMA_VERSION = 5                 # 3: Fletcher-32 on every chunk; 4: /tools and /episodes; 5: /failures
-READS = (1, 2, 3, 4, 5)               # versions flexmarl_hpc.analysis.load reads
+# 3: Fletcher-32 on every chunk; 4: /tools and /episodes; 5: /failures; 6: /samples retokenized, prefill_len
+SCHEMA_VERSION = 6
+READS = (1, 2, 3, 4, 5, 6)            # versions flexmarl_hpc.analysis.load reads
 GENERATED, READY, CONSUMED, DROPPED = 0, 1, 2, 3
 STATUS_NAMES = {GENERATED: "generated", READY: "ready", CONSUMED: "consumed", DROPPED: "dropped"}
 
@@ -18,7 +19,11 @@ SAMPLE_COLUMNS = {
     "step": "i8", "policy_version": "i8", "replica": "i4", "status": "i1", "reward": "f4",
     "advantage": "f4", "trainer_step": "i8", "t_generated": "f8", "t_ready": "f8",
     "t_consumed": "f8", "token_offset": "i8", "prompt_len": "i4", "response_len": "i4",
+    "retokenized": "i1", "prefill_len": "i4",
 }
+# /samples columns a schema version added (docs/store.md): a file of an earlier version lacks
+# them, and analysis.load and salvage read them as 0 (what a fixed-turn sample has)
+SAMPLE_SINCE = {"retokenized": 6, "prefill_len": 6}
 TOKEN_COLUMNS = {"token": "i4", "logprob": "f4"}
 STEP_COLUMNS = {
     "step": "i8", "version": "i8", "t_end": "f8", "n_samples": "i4", "n_micro": "i4",
@@ -70,7 +75,7 @@ def eval_key(agent: str, metric: str, mode: str) -> str:
 
 
 # a column an append may leave out, and its value (anything else missing is an error)
-DEFAULTS = {"superseded": 0, "logp_mismatch": np.nan, "tis_mean": np.nan,
+DEFAULTS = {"superseded": 0, "retokenized": 0, "prefill_len": 0, "logp_mismatch": np.nan, "tis_mean": np.nan,
             "reward": np.nan, "advantage": np.nan, "clip_frac": np.nan, "ppo_kl": np.nan}
 # columns added within schema 2: a file written before lacks them, and a resume into it
 # writes its rows without them (analysis reads them as NaN)
@@ -98,3 +103,8 @@ def check_file(f: h5py.File, path) -> None:
     if v != SCHEMA_VERSION:
         raise ValueError(f"{path}: schema version {v}; this flexmarl_hpc writes version "
                          f"{SCHEMA_VERSION} (resume it with the release that wrote it)")
+
+
+def sample_columns(version: int) -> dict[str, str]:
+    """The /samples columns a file of schema `version` has (SAMPLE_SINCE)."""
+    return {c: t for c, t in SAMPLE_COLUMNS.items() if SAMPLE_SINCE.get(c, 0) <= version}

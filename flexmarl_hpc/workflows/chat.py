@@ -164,20 +164,26 @@ class Conversation:
         self.ids: list[int] = []
         self.text = ""
         self.rerendered = 0
+        self.prefill_len = 0
+        """The last prompt's final ids that are its prefill (0 without one)."""
 
     def prompt_ids(self, messages: Sequence[Message], prefill: str = "", **kwargs) -> list[int]:
         """The prompt's ids; kwargs (`tools=[...]`) reach the template with template_kwargs.
         prefill: text the reply starts with, not sampled (a forced tool call's opening): it
         is prompt text, so its ids are outside the trained mask, and the reply recorded next
-        continues it (`record`'s text is without it)."""
-        rendered = self.tok.render(messages, add_generation_prompt=True,
-                                   **{**self.template_kwargs, **kwargs}) + prefill
+        continues it (`record`'s text is without it). Its ids are encoded on their own and
+        end the prompt, `prefill_len` of them: encoded with the rendering, a token merged
+        across the boundary would be neither the template's nor the prefill's."""
+        rendered = self.tok.render(messages, add_generation_prompt=True, **{**self.template_kwargs, **kwargs})
         if self.ids and rendered.startswith(self.text):
             self.ids = self.ids + self.tok.encode(rendered[len(self.text):])
         else:
             self.rerendered += bool(self.ids)
             self.ids = self.tok.encode(rendered)
-        self.text = rendered
+        head = self.tok.encode(prefill) if prefill else []
+        self.ids += head
+        self.prefill_len = len(head)
+        self.text = rendered + prefill
         return list(self.ids)
 
     def record(self, response_ids: Sequence[int]) -> str:

@@ -63,6 +63,8 @@ class Reply:
     model.tool_format; run them with `ctx.run_tools(reply)`."""
     tool_errors: tuple[ToolCallError, ...] = ()
     """Tool-call blocks that could not be read (bad JSON, no name): reported, not raised."""
+    retokenized: bool = False
+    """The prompt was tokenised fresh from a history (`Call.retokenized`)."""
 
     @property
     def message(self) -> dict:
@@ -86,6 +88,13 @@ class Thread:
         return not self.busy and n > 0 and len(messages) > n and list(messages[:n]) == self.messages
 
 
+def retokenizes(messages: list[dict], continued: bool) -> bool:
+    """A call's messages hold an assistant message yet continue none of the agent's
+    conversations (the history was edited or cut, or is not one the agent answered): the
+    prompt is tokenised fresh from that text, not from the ids the policy sampled."""
+    return not continued and any(m.get("role") == "assistant" for m in messages)
+
+
 @dataclass(eq=False)
 class Call:
     """One `ctx.chat` in flight: the host generates `prompt` and calls `done`."""
@@ -107,6 +116,11 @@ class Call:
     prefill: str = ""
     """Text the reply was made to start with: the end of `prompt` (not sampled, not trained);
     the reply's text begins with it, so its message continues these ids."""
+    prefill_len: int = 0
+    """How many of `prompt`'s last ids are the prefill's (its /samples row's prefill_len)."""
+    retokenized: bool = False
+    """The prompt was tokenised fresh from a history, not from the sampled ids (its row's
+    retokenized): `retokenizes`, or its conversation's rendering no longer extended the ids."""
 
     def done(self, response: list[int], stop_ids: frozenset[int]) -> None:
         text = self.prefill + self.thread.conv.record(list(response))
@@ -119,7 +133,8 @@ class Call:
             parse = parser_for(self.episode.runner.tool_formats.get(self.agent, "hermes"))
             calls, errors = parse(text, f"{self.agent}-{self.index}")
         self.future.set_result(Reply(text, tuple(response), self.index, truncated, prompt_len=len(self.prompt),
-                                     tool_calls=tuple(calls), tool_errors=tuple(errors)))
+                                     tool_calls=tuple(calls), tool_errors=tuple(errors),
+                                     retokenized=self.retokenized))
 
 
 class EpisodeContext:
@@ -139,17 +154,17 @@ class EpisodeContext:
         self.last_done: Call | None = None
         self.threads: dict[str, list[Thread]] = {}
 
-    def thread_for(self, agent: str, messages: list[dict]) -> Thread:
-        """The idle thread of `agent` these messages continue, or a new one."""
+    def thread_for(self, agent: str, messages: list[dict]) -> tuple[Thread, bool]:
+        """The idle thread of `agent` these messages continue, or a new one; and whether the
+        prompt is then tokenised fresh from a history (`retokenizes`)."""
         threads = self.threads.setdefault(agent, [])
-        for t in threads:
-            if t.continued_by(messages):
-                break
-        else:
+        t = next((t for t in threads if t.continued_by(messages)), None)
+        fresh = retokenizes(messages, t is not None)
+        if t is None:
             t = Thread(self.runner.new_conversation(agent))
             threads.append(t)
         t.busy = True
-        return t
+        return t, fresh
 
     async def chat(self, agent: str, messages: list[dict], *, max_tokens: int | None = None,
                    temperature: float | None = None, top_p: float | None = None,
@@ -180,10 +195,15 @@ class EpisodeContext:
             raise ValueError(f"ctx.chat(max_tokens={max_tokens!r}): expected 1..{cap} (workflow.max_new_tokens)")
         index = self.calls.get(agent, 0)
         messages = [dict(m) for m in messages]
-        thread = self.thread_for(agent, messages)
+        thread, fresh = self.thread_for(agent, messages)
         # only what is given: a conversation that knows neither (a test's fake) still serves plain calls
         given = {k: v for k, v in (("tools", tools), ("prefill", prefill)) if v}
+        rerendered = getattr(thread.conv, "rerendered", 0)
         prompt = thread.conv.prompt_ids(messages, **given)
+        prefill_len = thread.conv.prefill_len if prefill else 0
+        # a continued thread whose template rendered the earlier turns otherwise (Qwen3 drops
+        # past thinking) was encoded from its text as well
+        fresh = fresh or getattr(thread.conv, "rerendered", 0) > rerendered
         room = self.runner.limits.get(agent, 1 << 62) - len(prompt)
         if room < 1:
             thread.busy = False
@@ -193,7 +213,7 @@ class EpisodeContext:
         self.calls[agent] = index + 1
         n = min(n, room)                      # the reply is cut where the context ends
         call = Call(self, agent, index, prompt, n, self.last_done, thread, messages,
-                    asyncio.get_running_loop().create_future(), sampling, tools, prefill)
+                    asyncio.get_running_loop().create_future(), sampling, tools, prefill, prefill_len, fresh)
         self.runner.new_calls.append(call)
         return await call.future
 

@@ -70,10 +70,6 @@ class Endpoint:
     transcript: list[dict] = field(default_factory=list)
     requests: int = 0
 
-    retokenized: int = 0
-    """Requests whose history holds an assistant message yet continues none of the agent's
-    conversations (the program edited or dropped a message): tokenised fresh."""
-
     sent: dict[str, tuple[dict, dict]] = field(default_factory=dict)
     """First tool-call id of each reply returned with tool calls -> (the assistant message as
     a follow-up request carries it back, parsed; the reply as sampled: `Reply.message`)."""
@@ -81,8 +77,6 @@ class Endpoint:
     async def complete(self, req: ChatRequest, request_id: str) -> dict | ApiError:
         self.requests += 1
         messages = [self.as_sampled(m) for m in req.messages]
-        fresh = self.edited(req.agent, messages)
-        self.retokenized += fresh
         try:
             replies = await asyncio.gather(*(self.ctx.chat(req.agent, messages, max_tokens=req.max_tokens,
                                                            temperature=req.temperature, top_p=req.top_p,
@@ -96,7 +90,7 @@ class Endpoint:
         for r, c in zip(replies, choices):
             self.transcript.append({"agent": req.agent, "call": r.call, "messages": req.messages, "reply": c.text,
                                     "tool_calls": [{"id": i, "name": n, "arguments": a} for i, n, a in c.tool_calls],
-                                    "retokenized": fresh})
+                                    "retokenized": r.retokenized})     # the episode layer's (its /samples row's)
         unmet = [i for i, c in enumerate(choices) if req.forced and not forced_call_made(req, c)]
         if unmet:
             return tool_choice_unmet(req, unmet, choices)
@@ -145,12 +139,6 @@ class Endpoint:
         reply's (the sandbox, tools.functions, /tools rows), in the program's worker slot."""
         reqs = [ToolRequest(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in calls]
         return await self.ctx.run_tool_requests(reqs, lent=True)
-
-    def edited(self, agent: str, messages: list[dict]) -> bool:
-        """The request carries a history (an assistant message) that extends none of the
-        agent's idle conversations: its prompt is tokenised fresh, not from sampled ids."""
-        return any(m["role"] == "assistant" for m in messages) and \
-            not any(t.continued_by(messages) for t in self.ctx.threads.get(agent, ()))
 
 
 def forced_call_made(req: ChatRequest, c: Choice) -> bool:

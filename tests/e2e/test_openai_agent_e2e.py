@@ -68,6 +68,8 @@ def check_token_exact(path, model, episodes: int) -> tuple[int, int, int]:
     prompt = lambda a, r: ids(a, r, 0, r["prompt_len"])
     response = lambda a, r: ids(a, r, r["prompt_len"], r["prompt_len"] + r["response_len"])
     w, c = rows["writer"], rows["critic"]
+    for a in rows:        # no history edited, no call forced: every row says so (schema 6)
+        assert not rows[a]["retokenized"].any() and not rows[a]["prefill_len"].any()
     grown = 0
     for r in w:
         key = (r["input_id"], r["traj"], r["turn"])

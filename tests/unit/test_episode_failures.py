@@ -63,7 +63,7 @@ def test_a_failed_episode_is_stored_with_its_traceback_and_its_calls_dropped(tmp
     exp.close()
     store.close()
     with h5py.File(tmp_path / "s.h5", "r") as f:
-        assert f.attrs["schema_version"] == 5
+        assert f.attrs["schema_version"] == 6
         fails = f["failures"][:]
         rows = f["samples/solver"][:]
         ev = f["events"][:]

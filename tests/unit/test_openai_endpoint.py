@@ -238,6 +238,8 @@ def test_an_openai_program_runs_unchanged_and_its_follow_up_is_token_exact(pool)
     assert calls[4].thread not in (first.thread, calls[2].thread, calls[3].thread)
     assert calls[4].prompt == tok.encode(tok.render([*USER, {"role": "assistant", "content": "5"},
                                                      {"role": "user", "content": "Again?"}]))
+    # ... and its sample says so (the episode layer's flag: /samples retokenized), the others not
+    assert [c.retokenized for c in calls] == [False, False, False, False, True]
 
 
 def test_an_async_program_with_a_reward_function_and_a_raising_program(pool):
@@ -325,6 +327,7 @@ def test_a_tool_using_program_gets_tool_calls_runs_them_in_the_sandbox_and_stays
         [edited.messages[0], {"role": "assistant", "content": "", "tool_calls": [{"id": "solver-0-0", "type": "function",
          "function": {"name": "calculate", "arguments": {"expression": "360"}}}]}, edited.messages[2]],
         tools=first.tools))
+    assert [c.retokenized for c in calls] == [False, False, True, False]     # its sample says so
     assert raw.tools == first.tools                 # tool_choice none: rendered, the reply left unparsed
 
 
@@ -380,8 +383,11 @@ def test_a_forced_tool_call_is_prefilled_outside_the_mask_and_continued_token_ex
     prefill = '<tool_call>\n{"name": "calculate", "arguments": '
     assert (first.prefill, required.prefill, unmet.prefill, follow.prefill) == \
         (prefill, '<tool_call>\n{"name": "', prefill, "")
-    # the prompt is the rendering with the call's opening after it: not sampled ...
-    assert first.prompt == tok.encode(tok.render(first.messages, tools=TOOLS) + prefill)
+    # the prompt is the rendering with the call's opening after it: not sampled; its sample
+    # counts the opening's ids (/samples prefill_len), the prompt's last ones ...
+    assert first.prompt == tok.encode(tok.render(first.messages, tools=TOOLS)) + tok.encode(prefill)
+    assert first.prefill_len == len(tok.encode(prefill)) > 1 and follow.prefill_len == 0
+    assert required.prefill_len == len(tok.encode(required.prefill))
     assert tok.decode(first.response, skip_special_tokens=False) == '{"expression": "12 * 30"}}\n</tool_call><|im_end|>'
     # ... so out of the loss mask (as rank 0 packs the sample): the sampled ids alone are trained
     task = SimpleNamespace(vocab=SimpleNamespace(pad_id=0), allowed_tokens=lambda turn: None)
@@ -391,6 +397,7 @@ def test_a_forced_tool_call_is_prefilled_outside_the_mask_and_continued_token_ex
         mb = microbatch_from_arrays(pack_microbatch([node], task))
         mask = mb.response_mask()[0]
         assert mb.input_ids[0][mask].tolist() == c.response and not mask[:len(c.prompt)].any()
+    assert not any(c.retokenized for c in calls)
     # the follow-up continues the prefilled and sampled ids verbatim: one conversation, no re-tokenising
     assert follow.thread is first.thread and follow.thread.conv.rerendered == 0
     assert follow.prompt[:len(first.prompt) + len(first.response)] == first.prompt + first.response

@@ -264,6 +264,7 @@ def test_schema_1_files_are_still_read(tmp_path):
     assert run.steps.step.tolist() == [0, 1] and run.steps.reward_mean.tolist() == pytest.approx([0.5, 0.9])
     assert run.metrics.step.tolist() == [0, 1] and len(run.samples) == 2
     assert "superseded" not in run.steps and "reward" not in run.events
+    assert run.samples["retokenized"].tolist() == [0, 0] and run.samples["prefill_len"].tolist() == [0, 0]
 
 
 def test_journal_rows_tokens_and_status_changes_read_back_as_the_readme_says(tmp_path):

@@ -1,6 +1,7 @@
 """Schema 4 (issue 25): /tools and /episodes written through StoreFile, committed, checksummed,
 salvaged and read back by analysis.load and analyze; a schema-3 store (tests/golden/store_v3.h5,
-written by the code before the bump) still read by analyze and refused by a resume."""
+written by the code before the bump) still read by analyze (schema 6's /samples columns as 0),
+salvaged into this release's records, and refused by a resume, as is a schema-5 one."""
 import hashlib
 import json
 import shutil
@@ -78,7 +79,7 @@ def test_tool_and_episode_rows_read_back_after_a_flush_a_reopen_and_through_load
     s.record_tool(3.0, "verifier", 7, 1, 0, "calculator", "refused", 0.001)
     s.close()
     with h5py.File(path, "r") as f:
-        assert f.attrs["schema_version"] == 5
+        assert f.attrs["schema_version"] == 6
         counts = dict(zip(f["commit"].attrs["tables"], f["commit"][:]))
         assert counts["/tools"] == 3 and counts["/episodes"] == 1
         ep = f["episodes"][0]
@@ -164,6 +165,9 @@ def test_a_schema_3_store_is_read_by_analyze_and_refused_by_a_resume(tmp_path, c
     before = sha(path)
     run = load_run(path)
     assert run.attrs["schema_version"] == 3 and run.tools.empty and run.episodes.empty
+    # the /samples columns of schema 6 it lacks read as 0, integers as written
+    assert len(run.samples) == 8 and (run.samples[["retokenized", "prefill_len"]] == 0).all().all()
+    assert run.samples["retokenized"].dtype == np.int8 and run.samples["prefill_len"].dtype == np.int32
     assert list(run.tools.columns)[:3] == ["t", "agent", "input_id"] and "calls" in run.episodes
     s = summary(run)
     assert s["per_agent"]["a"]["reward_last"] == pytest.approx(0.75) and s["tools"] == {}
@@ -173,14 +177,37 @@ def test_a_schema_3_store_is_read_by_analyze_and_refused_by_a_resume(tmp_path, c
     assert analyze_main([str(path), "--out", str(tmp_path / "figs")]) == 0
     assert "calls/episode a            mean 1.00  min 1  max 1" in capsys.readouterr().out
     assert (tmp_path / "figs" / "calls_per_episode.png").read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError, match="schema version 3; this flexmarl_hpc writes version 5"):
+    with pytest.raises(ValueError, match="schema version 3; this flexmarl_hpc writes version 6"):
         StoreFile(path, ["a", "b"], {})
     import flexmarl_hpc.submit as sub
     from flexmarl_hpc.config.schema import ConfigError
     monkeypatch.setattr(sub, "_slurm", lambda *a, **k: pytest.fail("sbatch was called"))
-    with pytest.raises(ConfigError, match="cannot resume: .*schema version 3; this flexmarl_hpc writes version 5"):
+    with pytest.raises(ConfigError, match="cannot resume: .*schema version 3; this flexmarl_hpc writes version 6"):
         sub.submit("configs/local.yaml", [f"run.output_dir={tmp_path}"], check_partitions=False)
     assert sha(path) == before
+
+
+def test_a_schema_5_store_is_refused_by_a_resume_and_salvage_writes_the_new_columns_as_0(tmp_path):
+    """The release before (schema 5) is refused as 3 and 4 were: finish a run with the release
+    that started it. Salvage reads an older store (here the golden schema 3) and writes this
+    release's records, by column name, the columns the source lacks 0."""
+    from flexmarl_hpc.store.salvage import salvage
+    path = tmp_path / "s.h5"
+    StoreFile(path, ["a", "b"], {}).close()
+    with h5py.File(path, "r+") as f:
+        f.attrs["schema_version"] = 5               # what the schema-5 release wrote there
+    before = sha(path)
+    with pytest.raises(ValueError, match="schema version 5; this flexmarl_hpc writes version 6"):
+        StoreFile(path, ["a", "b"], {})
+    assert sha(path) == before
+    old = load_run(GOLDEN_V3).samples
+    rep = salvage(GOLDEN_V3, tmp_path / "new.h5")
+    assert not any(rep.lost_ids.values())
+    run = load_run(tmp_path / "new.h5")
+    assert run.attrs["schema_version"] == 6
+    pd.testing.assert_frame_equal(run.samples, old)             # every column, the new ones 0
+    with h5py.File(tmp_path / "new.h5", "r") as f:
+        assert (f["samples/a"]["retokenized"] == 0).all() and (f["samples/b"]["prefill_len"] == 0).all()
 
 
 def test_analyze_shows_the_skew_of_calls_per_episode_and_the_tools(tmp_path, capsys):
@@ -252,6 +279,6 @@ def test_salvage_copies_tools_and_episodes_and_drops_the_episodes_of_lost_sample
     rep = salvage(path, tmp_path / "new.h5")
     assert rep.lost_ids["planner"] == ["0_0_0", "0_0_1"] and rep.lost_rows["/episodes"] == 2
     run = load_run(tmp_path / "new.h5")
-    assert run.attrs["schema_version"] == 5 and len(run.tools) == 4
+    assert run.attrs["schema_version"] == 6 and len(run.tools) == 4
     assert run.failures[["input_id", "traj", "kind", "message"]].values.tolist() == [[1, 1, "KeyError", "'x'"]]
     assert sorted(set(zip(run.episodes["input_id"], run.episodes["traj"]))) == [(1, 0), (1, 1)]
