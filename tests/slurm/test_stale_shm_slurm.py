@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -46,6 +47,10 @@ print("stale before MPI_Init:", sorted(left), "removed:", sorted(clear_stale_seg
 from mpi4py import MPI
 print("second incarnation: rank", MPI.COMM_WORLD.rank, "sum", MPI.COMM_WORLD.allreduce(1), flush=True)
 """
+
+
+def _show(job: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30).stdout
 
 
 @pytest.mark.slurm
@@ -77,10 +82,14 @@ def test_a_requeued_step_starts_after_its_killed_incarnation_left_its_slab(slurm
                               "SLURM_SRUN_COMM_HOST": "127.0.0.1", "SLURM_SRUN_COMM_PORT": "1"})
         subprocess.run(["scontrol", "release", job], check=True, capture_output=True, timeout=30)
         wait_for(lambda: out.exists() and "killed" in out.read_text(), 120, "the first incarnation")
-        # the requeue hold is the local cluster's cred_expire (10 s, scripts/slurm_up.sh); it is
-        # left to run out: a release right after the requeue starts the job on a credential
-        # slurmd has just revoked, and the job fails ("Job credential revoked")
-        wait_for(lambda: "second srun exit" in out.read_text(), 240, "the second incarnation", poll=2)
+        # released as `submit --wait` releases a requeue hold (SlurmRun.release_requeue_hold:
+        # StartTime=now once seen held 2 s; right after the requeue the job would start on a
+        # credential slurmd has just revoked): without it the requeued het job waited 80-90 s
+        # here for an event to wake the backfill scheduler (het jobs start only from it)
+        wait_for(lambda: "Reason=BeginTime" in _show(job), 60, "the requeue hold")
+        time.sleep(2)
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True, timeout=30)
+        wait_for(lambda: "second srun exit" in out.read_text(), 240, "the second incarnation", poll=1)
         text = out.read_text()
         assert "second srun exit 0" in text, text           # 124: hung in MPI_Init for 60 s
         assert text.count("second incarnation: rank") == 4 and text.count("sum 4") == 4, text
