@@ -79,7 +79,7 @@ def run(world, size: str, hops: list[int], reps: int, bucket: int, sleep: bool) 
     from flexmarl_hpc.config.sync_groups import SyncGroup
     from flexmarl_hpc.learn.model import build_model, hf_state_dict
     from flexmarl_hpc.runtime.sync_channels import host_bytes
-    from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, dict_bucket, layout_of, pack,
+    from flexmarl_hpc.runtime.weight_sync import (SyncPlan, SyncChannels, dict_bucket, layout_of, pack,
                                                   plan_buckets, receive_weights, send_weights)
     me = world.Get_rank()
     named = hf_state_dict(build_model(model_args(size), seed=0)) if me == 0 else None
@@ -93,7 +93,7 @@ def run(world, size: str, hops: list[int], reps: int, bucket: int, sleep: bool) 
     comm = world.Dup()
     ch = SyncChannels(world, "mpi")
     ch.open([SyncGroup(0, 0, (0,), tuple(range(1, world.size)))])
-    plan = Plan((0,), (buckets,))
+    plan = SyncPlan((0,), (buckets,))
     fns = {}
     for h in hops:
         targets = tuple(range(1, h + 1))

@@ -55,7 +55,7 @@ def run_size(world, size: str, backends: list[str], reps: int, bucket: int) -> N
     from flexmarl_hpc.learn.model import build_model, hf_state_dict
     from flexmarl_hpc.runtime.memtrack import TensorBytes
     from flexmarl_hpc.config.sync_groups import SyncGroup
-    from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, dict_bucket, layout_of, pack,
+    from flexmarl_hpc.runtime.weight_sync import (SyncPlan, SyncChannels, dict_bucket, layout_of, pack,
                                                   plan_buckets, receive_weights, send_weights)
 
     named = None
@@ -73,7 +73,7 @@ def run_size(world, size: str, backends: list[str], reps: int, bucket: int) -> N
         pair = ch.pairs[0, 0]
         chans.append(ch)
         if world.rank == 0:
-            plan = Plan((0,), (plan_buckets(layout_of(named), bucket),))
+            plan = SyncPlan((0,), (plan_buckets(layout_of(named), bucket),))
             fns[backend, "ours"] = lambda ch=ch, plan=plan: send_weights(ch, members[1:], plan, 1, 0,
                                                                          named.items(), leader=True)
         else:

@@ -62,7 +62,7 @@ def build_engine(plan: Plan, task: Task, device: str = "cpu", pool: int = 0):
 
 def receive_span(cfg: Config, args_of, wire) -> int:
     """Bytes of a replica's receive buffer for models `args_of` (ModelArgs): the largest
-    bucket or tensor sent in pieces at the wire dtype (weight_sync.Plan.span: a split
+    bucket or tensor sent in pieces at the wire dtype (weight_sync.SyncPlan.span: a split
     tensor's pieces land in place in it; with Qwen's 152,064-token vocabulary the embedding,
     1.56 GB in bf16, is larger than a 1 GiB bucket)."""
     import torch

@@ -29,7 +29,7 @@ from flexmarl_hpc.runtime.microbatch import microbatch_from_arrays
 from flexmarl_hpc.runtime.timing import WorkerClock
 from flexmarl_hpc.runtime.transport import recv_command, send_reply
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout, Deadline
-from flexmarl_hpc.runtime.weight_sync import (Destination, Plan, RemoteGroup, SyncChannels, layout_of, plan_buckets,
+from flexmarl_hpc.runtime.weight_sync import (Destination, SyncPlan, RemoteGroup, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, row_pieces, send_weights)
 
 
@@ -184,11 +184,11 @@ class TrainerRank:
             return messages.TrainerSynced(agent, version)
         return sync_timed_out(self.world.Get_rank(), cmd, reason)
 
-    def plan(self, src, targets: tuple[int, ...], agent: str) -> Plan:
+    def plan(self, src, targets: tuple[int, ...], agent: str) -> SyncPlan:
         """The sync's plan: stages, buckets, senders as world ranks."""
         senders = MPI.Group.Translate_ranks(self.group.Get_group(), src.sync_senders(), self.world.Get_group())
         layouts = src.sync_layouts()
-        return Plan(tuple(int(r) for r in senders),
+        return SyncPlan(tuple(int(r) for r in senders),
                     tuple(plan_buckets(lay, self.bucket_bytes, self.sync_wire) for lay in layouts))
 
     def checkpoint(self, cmd: messages.Checkpoint, t0: float) -> messages.Reply:

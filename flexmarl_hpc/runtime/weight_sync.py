@@ -21,7 +21,7 @@ with half-updated weights.
 Every transfer runs inside the sync group of its (trainer group, pool), made at start
 (runtime/sync_channels.py, config/sync_groups.py), whatever subset of the pool it targets:
 
-- the plan (`Plan`: per stage, its sender and buckets of names, dtypes, shapes, offsets; a
+- the plan (`SyncPlan`: per stage, its sender and buckets of names, dtypes, shapes, offsets; a
   pure function of the model, TP/PP and the bucket size) goes from the group leader to each
   target point to point over the pair's MPI communicator, after every target has announced
   itself (the rendezvous: waited for without spinning, comm.py); a target that already got
@@ -107,7 +107,7 @@ class Bucket:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SyncPlan:
     """What one sync carries, per PP stage: its sender (world rank) and its buckets."""
     senders: tuple[int, ...]
     stages: tuple[tuple[Bucket, ...], ...]
@@ -287,7 +287,7 @@ class Destination(Allocate):
     CollectiveTimeout the rest of the stream still runs (its TP sends are the group's
     collectives) into throwaway tensors (Allocate's), as send_weights drains it."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: SyncPlan):
         self.dtypes = {n: getattr(torch, d) for st in plan.stages for b in st for n, d in zip(b.names, b.dtypes)}
         self.views: dict[str, torch.Tensor] = {}
         self.spare = None                       # () -> the other bucket buffer, its send done
@@ -349,7 +349,7 @@ def _spare(buffer: Callable[[int], torch.Tensor], wait: Callable[[int], None], s
     return buffer(slot)
 
 
-def row_pieces(plan: Plan) -> dict[str, list[tuple[int, int]]]:
+def row_pieces(plan: SyncPlan) -> dict[str, list[tuple[int, int]]]:
     """{HF name: its row ranges [first, stop), in order} of the tensors `plan` sends in pieces:
     what a sharded trainer's `sync_stream` gathers at a time (the rest it yields whole)."""
     out: dict[str, list[tuple[int, int]]] = {}
@@ -441,7 +441,7 @@ def sync_deadline(channels: SyncChannels, members: tuple[int, ...], sender: bool
                     f"weight sync over ranks {list(members)}")
 
 
-def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, version: int,
+def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: SyncPlan, version: int,
                  stage: int | None, stream: Iterable[tuple[str, torch.Tensor]], leader: bool,
                  on_rendezvous=lambda: None, dest: Destination | None = None) -> None:
     """A trainer rank's part of a sync to the replicas `targets` (world ranks). The group
@@ -475,7 +475,7 @@ def send_weights(channels: SyncChannels, targets: tuple[int, ...], plan: Plan, v
         raise RuntimeError(f"weight sync: the trainer streamed {got!r} past the plan")
 
 
-def _send_stage(channels: SyncChannels, pairs: list[tuple[Pair, tuple[int, ...]]], plan: Plan, stage: int,
+def _send_stage(channels: SyncChannels, pairs: list[tuple[Pair, tuple[int, ...]]], plan: SyncPlan, stage: int,
                 it: Iterator[tuple[str, torch.Tensor]], dl: Deadline, dest: Destination) -> None:
     sender = plan.senders[stage]
     for p, _ in pairs:
@@ -497,7 +497,7 @@ def _send_stage(channels: SyncChannels, pairs: list[tuple[Pair, tuple[int, ...]]
 
 
 def receive_weights(channels: SyncChannels, members: tuple[int, ...], remote=None
-                    ) -> tuple[int, Plan, Iterator[dict[str, torch.Tensor] | RemoteBucket]]:
+                    ) -> tuple[int, SyncPlan, Iterator[dict[str, torch.Tensor] | RemoteBucket]]:
     """A replica's part of the sync over `members` (the trainer leader, then the targets):
     (version, plan, the buckets as dicts of views into this rank's one bucket buffer, each
     valid until the next is received: load it before asking for the next). The iterator
@@ -531,7 +531,7 @@ def receive_weights(channels: SyncChannels, members: tuple[int, ...], remote=Non
     return version, plan, buckets()
 
 
-def _receive_stage(channels: SyncChannels, pair: Pair, links: tuple[int, ...], at: int, plan: Plan, s: int,
+def _receive_stage(channels: SyncChannels, pair: Pair, links: tuple[int, ...], at: int, plan: SyncPlan, s: int,
                    dl: Deadline) -> Iterator[dict[str, torch.Tensor]]:
     """Stage `s`'s buckets from the link before this one, each forwarded to the link after
     (if any) as soon as it has landed, while the engine loads it. A relay (not the chain's
@@ -560,7 +560,7 @@ def _receive_stage(channels: SyncChannels, pair: Pair, links: tuple[int, ...], a
         _wait(channels, item[3], dl)
 
 
-def _announce(pairs: list[tuple[Pair, tuple[int, ...]]], plan: Plan, version: int, dl: Deadline) -> None:
+def _announce(pairs: list[tuple[Pair, tuple[int, ...]]], plan: SyncPlan, version: int, dl: Deadline) -> None:
     """The leader's side of the rendezvous: once every target has announced itself (so that
     it completes on no member before all have joined), each gets (version, a changed flag,
     the pickled plan's length) and, where it has not got this plan from this leader yet,
@@ -582,7 +582,7 @@ def _announce(pairs: list[tuple[Pair, tuple[int, ...]]], plan: Plan, version: in
     deadline.wait_requests(sends, dl, "the plan")
 
 
-def _listen(pair: Pair, leader: int, dl: Deadline) -> tuple[Plan, int]:
+def _listen(pair: Pair, leader: int, dl: Deadline) -> tuple[SyncPlan, int]:
     """A target's side of the rendezvous: announce itself, then the version and, where it
     changed, the plan."""
     src = pair.rank(leader)

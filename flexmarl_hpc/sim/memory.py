@@ -204,7 +204,7 @@ def _send(tr, bucket_mb: float, wire: torch.dtype | None) -> None:
     largest = max((b.total for b in buckets), default=0)
     with device_scope():
         buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
-    plan = weight_sync.Plan((0,), (buckets,))
+    plan = weight_sync.SyncPlan((0,), (buckets,))
     dest = weight_sync.Destination(plan)
     stream = iter(tr.sync_stream(weight_sync.row_pieces(plan), dest))
     weight_sync.fill_stage(buckets, stream, dest, buffers.__getitem__, lambda slot, flat: None, lambda slot: None)
@@ -244,7 +244,7 @@ def replica_rows(plan: Plan, task, p: int, first_rank: int, device_limit: int, n
     context, TP communicator and allocator slack are inside that budget (it measures them
     before sizing its KV cache). A weight receive then adds, outside it: one buffer of a
     bucket or of the largest tensor larger than a bucket (its pieces land in place:
-    weight_sync.Plan.span, SyncWorker.flexmarl_recv) with the allocator's rounding, and one
+    weight_sync.SyncPlan.span, SyncWorker.flexmarl_recv) with the allocator's rounding, and one
     NCCL communicator per trainer group feeding the pool (config/gpu_memory.py). Host:
     nothing model-sized (agents sharing an engine are re-sent by the trainer, not kept)."""
     from flexmarl_hpc.config.gpu_memory import allowances, replica_sync_comms

@@ -75,7 +75,7 @@ class ClassAlloc:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Allocation:
     """A candidate allocation and its estimates."""
 
     allocs: tuple[tuple[str, ClassAlloc], ...]
@@ -207,7 +207,7 @@ class _Estimator:
         gen = wl.global_batch * (wl.prompt_tokens / wl.samples_per_prompt + mean)
         return cls.count * cls.model.params * (2 * gen + 6 * wl.global_batch * (wl.prompt_tokens + mean))
 
-    def plan(self, allocs: tuple[tuple[str, ClassAlloc], ...]) -> Plan:
+    def plan(self, allocs: tuple[tuple[str, ClassAlloc], ...]) -> Allocation:
         phases, sync_parts, flex_parts, busy, demand = {}, [0.0, 0.0, 0.0], [], 0.0, {}
         for name, a in allocs:
             roll, roll_busy = self.rollout(name, a.pool_nodes, a.gpus_per_replica)
@@ -220,7 +220,7 @@ class _Estimator:
         devices = sum(a.pool_nodes + a.groups * a.group_nodes for _, a in allocs) * self.hw.devices_per_node
         step = {"sync": sum(sync_parts), "flex": max(flex_parts)}
         util = {m: busy / (devices * s) for m, s in step.items()}
-        return Plan(allocs, step, util, phases, demand)
+        return Allocation(allocs, step, util, phases, demand)
 
 
 def candidates(hw: HardwareProfile, classes: list[AgentClass], nodes: int,
@@ -252,7 +252,7 @@ def candidates(hw: HardwareProfile, classes: list[AgentClass], nodes: int,
 
 
 def rank_plans(hw: HardwareProfile, classes: list[AgentClass], workload: Workload, nodes: int,
-               mode: str = "flex", top: int = 5, swap: bool = True) -> list[Plan]:
+               mode: str = "flex", top: int = 5, swap: bool = True) -> list[Allocation]:
     """The `top` allocations of exactly `nodes` nodes by estimated `mode` step time."""
     if mode not in ("flex", "sync"):
         raise ValueError(f"mode: expected flex or sync, got {mode!r}")
@@ -273,7 +273,7 @@ def rank_plans(hw: HardwareProfile, classes: list[AgentClass], workload: Workloa
     return plans[:top]
 
 
-def describe(plan: Plan, hw: HardwareProfile) -> str:
+def describe(plan: Allocation, hw: HardwareProfile) -> str:
     """One line per class: pool and groups, then the step estimates."""
     lines = []
     for name, a in plan.allocs:
@@ -290,7 +290,7 @@ def describe(plan: Plan, hw: HardwareProfile) -> str:
     return "\n".join(lines)
 
 
-def config_fragment(plan: Plan, hw: HardwareProfile, classes: list[AgentClass]) -> dict:
+def config_fragment(plan: Allocation, hw: HardwareProfile, classes: list[AgentClass]) -> dict:
     """`rollout.pools` and `trainer.named_groups` of the plan in the config's own terms (one
     rank per device; agents named `<class>_<i>`; groups of a class that swap share the swap
     label `<class>`); the caller writes it as YAML."""

@@ -24,7 +24,7 @@ from flexmarl_hpc.sim.runs import raw_config, write_atomic, write_plan_config
 def plan(config: str, nodes: int, hardware: str, top: int, steps: int, out: Path,
          overrides: list[str] = (), baseline: bool = False) -> tuple[list[dict], dict | None]:
     """Rank splits of `nodes` in closed form, then simulate the best `top` of distinct shapes
-    (sim.plan_config.distinct) in flex mode: per plan its closed-form Plan, config fragment
+    (sim.plan_config.distinct) in flex mode: per plan its closed-form Allocation, config fragment
     and simulated result, best simulated step first; with `baseline`, also the config's own
     allocation simulated the same way (its `nodes`: every component's but the orchestrator's)."""
     resolved = load_plan(config, overrides)

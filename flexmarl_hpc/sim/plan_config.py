@@ -23,11 +23,11 @@ import yaml
 from flexmarl_hpc.config.validate import NAME_RE
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.config.load import to_dict
-from flexmarl_hpc.config.plan import Plan as ResolvedPlan     # sim.plan.Plan: a placement plan
+from flexmarl_hpc.config.plan import Plan
 from flexmarl_hpc.sim.costs import ModelShape, shape_from_model_args
 from flexmarl_hpc.sim.driver import QWEN_VOCAB
 from flexmarl_hpc.sim.hardware import HardwareProfile
-from flexmarl_hpc.sim.plan import AgentClass, Plan, Workload, group_sizes, replica_widths
+from flexmarl_hpc.sim.plan import AgentClass, Allocation, Workload, group_sizes, replica_widths
 
 CPUS_PER_DEVICE = 4
 """cpus_per_task per accelerator a task holds (the paper configs' choice: 4 for a trainer
@@ -44,7 +44,7 @@ class ConfigClass:
     """The config's agents of this shape, in workflow order."""
 
 
-def config_classes(plan: ResolvedPlan, vocab: int = QWEN_VOCAB) -> list[ConfigClass]:
+def config_classes(plan: Plan, vocab: int = QWEN_VOCAB) -> list[ConfigClass]:
     """Agents grouped by model shape, in order of first appearance. A class is named after
     the config pool serving exactly its agents, else their common name prefix, else `cN`."""
     cfg = plan.cfg
@@ -91,7 +91,7 @@ def plan_nodes(cfg: Config, nodes: int) -> int:
     return nodes - cfg.slurm.orchestrator.nodes
 
 
-def fragment(plan: Plan, hw: HardwareProfile, classes: list[ConfigClass], cfg: Config) -> dict:
+def fragment(plan: Allocation, hw: HardwareProfile, classes: list[ConfigClass], cfg: Config) -> dict:
     """The plan as config sections: `rollout.pools` and `trainer.named_groups` with their
     `slurm:` components (nodes x hw.devices_per_node, one task per device or replica), plus
     `pipeline.swap_states` when a class has fewer groups than agents (those groups share
@@ -122,7 +122,7 @@ def fragment(plan: Plan, hw: HardwareProfile, classes: list[ConfigClass], cfg: C
     return out
 
 
-def distinct(plans: list[Plan], k: int) -> list[Plan]:
+def distinct(plans: list[Allocation], k: int) -> list[Allocation]:
     """The first `k` plans of distinct shapes (per class: replica width, group count, group
     size), each with its best pool split. Splits of one shape that differ by a pool node sit
     inside the closed form's tie band and inside a few simulated steps' noise, so simulating
@@ -164,7 +164,7 @@ def _merge(dst: dict, src: dict) -> None:
             dst[k] = copy.deepcopy(v)
 
 
-def describe_alloc(plan: Plan, hw: HardwareProfile) -> list[str]:
+def describe_alloc(plan: Allocation, hw: HardwareProfile) -> list[str]:
     """One short line per class: its pool and its groups."""
     out = []
     for name, a in plan.allocs:

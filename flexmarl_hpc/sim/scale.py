@@ -23,7 +23,7 @@ from pathlib import Path
 
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.sim.hardware import HardwareProfile
-from flexmarl_hpc.sim.plan import Plan, Workload, rank_plans
+from flexmarl_hpc.sim.plan import Allocation, Workload, rank_plans
 from flexmarl_hpc.sim.plan_config import ConfigClass, min_nodes
 from flexmarl_hpc.store.checkpoint import replace_file
 
@@ -40,7 +40,7 @@ class ScalePoint:
     """Nodes they occupy (pools and trainer groups; the orchestrator's node not counted)."""
     hw: HardwareProfile
     """The profile the allocation is planned and simulated on (a `node_slice` below one node)."""
-    plans: dict[str, Plan] = field(default_factory=dict)
+    plans: dict[str, Allocation] = field(default_factory=dict)
     """Best closed-form plan per mode ("sync", "flex"); empty when the size does not fit."""
     reason: str = ""
     """Why the size does not fit (empty when it does)."""

@@ -95,7 +95,7 @@ def _receive(cfg: Config, engine, agents: tuple[str, ...], wire: torch.dtype | N
     plans = {}
     for a in agents:
         layout = [(k, s, torch.float32) for k, s in hf_shapes(engine.args_of[a]).items()]
-        plans[a] = weight_sync.Plan((0,), (weight_sync.plan_buckets(layout, bucket_bytes, wire),))
+        plans[a] = weight_sync.SyncPlan((0,), (weight_sync.plan_buckets(layout, bucket_bytes, wire),))
     buf = torch.empty(max(pl.span for pl in plans.values()), dtype=torch.uint8)
     second = [torch.empty(max(pl.largest for pl in plans.values()), dtype=torch.uint8)] if relay else []
     for v, a in enumerate(agents):

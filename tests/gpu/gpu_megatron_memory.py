@@ -85,7 +85,7 @@ def measure() -> list[dict]:
     phase("optimizer step")
     from flexmarl_hpc.runtime import weight_sync as W     # the sender's loop, as _send_stage runs it
     buckets = W.plan_buckets(tr.sync_layouts()[0], int(cfg.weight_sync.bucket_mb * 2**20), None)
-    plan, largest = W.Plan((0,), (buckets,)), max(b.total for b in buckets)
+    plan, largest = W.SyncPlan((0,), (buckets,)), max(b.total for b in buckets)
     buffers = [torch.empty(largest, dtype=torch.uint8, device="cuda") for _ in range(2)]
     dest = W.Destination(plan)                  # each range assembled in place in its bucket
     W.fill_stage(buckets, iter(tr.sync_stream(W.row_pieces(plan), dest)), dest, buffers.__getitem__,

@@ -55,7 +55,7 @@ def check() -> str:
     pair = G.Pair((0, 0), (0,), (1,), MPI.COMM_SELF, first={0: 0, 1: 1}, count={0: 1, 1: 1})
     ch.pairs[pair.key] = pair
     named, bucket, wire = _weights(torch), 4 * MIB, torch.bfloat16
-    plan = W.Plan((0,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
+    plan = W.SyncPlan((0,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
     sent, real, keep = [], W._isend, [False]
 
     def recording(channels, pair, flat, dst):

@@ -61,11 +61,11 @@ def main() -> None:
 def send(world, groups, named) -> None:
     import torch
 
-    from flexmarl_hpc.runtime.weight_sync import Plan, SyncChannels, layout_of, plan_buckets, send_weights
+    from flexmarl_hpc.runtime.weight_sync import SyncPlan, SyncChannels, layout_of, plan_buckets, send_weights
     channels = SyncChannels(world, "nccl", timeout_s=600)
     channels.open(groups)
     named.pop("lm_head.weight", None)                  # tied: vLLM takes the embedding
-    plan = Plan((0,), (plan_buckets(layout_of(named), 1 << 16, torch.bfloat16),))   # pieces too
+    plan = SyncPlan((0,), (plan_buckets(layout_of(named), 1 << 16, torch.bfloat16),))   # pieces too
     send_weights(channels, (1,), plan, 1, 0, named.items(), leader=True)
     channels.close()
 

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from flexmarl_hpc.runtime import comm
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout
 from flexmarl_hpc.config.sync_groups import SyncGroup
-from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, layout_of, plan_buckets,
+from flexmarl_hpc.runtime.weight_sync import (SyncPlan, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, send_weights)
 
 world = MPI.COMM_WORLD
@@ -37,7 +37,7 @@ def weights(version: int) -> dict[str, torch.Tensor]:          # 4 MiB: past MPI
 def sync(members, version):
     if rank == members[0]:
         named, targets = weights(version), members[1:]
-        plan = Plan((rank,), (plan_buckets(layout_of(named), BUCKET),))
+        plan = SyncPlan((rank,), (plan_buckets(layout_of(named), BUCKET),))
         send_weights(channels, targets, plan, version, 0, named.items(), leader=True)
         return
     v, _, buckets = receive_weights(channels, members)

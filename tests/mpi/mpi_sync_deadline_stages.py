@@ -19,7 +19,7 @@ from mpi4py import MPI
 from flexmarl_hpc.runtime import comm
 from flexmarl_hpc.runtime.deadline import CollectiveTimeout
 from flexmarl_hpc.config.sync_groups import SyncGroup
-from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, layout_of, plan_buckets,
+from flexmarl_hpc.runtime.weight_sync import (SyncPlan, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, send_weights)
 from flexmarl_hpc.ranks.workers import first_error
 
@@ -31,7 +31,7 @@ channels.open([SyncGroup(0, 0, (0, 1), (2,))])       # the trainer group's two s
 DONE = 99
 # each tensor (800 B) in a bucket of its own (1 KiB): a whole bucket per next(buckets) below
 stages = [{"s0.a": torch.ones(200), "s0.b": torch.ones(200)}, {"s1.a": torch.ones(200), "s1.b": torch.ones(200)}]
-plan = Plan((0, 1), tuple(plan_buckets(layout_of(s), 1024) for s in stages))
+plan = SyncPlan((0, 1), tuple(plan_buckets(layout_of(s), 1024) for s in stages))
 group = world.Split(int(rank == 2), rank)          # the trainer group {0, 1} (collective on world)
 if rank == 2:
     v, got, buckets = receive_weights(channels, (0, 2))

@@ -20,7 +20,7 @@ import torch
 from mpi4py import MPI
 
 from flexmarl_hpc.config.load import load_plan
-from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, layout_of, plan_buckets,
+from flexmarl_hpc.runtime.weight_sync import (SyncPlan, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, send_weights)
 
 world = MPI.COMM_WORLD
@@ -48,7 +48,7 @@ served = 0
 for version, (leader, targets) in enumerate(order, 1):
     if rank == leader:
         named = weights(leader, version)
-        plan = Plan((leader,), (plan_buckets(layout_of(named), 4096),))       # several buckets, pieces
+        plan = SyncPlan((leader,), (plan_buckets(layout_of(named), 4096),))       # several buckets, pieces
         send_weights(channels, targets, plan, version, 0, named.items(), leader=True)
     elif rank in targets:
         v, _, buckets = receive_weights(channels, (leader,) + targets)

@@ -36,7 +36,7 @@ def main():
     hf = {k: (torch.randn(v.shape, generator=g) if k.endswith("bias") else v) for k, v in hf.items()}
     cfg = TrainerConfig(backend="megatron", ranks_per_group=4, tensor_parallel=4, lr=1e-2)
     tr = MegatronTrainer(ARGS, cfg, world, 0.9, init=hf)
-    plan = W.Plan((0,), tuple(W.plan_buckets(lay, 4096) for lay in tr.sync_layouts()))
+    plan = W.SyncPlan((0,), tuple(W.plan_buckets(lay, 4096) for lay in tr.sync_layouts()))
     pieces = W.row_pieces(plan)
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(pieces), sorted(pieces)
     got: dict[str, list[torch.Tensor]] = {}

@@ -114,7 +114,7 @@ def main() -> None:
     from flexmarl_hpc.rollout.vllm_engine import VLLMEngine
     from flexmarl_hpc.runtime import messages
     from flexmarl_hpc.runtime.timing import WorkerClock
-    from flexmarl_hpc.runtime.weight_sync import Plan, SyncChannels, layout_of, plan_buckets, send_weights
+    from flexmarl_hpc.runtime.weight_sync import SyncPlan, SyncChannels, layout_of, plan_buckets, send_weights
     from flexmarl_hpc.ranks.workers import replica_sync
 
     world = MPI.COMM_WORLD
@@ -125,7 +125,7 @@ def main() -> None:
         channels.open(groups)
         for version in (1, 2):
             named = weights(version)
-            plan = Plan((0,), (plan_buckets(layout_of(named), 1024),))     # pieces of the embedding
+            plan = SyncPlan((0,), (plan_buckets(layout_of(named), 1024),))     # pieces of the embedding
             send_weights(channels, (1,), plan, version, 0, named.items(), leader=True)
     else:
         sys.modules["vllm"] = types.SimpleNamespace(LLM=SpawnedLLM)

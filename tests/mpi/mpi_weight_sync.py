@@ -21,7 +21,7 @@ from flexmarl_hpc.learn.model import ModelArgs, build_model, hf_state_dict
 from flexmarl_hpc.rollout.torch_engine import TorchEngine
 from flexmarl_hpc.runtime.memtrack import TensorBytes
 from flexmarl_hpc.config.sync_groups import SyncGroup
-from flexmarl_hpc.runtime.weight_sync import (Plan, SyncChannels, layout_of, plan_buckets,
+from flexmarl_hpc.runtime.weight_sync import (SyncPlan, SyncChannels, layout_of, plan_buckets,
                                               receive_weights, send_weights)
 from flexmarl_hpc.workflows.referential import ReferentialGame
 
@@ -56,7 +56,7 @@ if rank == 0:
         step(models[agent])
         named = hf_state_dict(models[agent])
         targets = members[1:]
-        p = Plan((0,), (plan_buckets(layout_of(named), bucket, wire),))
+        p = SyncPlan((0,), (plan_buckets(layout_of(named), bucket, wire),))
         with TensorBytes() as mem:
             send_weights(channels, targets, p, version, 0, named.items(), leader=True)
         peaks.append(mem.peak)

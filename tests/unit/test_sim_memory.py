@@ -285,7 +285,7 @@ def test_torch_replica_counts_the_received_weights_and_its_buffers():
     agents = cfg.agent_names
     args = model_args(cfg, task, agents[0])
     layout = [(k, s, torch.float32) for k, s in hf_shapes(args).items()]
-    plan = weight_sync.Plan((0,), (weight_sync.plan_buckets(layout, int(0.25 * 2**20)),))
+    plan = weight_sync.SyncPlan((0,), (weight_sync.plan_buckets(layout, int(0.25 * 2**20)),))
     weights = sum(_weight_bytes(model_args(cfg, task, a)) for a in agents)
     assert weights > 8 * plan.span                     # the check sees the weights, not just the buffer
     last = torch_replica(resolve(cfg), task, 0, None, relay=False)

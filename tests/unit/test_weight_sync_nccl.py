@@ -61,7 +61,7 @@ def _channels(**kw) -> G.SyncChannels:
 
 
 def _sync(ch, named, version, bucket, wire=None):
-    plan = W.Plan((MPI.COMM_WORLD.Get_rank(),), (W.plan_buckets(W.layout_of(named), bucket, wire),))
+    plan = W.SyncPlan((MPI.COMM_WORLD.Get_rank(),), (W.plan_buckets(W.layout_of(named), bucket, wire),))
     W.send_weights(ch, (TARGET,), plan, version, 0, named.items(), leader=False)
     return plan
 
@@ -130,7 +130,7 @@ def test_a_bucket_that_never_completes_times_out_and_abandons_its_pair(monkeypat
     ch = _channels(device="cpu", timeout_s=0.3)
     named = {f"l{i}": torch.ones(256) for i in range(4)}                   # 4 buckets of 1 KiB
     streamed = []
-    plan = W.Plan((MPI.COMM_WORLD.Get_rank(),), (W.plan_buckets(W.layout_of(named), 1024),))
+    plan = W.SyncPlan((MPI.COMM_WORLD.Get_rank(),), (W.plan_buckets(W.layout_of(named), 1024),))
     with pytest.raises(CollectiveTimeout, match="a bucket"):
         W.send_weights(ch, (TARGET,), plan, 1, 0, ((k, streamed.append(k) or t) for k, t in named.items()),
                        leader=False)
@@ -153,7 +153,7 @@ def test_a_stream_filling_in_place_runs_to_its_end_past_a_timeout(monkeypatch, b
     FakeNCCL.hang = True
     ch = _channels(device="cpu", timeout_s=0.3)
     named = {f"l{i}": torch.ones(256) for i in range(4)}                   # 4 buckets of 1 KiB
-    plan = W.Plan((MPI.COMM_WORLD.Get_rank(),), (W.plan_buckets(W.layout_of(named), 1024),))
+    plan = W.SyncPlan((MPI.COMM_WORLD.Get_rank(),), (W.plan_buckets(W.layout_of(named), 1024),))
     dest, streamed = W.Destination(plan), []
 
     def stream():

@@ -26,7 +26,7 @@ def test_a_tensor_larger_than_a_bucket_goes_in_row_pieces_each_a_bucket():
     embed = buckets[1:4]
     assert [b.at for b in embed] == [0, 320, 640] and {b.span for b in embed} == {960}
     assert [b.complete for b in embed] == [False, False, True]
-    assert max(b.total for b in buckets) == 320 and W.Plan((0,), (buckets,)).span == 960
+    assert max(b.total for b in buckets) == 320 and W.SyncPlan((0,), (buckets,)).span == 960
     # the wire dtype decides the bytes: bf16 rows are 16 B, the tensor (480 B) 2 pieces
     half = W.plan_buckets(layout, 320, torch.bfloat16)
     assert [b.piece for b in half if b.piece] == [W.Piece(0, 20, 30), W.Piece(20, 30, 30)]
@@ -78,7 +78,7 @@ def test_split_tensors_arrive_whole_and_bit_equal_with_the_sender_within_two_buc
              "mlp": torch.randn(12, 8, generator=g), "step": torch.tensor([4, 5])}
     bucket = 30 * 8 * 4 // 3                                      # a third of the largest tensor
     ch, me = _nccl_channels_to_one_replica()
-    plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
+    plan = W.SyncPlan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
     assert sum(b.piece is not None for b in plan.stages[0]) >= 4           # embed and head
     with TensorBytes() as mem:
         W.send_weights(ch, (1,), plan, 1, 0, named.items(), leader=False)
@@ -118,7 +118,7 @@ def test_a_stream_of_row_pieces_fills_the_buckets_a_whole_stream_does():
     named = {"embed": torch.randn(30, 8, generator=g), "norm": torch.randn(8, generator=g),
              "head": torch.randn(8, 30, generator=g).T, "mlp": torch.randn(12, 8, generator=g)}
     buckets = W.plan_buckets(W.layout_of(named), 30 * 8 * 4 // 3)
-    pieces = W.row_pieces(W.Plan((0,), (buckets,)))
+    pieces = W.row_pieces(W.SyncPlan((0,), (buckets,)))
     assert set(pieces) == {"embed", "head", "mlp"} and pieces["embed"][0][0] == 0 and pieces["embed"][-1][1] == 30
 
     def fill(stream):
@@ -161,7 +161,7 @@ def test_a_stream_assembled_in_place_adds_nothing_beside_the_two_buffers(monkeyp
              "head": torch.randn(8, 30, generator=g).T, "mlp": torch.randn(12, 8, generator=g)}
     bucket = 30 * 8 * 4 // 3
     ch, me = _nccl_channels_to_one_replica()
-    plan = W.Plan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
+    plan = W.SyncPlan((me,), (W.plan_buckets(W.layout_of(named), bucket, wire),))
     pieces = W.row_pieces(plan)
     peaks = []
     for dest in (W.Destination(plan), W.Allocate()):
@@ -189,7 +189,7 @@ def test_a_column_block_borrows_the_other_buffer_once_its_send_is_out():
     layout = [(k, (16,), torch.float32) for k in "abc"]
     buckets = W.plan_buckets(layout, 64)
     assert len(buckets) == 3
-    plan = W.Plan((0,), (buckets,))
+    plan = W.SyncPlan((0,), (buckets,))
     dest, events = W.Destination(plan), []
     buffers = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
     x = torch.arange(16, dtype=torch.float32)
@@ -221,7 +221,7 @@ def test_a_timeout_while_borrowing_the_other_buffer_leaves_the_stream_running():
     rest of the stream lands in throwaway tensors (`draining`), not in the bucket buffers."""
     from flexmarl_hpc.runtime.deadline import CollectiveTimeout
     buckets = W.plan_buckets([(k, (16,), torch.float32) for k in "abcd"], 64)
-    dest, seen, waits = W.Destination(W.Plan((0,), (buckets,))), [], []
+    dest, seen, waits = W.Destination(W.SyncPlan((0,), (buckets,))), [], []
     buffers = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
     x = torch.arange(16, dtype=torch.float32)
 
