@@ -7,8 +7,11 @@ state-swap tests (also used by the MPI driver tests/mpi/mpi_state_swap.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -347,3 +350,128 @@ def job_tails(run) -> str:
     log = run.paths.stdout.parent.parent / "train.log"
     parts = [(p.name, p.read_text()[-2500:]) for p in (run.paths.stdout, run.paths.stderr, log) if p.exists()]
     return "\n".join(f"--- {name} ---\n{text}" for name, text in parts)
+
+
+# -- the store tests' rows (tests/unit/test_store*.py) ------------------------------
+AGENTS = ["a", "b"]
+
+
+def sample_rows(store, agent, k, step=0):
+    rows = np.zeros(k, store.samples[agent].dtype)
+    rows["sample_id"] = [f"{step}_{i}".encode() for i in range(k)]
+    rows["step"], rows["trainer_step"], rows["status"] = step, -1, GENERATED
+    rows["reward"] = rows["advantage"] = rows["t_ready"] = rows["t_consumed"] = np.nan
+    return rows
+
+
+def event_rows(store, agent, rows, status, tstep=-1, reward=np.nan):
+    ev = np.zeros(len(rows), store.events.dtype)
+    ev["agent"], ev["row"], ev["status"], ev["trainer_step"] = AGENTS.index(agent), rows, status, tstep
+    ev["reward"] = ev["advantage"] = reward
+    return ev
+
+
+def in_child_then_kill(fn):
+    """Run fn() in a forked child that then SIGKILLs itself (no close, no atexit); fn
+    returns its StoreFile, held until the kill (dropping it would close the file)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            keep = fn()  # noqa: F841
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def corrupt(path, table, chunk=1, nbytes=64):
+    """Overwrite nbytes in the middle of chunk `chunk` of `table` with random bytes."""
+    with h5py.File(path, "r", swmr=True) as f:                # a killed writer's file too
+        info = f[table].id.get_chunk_info(chunk)
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + (info.size - nbytes) // 2)
+        fh.write(np.random.default_rng(0).bytes(nbytes))
+    return info.byte_offset
+
+
+# -- stand-ins of an episode's tokenizer and dataset (tests/unit/test_episode*.py) --------
+STOP = 2
+
+
+class CharConversation:
+    """A token per character of the messages' contents: enough for prompts to differ."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+
+    def prompt_ids(self, messages):
+        self.ids = self.ids + [3 + ord(c) % 100 for m in messages for c in m["content"]]
+        return list(self.ids)
+
+    def record(self, ids):
+        self.ids += list(ids)
+        return "".join(chr(97 + i % 26) for i in ids if i != STOP)
+
+
+class Stream:
+    def batch(self, step, n):
+        return [(step * n + i, {"x": step * n + i}) for i in range(n)]
+
+
+class WordConversation:
+    """Token-exact in the simplest way: a token per word, ids are word hashes mod 1000 + 3."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+
+    def prompt_ids(self, messages):
+        self.ids = self.ids + [3 + sum(map(ord, w)) % 1000 for m in messages[len(self.ids) and -1:]
+                               for w in m["content"].split()]
+        return list(self.ids)
+
+    def record(self, ids):
+        self.ids += list(ids)
+        return " ".join(str(i) for i in ids if i != STOP)
+
+
+# -- the calibration tests' workload and profile (tests/unit/test_calibrate.py) ------
+REFERENTIAL = ["rollout.replicas=2", "rollout.max_batch=32", "workflow.task_args.num_objects=8",
+               "workflow.inputs_per_step=8", "run.eval_every=0", "run.resume=false",
+               "run.checkpoint_every=0", "run.checkpoint_minutes=0"]
+
+
+def truth_profile():
+    """A CPU profile with known figures; hbm so fast the weight reads vanish (the fit's
+    linear regime), but not the optimizer term it fits."""
+    from flexmarl_hpc.sim.hardware import load_hardware
+    base = load_hardware("cpu_local")
+    eff = dataclasses.replace(base.efficiency, mfu_prefill=1.0, mfu_decode=1.0, mfu_train=0.4, hbm=1.0,
+                              call_overhead_s=3e-3, decode_step_overhead_s=1.5e-3, bucket_latency_s=7e-4,
+                              orchestrator_s=4e-4, orchestrator_step_s=6e-3, message_latency_s=1e-3)
+    return dataclasses.replace(base, peak_bf16_tflops=0.005, hbm_gb_s=20.0, efficiency=eff)
+
+
+# -- what a fresh interpreter imports (tests/unit/test_imports.py) -----------------
+HEAVY = ("torch", "mpi4py")
+
+
+def heavy_modules_after(code: str, heavy: tuple[str, ...] = HEAVY) -> list[str]:
+    """The `heavy` modules in sys.modules after `code` ran in a fresh interpreter."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {heavy!r} if m in sys.modules]))"
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# -- a scripted tool-using model (tests/unit/test_openai_endpoint.py, tests/mpi) ----
+BLOCK = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 30"}}\n</tool_call>'
+
+
+def scripted_tool_use(tok, call):
+    """A tool call after a user turn, sampled as single-byte tokens (ids the tokenizer never
+    produces for this text, so reusing them is a real check); an answer after a tool result."""
+    if call.messages[-1]["role"] == "tool":
+        return tok.encode("The answer is 360") + [tok.eos_id]
+    assert BLOCK.startswith(call.prefill), call.prefill      # a forced call's opening is given
+    return [i for ch in BLOCK[len(call.prefill):] for i in tok.encode(ch)] + [tok.eos_id]

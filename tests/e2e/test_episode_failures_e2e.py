@@ -13,14 +13,13 @@ import h5py
 import numpy as np
 
 from tests.conftest import ROOT, run_training
-from tests.e2e.test_episodes_e2e import chat_setup  # noqa: F401  (the fixture)
 from tests.helpers import check_exactly_once, check_journal
 
 DROPPED = 3
 
 
-def overrides(chat_setup, episode, steps):
-    model, data = chat_setup
+def overrides(tiny_chat, episode, steps):
+    model, data = tiny_chat
     return ["run.name=ep", f"workflow.episode=tests.e2e.episodes:{episode}", "workflow.agents=[planner]",
             "workflow.inputs_per_step=5", "workflow.group_size=2", "workflow.max_new_tokens=8",
             f"workflow.dataset.train={data}", "workflow.dataset.eval=", "workflow.dataset.shuffle=false",
@@ -33,8 +32,8 @@ def cli(module, *args):
                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
 
 
-def test_a_run_whose_episodes_all_fail_stops_with_the_traceback_and_exit_1(tmp_path, mpiexec, chat_setup):
-    p = run_training(tmp_path, *overrides(chat_setup, "fails_always", 3), config="configs/math_team.yaml",
+def test_a_run_whose_episodes_all_fail_stops_with_the_traceback_and_exit_1(tmp_path, mpiexec, tiny_chat):
+    p = run_training(tmp_path, *overrides(tiny_chat, "fails_always", 3), config="configs/math_team.yaml",
                      check=False)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     stop = [ln for ln in p.stdout.splitlines() if ln.startswith("stopping the run:")]
@@ -53,8 +52,8 @@ def test_a_run_whose_episodes_all_fail_stops_with_the_traceback_and_exit_1(tmp_p
     assert (tmp_path / "checkpoints" / "planner").is_dir()
 
 
-def test_one_failed_episode_in_ten_is_dropped_and_analyze_and_status_show_the_kinds(tmp_path, mpiexec, chat_setup):
-    p = run_training(tmp_path, *overrides(chat_setup, "fails_one_in_ten", 2), config="configs/math_team.yaml")
+def test_one_failed_episode_in_ten_is_dropped_and_analyze_and_status_show_the_kinds(tmp_path, mpiexec, tiny_chat):
+    p = run_training(tmp_path, *overrides(tiny_chat, "fails_one_in_ten", 2), config="configs/math_team.yaml")
     assert "step    2/2" in p.stdout, p.stdout[-3000:]
     assert "step 0: 1 of 10 episodes failed (KeyError 1)" in p.stdout
     assert "step 1: 1 of 10 episodes failed (KeyError 1)" in p.stdout

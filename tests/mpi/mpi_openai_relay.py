@@ -34,7 +34,7 @@ def orchestrator(world) -> None:
     from flexmarl_hpc.workflows.openai_agent import agent_episode, server_of
     sys.path.insert(0, "scripts")
     from make_tiny_chat_model import write_tokenizer
-    from tests.unit.test_openai_endpoint import scripted_tool_use
+    from tests.helpers import scripted_tool_use
 
     folder = Path(tempfile.mkdtemp())
     write_tokenizer(folder, 400)

@@ -16,20 +16,7 @@ from flexmarl_hpc.sim.costs import CostModel, optimizer_s
 from flexmarl_hpc.sim.driver import cost_model, measure, simulate_run
 from flexmarl_hpc.sim.hardware import load_hardware
 from tests.conftest import ROOT
-
-REFERENTIAL = ["rollout.replicas=2", "rollout.max_batch=32", "workflow.task_args.num_objects=8",
-               "workflow.inputs_per_step=8", "run.eval_every=0", "run.resume=false",
-               "run.checkpoint_every=0", "run.checkpoint_minutes=0"]
-
-
-def truth_profile():
-    """A CPU profile with known figures; hbm so fast the weight reads vanish (the fit's
-    linear regime), but not the optimizer term it fits."""
-    base = load_hardware("cpu_local")
-    eff = dataclasses.replace(base.efficiency, mfu_prefill=1.0, mfu_decode=1.0, mfu_train=0.4, hbm=1.0,
-                              call_overhead_s=3e-3, decode_step_overhead_s=1.5e-3, bucket_latency_s=7e-4,
-                              orchestrator_s=4e-4, orchestrator_step_s=6e-3, message_latency_s=1e-3)
-    return dataclasses.replace(base, peak_bf16_tflops=0.005, hbm_gb_s=20.0, efficiency=eff)
+from tests.helpers import REFERENTIAL, truth_profile
 
 
 def synthetic_observations(hw, layout, rng) -> Observations:

@@ -13,7 +13,7 @@ import pytest
 from flexmarl_hpc.config.schema import ConfigError
 from flexmarl_hpc.workflows.dataset import DatasetConfig, DatasetError, ExampleStream, load_examples
 from tests.conftest import need
-from tests.unit.test_imports import heavy_modules_after
+from tests.helpers import heavy_modules_after
 
 ROWS = [{"problem": f"What is {i} + {i}?", "solution": 2 * i, "level": i % 3} for i in range(10)]
 

@@ -11,7 +11,7 @@ import pytest
 from flexmarl_hpc.config.schema import Config, RunConfig, WorkflowConfig
 from flexmarl_hpc.orchestrator.episode_eval import EPISODE_BASE, EpisodeEvaluator
 from flexmarl_hpc.workflows.episode import EpisodeRunner
-from tests.unit.test_episodes import STOP, WordConversation
+from tests.helpers import STOP, WordConversation
 
 
 async def judged(ctx, example):

@@ -13,8 +13,7 @@ from flexmarl_hpc.orchestrator.experience import EpisodeExperience
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.store.schema import CONSUMED, DROPPED
 from flexmarl_hpc.workflows.episode import EpisodeRunner
-from tests.helpers import EV_DROPPED, EV_GENERATED, check_journal
-from tests.unit.test_episode_journal import STOP, Conversation, Stream
+from tests.helpers import CharConversation, check_journal, EV_DROPPED, EV_GENERATED, STOP, Stream
 
 
 async def flaky(ctx, example):
@@ -31,7 +30,7 @@ class Task:
 
     def runner(self, cfg, tools=None, record_tool=None):
         return EpisodeRunner(flaky, cfg.agent_names, cfg.run.seed, cfg.workflow.max_new_tokens,
-                             lambda agent: Conversation(), tools=tools, record_tool=record_tool)
+                             lambda agent: CharConversation(), tools=tools, record_tool=record_tool)
 
 
 class NoPool:

@@ -19,29 +19,7 @@ from flexmarl_hpc.orchestrator.experience import EpisodeExperience, NotReady
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.tools.pool import Called
 from flexmarl_hpc.workflows.episode import EpisodeRunner
-from tests.helpers import check_journal
-
-STOP = 2
-
-
-class Conversation:
-    """A token per character of the messages' contents: enough for prompts to differ."""
-
-    def __init__(self):
-        self.ids: list[int] = []
-
-    def prompt_ids(self, messages):
-        self.ids = self.ids + [3 + ord(c) % 100 for m in messages for c in m["content"]]
-        return list(self.ids)
-
-    def record(self, ids):
-        self.ids += list(ids)
-        return "".join(chr(97 + i % 26) for i in ids if i != STOP)
-
-
-class Stream:
-    def batch(self, step, n):
-        return [(step * n + i, {"x": step * n + i}) for i in range(n)]
+from tests.helpers import CharConversation, check_journal, STOP, Stream
 
 
 def count(ids):
@@ -86,7 +64,7 @@ class Task:
 
     def runner(self, cfg, tools=None, record_tool=None):
         return EpisodeRunner(reward_on_a_worker, cfg.agent_names, cfg.run.seed, cfg.workflow.max_new_tokens,
-                             lambda agent: Conversation(), tools=tools, record_tool=record_tool)
+                             lambda agent: CharConversation(), tools=tools, record_tool=record_tool)
 
 
 @pytest.fixture

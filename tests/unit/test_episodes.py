@@ -14,29 +14,7 @@ from flexmarl_hpc.learn.grpo import call_advantages
 from flexmarl_hpc.orchestrator.episodes import EpisodeTree, ReplayMismatch
 from flexmarl_hpc.store.schema import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.episode import EpisodeRunner
-
-STOP = 2
-
-
-class WordConversation:
-    """Token-exact in the simplest way: a token per word, ids are word hashes mod 1000 + 3."""
-
-    def __init__(self):
-        self.ids: list[int] = []
-
-    def prompt_ids(self, messages):
-        self.ids = self.ids + [3 + sum(map(ord, w)) % 1000 for m in messages[len(self.ids) and -1:]
-                               for w in m["content"].split()]
-        return list(self.ids)
-
-    def record(self, ids):
-        self.ids += list(ids)
-        return " ".join(str(i) for i in ids if i != STOP)
-
-
-class Stream:
-    def batch(self, step, n):
-        return [(step * n + i, {"x": step * n + i}) for i in range(n)]
+from tests.helpers import STOP, Stream, WordConversation
 
 
 async def skewed(ctx, example):

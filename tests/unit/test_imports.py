@@ -9,29 +9,17 @@ an MPI rank, where initialising MPI aborts them: tests/mpi/test_vllm_workers_mpi
 from __future__ import annotations
 
 import ast
-import json
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.conftest import ROOT
+from tests.helpers import heavy_modules_after
+
 LOCAL = str(ROOT / "configs" / "local.yaml")
 LIGHT = ["flexmarl_hpc.config.schema", "flexmarl_hpc.config.load", "flexmarl_hpc.config.validate",
          "flexmarl_hpc.config.validate_slurm", "flexmarl_hpc.config.resources",
          "flexmarl_hpc.config.layout", "flexmarl_hpc.launch.sbatch", "flexmarl_hpc.launch.preflight",
          "flexmarl_hpc.submit"]
-HEAVY = ("torch", "mpi4py")
-
-
-def heavy_modules_after(code: str, heavy: tuple[str, ...] = HEAVY) -> list[str]:
-    """The `heavy` modules in sys.modules after `code` ran in a fresh interpreter."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {heavy!r} if m in sys.modules]))"
-    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def test_config_and_submit_import_no_torch_or_mpi():
@@ -215,3 +203,23 @@ def test_the_layer_check_sees_an_upward_and_a_sideways_import(tmp_path):
                                            "flexmarl_hpc/config/a.py: flexmarl_hpc.runtime.comm",
                                            "flexmarl_hpc/rollout/b.py: flexmarl_hpc.trainer.base",
                                            "flexmarl_hpc/rollout/b.py: flexmarl_hpc.trainer.base.x"]
+
+
+def test_no_test_module_imports_another():
+    """tests/README.md: shared code lives in tests/conftest.py (fixtures) and tests/helpers.py;
+    a test module importing another runs the other's module-level code and hides what it
+    shares (9 such imports were found and moved)."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for mod in _test_imports(path):
+            found.append(f"{path.relative_to(ROOT)}: {mod}")
+    assert found == []
+
+
+def _test_imports(path: Path) -> list[str]:
+    out = []
+    for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+            [n.module] if isinstance(n, ast.ImportFrom) and n.module else []
+        out += [m for m in names if m.startswith("tests.") and m.rsplit(".", 1)[-1].startswith("test_")]
+    return out

@@ -23,6 +23,7 @@ from flexmarl_hpc.workflows.chat import Conversation, SyntheticChatTokenizer
 from flexmarl_hpc.workflows.openai_agent import agent_episode
 from flexmarl_hpc.workflows.openai_api import REFUSED_WHY, ApiError, ChatRequest, parse_request
 from tests.conftest import ROOT
+from tests.helpers import BLOCK, scripted_tool_use
 
 AGENTS = ["writer", "critic"]
 USER = [{"role": "user", "content": "2+3?"}]
@@ -257,9 +258,6 @@ def test_an_async_program_with_a_reward_function_and_a_raising_program(pool):
     assert f.failure.kind == "AgentTimeout" and "no result in 1.0 s" in f.failure.message, f.failure
 
 
-BLOCK = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 30"}}\n</tool_call>'
-
-
 def tool_program(base_url, example):
     """An OpenAI tool loop, its wire shapes checked: the call as `tool_calls` (an id, the
     arguments a JSON string), run by the endpoint's /run_tools, its result sent back."""
@@ -288,15 +286,6 @@ def tool_program(base_url, example):
     except openai.BadRequestError as e:
         assert e.body["param"] == "parallel_tool_calls", e.body
     return {"solver": 1.0}
-
-
-def scripted_tool_use(tok, call):
-    """A tool call after a user turn, sampled as single-byte tokens (ids the tokenizer never
-    produces for this text, so reusing them is a real check); an answer after a tool result."""
-    if call.messages[-1]["role"] == "tool":
-        return tok.encode("The answer is 360") + [tok.eos_id]
-    assert BLOCK.startswith(call.prefill), call.prefill      # a forced call's opening is given
-    return [i for ch in BLOCK[len(call.prefill):] for i in tok.encode(ch)] + [tok.eos_id]
 
 
 def test_a_tool_using_program_gets_tool_calls_runs_them_in_the_sandbox_and_stays_token_exact(pool, tiny_tok):

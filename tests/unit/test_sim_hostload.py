@@ -20,7 +20,7 @@ from flexmarl_hpc.sim.hardware import HardwareError, load_hardware, validate_har
 from flexmarl_hpc.sim.hostload import HostLoad, LoadSampler, busy_seconds, pid_stat, reject_outliers, tree_ticks
 from flexmarl_hpc.sim.calibrate_cli import calibrate, with_load
 from tests.conftest import ROOT
-from tests.unit.test_calibrate import REFERENTIAL, truth_profile
+from tests.helpers import REFERENTIAL, truth_profile
 
 STAT = """cpu  100 20 30 1000 50 5 7 11 13 0
 cpu0 50 10 15 500 25 2 3 5 6 0

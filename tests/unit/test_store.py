@@ -14,36 +14,7 @@ from flexmarl_hpc.store.repair import clear_open_flags, lookup3
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.store.chunked import Table
 from flexmarl_hpc.store.schema import CONSUMED, GENERATED, READY
-
-AGENTS = ["a", "b"]
-
-
-def sample_rows(store, agent, k, step=0):
-    rows = np.zeros(k, store.samples[agent].dtype)
-    rows["sample_id"] = [f"{step}_{i}".encode() for i in range(k)]
-    rows["step"], rows["trainer_step"], rows["status"] = step, -1, GENERATED
-    rows["reward"] = rows["advantage"] = rows["t_ready"] = rows["t_consumed"] = np.nan
-    return rows
-
-
-def event_rows(store, agent, rows, status, tstep=-1, reward=np.nan):
-    ev = np.zeros(len(rows), store.events.dtype)
-    ev["agent"], ev["row"], ev["status"], ev["trainer_step"] = AGENTS.index(agent), rows, status, tstep
-    ev["reward"] = ev["advantage"] = reward
-    return ev
-
-
-def in_child_then_kill(fn):
-    """Run fn() in a forked child that then SIGKILLs itself (no close, no atexit); fn
-    returns its StoreFile, held until the kill (dropping it would close the file)."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            keep = fn()  # noqa: F841
-        finally:
-            os.kill(os.getpid(), signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+from tests.helpers import AGENTS, event_rows, in_child_then_kill, sample_rows
 
 
 def test_lookup3_matches_known_vectors():

@@ -19,7 +19,7 @@ from flexmarl_hpc.store.checksum import (StoreDamaged, StoreUnreadable, damaged_
 from flexmarl_hpc.store.tables import StoreError, StoreFile
 from flexmarl_hpc.store.schema import GENERATED
 from tests.conftest import ROOT
-from tests.unit.test_store import AGENTS, event_rows, in_child_then_kill, sample_rows
+from tests.helpers import AGENTS, event_rows, in_child_then_kill, sample_rows, corrupt
 
 
 def sha(path):
@@ -44,16 +44,6 @@ def written(path, rows=300):
     s.events.append(event_rows(s, "a", np.arange(first, first + rows), GENERATED))
     s.flush()
     return s
-
-
-def corrupt(path, table, chunk=1, nbytes=64):
-    """Overwrite nbytes in the middle of chunk `chunk` of `table` with random bytes."""
-    with h5py.File(path, "r", swmr=True) as f:                # a killed writer's file too
-        info = f[table].id.get_chunk_info(chunk)
-    with open(path, "r+b") as fh:
-        fh.seek(info.byte_offset + (info.size - nbytes) // 2)
-        fh.write(np.random.default_rng(0).bytes(nbytes))
-    return info.byte_offset
 
 
 def test_h5py_verifies_the_chunks_we_write_and_refuses_a_corrupted_one(tmp_path):
@@ -224,7 +214,6 @@ def test_submit_refuses_a_damaged_store_before_sbatch_and_writes_nothing(tmp_pat
     with pytest.raises(ConfigError, match="cannot resume: .*checksum mismatch in /events"):
         sub.submit("configs/local.yaml", [f"run.output_dir={tmp_path}"], check_partitions=False)
     assert sha(path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["local.h5"]
-
 
 
 def flush_on_a_full_disk(s, monkeypatch, **flush_kw) -> None:

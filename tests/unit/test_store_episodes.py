@@ -18,8 +18,7 @@ from flexmarl_hpc.store.checksum import StoreDamaged
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.store.schema import CONSUMED, TOOL_OUTCOMES
 from tests.conftest import ROOT
-from tests.unit.test_store import in_child_then_kill
-from tests.unit.test_store_checksums import corrupt
+from tests.helpers import in_child_then_kill, corrupt
 
 AGENTS = ["planner", "solver", "verifier"]
 GOLDEN_V3 = ROOT / "tests" / "golden" / "store_v3.h5"
