@@ -224,7 +224,7 @@ FIGURES: dict[str, Figure] = {
     "sim_memory_paper_mix": Figure(sim_memory_paper_mix),
     "sim_capacity": Figure(sim_capacity, bench=True),
     # deterministic but slow (minutes): only --full makes them, so that --check stays short
-    # (sim_paper: 5 seeds x 5 systems x 2 tasks, ~6 min of CPU; tests/unit/test_sim_paper.py
+    # (sim_paper: 5 seeds x 5 systems x 2 tasks, ~6 min of CPU; tests/sim/test_sim_paper.py
     # checks its machinery on every run)
     "sim_paper": Figure(sim_paper, bench=True),
     "bench_store": Figure(bench("bench_store.py"), bench=True),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the test suite (what CI runs):
-#   bash scripts/test.sh [pytest args...]      # everything: tests/{unit,mpi,e2e,slurm,gpu}
+#   bash scripts/test.sh [pytest args...]      # everything: tests/{unit,sim,mpi,e2e,slurm,gpu}
 #   bash scripts/test.sh tests/unit           # one tier (tests/README.md: what each needs and costs)
 # Tests that need MPI, Slurm or HDF5 fail under CI=true when those are missing; Slurm tests
 # bring up a local Slurm cluster themselves (scripts/slurm_up.sh, needs root for apt).
@@ -37,7 +37,7 @@ if [ "$#" != 0 ]; then
   pytest_tier "$@"
   exit $?
 fi
-# The whole run: the unit tier and the figures check are one process each, so on CI's two
+# The whole run: the unit and sim tiers and the figures check are one process each, so on CI's two
 # cores they run side by side (about 2 minutes saved), with the vLLM venv's install (disk and
 # network mostly); then the tiers that start MPI jobs, training runs and Slurm jobs, which
 # want both cores to themselves.
@@ -47,6 +47,9 @@ figlog=$(mktemp)
 figpid=$!
 pytest_tier tests/unit
 rc_unit=$?
+pytest_tier tests/sim          # still beside the figures check, which takes longer than the unit tier
+rc_sim=$?
+[ "$rc_unit" != 0 ] || rc_unit=$rc_sim
 wait "$figpid"
 figures=$?
 cat "$figlog"

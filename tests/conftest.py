@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-TIERS = ("unit", "mpi", "e2e", "slurm", "gpu")
+TIERS = ("unit", "sim", "mpi", "e2e", "slurm", "gpu")
 
 
 def need(condition: bool, what: str) -> None:
