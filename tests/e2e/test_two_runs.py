@@ -113,7 +113,7 @@ def test_late_concurrent_starts_are_refused_by_their_own_launcher_before_any_ran
     (the first's rank 0 had not locked yet) and started 4 ranks, refused 10-18 s later. The
     launcher now takes the lock itself and hands it to mpiexec: of runs started 0, 0.5 and
     1.5 s after a first one on the same folder, exactly one launches and every other is
-    refused by its own launcher (rc 2, one line, nothing launched). 5 rounds; the refusal
+    refused by its own launcher (rc 2, one line, nothing launched). 2 rounds; the refusal
     times are printed (median [min, max]), the order is what is asserted."""
     from statistics import median
     from tests.helpers import sigkill_tree
