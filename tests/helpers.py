@@ -475,3 +475,21 @@ def scripted_tool_use(tok, call):
         return tok.encode("The answer is 360") + [tok.eos_id]
     assert BLOCK.startswith(call.prefill), call.prefill      # a forced call's opening is given
     return [i for ch in BLOCK[len(call.prefill):] for i in tok.encode(ch)] + [tok.eos_id]
+
+
+def answer_until_done(runner, tok, answer, calls: list, timeout: float) -> list:
+    """Step an EpisodeRunner, answering each new call with `answer(tok, call)` cut at its
+    max_tokens (a scripted model), until an episode finishes, the runner has none left, or
+    `timeout` s pass; returns the finished episodes (empty if none). `calls` collects the calls."""
+    t0 = time.time()
+    while runner.running and time.time() - t0 < timeout:
+        runner.step()
+        new, done = runner.take()
+        for c in new:
+            calls.append(c)
+            c.response = answer(tok, c)[:c.max_tokens]
+            c.done(c.response, frozenset(tok.stop_ids))
+        if done:
+            return done
+        time.sleep(0.002)
+    return []

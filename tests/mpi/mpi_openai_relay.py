@@ -34,7 +34,7 @@ def orchestrator(world) -> None:
     from flexmarl_hpc.workflows.openai_agent import agent_episode, server_of
     sys.path.insert(0, "scripts")
     from make_tiny_chat_model import write_tokenizer
-    from tests.helpers import scripted_tool_use
+    from tests.helpers import answer_until_done, scripted_tool_use
 
     folder = Path(tempfile.mkdtemp())
     write_tokenizer(folder, 400)
@@ -54,15 +54,8 @@ def orchestrator(world) -> None:
 
     pool.endpoint = counting
     runner.start(0, 0, 0, {"question": "What is 12 * 30?"})
-    calls, done, t0 = [], [], time.time()
-    while not done and time.time() - t0 < 120:
-        runner.step()
-        new, done = runner.take()
-        for c in new:
-            calls.append(c)
-            c.response = scripted_tool_use(tok, c)[:c.max_tokens]
-            c.done(c.response, frozenset(tok.stop_ids))
-        time.sleep(0.002)
+    calls, t0 = [], time.time()
+    done = answer_until_done(runner, tok, scripted_tool_use, calls, 120)
     took = time.time() - t0
     assert done, "the episode did not end"
     f = done[0]

@@ -23,7 +23,7 @@ from flexmarl_hpc.workflows.chat import Conversation, SyntheticChatTokenizer
 from flexmarl_hpc.workflows.openai_agent import agent_episode
 from flexmarl_hpc.workflows.openai_api import REFUSED_WHY, ApiError, ChatRequest, parse_request
 from tests.conftest import ROOT
-from tests.helpers import BLOCK, scripted_tool_use
+from tests.helpers import answer_until_done, BLOCK, scripted_tool_use
 
 AGENTS = ["writer", "critic"]
 USER = [{"role": "user", "content": "2+3?"}]
@@ -203,18 +203,11 @@ def run_episode(pool, spec, reward="", timeout_s=60.0, tok=None, answer=answer_a
                            user_tools={k: read_function(k, v) for k, v in TOOL_FN.items()},
                            record_tool=lambda ctx, name, outcome, s: recorded.append((name, outcome)))
     runner.start(0, 0, 0, example or {"question": "2+3?"})
-    calls, t0 = [], time.time()
+    calls = []
     try:
-        while runner.running and time.time() - t0 < 60:
-            runner.step()
-            new, done = runner.take()
-            for c in new:
-                calls.append(c)
-                c.response = answer(tok, c)[:c.max_tokens]
-                c.done(c.response, frozenset(tok.stop_ids))
-            if done:
-                return done[0], calls, tok
-            time.sleep(0.002)
+        done = answer_until_done(runner, tok, answer, calls, 60)
+        if done:
+            return done[0], calls, tok
     finally:
         runner.pool = None             # the module's pool outlives the runner
         runner.close()
