@@ -22,11 +22,19 @@ from flexmarl_hpc.clock import REAL
 
 _SPEC = os.environ.get("FLEXMARL_FAULT", "")
 _seen: dict[str, int] = {}
+RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+"""Where a launcher puts a process's world rank before MPI_Init: MPICH's PMI (mpiexec, srun
+--mpi=pmi2), PMIx (srun --mpi=pmix, Open MPI), Open MPI's mpirun."""
+
+
+def launcher_rank(env=os.environ) -> int | None:
+    """This process's world rank as its launcher set it, before (or without) MPI_Init."""
+    return next((int(env[v]) for v in RANK_VARS if v in env), None)
 
 
 def _hit(point: str, before=None) -> None:
     want, count, rank, *how = _SPEC.split(":")
-    if point != want or os.environ.get("PMI_RANK", "0") != rank:
+    if point != want or (launcher_rank() or 0) != int(rank):
         return
     restart = [h.split("=", 1)[1] for h in how if h.startswith("restart=")]
     if restart and os.environ.get("SLURM_RESTART_COUNT", "0") != restart[0]:

@@ -10,7 +10,7 @@ Each trial runs the default training command on a small config (`TRAIN_ARGS`: co
 member) into `<out>/fault_<n>` and kills ONE rank with SIGKILL:
 
 - at a seeded random moment: the orchestrator (world rank 0), the replica (1), a trainer
-  leader (2 or 4) or a trainer member (3 or 5), found by `PMI_RANK` in /proc/<pid>/environ;
+  leader (2 or 4) or a trainer member (3 or 5), found by its launcher's rank variable (`PMI_RANK`, `PMIX_RANK`, ...) in /proc/<pid>/environ;
 - or precisely, through the test-only hook `flexmarl_hpc/faults.py` (env FLEXMARL_FAULT):
   mid checkpoint file (`checkpoint_write`), between its rename and its manifest
   (`checkpoint_latest`), after a table's rows are written but before /commit
@@ -43,6 +43,9 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from flexmarl_hpc.faults import launcher_rank  # noqa: E402  (one list of the launchers' rank variables)
+
 STEPS, EVERY = 30, 5
 TRAIN_ARGS = ["configs/local.yaml", f"run.steps={STEPS}", f"run.checkpoint_every={EVERY}",
               "trainer.ranks_per_group=2", "run.log_every=1", "workflow.inputs_per_step=4",
@@ -70,8 +73,9 @@ def rank_pids(tag: str, cmd_has: str = "") -> dict[int, int]:
             cmd = (d / "cmdline").read_text()
         except (OSError, ValueError):
             continue
-        if env.get("FLEXMARL_FAULT_TAG") == tag and "PMI_RANK" in env and state != "Z" and cmd_has in cmd:
-            found[int(env["PMI_RANK"])] = int(d.name)
+        rank = launcher_rank(env)
+        if env.get("FLEXMARL_FAULT_TAG") == tag and rank is not None and state != "Z" and cmd_has in cmd:
+            found[rank] = int(d.name)
     return found
 
 

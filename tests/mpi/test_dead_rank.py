@@ -25,7 +25,7 @@ from tests.conftest import ROOT
 from tests.helpers import SMALL_ANY_STEPS, wait_for
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import faults  # noqa: E402  (scripts/faults.py: rank_pids finds ranks by PMI_RANK and a tag)
+import faults  # noqa: E402  (scripts/faults.py: rank_pids finds ranks by their launcher rank and a tag)
 
 RANK_CMD = "flexmarl_hpc.run"
 """In a rank's command line, not its shell's."""

@@ -23,7 +23,7 @@ from tests.conftest import ROOT
 from tests.helpers import SMALL_ANY_STEPS as SMALL, check_exactly_once, job_tails, steps_logged, wait_for
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import faults  # noqa: E402  (scripts/faults.py: rank_pids finds ranks by PMI_RANK and a tag)
+import faults  # noqa: E402  (scripts/faults.py: rank_pids finds ranks by their launcher rank and a tag)
 
 STEPS = 300                       # ~40 ms each: the kill lands mid-run
 BOUND_S = 60.0                    # the bound: kill -> every component ended
