@@ -40,6 +40,7 @@ from flexmarl_hpc.config.resources import component_mem
 from flexmarl_hpc.config.schema import Config, SlurmComponent
 from flexmarl_hpc.config.validate_slurm import OPTION_RE, check_gpus, validate_slurm
 from flexmarl_hpc.runtime.requeue import ENV as REQUEUE_FILE_ENV
+from flexmarl_hpc.runtime.requeue import ERROR_ENV as ERROR_FILE_ENV
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.runtime.stale_shm import INCARNATION_ENV
 COMPONENTS = ("orchestrator", "rollout", "trainer")
@@ -193,9 +194,11 @@ def _started_file(cfg: Config) -> list[str]:
     return ["# rank 0 creates it once every rank is through MPI start-up (MPI_Init, the run lock)",
             f'export FLEXMARL_STARTED_FILE={logs}/"$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.started"',
             "# a rank that ends the job for a requeue (a lost or hung rank) writes the cause here:",
-            "# srun reports the other tasks' SIGKILL (137), not the rank's 75",
+            "# srun reports the other tasks' SIGKILL (137), not the rank's 75; one that ends it for",
+            "# a genuine error says so in the second file",
             f'export {REQUEUE_FILE_ENV}={logs}/"$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.requeue"',
-            f'rm -f "$FLEXMARL_STARTED_FILE" "$FLEXMARL_STARTED_FILE.timeout" "${REQUEUE_FILE_ENV}"']
+            f'export {ERROR_FILE_ENV}={logs}/"$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.error"',
+            f'rm -f "$FLEXMARL_STARTED_FILE" "$FLEXMARL_STARTED_FILE.timeout" "${REQUEUE_FILE_ENV}" "${ERROR_FILE_ENV}"']
 
 
 def _start_watchdog(seconds: int) -> list[str]:
@@ -216,7 +219,9 @@ def _start_watchdog(seconds: int) -> list[str]:
 
 def _wait_srun() -> list[str]:
     """Wait for srun in the background: a trapped USR1/TERM ends `wait` early (status >
-    128) while srun runs on; the status of srun is the one kept."""
+    128) while srun runs on; the status of srun is the one kept. Then the ranks' word
+    (runtime/requeue.py) decides: a requeue file or the start-up watchdog's mark is 75; a
+    step killed by a signal with neither a requeue nor an error file is a lost rank, 75."""
     return ["rc=",
             'while [ -z "$rc" ]; do',
             "  wait $SRUN; s=$?",
@@ -226,8 +231,13 @@ def _wait_srun() -> list[str]:
             "  fi",
             "  rc=$s",
             "done",
-            f'[ ! -e "${REQUEUE_FILE_ENV}" ] || rc={EXIT_REQUEUE}',
-            f'[ ! -e "$FLEXMARL_STARTED_FILE.timeout" ] || rc={EXIT_REQUEUE}']
+            f'[ ! -e "$FLEXMARL_STARTED_FILE.timeout" ] || rc={EXIT_REQUEUE}',
+            "# killed by a signal and no rank said why: a rank died with no word (SIGKILL, the OOM killer,",
+            "# a lost node) and the MPI runtime ended the rest before they could (Open MPI under PMIx)",
+            f'if [ $rc -gt 128 ] && [ ! -e "${ERROR_FILE_ENV}" ] && [ ! -e "${REQUEUE_FILE_ENV}" ]; then',
+            f'  echo "a rank was lost (srun: $s) and no rank reported an error" > "${REQUEUE_FILE_ENV}"',
+            "fi",
+            f'[ ! -e "${REQUEUE_FILE_ENV}" ] || rc={EXIT_REQUEUE}']
 
 
 def hetjob_script(plan: Plan, config_path: str, overrides: list[str] = (), python: str = "python") -> str:

@@ -18,6 +18,7 @@ from flexmarl_hpc.config.layout import ORCHESTRATOR, ROLLOUT, TOOLS, RankLayout,
 from flexmarl_hpc.config.load import save_config, to_dict
 from flexmarl_hpc.config.plan import Plan
 from flexmarl_hpc.config.schema import Config, ConfigError
+from flexmarl_hpc.runtime import requeue
 from flexmarl_hpc.runtime.requeue import EXIT_REQUEUE
 from flexmarl_hpc.store.checkpoint import CheckpointError
 from flexmarl_hpc.store.checksum import StoreDamaged, StoreInconsistent, StoreUnreadable
@@ -87,13 +88,12 @@ def run_rank(plan: Plan) -> int:
         sys.stderr.write(f"[rank {world.Get_rank()}] {what} error: {e}"
                          + (f" (exiting {code}: free space, then the same command resumes)\n"
                             if code == EXIT_REQUEUE else "\n"))
-        if code == EXIT_REQUEUE:
-            from flexmarl_hpc.runtime import requeue
-            requeue.mark(f"{what} error: {e}")
+        (requeue.mark if code == EXIT_REQUEUE else requeue.mark_error)(f"{what} error: {e}")
         abort(world, code)
         return code
-    except BaseException:
+    except BaseException as e:
         sys.stderr.write(f"[rank {world.Get_rank()}] fatal error:\n{traceback.format_exc()}")
+        requeue.mark_error(f"rank {world.Get_rank()}: {type(e).__name__}: {e}")
         abort(world, 1)
         return 1
 
@@ -243,7 +243,6 @@ def _exit_untaken(log, layout: RankLayout, rank: int) -> None:
         f"the dead rank can retry its connection forever); exiting {EXIT_REQUEUE} to requeue "
         "without a checkpoint (the run resumes from the last checkpoints and the store)")
     sys.stderr.flush()
-    from flexmarl_hpc.runtime import requeue
     requeue.mark(f"{who(layout, rank)} (rank {rank}) was lost")
     os._exit(EXIT_REQUEUE)
 

@@ -39,9 +39,12 @@ ABORT_GRACE_S = 1.0
 def abort(comm: MPI.Comm, code: int) -> None:
     """End the whole job with `code`, after the reason printed just before has left. With
     the requeue code the batch script is told first (runtime/requeue.py: srun would report
-    the other tasks' SIGKILL instead); a caller that knows the cause marks it before."""
+    the other tasks' SIGKILL instead), with any other that it is an error, not a lost rank; a
+    caller that knows the cause marks it before."""
     if code == requeue.EXIT_REQUEUE:
         requeue.mark("a rank ended the job with the requeue code")
+    else:
+        requeue.mark_error(f"a rank ended the job with exit {code}")
     sys.stdout.flush()
     sys.stderr.flush()
     REAL.sleep(ABORT_GRACE_S)

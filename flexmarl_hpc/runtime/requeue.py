@@ -6,9 +6,15 @@ rank's `MPI_Abort(75)` makes srun kill the other tasks, and srun then reports th
 status, 137 for a SIGKILLed task, whatever the MPI (MPICH or Open MPI, pmi2 or pmix). So
 before a rank leaves with EXIT_REQUEUE it writes one line, the cause, to the file named by
 `FLEXMARL_REQUEUE_FILE` (one per incarnation, set by the batch script,
-flexmarl_hpc/launch/sbatch.py); the script reads a status as 75 when that file exists. A
-genuine error (a traceback, exit 1) writes nothing and the job ends FAILED. Outside Slurm the
-variable is unset and `mark` does nothing.
+flexmarl_hpc/launch/sbatch.py); the script reads a status as 75 when that file exists.
+
+A rank can also die with no word at all (SIGKILL, the OOM killer, a lost node), and under an
+MPI whose runtime then kills every other rank at once (Open MPI under PMIx, measured: the
+others are gone before the orchestrator can notice) no rank writes the requeue file. So the
+inverse is said too: a rank that ends the job for a genuine error (a traceback, exit 1) first
+writes `FLEXMARL_ERROR_FILE`, and the script reads a step killed by a signal (srun > 128)
+with neither file as a lost rank, requeued (slurm.max_restarts bounds a rank that dies on
+every start). Outside Slurm the variables are unset and `mark`/`mark_error` do nothing.
 """
 from __future__ import annotations
 
@@ -17,12 +23,22 @@ import os
 EXIT_REQUEUE = 75
 """EX_TEMPFAIL: checkpointed (or journaled) and ended for a requeue; the same command resumes."""
 ENV = "FLEXMARL_REQUEUE_FILE"
+ERROR_ENV = "FLEXMARL_ERROR_FILE"
 
 
 def mark(cause: str) -> None:
     """Record that this rank ends the job for a requeue, and why (the first rank's line
     wins: O_EXCL). Never raises: a rank on its way out must still leave."""
-    path = os.environ.get(ENV)
+    _write(ENV, cause)
+
+
+def mark_error(cause: str) -> None:
+    """Record that this rank ends the job for a genuine error (no requeue), and what."""
+    _write(ERROR_ENV, cause)
+
+
+def _write(env: str, cause: str) -> None:
+    path = os.environ.get(env)
     if not path:
         return
     try:
