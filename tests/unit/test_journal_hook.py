@@ -2,13 +2,19 @@
 into an inner pytest session (pytester, in-process): a passing test whose store breaks the
 journal rule errors, naming the store and the rule; a damages_store test and a test that
 fails are left alone; a marker without its reason is refused; a store whose writer was
-killed before it switched to SWMR is read with its bytes unchanged."""
+killed before it switched to SWMR is read with its bytes unchanged. And its scan on its own:
+only stores new or changed since the test began count; a non-store HDF5 file and a file
+that is no HDF5 file are left alone."""
 import hashlib
 
 import h5py
 import pytest
 
-from tests.helpers import check_stores_changed, in_child_then_kill, journal_store
+from flexmarl_hpc.orchestrator.experience import Journal
+from flexmarl_hpc.orchestrator.tree import Node
+from flexmarl_hpc.store.schema import CONSUMED, READY
+from flexmarl_hpc.store.tables import StoreFile
+from tests.helpers import check_stores_changed, h5_mtimes, in_child_then_kill, journal_store
 
 pytest_plugins = ["pytester"]
 
@@ -77,3 +83,33 @@ def test_a_store_killed_open_for_write_is_checked_with_its_bytes_unchanged(tmp_p
         with pytest.raises(AssertionError, match="run.h5 breaks the journal rule"):
             check_stores_changed(tmp_path, {})
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def store(path, ready: bool):
+    s = StoreFile(path, ["a"], {})
+    j = Journal(s)
+    nodes = [Node("a", 0, 0, 3, t, None, [], None, prompt=[1, 2], response=[3], logprobs=[-0.5], version=0,
+                  replica=1) for t in range(2)]
+    j.generated(nodes, now=1.0)
+    for n in nodes:
+        n.reward, n.advantage = 1.0, 0.5
+    if ready:
+        j.status(nodes, READY, now=2.0)
+    j.status(nodes, CONSUMED, now=3.0, trainer_step=0)
+    s.close()
+
+
+def test_only_new_or_changed_stores_are_checked_and_a_reward_less_consumption_fails(tmp_path):
+    store(tmp_path / "good.h5", ready=True)
+    store(tmp_path / "old_bad.h5", ready=False)       # written before the test: not its store
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = [1]
+    (tmp_path / "text.h5").write_text("not hdf5")
+    before = h5_mtimes(tmp_path)
+    assert check_stores_changed(tmp_path, before) == 0
+    (tmp_path / "sub").mkdir()
+    store(tmp_path / "sub" / "new.h5", ready=True)
+    assert check_stores_changed(tmp_path, before) == 1
+    store(tmp_path / "bad.h5", ready=False)
+    with pytest.raises(AssertionError, match=r"bad.h5 breaks the journal rule .*a sample 3_0_0: event 2 after 0"):
+        check_stores_changed(tmp_path, before)
