@@ -91,12 +91,7 @@ class StoreFile:
         # every check first, reading only: a refused resume leaves the file as it was
         self.recovery = None if fresh else check_reopen(self.path, self.agents, table_names(self.agents))
         torn = [] if fresh else self.recovery.torn
-        # the file as it was, until the resume is reconciled (settle) or refused by its
-        # replay (revert): the one refusal found after the repairs below
-        try:
-            self._undo = None if fresh else undo.keep_copy(self.path)
-        except OSError as e:
-            raise StoreError.of(self.path, e) from None
+        self._undo = None if fresh else undo.keep_copy(self.path, StoreError.of)   # until settle/revert
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
         self.f = open_for_write(self.path)
@@ -464,19 +459,12 @@ class StoreFile:
         return len(on)
 
     def settle(self) -> None:
-        """The resume is reconciled with the restored versions: its repairs stand, the copy
-        of the file from before the re-open goes (store.undo)."""
-        undo.drop(self._undo)
-        self._undo = None
+        """The resume is reconciled: its repairs stand, the copy from before the re-open goes."""
+        self._undo = undo.drop(self._undo)
 
     def revert(self) -> None:
-        """A refusal found after the re-open's repairs (an episode replay that mismatches):
-        the file closed and put back byte-identical as it was before the re-open."""
-        if self._undo is None:
-            raise StoreError(f"{self.path}: no copy from before the re-open to put back")
-        self.f.close()                  # nothing flushed: the copy replaces it
-        undo.put_back(self._undo, self.path)
-        self._undo = None
+        """A refusal after the re-open's repairs (a replay mismatch): the file put back as it was."""
+        self._undo = undo.put_back(self._undo, self.path, self.f)
 
     def close(self) -> None:
         if not self.f.id.valid:
