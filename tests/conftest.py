@@ -20,6 +20,11 @@ from pathlib import Path
 
 import pytest
 
+# the journal rule over every store of the mpi, e2e and Slurm tiers (issue 35); a plugin module
+# of its own so that tests/unit/test_journal_hook.py can load it alone into an inner session
+from tests.journal_hook import _journal_rule, check_marker_reasons, pytest_runtest_makereport, \
+    pytest_runtest_setup  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 TIERS = ("unit", "sim", "mpi", "e2e", "slurm", "gpu")
@@ -176,7 +181,9 @@ def slurm() -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The folder is the tier: tests/<tier>/... gets marker <tier>; every e2e test is a `realrun`."""
+    """The folder is the tier: tests/<tier>/... gets marker <tier>; every e2e test is a `realrun`.
+    A damages_store marker without its reason is a usage error."""
+    check_marker_reasons(items)
     tests = ROOT / "tests"
     for item in items:
         try:
@@ -187,40 +194,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier)
             if tier == "e2e":
                 item.add_marker("realrun")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Keep each phase's report on the item, so the journal check below runs only after a
-    test that passed (a failing test's store would only add a second, confusing error)."""
-    outcome = yield
-    rep = outcome.get_result()
-    setattr(item, f"_report_{rep.when}", rep)
-
-
-JOURNAL_TIERS = ("mpi", "e2e", "slurm")
-
-
-@pytest.fixture(autouse=True)
-def _journal_rule(request, tmp_path_factory):
-    """Every store a real run wrote during a passing test (any *.h5 with /commit and /events
-    under this session's pytest tmp folder, new or changed since the test started, whatever
-    started the run: run_training, a CLI, srun, a killed job) is held to the journal rule
-    (tests/helpers.py check_journal). A test that damages or forges a store on purpose says
-    so with @pytest.mark.damages_store("why"), and its stores are not checked."""
-    from tests.helpers import check_stores_changed, h5_mtimes
-    if not any(request.node.get_closest_marker(m) for m in JOURNAL_TIERS):
-        yield
-        return
-    # by file and mtime, not by a start time: a store the previous test damaged a moment
-    # before this one started must not be counted as this test's
-    base = tmp_path_factory.getbasetemp()
-    before = h5_mtimes(base)
-    yield
-    rep = getattr(request.node, "_report_call", None)
-    if rep is None or not rep.passed or request.node.get_closest_marker("damages_store"):
-        return
-    check_stores_changed(base, before)
 
 
 @pytest.hookimpl(trylast=True)                  # after --durations, next to the skip reasons

@@ -132,7 +132,7 @@ def check_journal(path) -> None:
     (a killed writer's /samples columns may lag its journal: the resume replays them, so a
     row still marked generated there is judged by its events alone). AssertionError naming
     the row."""
-    with h5py.File(path, "r", swmr=True) as f:
+    with open_readonly(path) as f:
         names = [t.decode() if isinstance(t, bytes) else t for t in f["commit"].attrs["tables"]]
         commit = dict(zip(names, f["commit"][:].tolist()))
         agents = [a.decode() if isinstance(a, bytes) else a for a in f.attrs["agents"]]
@@ -163,25 +163,64 @@ def h5_mtimes(root: Path) -> dict[Path, int]:
 
 
 def check_stores_changed(root: Path, before: dict[Path, int]) -> int:
-    """check_journal over every store under root that is new or changed since `before`
-    (h5_mtimes; a store: an HDF5 file with /commit and /events). Returns how many."""
+    """check_journal over every run store under root that is new or changed since `before`
+    (h5_mtimes); other HDF5 files (checkpoints, sinks) are left out. Returns how many were
+    checked. AssertionError naming the store and the rule; an HDF5 file that cannot be
+    opened read-only at all is one too (a run that passed left it unreadable)."""
     n = 0
     for path, mtime in sorted(h5_mtimes(root).items()):
         if before.get(path) == mtime or not _is_store(path):
             continue
-        check_journal(path)
+        try:
+            check_journal(path)
+        except (AssertionError, OSError, KeyError) as e:    # a chunk whose checksum fails, a table missing
+            raise AssertionError(f"{path} breaks the journal rule (generated -> ready -> consumed, consumed "
+                                 f"only after ready, reward and advantage finite): {e}") from None
         n += 1
     return n
 
 
-def _is_store(path: Path) -> bool:
-    """An HDF5 file with the store's /commit and /events (checkpoints and sinks are not)."""
+def open_readonly(path) -> h5py.File:
+    """An HDF5 file opened read-only, its bytes unchanged, by h5py alone (not the writer's
+    opener: an independent reader). A live or SWMR writer's file: SWMR read, with ONE
+    metadata read attempt (HDF5 retries a block whose checksum fails up to 100 times with a
+    doubling sleep: a damaged block would hang the check, not fail it). A writer killed
+    before it switched to SWMR leaves the superblock flagged open for write, which a plain
+    read refuses ("may use h5clear"): opened with HDF5's clear_status_flags access property,
+    the one h5clear uses, which ignores the flags in memory and writes nothing (read-only).
+    h5py exposes neither setting; its extension module links libhdf5, so ctypes finds them."""
+    import ctypes
+    lib = ctypes.CDLL(h5py.h5f.__file__)
+    name = os.fsencode(str(path))
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    lib.H5Pset_metadata_read_attempts(ctypes.c_int64(fapl.id), ctypes.c_uint(1))
     try:
-        with h5py.File(path, "r", swmr=True) as f:
+        return h5py.File(h5py.h5f.open(name, h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ, fapl=fapl))
+    except (OSError, RuntimeError):
+        pass
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    clear = ctypes.c_bool(True)
+    if lib.H5Pset(ctypes.c_int64(fapl.id), b"clear_status_flags", ctypes.byref(clear)) < 0:
+        raise OSError(f"{path}: HDF5 has no clear_status_flags access property")
+    try:
+        return h5py.File(h5py.h5f.open(name, h5py.h5f.ACC_RDONLY, fapl=fapl))
+    except (OSError, RuntimeError) as e:
+        raise OSError(f"{path}: cannot be opened read-only, in SWMR mode or with its open-for-write "
+                      f"flags ignored ({' '.join(str(e).split())[:200]})") from None
+
+
+def _is_store(path: Path) -> bool:
+    """A run store: an HDF5 file with the store's /commit and /events (checkpoints and sinks
+    are not). A file that is no HDF5 file at all is no store either; one with HDF5's
+    signature that cannot be opened read-only is an AssertionError naming it."""
+    with open(path, "rb") as fh:
+        if fh.read(8) != b"\x89HDF\r\n\x1a\n":
+            return False
+    try:
+        with open_readonly(path) as f:
             return "commit" in f and "events" in f
-    except OSError:
-        # a file HDF5 cannot open at all is no store a passing run left behind
-        return False
+    except OSError as e:
+        raise AssertionError(f"{path}: an HDF5 file a passing test left unreadable: {e}") from None
 
 
 def _journal_walk(agent: str, rows: np.ndarray, ev: np.ndarray) -> dict[int, int]:
@@ -382,6 +421,24 @@ def in_child_then_kill(fn):
             os.kill(os.getpid(), signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def journal_store(path, ready: bool = True) -> None:
+    """A store by the real writer of 4 samples of agent a, each generated then consumed:
+    after its READY event (the journal rule holds) or, with ready=False, without one (it is
+    broken: consumed with no reward). Closed cleanly."""
+    from flexmarl_hpc.store.tables import StoreFile
+    s = StoreFile(path, AGENTS, {})
+    first = s.samples["a"].append(sample_rows(s, "a", 4))
+    rows = np.arange(first, first + 4)
+    s.events.append(event_rows(s, "a", rows, GENERATED))
+    if ready:
+        s.samples["a"].patch(rows, {"status": READY, "reward": 1.0, "advantage": 0.5, "t_ready": 1.0})
+        s.events.append(event_rows(s, "a", rows, READY, reward=0.5))
+    s.samples["a"].patch(rows, {"status": CONSUMED, "trainer_step": 0})
+    s.events.append(event_rows(s, "a", rows, CONSUMED, tstep=0, reward=0.5 if ready else np.nan))
+    s.flush()
+    s.close()
 
 
 def corrupt(path, table, chunk=1, nbytes=64):

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.orchestrator.tree import Changes, Node, NodeQueues
 from flexmarl_hpc.orchestrator.episode_failures import EpisodeFailures
+from flexmarl_hpc.store.checksum import StoreInconsistent
 from flexmarl_hpc.store.schema import CONSUMED, DROPPED, GENERATED, READY
 from flexmarl_hpc.workflows.episode import Call, EpisodeRunner, Finished, call_reward
 
@@ -46,8 +47,10 @@ class ExampleState:
     calls: list[tuple[Node, int, float]] = field(default_factory=list)   # (node, episode, reward)
 
 
-class ReplayMismatch(RuntimeError):
-    pass
+class ReplayMismatch(StoreInconsistent):
+    """A replayed call asks another prompt than the journal holds: the journal cannot be
+    replayed by this episode function (one line; ranks/job.py reports it as a store error,
+    and the re-open's repairs are put back: Journaled.reload)."""
 
 
 class EpisodeTree(NodeQueues):

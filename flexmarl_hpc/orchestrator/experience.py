@@ -20,7 +20,7 @@ import numpy as np
 from flexmarl_hpc.config.schema import Config
 from flexmarl_hpc.store.tables import StoreFile
 from flexmarl_hpc.store.schema import CONSUMED, DROPPED, GENERATED, READY
-from flexmarl_hpc.orchestrator.episodes import EpisodeTree
+from flexmarl_hpc.orchestrator.episodes import EpisodeTree, ReplayMismatch
 from flexmarl_hpc.orchestrator.tree import Changes, Node, Tree, global_batch  # noqa: F401  (re-exported)
 from flexmarl_hpc.workflows.base import Task
 
@@ -230,7 +230,11 @@ class Journaled:
         GENERATED, then READY (recorded in /events). Returns the last step found
         (first_step - 1 if none)."""
         nodes = self.journal.load(first_step)
-        requeue, ch = self.restore(nodes, first_step, versions)
+        try:
+            requeue, ch = self.restore(nodes, first_step, versions)
+        except ReplayMismatch as e:     # refused after the re-open's repairs: the file as it was
+            self.store.revert()
+            raise ReplayMismatch(f"{e}; {self.store.path} is left as it was before this resume") from None
         now = self.store.now()
         self.journal.status(requeue, GENERATED, now)
         self.journal.status(ch.ready, READY, now)

@@ -224,6 +224,7 @@ class Orchestrator:
                          "agent's checkpoint is past the step: trained without them")
         elif self.store.repaired:
             self.log("store: " + "; ".join(self.store.repaired))
+        self.store.settle()             # reconciled: the re-open's repairs stand (store/undo.py)
         self.recorder.replay_eval_to_sinks()
         if self.evals.skipped:
             self.log(f"eval: steps {self.evals.skipped} cannot be evaluated any more (the restored "

@@ -25,6 +25,7 @@ import numpy as np
 
 from flexmarl_hpc.clock import REAL, Clock
 from flexmarl_hpc import faults
+from flexmarl_hpc.store import undo
 from flexmarl_hpc.store.checksum import CRC_DTYPE, count_crc
 from flexmarl_hpc.store.recovery import check_reopen
 from flexmarl_hpc.store.repair import clear_open_flags
@@ -90,6 +91,7 @@ class StoreFile:
         # every check first, reading only: a refused resume leaves the file as it was
         self.recovery = None if fresh else check_reopen(self.path, self.agents, table_names(self.agents))
         torn = [] if fresh else self.recovery.torn
+        self._undo = None if fresh else undo.keep_copy(self.path, StoreError.of)   # until settle/revert
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
         self.f = open_for_write(self.path)
@@ -456,9 +458,18 @@ class StoreFile:
             self.repaired.append(f"cleared the superseded flag of {len(off)} current {name} rows")
         return len(on)
 
+    def settle(self) -> None:
+        """The resume is reconciled: its repairs stand, the copy from before the re-open goes."""
+        self._undo = undo.drop(self._undo)
+
+    def revert(self) -> None:
+        """A refusal after the re-open's repairs (a replay mismatch): the file put back as it was."""
+        self._undo = undo.put_back(self._undo, self.path, self.f)
+
     def close(self) -> None:
         if not self.f.id.valid:
             return
+        self.settle()                   # a clean close: what this process wrote stands
         self.flush()
         try:
             self.f.close()
