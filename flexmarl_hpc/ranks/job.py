@@ -266,7 +266,7 @@ def _orchestrate(plan: Plan, world, task, bell=None, live=None, t0: float = 0.0)
     store = StoreFile(out / f"{cfg.run.name}.h5", cfg.agent_names,
                       {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False),
                        "mode": cfg.run.mode, "world_size": layout.world_size},
-                      chunk=cfg.store.chunk_rows)
+                      chunk=cfg.store.chunk_rows, undoable=bool(cfg.workflow.episode))
     log(f"{cfg.run.name}: mode {cfg.run.mode}, agents {cfg.agent_names}, {layout.world_size} ranks "
         f"({layout.replicas} replicas, {layout.groups} trainer groups x "
         f"{layout.ranks_per_group or '+'.join(map(str, layout.group_sizes))}"

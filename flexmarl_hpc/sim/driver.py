@@ -219,7 +219,7 @@ def simulate_run(plan: Plan, cost, out: Path, hardware: str, work: Workload | No
                       {"config_yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False), "mode": cfg.run.mode,
                        "world_size": layout.world_size, "simulated": True, "hardware": hardware,
                        "sim_workers": workers},
-                      chunk=cfg.store.chunk_rows, clock=sim.clock)
+                      chunk=cfg.store.chunk_rows, clock=sim.clock, undoable=bool(cfg.workflow.episode))
     try:
         code = Orchestrator(plan, task, sim, store, log=lambda line: None, clock=sim.clock).run()
     finally:

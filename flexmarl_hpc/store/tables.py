@@ -81,7 +81,12 @@ class StoreFile:
     unclean exit left), buffers writes and commits them in `flush()`. `clock`: the run's
     (flexmarl_hpc.clock): its creation time, t0, and `now()`, the time every row is stamped with."""
 
-    def __init__(self, path: Path, agents: list[str], attrs: dict, chunk: int = 1024, clock: Clock = REAL):
+    def __init__(self, path: Path, agents: list[str], attrs: dict, chunk: int = 1024, clock: Clock = REAL,
+                 undoable: bool = False):
+        """`undoable`: a re-open keeps a copy of the file until `settle()`, so that a refusal
+        found after its repairs can `revert()` (store/undo.py). Only where the resume's replay
+        can refuse (episode workflows: ReplayMismatch): a copy costs the store's size in disk
+        and a read of it on every resume where the file system has no reflink."""
         self.path, self.clock = Path(path), clock
         self.agents = list(agents)
         fresh = not self.path.exists()
@@ -91,7 +96,7 @@ class StoreFile:
         # every check first, reading only: a refused resume leaves the file as it was
         self.recovery = None if fresh else check_reopen(self.path, self.agents, table_names(self.agents))
         torn = [] if fresh else self.recovery.torn
-        self._undo = None if fresh else undo.keep_copy(self.path, StoreError.of)   # until settle/revert
+        self._undo = undo.keep_copy(self.path, StoreError.of) if undoable and not fresh else None
         if not fresh and clear_open_flags(self.path):
             self.repaired.append("cleared the open-for-write flags an unclean exit left")
         self.f = open_for_write(self.path)

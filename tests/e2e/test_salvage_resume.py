@@ -90,7 +90,7 @@ def salvage_and_resume(tmp_path, finished, damaged, unnamed=()):
     print(f"salvage {t_salvage:.1f} s, resume {t_resume:.1f} s")
     assert q.returncode == 0, (q.stdout[-3000:], q.stderr[-3000:])
     assert f"resumed at versions {VERSIONS}" in q.stdout, q.stdout
-    assert not (tmp_path / "local.h5.undo").exists()        # the re-open's copy goes once reconciled
+    assert not (tmp_path / "local.h5.undo").exists()        # no copy: only an episode replay can refuse after the repairs
     check_journal(path)
     check_exactly_once(path, STEPS)
     after = ids_steps(path)

@@ -71,7 +71,7 @@ def sha(path) -> str:
 
 def test_a_resume_whose_replay_mismatches_is_refused_with_the_store_byte_identical(killed):
     before = sha(killed)
-    store = StoreFile(killed, CFG.agent_names, {})
+    store = StoreFile(killed, CFG.agent_names, {}, undoable=True)
     assert store.repaired, "the re-open repaired nothing: the test would not show the undo"
     exp = EpisodeExperience(CFG, Task(solve_otherwise), store)
     with pytest.raises(ReplayMismatch, match="deterministic.*left as it was before this resume"):
@@ -81,7 +81,7 @@ def test_a_resume_whose_replay_mismatches_is_refused_with_the_store_byte_identic
     assert sha(killed) == before
     assert not copy_path(killed).exists()
     # and the same command with the episode as it was resumes
-    store = StoreFile(killed, CFG.agent_names, {})
+    store = StoreFile(killed, CFG.agent_names, {}, undoable=True)
     exp = EpisodeExperience(CFG, Task(solve), store)
     assert exp.reload(0, {"solver": 0}) == 0
     store.settle()
