@@ -51,6 +51,7 @@ import torch
 from mpi4py import MPI
 
 from flexmarl_hpc.runtime import comm
+from flexmarl_hpc.runtime import reshard
 from flexmarl_hpc.runtime.messages import Location  # defined there for MPI-free importers; state_swap.Location too
 from flexmarl_hpc.runtime.weight_sync import bucket_views, dict_bucket, host_bytes, pack
 
@@ -125,6 +126,12 @@ class ShardMovable(Swappable, Protocol):
     def shard_key(self) -> tuple:
         """Equal on two ranks exactly when one's storages can take the other's bytes."""
 
+    def move_sizes(self) -> list[tuple[str, int]]:
+        """[(name, bytes)] `shards_out` will send, without offloading."""
+
+    def move_rng(self) -> torch.Tensor:
+        """The RNG state that moves with the agent."""
+
     def shards_out(self, host: HostBuffers) -> tuple[HostBuffers, list[tuple[str, int]], torch.Tensor]:
         """Offload (if resident); (its host buffers, [(name, bytes)] to send, RNG state)."""
 
@@ -135,7 +142,26 @@ class ShardMovable(Swappable, Protocol):
         """The bytes in `host` become this fresh build's parked (offloaded) state."""
 
 
+@runtime_checkable
+class Reshardable(ShardMovable, Protocol):
+    """A `ShardMovable` trainer whose state moves to a group of another TP/PP/DP layout by
+    the pieces of runtime/reshard.py's plan (trainer/megatron/swap.py)."""
+
+    def reshard_key(self) -> tuple:
+        """Equal on two groups whose states reshard into each other."""
+
+    def reshard_out(self, agent: str) -> tuple[list[reshard.Block], list[torch.Tensor], float]:
+        """Source, resident: (its blocks, the flat tensors they index, Adam step count)."""
+
+    def reshard_in(self) -> tuple[list[reshard.Block], list[torch.Tensor]]:
+        """Destination, a fresh build: (its blocks, the flat tensors to receive into)."""
+
+    def reshard_done(self, step: float, rng: torch.Tensor, version: int) -> None:
+        """After the pieces are in."""
+
+
 FALLBACK = "state"       # a destination's answer: other layout, send `state()` instead
+RESHARD = "reshard"      # another TP/PP/DP layout of the same model: pieces by reshard.plan
 
 
 @dataclass(frozen=True)
@@ -146,17 +172,20 @@ class MoveHeader:
     sizes: tuple[tuple[str, int], ...] = ()   # (host buffer name, bytes), in sending order
     version: int = 0
     rng: bytes = b""                    # the source rank's RNG state at the offload
+    compat: tuple | None = None         # the source's reshard_key (Reshardable), else None
 
     @property
     def nbytes(self) -> int:
         return sum(n for _, n in self.sizes)
 
 
-def answer_for(head: MoveHeader, key: tuple | None, sizes: list[tuple[str, int]] | None) -> str:
-    """The destination's answer to a shard header: "" (send the shards), FALLBACK (another
-    layout: send `state()`), or an error (same layout, other storages)."""
+def answer_for(head: MoveHeader, key: tuple | None, sizes: list[tuple[str, int]] | None,
+               compat: tuple | None = None) -> str:
+    """The destination's answer to a shard header: "" (send the shards), RESHARD (another
+    layout of the same model: send the plan's pieces), FALLBACK (send `state()`), or an
+    error (same layout, other storages)."""
     if key is None or key != head.key:
-        return FALLBACK
+        return RESHARD if compat is not None and compat == head.compat else FALLBACK
     if list(head.sizes) == sizes:
         return ""
     diff = next((f"{a} != {b}" for a, b in zip(head.sizes, sizes) if a != b),
@@ -182,6 +211,61 @@ def recv_shards(world: MPI.Comm, head: MoveHeader, source: int) -> HostBuffers:
     comm.waitall([world.Irecv(host.buffers[n].numpy(), source=source, tag=comm.TAG_STATE)
                   for n, _ in head.sizes])
     return host
+
+
+def _piece_view(flats: list[torch.Tensor], blocks: list[reshard.Block], p: reshard.Piece) -> torch.Tensor:
+    slot, off, h, w, stride = reshard.locate(blocks, p.tensor, p.rect)
+    t = flats[slot]
+    return t.as_strided((h, w), (stride, 1), t.storage_offset() + off)
+
+
+def _by_peer(pieces: list[reshard.Piece], me: int, mine: str, peer: str) -> dict[int, list[reshard.Piece]]:
+    out: dict[int, list[reshard.Piece]] = {}
+    for p in pieces:
+        if getattr(p, mine) == me:
+            out.setdefault(getattr(p, peer), []).append(p)
+    return out
+
+
+def send_pieces(world: MPI.Comm, pieces: list[reshard.Piece], me: int, blocks: list[reshard.Block],
+                flats: list[torch.Tensor], to: list[int]) -> int:
+    """This source rank's pieces of the plan, one message per destination rank (`to`: world
+    ranks of the destination group) packed in plan order; returns the bytes sent."""
+    reqs, bufs = [], []
+    for d, mine in _by_peer(pieces, me, "src", "dst").items():
+        buf, off = torch.empty(sum(p.nbytes for p in mine), dtype=torch.uint8), 0
+        for p in mine:
+            v = _piece_view(flats, blocks, p)
+            buf[off:off + p.nbytes].view(v.dtype).view(v.shape).copy_(v)
+            off += p.nbytes
+        bufs.append(buf)
+        reqs.append(world.Isend(buf.numpy(), dest=to[d], tag=comm.TAG_STATE))
+    comm.waitall(reqs)
+    return sum(b.numel() for b in bufs)
+
+
+def recv_pieces(world: MPI.Comm, pieces: list[reshard.Piece], me: int, blocks: list[reshard.Block],
+                flats: list[torch.Tensor], frm: list[int]) -> int:
+    """This destination rank's pieces, one message per source rank (`frm`: world ranks of
+    the source group), written into its flat tensors; returns the bytes received."""
+    got = _by_peer(pieces, me, "dst", "src")
+    bufs = {s: torch.empty(sum(p.nbytes for p in mine), dtype=torch.uint8) for s, mine in got.items()}
+    comm.waitall([world.Irecv(bufs[s].numpy(), source=frm[s], tag=comm.TAG_STATE) for s in got])
+    for s, mine in got.items():
+        off = 0
+        for p in mine:
+            v = _piece_view(flats, blocks, p)
+            v.copy_(bufs[s][off:off + p.nbytes].view(v.dtype).view(v.shape))
+            off += p.nbytes
+    return sum(b.numel() for b in bufs.values())
+
+
+def exchange_blocks(world: MPI.Comm, mine, others: list[int]) -> list:
+    """`mine` to every rank of `others` and theirs back (non-blocking sends, then receives)."""
+    reqs = [world.isend(mine, dest=r, tag=comm.TAG_STATE) for r in others]
+    got = [comm.recv(world, source=r, tag=comm.TAG_STATE) for r in others]
+    comm.waitall(reqs)
+    return got
 
 
 def _rng_bytes(rng: torch.Tensor) -> bytes:
@@ -301,22 +385,34 @@ class StateMover:
             else:
                 self.trainers[agent] = self.unpark(agent)
         elif src.group == self.my_group:
-            self.send(agent, self.group_ranks(dst.group)[self.group_comm.Get_rank()])
+            peers = self.group_ranks(dst.group)
+            self.send(agent, peers[self.group_comm.Get_rank()], peers)
         elif dst.group == self.my_group:
-            self.receive(agent, dst.resident, self.group_ranks(src.group)[self.group_comm.Get_rank()])
+            peers = self.group_ranks(src.group)
+            self.receive(agent, dst.resident, peers[self.group_comm.Get_rank()], peers)
 
-    def send(self, agent: str, to: int) -> None:
+    def send(self, agent: str, to: int, peers: list[int] | None = None) -> None:
         """Source side of a cross-group move: this rank's shard if the destination takes it,
-        else its `state()`; the agent leaves this rank (trainer, shelf and host memory)."""
+        its plan's pieces if the destination's layout differs (`peers`: the destination
+        group's world ranks), else its `state()`; the agent leaves this rank (trainer, shelf
+        and host memory)."""
         tr = self.trainers.pop(agent, None) or self.parked.shelf.pop(agent, None)
         host = self.parked.hosts.pop(agent, None)
         if isinstance(tr, ShardMovable):
-            host, sizes, rng = tr.shards_out(host or HostBuffers())
-            comm.wait(self.world.isend(MoveHeader(agent, tr.shard_key(), tuple(sizes), tr.version,
-                                                  _rng_bytes(rng)), dest=to, tag=comm.TAG_STATE))
+            compat = tr.reshard_key() if isinstance(tr, Reshardable) else None
+            comm.wait(self.world.isend(MoveHeader(agent, tr.shard_key(), tuple(tr.move_sizes()), tr.version,
+                                                  _rng_bytes(tr.move_rng()), compat), dest=to, tag=comm.TAG_STATE))
             answer = comm.recv(self.world, source=to, tag=comm.TAG_STATE)
             if answer == "":
+                host, sizes, _ = tr.shards_out(host or HostBuffers())
                 send_shards(self.world, host, sizes, to)
+                return
+            if answer == RESHARD:
+                with tr.onloaded():                  # a parked source: on the device for the pieces
+                    blocks, flats, step = tr.reshard_out(agent)
+                    srcs, dsts = self._layouts((blocks, step), self.group_ranks(self.my_group), peers or [to])
+                    send_pieces(self.world, reshard.plan([b for b, _ in srcs], [b for b, _ in dsts]),
+                                self.group_comm.Get_rank(), blocks, flats, peers or [to])
                 return
             if answer != FALLBACK:
                 raise ValueError(answer)
@@ -326,17 +422,30 @@ class StateMover:
         state = to_host(tr.state()) if tr is not None else self.parked.states.pop(agent)
         send_state(self.world, state, to)
 
-    def receive(self, agent: str, resident: bool, frm: int) -> None:
+    def _layouts(self, mine, src: list[int], dst: list[int]) -> tuple[list, list]:
+        """Every rank of both groups learns every rank's (blocks, step): (the source group's
+        in order, the destination group's), to compute the same plan everywhere."""
+        me = self.world.Get_rank()
+        others = [r for r in [*src, *dst] if r != me]
+        got = dict(zip(others, exchange_blocks(self.world, mine, others)))
+        got[me] = mine
+        return [got[r] for r in src], [got[r] for r in dst]
+
+    def receive(self, agent: str, resident: bool, frm: int, peers: list[int] | None = None) -> None:
         """Destination side: the counterpart's shard adopted by a fresh build, or its state."""
         head = comm.recv(self.world, source=frm, tag=comm.TAG_STATE)
         tr = None
         if head.key is not None:
             tr = self.build(agent)
             same = isinstance(tr, ShardMovable) and tr.shard_key() == head.key
-            answer = answer_for(head, head.key if same else None, tr.shard_sizes() if same else None)
+            answer = answer_for(head, head.key if same else None, tr.shard_sizes() if same else None,
+                                tr.reshard_key() if isinstance(tr, Reshardable) else None)
             comm.wait(self.world.isend(answer, dest=frm, tag=comm.TAG_STATE))
-            if answer not in ("", FALLBACK):
+            if answer not in ("", FALLBACK, RESHARD):
                 raise ValueError(answer)
+            if answer == RESHARD:
+                self.receive_resharded(agent, tr, head, resident, peers or [frm])
+                return
             if answer == "":
                 host = recv_shards(self.world, head, frm)
                 tr.adopt(host, _rng_of(head.rng), head.version)
@@ -353,6 +462,20 @@ class StateMover:
             return
         tr = tr or self.build(agent)
         tr.load_state(state)
+        if resident:
+            self.trainers[agent] = tr
+        else:
+            self.park(agent, tr)
+
+    def receive_resharded(self, agent: str, tr, head: MoveHeader, resident: bool, peers: list[int]) -> None:
+        """Destination side of a resharding move: the fresh build `tr` receives the plan's
+        pieces (its own shard of parameters, fp32 main params and Adam moments, each byte
+        once) straight into its tensors; then the source's step count, RNG and version."""
+        blocks, flats = tr.reshard_in()
+        srcs, dsts = self._layouts((blocks, None), peers, self.group_ranks(self.my_group))
+        recv_pieces(self.world, reshard.plan([b for b, _ in srcs], [b for b, _ in dsts]),
+                    self.group_comm.Get_rank(), blocks, flats, peers)
+        tr.reshard_done(srcs[0][1], _rng_of(head.rng), head.version)
         if resident:
             self.trainers[agent] = tr
         else:
