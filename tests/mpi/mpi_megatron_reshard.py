@@ -9,7 +9,9 @@ bf16 weights): group 0 is TP2 x PP1, group 1 TP1 x PP2. One trained agent moves 
    never the whole state; the next step on group 1 equals a twin's on group 0 that never moved
    within 3 x lr (another TP/PP sums in another order; Adam's early steps are ~lr per weight
    whatever the gradient's size), and bit-equal to a TP1 x PP2 twin loaded by load_state(state()).
-2. R1 -> P0, resharded back into a parked (shelved) arrival, then swapped in: bit-equal.
+2. R1 -> P0, resharded back into a parked (shelved) arrival, then swapped in: bit-equal; the
+   host buffers kept while resident are its storages' bytes (docs/backends.md); a move with
+   non-zero gradients (after forward_backward, before the step) is refused.
 Rank 0 prints one `ok ...` line per check; any failure aborts the job.
 """
 import sys
@@ -155,12 +157,30 @@ log(f"ok the next step: bit-equal to a TP1 x PP2 twin loaded by load_state(state
 before = mover.trainers["a"].state() if G == 1 else None
 before = {k: v.clone() for k, v in before.items()} if before else None
 mover.move("a", R1, P0)
+kept = 0
 if G == 0:
     assert "a" in mover.parked.shelf
     mover.move("a", P0, R0)
-    same(counterpart(mover.trainers["a"].state()), mover.trainers["a"].state(), "after R1 -> P0 -> R0")
+    tr = mover.trainers["a"]
+    same(counterpart(tr.state()), tr.state(), "after R1 -> P0 -> R0")
+    # what stays on the host while it is resident: its parked copy, kept for the next swap-out
+    kept = mover.parked.hosts["a"].nbytes
+    assert kept == sum(n for _, _, n in tr._storages()), kept
+    # gradients are checked, not assumed zero: a move between forward_backward and the step is refused
+    g = torch.Generator().manual_seed(5)
+    tr.forward_backward(tr.share(MicroBatch(torch.randint(3, V, (4, 9), generator=g), torch.full((4,), 3),
+                                            torch.full((4,), 4), torch.zeros(4, 9), torch.ones(4),
+                                            torch.zeros(4, dtype=torch.bool), None)), 0.25)
+    try:
+        tr.reshard_out("a")
+        raise AssertionError("a move with non-zero gradients was not refused")
+    except ValueError as e:
+        assert "agent 'a': gradients are not zero" in str(e), e
 else:
     assert "a" not in mover.trainers
     counterpart(before)
+kept = max(world.allgather(kept))
 log("ok resharded back TP1 x PP2 -> TP2 x PP1 into a parked arrival, swapped in: bit-equal")
+log(f"ok host memory kept while resident after a swap-in: its storages, {kept / 2**10:.1f} KiB/rank max; "
+    f"a move with non-zero gradients is refused")
 log(f"all megatron reshard checks passed in {time.time() - t_start:.1f} s")
