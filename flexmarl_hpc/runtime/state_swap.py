@@ -20,26 +20,32 @@ and brings the state in for a `state()`/checkpoint call while parked (and for a 
 sync's stream, ranks/workers.py).
 
 Different groups, shard to shard: a trainer with the `ShardMovable` interface (megatron)
-sends its rank's own storages, rank i to rank i of the destination group. The source
-offloads (if resident) and sends a `MoveHeader` (its layout key, each host buffer's name
-and size, version, RNG); the destination builds the agent's trainer, and where its key
-equals the sender's and its storages have the same names and sizes, receives the bytes
-straight into one host allocation and adopts them (onload when resident, shelved when
-parked; the allocation stays as the agent's host buffers, like a local swap's). Each rank
-receives exactly its own shard (parameters, grads and optimizer state), never the whole
-state. Same key, other storages: one error naming the agent and the first difference
+sends its rank's own storages, rank i to rank i of the destination group. The source sends
+a `MoveHeader` (its layout key, each storage's name and size, version, RNG, its reshard key);
+the destination builds the agent's trainer, and where its key equals the sender's and its
+storages have the same names and sizes, the source offloads (if resident) and the bytes are
+received straight into one host allocation and adopted (onload when resident, shelved when
+parked; the allocation stays as the agent's host buffers, like a local swap's). Gradient
+storages are not sent: zero between optimizer steps (checked at the source), zeroed at the
+destination. Same key, other storages: one error naming the agent and the first difference
 (same-layout builds are deterministic, so that is a bug, never silent).
 
-Different groups, the fallback (the destination's layout differs and it answers FALLBACK;
+Different groups, another TP/PP/DP of the same model (`Reshardable`, the destination answers
+RESHARD): every rank of both groups learns every rank's `reshard.Block`s (megatron-core's
+global coordinates of its parameters, fp32 main params and Adam moments), computes the same
+`reshard.plan`, and each source rank sends one packed message per destination rank, received
+into the fresh build's tensors: each rank receives its own shard, each byte once.
+
+Different groups, the fallback (another model or precision, the destination answers FALLBACK;
 trainers without `ShardMovable`: torch, or a plain parked state): rank i sends its `state()`
 to rank i of the destination (one header + one flat byte buffer, a non-blocking
 send/receive waited for without spinning). For megatron `state()` gathers the full HF state
 (fp32 weights and both Adam moments) and broadcasts it to every rank of the source group,
 so every rank of both groups holds the whole state at once, plus its flat copy. The costs
-of both paths, measured and at 32B: docs/backends.md. Trainers without `Swappable` keep the
+of the paths, measured and at 32B: docs/backends.md. Trainers without `Swappable` keep the
 old path everywhere: parked as a host copy of `state()`, rebuilt and loaded on swap-in. Bit
 for bit either way (tests/unit/test_state_swap.py; rank to rank tests/mpi/test_state_swap_mpi.py;
-megatron group to group tests/mpi/mpi_megatron_move.py).
+megatron group to group tests/mpi/mpi_megatron_move.py, resharded tests/mpi/mpi_megatron_reshard.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""mpiexec -n 4 python -m mpi4py tests/mpi/mpi_megatron_reshard.py
+"""mpiexec -n 4 python -m mpi4py tests/mpi/mpi_megatron_reshard.py [2x1 1x2] [big]
 
-Two megatron trainer groups of 2 ranks of other layouts, bf16 (fp32 main params apart from the
-bf16 weights): group 0 is TP2 x PP1, group 1 TP1 x PP2. One trained agent moves by StateMover:
+Two megatron trainer groups of N ranks of other layouts (TPxPP each; default TP2 x PP1 and TP1
+x PP2 on 2 ranks), bf16 (fp32 main params apart from the bf16 weights). `big`
+(bench/bench_state_move.py): shards of MBs that stand out of the RSS noise, and the move's
+bytes received and peak RSS per rank printed. One trained agent moves by StateMover:
 
 1. R0 -> R1, resharded (runtime/reshard.py's plan): state() on group 1 (fp32 weights, both Adam
    moments, step, version, RNG) bit-equal to group 0's before the move; each rank received
@@ -14,6 +16,8 @@ bf16 weights): group 0 is TP2 x PP1, group 1 TP1 x PP2. One trained agent moves 
    non-zero gradients (after forward_backward, before the step) is refused.
 Rank 0 prints one `ok ...` line per check; any failure aborts the job.
 """
+import gc
+import re
 import sys
 import time
 import warnings
@@ -37,12 +41,15 @@ t_start = time.time()
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
 torch.set_num_threads(1)
-N = 2
+N = world.Get_size() // 2
 G = rank // N
 group = world.Split(G, rank)
-TP, PP = ((2, 1), (1, 2))[G]
+LAYOUTS = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if re.fullmatch(r"\d+x\d+", a)] or [(2, 1), (1, 2)]
+TP, PP = LAYOUTS[G]
+NAMES = [f"TP{t} x PP{p}" for t, p in LAYOUTS]
 V = 1000
-ARGS = ModelArgs(V, 32, 2, 4, 2, 64, 16, rope_theta=5e4, tie_embeddings=True)
+ARGS = (ModelArgs(V, 192, 4, 4, 2, 768, 16, rope_theta=5e4, tie_embeddings=True) if "big" in sys.argv
+        else ModelArgs(V, 32, 2, 4, 2, 64, 16, rope_theta=5e4, tie_embeddings=True))
 CFG = TrainerConfig(backend="megatron", ranks_per_group=N, tensor_parallel=TP, pipeline_parallel=PP,
                     pipeline_microbatches=2 if PP > 1 else 0, lr=1e-2, entropy_coef=0.01, grad_clip=0.5,
                     precision="bf16")
@@ -114,13 +121,27 @@ else:
     ref = {}
 full = max(world.allgather(state_bytes(ref)))      # what the state() fallback sends every rank
 
-# 1. R0 -> R1, resharded
+if G == 1 and "big" in sys.argv:     # a group's first build pays one-time set-up: done before
+    build()                          # the measured move, so its destination builds warm
+
+
+def kib(field):
+    return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+
+# 1. R0 -> R1, resharded: this rank's received bytes and RSS peak above its RSS before
 received[0] = 0
+gc.collect()             # the warm build's cycles freed now, not reused by the move unseen
 world.Barrier()
-t0 = time.time()
+open("/proc/self/clear_refs", "w").write("5")      # VmHWM := VmRSS now
+before, t0 = kib("VmRSS"), time.time()
 mover.move("a", R0, R1)
-dt = time.time() - t0
+peak, dt = (kib("VmHWM") - before) * 1024, time.time() - t0
 got = received[0]
+for g, rows in enumerate(zip(*[iter(world.gather((got, peak, dt), root=0) or [])] * N)):
+    print(f"   resharded {NAMES[0]} -> {NAMES[1]}: group {g} received max {max(r[0] for r in rows) / 2**20:.2f} "
+          f"MiB/rank, peak RSS above before max {max(r[1] for r in rows) / 2**20:.2f} MiB/rank, "
+          f"{max(r[2] for r in rows):.2f} s", flush=True)
 if G == 1:
     moved = mover.trainers["a"]
     shard = reshard.held_bytes(moved.reshard_layout()[0])        # its params, main params, moments
@@ -146,11 +167,11 @@ rows = world.gather((G, got, shard), root=0)
 worst = world.allreduce(diff, op=MPI.MAX)
 assert worst < 3 * CFG.lr, worst
 if rank == 0:
-    log(f"ok resharded move TP2 x PP1 -> TP1 x PP2 bf16: state() bit-equal after the move; each rank received "
+    log(f"ok resharded move {NAMES[0]} -> {NAMES[1]} bf16: state() bit-equal after the move; each rank received "
         f"its shard only ({', '.join(f'{r[1] / 2**10:.1f}' for r in rows if r[0] == 1)} KiB of a "
         f"{full / 2**10:.1f} KiB state the fallback sends every rank), {dt:.2f} s")
-log(f"ok the next step: bit-equal to a TP1 x PP2 twin loaded by load_state(state()), and within 3 x lr of "
-    f"the TP2 twin that never moved (max |diff| {worst:.2e}, lr {CFG.lr}: TP1 x PP2 sums the bf16 matmuls in "
+log(f"ok the next step: bit-equal to a {NAMES[1]} twin loaded by load_state(state()), and within 3 x lr of "
+    f"the {NAMES[0]} twin that never moved (max |diff| {worst:.2e}, lr {CFG.lr}: {NAMES[1]} sums the bf16 matmuls in "
     f"another order, and Adam's first steps move each weight by up to ~lr whatever the gradient's size)")
 
 # 2. R1 -> P0, resharded back into a parked arrival, then swapped in
@@ -180,7 +201,7 @@ else:
     assert "a" not in mover.trainers
     counterpart(before)
 kept = max(world.allgather(kept))
-log("ok resharded back TP1 x PP2 -> TP2 x PP1 into a parked arrival, swapped in: bit-equal")
+log(f"ok resharded back {NAMES[1]} -> {NAMES[0]} into a parked arrival, swapped in: bit-equal")
 log(f"ok host memory kept while resident after a swap-in: its storages, {kept / 2**10:.1f} KiB/rank max; "
     f"a move with non-zero gradients is refused")
 log(f"all megatron reshard checks passed in {time.time() - t_start:.1f} s")

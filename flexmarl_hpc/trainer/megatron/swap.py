@@ -20,7 +20,10 @@ Between groups of the same layout (`shard_key`), the host buffers themselves mov
 (runtime/state_swap.py, `ShardMovable`): the source offloads and sends its storages' bytes
 (`shards_out`), the destination's fresh trainer of the same layout has the same storages in
 the same order (`shard_sizes`, checked against the sender's) and takes the bytes as its
-parked state (`adopt`). Adam state exists from the first step on; a trainer that has not
+parked state (`adopt`). Gradient storages ("grad.<i>") are left out: zero between steps
+(`_check_grads_zero`), zeroed by `onload`. Between groups of another TP/PP/DP (`reshard_key`),
+`reshard_layout` describes this rank's parameters, main params and moments in megatron-core's
+global coordinates for runtime/reshard.py's plan. Adam state exists from the first step on; a trainer that has not
 stepped yet gets it at zero first (`_zero_optimizer_states`: the same first step as
 megatron's lazy init), so both sides hold the same set.
 """
@@ -150,7 +153,9 @@ class Swap:
         if self._host is None:
             dirty = [n for n, s, _ in self._storages() if n.startswith("grad.") and _bytes_of(s).any()]
         else:
-            dirty = [n for n, _, _ in self._parked if n.startswith("grad.") and self._host.buffers[n].any()]
+            # a shelved arrival has no host copy of its grads (never sent; `onload` zeroes them)
+            dirty = [n for n, _, _ in self._parked if n.startswith("grad.") and n in self._host.buffers
+                     and self._host.buffers[n].any()]
         if dirty:
             raise ValueError(f"state move{f' of agent {agent!r}' if agent else ''}: gradients are not zero "
                              f"({dirty[0]}); a state moves only between optimizer steps")
@@ -167,7 +172,11 @@ class Swap:
         return self._host, [(n, nb) for n, _, nb in self._parked if not n.startswith("grad.")], self._parked_rng
 
     def move_sizes(self) -> list[tuple[str, int]]:
-        """What `shards_out` will send, without offloading (a move's header)."""
+        """What `shards_out` will send, without offloading (a move's header): Adam state made
+        first (at zero) where it has not stepped, as `shards_out` does."""
+        if not self._has_adam_state():
+            with self.onloaded(), scope():
+                self._zero_optimizer_states()
         if self._host is not None:
             return [(n, nb) for n, _, nb in self._parked if not n.startswith("grad.")]
         return self.shard_sizes()
