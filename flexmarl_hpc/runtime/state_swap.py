@@ -219,10 +219,28 @@ def recv_shards(world: MPI.Comm, head: MoveHeader, source: int) -> HostBuffers:
     return host
 
 
-def _piece_view(flats: list[torch.Tensor], blocks: list[reshard.Block], p: reshard.Piece) -> torch.Tensor:
-    slot, off, h, w, stride = reshard.locate(blocks, p.tensor, p.rect)
+def _index(blocks: list[reshard.Block]) -> dict[tuple, list[reshard.Block]]:
+    """A rank's blocks by tensor, so finding a piece's block looks at that tensor's only."""
+    out: dict[tuple, list[reshard.Block]] = {}
+    for b in blocks:
+        out.setdefault(b.tensor, []).append(b)
+    return out
+
+
+def _piece_view(flats: list[torch.Tensor], index: dict, p: reshard.Piece) -> torch.Tensor:
+    slot, off, h, w, stride = reshard.locate(index[p.tensor], p.tensor, p.rect)
     t = flats[slot]
     return t.as_strided((h, w), (stride, 1), t.storage_offset() + off)
+
+
+def _packed(pieces: list[reshard.Piece]) -> tuple[list[int], int]:
+    """Each piece's byte offset in a packed message (8-byte aligned: a bf16 piece of odd
+    length must not misalign the fp32 piece after it), and the message's size."""
+    offs, n = [], 0
+    for p in pieces:
+        offs.append(n)
+        n += -(-p.nbytes // 8) * 8
+    return offs, n
 
 
 def _by_peer(pieces: list[reshard.Piece], me: int, mine: str, peer: str) -> dict[int, list[reshard.Piece]]:
@@ -233,37 +251,44 @@ def _by_peer(pieces: list[reshard.Piece], me: int, mine: str, peer: str) -> dict
     return out
 
 
+def pack_pieces(pieces: list[reshard.Piece], index: dict, flats: list[torch.Tensor]) -> torch.Tensor:
+    """`pieces` (one peer's, in plan order) copied out of `flats` into one message."""
+    offs, n = _packed(pieces)
+    buf = torch.empty(n, dtype=torch.uint8)
+    for p, off in zip(pieces, offs):
+        v = _piece_view(flats, index, p)
+        buf[off:off + p.nbytes].view(v.dtype).view(v.shape).copy_(v)
+    return buf
+
+
+def unpack_pieces(buf: torch.Tensor, pieces: list[reshard.Piece], index: dict, flats: list[torch.Tensor]) -> None:
+    """Inverse of `pack_pieces`: the message's pieces written into `flats`."""
+    for p, off in zip(pieces, _packed(pieces)[0]):
+        v = _piece_view(flats, index, p)
+        v.copy_(buf[off:off + p.nbytes].view(v.dtype).view(v.shape))
+
+
 def send_pieces(world: MPI.Comm, pieces: list[reshard.Piece], me: int, blocks: list[reshard.Block],
                 flats: list[torch.Tensor], to: list[int]) -> int:
     """This source rank's pieces of the plan, one message per destination rank (`to`: world
     ranks of the destination group) packed in plan order; returns the bytes sent."""
-    reqs, bufs = [], []
-    for d, mine in _by_peer(pieces, me, "src", "dst").items():
-        buf, off = torch.empty(sum(p.nbytes for p in mine), dtype=torch.uint8), 0
-        for p in mine:
-            v = _piece_view(flats, blocks, p)
-            buf[off:off + p.nbytes].view(v.dtype).view(v.shape).copy_(v)
-            off += p.nbytes
-        bufs.append(buf)
-        reqs.append(world.Isend(buf.numpy(), dest=to[d], tag=comm.TAG_STATE))
-    comm.waitall(reqs)
-    return sum(b.numel() for b in bufs)
+    index = _index(blocks)
+    bufs = [(d, pack_pieces(mine, index, flats)) for d, mine in _by_peer(pieces, me, "src", "dst").items()]
+    comm.waitall([world.Isend(b.numpy(), dest=to[d], tag=comm.TAG_STATE) for d, b in bufs])
+    return sum(p.nbytes for p in pieces if p.src == me)
 
 
 def recv_pieces(world: MPI.Comm, pieces: list[reshard.Piece], me: int, blocks: list[reshard.Block],
                 flats: list[torch.Tensor], frm: list[int]) -> int:
     """This destination rank's pieces, one message per source rank (`frm`: world ranks of
-    the source group), written into its flat tensors; returns the bytes received."""
-    got = _by_peer(pieces, me, "dst", "src")
-    bufs = {s: torch.empty(sum(p.nbytes for p in mine), dtype=torch.uint8) for s, mine in got.items()}
+    the source group), written into its flat tensors; returns the bytes received (the
+    pieces', without the alignment padding)."""
+    got, index = _by_peer(pieces, me, "dst", "src"), _index(blocks)
+    bufs = {s: torch.empty(_packed(mine)[1], dtype=torch.uint8) for s, mine in got.items()}
     comm.waitall([world.Irecv(bufs[s].numpy(), source=frm[s], tag=comm.TAG_STATE) for s in got])
     for s, mine in got.items():
-        off = 0
-        for p in mine:
-            v = _piece_view(flats, blocks, p)
-            v.copy_(bufs[s][off:off + p.nbytes].view(v.dtype).view(v.shape))
-            off += p.nbytes
-    return sum(b.numel() for b in bufs.values())
+        unpack_pieces(bufs[s], mine, index, flats)
+    return sum(p.nbytes for p in pieces if p.dst == me)
 
 
 def exchange_blocks(world: MPI.Comm, mine, others: list[int]) -> list:

@@ -82,3 +82,20 @@ def test_a_flat_range_is_at_most_three_rectangles():
     assert regions(b) == [(2, 3, 3, 4), (3, 6, 0, 4), (6, 7, 0, 1)]
     assert Block(("m", "w", ()), (10, 4), (0, 0), (2, 4), 4, (0, 20), 4).flat == (0, 20)
     assert regions(Block(("m", "w", ()), (10, 4), (0, 0), (2, 4), 4, (0, 20), 4)) == [(0, 2, 0, 4)]
+
+
+def test_pieces_of_mixed_dtypes_travel_packed_and_aligned():
+    """state_swap.pack_pieces / unpack_pieces (what send_pieces / recv_pieces send): a bf16
+    parameter of odd length, then its fp32 main copy, in one message; the fp32 piece must
+    start aligned (unaligned, torch refuses the fp32 view of the bytes)."""
+    import torch
+    from flexmarl_hpc.runtime.state_swap import _index, pack_pieces, unpack_pieces
+    blocks = [Block(("param", "n", ()), (7, 1), (0, 0), (0, 7), 1, (0, 7), 2, 0),
+              Block(("main", "n", ()), (7, 1), (0, 0), (0, 7), 1, (0, 7), 4, 1)]
+    src = [torch.arange(7, dtype=torch.bfloat16), torch.arange(7, dtype=torch.float32) / 3]
+    dst = [torch.zeros(7, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.float32)]
+    pieces = plan([blocks], [blocks])
+    assert [p.nbytes for p in pieces] == [14, 28]
+    buf = pack_pieces(pieces, _index(blocks), src)
+    unpack_pieces(buf, pieces, _index(blocks), dst)
+    assert all(torch.equal(a, b) for a, b in zip(src, dst))
