@@ -438,7 +438,8 @@ class TrainerGroup:
     """Training engine of this group."""
     swap: str = ""
     """Swap domain: groups with the same non-empty label may take each other's agents
-    (pipeline.swap_states); they must have the same shape. Empty: its agents stay here."""
+    (pipeline.swap_states); they must have the same ranks and backend (megatron groups may
+    differ in TP/PP: the move reshards). Empty: its agents stay here."""
     slurm: SlurmComponent = field(default_factory=SlurmComponent)
     """This group's het-job component (nodes, gpus_per_node, partition, sbatch_options)."""
 

@@ -347,9 +347,14 @@ def _validate_groups(cfg: Config, groups: Sequence[Group]) -> None:
                   f"{g.pipeline_parallel} does not divide the {m.num_layers} layers of agent {a!r}{_shape_source(m)}")
     for i, g in enumerate(groups):
         for h in swap_peers(groups, i)[1:]:
-            _need(groups[h].shape == g.shape, f"{groups[h].where}.swap",
+            # megatron reshards a state into another TP/PP (runtime/reshard.py); the move pairs
+            # rank i of each group, so the ranks (and the backend) must agree
+            same = groups[h].shape == g.shape or (g.backend == groups[h].backend == "megatron"
+                                                   and g.ranks == groups[h].ranks)
+            _need(same, f"{groups[h].where}.swap",
                   f"swap domain {g.swap!r} joins {g.name} ({g.describe()}) and {groups[h].name} "
-                  f"({groups[h].describe()}); states swap only between groups of the same shape")
+                  f"({groups[h].describe()}); states swap only between groups of the same ranks and "
+                  "backend (TP/PP may differ on megatron)")
 
 
 def _shape_source(m: ModelConfig) -> str:

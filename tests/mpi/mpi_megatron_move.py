@@ -149,28 +149,35 @@ shard = max(world.allgather(shard))
 # 1. resident -> resident, shard to shard
 got_bytes, _ = measured_move(mover, R0, R1, "shard R0 -> R1")
 if G == 1:
-    mine = sum(n for _, _, n in mover.trainers["a"]._storages())     # this rank's own storages
-    assert got_bytes == mine and got_bytes < full, (got_bytes, mine, full)
+    storages = mover.trainers["a"]._storages()                       # this rank's own storages
+    mine = sum(n for name, _, n in storages if not name.startswith("grad."))
+    grads = sum(n for name, _, n in storages if name.startswith("grad."))
+    assert got_bytes == mine and got_bytes < full and grads > 0, (got_bytes, mine, grads, full)
     moved = mover.trainers["a"]
     same(counterpart_state(moved.state()), moved.state(), "after the shard move")
     step(moved, 1)
     same(counterpart_state(moved.state()), moved.state(), "a step after the shard move == the twin's")
 else:
+    grads = 0
     assert "a" not in mover.trainers and "a" not in mover.parked
     counterpart_state(ref)
     step(twin, 1)
     counterpart_state(twin.state())
+grads = max(world.allgather(grads))
+log(f"ok zero gradients not sent: {grads / 2**20:.2f} MiB/rank of grad storages left out of "
+    f"{(grads + shard) / 2**20:.2f} MiB/rank of storages ({grads / (grads + shard):.0%})")
 log(f"ok shard move TP{TP} x PP{PP} x DP{N // (TP * PP)} {CFG.precision}: state() bit-equal after the move, next step == a twin's that never "
     f"moved; each rank received its shard only (max {shard / 2**20:.2f} MiB of a {full / 2**20:.2f} MiB state)")
 
-# 2. resident -> resident through the fallback: group 0 claims another layout
-real_key = MegatronTrainer.shard_key
-if G == 0:
+# 2. resident -> resident through the fallback: group 0 claims another layout and model
+real_key, real_compat = MegatronTrainer.shard_key, MegatronTrainer.reshard_key
+if G == 0:          # another layout of another model: neither shards nor resharding
     MegatronTrainer.shard_key = lambda self: ("another layout",)
+    MegatronTrainer.reshard_key = lambda self: ("another model",)
 before = mover.trainers["a"].state() if G == 1 else None
 before = {k: v.clone() for k, v in before.items()} if before else None
 old_bytes, _ = measured_move(mover, R1, R0, "state() fallback R1 -> R0")
-MegatronTrainer.shard_key = real_key
+MegatronTrainer.shard_key, MegatronTrainer.reshard_key = real_key, real_compat
 mover.move("a", R0, P0)                             # swapped out on group 0 (a no-op on group 1)
 if G == 0:
     assert old_bytes == full, (old_bytes, full)

@@ -188,3 +188,21 @@ def test_state_moves_shard_to_shard_between_two_tp2_groups(megatron):
     assert "each rank received its shard only" in out
     assert "ok fallback (other layout): state() sent" in out
     assert "ok shard move from a shelved trainer into a parked arrival, swapped in: bit-equal" in out
+    assert "ok zero gradients not sent" in out
+
+
+def test_state_reshards_between_groups_of_other_layouts(megatron):
+    """A trained bf16 agent moves TP2 x PP1 -> TP1 x PP2 and back into a parked arrival
+    (tests/mpi/mpi_megatron_reshard.py) by runtime/reshard.py's plan: each rank receives its
+    own shard's bytes (the state() fallback sends the whole state to every rank: fails),
+    bit-equal state(), the next step bit-equal to a twin of the new layout loaded by
+    load_state and within 3 x lr of the never-moved twin of the old one."""
+    p = run_mpi(megatron, 4, ["tests/mpi/mpi_megatron_reshard.py"], timeout=240,
+                env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    out = p.stdout
+    assert "all megatron reshard checks passed" in out, out[-3000:]
+    print("\n".join(line for line in out.splitlines() if line.startswith("ok")))
+    assert "ok resharded move TP2 x PP1 -> TP1 x PP2 bf16: state() bit-equal after the move" in out
+    assert "each rank received its shard only" in out
+    assert "ok the next step: bit-equal to a TP1 x PP2 twin" in out
+    assert "ok resharded back TP1 x PP2 -> TP2 x PP1 into a parked arrival, swapped in: bit-equal" in out

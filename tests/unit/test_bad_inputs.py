@@ -394,6 +394,26 @@ def test_bad_heterogeneous_config_is_refused(case, tmp_path):
     assert message in str(e.value)
 
 
+def test_a_swap_domain_may_join_megatron_groups_of_other_tp_pp(tmp_path):
+    """The move reshards between TP/PP layouts (runtime/reshard.py): two megatron groups of
+    the same ranks, TP2 and PP2, share a swap label; other ranks are still refused."""
+    import yaml
+    from flexmarl_hpc.config.load import load_config
+    from flexmarl_hpc.config.schema import ConfigError
+
+    def edit(d, ranks=2):
+        g = _groups(d)
+        g[1].update(ranks=ranks, backend="megatron", pipeline_parallel=2, swap="x")
+        g[0].update(swap="x")
+        d.setdefault("pipeline", {}).update(swap_states=True)
+    path = tmp_path / "ok.yaml"
+    path.write_text(yaml.safe_dump(_hetero(edit)))
+    load_config(path)
+    path.write_text(yaml.safe_dump(_hetero(lambda d: edit(d, ranks=4))))
+    with pytest.raises(ConfigError, match=r"same ranks and backend"):
+        load_config(path)
+
+
 def test_megatron_options_follow_the_groups_backends(tmp_path):
     """trainer.precision etc. are megatron options: with named groups, one megatron group
     admits them (the global trainer.backend may stay torch); with none they are refused."""

@@ -121,3 +121,15 @@ def test_a_shard_header_is_taken_only_by_the_same_layout_and_storages():
     err = answer_for(head, ("megatron", 2, 1), [("storage.0", 64), ("storage.1", 16)])
     assert "agent 'solver'" in err and "('storage.1', 32) != ('storage.1', 16)" in err
     assert "2 storages != 3" in answer_for(head, ("megatron", 2, 1), [*sizes, ("storage.2", 4)])
+
+
+def test_another_layout_of_the_same_model_is_resharded():
+    """Another key but the same reshard_key (model, precision, spec): the plan's pieces, not
+    state(); another model, or a source that cannot reshard: the fallback."""
+    from flexmarl_hpc.runtime.state_swap import FALLBACK, RESHARD, MoveHeader, answer_for
+    head = MoveHeader("solver", ("megatron", 2, 1), (("storage.0", 64),), 3, b"", compat=("megatron", "m"))
+    assert answer_for(head, ("megatron", 1, 2), None, ("megatron", "m")) == RESHARD
+    assert answer_for(head, ("megatron", 1, 2), None, ("megatron", "other")) == FALLBACK
+    assert answer_for(head, None, None, None) == FALLBACK
+    old = MoveHeader("solver", ("megatron", 2, 1), (("storage.0", 64),), 3, b"")     # no compat sent
+    assert answer_for(old, ("megatron", 1, 2), None, ("megatron", "m")) == FALLBACK
