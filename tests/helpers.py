@@ -493,3 +493,23 @@ def answer_until_done(runner, tok, answer, calls: list, timeout: float) -> list:
             return done
         time.sleep(0.002)
     return []
+
+
+def replaced_at(obj, path: str, value):
+    """A copy of a (frozen) config with the field at `path` (`rollout.pools[0].slurm.nodes`,
+    `agents.speaker.rms_eps`) set to `value`: dataclasses.replace along the path, since a
+    config cannot be changed in place (config/plan.py)."""
+    if not path:
+        return value
+    head, _, rest = path.partition(".")
+    if isinstance(obj, dict):
+        return {**obj, head: replaced_at(obj[head], rest, value)}
+    name, _, idx = head.partition("[")
+    child = getattr(obj, name)
+    if idx:
+        i, items = int(idx.rstrip("]")), list(child)
+        items[i] = replaced_at(items[i], rest, value)
+        child = items
+    else:
+        child = replaced_at(child, rest, value)
+    return dataclasses.replace(obj, **{name: child})

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from flexmarl_hpc.config.bounds import MAX_STARTUP_S, MAX_STEPS, bounded
+from flexmarl_hpc.config.bounds import MAX_STARTUP_S, MAX_STEPS, SIGNAL_MAX_S, bounded
 from flexmarl_hpc.config.errors import ConfigError
 from flexmarl_hpc.config.tools import ToolsConfig
 
@@ -302,7 +302,7 @@ class TrainerConfig:
     """recompute=full: uniform splits each pipeline stage's layers into chunks of
     recompute_num_layers and keeps one input per chunk; block recomputes only the first
     recompute_num_layers layers of each stage (the others keep their activations)."""
-    recompute_num_layers: int = 1
+    recompute_num_layers: int = bounded(1, ge=1)
     """recompute=full: layers per chunk (uniform) or layers recomputed per stage (block); at
     least 1 and at most the layers of a pipeline stage."""
     overlap_grad_reduce: bool = False
@@ -428,11 +428,11 @@ class TrainerGroup:
     agents: list[str] = field(default_factory=list)
     """Agents trained on this group (the first starts resident; more than one needs
     pipeline.swap_states)."""
-    ranks: int = 1
+    ranks: int = bounded(1, ge=1)
     """Ranks of the group = tensor_parallel x pipeline_parallel x data parallel."""
-    tensor_parallel: int = 1
+    tensor_parallel: int = bounded(1, ge=1)
     """Tensor-parallel degree (megatron); must divide the heads of the group's models."""
-    pipeline_parallel: int = 1
+    pipeline_parallel: int = bounded(1, ge=1)
     """Pipeline-parallel degree (megatron); must divide the layers of the group's models."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training engine of this group."""
@@ -455,7 +455,7 @@ class SlurmConfig:
     """Time limit (`--time`)."""
     mpi: str = "pmi2"
     """`srun --mpi=` plugin (pmi2 or pmix)."""
-    signal_seconds: int = bounded(120, ge=0)
+    signal_seconds: int = bounded(120, ge=0, le=SIGNAL_MAX_S)
     """Seconds before the time limit at which SIGUSR1 asks the job to checkpoint and requeue."""
     requeue: bool = True
     """Requeue on preemption/time limit and resume."""
