@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the test suite (what CI runs):
-#   bash scripts/test.sh [pytest args...]      # everything: tests/{unit,sim,mpi,e2e,slurm,gpu}
+#   bash scripts/test.sh [pytest args...]      # everything: tests/{unit,sim,integration,mpi,e2e,slurm,gpu}
 #   bash scripts/test.sh tests/unit           # one tier (tests/README.md: what each needs and costs)
 # Tests that need MPI, Slurm or HDF5 fail under CI=true when those are missing; Slurm tests
 # bring up a local Slurm cluster themselves (scripts/slurm_up.sh, needs root for apt).
@@ -8,7 +8,8 @@
 # (a no-op afterwards) and tests/e2e/test_vllm.py must then pass, not skip (FLEXMARL_VLLM=1).
 # FLEXMARL_SKIP_VLLM=1 leaves that stage out for a quick local pass.
 # The whole run (no arguments, as CI calls it) also runs `scripts/figures.py --check`, beside
-# the unit tier: every simulator figure in docs/ must be what the code at HEAD makes.
+# the unit, sim and integration tiers: every simulator figure in docs/ must be what the code
+# at HEAD makes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
@@ -37,11 +38,11 @@ if [ "$#" != 0 ]; then
   pytest_tier "$@"
   exit $?
 fi
-# The whole run: the unit and sim tiers and the figures check are one process each, so on CI's two
-# cores they run side by side (about 2 minutes saved), with the vLLM venv's install (disk and
-# network mostly); then the tiers that start MPI jobs, training runs and Slurm jobs, which
-# want both cores to themselves.
-echo "[test] scripts/figures.py --check (beside the unit tier): the docs' simulator figures against the code at HEAD"
+# The whole run: the unit, sim and integration tiers run one after another on one core while the
+# figures check runs on the other (it takes longer than the three: tests/README.md has the
+# figures), with the vLLM venv's install (disk and network mostly); then the tiers that start
+# MPI jobs, training runs and Slurm jobs, which want both cores to themselves.
+echo "[test] scripts/figures.py --check (beside the unit, sim and integration tiers): the docs' simulator figures against the code at HEAD"
 figlog=$(mktemp)
 .venv/bin/python scripts/figures.py --check > "$figlog" 2>&1 &
 figpid=$!
@@ -50,6 +51,9 @@ rc_unit=$?
 pytest_tier tests/sim          # still beside the figures check, which takes longer than the unit tier
 rc_sim=$?
 [ "$rc_unit" != 0 ] || rc_unit=$rc_sim
+pytest_tier tests/integration  # tests that start processes (sandbox, pools, CLIs): still beside it
+rc_int=$?
+[ "$rc_unit" != 0 ] || rc_unit=$rc_int
 wait "$figpid"
 figures=$?
 cat "$figlog"

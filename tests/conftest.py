@@ -1,6 +1,7 @@
 """Shared test fixtures, and the tiers: each test gets the marker of its folder.
 
     tests/unit   pure, in-process (seconds)          tests/mpi   mpiexec jobs of a few ranks
+    tests/sim    whole simulated jobs, in-process    tests/integration  tests that start processes
     tests/e2e    real training runs (+ `realrun`)    tests/slurm the local Slurm cluster
     tests/gpu    CUDA GPUs; skip without one, with the reason, counted at the end
 
@@ -27,7 +28,7 @@ from tests.journal_hook import _journal_rule, check_marker_reasons, pytest_runte
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-TIERS = ("unit", "sim", "mpi", "e2e", "slurm", "gpu")
+TIERS = ("unit", "sim", "integration", "mpi", "e2e", "slurm", "gpu")
 
 
 def need(condition: bool, what: str) -> None:
@@ -119,6 +120,15 @@ def tiny_chat(tmp_path_factory) -> tuple[Path, Path]:
     data.write_text("".join(json.dumps({"question": f"What is {i} + {i % 7}?", "answer": i + i % 7}) + "\n"
                             for i in range(40)))
     return model, data
+
+
+@pytest.fixture
+def math_verify():
+    """math-verify (requirements.txt), which workflows/mathcheck.py hands expressions to."""
+    try:
+        return importlib.import_module("math_verify")
+    except ImportError:
+        need(False, "math-verify (requirements.txt)")
 
 
 @pytest.fixture(scope="session")

@@ -508,7 +508,7 @@ def truth_profile():
     return dataclasses.replace(base, peak_bf16_tflops=0.005, hbm_gb_s=20.0, efficiency=eff)
 
 
-# -- what a fresh interpreter imports (tests/unit/test_imports.py) -----------------
+# -- what a fresh interpreter imports (tests/integration/test_import_probes.py) -----------------
 HEAVY = ("torch", "mpi4py")
 
 
@@ -521,7 +521,7 @@ def heavy_modules_after(code: str, heavy: tuple[str, ...] = HEAVY) -> list[str]:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-# -- a scripted tool-using model (tests/unit/test_openai_endpoint.py, tests/mpi) ----
+# -- a scripted tool-using model (tests/integration/test_openai_endpoint.py, tests/mpi) ----
 BLOCK = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 30"}}\n</tool_call>'
 
 
@@ -550,3 +550,263 @@ def answer_until_done(runner, tok, answer, calls: list, timeout: float) -> list:
             return done
         time.sleep(0.002)
     return []
+
+
+def replaced_at(obj, path: str, value):
+    """A copy of a (frozen) config with the field at `path` (`rollout.pools[0].slurm.nodes`,
+    `agents.speaker.rms_eps`) set to `value`: dataclasses.replace along the path, since a
+    config cannot be changed in place (config/plan.py)."""
+    if not path:
+        return value
+    head, _, rest = path.partition(".")
+    if isinstance(obj, dict):
+        return {**obj, head: replaced_at(obj[head], rest, value)}
+    name, _, idx = head.partition("[")
+    child = getattr(obj, name)
+    if idx:
+        i, items = int(idx.rstrip("]")), list(child)
+        items[i] = replaced_at(items[i], rest, value)
+        child = items
+    else:
+        child = replaced_at(child, rest, value)
+    return dataclasses.replace(obj, **{name: child})
+
+
+PATHOLOGICAL = "\\boxed{9^{9^{9^{9}}}}"
+"""An answer math-verify's sympy tries to evaluate (a power tower): it never finishes by itself
+(tests/unit/test_mathcheck.py, tests/integration/test_mathcheck_child.py)."""
+
+
+# -- the docs' files and the commands quoted in them (tests/unit/test_docs.py, whose --help
+# check of each is tests/integration/test_doc_commands.py) -----------------------------------
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+CLI = re.compile(r"python -m flexmarl_hpc\.([A-Za-z_][\w.]*)((?:[ \t]+[^\s`#|]+)*)")
+SUBCOMMAND = re.compile(r"[a-z][a-z_-]*")
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def quoted(text: str) -> list[str]:
+    """The text of fenced code blocks and backtick spans."""
+    blocks = [m.group(0) for m in FENCE.finditer(text)]
+    spans = re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+    return blocks + spans
+
+
+def commands(files: list[Path]) -> set[tuple[str, str]]:
+    """Distinct (cli, subcommand) pairs quoted in the docs; subcommand '' when there is none.
+
+    The first word after the module that is not an option is a subcommand only when it looks
+    like one (a lower-case word): not a path, a config, a run file, a number or an override."""
+    found = set()
+    for md in files:
+        for chunk in quoted(md.read_text(encoding="utf-8")):
+            for cli, rest in CLI.findall(chunk):
+                words = [w for w in rest.split() if not w.startswith("-")]
+                first = words[0] if words else ""
+                sub = first if SUBCOMMAND.fullmatch(first) else ""
+                found.add((cli.rstrip("."), sub))
+    return found
+
+
+# -- malformed inputs refused before launch (tests/unit/test_bad_inputs.py in-process,
+# tests/integration/test_cli_refusals.py through the real entry point) ---------------------
+LOCAL = str(ROOT / "configs" / "local.yaml")
+NON_UTF8 = b"run:\n  name: caf\xe9\n"
+
+
+def _alias_bomb(levels: int = 9) -> bytes:
+    """The "billion laughs": level k is a list of 9 aliases of level k-1 (9^9 leaves)."""
+    lines = ["    l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    l{k}: &l{k} [" + ", ".join([f"*l{k - 1}"] * 9) + "]" for k in range(1, levels)]
+    return ("workflow:\n  task_args:\n" + "\n".join(lines) + "\n").encode()
+
+
+ALIAS_BOMB = _alias_bomb()
+DEEP = b"run:\n  name: " + b"[" * 5000 + b"]" * 5000 + b"\n"
+DUPLICATE_RUN = Path(LOCAL).read_bytes() + b"run:\n  steps: 3\n"     # replaced the first run: whole
+
+# (case id, overrides or a config file's bytes, field the message must start with)
+CASES = [
+    # -- issue 12: crashed with a traceback (most after every rank had launched)
+    ("non-utf8-file", NON_UTF8, "{file}"),
+    ("num_heads=0", ["model.num_heads=0"], "model.num_heads"),
+    ("num_kv_heads=0", ["model.num_kv_heads=0"], "model.num_kv_heads"),
+    ("output_dir-{foo}", ["run.output_dir={tmp}/{foo}"], "run.output_dir"),
+    ("log_every=0", ["run.log_every=0"], "run.log_every"),
+    ("threads_per_rank=0", ["run.threads_per_rank=0"], "run.threads_per_rank"),
+    ("chunk_rows=0", ["store.chunk_rows=0"], "store.chunk_rows"),
+    ("max_batch=0", ["rollout.max_batch=0"], "rollout.max_batch"),
+    ("hidden_size=0", ["model.hidden_size=0"], "model.hidden_size"),
+    ("max_seq_len=2", ["model.max_seq_len=2"], "model.max_seq_len"),
+    ("seed=-1", ["run.seed=-1"], "run.seed"),
+    ("lr=nan", ["trainer.lr=.nan"], "trainer.lr"),
+    # -- issue 12: nonsense that was accepted
+    ("num_layers=-1", ["model.num_layers=-1"], "model.num_layers"),
+    ("temperature=inf", ["rollout.temperature=.inf"], "rollout.temperature"),
+    ("checkpoint_every=-3", ["run.checkpoint_every=-3"], "run.checkpoint_every"),
+    ("steps=10**30", [f"run.steps={10**30}"], "run.steps"),
+    ("replicas=100000-local", ["rollout.replicas=100000"], "rollout.replicas"),
+    # -- issue 12: already clean (kept so they stay clean)
+    ("unknown-key", ["trainer.lrr=1"], "trainer.lrr"),
+    ("lr=abc", ["trainer.lr=abc"], "trainer.lr"),
+    ("mode=fast", ["run.mode=fast"], "run.mode"),
+    ("steps=0", ["run.steps=0"], "run.steps"),
+    ("replicas=0", ["rollout.replicas=0"], "rollout.replicas"),
+    ("groups=1-orphan", ["trainer.groups=1"], "trainer.groups"),
+    ("groups=3", ["trainer.groups=3"], "trainer.groups"),
+    ("num_heads=5", ["model.num_heads=5"], "model.num_heads"),
+    ("tp=2-torch", ["trainer.tensor_parallel=2"], "trainer.ranks_per_group"),
+    ("agents-unknown", ["agents.critic={hidden_size: 8}"], "agents.critic"),
+    ("turns=[]", ["workflow.turns=[]"], "workflow.turns"),
+    ("checkpoint-missing", ["model.checkpoint=/nonexistent"], "model.checkpoint"),
+    ("overprovision=-1", ["pipeline.overprovision=-1"], "pipeline.overprovision"),
+    ("override-bad-yaml", ["agents.critic={hidden_size:"], "agents.critic"),
+    ("overprovision-sync", ["pipeline.overprovision=2", "run.mode=sync"], "pipeline.overprovision"),
+    ("file-bad-yaml", b"run: [unclosed", "{file}"),
+    ("file-top-list", b"- a list", "{file}"),
+    ("task-no-colon", ["workflow.task=nope"], "workflow.task"),
+    # -- issue 15: held-out evaluation
+    ("eval_every=-1", ["run.eval_every=-1"], "run.eval_every"),
+    ("eval_inputs=0", ["run.eval_inputs=0"], "run.eval_inputs"),
+    ("eval_samples=-1", ["run.eval_samples=-1"], "run.eval_samples"),
+    ("eval-task-without-heldout", ["workflow.task=tests.faulty_tasks:NoHeldoutGame"], "run.eval_every"),
+    ("task-missing", ["workflow.task=flexmarl_hpc.nope:Missing"], "workflow.task"),
+    ("task_args-bogus", ["workflow.task_args={bogus: 1}"], "workflow.task_args"),
+    ("top_p=0", ["rollout.top_p=0"], "rollout.top_p"),
+    ("backend=tpu", ["rollout.backend=tpu"], "rollout.backend"),
+    ("bucket_mb=0", ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb"),
+    ("bucket_mb-below-a-row", ["weight_sync.bucket_mb=0.0001"], "weight_sync.bucket_mb"),
+    ("sync timeout<0", ["weight_sync.timeout_s=-1"], "weight_sync.timeout_s"),
+    ("sync timeout=nan", ["weight_sync.timeout_s=.nan"], "weight_sync.timeout_s"),
+    ("micro_batch_size=0", ["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
+    ("max_staleness=-1", ["pipeline.max_staleness=-1"], "pipeline.max_staleness"),
+    # -- ours: control characters in any string (they reach file names and the sbatch script)
+    ("name-newline", ['run.name="x\\n"'], "run.name"),
+    ("name-tab", ['run.name="a\\tb"'], "run.name"),
+    ("name-CR", ['run.name="x\\r"'], "run.name"),
+    ("account-NUL", ['slurm.account="a\\0"'], "slurm.account"),
+    ("setup-newline", ['slurm.setup=["module load x\\nrm -rf /"]'], "slurm.setup[0]"),
+    ("sbatch_options-newline", ['slurm.trainer.sbatch_options=["--exclusive\\n"]'],
+     "slurm.trainer.sbatch_options[0]"),
+    ("task_args-newline", ['workflow.task_args={num_objects: 8, note: "a\\nb"}'], "workflow.task_args.note"),
+    ("output_dir-newline", ['run.output_dir="/tmp/a\\nb"'], "run.output_dir"),
+    # -- ours: ranges of the other fields
+    ("name-empty", ["run.name="], "run.name"),
+    ("name-slash", ["run.name=a/b"], "run.name"),
+    ("output_dir-empty", ["run.output_dir="], "run.output_dir"),
+    ("steps-bool", ["run.steps=true"], "run.steps"),
+    ("seed=2**64", [f"run.seed={2**64}"], "run.seed"),
+    ("keep_checkpoints=0", ["run.keep_checkpoints=0"], "run.keep_checkpoints"),
+    ("checkpoint_minutes=-1", ["run.checkpoint_minutes=-1"], "run.checkpoint_minutes"),
+    ("checkpoint_minutes=nan", ["run.checkpoint_minutes=.nan"], "run.checkpoint_minutes"),
+    ("inputs_per_step=0", ["workflow.inputs_per_step=0"], "workflow.inputs_per_step"),
+    ("agent-name-slash", ["workflow.turns=[{agent: a/b}]"], "workflow.turns[0].agent"),
+    ("intermediate_size=0", ["model.intermediate_size=0"], "model.intermediate_size"),
+    ("rope_theta=0", ["model.rope_theta=0"], "model.rope_theta"),
+    ("rms_eps=0", ["model.rms_eps=0"], "model.rms_eps"),
+    ("init_std=-1", ["model.init_std=-1"], "model.init_std"),
+    ("agent-num_kv_heads=0", ["agents.listener={num_kv_heads: 0}"], "agents.listener.num_kv_heads"),
+    ("max_model_len=3", ["rollout.max_model_len=3"], "rollout.max_model_len"),
+    ("top_p=1.5", ["rollout.top_p=1.5"], "rollout.top_p"),
+    ("temperature=0", ["rollout.temperature=0"], "rollout.temperature"),
+    ("lr=-1", ["trainer.lr=-1"], "trainer.lr"),
+    ("lr=inf", ["trainer.lr=.inf"], "trainer.lr"),
+    ("betas-1", ["trainer.betas=[0.9, 1.0]"], "trainer.betas[1]"),
+    ("betas-short", ["trainer.betas=[0.9]"], "trainer.betas"),
+    ("grad_clip=-1", ["trainer.grad_clip=-1"], "trainer.grad_clip"),
+    ("clip_eps=0", ["trainer.clip_eps=0"], "trainer.clip_eps"),
+    ("kl_coef=nan", ["trainer.kl_coef=.nan"], "trainer.kl_coef"),
+    ("kl_coef with pp", ["trainer.backend=megatron", "trainer.ranks_per_group=2", "trainer.pipeline_parallel=2",
+                         "trainer.kl_coef=0.1"], "trainer.kl_coef"),
+    ("tis_cap=0", ["trainer.tis_cap=0"], "trainer.tis_cap"),
+    ("pp=-1", ["trainer.pipeline_parallel=-1"], "trainer.pipeline_parallel"),
+    ("groups=-1", ["trainer.groups=-1"], "trainer.groups"),
+    ("ranks_per_group=0", ["trainer.ranks_per_group=0"], "trainer.ranks_per_group"),
+    ("ranks_per_group=100000", ["trainer.ranks_per_group=100000"], "trainer.ranks_per_group"),
+    ("rebalance_threshold=2", ["pipeline.rebalance_threshold=2"], "pipeline.rebalance_threshold"),
+    ("rebalance_cooldown=-1", ["pipeline.rebalance_cooldown=-1"], "pipeline.rebalance_cooldown"),
+    ("bucket_mb=1e9", ["weight_sync.bucket_mb=1e9"], "weight_sync.bucket_mb"),
+    ("chunk_rows=1e9", [f"store.chunk_rows={10**9}"], "store.chunk_rows"),
+    ("slurm-nodes=0", ["slurm.rollout.nodes=0"], "slurm.rollout.nodes"),
+    ("signal_seconds=-1", ["slurm.signal_seconds=-1"], "slurm.signal_seconds"),
+    ("override-no-equals", ["run.steps"], "override 'run.steps'"),
+    # -- issue 27: YAML that hung (alias bomb) or tracebacked (RecursionError), or was silently merged
+    ("yaml-alias-bomb", ALIAS_BOMB, "{file}: refused: aliases expand to more than 200000 nodes"),
+    ("yaml-recursive-alias", b"run: &a {name: [*a]}\n", "{file}: refused: an alias refers to a node"),
+    ("yaml-nested-5000", DEEP, "{file}: refused: nested deeper than 100 levels"),
+    ("yaml-duplicate-top-level", DUPLICATE_RUN, "{file}: not valid YAML: duplicate key 'run' (first at line 7) at line"),
+    ("yaml-duplicate-nested", b"trainer:\n  lr: 1.0e-3\n  lr: 2.0e-3\n",
+     "{file}: not valid YAML: duplicate key 'lr' (first at line 2) at line 3"),
+    ("override-duplicate-key", ["workflow.task_args={num_objects: 8, num_objects: 9}"],
+     "workflow.task_args: the value"),
+    ("unknown-keys-int-and-str", b"run:\n  1: a\n  zz: b\n", "run.1: unknown key"),
+    # -- issue 27: a task's own arguments (ZeroDivisionError at launch, or accepted)
+    ("num_objects=0", ["workflow.task_args={num_objects: 0, num_symbols: 8}"],
+     "workflow.task_args.num_objects: expected an integer in 1..65536, got 0"),
+    ("num_symbols=0", ["workflow.task_args.num_symbols=0"], "workflow.task_args.num_symbols"),
+    ("num_objects=10**9", [f"workflow.task_args.num_objects={10**9}"], "workflow.task_args.num_objects"),
+    ("num_objects-str", ['workflow.task_args.num_objects="8"'], "workflow.task_args.num_objects"),
+    ("skewed-base_lengths-short", ["workflow.task=flexmarl_hpc.workflows.skewed:SkewedLengths",
+                                   "workflow.task_args={base_lengths: [4]}"], "workflow.task_args.base_lengths"),
+    ("user-task-raises", ["workflow.task=tests.faulty_tasks:DividingGame"],
+     "workflow.task_args: tests.faulty_tasks:DividingGame(**{'num_objects': 32, 'num_symbols': 8}) raised "
+     "ZeroDivisionError: division by zero ("),
+    # -- issue 27: run.output_dir and names the file system refuses (ranks launched, then a traceback)
+    ("name-300-chars", ["run.name=" + "n" * 300], "run.name: the name 'nnnn"),
+    ("output_dir-component-300", ["run.output_dir={tmp}/" + "d" * 300 + "/x"], "run.output_dir: the name 'dddd"),
+    ("output_dir-PATH_MAX", ["run.output_dir={tmp}/" + "/".join(["d" * 200] * 21)], "run.output_dir: the path"),
+    # -- issue 27: the memory a local run needs (10**8 inputs grew to 6 GB before it was killed)
+    ("inputs_per_step=10**8", [f"workflow.inputs_per_step={10**8}"],
+     "workflow.inputs_per_step: the run needs about"),
+    # -- issue 27: invisible characters beyond ASCII controls (U+0085 NEL got through)
+    ("name-NEL", ['run.name="a\\u0085b"'], "run.name: unprintable character '\\x85' (U+0085, category Cc)"),
+    ("name-RLO", ['run.name="a\\u202eb"'], "run.name: unprintable character '\\u202e' (U+202E, category Cf)"),
+    ("name-ZWSP", ['run.name="a\\u200bb"'], "run.name"),
+    ("name-NBSP", ['run.name="a\\u00a0b"'], "run.name: unprintable character '\\xa0' (U+00A0, category Zs)"),
+    ("setup-LINE-SEPARATOR", ['slurm.setup=["module load x\\u2028rm -rf /"]'], "slurm.setup[0]"),
+    ("task_args-PARAGRAPH-SEP", ['workflow.task_args={num_objects: 8, note: "a\\u2029b"}'],
+     "workflow.task_args.note"),
+]
+
+
+def bad_input_args(case, tmp: Path) -> tuple[list[str], str]:
+    """(argv, field prefix) of a case; output_dir is tmp/out unless the case sets it."""
+    _, spec, field = case
+    config = LOCAL
+    overrides = [f"run.output_dir={tmp / 'out'}"]
+    if isinstance(spec, bytes):
+        config = str(tmp / "bad.yaml")
+        Path(config).write_bytes(spec)
+    else:
+        overrides += [s.replace("{tmp}", str(tmp)) for s in spec]
+    return [config, *overrides], field.replace("{file}", config)
+
+
+def nothing_written(tmp: Path, before: set[Path]) -> None:
+    after = set(tmp.rglob("*"))
+    assert after == before, f"the refused run wrote {sorted(map(str, after - before))}"
+
+
+def refused_in_process(name: str, argv: list[str], field: str, tmp: Path, capsys, monkeypatch) -> None:
+    """run.main(argv) in-process: rc 2, one line starting `config error: {field}`, no rank
+    launched, nothing written under tmp."""
+    from flexmarl_hpc import run
+    from flexmarl_hpc.ranks import job
+
+    def launched(*a, **k):
+        raise AssertionError(f"ranks were launched: {a}")
+
+    monkeypatch.setattr(os, "execv", launched)
+    monkeypatch.setattr(job, "run_rank", launched)
+    before = set(tmp.rglob("*"))
+    rc = run.main(argv)
+    out, err = capsys.readouterr()
+    print(f"{name:26s} -> {err.strip()}")
+    assert rc == 2, (rc, out, err)
+    assert err.startswith(f"config error: {field}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "launching" not in out
+    nothing_written(tmp, before)

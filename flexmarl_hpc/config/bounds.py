@@ -22,6 +22,8 @@ MAX_STEPS = 10**9
 """run.steps above this cannot be meant (and step numbers must fit the store's int64)."""
 MAX_STARTUP_S = 86400.0
 """A start-up phase's deadline is at most a day (a typo of minutes for seconds is refused)."""
+SIGNAL_MAX_S = 65535
+"""slurm.signal_seconds: `sbatch --signal=SIG@N` takes N up to 65535."""
 
 
 @dataclass(frozen=True)

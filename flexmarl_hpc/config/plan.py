@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from flexmarl_hpc.config.frozen import freeze
 from flexmarl_hpc.config.layout import TOOLS, RankLayout
 from flexmarl_hpc.config.resources import (Component, Group, Pool, components, group_trainer_config,
                                            layout_from_config, replica_bytes_per_weight, rollout_pools,
@@ -27,8 +28,9 @@ from flexmarl_hpc.config.validate import validate_resources
 @dataclass(frozen=True)
 class Plan:
     cfg: Config
-    """The validated config the plan was resolved from (read it, never change it: the
-    fields below were derived from it once)."""
+    """The validated config the plan was resolved from, a read-only copy (config/frozen.py:
+    frozen dataclasses, lists and mappings that refuse changes): the fields below were
+    derived from it once, so it cannot drift from them."""
     pools: tuple[Pool, ...]
     """Rollout pools in rank order (one `rollout` pool without rollout.pools)."""
     groups: tuple[Group, ...]
@@ -76,13 +78,13 @@ def resolve(cfg: Config) -> Plan:
     validate_resources(cfg, pools, groups)
     layout = layout_from_config(cfg, pools, groups)
     comps = tuple(components(cfg, pools, groups))
-    return Plan(
+    return freeze(Plan(          # read-only to the last list (config/frozen.py): nothing re-derives
         cfg=cfg, pools=pools, groups=groups,
         trainers=tuple(group_trainer_config(cfg, g) for g in groups),
         layout=layout, sync_groups=tuple(sync_groups(pools, groups, layout)),
         components=comps,
         steps_in_flight=steps_in_flight(cfg.pipeline.max_staleness),
-        _bytes_per_weight=(replica_bytes_per_weight(cfg.rollout, False), replica_bytes_per_weight(cfg.rollout, True)))
+        _bytes_per_weight=(replica_bytes_per_weight(cfg.rollout, False), replica_bytes_per_weight(cfg.rollout, True))))
 
 
 def component_table(plan: Plan) -> str:

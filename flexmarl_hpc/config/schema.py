@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from flexmarl_hpc.config.bounds import MAX_STARTUP_S, MAX_STEPS, bounded
+from flexmarl_hpc.config.bounds import MAX_STARTUP_S, MAX_STEPS, SIGNAL_MAX_S, bounded
 from flexmarl_hpc.config.errors import ConfigError
 from flexmarl_hpc.config.tools import ToolsConfig
 
@@ -27,7 +27,7 @@ def join(where: str, key: str) -> str:
 # ---------------------------------------------------------------------------------------
 # Component configs
 # ---------------------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
     """Run name: used for the output folder, the HDF5 file and the Slurm job name."""
@@ -85,7 +85,7 @@ class RunConfig:
     sampled chains per input at rollout.temperature (mode `sample` in /eval, their mean)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """A Llama/Qwen2-family decoder; HF parameter names, so weights move between backends."""
 
@@ -117,7 +117,7 @@ class ModelConfig:
     refused), config/checkpoint.py."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TurnConfig:
     agent: str = ""
     """Which agent acts at this turn."""
@@ -140,7 +140,7 @@ class DatasetError(ConfigError):
     what was expected (a ConfigError: `run` exits 2 on it before any rank starts)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DatasetConfig:
     train: str = ""
     """The training examples: a .jsonl file (one JSON object per line), a .parquet file, or a
@@ -169,7 +169,7 @@ class DatasetConfig:
             raise DatasetError(f"{DATASET_WHERE}.shuffle: expected true or false, got {self.shuffle!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkflowConfig:
     task: str = "flexmarl_hpc.workflows.referential:ReferentialGame"
     """Python class implementing the task, as `module:Class` (see flexmarl_hpc/workflows/base.py)."""
@@ -221,10 +221,10 @@ class WorkflowConfig:
     def __post_init__(self) -> None:
         # the adapter is an ordinary episode function: every `if workflow.episode` path serves it
         if self.agent and not self.episode:
-            self.episode = AGENT_EPISODE
+            object.__setattr__(self, "episode", AGENT_EPISODE)          # frozen: set once, at build
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutConfig:
     backend: Literal["torch", "vllm"] = "torch"
     """Inference engine of the replicas."""
@@ -250,7 +250,7 @@ class RolloutConfig:
     pool of `replicas` x `gpus_per_replica` serving every agent, in slurm.rollout."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerConfig:
     backend: Literal["torch", "megatron"] = "torch"
     """Training engine of the trainer groups."""
@@ -302,7 +302,7 @@ class TrainerConfig:
     """recompute=full: uniform splits each pipeline stage's layers into chunks of
     recompute_num_layers and keeps one input per chunk; block recomputes only the first
     recompute_num_layers layers of each stage (the others keep their activations)."""
-    recompute_num_layers: int = 1
+    recompute_num_layers: int = bounded(1, ge=1)
     """recompute=full: layers per chunk (uniform) or layers recomputed per stage (block); at
     least 1 and at most the layers of a pipeline stage."""
     overlap_grad_reduce: bool = False
@@ -321,7 +321,7 @@ class TrainerConfig:
     hanging; it must exceed the slowest collective of a step, the optimizer step's included."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineConfig:
     max_staleness: int = bounded(0, ge=0)
     """Most policy versions a trained sample may lag (0: strictly on-policy, equals sync)."""
@@ -347,7 +347,7 @@ class PipelineConfig:
     input does not hold the step. 0: every input is trained, as in sync."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class WeightSyncConfig:
     bucket_mb: float = bounded(1024.0, gt=0, le=16384)
     """Bucket of the streamed trainer -> replica weight sync, in MiB: each PP stage's sender
@@ -369,7 +369,7 @@ class WeightSyncConfig:
     or the wall-clock limit. Also the timeout of the NCCL/gloo sync groups. 0: no deadline."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StoreConfig:
     chunk_rows: int = bounded(256, ge=1, le=1 << 20)
     """HDF5 chunk length of the sample tables (the token pools: 8x). A flush writes each chunk it
@@ -377,7 +377,7 @@ class StoreConfig:
     45 KiB); bench/bench_store.py measures it."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlurmComponent:
     nodes: int = bounded(1, ge=1)
     """Nodes of this het component."""
@@ -400,7 +400,7 @@ class SlurmComponent:
     `--single` and sweeps take the trainer's."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutPool:
     """Replicas of one size class, the agents they may serve, and their het-job component."""
 
@@ -419,7 +419,7 @@ class RolloutPool:
     """This pool's het-job component (nodes, gpus_per_node, partition, sbatch_options)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerGroup:
     """The trainer ranks of some agents: their shape, backend and het-job component."""
 
@@ -428,11 +428,11 @@ class TrainerGroup:
     agents: list[str] = field(default_factory=list)
     """Agents trained on this group (the first starts resident; more than one needs
     pipeline.swap_states)."""
-    ranks: int = 1
+    ranks: int = bounded(1, ge=1)
     """Ranks of the group = tensor_parallel x pipeline_parallel x data parallel."""
-    tensor_parallel: int = 1
+    tensor_parallel: int = bounded(1, ge=1)
     """Tensor-parallel degree (megatron); must divide the heads of the group's models."""
-    pipeline_parallel: int = 1
+    pipeline_parallel: int = bounded(1, ge=1)
     """Pipeline-parallel degree (megatron); must divide the layers of the group's models."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training engine of this group."""
@@ -444,7 +444,7 @@ class TrainerGroup:
     """This group's het-job component (nodes, gpus_per_node, partition, sbatch_options)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlurmConfig:
     partition: str = ""
     """Default partition of all components."""
@@ -456,7 +456,7 @@ class SlurmConfig:
     """Time limit (`--time`)."""
     mpi: str = "pmi2"
     """`srun --mpi=` plugin (pmi2 or pmix)."""
-    signal_seconds: int = bounded(120, ge=0)
+    signal_seconds: int = bounded(120, ge=0, le=SIGNAL_MAX_S)
     """Seconds before the time limit at which SIGUSR1 asks the job to checkpoint and requeue."""
     requeue: bool = True
     """Requeue on preemption/time limit and resume."""
@@ -498,7 +498,7 @@ class SlurmConfig:
     runs tools.workers sandboxes and reward functions at once, so give it that many CPUs)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)

@@ -11,9 +11,10 @@ import importlib.util
 import os
 import stat
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from flexmarl_hpc.config.bounds import bounded
 from flexmarl_hpc.config.errors import ConfigError
 
 NOBODY = 65534
@@ -24,30 +25,30 @@ BUILTIN_TOOLS = ("calculator", "python")
 
 @dataclass(frozen=True)
 class ToolsConfig:
-    cpu_s: int = 5
+    cpu_s: int = bounded(5, ge=1)
     """CPU seconds of the sandboxed code (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later)."""
-    wall_s: float = 10.0
+    wall_s: float = bounded(10.0, gt=0)
     """Wall-clock seconds of one sandboxed call; then its whole process group is killed."""
-    memory_mb: int = 512
+    memory_mb: int = bounded(512, ge=1)
     """Address space of the sandboxed code in MiB (RLIMIT_AS); a bigger allocation fails."""
-    file_mb: int = 16
+    file_mb: int = bounded(16, ge=1)
     """Largest file the sandboxed code may write, in MiB (RLIMIT_FSIZE); as root also all it
     writes in total (the minimal root's one writable tmpfs, tools/launcher.py)."""
-    nproc: int = 32
+    nproc: int = bounded(32, ge=1)
     """Processes of the sandbox uid (RLIMIT_NPROC); counted over every sandbox of that uid
     running on the machine at once, so it must cover `workers` calls."""
-    output_bytes: int = 8192
+    output_bytes: int = bounded(8192, ge=1)
     """stdout and stderr of a call are each cut to this many bytes."""
-    workers: int = 4
+    workers: int = bounded(4, ge=1)
     """Tool calls and reward functions running at once; more wait for a free slot."""
-    uid: int = NOBODY
+    uid: int = bounded(NOBODY, ge=1)
     """The uid (and gid) the code runs as when the caller is root (65534: nobody/nogroup)."""
     python: str = ""
     """Interpreter of the sandboxed code, run with -I -S (stdlib only). Empty: this one
     (sys.executable) if the sandbox uid can reach it, else /usr/bin/python3."""
-    calc_max_digits: int = 1000
+    calc_max_digits: int = bounded(1000, ge=1)
     """The calculator refuses results (and powers) with more digits than this."""
-    ranks: int = 0
+    ranks: int = bounded(0, ge=0, le=MAX_RANKS, note=" (0: a local process pool)")
     """Tool ranks: a het component of their own (slurm.tools; under mpiexec, the last ranks),
     each running `workers` calls at once; the orchestrator sends them its episodes' tool
     calls and `ctx.call` functions over MPI. 0: a process pool on the orchestrator's node."""
@@ -56,15 +57,9 @@ class ToolsConfig:
     in the sandbox like model-written code (tools/functions.py; never imported by the run)."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "ranks":
-                if not (isinstance(v, int) and 0 <= v <= MAX_RANKS):
-                    raise ConfigError(f"tools.ranks: expected 0..{MAX_RANKS} (0: a local process pool), got {v!r}")
-            elif f.name == "functions":
-                self._check_functions()
-            elif f.name != "python" and not (isinstance(v, (int, float)) and v > 0):
-                raise ConfigError(f"tools.{f.name}: expected a positive number, got {v!r}")
+        # the numbers' ranges are their bounds (config/bounds.py), checked by validate with
+        # the rest of the config; what is left reads files
+        self._check_functions()
         if self.python and not os.access(self.python, os.X_OK):
             raise ConfigError(f"tools.python: expected an executable interpreter, got {self.python!r}")
 

@@ -322,9 +322,6 @@ def _validate_groups(cfg: Config, groups: Sequence[Group]) -> None:
                   "one group's agents")
     for i, g in enumerate(groups):
         w = g.where
-        for key in ("ranks", "tensor_parallel", "pipeline_parallel"):
-            _need(getattr(g, key) >= 1, f"{w}.{key}" if named else f"trainer.{_uniform(key)}",
-                  f"expected >= 1, got {getattr(g, key)}")
         mp = g.tensor_parallel * g.pipeline_parallel
         _need(g.ranks % mp == 0, f"{w}.ranks" if named else "trainer.ranks_per_group",
               f"expected a multiple of tensor_parallel x pipeline_parallel = {mp}, got {g.ranks}")
@@ -363,10 +360,6 @@ def _shape_source(m: ModelConfig) -> str:
     return f" (from {Path(m.checkpoint) / 'config.json'})" if m.checkpoint else ""
 
 
-def _uniform(key: str) -> str:
-    return {"ranks": "ranks_per_group"}.get(key, key)
-
-
 def _domain_agents(groups: Sequence[Group], g: int) -> list[str]:
     return [a for h in swap_peers(groups, g) for a in groups[h].agents]
 
@@ -388,8 +381,7 @@ def _validate_recompute(cfg: Config, groups: Sequence[Group]) -> None:
             _need(getattr(t, key) == default, f"trainer.{key}",
                   f"applies to trainer.recompute=full only (recompute is {t.recompute!r}); leave it at {default!r}")
         return
-    n = t.recompute_num_layers
-    _need(n >= 1, "trainer.recompute_num_layers", f"expected >= 1, got {n}")
+    n = t.recompute_num_layers                   # >= 1: its bound
     for i, g in enumerate(groups):
         if g.backend != "megatron":
             continue

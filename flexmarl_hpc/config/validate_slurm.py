@@ -16,7 +16,6 @@ from flexmarl_hpc.config.schema import Config, ConfigError, SlurmComponent
 
 MPI_PLUGINS = ("pmi2", "pmix", "pmix_v3", "pmix_v4", "pmix_v5", "cray_shasta")
 """`srun --mpi=` values a flexmarl_hpc world can start with (`srun --mpi=list` shows the site's)."""
-SIGNAL_MAX_S = 65535                       # sbatch --signal=SIG@N: N is at most 65535
 MEM_RE = re.compile(r"^[1-9]\d*[KMGT]?$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 SLURM_NAME_RE = re.compile(r"^[A-Za-z0-9_.,+@:-]*$")   # partition lists, accounts, QOS names
@@ -77,8 +76,7 @@ def validate_slurm(plan: Plan) -> None:
     if s.mpi not in MPI_PLUGINS:
         raise ConfigError(f"slurm.mpi: expected one of {list(MPI_PLUGINS)}, got {s.mpi!r} "
                           "(`srun --mpi=list` shows the site's plugins)")
-    if not 0 <= s.signal_seconds <= SIGNAL_MAX_S:
-        raise ConfigError(f"slurm.signal_seconds: expected 0..{SIGNAL_MAX_S}, got {s.signal_seconds}")
+    # signal_seconds' range (0..65535, sbatch's) is its bound; here only against the time limit
     if limit is not None and s.signal_seconds >= limit:
         raise ConfigError(f"slurm.signal_seconds: {s.signal_seconds} s before a {s.time} time limit "
                           "would signal the job as soon as it starts")

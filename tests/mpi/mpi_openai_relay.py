@@ -3,7 +3,7 @@ episode's OpenAI endpoint through the rank's relay (flexmarl_hpc/ranks/tool_rank
 
 Rank 0 runs the episode (EpisodeRunner over a RemotePool of rank 1) with the tiny chat
 model's tokenizer, answering each call from a script; rank 1 is a tool rank. The program is
-the unit tests' tool loop (tests/unit/test_openai_endpoint.py tool_program: a completion
+the unit tests' tool loop (tests/integration/test_openai_endpoint.py tool_program: a completion
 with `tools`, its call run by POST /run_tools, the follow-up, an edited call, tool_choice
 none, a refused field). Rank 0's own loopback listener is closed before the episode starts,
 so every request the program made came over MPI through the relay; its /run_tools call
@@ -39,7 +39,7 @@ def orchestrator(world) -> None:
     folder = Path(tempfile.mkdtemp())
     write_tokenizer(folder, 400)
     tok = ChatTokenizer(folder)
-    w = WorkflowConfig(agent="tests.unit.test_openai_endpoint:tool_program", agents=["solver"], agent_timeout_s=60)
+    w = WorkflowConfig(agent="tests.integration.test_openai_endpoint:tool_program", agents=["solver"], agent_timeout_s=60)
     pool = RemotePool(world, [1], cfg, grace_s=5.0)
     recorded = []
     runner = EpisodeRunner(agent_episode(w), ["solver"], 0, 96, lambda a: Conversation(tok), {}, tools=pool,

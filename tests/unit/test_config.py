@@ -5,6 +5,7 @@ import pytest
 from flexmarl_hpc.config.schema import Config, ConfigError
 from flexmarl_hpc.config.load import apply_override, help_text, load_config, to_dict
 from tests.conftest import ROOT
+from tests.helpers import replaced_at
 
 LOCAL = ROOT / "configs" / "local.yaml"
 
@@ -150,7 +151,7 @@ def test_pool_default_agents_are_those_whose_model_fits():
     from flexmarl_hpc.config.resources import weight_gb
     cfg = load_config(ROOT / "configs/paper_3x32b_7x14b.yaml")
     assert 55 < weight_gb(cfg, "shop32_0") < 70 and 22 < weight_gb(cfg, "shop14_0") < 30
-    cfg.rollout.pools[1].agents = []          # the 14B pool: 2 x 64 GB replicas
+    cfg = replaced_at(cfg, "rollout.pools[1].agents", [])          # the 14B pool: 2 x 64 GB replicas
     pools = resolve(cfg).pools
     assert all(a.startswith("shop14") for a in pools[1].agents) and len(pools[1].agents) == 7
 

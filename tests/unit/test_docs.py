@@ -4,7 +4,8 @@
 
 Every relative link of README.md and docs/*.md points to an existing file (and, with
 `#anchor`, to a heading of it), and every `python -m flexmarl_hpc.<cli> [subcommand]` quoted
-in them (a fenced code block or a backtick span) answers `--help` with exit code 0.
+in them (a fenced code block or a backtick span) is found (that each answers `--help`, in a
+child process: tests/integration/test_doc_commands.py).
 
 Every repository path written anywhere (`flexmarl_hpc/run.py`, tests/unit/test_docs.py,
 `configs/*.yaml`, and package-relative ones like `sim/driver.py`) in the docs, every docstring
@@ -17,22 +18,15 @@ from __future__ import annotations
 
 import ast
 import io
-import os
 import re
-import subprocess
-import sys
 import tokenize
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import ROOT
+from tests.helpers import FENCE, commands, doc_files
 
-FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
-CLI = re.compile(r"python -m flexmarl_hpc\.([A-Za-z_][\w.]*)((?:[ \t]+[^\s`#|]+)*)")
-SUBCOMMAND = re.compile(r"[a-z][a-z_-]*")
 
 
 TOP = ("flexmarl_hpc", "tests", "scripts", "docs", "configs", "bench", "slurm", "data", "runs")
@@ -42,10 +36,6 @@ BARE_MD = re.compile(r"(?<![\w./-])[\w-]+\.md\b")
 # What docs quote as examples but a run or a script writes (both git-ignored), not the repository.
 OUTPUTS = ("runs",              # run folders (run.out_dir) that every run writes
            "data/math_team")    # scripts/make_math_team_data.py writes it
-
-
-def doc_files(root: Path = ROOT) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
 def slug(heading: str) -> str:
@@ -78,43 +68,6 @@ def broken_links(files: list[Path]) -> list[str]:
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 bad.append(f"{md.name}: {target} (no such heading)")
     return bad
-
-
-def quoted(text: str) -> list[str]:
-    """The text of fenced code blocks and backtick spans."""
-    blocks = [m.group(0) for m in FENCE.finditer(text)]
-    spans = re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
-    return blocks + spans
-
-
-def commands(files: list[Path]) -> set[tuple[str, str]]:
-    """Distinct (cli, subcommand) pairs quoted in the docs; subcommand '' when there is none.
-
-    The first word after the module that is not an option is a subcommand only when it looks
-    like one (a lower-case word): not a path, a config, a run file, a number or an override."""
-    found = set()
-    for md in files:
-        for chunk in quoted(md.read_text(encoding="utf-8")):
-            for cli, rest in CLI.findall(chunk):
-                words = [w for w in rest.split() if not w.startswith("-")]
-                first = words[0] if words else ""
-                sub = first if SUBCOMMAND.fullmatch(first) else ""
-                found.add((cli.rstrip("."), sub))
-    return found
-
-
-def help_fails(cli: str, sub: str) -> str | None:
-    """None when `python -m flexmarl_hpc.<cli> [sub] --help` works, else why not."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, "-m", f"flexmarl_hpc.{cli}", *([sub] if sub else []), "--help"]
-    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    if p.returncode != 0:
-        return f"rc {p.returncode}: {(p.stderr or p.stdout).strip()[-400:]}"
-    usage = p.stdout.split("\n\n", 1)[0]
-    if sub and not re.search(rf"flexmarl_hpc\.{re.escape(cli)} {re.escape(sub)}\b", usage):
-        # argparse would take an unknown word for a positional argument and still print help
-        return f"'{sub}' is not a subcommand ({' '.join(usage.split())[:200]})"
-    return None
 
 
 def python_prose(py: Path, where: str) -> list[tuple[str, str]]:
@@ -224,13 +177,3 @@ def test_commands_are_parsed_with_and_without_subcommands(tmp_path):
         "`python -m flexmarl_hpc.sim.plan --nodes 48`; prose python -m flexmarl_hpc.ignored is not quoted.\n")
     assert commands(doc_files(tmp_path)) == {("run", ""), ("simulate", "plan"), ("status", ""),
                                              ("simulate", "compare"), ("sim.plan", "")}
-
-
-def test_help_check_fails_for_a_word_that_is_no_subcommand():
-    assert help_fails("analyze", "") is None
-    assert "not a subcommand" in help_fails("analyze", "nosuchcommand")
-
-
-@pytest.mark.parametrize("cli,sub", sorted(commands(doc_files())), ids=lambda v: v or "-")
-def test_every_quoted_command_answers_help(cli, sub):
-    assert help_fails(cli, sub) is None

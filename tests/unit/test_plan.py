@@ -80,6 +80,30 @@ def test_the_plan_is_immutable():
         plan.sync_groups[0] = None
 
 
+def test_every_field_of_the_plan_nested_config_included_refuses_a_change():
+    """Not only the Plan: each dataclass in it (the config's sections, pools, groups, their
+    slurm components) refuses an assignment and each list or mapping (workflow.turns,
+    agents, sbatch_options, ...) a change, at any depth."""
+    plan = load_plan(ROOT / "configs/hetero_cpu.yaml")    # pools, named groups, per-agent models
+    todo, seen = [("plan", plan)], {"dataclass": 0, "list": 0, "dict": 0}
+    while todo:
+        path, obj = todo.pop()
+        if dataclasses.is_dataclass(obj):
+            seen["dataclass"] += 1
+            for f in dataclasses.fields(obj):
+                with pytest.raises(dataclasses.FrozenInstanceError):
+                    setattr(obj, f.name, getattr(obj, f.name))
+                todo.append((f"{path}.{f.name}", getattr(obj, f.name)))
+        elif isinstance(obj, (list, dict)):
+            seen["list" if isinstance(obj, list) else "dict"] += 1
+            with pytest.raises(TypeError, match="read-only"):
+                obj.append(None) if isinstance(obj, list) else obj.update(x=None)
+            todo.extend((f"{path}[{k!r}]", v) for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)))
+        elif isinstance(obj, tuple):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    assert seen["dataclass"] >= 40 and seen["list"] >= 10 and seen["dict"] >= 3, seen
+
+
 def test_bytes_per_weight_follow_the_engine_and_the_device():
     vllm = load_plan(ROOT / "configs/local.yaml", ["rollout.backend=vllm"])
     assert (vllm.bytes_per_weight(cuda=True), vllm.bytes_per_weight(cuda=False)) == (2, 4)   # auto: bf16 / fp32

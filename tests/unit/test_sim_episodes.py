@@ -3,6 +3,8 @@ by the real orchestrator over synthetic workers, with the synthetic ChatML token
 random-init models (workflows/chat.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import types
 from pathlib import Path
@@ -130,8 +132,9 @@ def test_a_checkpoint_for_some_agents_only_is_refused_by_name(tmp_path):
 
 def test_a_call_past_the_context_fails_its_episode_and_the_run_goes_on(tmp_path):
     cfg = config(tmp_path, {"b": [1, 3]}, prompt_tokens=900, context_carried=0.5, settle=False)
-    cfg.model.max_seq_len = 1024          # the chain's carried context overflows c's prompt
-    cfg.workflow.max_failure_rate = 1.0   # most episodes fail here: the run must still go on
+    cfg = dataclasses.replace(   # a config is frozen (config/plan.py)
+        cfg, model=dataclasses.replace(cfg.model, max_seq_len=1024),   # the chain's carried context overflows c's prompt
+        workflow=dataclasses.replace(cfg.workflow, max_failure_rate=1.0))  # most episodes fail: the run must go on
     path = simulate(tmp_path, cfg)
     check_exactly_once(path, 3, dropped_ok=True)      # the failed episodes' calls: dropped
     with h5py.File(path, "r") as f:

@@ -12,6 +12,7 @@ import pytest
 
 from flexmarl_hpc.tools.calculator import CalculatorError, evaluate
 from flexmarl_hpc.config.tools import ToolsConfig
+from flexmarl_hpc.config.validate import check_bounds
 from flexmarl_hpc.tools.registry import Tools
 
 
@@ -50,7 +51,7 @@ def test_the_calculator_tool_gives_an_error_string_never_an_exception():
 def test_unknown_tools_and_bad_config_fields_are_named():
     with pytest.raises(KeyError, match="tool 'shell': expected one of 'calculator', 'python'"):
         Tools.from_config(ToolsConfig()).get("shell")
-    with pytest.raises(ValueError, match="tools.cpu_s: expected a positive number, got 0"):
-        ToolsConfig(cpu_s=0)
+    with pytest.raises(ValueError, match=r"^tools.cpu_s: expected >= 1, got 0$"):    # its bound
+        check_bounds(ToolsConfig(cpu_s=0), "tools")
     with pytest.raises(ValueError, match="tools.python: expected an executable interpreter"):
         ToolsConfig(python="/nonexistent/python")

@@ -2,7 +2,7 @@
 caller goes on: a fork bomb, a 10 GB allocation, an infinite loop, writing outside its
 directory, reading the run's environment, opening a socket.
 
-    pytest tests/unit/test_tools_sandbox.py
+    pytest tests/integration/test_tools_sandbox.py
 
 Tests that need a namespace (network, mount, pid: root, or for the network an unprivileged
 user namespace) skip with the reason outside CI and fail under CI=true, which runs as root.

@@ -1,7 +1,7 @@
 """The worker pool: a slow call and a crashing call do not delay a fast one, each call has
 a defined outcome, and the pool works after them.
 
-    pytest tests/unit/test_tools_pool.py
+    pytest tests/integration/test_tools_pool.py
 """
 from __future__ import annotations
 
