@@ -192,12 +192,12 @@ def _started(cfg: Config, world, live, t0: float, open_comms=None, log=None, who
         faults.hit("build")                    # test-only: no-op unless FLEXMARL_FAULT is set
     try:
         startup.started(world, live, "build", time.monotonic() - t0 if busy else 0.0, cfg.run.build_timeout_s,
-                        t0, log, who)
+                        t0, log, who, lambda: _PREEMPTED)
         t1 = time.monotonic()
         setup = Deadline(cfg.run.comm_setup_timeout_s, "start-up", "run.comm_setup_timeout_s", "every rank was built")
         channels = open_comms(setup) if busy else None
         startup.started(world, live, "comm", time.monotonic() - t1 if busy else 0.0, cfg.run.comm_setup_timeout_s,
-                        t1, log, who)
+                        t1, log, who, lambda: _PREEMPTED)
     except (startup.StartupTimeout, CollectiveTimeout) as e:
         return sys.exit(startup.timed_out(world, e, log))
     return channels

@@ -39,12 +39,15 @@ def report(phase: str, seconds: list[float], who: Callable[[int], str]) -> str:
 
 
 def started(world, live, phase: str, mine: float, timeout_s: float, since: float,
-            log: Callable[[str], None] | None = None, who: Callable[[int], str] = str) -> list[float]:
+            log: Callable[[str], None] | None = None, who: Callable[[int], str] = str,
+            preempted: Callable[[], bool] = lambda: False) -> list[float]:
     """Collective: wait (no spin) until every rank is through `phase`, by `since +
     timeout_s` (REAL.monotonic() of this rank's phase start); returns every rank's `mine`
     (its own seconds in the phase). Rank 0 (`log`) writes the phase's line and watches the
-    liveness star: a worker that ends meanwhile ends the job with 75. Past the deadline:
-    StartupTimeout on this rank."""
+    liveness star: a worker that ends meanwhile ends the job with 75, and so does a
+    preemption signal (`preempted()`: SIGTERM, SIGUSR1) while a rank is still building, which
+    would otherwise wait out the deadline (a hung rank: no step to drain, nothing trained since
+    the checkpoints). Past the deadline: StartupTimeout on this rank."""
     from flexmarl_hpc.runtime.comm import until
     send = np.array([mine], dtype=np.float64)
     got = np.zeros(world.Get_size(), dtype=np.float64)
@@ -55,6 +58,8 @@ def started(world, live, phase: str, mine: float, timeout_s: float, since: float
             return True
         if log is not None and live is not None:
             lost.extend(r for r in [live.take_lost()] if r is not None)
+        if log is not None and preempted():
+            _preempted(world, log, phase)
         if REAL.monotonic() > since + timeout_s:
             raise StartupTimeout(f"start-up: not every rank had {WHAT[phase]} {REAL.monotonic() - since:.0f} s "
                                  f"after the phase began ({FIELDS[phase]}={timeout_s:g}; this rank's own part: "
@@ -68,6 +73,15 @@ def started(world, live, phase: str, mine: float, timeout_s: float, since: float
     if log is not None:
         log(report(phase, out, who))
     return out
+
+
+def _preempted(world, log, phase: str) -> None:
+    from flexmarl_hpc.runtime import requeue
+    from flexmarl_hpc.runtime.comm import abort
+    log(f"preemption signal during start-up (not every rank had {WHAT[phase]}): nothing trained since "
+        f"the checkpoints; exiting {requeue.EXIT_REQUEUE} to requeue")
+    requeue.mark(f"a preemption signal during start-up ({phase})")
+    abort(world, requeue.EXIT_REQUEUE)
 
 
 def _lost(world, log, rank: int) -> None:

@@ -79,14 +79,11 @@ def open_for_write(path: Path, wait_s: float | None = None) -> h5py.File:
 class StoreFile:
     """The run's HDF5 file: creates it, or re-opens it for a resume (repairing what an
     unclean exit left), buffers writes and commits them in `flush()`. `clock`: the run's
-    (flexmarl_hpc.clock): its creation time, t0, and `now()`, the time every row is stamped with."""
+    (flexmarl_hpc.clock): its creation time, t0, and `now()`, the time every row is stamped with.
+    `undoable`: a re-open keeps a copy for `revert()` (store/undo.py; episode workflows only)."""
 
     def __init__(self, path: Path, agents: list[str], attrs: dict, chunk: int = 1024, clock: Clock = REAL,
                  undoable: bool = False):
-        """`undoable`: a re-open keeps a copy of the file until `settle()`, so that a refusal
-        found after its repairs can `revert()` (store/undo.py). Only where the resume's replay
-        can refuse (episode workflows: ReplayMismatch): a copy costs the store's size in disk
-        and a read of it on every resume where the file system has no reflink."""
         self.path, self.clock = Path(path), clock
         self.agents = list(agents)
         fresh = not self.path.exists()
@@ -463,12 +460,10 @@ class StoreFile:
             self.repaired.append(f"cleared the superseded flag of {len(off)} current {name} rows")
         return len(on)
 
-    def settle(self) -> None:
-        """The resume is reconciled: its repairs stand, the copy from before the re-open goes."""
+    def settle(self) -> None:  # the resume is reconciled: its repairs stand, the copy goes
         self._undo = undo.drop(self._undo)
 
-    def revert(self) -> None:
-        """A refusal after the re-open's repairs (a replay mismatch): the file put back as it was."""
+    def revert(self) -> None:  # a refusal after the re-open's repairs: the file as it was
         self._undo = undo.put_back(self._undo, self.path, self.f)
 
     def close(self) -> None:

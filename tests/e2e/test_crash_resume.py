@@ -4,6 +4,7 @@ with version 0, rolled-back step rows marked superseded, every sample trained ex
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,9 +21,13 @@ STEPS = 12
 
 
 def test_sigkill_without_a_checkpoint_resumes_with_nothing_lost(tmp_path, mpiexec):
+    """...and a resume that hangs (a trainer stalled after its build, so start-up waits for
+    it) ends on SIGTERM within seconds with the requeue code, instead of waiting out
+    run.build_timeout_s (issue 38: signals always work); the store stays resumable."""
     args = [sys.executable, "-m", "flexmarl_hpc.run", "configs/local.yaml", f"run.output_dir={tmp_path}",
             *SMALL, f"run.steps={STEPS}", "run.checkpoint_every=0"]
-    p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen(args, cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     log, t0 = tmp_path / "train.log", time.time()
     while not log.exists() or "step    3/" not in log.read_text():
@@ -32,6 +37,22 @@ def test_sigkill_without_a_checkpoint_resumes_with_nothing_lost(tmp_path, mpiexe
     with h5py.File(tmp_path / "local.h5", "r", swmr=True) as f:     # committed step rows
         before = dict(zip(f["commit"].attrs["tables"], f["commit"][:]))["/steps/speaker"]
     assert 3 <= before < STEPS
+
+    hung = subprocess.Popen(args, cwd=ROOT, env={**env, "FLEXMARL_FAULT": "build:1:1:stall"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    t0 = time.time()
+    while log.read_text().count("local: mode flex") < 2:       # the resume's orchestrator is up
+        assert time.time() - t0 < 120 and hung.poll() is None, "the resume did not start"
+        time.sleep(0.1)
+    time.sleep(1.0)                                          # rank 0 waits for the stalled trainer
+    os.killpg(hung.pid, signal.SIGTERM)                      # as Slurm signals every task
+    try:
+        out, _ = hung.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        sigkill_tree(hung)
+        pytest.fail("SIGTERM did not end a resume hung in start-up (it waits for run.build_timeout_s)")
+    assert hung.returncode == 75, out[-3000:]
+    assert "preemption signal during start-up" in log.read_text(), out[-3000:]
 
     q = run_training(tmp_path, *SMALL, f"run.steps={STEPS}", "run.checkpoint_every=0")
     assert "resumed at versions {'speaker': 0, 'listener': 0}" in q.stdout, q.stdout
