@@ -2,7 +2,7 @@
 at the same compute, paired on one held-out set disjoint from training by construction.
 
     PYTHONPATH=$PWD nice -n 15 .venv/bin/python scripts/team_experiment.py --steps 4 -n 200
-    PYTHONPATH=$PWD .venv/bin/python scripts/team_experiment.py --steps 4 -n 200 --report-only
+    PYTHONPATH=$PWD .venv/bin/python scripts/team_experiment.py --steps 4 -n 200 --report-only  # what is done so far
 
 1. Data (out/data): training problems from the templates of wordproblems.py that are not
    HELDOUT_TEMPLATES, held-out ones from those only, none stating a training problem's numbers
@@ -88,7 +88,9 @@ def write_data(out: Path, seed: int, n_train: int, n_eval: int) -> tuple[list[di
     train, heldout = split_by_template(seed, n_train, n_eval, max_steps=2)
     out.mkdir(parents=True, exist_ok=True)
     for name, ps in (("train", train), ("heldout", heldout)):
-        (out / f"{name}.jsonl").write_text("".join(json.dumps({**p.row(), "template": p.template}) + "\n" for p in ps))
+        text, path = "".join(json.dumps({**p.row(), "template": p.template}) + "\n" for p in ps), out / f"{name}.jsonl"
+        if not path.exists() or path.read_text() != text:       # a run reading it is left alone
+            path.write_text(text)
     return [json.loads(x) for x in open(out / "train.jsonl")], [json.loads(x) for x in open(out / "heldout.jsonl")]
 
 
@@ -103,12 +105,20 @@ def overrides(out: Path, name: str, steps: int, inputs: int, max_new: int) -> li
 SINGLE = ["workflow.episode=flexmarl_hpc.workflows.math_team:single", "workflow.agents=[solver]"]
 
 
-def train(out: Path, name: str, args: list[str], steps: int) -> Path:
+def trained(run: Path, steps: int) -> bool:
     from flexmarl_hpc.store.checkpoint import committed_versions
+    return (run / "checkpoints" / "solver").exists() and steps in committed_versions(run / "checkpoints" / "solver")
+
+
+def train(out: Path, name: str, args: list[str], steps: int, launch: bool = True) -> Path | None:
+    """The run folder once it holds version `steps` (trained now unless `launch` is off: None)."""
     run = out / name
-    if (run / "checkpoints" / "solver").exists() and steps in committed_versions(run / "checkpoints" / "solver"):
+    if trained(run, steps):
         print(f"[team] {run}: trained already, kept")
         return run
+    if not launch:
+        print(f"[team] {run}: not trained to step {steps} yet" + ("" if (run / f"{name}.h5").exists() else ", no store"))
+        return None
     cmd = [sys.executable, "-m", "flexmarl_hpc.run", "configs/math_team.yaml", *args]
     print("[team] " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
@@ -132,8 +142,14 @@ def store_stats(run: Path, name: str) -> dict:
             "curve": calls_per_step(episodes, calls)}
 
 
-def evaluate(out: Path, run: Path, tag: str, only: str, n: int) -> list[dict]:
+def evaluate(out: Path, run: Path | None, tag: str, only: str, n: int, launch: bool = True) -> list[dict] | None:
+    """Per-problem scores of one version (kept in out/eval_<tag>; None when not there and not launched)."""
     rows = out / f"eval_{tag}"
+    kept = sorted(rows.glob("base.json" if only == "base" else "v*.json"))
+    if kept and json.loads(kept[-1].read_text())["n"] == n:
+        return json.loads(kept[-1].read_text())["rows"]
+    if not launch or run is None:
+        return None
     cmd = [sys.executable, "scripts/eval_heldout.py", str(run), "-n", str(n), "--only", only, "--rows", str(rows)]
     print("[team] " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
@@ -167,6 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=200, help="held-out problems, paired")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", type=Path, default=ROOT / "docs/team_experiment.png")
+    ap.add_argument("--report-only", action="store_true", help="train and evaluate nothing: report what "
+                    "the runs and evaluations done so far hold")
     a = ap.parse_args(argv)
     if a.steps < 1 or a.inputs < 1 or a.n < 1:
         ap.error("--steps, --inputs and -n: expected positive counts")
@@ -179,38 +197,55 @@ def main(argv=None) -> int:
         print("[team] the held-out set overlaps training; stopped")
         return 1
 
-    team = train(out, "team", overrides(out, "team", a.steps, a.inputs, a.max_new_tokens), a.steps)
-    ts = store_stats(team, "team")
-    per_episode = sum(ts["tokens"].values()) / ts["episodes"]
-    # a solver thread: 2 calls with the forced calculator (the call, then the answer)
-    per_thread = ts["tokens"]["solver"] / (ts["solver_calls"] / 2)
-    inputs_single = max(1, round(a.inputs * per_episode / per_thread))
-    print(f"[team] team: {per_episode:.1f} response tokens per episode, {per_thread:.1f} per solver thread "
-          f"-> the single solver gets {inputs_single} problems a step")
-    single = train(out, "single", overrides(out, "single", a.steps, inputs_single, a.max_new_tokens) + SINGLE, a.steps)
-    ss = store_stats(single, "single")
-    t_team, t_single = sum(ts["tokens"].values()), sum(ss["tokens"].values())
-    print(f"[team] compute: response tokens sampled, team {t_team} ({ts['episodes']} episodes), single {t_single} "
-          f"({ss['episodes']} episodes): single/team - 1 = {t_single / t_team - 1:+.3f}")
-
-    rows = {"base team": evaluate(out, team, "team", "base", a.n),
-            "trained team": evaluate(out, team, "team", "latest", a.n),
-            "trained single": evaluate(out, single, "single", "latest", a.n)}
-    for k, r in rows.items():
-        m = {key: sum(x[key] for x in r) / len(r) for key in ("team_correct", "tool_calls", "tool_errors", "solvers")}
-        print(f"[team] {k:15s} n={len(r)} team_correct {m['team_correct']:.3f}  calculator calls per episode: "
-              f"parsed {m['tool_calls']:.2f}, unreadable {m['tool_errors']:.2f}  solvers {m['solvers']:.2f}")
-    score = {k: [x["team_correct"] for x in r] for k, r in rows.items()}
-    for x, y in (("trained team", "base team"), ("trained team", "trained single"), ("trained single", "base team")):
-        w, l, t = flips(score[x], score[y])
-        print(f"[team] {x} vs {y}: wins {w}, losses {l}, ties {t}, sign test p = {sign_test(w, l):.3g}")
-    for label, s in (("team", ts), ("single", ss)):
-        print(f"[team] {label} training, calculator calls per episode by step (run / refused): "
-              + ", ".join(f"{k}: {v['ok']:.2f}/{v['refused']:.2f}" for k, v in s["curve"].items()))
-    plot({"team": ts["curve"], "single": ss["curve"]}, a.plot)
-    print(f"[team] plot: {a.plot}")
+    go = not a.report_only
+    try:
+        team = train(out, "team", overrides(out, "team", a.steps, a.inputs, a.max_new_tokens), a.steps, go)
+        ts = store_stats(out / "team", "team") if (out / "team/team.h5").exists() else None
+        single = ss = None
+        if team is not None:
+            per_episode = sum(ts["tokens"].values()) / ts["episodes"]
+            # a solver thread: 2 calls with the forced calculator (the call, then the answer)
+            per_thread = ts["tokens"]["solver"] / (ts["solver_calls"] / 2)
+            inputs_single = max(1, round(a.inputs * per_episode / per_thread))
+            print(f"[team] team: {per_episode:.1f} response tokens per episode, {per_thread:.1f} per solver thread "
+                  f"-> the single solver gets {inputs_single} problems a step")
+            single = train(out, "single", overrides(out, "single", a.steps, inputs_single, a.max_new_tokens) + SINGLE,
+                           a.steps, go)
+        if single is not None:
+            ss = store_stats(single, "single")
+            t_team, t_single = sum(ts["tokens"].values()), sum(ss["tokens"].values())
+            print(f"[team] compute: response tokens sampled, team {t_team} ({ts['episodes']} episodes), single "
+                  f"{t_single} ({ss['episodes']} episodes): single/team - 1 = {t_single / t_team - 1:+.3f}")
+        rows = {"base team": evaluate(out, out / "team", "team", "base", a.n, go),
+                "trained team": evaluate(out, team, "team", "latest", a.n, go),
+                "trained single": evaluate(out, single, "single", "latest", a.n, go)}
+    except subprocess.CalledProcessError as e:
+        print(f"[team] {' '.join(map(str, e.cmd[1:4]))}...: exit status {e.returncode}; rerun the same command to go on")
+        return 1
+    report(rows, {"team": ts, "single": ss}, a.plot)
     return 0
 
+
+def report(rows: dict[str, list[dict] | None], stores: dict[str, dict | None], png: Path) -> None:
+    for k, r in rows.items():
+        if r is None:
+            print(f"[team] {k:15s} not evaluated")
+            continue
+        m = {key: sum(x.get(key, 0.0) for x in r) / len(r) for key in ("team_correct", "tool_calls", "tool_errors", "solvers")}
+        print(f"[team] {k:15s} n={len(r)} team_correct {m['team_correct']:.3f}  calculator calls per episode: "
+              f"parsed {m['tool_calls']:.2f}, unreadable {m['tool_errors']:.2f}  solvers {m['solvers']:.2f}")
+    score = {k: [x["team_correct"] for x in r] for k, r in rows.items() if r is not None}
+    for x, y in (("trained team", "base team"), ("trained team", "trained single"), ("trained single", "base team")):
+        if x in score and y in score:
+            w, l, t = flips(score[x], score[y])
+            print(f"[team] {x} vs {y}: wins {w}, losses {l}, ties {t}, sign test p = {sign_test(w, l):.3g}")
+    curves = {label: s["curve"] for label, s in stores.items() if s is not None}
+    for label, curve in curves.items():
+        print(f"[team] {label} training, calculator calls per episode by step (run / refused): "
+              + ", ".join(f"{k}: {v['ok']:.2f}/{v['refused']:.2f}" for k, v in curve.items()))
+    if curves:
+        plot(curves, png)
+        print(f"[team] plot: {png}")
 
 if __name__ == "__main__":
     raise SystemExit(main())

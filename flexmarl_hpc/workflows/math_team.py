@@ -17,7 +17,9 @@ solver (workflow.episode_args; default 0.1: at 0.1 the planner of the 44-step ru
 docs/episodes.md learned to always ask one, and the skew went away). Each
 agent is called a different number of times per episode (1 planner, 1-3 solvers each
 with 1-2 turns, 1 verifier): the skew the scheduler balances. `ctx.metrics["team_correct"]`
-is what scripts/eval_heldout.py averages.
+is what scripts/eval_heldout.py averages. `episode_args.force_calculator` prefills every solver
+thread's first reply with the opening of a calculator call; `single` is one solver alone, the
+baseline of scripts/team_experiment.py.
 """
 from __future__ import annotations
 
