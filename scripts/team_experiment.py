@@ -145,7 +145,7 @@ def store_stats(run: Path, name: str) -> dict:
 def evaluate(out: Path, run: Path | None, tag: str, only: str, n: int, launch: bool = True) -> list[dict] | None:
     """Per-problem scores of one version (kept in out/eval_<tag>; None when not there and not launched)."""
     rows = out / f"eval_{tag}"
-    kept = sorted(rows.glob("base.json" if only == "base" else "v*.json"))
+    kept = sorted(rows.glob("base.json" if only == "base" else "v*.json"), key=lambda q: (len(q.name), q.name))
     if kept and json.loads(kept[-1].read_text())["n"] == n:
         return json.loads(kept[-1].read_text())["rows"]
     if not launch or run is None:
@@ -153,7 +153,7 @@ def evaluate(out: Path, run: Path | None, tag: str, only: str, n: int, launch: b
     cmd = [sys.executable, "scripts/eval_heldout.py", str(run), "-n", str(n), "--only", only, "--rows", str(rows)]
     print("[team] " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
-    kept = sorted(rows.glob("base.json" if only == "base" else "v*.json"))
+    kept = sorted(rows.glob("base.json" if only == "base" else "v*.json"), key=lambda q: (len(q.name), q.name))
     return json.loads(kept[-1].read_text())["rows"]
 
 
