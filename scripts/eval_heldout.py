@@ -33,6 +33,7 @@ from pathlib import Path as FsPath
 
 import torch
 
+from flexmarl_hpc.analysis.paired import sign_test
 from flexmarl_hpc.workflows.build import build_task
 from flexmarl_hpc.store.checkpoint import committed_versions, replace_file
 from flexmarl_hpc.config.load import load_config
@@ -80,14 +81,6 @@ def std_err(rows: list[dict[str, float]]) -> dict[str, float]:
     as math_team's `solvers` is not 0/1)."""
     m = mean(rows)
     return {k: math.sqrt(sum((r[k] - x) ** 2 for r in rows) / len(rows) / len(rows)) for k, x in m.items()}
-
-
-def sign_test(up: int, down: int) -> float:
-    """Two-sided exact sign test: P(a split at least this uneven | flips are 50/50)."""
-    n, k = up + down, min(up, down)
-    if n == 0:
-        return 1.0
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
 
 
 def flips(base: list[dict[str, float]], rows: list[dict[str, float]]) -> str:

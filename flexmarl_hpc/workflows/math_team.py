@@ -17,7 +17,9 @@ solver (workflow.episode_args; default 0.1: at 0.1 the planner of the 44-step ru
 docs/episodes.md learned to always ask one, and the skew went away). Each
 agent is called a different number of times per episode (1 planner, 1-3 solvers each
 with 1-2 turns, 1 verifier): the skew the scheduler balances. `ctx.metrics["team_correct"]`
-is what scripts/eval_heldout.py averages.
+is what scripts/eval_heldout.py averages. `episode_args.force_calculator` prefills every solver
+thread's first reply with the opening of a calculator call; `single` is one solver alone, the
+baseline of scripts/team_experiment.py.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from flexmarl_hpc.workflows.mathcheck import answer_correct, extract_answer
+from flexmarl_hpc.workflows.toolcalls import PREFILL
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant who is good at arithmetic."}
 
@@ -53,10 +56,13 @@ def n_solvers(text: str) -> int:
     return int(m.group()) if m else 2
 
 
-async def solve(ctx, q: str) -> tuple[str | None, list[int]]:
-    """One solver thread: its final answer and the solver call indices it used."""
+async def solve(ctx, q: str, force: bool = False) -> tuple[str | None, list[int]]:
+    """One solver thread: its final answer and the solver call indices it used. force: its
+    first reply starts with the opening of a calculator call (prefilled, out of the loss), so
+    the model writes the expression: base SmolLM2-135M never starts a call by itself."""
     messages, tools = solver_prompt(q), [ctx.tool_schema("calculator")]
-    reply = await ctx.chat("solver", messages, tools=tools)
+    prefill = PREFILL[ctx.runner.tool_formats.get("solver", "hermes")]("calculator") if force else ""
+    reply = await ctx.chat("solver", messages, tools=tools, prefill=prefill)
     # what an evaluation averages per episode: the calculator calls asked for, and unreadable ones
     ctx.metrics["tool_calls"] = ctx.metrics.get("tool_calls", 0.0) + len(reply.tool_calls)
     ctx.metrics["tool_errors"] = ctx.metrics.get("tool_errors", 0.0) + len(reply.tool_errors)
@@ -83,11 +89,17 @@ async def correct(ctx, answer: str | None, gold) -> bool:
 class MathTeamArgs:
     """workflow.episode_args this episode reads, with their defaults."""
     extra_solver_cost: float = 0.1
+    """The planner's charge per solver beyond the first, in [0, 1]."""
+    force_calculator: bool = False
+    """Every solver thread's first reply is a calculator call (its opening prefilled)."""
 
     def __post_init__(self):
         cost = self.extra_solver_cost
         if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost <= 1:
             raise ValueError(f"workflow.episode_args.extra_solver_cost: expected a number in [0, 1], got {cost!r}")
+        if not isinstance(self.force_calculator, bool):
+            raise ValueError("workflow.episode_args.force_calculator: expected true or false, "
+                             f"got {self.force_calculator!r}")
 
 
 ARGS = MathTeamArgs
@@ -105,10 +117,11 @@ def episode_args(args: dict) -> dict:
 
 async def episode(ctx, example: dict) -> dict:
     q, gold = example["question"], example["answer"]
-    cost = episode_args(ctx.args)["extra_solver_cost"]
+    args = episode_args(ctx.args)
+    cost = args["extra_solver_cost"]
     plan = await ctx.chat("planner", planner_prompt(q), max_tokens=4)
     k = n_solvers(plan.text)
-    results = await asyncio.gather(*(solve(ctx, q) for _ in range(k)))
+    results = await asyncio.gather(*(solve(ctx, q, args["force_calculator"]) for _ in range(k)))
     answers = [a for a, _ in results]
     candidates = list(dict.fromkeys(a for a in answers if a is not None)) or ["none"]
     pick = await ctx.chat("verifier", verifier_prompt(q, candidates), max_tokens=8)
@@ -123,3 +136,15 @@ async def episode(ctx, example: dict) -> dict:
         for i in calls:        # right: 1; a marked answer that is wrong: 0.1 (the format is half the way)
             solver_rewards[i] = 1.0 if a is not None and verdicts[a] else 0.1 * (a is not None)
     return {"planner": team_ok - cost * (k - 1), "solver": solver_rewards, "verifier": team_ok}
+
+
+async def single(ctx, example: dict) -> dict:
+    """One solver alone (workflow.agents: [solver]): the baseline the team is compared with
+    (scripts/team_experiment.py). Same prompt, calculator and rewards as a team solver;
+    `team_correct` is its own marked answer's correctness, so one evaluation scores both."""
+    args = episode_args(ctx.args)
+    answer, calls = await solve(ctx, example["question"], args["force_calculator"])
+    ok = await correct(ctx, answer, example["answer"])
+    ctx.metrics["team_correct"] = float(ok)
+    ctx.metrics["solvers"] = 1.0
+    return {"solver": [1.0 if ok else 0.1 * (answer is not None)] * len(calls)}

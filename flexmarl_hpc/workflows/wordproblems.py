@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import random
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
@@ -33,6 +34,8 @@ class Problem:
     steps: int
     expression: str
     """The arithmetic (+ - * / over the question's numbers) whose value is `answer`."""
+    template: str = ""
+    """The name of the template function that wrote it (e.g. `shop1`)."""
 
     def row(self) -> dict:
         """The JSONL line: question, answer, steps."""
@@ -188,27 +191,47 @@ TEMPLATES: dict[int, tuple[Callable, ...]] = {
     3: (shop3, share3, rate3, age3), 4: (shop4, share4, rate4, age4)}
 
 
-def draw(r: random.Random, max_steps: int = 4) -> Problem:
-    """One problem of 1..max_steps operations, in STEP_WEIGHTS' proportions among those."""
+HELDOUT_TEMPLATES = frozenset({"share1", "age1", "less1", "share2", "age2", "share3", "age3", "share4", "age4"})
+"""The templates only a held-out set of `split_by_template` uses (about half of each step count)."""
+
+
+def template_names(steps: int, heldout: bool | None = None) -> tuple[str, ...]:
+    """Names of the templates of `steps` operations: all (None), the held-out ones, or the rest."""
+    return tuple(t.__name__ for t in TEMPLATES[steps]
+                 if heldout is None or (t.__name__ in HELDOUT_TEMPLATES) == heldout)
+
+
+def numbers(question: str) -> tuple[int, ...]:
+    """The integers a question states, in order (a problem's numbers, without its names)."""
+    return tuple(int(x) for x in re.findall(r"\d+", question))
+
+
+def draw(r: random.Random, max_steps: int = 4, heldout: bool | None = None) -> Problem:
+    """One problem of 1..max_steps operations, in STEP_WEIGHTS' proportions among those;
+    heldout: from the held-out templates only (True), the others only (False), or any (None)."""
     kinds = [k for k in STEP_WEIGHTS if k <= max_steps]
     steps = r.choices(kinds, weights=[STEP_WEIGHTS[k] for k in kinds])[0]
-    question, expression = r.choice(TEMPLATES[steps])(r)
+    pool = TEMPLATES[steps] if heldout is None else \
+        tuple(t for t in TEMPLATES[steps] if (t.__name__ in HELDOUT_TEMPLATES) == heldout)
+    template = r.choice(pool)
+    question, expression = template(r)
     value = evaluate(expression)
     assert value.denominator == 1 and value > 0, (expression, value)   # templates keep this
-    return Problem(question, int(value), operations(expression), expression)
+    return Problem(question, int(value), operations(expression), expression, template.__name__)
 
 
 def generate(seed: int, n: int, exclude: set[str] = frozenset(), stream: str = "train",
-             max_steps: int = 4) -> list[Problem]:
+             max_steps: int = 4, heldout: bool | None = None,
+             exclude_numbers: set[tuple[int, ...]] = frozenset()) -> list[Problem]:
     """n distinct problems of at most `max_steps` operations from (seed, stream), none whose
-    question is in `exclude`."""
+    question is in `exclude` nor whose numbers are in `exclude_numbers`; heldout: as `draw`."""
     if max_steps not in STEP_WEIGHTS:
         raise ValueError(f"max_steps: expected one of {sorted(STEP_WEIGHTS)}, got {max_steps}")
     r = random.Random(f"math_team/{stream}/{seed}")
     seen, out = set(exclude), []
     for _ in range(200 * n):
-        p = draw(r, max_steps)
-        if p.question not in seen:
+        p = draw(r, max_steps, heldout)
+        if p.question not in seen and numbers(p.question) not in exclude_numbers:
             seen.add(p.question)
             out.append(p)
             if len(out) == n:
@@ -221,3 +244,13 @@ def train_and_eval(seed: int, n_train: int, n_eval: int,
     """Disjoint sets: no eval question is a train question."""
     train = generate(seed, n_train, stream="train", max_steps=max_steps)
     return train, generate(seed, n_eval, {p.question for p in train}, stream="eval", max_steps=max_steps)
+
+
+def split_by_template(seed: int, n_train: int, n_eval: int,
+                      max_steps: int = 4) -> tuple[list[Problem], list[Problem]]:
+    """Held-out problems disjoint from training by construction: written by templates training
+    never uses (HELDOUT_TEMPLATES), and none states the same numbers, in the same order, as
+    any training problem (so no held-out problem is a training one reworded)."""
+    train = generate(seed, n_train, stream="train", max_steps=max_steps, heldout=False)
+    return train, generate(seed, n_eval, stream="heldout", max_steps=max_steps, heldout=True,
+                           exclude_numbers={numbers(p.question) for p in train})

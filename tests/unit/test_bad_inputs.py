@@ -205,7 +205,7 @@ EPISODE_CASES = [
     ("dataset-not-utf8", [MATH_TEAM, "workflow.dataset.train={tmp}/latin1.jsonl"],
      "{tmp}/latin1.jsonl:2: not UTF-8 (byte 0xe9"),
     ("episode_args-unknown", [MATH_TEAM, "workflow.episode_args={bogus: 1}"],
-     "workflow.episode_args: unknown ['bogus'], expected some of ['extra_solver_cost']"),
+     "workflow.episode_args: unknown ['bogus'], expected some of ['extra_solver_cost', 'force_calculator']"),
     ("episode_args-wrong-type", [MATH_TEAM, "workflow.episode_args={extra_solver_cost: abc}"],
      "workflow.episode_args.extra_solver_cost: expected float, got 'abc'"),
     ("dataset-2GiB-line", [MATH_TEAM, "workflow.dataset.train={tmp}/huge.jsonl"],

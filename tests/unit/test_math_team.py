@@ -7,7 +7,7 @@ from flexmarl_hpc.config.tools import ToolsConfig
 from flexmarl_hpc.tools.pool import WorkerPool
 from flexmarl_hpc.tools.registry import Tools
 from flexmarl_hpc.workflows.episode import EpisodeRunner
-from flexmarl_hpc.workflows.math_team import episode
+from flexmarl_hpc.workflows.math_team import episode, single
 
 STOP = 2
 
@@ -15,9 +15,12 @@ STOP = 2
 class TextConversation:
     """Ids stand for whole scripted texts (id 1000 + index in `texts`)."""
     texts: list[str] = []
+    prefills: list[str] = []
+    prefill_len = 0
 
     def prompt_ids(self, messages, **template_kwargs):
         self.last, self.kwargs = messages, template_kwargs
+        self.prefills.append(template_kwargs.get("prefill", ""))
         return [3] * len(messages)
 
     def record(self, ids):
@@ -29,10 +32,10 @@ def reply(call, text):
     call.done([1000 + len(TextConversation.texts) - 1, STOP], frozenset({STOP}))
 
 
-def run(script, args=None):
+def run(script, args=None, fn=episode, agents=("planner", "solver", "verifier")):
     """Run one episode, answering each call with script(agent, messages)."""
     cfg = ToolsConfig()
-    runner = EpisodeRunner(episode, ["planner", "solver", "verifier"], 0, 128,
+    runner = EpisodeRunner(fn, list(agents), 0, 128,
                            lambda agent: TextConversation(), args,
                            tools=WorkerPool(Tools.from_config(cfg), cfg))
     runner.start(0, 0, 0, {"question": "Tom has 3 apples and gets 4 more. How many?", "answer": 7})
@@ -114,3 +117,30 @@ def test_the_planners_cost_per_extra_solver_is_an_episode_argument():
         TextConversation.texts = []
         f = run(lambda agent, m: answers[agent], bad)
         assert says in f.error
+
+
+def forced(agent, messages):
+    """The solver continues its prefilled call with an expression, then answers."""
+    if agent == "solver":
+        return "Answer: 7" if messages[-1]["content"].startswith("Now end") else '{"expression": "3 + 4"}}\n</tool_call>'
+    return {"planner": "1", "verifier": "7"}[agent]
+
+
+def test_force_calculator_prefills_each_solver_threads_first_reply_with_a_call():
+    TextConversation.texts, TextConversation.prefills = [], []
+    f = run(forced, {"force_calculator": True})
+    assert not f.error, f.error
+    # the planner's and verifier's calls and the solver's second turn are not prefilled
+    assert TextConversation.prefills == ["", '<tool_call>\n{"name": "calculator", "arguments": ', "", ""]
+    assert f.ctx.metrics["tool_calls"] == 1.0 and f.rewards["solver"] == [1.0, 1.0]
+    TextConversation.texts, TextConversation.prefills = [], []
+    f = run(forced, {"force_calculator": "yes"})
+    assert "force_calculator: expected true or false" in f.error
+
+
+def test_a_single_solver_episode_is_scored_as_a_team_of_one():
+    TextConversation.texts, TextConversation.prefills = [], []
+    f = run(forced, {"force_calculator": True}, fn=single, agents=("solver",))
+    assert not f.error, f.error
+    assert f.ctx.calls == {"solver": 2} and f.rewards == {"solver": [1.0, 1.0]}
+    assert f.ctx.metrics == {"team_correct": 1.0, "solvers": 1.0, "tool_calls": 1.0, "tool_errors": 0.0}
